@@ -1,0 +1,29 @@
+# Two entry points for a fresh machine: `make demo` and `make test` (see README.md).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test test-scale kernels bench clean
+
+setup: $(STAMP)
+
+# The CPU torch build is installed first, pinned, so nothing pulls a CUDA build.
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/ftrun demo
+
+test: setup
+	bash ci/build_kernels.sh
+	$(PY) -m pytest -n 2 -q tests
+
+test-scale: setup
+	$(PY) -m pytest -q -m scale tests/scale
+
+clean:
+	rm -rf $(VENV) build csrc/build

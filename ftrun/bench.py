@@ -1,0 +1,31 @@
+"""`ftrun bench NAME ...`: benchmarks that print ratios against a baseline measured in the same run.
+
+Each benchmark lives beside the code it measures and provides `add_arguments(parser)` and `run(args)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "ftar": ("ftrun.ftar.bench", "FTAR vs torch.distributed gloo all_reduce on loopback"),
+    "overhead": ("ftrun.replica.bench", "FT overhead per step (quorum + commit) with real replicas"),
+    "catchup": ("ftrun.catchup.bench", "catch-up state transfer bandwidth per source count"),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="benchmark", required=True)
+    for name, (module_name, help_text) in BENCHMARKS.items():
+        p = sub.add_parser(name, help=help_text)
+        p.set_defaults(_module=module_name)
+        try:
+            importlib.import_module(module_name).add_arguments(p)
+        except ModuleNotFoundError as e:
+            if e.name != module_name:
+                raise
+
+
+def run(args: argparse.Namespace) -> int:
+    return int(importlib.import_module(args._module).run(args) or 0)

@@ -1,0 +1,65 @@
+"""The `ftrun` entry point.
+
+Each subcommand lives in its own module, imported only when it runs, so `ftrun sim` never pays for torch
+and parts of the runtime do not import each other through the CLI. A subcommand module provides
+`add_arguments(parser)` and `run(args) -> int`.
+
+Every `bench`, `emulate`, `sim` and `launch` command accepts `--json` and then prints one JSON object with
+its figures as the last line of its output (see `emit_json`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import sys
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "lighthouse": ("ftrun.quorum.cli", "run the lighthouse (quorum) service"),
+    "demo": ("ftrun.launch.demo", "real-process demo: lighthouse + 3 replicas x 2 ranks, one SIGKILLed and restarted"),
+    "launch": ("ftrun.launch.cli", "supervise a lighthouse and R replicas x K ranks of a training script"),
+    "emulate": ("harness.cli", "emulated dry run of the runtime from a scale profile"),
+    "bench": ("ftrun.bench", "benchmarks that print ratios against a baseline measured in the same run"),
+    "sim": ("ftrun.sim.cli", "availability analytics, SPARe Monte-Carlo and time-to-train simulation"),
+}
+
+
+def emit_json(figures: dict) -> None:
+    """Print `figures` as one JSON object on the last line of the command's output."""
+    sys.stdout.flush()
+    print(json.dumps(figures, sort_keys=True, default=float), flush=True)
+
+
+def setup_logging(level: str = "INFO") -> None:
+    """Set up logging once, at the entry point."""
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    top = argparse.ArgumentParser(prog="ftrun", description=__doc__.splitlines()[0])
+    top.add_argument("--log-level", default="WARNING")
+    sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (_, help_text) in COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    # Parse only the command name first, then let its own module build the rest of the parser.
+    known, _ = top.parse_known_args(argv[:1] if argv and not argv[0].startswith("-") else argv)
+    command = known.command
+    module = importlib.import_module(COMMANDS[command][0])
+    parser = argparse.ArgumentParser(prog=f"ftrun {command}", description=COMMANDS[command][1])
+    parser.add_argument("--log-level", default="WARNING")
+    module.add_arguments(parser)
+    args = parser.parse_args(argv[1:])
+    setup_logging(args.log_level)
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The Env seam (see base.py) and its real implementation (real.py)."""

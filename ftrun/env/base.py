@@ -1,0 +1,173 @@
+"""The Env seam: everything in ftrun/ that waits, spawns or talks goes through these interfaces.
+
+Two implementations pass one contract suite (tests/unit/test_env_contract.py):
+- `ftrun.env.real.RealEnv`: OS threads, TCP/Unix sockets, `time.monotonic`.
+- `harness.engine` (emulated): greenlets on a discrete-event loop with a virtual clock and a modeled network.
+
+Code written against this seam is plain blocking code. Rules it follows so that it runs under both:
+per-rank state lives in objects (never module globals or thread-locals) and nothing blocks except
+through the Env.
+
+Errors: every receive has a timeout and raises `NetTimeout` when it passes; a peer that dies or closes
+surfaces as `PeerClosed` at once (also raised for a connection this side closed); a frame that does not
+match what the receiver asked for raises `ProtocolError`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol, TypeVar, runtime_checkable
+
+T = TypeVar("T")
+
+# A control message is a msgpack-able dict: str keys; values are None, bool, int, float, str, bytes,
+# lists and dicts of those. Nothing is ever pickled.
+Message = dict[str, Any]
+
+
+class EnvTimeout(TimeoutError):
+    """A wait on a queue, lock, event or accept passed its timeout."""
+
+
+class NetError(Exception):
+    """Base of every network error raised by an Env's `net`."""
+
+
+class PeerClosed(NetError):
+    """The connection is gone: the peer closed it or died, or this side closed it."""
+
+
+class NetTimeout(NetError, TimeoutError):
+    """A receive (or a bounded send) passed its timeout.
+
+    If the timeout struck in the middle of a frame the connection is closed, since its byte stream
+    can no longer be trusted; otherwise the connection stays usable.
+    """
+
+
+class ConnectError(NetError):
+    """connect() could not reach a listener at the address within its timeout."""
+
+
+class ProtocolError(NetError):
+    """The peer sent something that breaks the framing: a bad header, an oversized or undecodable
+    message, or a bulk frame of another size than the receiver expects."""
+
+
+class TaskKilled(BaseException):
+    """Raised inside a task by `Task.kill()`. A BaseException so `except Exception` does not eat it."""
+
+
+class Clock(Protocol):
+    def now(self) -> float:
+        """Seconds on a monotonic clock (virtual in emulation)."""
+
+    def sleep(self, seconds: float) -> None:
+        """Block the calling task for `seconds`."""
+
+
+class Task(Protocol):
+    name: str
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the task to end; True if it ended within `timeout`."""
+
+    def is_alive(self) -> bool: ...
+
+    def kill(self) -> None:
+        """Raise `TaskKilled` inside the task (real threads: when it next runs Python code)."""
+
+    @property
+    def exception(self) -> BaseException | None:
+        """What the task raised, if it ended with an exception (TaskKilled included)."""
+
+
+class Event(Protocol):
+    def set(self) -> None: ...
+    def clear(self) -> None: ...
+    def is_set(self) -> bool: ...
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """True once set; False if `timeout` passed first."""
+
+
+class Queue(Protocol):
+    def put(self, item: Any) -> None:
+        """Never blocks (queues are unbounded)."""
+
+    def get(self, timeout: float | None = None) -> Any:
+        """Next item; raises EnvTimeout if none arrives within `timeout`."""
+
+    def qsize(self) -> int: ...
+
+
+class Lock(Protocol):
+    def acquire(self, timeout: float | None = None) -> bool: ...
+    def release(self) -> None: ...
+    def __enter__(self) -> "Lock": ...
+    def __exit__(self, *exc: object) -> None: ...
+
+
+class Connection(Protocol):
+    """A full-duplex framed byte stream to one peer.
+
+    Threading: one task may send while another receives. Concurrent senders are serialized by the
+    connection; concurrent receivers are not allowed.
+    """
+
+    local_addr: str
+    peer_addr: str
+
+    def send(self, msg: Message, timeout: float | None = None) -> None:
+        """Send one control message (msgpack)."""
+
+    def recv(self, timeout: float | None) -> Message:
+        """Receive the next frame, which must be a control message."""
+
+    def send_bytes(self, buf: memoryview | bytes, timeout: float | None = None) -> None:
+        """Send one bulk frame of raw bytes (no copy where the implementation allows)."""
+
+    def recv_into(self, buf: memoryview, timeout: float | None) -> None:
+        """Receive the next frame, which must be a bulk frame of exactly len(buf) bytes, into buf."""
+
+    def close(self) -> None:
+        """Idempotent. Blocked receives on either side end with PeerClosed."""
+
+    @property
+    def closed(self) -> bool: ...
+
+
+class Listener(Protocol):
+    addr: str
+
+    def accept(self, timeout: float | None = None) -> Connection:
+        """Next incoming connection; EnvTimeout if none within `timeout`, PeerClosed once closed."""
+
+    def close(self) -> None: ...
+
+
+class Network(Protocol):
+    def listen(self, addr: str) -> Listener:
+        """Listen at "host:port" (port 0 picks a free one) or "unix:/path". `Listener.addr` is the
+        address to connect to."""
+
+    def connect(self, addr: str, timeout: float) -> Connection:
+        """Connect to a listener; ConnectError if it cannot within `timeout`."""
+
+
+@runtime_checkable
+class Env(Protocol):
+    clock: Clock
+    net: Network
+
+    def spawn(self, fn: Callable[..., Any], *args: Any, name: str) -> Task:
+        """Start `fn(*args)` as a concurrent task."""
+
+    def event(self) -> Event: ...
+    def queue(self) -> Queue: ...
+    def lock(self) -> Lock: ...
+
+    def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn(*args)` as this env's main task and return its result (re-raising its exception).
+
+        Real env: a plain call. Emulated env: drives the event loop until `fn` returns.
+        """

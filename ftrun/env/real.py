@@ -1,0 +1,119 @@
+"""The real Env: OS threads, `time.monotonic`, and TCP/Unix sockets (ftrun.env.real_net).
+
+This module and real_net.py are the only ones under ftrun/ allowed to import time, threading or
+socket (tests/unit/test_import_lint.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import queue as _queue
+import threading
+import time
+from typing import Any, Callable, TypeVar
+
+from ftrun.env.base import EnvTimeout, TaskKilled
+from ftrun.env.real_net import RealNetwork
+
+T = TypeVar("T")
+
+
+class RealClock:
+    def now(self) -> float:
+        return time.monotonic()
+
+    def sleep(self, seconds: float) -> None:
+        if seconds > 0:
+            time.sleep(seconds)
+
+
+class RealTask:
+    """A daemon thread running fn(*args); remembers what it raised."""
+
+    def __init__(self, fn: Callable[..., Any], args: tuple, name: str) -> None:
+        self.name = name
+        self._exception: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, args=(fn, args), name=name, daemon=True)
+        self._thread.start()
+
+    def _main(self, fn: Callable[..., Any], args: tuple) -> None:
+        try:
+            fn(*args)
+        except BaseException as e:  # recorded for the joiner; a thread has nowhere to raise to
+            self._exception = e
+
+    def join(self, timeout: float | None = None) -> bool:
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def kill(self) -> None:
+        # Takes effect the next time the thread runs Python bytecode; a thread blocked in a socket
+        # call sees it when the call returns (close its connection to make that happen at once).
+        ident = self._thread.ident
+        if ident is not None and self._thread.is_alive():
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(TaskKilled))
+
+    @property
+    def exception(self) -> BaseException | None:
+        return self._exception
+
+
+class RealQueue:
+    def __init__(self) -> None:
+        self._q: _queue.SimpleQueue = _queue.SimpleQueue()
+
+    def put(self, item: Any) -> None:
+        self._q.put(item)
+
+    def get(self, timeout: float | None = None) -> Any:
+        try:
+            return self._q.get(timeout=timeout)
+        except _queue.Empty:
+            raise EnvTimeout(f"queue.get timed out after {timeout}s") from None
+
+    def qsize(self) -> int:
+        return self._q.qsize()
+
+
+class RealLock:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def acquire(self, timeout: float | None = None) -> bool:
+        return self._lock.acquire(timeout=-1 if timeout is None else timeout)
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def __enter__(self) -> "RealLock":
+        self._lock.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
+class RealEnv:
+    """Env backed by the operating system. Cheap to create; holds no resources itself."""
+
+    def __init__(self) -> None:
+        self.clock = RealClock()
+        self.net = RealNetwork()
+
+    def spawn(self, fn: Callable[..., Any], *args: Any, name: str) -> RealTask:
+        return RealTask(fn, args, name)
+
+    def event(self) -> threading.Event:
+        return threading.Event()
+
+    def queue(self) -> RealQueue:
+        return RealQueue()
+
+    def lock(self) -> RealLock:
+        return RealLock()
+
+    def run(self, fn: Callable[..., T], *args: Any) -> T:
+        return fn(*args)

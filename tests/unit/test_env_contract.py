@@ -1,0 +1,240 @@
+"""The contract every Env implementation passes (real threads+sockets, emulated greenlets).
+
+Each test body runs as the env's main task through `env.run`, so the same body drives real threads
+or the emulator's event loop. Times are read from `env.clock`, so the bounds hold in virtual time too.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from ftrun.env.base import ConnectError, EnvTimeout, NetTimeout, PeerClosed, ProtocolError, TaskKilled
+from tests.env_factories import ENV_FACTORIES
+
+ADDR = "127.0.0.1:0"
+
+
+@pytest.fixture(params=sorted(ENV_FACTORIES))
+def env(request):
+    return ENV_FACTORIES[request.param]()
+
+
+def pair(env):
+    """A connected (client, server) pair."""
+    listener = env.net.listen(ADDR)
+    client = env.net.connect(listener.addr, timeout=2.0)
+    server = listener.accept(timeout=2.0)
+    listener.close()
+    return client, server
+
+
+def test_clock_is_monotonic_and_sleep_waits(env):
+    def body():
+        t0 = env.clock.now()
+        env.clock.sleep(0.05)
+        return env.clock.now() - t0
+
+    assert env.run(body) >= 0.05
+
+
+def test_spawn_join_and_exception(env):
+    def body():
+        out = []
+        ok = env.spawn(out.append, 7, name="ok")
+        assert ok.join(timeout=2.0)
+        bad = env.spawn(lambda: 1 / 0, name="bad")
+        assert bad.join(timeout=2.0)
+        slow = env.spawn(env.clock.sleep, 1.0, name="slow")
+        assert slow.join(timeout=0.01) is False and slow.is_alive()
+        assert slow.join(timeout=2.0)
+        return out, bad.exception, ok.exception
+
+    out, bad_exc, ok_exc = env.run(body)
+    assert out == [7] and isinstance(bad_exc, ZeroDivisionError) and ok_exc is None
+
+
+def test_kill_ends_a_task(env):
+    def body():
+        def spin():
+            while True:
+                env.clock.sleep(0.01)
+
+        t = env.spawn(spin, name="spin")
+        env.clock.sleep(0.03)
+        t.kill()
+        assert t.join(timeout=2.0)
+        return t.exception
+
+    assert isinstance(env.run(body), TaskKilled)
+
+
+def test_event_wakes_waiter_and_times_out(env):
+    def body():
+        ev = env.event()
+        t0 = env.clock.now()
+        assert ev.wait(timeout=0.05) is False
+        assert env.clock.now() - t0 >= 0.05
+        env.spawn(lambda: (env.clock.sleep(0.02), ev.set()), name="setter")
+        assert ev.wait(timeout=2.0) and ev.is_set()
+        ev.clear()
+        return ev.is_set()
+
+    assert env.run(body) is False
+
+
+def test_queue_order_timeout_and_cross_task(env):
+    def body():
+        q = env.queue()
+        with pytest.raises(EnvTimeout):
+            q.get(timeout=0.02)
+        env.spawn(lambda: [q.put(i) for i in range(5)], name="producer")
+        got = [q.get(timeout=2.0) for _ in range(5)]
+        return got, q.qsize()
+
+    assert env.run(body) == ([0, 1, 2, 3, 4], 0)
+
+
+def test_lock_excludes_and_times_out(env):
+    def body():
+        lock = env.lock()
+        counter = [0]
+
+        def worker():
+            for _ in range(50):
+                with lock:
+                    v = counter[0]
+                    env.clock.sleep(0)
+                    counter[0] = v + 1
+
+        tasks = [env.spawn(worker, name=f"w{i}") for i in range(3)]
+        assert all(t.join(timeout=5.0) for t in tasks)
+        assert lock.acquire(timeout=0.1)
+        got_again = lock.acquire(timeout=0.02)
+        lock.release()
+        return counter[0], got_again
+
+    assert env.run(body) == (150, False)
+
+
+def test_messages_and_bulk_round_trip(env):
+    def body():
+        client, server = pair(env)
+        client.send({"type": "hello", "n": 3, "blob": b"\x00\x01", "xs": [1.5, None, "s"]})
+        msg = server.recv(timeout=2.0)
+        payload = bytes(range(256)) * 4096 + b"tail"
+        server.send_bytes(payload)
+        buf = bytearray(len(payload))
+        client.recv_into(memoryview(buf), timeout=2.0)
+        client.close()
+        server.close()
+        return msg, bytes(buf) == payload
+
+    msg, same = env.run(body)
+    assert msg == {"type": "hello", "n": 3, "blob": b"\x00\x01", "xs": [1.5, None, "s"]} and same
+
+
+def test_full_duplex_bulk(env):
+    size = 4 * 1024 * 1024
+
+    def body():
+        client, server = pair(env)
+        a, b = bytes([1]) * size, bytes([2]) * size
+        got_a, got_b = bytearray(size), bytearray(size)
+        t = env.spawn(lambda: server.recv_into(memoryview(got_a), timeout=5.0), name="rx")
+        server_tx = env.spawn(server.send_bytes, b, name="tx")
+        client.send_bytes(a)
+        client.recv_into(memoryview(got_b), timeout=5.0)
+        assert t.join(5.0) and server_tx.join(5.0)
+        client.close()
+        server.close()
+        return bytes(got_a) == a and bytes(got_b) == b
+
+    assert env.run(body)
+
+
+def test_recv_timeout_keeps_connection_usable(env):
+    def body():
+        client, server = pair(env)
+        t0 = env.clock.now()
+        with pytest.raises(NetTimeout):
+            server.recv(timeout=0.05)
+        waited = env.clock.now() - t0
+        client.send({"ok": 1})
+        return waited, server.recv(timeout=2.0)
+
+    waited, msg = env.run(body)
+    assert waited >= 0.05 and msg == {"ok": 1}
+
+
+def test_peer_close_is_seen_at_once(env):
+    def body():
+        client, server = pair(env)
+        env.spawn(lambda: (env.clock.sleep(0.05), client.close()), name="closer")
+        t0 = env.clock.now()
+        with pytest.raises(PeerClosed):
+            server.recv(timeout=10.0)
+        return env.clock.now() - t0
+
+    assert env.run(body) < 1.0
+
+
+def test_local_close_wakes_blocked_receiver(env):
+    def body():
+        client, server = pair(env)
+        errors = []
+
+        def rx():
+            try:
+                server.recv(timeout=10.0)
+            except PeerClosed as e:
+                errors.append(e)
+
+        t = env.spawn(rx, name="rx")
+        env.clock.sleep(0.05)
+        server.close()
+        assert t.join(timeout=2.0)
+        with pytest.raises(PeerClosed):
+            server.send({"x": 1})
+        client.close()
+        return len(errors)
+
+    assert env.run(body) == 1
+
+
+def test_frame_mismatch_is_a_protocol_error(env):
+    def body():
+        client, server = pair(env)
+        client.send_bytes(b"abcd")
+        with pytest.raises(ProtocolError):
+            server.recv(timeout=2.0)
+        client2, server2 = pair(env)
+        client2.send_bytes(b"abcd")
+        with pytest.raises(ProtocolError):
+            server2.recv_into(memoryview(bytearray(8)), timeout=2.0)
+        client3, server3 = pair(env)
+        client3.send({"a": 1})
+        with pytest.raises(ProtocolError):
+            server3.recv_into(memoryview(bytearray(4)), timeout=2.0)
+        return True
+
+    assert env.run(body)
+
+
+def test_connect_to_nothing_and_accept_timeout(env):
+    def body():
+        listener = env.net.listen(ADDR)
+        addr = listener.addr
+        with pytest.raises(EnvTimeout):
+            listener.accept(timeout=0.02)
+        listener.close()
+        t0 = env.clock.now()
+        with pytest.raises(ConnectError):
+            env.net.connect(addr, timeout=0.2)
+        return env.clock.now() - t0
+
+    assert env.run(body) < 2.0
+
+
+def test_bad_address_is_a_value_error(env):
+    with pytest.raises(ValueError):
+        env.run(env.net.listen, "no-port-here")
