@@ -1,0 +1,69 @@
+"""Typed configuration shared by the runtime's components.
+
+Every timeout lives in `Timeouts`, so one object says how long anything in a job may wait. Components
+take their own config (LighthouseConfig, ManagerConfig, ...) which embeds the same Timeouts. Only entry
+points read the environment or files; everything else receives these objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+
+def _check_positive(obj: object, *, allow_zero: tuple[str, ...] = ()) -> None:
+    for f in fields(obj):  # type: ignore[arg-type]
+        value = getattr(obj, f.name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if value < 0 or (value == 0 and f.name not in allow_zero):
+                raise ValueError(f"{type(obj).__name__}.{f.name} must be > 0, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Timeouts:
+    """Every timeout of a job, in seconds.
+
+    Defaults suit a loopback job; the paper's production figure for failure detection is 60 s, which the
+    scale profiles set.
+    """
+
+    heartbeat_interval_s: float = 0.1  # how often a replica leader tells the lighthouse it is alive
+    heartbeat_timeout_s: float = 2.0  # silence after which the lighthouse declares a replica hung
+    join_timeout_s: float = 0.5  # bounded wait for live replicas that have not asked yet
+    quorum_timeout_s: float = 30.0  # how long a replica waits for a quorum decision
+    connect_timeout_s: float = 10.0  # connecting to the lighthouse or a peer
+    commit_timeout_s: float = 30.0  # collectives inside a replica (check-in, vote, broadcast)
+    ftar_timeout_s: float = 10.0  # any single wait inside a cross-replica all-reduce
+    catchup_timeout_s: float = 60.0  # fetching a peer's state
+
+    def __post_init__(self) -> None:
+        _check_positive(self)
+        if self.heartbeat_interval_s >= self.heartbeat_timeout_s:
+            raise ValueError(
+                f"Timeouts.heartbeat_interval_s ({self.heartbeat_interval_s}) must be below "
+                f"heartbeat_timeout_s ({self.heartbeat_timeout_s})"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class LighthouseConfig:
+    min_replicas: int = 1
+    timeouts: Timeouts = field(default_factory=Timeouts)
+
+    def __post_init__(self) -> None:
+        if self.min_replicas < 1:
+            raise ValueError(f"LighthouseConfig.min_replicas must be >= 1, got {self.min_replicas}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ManagerConfig:
+    """Per-replica manager settings.
+
+    max_retries: failed commits in a row after which the replica gives up (raises) instead of retrying.
+    """
+
+    max_retries: int = 10
+    timeouts: Timeouts = field(default_factory=Timeouts)
+
+    def __post_init__(self) -> None:
+        if self.max_retries < 0:
+            raise ValueError(f"ManagerConfig.max_retries must be >= 0, got {self.max_retries}")

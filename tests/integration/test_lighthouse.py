@@ -1,0 +1,131 @@
+"""Lighthouse service + client over real sockets (threads in one process)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ftrun.config import LighthouseConfig, Timeouts
+from ftrun.env.real import RealEnv
+from ftrun.quorum.client import LighthouseClient, LighthouseRejected
+from ftrun.quorum.service import Lighthouse, LighthouseStateError, STATE_KEY
+from ftrun.storage import FileStorage
+
+TOKEN = "job-token"
+TIMEOUTS = Timeouts(heartbeat_interval_s=0.05, heartbeat_timeout_s=0.5, join_timeout_s=0.3, quorum_timeout_s=5.0)
+
+
+@pytest.fixture
+def env():
+    return RealEnv()
+
+
+def start(env, min_replicas=2, storage=None):
+    lh = Lighthouse(env=env, config=LighthouseConfig(min_replicas=min_replicas, timeouts=TIMEOUTS),
+                    token=TOKEN, storage=storage)
+    lh.start()
+    return lh
+
+
+def client(env, lh, rid, token=TOKEN):
+    return LighthouseClient(env=env, addr=lh.addr, token=token, replica_id=rid, timeouts=TIMEOUTS)
+
+
+def ask_all(env, clients, steps):
+    out = {}
+
+    def ask(c, s):
+        out[c.replica_id] = c.quorum(s)
+
+    tasks = [env.spawn(ask, c, s, name=c.replica_id) for c, s in zip(clients, steps)]
+    for t in tasks:
+        assert t.join(10.0) and t.exception is None, t.exception
+    return out
+
+
+def test_replicas_agree_and_behind_is_marked(env):
+    lh = start(env)
+    clients = [client(env, lh, f"r{i}") for i in range(3)]
+    got = ask_all(env, clients, [5, 5, 0])
+    decisions = set(got.values())
+    assert len(decisions) == 1
+    d = decisions.pop()
+    assert d.replica_ids == ("r0", "r1", "r2") and d.max_step == 5 and d.behind == ("r2",) and d.quorum_id == 1
+    again = ask_all(env, clients, [6, 6, 6])
+    assert again["r0"].quorum_id == 1 and "fast path" in again["r0"].reason
+    for c in clients:
+        c.close()
+    lh.stop()
+
+
+def test_dead_replica_is_removed_at_once(env):
+    lh = start(env)
+    clients = [client(env, lh, f"r{i}") for i in range(3)]
+    ask_all(env, clients, [1, 1, 1])
+    clients[2].close()  # the connection drops, as when the process is killed
+    t0 = env.clock.now()
+    got = ask_all(env, clients[:2], [2, 2])
+    elapsed = env.clock.now() - t0
+    assert got["r0"].replica_ids == ("r0", "r1") and got["r0"].quorum_id == 2
+    assert elapsed < TIMEOUTS.heartbeat_timeout_s, "survivors must not wait for a heartbeat timeout"
+    assert any(h["event"] == "member_lost" and h["replica_id"] == "r2" for h in lh.history)
+    for c in clients[:2]:
+        c.close()
+    lh.stop()
+
+
+def test_hung_replica_is_removed_after_heartbeat_timeout(env):
+    lh = start(env)
+    clients = [client(env, lh, f"r{i}") for i in range(2)]
+    ask_all(env, clients, [1, 1])
+    hung = env.net.connect(lh.addr, timeout=2.0)
+    hung.send({"type": "hello", "token": TOKEN, "replica_id": "r9"})
+    assert hung.recv(timeout=2.0)["type"] == "welcome"
+    env.clock.sleep(TIMEOUTS.heartbeat_timeout_s + 0.3)  # sends nothing: no heartbeats
+    lost = [h for h in lh.history if h["event"] == "member_lost" and h["replica_id"] == "r9"]
+    assert lost and lost[0]["why"] == "hung"
+    for c in clients:
+        c.close()
+    lh.stop()
+
+
+def test_wrong_token_and_malformed_requests_get_clear_errors(env):
+    lh = start(env, min_replicas=1)
+    with pytest.raises(LighthouseRejected, match="wrong job token"):
+        client(env, lh, "r0", token="nope").quorum(0)
+    conn = env.net.connect(lh.addr, timeout=2.0)
+    conn.send({"type": "hello", "token": TOKEN, "replica_id": "r0"})
+    assert conn.recv(timeout=2.0)["type"] == "welcome"
+    conn.send({"type": "quorum", "step": "seven", "commit_failed": False, "last_quorum_id": 0})
+    assert "'step'" in conn.recv(timeout=2.0)["error"]
+    conn.send({"type": "quorum", "step": 1, "commit_failed": False, "last_quorum_id": -3})
+    assert "non-negative" in conn.recv(timeout=2.0)["error"]
+    conn.send({"type": "launch-missiles"})
+    assert "unknown message type" in conn.recv(timeout=2.0)["error"]
+    conn.send({"type": "quorum", "step": 1, "commit_failed": False, "last_quorum_id": 0})
+    assert conn.recv(timeout=2.0)["type"] == "quorum"  # the connection stayed usable
+    conn.close()
+    lh.stop()
+
+
+def test_restart_keeps_quorum_id_monotonic(env, tmp_path):
+    storage = FileStorage(tmp_path)
+    lh = start(env, storage=storage)
+    clients = [client(env, lh, f"r{i}") for i in range(2)]
+    ask_all(env, clients, [1, 1])
+    clients[1].close()
+    clients[1] = client(env, lh, "r1")
+    first = ask_all(env, clients, [2, 2])["r0"].quorum_id
+    lh.stop()  # the clients' connections drop, as after kill -9
+    lh2 = Lighthouse(env=env, config=lh.config, token=TOKEN, storage=FileStorage(tmp_path), bind=lh.addr)
+    lh2.start()
+    after = ask_all(env, clients, [3, 3])["r0"]
+    assert after.quorum_id >= first and "fast path" in after.reason
+    for c in clients:
+        c.close()
+    lh2.stop()
+
+
+def test_corrupt_state_is_a_clear_error(env, tmp_path):
+    FileStorage(tmp_path).write_atomic(STATE_KEY, b'{"quorum_id": 3, "particip')
+    with pytest.raises(LighthouseStateError, match="unreadable"):
+        Lighthouse(env=env, config=LighthouseConfig(), token=TOKEN, storage=FileStorage(tmp_path))

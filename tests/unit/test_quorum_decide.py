@@ -1,0 +1,98 @@
+"""Table tests of the pure quorum decision: one case per rule and per reason string."""
+
+from __future__ import annotations
+
+import pytest
+
+from ftrun.config import LighthouseConfig, Timeouts
+from ftrun.quorum.decide import LighthouseState, Member, QuorumRequest, apply, decide
+
+CFG = LighthouseConfig(min_replicas=2, timeouts=Timeouts(heartbeat_timeout_s=5.0, join_timeout_s=1.0))
+
+
+def members(*ids, heard=100.0, connected=True):
+    return {i: Member(i, heard, connected) for i in ids}
+
+
+def reqs(spec, at=100.0):
+    """spec: {replica_id: step} or {replica_id: (step, commit_failed)}."""
+    out = {}
+    for rid, v in spec.items():
+        step, failed = v if isinstance(v, tuple) else (v, False)
+        out[rid] = QuorumRequest(rid, step, at, failed)
+    return out
+
+
+# (name, now, state, requests, ready, reason fragment, participants, quorum_id, behind)
+CASES = [
+    ("below min_replicas", 100.0, LighthouseState(members=members("a", "b")), reqs({"a": 3}),
+     False, "waiting: 1 of min_replicas=2 asked", (), None, ()),
+    ("no majority", 100.0, LighthouseState(members=members("a", "b", "c", "d")), reqs({"a": 3, "b": 3}),
+     False, "waiting: no majority (2 of 4 live replicas asked)", (), None, ()),
+    ("all live asked, first quorum", 100.0, LighthouseState(members=members("a", "b", "c")),
+     reqs({"a": 0, "b": 0, "c": 0}), True, "all 3 live replicas asked", ("a", "b", "c"), 1, ()),
+    ("fast path keeps quorum id", 100.0,
+     LighthouseState(quorum_id=4, prev_participants=("a", "b"), members=members("a", "b", "c")),
+     reqs({"a": 7, "b": 7}), True, "fast path: every member of quorum 4 asked again", ("a", "b"), 4, ()),
+    ("fast path includes a joiner that asked", 100.0,
+     LighthouseState(quorum_id=4, prev_participants=("a", "b"), members=members("a", "b", "c")),
+     reqs({"a": 7, "b": 7, "c": 0}), True, "fast path", ("a", "b", "c"), 5, ("c",)),
+    ("waiting for a live member", 100.5,
+     LighthouseState(quorum_id=4, prev_participants=("a", "b", "c"), members=members("a", "b", "c")),
+     reqs({"a": 7, "b": 7}), False, "waiting for c until join timeout", (), None, ()),
+    ("join timeout forms without the straggler", 101.0,
+     LighthouseState(quorum_id=4, prev_participants=("a", "b", "c"), members=members("a", "b", "c", heard=100.5)),
+     reqs({"a": 7, "b": 7}), True, "join timeout: 2 of 3 live replicas asked within 1.0s", ("a", "b"), 5, ()),
+    ("dead member is not waited for", 100.0,
+     LighthouseState(quorum_id=4, prev_participants=("a", "b", "c"),
+                     members={**members("a", "b"), **members("c", connected=False)}),
+     reqs({"a": 7, "b": 7}), True, "all 2 live replicas asked", ("a", "b"), 5, ()),
+    ("heartbeat timeout drops a hung member and its request", 106.0,
+     LighthouseState(quorum_id=4, prev_participants=("a", "b", "c"),
+                     members={**members("a", "b", heard=105.0), **members("c", heard=100.0)}),
+     reqs({"a": 7, "b": 7, "c": 7}), True, "all 2 live replicas asked", ("a", "b"), 5, ()),
+    ("behind replicas are marked", 100.0, LighthouseState(members=members("a", "b", "c")),
+     reqs({"a": 9, "b": 9, "c": 2}), True, "all 3", ("a", "b", "c"), 1, ("c",)),
+    ("commit failure bumps quorum id", 100.0,
+     LighthouseState(quorum_id=4, prev_participants=("a", "b"), members=members("a", "b")),
+     reqs({"a": 7, "b": (7, True)}), True, "commit failed on b", ("a", "b"), 5, ()),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_decide(case):
+    _, now, state, requests, ready, reason, participants, quorum_id, behind = case
+    d = decide(now, state, requests, CFG)
+    assert d.ready is ready
+    assert reason in d.reason
+    assert d.replica_ids == participants
+    assert d.behind == behind
+    if ready:
+        assert d.quorum_id == quorum_id
+        assert d.max_step == max(requests[p].step for p in participants)
+
+
+def test_waiting_decision_says_when_to_look_again():
+    state = LighthouseState(quorum_id=1, prev_participants=("a", "b", "c"), members=members("a", "b", "c"))
+    d = decide(100.2, state, reqs({"a": 1, "b": 1}, at=100.0), CFG)
+    assert not d.ready and d.retry_at == pytest.approx(101.0)
+
+
+def test_apply_records_quorum_and_membership_change_is_monotonic():
+    state = LighthouseState(members=members("a", "b", "c"))
+    ids = []
+    for live in (("a", "b", "c"), ("a", "b"), ("a", "b"), ("a", "b", "c")):
+        state = LighthouseState(state.quorum_id, state.prev_participants, members(*live))
+        d = decide(100.0, state, reqs({r: 1 for r in live}), CFG)
+        state = apply(state, d)
+        ids.append(state.quorum_id)
+    assert ids == [1, 2, 2, 3]
+
+
+def test_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="min_replicas"):
+        LighthouseConfig(min_replicas=0)
+    with pytest.raises(ValueError, match="join_timeout_s"):
+        Timeouts(join_timeout_s=-1)
+    with pytest.raises(ValueError, match="heartbeat_interval_s"):
+        Timeouts(heartbeat_interval_s=3.0, heartbeat_timeout_s=2.0)
