@@ -1,0 +1,106 @@
+"""The lighthouse's HTTP face: a status page at `/`, JSON at `/status`, Prometheus text at `/metrics`.
+
+Runs aiohttp on its own event loop in one Env task. Every request must carry the job token, as
+`Authorization: Bearer TOKEN` or `?token=TOKEN`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import html
+import json
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from ftrun.env.base import Env
+from ftrun.quorum.service import Lighthouse
+
+
+class _LighthouseCollector:
+    def __init__(self, lighthouse: Lighthouse) -> None:
+        self._lh = lighthouse
+
+    def collect(self):
+        s = self._lh.status()
+        yield GaugeMetricFamily("ftrun_lighthouse_quorum_id", "Current quorum id", value=s["quorum_id"])
+        yield GaugeMetricFamily("ftrun_lighthouse_live_replicas", "Replicas connected and heard from",
+                                value=len(s["live"]))
+        yield GaugeMetricFamily("ftrun_lighthouse_participants", "Replicas in the current quorum",
+                                value=len(s["participants"]))
+        yield GaugeMetricFamily("ftrun_lighthouse_pending_requests", "Quorum requests waiting",
+                                value=len(s["pending"]))
+        lost = sum(1 for h in list(self._lh.history) if h["event"] == "member_lost")
+        yield GaugeMetricFamily("ftrun_lighthouse_members_lost", "Replica failures seen", value=lost)
+
+
+class StatusServer:
+    def __init__(self, *, env: Env, lighthouse: Lighthouse, token: str, bind: str = "127.0.0.1:0") -> None:
+        self.env, self.lighthouse, self._token = env, lighthouse, token
+        host, _, port = bind.rpartition(":")
+        self._host, self._port = host or "127.0.0.1", int(port)
+        self.registry = CollectorRegistry()
+        self.registry.register(_LighthouseCollector(lighthouse))
+        self.url = ""
+
+    def start(self) -> str:
+        ready = self.env.event()
+        self._task = self.env.spawn(self._serve, ready, name="lighthouse-http")
+        if not ready.wait(timeout=10.0):
+            raise RuntimeError("lighthouse status server did not start")
+        return self.url
+
+    def stop(self) -> None:
+        self._loop.call_soon_threadsafe(self._stopping.set)
+        self._task.join(timeout=5.0)
+
+    def _serve(self, ready) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._loop.run_until_complete(self._run(ready))
+        self._loop.close()
+
+    async def _run(self, ready) -> None:
+        self._stopping = asyncio.Event()
+        app = web.Application(middlewares=[self._auth])
+        app.add_routes([web.get("/", self._page), web.get("/status", self._status), web.get("/metrics", self._metrics)])
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, self._host, self._port)
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        self.url = f"http://{host}:{port}"
+        ready.set()
+        await self._stopping.wait()
+        await runner.cleanup()
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        given = request.headers.get("Authorization", "").removeprefix("Bearer ") or request.query.get("token", "")
+        if not hmac.compare_digest(given.encode(), self._token.encode()):
+            return web.json_response({"error": "missing or wrong job token"}, status=401)
+        return await handler(request)
+
+    async def _status(self, request: web.Request) -> web.Response:
+        return web.json_response(self.lighthouse.status())
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.registry), content_type="text/plain")
+
+    async def _page(self, request: web.Request) -> web.Response:
+        s = self.lighthouse.status()
+        rows = "".join(
+            f"<tr><td>{html.escape(rid)}</td><td>{'yes' if m['connected'] else 'no'}</td>"
+            f"<td>{m['heard_s_ago']}</td><td>{'yes' if rid in s['participants'] else ''}</td></tr>"
+            for rid, m in sorted(s["members"].items())
+        )
+        recent = "\n".join(json.dumps(h) for h in list(self.lighthouse.history)[-20:])
+        body = (
+            "<!doctype html><title>ftrun lighthouse</title><h1>ftrun lighthouse</h1>"
+            f"<p>quorum_id <b>{s['quorum_id']}</b>, {len(s['live'])} live, min_replicas {s['min_replicas']}, "
+            f"last decision: {html.escape(str(s['last_reason']))}</p>"
+            "<table border=1><tr><th>replica</th><th>connected</th><th>heard (s ago)</th><th>in quorum</th></tr>"
+            f"{rows}</table><h2>recent events</h2><pre>{html.escape(recent)}</pre>"
+        )
+        return web.Response(text=body, content_type="text/html")

@@ -1,0 +1,111 @@
+"""ReplicaComm: the small collectives inside one replica (check-in, decision broadcast, commit vote).
+
+One collective replaces N RPCs to the leader: gloo's algorithms (and the emulator's tree) scale as
+O(log N) rounds. Implementations:
+- `LocalComm`: a replica of one rank.
+- `GlooComm`: a torch.distributed ProcessGroupGloo of the replica's ranks, created on its own store
+  prefix (no process-wide default group), so a restarted replica builds a fresh group.
+- the emulator's tree collective over env.net (mocks/replica_comm.py).
+Payloads are raw bytes and int64 vectors: nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Literal, Protocol
+
+import torch
+import torch.distributed as dist
+
+ReduceOp = Literal["min", "max", "sum"]
+
+
+class ReplicaCommError(Exception):
+    """A collective inside the replica failed (a rank died or timed out): the replica is broken."""
+
+
+class ReplicaComm(Protocol):
+    rank: int
+    world_size: int
+
+    def all_reduce_int(self, values: list[int], op: ReduceOp) -> list[int]: ...
+
+    def broadcast_bytes(self, data: bytes | None, root: int = 0) -> bytes:
+        """`data` on the root (ignored elsewhere); every rank returns the root's bytes."""
+
+    def all_gather_bytes(self, data: bytes) -> list[bytes]: ...
+
+    def close(self) -> None: ...
+
+
+class LocalComm:
+    rank, world_size = 0, 1
+
+    def all_reduce_int(self, values: list[int], op: ReduceOp) -> list[int]:
+        return list(values)
+
+    def broadcast_bytes(self, data: bytes | None, root: int = 0) -> bytes:
+        assert data is not None, "the root must supply the bytes"
+        return bytes(data)
+
+    def all_gather_bytes(self, data: bytes) -> list[bytes]:
+        return [bytes(data)]
+
+    def close(self) -> None:
+        pass
+
+
+_OPS = {"min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX, "sum": dist.ReduceOp.SUM}
+
+
+class GlooComm:
+    def __init__(self, *, store: dist.Store, prefix: str, rank: int, world_size: int, timeout_s: float) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside a replica of {world_size} ranks")
+        self.rank, self.world_size = rank, world_size
+        self._pg = dist.ProcessGroupGloo(
+            dist.PrefixStore(prefix, store), rank, world_size, datetime.timedelta(seconds=timeout_s)
+        )
+
+    def _wait(self, work, what: str) -> None:
+        try:
+            work.wait()
+        except RuntimeError as e:  # gloo reports peer loss and timeouts as RuntimeError
+            raise ReplicaCommError(f"{what} inside the replica failed: {e}") from e
+
+    def all_reduce_int(self, values: list[int], op: ReduceOp) -> list[int]:
+        t = torch.tensor(values, dtype=torch.int64)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = _OPS[op]
+        self._wait(self._pg.allreduce([t], opts), f"all_reduce({op})")
+        return t.tolist()
+
+    def broadcast_bytes(self, data: bytes | None, root: int = 0) -> bytes:
+        n = torch.tensor([len(data) if self.rank == root and data is not None else 0], dtype=torch.int64)
+        self._broadcast(n, root)
+        buf = torch.empty(int(n.item()), dtype=torch.uint8)
+        if buf.numel():
+            if self.rank == root:
+                buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+            self._broadcast(buf, root)
+        return buf.numpy().tobytes()
+
+    def _broadcast(self, t: torch.Tensor, root: int) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = root, 0
+        self._wait(self._pg.broadcast([t], opts), "broadcast")
+
+    def all_gather_bytes(self, data: bytes) -> list[bytes]:
+        longest = self.all_reduce_int([len(data)], "max")[0]
+        mine = torch.zeros(longest + 8, dtype=torch.uint8)
+        mine[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+        mine[8:8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[8:8]
+        out = [torch.empty_like(mine) for _ in range(self.world_size)]
+        self._wait(self._pg.allgather([out], [mine]), "all_gather")
+        return [o[8:8 + int(o[:8].view(torch.int64).item())].numpy().tobytes() for o in out]
+
+    def close(self) -> None:
+        try:
+            self._pg.shutdown()
+        except Exception:  # shutting down a group whose peers are gone may itself fail; nothing to keep
+            pass

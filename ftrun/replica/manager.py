@@ -1,0 +1,185 @@
+"""The per-replica manager: quorum at the start of each step, two-phase commit at its end.
+
+Every rank of a replica runs one Manager. A step is:
+
+    q = manager.start_step()        # check-in (collective), leader asks the lighthouse, decision broadcast
+    ... forward / backward / cross-replica exchange among q.participants ...
+    manager.report_error(e)         # on any failure in this rank's part of the step
+    if manager.should_commit():     # every rank's vote (collective); all ok -> commit
+        optimizer.step()
+
+A failed commit discards the step (gradients are never half-applied); the next start_step retries it
+under a new quorum (the leader reports the failure, which bumps quorum_id). Threading: one task per
+Manager; the lighthouse client's heartbeat runs in its own task.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import msgpack
+
+from ftrun.config import ManagerConfig
+from ftrun.env.base import Env
+from ftrun.quorum import protocol
+from ftrun.quorum.client import LighthouseClient, QuorumError
+from ftrun.quorum.decide import Decision, Participant
+from ftrun.replica.comm import ReplicaComm
+from ftrun.replica.lifecycle import Phase, transition
+from ftrun.replica.vote import commit_outcome
+
+log = logging.getLogger("ftrun.commit")
+
+
+class ReplicaError(Exception):
+    """Base of the manager's errors: the replica cannot go on and should be restarted."""
+
+
+class ReplicaGaveUp(ReplicaError):
+    """More failed commits in a row than max_retries."""
+
+
+@dataclass(frozen=True)
+class StepQuorum:
+    """What one rank needs to train a step."""
+
+    quorum_id: int
+    step: int  # the step being trained; after healing, the healthy replicas' step
+    participants: tuple[Participant, ...]
+    replica_index: int  # this replica's position in participants (its place in the FTAR ring)
+    healed: bool  # this replica was behind and caught up at the start of this step
+    reason: str
+
+    @property
+    def num_participants(self) -> int:
+        return len(self.participants)
+
+
+HealFn = Callable[[StepQuorum], None]
+EventFn = Callable[[dict], None]
+
+
+class Manager:
+    def __init__(
+        self, *, config: ManagerConfig, env: Env, comm: ReplicaComm, replica_id: str,
+        lighthouse: LighthouseClient | None, step: int = 0, data_addr: str = "",
+        heal: HealFn | None = None, on_event: EventFn | None = None,
+    ) -> None:
+        if (comm.rank == 0) != (lighthouse is not None):
+            raise ValueError("exactly the replica's rank 0 (its leader) must hold a LighthouseClient")
+        self.config, self.env, self.comm, self.replica_id = config, env, comm, replica_id
+        self._lighthouse, self._data_addr = lighthouse, data_addr
+        self._heal, self._on_event = heal, on_event
+        self.step = step
+        self.phase = Phase.IDLE
+        self.quorum: StepQuorum | None = None
+        self._errors: list[BaseException] = []
+        self._failures_in_a_row = 0
+        self._report_commit_failure = False
+        self._data_addrs: tuple[str, ...] | None = None
+
+    # -- phase 1: quorum -----------------------------------------------------------------------
+    def start_step(self) -> StepQuorum:
+        """Check in, agree on the quorum, heal if behind. Raises ReplicaError if the replica is broken."""
+        self._move("start")
+        self._errors.clear()
+        try:
+            lo, hi = self.comm.all_reduce_int([-self.step, self.step], "max")
+            if -lo != hi:
+                raise ReplicaError(f"ranks of replica {self.replica_id} disagree on the step ({-lo}..{hi})")
+            if self._data_addrs is None:
+                self._data_addrs = tuple(a.decode() for a in self.comm.all_gather_bytes(self._data_addr.encode()))
+            decision = self._agree_on_decision()
+        except Exception as e:
+            self._move("fail")
+            raise e if isinstance(e, ReplicaError) else ReplicaError(f"quorum failed: {e}") from e
+        return self._enter_step(decision)
+
+    def _agree_on_decision(self) -> Decision:
+        payload = None
+        if self._lighthouse is not None:
+            try:
+                d = self._lighthouse.quorum(
+                    self.step, commit_failed=self._report_commit_failure, data_addrs=self._data_addrs or ()
+                )
+                payload = msgpack.packb({"ok": True, "decision": protocol.encode_decision(d)})
+                self._report_commit_failure = False
+            except QuorumError as e:
+                payload = msgpack.packb({"ok": False, "error": str(e)})  # tell the others, then fail
+        reply = msgpack.unpackb(self.comm.broadcast_bytes(payload, root=0), raw=False)
+        if not reply["ok"]:
+            raise ReplicaError(f"leader could not get a quorum: {reply['error']}")
+        return protocol.decode_decision(reply["decision"])
+
+    def _enter_step(self, d: Decision) -> StepQuorum:
+        ids = d.replica_ids
+        if self.replica_id not in ids:
+            self._move("fail")
+            raise ReplicaError(f"replica {self.replica_id} is not in quorum {d.quorum_id} ({', '.join(ids)})")
+        behind = self.replica_id in d.behind
+        q = StepQuorum(d.quorum_id, d.max_step, d.participants, ids.index(self.replica_id), behind, d.reason)
+        self.quorum = q
+        self._emit("quorum", participants=list(ids), reason=d.reason, behind=list(d.behind))
+        if behind:
+            self._move("behind")
+            log.info("replica %s behind at step %d; healing to %d", self.replica_id, self.step, d.max_step,
+                     extra=self._extra())
+            if self._heal is not None:
+                self._heal(q)
+            self._emit("heal", from_step=self.step, to_step=d.max_step)
+            self.step = d.max_step
+            self._move("healed")
+        else:
+            self._move("healthy")
+        return q
+
+    # -- phase 2: commit -----------------------------------------------------------------------
+    def report_error(self, error: BaseException) -> None:
+        """Record a failure in this rank's part of the step: it becomes a 'don't commit' vote."""
+        log.warning("replica %s rank %d step %d: %s", self.replica_id, self.comm.rank, self.step, error,
+                    extra=self._extra())
+        self._errors.append(error)
+        self._emit("error", error=f"{type(error).__name__}: {error}")
+
+    def should_commit(self) -> bool:
+        """Two-phase commit vote. True: apply the step. False: discard it and call start_step again."""
+        self._move("vote")
+        vote = 0 if self._errors else 1
+        try:
+            min_vote = self.comm.all_reduce_int([vote], "min")[0]
+        except Exception as e:
+            self._move("fail")
+            raise ReplicaError(f"commit vote failed: {e}") from e
+        outcome = commit_outcome(min_vote, self._failures_in_a_row, self.config.max_retries)
+        self._failures_in_a_row = outcome.failures_in_a_row
+        if outcome.commit:
+            self.step += 1
+            self._move("commit")
+            self._emit("commit")
+            return True
+        self._report_commit_failure = True
+        self._emit("abort", reason=outcome.reason)
+        if outcome.give_up:
+            self._move("fail")
+            raise ReplicaGaveUp(outcome.reason)
+        self._move("abort")
+        return False
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _move(self, event: str) -> None:
+        self.phase = transition(self.phase, event)
+
+    def _extra(self) -> dict:
+        qid = self.quorum.quorum_id if self.quorum else -1
+        return {"replica_id": self.replica_id, "rank": self.comm.rank, "quorum_id": qid, "step": self.step}
+
+    def _emit(self, kind: str, **fields) -> None:
+        if self._on_event is not None:
+            self._on_event({"event": kind, "t": self.env.clock.now(), **self._extra(), **fields})
+
+    def close(self) -> None:
+        if self._lighthouse is not None:
+            self._lighthouse.close()
+        self.comm.close()

@@ -1,0 +1,117 @@
+"""TreeComm: ReplicaComm over env.net as a k-ary tree rooted at rank 0.
+
+Reductions travel up the tree and results down it, so a collective costs O(log_k N) message latencies
+and each rank handles at most k + 1 messages per collective — the property that lets check-in and
+commit votes run at 8,192 ranks per replica. It runs on any Env (threads and sockets, or the emulator).
+
+`FlatComm` is the naive variant (every rank messages the leader directly); it exists so the emulator
+can show the scale bug it causes.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from ftrun.env.base import Connection, Env, Listener, NetError
+from ftrun.replica.comm import ReduceOp, ReplicaCommError
+
+_COMBINE: dict[str, Callable[[int, int], int]] = {"min": min, "max": max, "sum": lambda a, b: a + b}
+
+
+class TreeComm:
+    """Connect with `TreeComm.build(...)`; every rank of the replica must call it."""
+
+    def __init__(self, *, rank: int, world_size: int, parent: Connection | None,
+                 children: list[Connection], timeout_s: float) -> None:
+        self.rank, self.world_size = rank, world_size
+        self._parent, self._children, self._timeout = parent, children, timeout_s
+        self._seq = 0
+
+    @staticmethod
+    def children_of(rank: int, world_size: int, fanout: int) -> list[int]:
+        return [c for c in range(rank * fanout + 1, rank * fanout + fanout + 1) if c < world_size]
+
+    @classmethod
+    def build(cls, *, env: Env, rank: int, world_size: int, listener: Listener, addrs: list[str],
+              fanout: int = 16, timeout_s: float = 30.0) -> "TreeComm":
+        """`addrs[r]` is rank r's listener address; `listener` is this rank's own."""
+        if fanout < 1 or len(addrs) != world_size:
+            raise ValueError(f"need fanout >= 1 and one address per rank, got {fanout}, {len(addrs)}")
+        parent = None
+        try:
+            if rank > 0:
+                parent = env.net.connect(addrs[(rank - 1) // fanout], timeout=timeout_s)
+                parent.send({"rank": rank})
+            expected = cls.children_of(rank, world_size, fanout)
+            by_rank: dict[int, Connection] = {}
+            while len(by_rank) < len(expected):
+                conn = listener.accept(timeout=timeout_s)
+                by_rank[int(conn.recv(timeout=timeout_s)["rank"])] = conn
+        except (NetError, TimeoutError) as e:
+            raise ReplicaCommError(f"rank {rank} could not join the replica tree: {e}") from e
+        return cls(rank=rank, world_size=world_size, parent=parent,
+                   children=[by_rank[c] for c in expected], timeout_s=timeout_s)
+
+    # -- the two primitives: gather up, broadcast down -----------------------------------------
+    def _up(self, value, combine: Callable):
+        """Combine children's values with ours; the root returns the total, others return None."""
+        self._seq += 1
+        for child in self._children:
+            value = combine(value, self._recv(child)["v"])
+        if self._parent is None:
+            return value
+        self._send(self._parent, {"s": self._seq, "v": value})
+        return None
+
+    def _down(self, value):
+        if self._parent is not None:
+            value = self._recv(self._parent)["v"]
+        for child in self._children:
+            self._send(child, {"s": self._seq, "v": value})
+        return value
+
+    def _recv(self, conn: Connection) -> dict:
+        try:
+            msg = conn.recv(timeout=self._timeout)
+        except (NetError, TimeoutError) as e:
+            raise ReplicaCommError(f"rank {self.rank}: collective {self._seq} failed: {e}") from e
+        if msg.get("s") != self._seq:
+            raise ReplicaCommError(f"rank {self.rank}: expected collective {self._seq}, got {msg.get('s')}")
+        return msg
+
+    def _send(self, conn: Connection, msg: dict) -> None:
+        try:
+            conn.send(msg, timeout=self._timeout)
+        except NetError as e:
+            raise ReplicaCommError(f"rank {self.rank}: collective {self._seq} failed: {e}") from e
+
+    # -- ReplicaComm ---------------------------------------------------------------------------
+    def all_reduce_int(self, values: list[int], op: ReduceOp) -> list[int]:
+        f = _COMBINE[op]
+        total = self._up(list(values), lambda a, b: [f(x, y) for x, y in zip(a, b)])
+        return self._down(total)
+
+    def broadcast_bytes(self, data: bytes | None, root: int = 0) -> bytes:
+        if root != 0:
+            raise ValueError("TreeComm broadcasts from its root, rank 0")
+        self._seq += 1
+        return self._down(data if self.rank == 0 else None)
+
+    def all_gather_bytes(self, data: bytes) -> list[bytes]:
+        pairs = self._up([[self.rank, bytes(data)]], lambda a, b: a + b)
+        got = self._down(None if pairs is None else [d for _, d in sorted(pairs)])
+        return list(got)
+
+    def close(self) -> None:
+        for conn in self._children + ([self._parent] if self._parent else []):
+            conn.close()
+
+
+class FlatComm(TreeComm):
+    """Every rank is a direct child of the leader: the naive check-in the tree replaces."""
+
+    @classmethod
+    def build(cls, *, env: Env, rank: int, world_size: int, listener: Listener, addrs: list[str],
+              fanout: int = 0, timeout_s: float = 30.0) -> "TreeComm":
+        return super().build(env=env, rank=rank, world_size=world_size, listener=listener, addrs=addrs,
+                             fanout=max(world_size - 1, 1), timeout_s=timeout_s)

@@ -1,0 +1,45 @@
+"""The lighthouse status page, JSON status and Prometheus metrics, all behind the job token."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+
+from ftrun.config import LighthouseConfig
+from ftrun.env.real import RealEnv
+from ftrun.quorum.client import LighthouseClient
+from ftrun.quorum.http import StatusServer
+from ftrun.quorum.service import Lighthouse
+
+
+def get(url, token=None):
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    with urllib.request.urlopen(req, timeout=5) as r:
+        return r.read().decode()
+
+
+def test_status_metrics_and_token():
+    env = RealEnv()
+    lh = Lighthouse(env=env, config=LighthouseConfig(min_replicas=1), token="t0k")
+    lh.start()
+    http = StatusServer(env=env, lighthouse=lh, token="t0k")
+    url = http.start()
+    try:
+        c = LighthouseClient(env=env, addr=lh.addr, token="t0k", replica_id="r0", timeouts=lh.config.timeouts)
+        c.quorum(0)
+        status = json.loads(get(url + "/status", "t0k"))
+        assert status["quorum_id"] == 1 and status["participants"] == ["r0"] and status["live"] == ["r0"]
+        metrics = get(url + "/metrics", "t0k")
+        assert "ftrun_lighthouse_quorum_id 1.0" in metrics
+        assert "ftrun_lighthouse_live_replicas 1.0" in metrics
+        assert "r0" in get(url + "/?token=t0k")
+        with pytest.raises(urllib.error.HTTPError) as e:
+            get(url + "/status", "wrong")
+        assert e.value.code == 401
+        c.close()
+    finally:
+        http.stop()
+        lh.stop()

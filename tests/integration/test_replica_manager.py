@@ -1,0 +1,127 @@
+"""The replica manager's quorum and two-phase commit, with ranks as threads on TreeComm."""
+
+from __future__ import annotations
+
+import pytest
+
+from ftrun.config import LighthouseConfig, ManagerConfig, Timeouts
+from ftrun.env.real import RealEnv
+from ftrun.quorum.client import LighthouseClient
+from ftrun.quorum.service import Lighthouse
+from ftrun.replica.lifecycle import LifecycleError, Phase, transition
+from ftrun.replica.manager import Manager, ReplicaGaveUp
+from ftrun.replica.tree_comm import FlatComm, TreeComm
+
+T = Timeouts(heartbeat_interval_s=0.05, heartbeat_timeout_s=1.0, join_timeout_s=0.3, quorum_timeout_s=5.0,
+             commit_timeout_s=5.0)
+
+
+def build_replica(env, lh, rid, num_ranks, *, step=0, max_retries=3, heal=None, events=None, comm_cls=TreeComm):
+    """Managers for every rank of one replica (built concurrently, as separate processes would)."""
+    listeners = [env.net.listen("127.0.0.1:0") for _ in range(num_ranks)]
+    addrs = [ln.addr for ln in listeners]
+    managers = [None] * num_ranks
+
+    def make(rank):
+        comm = comm_cls.build(env=env, rank=rank, world_size=num_ranks, listener=listeners[rank], addrs=addrs,
+                              fanout=2, timeout_s=5.0)
+        client = LighthouseClient(env=env, addr=lh.addr, token="t", replica_id=rid, timeouts=T) if rank == 0 else None
+        managers[rank] = Manager(config=ManagerConfig(max_retries=max_retries, timeouts=T), env=env, comm=comm,
+                                 replica_id=rid, lighthouse=client, step=step, data_addr=f"{rid}/{rank}",
+                                 heal=heal, on_event=events.append if events is not None else None)
+
+    run_all(env, [lambda r=r: make(r) for r in range(num_ranks)])
+    for ln in listeners:
+        ln.close()
+    return managers
+
+
+def run_all(env, fns):
+    results = [None] * len(fns)
+
+    def call(i):
+        results[i] = fns[i]()
+
+    tasks = [env.spawn(call, i, name=f"t{i}") for i in range(len(fns))]
+    for t in tasks:
+        assert t.join(20.0), "task hung"
+        if t.exception is not None:
+            raise t.exception
+    return results
+
+
+def step_all(env, managers, fail=frozenset()):
+    """One step on every rank; ranks in `fail` (as (replica, rank)) report an error."""
+    def one(m):
+        q = m.start_step()
+        if (m.replica_id, m.comm.rank) in fail:
+            m.report_error(RuntimeError("injected"))
+        return q, m.should_commit()
+
+    return run_all(env, [lambda m=m: one(m) for m in managers])
+
+
+@pytest.fixture
+def lighthouse():
+    env = RealEnv()
+    lh = Lighthouse(env=env, config=LighthouseConfig(min_replicas=2, timeouts=T), token="t")
+    lh.start()
+    yield env, lh
+    lh.stop()
+
+
+def test_all_ok_commits_and_one_failing_rank_aborts_its_replica(lighthouse):
+    env, lh = lighthouse
+    a, b = build_replica(env, lh, "a", 3), build_replica(env, lh, "b", 3)
+    out = step_all(env, a + b)
+    assert all(committed for _, committed in out) and all(m.step == 1 for m in a + b)
+    q0 = out[0][0]
+    assert [p.replica_id for p in q0.participants] == ["a", "b"]
+    assert q0.participants[0].data_addrs == ("a/0", "a/1", "a/2")
+    out = step_all(env, a + b, fail={("a", 2)})
+    assert [c for _, c in out] == [False] * 3 + [True] * 3  # the whole replica a discards; b commits
+    assert [m.step for m in a + b] == [1] * 3 + [2] * 3
+    # a retries: it is behind now, heals to b's step, and its failure bumped the quorum id
+    out = step_all(env, a + b)
+    assert all(c for _, c in out)
+    assert out[0][0].quorum_id > q0.quorum_id and out[0][0].healed
+    assert {m.step for m in a + b} == {3}
+
+
+def test_behind_replica_heals_through_the_hook(lighthouse):
+    env, lh = lighthouse
+    healed = []
+    events = []
+    a = build_replica(env, lh, "a", 2, step=7)
+    b = build_replica(env, lh, "b", 2, step=0, heal=healed.append, events=events)
+    out = step_all(env, a + b)
+    assert all(c for _, c in out) and {m.step for m in a + b} == {8}
+    assert len(healed) == 2 and healed[0].step == 7 and healed[0].healed
+    assert [e["event"] for e in events if e["rank"] == 0] == ["quorum", "heal", "commit"]
+    assert events[0]["replica_id"] == "b" and "quorum_id" in events[0]
+
+
+def test_gives_up_after_max_retries(lighthouse):
+    env, lh = lighthouse
+    a, b = build_replica(env, lh, "a", 1, max_retries=1), build_replica(env, lh, "b", 1, max_retries=1)
+    step_all(env, a + b, fail={("a", 0)})
+    with pytest.raises(ReplicaGaveUp, match="max_retries=1"):
+        step_all(env, a + b, fail={("a", 0)})
+    assert a[0].phase is Phase.FAILED
+
+
+def test_flat_and_tree_comm_agree(lighthouse):
+    env, lh = lighthouse
+    a = build_replica(env, lh, "a", 5, comm_cls=FlatComm)
+    b = build_replica(env, lh, "b", 5)
+    out = step_all(env, a + b)
+    assert all(c for _, c in out)
+    gathered = run_all(env, [lambda m=m: m.comm.all_gather_bytes(bytes([m.comm.rank])) for m in a])
+    assert gathered == [[bytes([r]) for r in range(5)]] * 5
+
+
+def test_lifecycle_table_rejects_illegal_transitions():
+    assert transition(Phase.IDLE, "start") is Phase.QUORUM
+    assert transition(Phase.TRAINING, "fail") is Phase.FAILED
+    with pytest.raises(LifecycleError, match="'commit' is not allowed in phase training"):
+        transition(Phase.TRAINING, "commit")
