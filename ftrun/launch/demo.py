@@ -1,0 +1,173 @@
+"""`ftrun demo`: a lighthouse and R replicas x K ranks as real processes on 127.0.0.1.
+
+It runs a stepping loop, SIGKILLs one replica part way, restarts it, and reports per-step participants,
+committed steps, how fast the failure was detected and how long the replica took to rejoin.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import secrets
+import tempfile
+from collections import defaultdict
+
+import torch.distributed as dist
+
+from ftrun.cli import emit_json
+from ftrun.config import LighthouseConfig, Timeouts
+from ftrun.env.base import EnvTimeout
+from ftrun.env.real import RealEnv
+from ftrun.launch.supervisor import ReplicaProcesses
+from ftrun.launch.worker_env import WorkerSpec
+from ftrun.quorum.service import Lighthouse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--replicas", type=int, default=3)
+    p.add_argument("--ranks-per-replica", type=int, default=2)
+    p.add_argument("--after-rejoin", type=int, default=10,
+                   help="stop once the restarted replica has committed this many steps")
+    p.add_argument("--step-time", type=float, default=0.1)
+    p.add_argument("--kill-step", type=int, default=10, help="kill a replica once the job commits this step")
+    p.add_argument("--restart-after", type=float, default=1.0, help="seconds between the kill and the restart")
+    p.add_argument("--timeout", type=float, default=180.0, help="give up after this many seconds")
+    p.add_argument("--json", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    env = RealEnv()
+    token = secrets.token_hex(16)
+    lighthouse = Lighthouse(env=env, config=LighthouseConfig(min_replicas=2, timeouts=Timeouts()), token=token)
+    lighthouse.start()
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=30))
+    events = env.queue()
+    run_dir = tempfile.mkdtemp(prefix="ftrun-demo-")
+    replicas = [
+        ReplicaProcesses(env=env, events=events, log_dir=run_dir,
+                         argv=["-m", "ftrun.launch.demo_worker", "--steps", "1000000",
+                               "--step-time", str(args.step_time)],
+                         spec=WorkerSpec(replica_id=f"r{i}", replica_index=i, num_replicas=args.replicas, rank=0,
+                                         ranks_per_replica=args.ranks_per_replica, incarnation=0,
+                                         lighthouse=lighthouse.addr, token=token, store_addr="127.0.0.1",
+                                         store_port=store.port, run_dir=run_dir))
+        for i in range(args.replicas)
+    ]
+    print(f"ftrun demo: lighthouse {lighthouse.addr}, {args.replicas} replicas x {args.ranks_per_replica} ranks, "
+          f"replica r1 is SIGKILLed at step {args.kill_step} and restarted {args.restart_after}s later. Logs in {run_dir}", flush=True)
+    try:
+        for r in replicas:
+            r.start()
+        log, marks = _drive(env, args, replicas, events)
+    finally:
+        lighthouse.stop()  # first, so the replicas' exits are not reported as failures
+        for r in replicas:
+            r.kill()
+    figures = _report(args, log, marks, list(lighthouse.history))
+    if args.json:
+        emit_json(figures)
+    return 0 if figures["complete"] else 1
+
+
+def _drive(env, args, replicas, events) -> tuple[list[dict], dict[str, float]]:
+    """Feed events; kill r1 at kill_step, restart it, stop once it has committed `after_rejoin` steps."""
+    victim, log, marks = replicas[1], [], {}
+    deadline = env.clock.now() + args.timeout
+    rejoined_commits = 0
+    while rejoined_commits < args.after_rejoin and env.clock.now() < deadline:
+        if "kill" in marks and "restart" not in marks and env.clock.now() >= marks["kill"] + args.restart_after:
+            marks["restart"] = env.clock.now()
+            victim.restart()
+            print(f"[demo] restarted {victim.spec.replica_id} (incarnation {victim.spec.incarnation})", flush=True)
+        try:
+            ev = events.get(timeout=0.05)
+        except EnvTimeout:
+            continue
+        log.append(ev)
+        if ev["event"] != "commit":
+            continue
+        if ev["replica_id"] == victim.spec.replica_id and ev["incarnation"] == 1:
+            rejoined_commits += 1
+        if ev["replica_id"] == "r0" and ev["step"] % 10 == 0:
+            print(f"[demo] step {ev['step']} committed (quorum {ev['quorum_id']})", flush=True)
+        if ev["step"] >= args.kill_step and "kill" not in marks:
+            marks["kill"] = env.clock.now()
+            victim.kill()
+            print(f"[demo] SIGKILLed {victim.spec.replica_id} ({args.ranks_per_replica} processes)", flush=True)
+    return log, marks
+
+
+def _report(args, log: list[dict], marks: dict[str, float], history: list[dict]) -> dict:
+    commits = [e for e in log if e["event"] == "commit"]
+    by_step: dict[int, set[str]] = defaultdict(set)
+    quorum_of: dict[int, int] = {}
+    for e in commits:
+        by_step[e["step"] - 1].add(e["replica_id"])
+        quorum_of[e["step"] - 1] = e["quorum_id"]
+    _print_participants(by_step, quorum_of)
+    kill, restart = marks.get("kill"), marks.get("restart")
+    lost = [h["t"] for h in history if h["event"] == "member_lost" and kill and h["t"] >= kill]
+    detection = lost[0] - kill if lost else None
+    survivors = [e["t"] for e in commits if e["replica_id"] != "r1" and kill and e["t"] > kill]
+    next_commit = min(survivors) - kill if survivors else None
+    rejoin = [e for e in log if e["replica_id"] == "r1" and e.get("incarnation") == 1]
+    ready = next((e["t"] for e in rejoin if e["event"] == "ready"), None)
+    first_commit = next((e["t"] for e in rejoin if e["event"] == "commit"), None)
+    healed = next((e for e in rejoin if e["event"] == "heal"), None)
+    per_replica = {r: sum(1 for e in commits if e["replica_id"] == r) for r in sorted({e["replica_id"] for e in commits})}
+    rejoined = sum(1 for e in rejoin if e["event"] == "commit")
+    complete = rejoined >= args.after_rejoin and any(len(ids) == args.replicas for s, ids in by_step.items()
+                                                     if healed and s >= healed["to_step"])
+    gaps = _survivor_gaps(commits, kill)
+    figures = {
+        "complete": complete,
+        "steps_committed": per_replica,
+        "detection_s": detection,
+        "survivor_next_commit_s": next_commit,
+        "survivor_max_gap_s": max(gaps) if gaps else None,
+        "step_time_s": args.step_time,
+        "rejoin_s": first_commit - restart if first_commit and restart else None,
+        "restart_to_ready_s": ready - restart if ready and restart else None,
+        "healed_from_to": [healed["from_step"], healed["to_step"]] if healed else None,
+        "quorum_ids": sorted({e["quorum_id"] for e in commits}),
+    }
+    print("\nreport")
+    print(f"  steps committed per replica: {per_replica}")
+    print(f"  failure detected by the lighthouse {_ms(detection)} after the SIGKILL (pushed by connection loss)")
+    print(f"  survivors committed their next step {_ms(next_commit)} after the SIGKILL; their longest gap between "
+          f"commits around the kill was {_ms(figures['survivor_max_gap_s'])} (step time {_ms(args.step_time)})")
+    print(f"  restarted replica: ready {_ms(figures['restart_to_ready_s'])} after restart (process start), "
+          f"first commit {_ms(figures['rejoin_s'])} after restart; healed steps {figures['healed_from_to']}")
+    print(f"  quorum ids seen: {figures['quorum_ids']}; {'complete' if complete else 'INCOMPLETE'}")
+    return figures
+
+
+def _survivor_gaps(commits: list[dict], kill: float | None) -> list[float]:
+    """Gaps between consecutive commits of each survivor from one step before the kill to 2 s after."""
+    if kill is None:
+        return []
+    gaps = []
+    for rid in {e["replica_id"] for e in commits} - {"r1"}:
+        times = sorted(e["t"] for e in commits if e["replica_id"] == rid and kill - 1.0 <= e["t"] <= kill + 2.0)
+        gaps += [b - a for a, b in zip(times, times[1:])]
+    return gaps
+
+
+def _print_participants(by_step: dict[int, set[str]], quorum_of: dict[int, int]) -> None:
+    """Per-step participants, runs of equal steps folded into ranges."""
+    print("\nsteps        quorum  committed by")
+    steps = sorted(by_step)
+    i = 0
+    while i < len(steps):
+        j = i
+        while (j + 1 < len(steps) and steps[j + 1] == steps[j] + 1 and by_step[steps[j + 1]] == by_step[steps[i]]
+               and quorum_of[steps[j + 1]] == quorum_of[steps[i]]):
+            j += 1
+        span = f"{steps[i]}-{steps[j]}" if j > i else f"{steps[i]}"
+        print(f"{span:12s} {quorum_of[steps[i]]:6d}  {' '.join(sorted(by_step[steps[i]]))}")
+        i = j + 1
+
+
+def _ms(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds * 1000:.0f} ms"

@@ -1,0 +1,26 @@
+"""`ftrun demo` end to end: real processes, a SIGKILLed replica, pushed detection, rejoin."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_demo_detects_the_kill_at_once_and_the_replica_rejoins():
+    out = subprocess.run(
+        [sys.executable, "-m", "ftrun.cli", "demo", "--json", "--after-rejoin", "3", "--kill-step", "5",
+         "--timeout", "90"],
+        capture_output=True, text=True, timeout=110, env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    assert figures["complete"]
+    assert figures["detection_s"] < 0.5, "a killed replica's connection loss is pushed, not waited for"
+    assert figures["survivor_max_gap_s"] < 0.5 + figures["step_time_s"]
+    assert figures["healed_from_to"][0] == 0 and figures["healed_from_to"][1] > 5
+    assert len(figures["quorum_ids"]) >= 3  # start, after the kill, after the rejoin
+    assert "committed by" in out.stdout and "report" in out.stdout
