@@ -1,0 +1,90 @@
+"""`ftrun bench overhead`: FT overhead per step (quorum + two-phase commit) with real replica processes.
+
+R replica processes (one rank each) run steps with no compute against a real lighthouse on loopback; the
+time per step is the whole FT overhead. Baseline measured in the same run: one control-message round
+trip over the same loopback network, so the ratio says how many round trips a step costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import subprocess
+import sys
+
+from ftrun.cli import emit_json
+from ftrun.config import LighthouseConfig, ManagerConfig, Timeouts
+from ftrun.env.real import RealEnv
+from ftrun.quorum.client import LighthouseClient
+from ftrun.quorum.service import Lighthouse
+from ftrun.replica.comm import LocalComm
+from ftrun.replica.manager import Manager
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--replicas", type=int, default=3)
+    p.add_argument("--steps", type=int, default=500)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--_worker", nargs=3, metavar=("LIGHTHOUSE", "TOKEN", "REPLICA"), help=argparse.SUPPRESS)
+
+
+def _worker(addr: str, token: str, rid: str, steps: int) -> None:
+    env = RealEnv()
+    client = LighthouseClient(env=env, addr=addr, token=token, replica_id=rid, timeouts=Timeouts())
+    m = Manager(config=ManagerConfig(), env=env, comm=LocalComm(), replica_id=rid, lighthouse=client)
+    warmup = 20
+    for i in range(steps + warmup):
+        if i == warmup:
+            t0 = env.clock.now()
+        m.start_step()
+        m.should_commit()
+    print(json.dumps({"per_step_s": (env.clock.now() - t0) / steps}), flush=True)
+    m.close()
+
+
+def _round_trip_s(env: RealEnv, n: int = 2000) -> float:
+    listener = env.net.listen("127.0.0.1:0")
+
+    def echo():
+        conn = listener.accept(timeout=10.0)
+        for _ in range(n):
+            conn.send(conn.recv(timeout=10.0))
+
+    env.spawn(echo, name="echo")
+    conn = env.net.connect(listener.addr, timeout=10.0)
+    t0 = env.clock.now()
+    for i in range(n):
+        conn.send({"i": i})
+        conn.recv(timeout=10.0)
+    took = (env.clock.now() - t0) / n
+    conn.close()
+    listener.close()
+    return took
+
+
+def run(args: argparse.Namespace) -> int:
+    if args._worker:
+        _worker(*args._worker, steps=args.steps)
+        return 0
+    env, token = RealEnv(), secrets.token_hex(8)
+    lh = Lighthouse(env=env, config=LighthouseConfig(min_replicas=args.replicas), token=token)
+    lh.start()
+    procs = [subprocess.Popen([sys.executable, "-m", "ftrun.cli", "bench", "overhead", "--steps", str(args.steps),
+                               "--_worker", lh.addr, token, f"r{i}"], stdout=subprocess.PIPE, text=True,
+                              env=os.environ.copy()) for i in range(args.replicas)]
+    try:
+        per_step = [json.loads(p.communicate(timeout=600)[0].strip().splitlines()[-1])["per_step_s"] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+        lh.stop()
+    rtt = _round_trip_s(env)
+    overhead = max(per_step)
+    print(f"FT overhead per step (quorum + 2PC), {args.replicas} replicas, {args.steps} steps: "
+          f"{overhead * 1e3:.3f} ms; loopback message round trip {rtt * 1e3:.3f} ms; ratio {overhead / rtt:.1f}x")
+    if args.json:
+        emit_json({"replicas": args.replicas, "steps": args.steps, "overhead_ms": overhead * 1e3,
+                   "round_trip_ms": rtt * 1e3, "ratio_to_round_trip": overhead / rtt})
+    return 0
