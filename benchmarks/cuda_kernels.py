@@ -1,0 +1,109 @@
+"""GB/s of the FTAR CUDA kernels per op, dtype and block count (SMs), against torch measured in the
+same run: `dst.copy_(src)`, `dst.add_(src)`, and add_ + copy_ for the fused reduce_copy.
+
+Usage: python benchmarks/cuda_kernels.py [--size-mb 64] [--blocks 1,2,4,8,16,32] [--threads 512]
+                                        [--dtypes float32,float16,bfloat16] [--iters 50] [--json]
+GB/s counts payload bytes (the op's nbytes per second); mem GB/s counts every byte read and
+written (copy 2x, reduce 3x, reduce_copy 4x payload). ratio = ours / torch (torch uses every SM).
+With --json the last line is one JSON object. Without a GPU or the built library it says so and
+exits 0 (the JSON line then has "skipped").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ftrun.ftar import cuda_kernels  # noqa: E402
+from ftrun.ftar.kernels import DType, KernelUnavailableError  # noqa: E402
+
+TRAFFIC = {"copy": 2, "reduce": 3, "reduce_copy": 4}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size-mb", type=float, default=64.0)
+    p.add_argument("--blocks", default="1,2,4,8,16,32")
+    p.add_argument("--threads", type=int, default=cuda_kernels.DEFAULT_THREADS)
+    p.add_argument("--dtypes", default="float32,float16,bfloat16")
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--json", action="store_true")
+    return p.parse_args(argv)
+
+
+def time_per_call(torch: Any, fn: Callable[[], None], iters: int) -> float:
+    """Seconds per call, from CUDA events around `iters` calls after a warm-up."""
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / iters
+
+
+def ops(torch: Any, k: Any, dst: Any, src: Any, out: Any, nbytes: int, dtype: DType) -> dict[str, tuple]:
+    """op name -> (ours, torch baseline), each a zero-argument callable."""
+    return {
+        "copy": (lambda: k.copy(dst, 0, src, 0, nbytes), lambda: dst.copy_(src)),
+        "reduce": (lambda: k.reduce(dst, 0, src, 0, nbytes, dtype), lambda: dst.add_(src)),
+        "reduce_copy": (lambda: k.reduce_copy(dst, 0, src, 0, out, 0, nbytes, dtype),
+                        lambda: out.copy_(dst.add_(src))),
+    }
+
+
+def measure(args: argparse.Namespace, torch: Any) -> list[dict[str, Any]]:
+    nbytes = int(args.size_mb * (1 << 20)) // 4 * 4
+    rows = []
+    for name in args.dtypes.split(","):
+        dtype = DType.parse(name)
+        tdtype = {DType.FLOAT32: torch.float32, DType.FLOAT16: torch.float16, DType.BFLOAT16: torch.bfloat16}[dtype]
+        count = nbytes // dtype.itemsize
+        # Small values: repeated adds stay finite for every dtype.
+        dst, src, out = (torch.full((count,), 1e-3, dtype=tdtype, device="cuda") for _ in range(3))
+        baseline: dict[str, float] = {}
+        for blocks in (int(b) for b in args.blocks.split(",")):
+            k = cuda_kernels.CudaKernels(blocks=blocks, threads=args.threads)
+            for op, (ours, theirs) in ops(torch, k, dst, src, out, nbytes, dtype).items():
+                if op not in baseline:
+                    baseline[op] = time_per_call(torch, theirs, args.iters)
+                t = time_per_call(torch, ours, args.iters)
+                rows.append({"op": op, "dtype": dtype.name.lower(), "blocks": blocks, "threads": args.threads,
+                             "gbps": nbytes / t / 1e9, "mem_gbps": TRAFFIC[op] * nbytes / t / 1e9,
+                             "torch_gbps": nbytes / baseline[op] / 1e9, "ratio": baseline[op] / t})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    try:
+        if not torch.cuda.is_available():
+            raise KernelUnavailableError("no CUDA GPU is visible to torch")
+        cuda_kernels.load_library()
+    except KernelUnavailableError as e:
+        print(f"cuda_kernels benchmark skipped: {e}")
+        if args.json:
+            print(json.dumps({"skipped": str(e)}))
+        return 0
+    rows = measure(args, torch)
+    device = torch.cuda.get_device_name()
+    print(f"{device}, {args.size_mb:g} MB per op, {args.threads} threads per block")
+    for r in rows:
+        print(f"{r['op']:12s} {r['dtype']:9s} blocks={r['blocks']:<4d} {r['gbps']:8.1f} GB/s "
+              f"(mem {r['mem_gbps']:7.1f})  torch {r['torch_gbps']:8.1f} GB/s  ratio {r['ratio']:.2f}")
+    if args.json:
+        print(json.dumps({"device": device, "size_bytes": int(args.size_mb * (1 << 20)), "results": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
