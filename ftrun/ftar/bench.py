@@ -1,0 +1,66 @@
+"""`ftrun bench ftar`: FTAR vs torch.distributed gloo all_reduce, same buffers, same run.
+
+For each process count, P processes on 127.0.0.1 rendezvous on a TCPStore, build both a gloo group and
+an FTAR ring, check that both give the same sums, then time each on float32 buffers of every size
+(best of --iters after a warm-up). Bandwidth is algorithm bandwidth: buffer bytes / seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+
+import torch.distributed as dist
+
+from ftrun.cli import emit_json
+
+
+def parse_size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper()
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--procs", default="2,4", help="process counts, comma separated")
+    p.add_argument("--sizes", default="64M,256M", help="buffer sizes, comma separated (K/M/G suffixes)")
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--chunk-kb", type=int, default=4096, help="FTAR chunk size S")
+    p.add_argument("--chunks", type=int, default=4, help="FTAR chunks in flight C")
+    p.add_argument("--json", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    rows = []
+    for procs in [int(p) for p in args.procs.split(",")]:
+        rows += _run_group(procs, sizes, args)
+    print(f"{'procs':>5} {'size':>8} {'ftar GB/s':>10} {'gloo GB/s':>10} {'ratio':>6}")
+    for r in rows:
+        print(f"{r['procs']:5d} {r['size_mb']:6.0f}MB {r['ftar_gbps']:10.2f} {r['gloo_gbps']:10.2f} {r['ratio']:6.2f}")
+    if args.json:
+        emit_json({"results": rows, "min_ratio": min(r["ratio"] for r in rows)})
+    return 0
+
+
+def _run_group(procs: int, sizes: list[int], args: argparse.Namespace) -> list[dict]:
+    store = dist.TCPStore("127.0.0.1", 0, procs + 1, True, timeout=datetime.timedelta(seconds=120),
+                          wait_for_workers=False)
+    cmd = [sys.executable, "-m", "ftrun.ftar.bench_worker", str(store.port), str(procs), ",".join(map(str, sizes)),
+           str(args.iters), str(args.chunk_kb << 10), str(args.chunks)]
+    workers = [subprocess.Popen(cmd + [str(r)], stdout=subprocess.PIPE, text=True, env=os.environ.copy())
+               for r in range(procs)]
+    try:
+        outs = [w.communicate(timeout=900)[0] for w in workers]
+    finally:
+        for w in workers:
+            w.kill()
+    if any(w.returncode for w in workers):
+        raise RuntimeError(f"bench workers failed: {[w.returncode for w in workers]}")
+    return json.loads(outs[0].strip().splitlines()[-1])

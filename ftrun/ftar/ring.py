@@ -1,0 +1,111 @@
+"""The FTAR ring's connections: one to the next rank, one from the previous, rebuilt per configuration.
+
+Each rank listens once (its "ftar" endpoint). `connect_ring` makes the connection to the next rank
+(the connector says hello with the job token and the configuration's epoch) and takes the previous
+rank's from the listener. Connections from another epoch (a stale attempt after a failure) are closed
+on arrival, so a rebuilt ring never mixes with the old one.
+"""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass
+
+from ftrun.env.base import Connection, Env, EnvTimeout, NetError, PeerClosed
+
+
+class FtarError(Exception):
+    """Base of FTAR's errors."""
+
+
+class RecoverableError(FtarError):
+    """A peer died, closed or went silent: rebuild the ring (reconfigure) and retry the step."""
+
+
+class FatalError(FtarError):
+    """Bad arguments or a local fault: this rank cannot take part as it is."""
+
+
+@dataclass(frozen=True)
+class RingLinks:
+    epoch: int
+    next: Connection | None
+    prev: Connection | None
+
+    def close(self) -> None:
+        for c in (self.next, self.prev):
+            if c is not None:
+                c.close()
+
+
+class RingListener:
+    """Accepts ring connections and sorts them by epoch. One accept task for the engine's life."""
+
+    def __init__(self, env: Env, token: str, bind: str) -> None:
+        self.env, self._token = env, token
+        self._listener = env.net.listen(bind)
+        self.addr = self._listener.addr
+        self._arrivals = env.queue()
+        self._task = env.spawn(self._accept_loop, name="ftar-accept")
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn = self._listener.accept()
+            except NetError:
+                return
+            self.env.spawn(self._greet, conn, name="ftar-greet")
+
+    def _greet(self, conn: Connection) -> None:
+        try:
+            hello = conn.recv(timeout=10.0)
+        except NetError:
+            conn.close()
+            return
+        token, epoch = hello.get("token"), hello.get("epoch")
+        if not isinstance(token, str) or not hmac.compare_digest(token.encode(), self._token.encode()) \
+                or not isinstance(epoch, int):
+            conn.close()  # wrong job or malformed hello: nothing to say to it
+            return
+        self._arrivals.put((epoch, conn))
+
+    def take(self, epoch: int, timeout: float) -> Connection:
+        """The previous rank's connection for `epoch`; older epochs' connections are closed."""
+        deadline = self.env.clock.now() + timeout
+        while True:
+            remaining = deadline - self.env.clock.now()
+            try:
+                got_epoch, conn = self._arrivals.get(timeout=max(remaining, 0.0))
+            except EnvTimeout:
+                raise RecoverableError(f"previous ring rank did not connect within {timeout}s (epoch {epoch})") from None
+            if got_epoch == epoch:
+                return conn
+            conn.close()
+            if got_epoch > epoch:
+                raise RecoverableError(f"a peer is already at ring epoch {got_epoch}, ahead of {epoch}")
+
+    def close(self) -> None:
+        self._listener.close()
+        self._task.join(timeout=2.0)
+
+
+def connect_ring(env: Env, listener: RingListener, token: str, *, epoch: int, ring: list[str], index: int,
+                 timeout: float) -> RingLinks:
+    """Connections of rank `index` in a ring of listener addresses `ring`. Raises RecoverableError."""
+    n = len(ring)
+    if n == 1:
+        return RingLinks(epoch, None, None)
+    nxt = None
+    try:
+        nxt = env.net.connect(ring[(index + 1) % n], timeout=timeout)
+        nxt.send({"token": token, "epoch": epoch})
+        prev = listener.take(epoch, timeout)
+    except (NetError, PeerClosed) as e:
+        if nxt is not None:
+            nxt.close()
+        raise RecoverableError(f"cannot build ring epoch {epoch}: {e}") from e
+    except RecoverableError:
+        if nxt is not None:
+            nxt.close()
+        raise
+    return RingLinks(epoch, nxt, prev)
