@@ -1,0 +1,49 @@
+"""The cross-replica gradient exchange of one step: FTAR among the participants of the step's quorum.
+
+Rank r of every participating replica forms one ring (in the quorum's participant order), found through
+the "ftar" endpoint each rank published with the quorum request. The ring is rebuilt whenever the quorum
+id changes (membership change or a failed commit) and used as it is otherwise. A replica that healed
+this step contributes zeros. The result is the mean over participants.
+
+Failures: RecoverableError (a peer died or stalled) is for the caller to report to the Manager, which
+turns it into a 'don't commit' vote; the healthy replica retries the step under the next quorum.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ftrun.ftar.engine import FtarEngine
+from ftrun.ftar.ring import RecoverableError
+from ftrun.replica.endpoints import decode_endpoints
+from ftrun.replica.manager import StepQuorum
+
+
+class GradientExchange:
+    def __init__(self, *, engine: FtarEngine, rank: int) -> None:
+        self.engine, self.rank = engine, rank
+        self._epoch: int | None = None
+
+    def ring_for(self, quorum: StepQuorum) -> list[str]:
+        ring = []
+        for p in quorum.participants:
+            if self.rank >= len(p.data_addrs):
+                raise RecoverableError(f"replica {p.replica_id} published no endpoint for rank {self.rank}")
+            ring.append(decode_endpoints(p.data_addrs[self.rank])["ftar"])
+        return ring
+
+    def average(self, quorum: StepQuorum, grads: np.ndarray, *, dtype: str | None = None) -> None:
+        """Replace `grads` (C-contiguous, in place) by the mean over the quorum's participants."""
+        if quorum.healed:
+            grads.fill(0)  # caught up this step: contributes nothing, receives everyone's mean
+        if self._epoch != quorum.quorum_id:
+            self._epoch = None
+            self.engine.reconfigure(epoch=quorum.quorum_id, ring=self.ring_for(quorum), index=quorum.replica_index)
+            self._epoch = quorum.quorum_id
+        try:
+            self.engine.all_reduce(grads, dtype)
+        except RecoverableError:
+            self._epoch = None  # the ring is gone; the failed commit bumps the quorum id for the rebuild
+            raise
+        if quorum.num_participants > 1:
+            np.divide(grads, quorum.num_participants, out=grads, casting="unsafe")
