@@ -131,6 +131,7 @@ def _report(args, log: list[dict], marks: dict[str, float], history: list[dict])
         "restart_to_ready_s": ready - restart if ready and restart else None,
         "healed_from_to": [healed["from_step"], healed["to_step"]] if healed else None,
         "quorum_ids": sorted({e["quorum_id"] for e in commits}),
+        "failed_commits": sum(1 for e in log if e["event"] == "abort"),
     }
     print("\nreport")
     print(f"  steps committed per replica: {per_replica}")
@@ -139,6 +140,7 @@ def _report(args, log: list[dict], marks: dict[str, float], history: list[dict])
           f"commits around the kill was {_ms(figures['survivor_max_gap_s'])} (step time {_ms(args.step_time)})")
     print(f"  restarted replica: ready {_ms(figures['restart_to_ready_s'])} after restart (process start), "
           f"first commit {_ms(figures['rejoin_s'])} after restart; healed steps {figures['healed_from_to']}")
+    print(f"  failed commits (a peer died mid-exchange; step retried): {figures['failed_commits']}")
     print(f"  quorum ids seen: {figures['quorum_ids']}; {'complete' if complete else 'INCOMPLETE'}")
     return figures
 

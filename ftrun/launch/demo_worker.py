@@ -1,7 +1,8 @@
 """One rank of the `ftrun demo` job: a stepping loop under the replica manager.
 
-The step's compute is a sleep and its gradient exchange a collective inside the replica; quorum and
-two-phase commit are the real ones. Rank 0 prints one JSON event per line (quorum, heal, commit, ...).
+The step's compute is a sleep; the gradient exchange across replicas is the real FTAR among the quorum's
+participants (a 1 MiB buffer per rank), and so are quorum and two-phase commit. A peer dying mid-exchange
+becomes a failed commit and the step is retried under the next quorum. Rank 0 prints one JSON event per line (quorum, heal, commit, ...).
 """
 
 from __future__ import annotations
@@ -11,14 +12,20 @@ import datetime
 import json
 import sys
 
+import numpy as np
 import torch.distributed as dist
 
 from ftrun.config import ManagerConfig, Timeouts
 from ftrun.env.real import RealEnv
+from ftrun.ftar.cpu_kernels import CpuKernels
+from ftrun.ftar.engine import FtarConfig, FtarEngine
+from ftrun.ftar.ring import RecoverableError
 from ftrun.launch.worker_env import WorkerSpec
 from ftrun.quorum.client import LighthouseClient
 from ftrun.replica.comm import GlooComm
+from ftrun.replica.endpoints import encode_endpoints
 from ftrun.replica.manager import Manager
+from ftrun.train.exchange import GradientExchange
 
 
 def emit(event: dict) -> None:
@@ -39,16 +46,28 @@ def main(argv: list[str] | None = None) -> int:
     leader = spec.rank == 0
     client = LighthouseClient(env=env, addr=spec.lighthouse, token=spec.token, replica_id=spec.replica_id,
                               timeouts=timeouts) if leader else None
+    kernels = CpuKernels()
+    kernels.warmup()  # load the compiled kernels now, not inside the first step
+    engine = FtarEngine(env=env, kernels=kernels, token=spec.token,
+                        config=FtarConfig(chunk_bytes=256 << 10, num_chunks=2, timeout_s=timeouts.ftar_timeout_s))
+    exchange = GradientExchange(engine=engine, rank=spec.rank)
     manager = Manager(config=ManagerConfig(timeouts=timeouts), env=env, comm=comm, replica_id=spec.replica_id,
-                      lighthouse=client, on_event=emit if leader else None)
+                      lighthouse=client, data_addr=encode_endpoints({"ftar": engine.addr}),
+                      on_event=emit if leader else None)
     if leader:
         emit({"event": "ready", "t": env.clock.now()})
+    grads = np.empty(1 << 18, np.float32)
     while manager.step < args.steps:
-        manager.start_step()
+        quorum = manager.start_step()
         env.clock.sleep(args.step_time)  # stands in for forward and backward
-        comm.all_reduce_int([1], "sum")  # stands in for the gradient exchange
+        grads.fill(1.0)
+        try:
+            exchange.average(quorum, grads)
+        except RecoverableError as e:
+            manager.report_error(e)
         manager.should_commit()
     manager.close()
+    engine.close()
     return 0
 
 
