@@ -47,7 +47,12 @@ def _tune(sock: socket.socket) -> None:
 
 class RealConnection:
     """Non-blocking socket plus one poll object per direction, so a sender and a receiver can wait
-    concurrently, each with its own deadline."""
+    concurrently, each with its own deadline.
+
+    close() from another thread must wake a task blocked in poll(), but Linux wakes no poll on close(),
+    and shutdown() of a connection the peer already reset may fail without raising an event. So each
+    connection also polls an eventfd that close() signals.
+    """
 
     def __init__(self, sock: socket.socket) -> None:
         _tune(sock)
@@ -56,10 +61,13 @@ class RealConnection:
         self._send_lock = threading.Lock()
         self._header = bytearray(wire.HEADER_SIZE)
         self._closed = False
+        self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._rpoll = select.poll()
         self._rpoll.register(sock.fileno(), select.POLLIN | select.POLLPRI)
+        self._rpoll.register(self._wake, select.POLLIN)
         self._wpoll = select.poll()
         self._wpoll.register(sock.fileno(), select.POLLOUT)
+        self._wpoll.register(self._wake, select.POLLIN)
         self.local_addr = _format(sock.family, sock.getsockname())
         self.peer_addr = _format(sock.family, sock.getpeername()) if sock.family == socket.AF_INET else "unix"
 
@@ -160,11 +168,19 @@ class RealConnection:
         if self._closed:
             return
         self._closed = True
+        os.eventfd_write(self._wake, 1)  # wakes a task polling this connection
         try:
-            self._sock.shutdown(socket.SHUT_RDWR)  # wakes a task polling this socket
+            self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
         self._sock.close()
+
+    def __del__(self) -> None:
+        # The eventfd outlives close(): a task may still be waking up on it. It goes with the object.
+        wake = getattr(self, "_wake", None)
+        if wake is not None:
+            os.close(wake)
+            self._wake = None
 
     @property
     def closed(self) -> bool:

@@ -1,13 +1,8 @@
-"""The FTAR engine: the CPU control loop that runs the pure ring schedule over env.net.
+"""The FTAR engine: the CPU control plane that runs the pure ring schedule over env.net.
 
-Per all-reduce, two tasks per rank: this one receives and computes (Recv, Reduce, ReduceCopy, in
-schedule order) and a sender task drains a queue of Sends to the next rank, so a rank always receives
-while it sends. A staging slot is reused only after its previous Send completed (the schedule's rule),
-which also caps bytes in flight per peer at 2 x C x S.
-
-Zero-copy where the schedule allows it: a hop-0 send goes straight from the data buffer (no
-CopyToSlot), and an all-gather receive lands straight in the data buffer and is forwarded from there
-(no CopyFromSlot). Only reduce-scatter receives pass through staging.
+`reconfigure` builds the ring's two connections and picks each link's data transport: shared staging
+slots when the neighbour is on this host, bulk frames on the connection otherwise (see run.py); the
+connections always carry control and detect failures. `all_reduce` runs the schedule (run.RingRun).
 
 Errors. A peer that dies or closes, or a wait past ftar_timeout_s, ends the operation with
 RecoverableError: this rank closes both ring connections, which ends its neighbours' operations at
@@ -24,12 +19,12 @@ from functools import lru_cache
 
 import numpy as np
 
-from ftrun.env.base import Env, EnvTimeout, NetError
-from ftrun.ftar.kernels import DType, KernelError, Kernels
+from ftrun.env.base import Env, NetError
+from ftrun.ftar.kernels import DType, Kernels
 from ftrun.ftar.ring import FatalError, RecoverableError, RingLinks, RingListener, connect_ring
-from ftrun.ftar.schedule import (
-    CopyFromSlot, CopyToSlot, Recv, Reduce, ReduceCopy, Schedule, Send, schedule,
-)
+from ftrun.ftar.run import RingRun
+from ftrun.ftar.schedule import Schedule, schedule
+from ftrun.ftar.shm import SharedSlots, host_identity
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,6 +32,7 @@ class FtarConfig:
     chunk_bytes: int = 4 << 20  # S: message and staging-slot size
     num_chunks: int = 4  # C: chunks in flight per peer
     timeout_s: float = 10.0  # any single wait inside an all-reduce
+    transport: str = "auto"  # "auto": shared slots with same-host neighbours; "socket": bulk frames only
 
     def __post_init__(self) -> None:
         if self.chunk_bytes < 16 or self.chunk_bytes % 16:
@@ -45,6 +41,12 @@ class FtarConfig:
             raise ValueError(f"FtarConfig.num_chunks must be >= 1, got {self.num_chunks}")
         if self.timeout_s <= 0:
             raise ValueError(f"FtarConfig.timeout_s must be > 0, got {self.timeout_s}")
+        if self.transport not in ("auto", "socket"):
+            raise ValueError(f"FtarConfig.transport must be 'auto' or 'socket', got {self.transport!r}")
+
+    @property
+    def staging_bytes(self) -> int:
+        return 2 * self.num_chunks * self.chunk_bytes
 
 
 @lru_cache(maxsize=64)
@@ -58,11 +60,17 @@ class FtarEngine:
     def __init__(self, *, env: Env, kernels: Kernels, token: str, config: FtarConfig = FtarConfig(),
                  bind: str = "127.0.0.1:0") -> None:
         self.env, self.kernels, self.config, self._token = env, kernels, config, token
+        warmup = getattr(kernels, "warmup", None)
+        if warmup is not None:
+            warmup()  # load compiled kernels now: a first all-reduce must not stall its ring for a second
         self._listener = RingListener(env, token, bind)
         self.addr = self._listener.addr  # publish as this rank's "ftar" endpoint
         self._links: RingLinks | None = None
         self._ring: tuple[int, int] = (0, 0)  # (size, index)
         self._staging = np.empty(0, np.uint8)
+        self._own_slots: SharedSlots | None = None  # our staging, mapped by the next rank
+        self._prev_slots: SharedSlots | None = None  # the previous rank's staging, mapped here
+        self.transports = ("none", "none")  # (from previous rank, to next rank), for reports
 
     def reconfigure(self, *, epoch: int, ring: list[str], index: int) -> None:
         """(Re)build the ring for a new participant set: `ring` lists every rank's ftar address in
@@ -75,9 +83,43 @@ class FtarEngine:
                 raise FatalError(f"ring epoch must increase: {epoch} after {self._links.epoch}")
             self._links.close()
             self._links = None
-        self._links = connect_ring(self.env, self._listener, self._token, epoch=epoch, ring=ring, index=index,
-                                   timeout=self.config.timeout_s)
+        self._drop_shared()
+        links = connect_ring(self.env, self._listener, self._token, epoch=epoch, ring=ring, index=index,
+                             timeout=self.config.timeout_s)
+        if len(ring) > 1:
+            try:
+                self._negotiate(links)
+            except (NetError, ValueError, OSError, KeyError, TypeError) as e:
+                links.close()
+                self._drop_shared()
+                raise RecoverableError(f"ring epoch {epoch}: transport negotiation failed: {e}") from e
+        self._links = links
         self._ring = (len(ring), index)
+
+    def _negotiate(self, links: RingLinks) -> None:
+        """Tell both neighbours our host; share staging with a same-host next rank; map the previous
+        rank's staging if it offers it. Every message is sent before any is awaited (no deadlock)."""
+        t, me = self.config.timeout_s, host_identity()
+        links.next.send({"host": me})
+        links.prev.send({"host": me})
+        share_out = self.config.transport == "auto" and links.next.recv(timeout=t)["host"] == me
+        links.prev.recv(timeout=t)
+        if share_out:
+            self._own_slots = SharedSlots.create(self.config.staging_bytes, tag=f"e{links.epoch}")
+        links.next.send({"shm": self._own_slots.path if share_out else None})
+        offer = links.prev.recv(timeout=t)["shm"]
+        if offer is not None:
+            self._prev_slots = SharedSlots.attach(str(offer), self.config.staging_bytes)
+        links.prev.send({"attached": offer is not None})
+        if share_out and links.next.recv(timeout=t)["attached"]:
+            self._own_slots.unlink()  # both sides have it mapped: nothing to leave behind in /dev/shm
+        self.transports = ("shared" if offer is not None else "socket", "shared" if share_out else "socket")
+
+    def _drop_shared(self) -> None:
+        for slots in (self._own_slots, self._prev_slots):
+            if slots is not None:
+                slots.close()
+        self._own_slots = self._prev_slots = None
 
     def all_reduce(self, buf: np.ndarray, dtype: DType | str | None = None) -> None:
         """Sum `buf` (C-contiguous numpy array) elementwise across the ring, in place."""
@@ -91,107 +133,26 @@ class FtarEngine:
         sched = _schedule(n, index, buf.nbytes, dt.itemsize, self.config.chunk_bytes, self.config.num_chunks)
         if not sched.steps:
             return
+        staging = self._own_slots.array if self._own_slots is not None else self._local_staging(sched)
+        run = RingRun(env=self.env, kernels=self.kernels, links=links, sched=sched, data=buf.reshape(-1).view(np.uint8),
+                      dtype=dt, staging=staging, out_shared=self._own_slots is not None, timeout=self.config.timeout_s,
+                      prev_slots=self._prev_slots.array if self._prev_slots is not None else None)
+        try:
+            run.go()
+        except RecoverableError:
+            self._links = None
+            self._drop_shared()
+            raise
+
+    def _local_staging(self, sched: Schedule) -> np.ndarray:
         need = sched.num_slots * sched.slot_bytes
         if self._staging.nbytes < need:
             self._staging = np.empty(need, np.uint8)
-        try:
-            _Run(self, links, sched, buf.reshape(-1).view(np.uint8), dt).go()
-        except RecoverableError:
-            self._links = None
-            raise
+        return self._staging
 
     def close(self) -> None:
         if self._links is not None:
             self._links.close()
             self._links = None
+        self._drop_shared()
         self._listener.close()
-
-
-class _Run:
-    """One all-reduce on one rank: the receive/compute loop here, sends in a second task."""
-
-    def __init__(self, engine: FtarEngine, links: RingLinks, sched: Schedule, data: np.ndarray, dt: DType) -> None:
-        self.env, self.k, self.links, self.sched, self.data, self.dt = engine.env, engine.kernels, links, sched, data, dt
-        self.staging, self.timeout = engine._staging, engine.config.timeout_s
-        self.slot_free = [self.env.event() for _ in range(sched.num_slots)]
-        for ev in self.slot_free:
-            ev.set()
-        self.sends = self.env.queue()
-        self.send_error: BaseException | None = None
-
-    def go(self) -> None:
-        sender = self.env.spawn(self._send_loop, name="ftar-send")
-        try:
-            for step in self.sched.steps:
-                self._run_step(step.ops)
-        except (NetError, EnvTimeout) as e:
-            self._abort()
-            raise RecoverableError(self._describe(e)) from e
-        except (KernelError, ValueError) as e:
-            self._abort()
-            raise FatalError(f"local fault in all-reduce: {e}") from e
-        finally:
-            self.sends.put(None)
-            finished = sender.join(timeout=self.timeout)
-        if not finished and self.send_error is None:
-            self.send_error = EnvTimeout(f"sends did not finish within {self.timeout}s")
-        if self.send_error is not None:
-            self._abort()
-            raise RecoverableError(self._describe(self.send_error)) from self.send_error
-
-    def _run_step(self, ops: tuple) -> None:
-        first, send = ops[0], ops[-1] if isinstance(ops[-1], Send) else None
-        if isinstance(first, CopyToSlot):  # hop 0: send this rank's own segment straight from data
-            src = self.data[first.offset:first.offset + first.nbytes]
-        else:
-            local = ops[1]
-            self._wait_slot(first.slot)
-            if isinstance(local, CopyFromSlot):  # all-gather: receive straight into place
-                src = self.data[local.offset:local.offset + local.nbytes]
-                self.links.prev.recv_into(memoryview(src), timeout=self.timeout)
-            else:
-                base = first.slot * self.sched.slot_bytes
-                src = self.staging[base:base + first.nbytes]
-                self.links.prev.recv_into(memoryview(src), timeout=self.timeout)
-                self._reduce(local, base)
-        if send is not None:
-            self.slot_free[send.slot].clear()
-            self.sends.put((send.slot, src))
-
-    def _reduce(self, op: Reduce | ReduceCopy, base: int) -> None:
-        if isinstance(op, Reduce):
-            self.k.reduce(self.staging, base, self.data, op.offset, op.nbytes, self.dt)
-        else:
-            self.k.reduce_copy(self.staging, base, self.data, op.offset, self.data, op.offset, op.nbytes, self.dt)
-
-    def _wait_slot(self, slot: int) -> None:
-        if not self.slot_free[slot].wait(timeout=self.timeout):
-            raise EnvTimeout(f"send from slot {slot} did not complete within {self.timeout}s")
-        if self.send_error is not None:
-            raise self.send_error
-
-    def _send_loop(self) -> None:
-        while True:
-            try:
-                item = self.sends.get(timeout=self.timeout)
-            except EnvTimeout as e:
-                self.send_error = e
-                return
-            if item is None:
-                return
-            slot, src = item
-            try:
-                self.links.next.send_bytes(memoryview(src), timeout=self.timeout)
-            except NetError as e:
-                self.send_error = e
-                self._abort()
-                self.slot_free[slot].set()  # wake the receiver so it sees the error
-                return
-            self.slot_free[slot].set()
-
-    def _abort(self) -> None:
-        self.links.close()  # neighbours see PeerClosed at once: the abort travels around the ring
-
-    def _describe(self, e: BaseException) -> str:
-        n, r = self.sched.num_ranks, self.sched.rank
-        return f"all-reduce aborted on ring rank {r} of {n}: {type(e).__name__}: {e}"

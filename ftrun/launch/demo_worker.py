@@ -46,9 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     leader = spec.rank == 0
     client = LighthouseClient(env=env, addr=spec.lighthouse, token=spec.token, replica_id=spec.replica_id,
                               timeouts=timeouts) if leader else None
-    kernels = CpuKernels()
-    kernels.warmup()  # load the compiled kernels now, not inside the first step
-    engine = FtarEngine(env=env, kernels=kernels, token=spec.token,
+    engine = FtarEngine(env=env, kernels=CpuKernels(), token=spec.token,
                         config=FtarConfig(chunk_bytes=256 << 10, num_chunks=2, timeout_s=timeouts.ftar_timeout_s))
     exchange = GradientExchange(engine=engine, rank=spec.rank)
     manager = Manager(config=ManagerConfig(timeouts=timeouts), env=env, comm=comm, replica_id=spec.replica_id,

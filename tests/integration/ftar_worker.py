@@ -1,4 +1,5 @@
-"""A process holding one FtarEngine, driven by JSON lines on stdin (for test_ftar_engine.py).
+"""A process holding one FtarEngine, driven by JSON lines on stdin (for test_ftar_engine.py); FTAR_TRANSPORT
+picks the data transport.
 
 Commands: {"cmd": "ring", "epoch", "ring", "index"}; {"cmd": "allreduce", "nbytes", "seed"} -> sum hash
 and time; {"cmd": "die_after_reduces", "n"}: SIGKILL itself inside its n-th reduce kernel call (printing
@@ -41,7 +42,8 @@ def out(**kw):
 def main():
     kernels = DyingKernels()
     engine = FtarEngine(env=RealEnv(), kernels=kernels, token="job",
-                        config=FtarConfig(chunk_bytes=1 << 20, num_chunks=4, timeout_s=30.0))
+                        config=FtarConfig(chunk_bytes=1 << 20, num_chunks=4, timeout_s=30.0,
+                                            transport=os.environ.get("FTAR_TRANSPORT", "auto")))
     out(addr=engine.addr)
     for line in sys.stdin:
         cmd = json.loads(line)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -37,12 +38,17 @@ def build(env, engs, epoch=1):
     assert errors == [None] * len(engs)
 
 
+@pytest.mark.parametrize("transport", ["auto", "socket"])
 @pytest.mark.parametrize("n,count,dtype", [(2, 1000, "float32"), (3, 12_345, "float16"), (4, 100_003, "bfloat16"),
                                            (5, 7, "float32"), (3, 0, "float32"), (1, 50, "float32")])
-def test_sum_is_correct_and_bitwise_identical(n, count, dtype):
+def test_sum_is_correct_and_bitwise_identical(n, count, dtype, transport):
     env = RealEnv()
-    engs = engines(env, n)
+    engs = engines(env, n, FtarConfig(chunk_bytes=4096, num_chunks=2, timeout_s=5.0, transport=transport))
     build(env, engs)
+    if n > 1:
+        expected = "shared" if transport == "auto" else "socket"
+        assert all(e.transports == (expected, expected) for e in engs)
+        assert not [f for f in os.listdir("/dev/shm") if f.startswith("ftrun-ftar-")], "staging files left behind"
     rng = np.random.default_rng(n)
     if dtype == "bfloat16":  # bfloat16 travels as its uint16 bit pattern
         vals = [rng.standard_normal(count).astype(np.float32) for _ in range(n)]
@@ -62,10 +68,11 @@ def test_sum_is_correct_and_bitwise_identical(n, count, dtype):
         e.close()
 
 
-def test_abort_travels_the_ring_and_survivors_reconfigure():
+@pytest.mark.parametrize("transport", ["auto", "socket"])
+def test_abort_travels_the_ring_and_survivors_reconfigure(transport):
     env = RealEnv()
     before = threading.active_count(), len(os.listdir("/proc/self/fd"))
-    engs = engines(env, 4, FtarConfig(chunk_bytes=1 << 16, num_chunks=2, timeout_s=30.0))
+    engs = engines(env, 4, FtarConfig(chunk_bytes=1 << 16, num_chunks=2, timeout_s=30.0, transport=transport))
     build(env, engs)
     bufs = [np.ones(4 << 20, np.float32) for _ in engs]
     results = {}
@@ -94,6 +101,7 @@ def test_abort_travels_the_ring_and_survivors_reconfigure():
     for e in survivors:
         e.close()
     env.clock.sleep(0.2)
+    gc.collect()
     assert (threading.active_count(), len(os.listdir("/proc/self/fd"))) == before  # nothing leaked
 
 
@@ -127,10 +135,10 @@ def test_wrong_token_cannot_join_a_ring():
 
 
 class Worker:
-    def __init__(self):
+    def __init__(self, transport):
         self.p = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests/integration/ftar_worker.py")],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                  env={**os.environ, "PYTHONPATH": ROOT})
+                                  env={**os.environ, "PYTHONPATH": ROOT, "FTAR_TRANSPORT": transport})
         self.addr = self.read()["addr"]
 
     def send(self, **cmd):
@@ -143,8 +151,9 @@ class Worker:
         return json.loads(line)
 
 
-def test_sigkilled_peer_mid_all_reduce():
-    workers = [Worker() for _ in range(4)]
+@pytest.mark.parametrize("transport", ["auto", "socket"])
+def test_sigkilled_peer_mid_all_reduce(transport):
+    workers = [Worker(transport) for _ in range(4)]
     try:
         ring = [w.addr for w in workers]
         for i, w in enumerate(workers):
@@ -159,7 +168,9 @@ def test_sigkilled_peer_mid_all_reduce():
         survivors = [w for w in workers if w is not victim]
         results = [w.read() for w in survivors]
         assert [r["error"] for r in results] == ["RecoverableError"] * 3
-        assert max(r["at"] for r in results) - died < 0.5, [r["at"] - died for r in results]
+        delays = [r["at"] - died for r in results]
+        print("RecoverableError delays after the SIGKILL (s):", delays)
+        assert max(delays) < 0.5, delays
         ring = [w.addr for w in survivors]
         for i, w in enumerate(survivors):
             w.send(cmd="ring", epoch=2, ring=ring, index=i)
