@@ -37,6 +37,11 @@ class LighthouseClient:
         self._heartbeat: Task | None = None
         self.last_quorum_id = 0
 
+    def connect(self) -> None:
+        """Register with the lighthouse now (it counts this replica as live from here on), rather than at
+        the first quorum request. Raises ConnectError or LighthouseRejected."""
+        self._connected(self.timeouts.connect_timeout_s)
+
     def quorum(self, step: int, *, commit_failed: bool = False, data_addrs: tuple[str, ...] = ()) -> Decision:
         """Ask for the quorum of `step`; reconnects across lighthouse restarts until the timeout."""
         request = {

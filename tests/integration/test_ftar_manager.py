@@ -19,11 +19,27 @@ from ftrun.train.exchange import GradientExchange
 T = Timeouts(heartbeat_interval_s=0.05, heartbeat_timeout_s=1.0, join_timeout_s=0.3, quorum_timeout_s=10.0)
 
 
+class DyingKernels(CpuKernels):
+    """Kernels that drop the replica's connections (its process "dies") inside the n-th reduce."""
+
+    def __init__(self):
+        super().__init__()
+        self.die_at, self.reduces, self.on_death = None, 0, None
+
+    def reduce(self, *args):
+        self.reduces += 1
+        if self.die_at is not None and self.reduces == self.die_at:
+            self.on_death()
+        return super().reduce(*args)
+
+
 class Replica:
     def __init__(self, env, lh, rid):
-        self.engine = FtarEngine(env=env, kernels=CpuKernels(), token="t",
+        self.kernels = DyingKernels()
+        self.engine = FtarEngine(env=env, kernels=self.kernels, token="t",
                                  config=FtarConfig(chunk_bytes=1 << 16, num_chunks=2, timeout_s=10.0))
         self.client = LighthouseClient(env=env, addr=lh.addr, token="t", replica_id=rid, timeouts=T)
+        self.client.connect()  # live before anyone asks, so the first quorum has all three
         self.manager = Manager(config=ManagerConfig(timeouts=T), env=env, comm=LocalComm(), replica_id=rid,
                                lighthouse=self.client, data_addr=encode_endpoints({"ftar": self.engine.addr}))
         self.exchange = GradientExchange(engine=self.engine, rank=0)
@@ -51,14 +67,22 @@ def test_peer_death_mid_exchange_is_a_failed_commit_then_training_goes_on():
         for size in sizes:
             rep.step(size)
 
-    big = 32 << 20  # 128 MB of float32: still in flight when the victim dies
+    big = 4 << 20  # 16 MB of float32: the victim dies after a few chunks of it
+
+    def die():
+        reps[2].engine._links.close()  # the victim's process "dies": its ring connections and lighthouse link drop
+        reps[2].client.close()
+
+    reps[2].kernels.on_death = die
+    reps[2].kernels.die_at = 1_000_000  # armed below, once the first (small) step is done
     survivors = [env.spawn(steps, r, [1000, big, 1000], name=r.manager.replica_id) for r in reps[:2]]
-    victim = env.spawn(steps, reps[2], [1000, big], name="r2")
-    while not (reps[2].log and reps[0].log and reps[1].log):
-        env.clock.sleep(0.01)
-    env.clock.sleep(0.3)  # the big exchange is running
-    reps[2].engine.close()  # the victim's process "dies": its ring connections and lighthouse link drop
-    reps[2].client.close()
+
+    def victim_steps():
+        reps[2].step(1000)
+        reps[2].kernels.die_at = reps[2].kernels.reduces + 3
+        reps[2].step(big)
+
+    victim = env.spawn(victim_steps, name="r2")
     for t in survivors:
         assert t.join(30.0)
         assert t.exception is None, t.exception  # a healthy replica never crashes
