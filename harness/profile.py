@@ -1,0 +1,448 @@
+"""Scale profiles: one typed, validated config for an emulated (or planned) training cluster.
+
+A profile is a TOML file in scale_profiles/ read with tomllib into these frozen keyword-only
+dataclasses. Every section checks itself in __post_init__ and raises ValueError naming the bad field;
+the loader prefixes the section ("[ftar] chunk_mb must be > 0, got 0") and rejects unknown keys.
+Dotted overrides (`apply_overrides(p, ["ftar.chunk_mb=8", "replicas=4"])`) rebuild the profile
+through the same loader, so they are validated the same way.
+
+Top-level keys: name, description, seed, replicas, ranks_per_replica. Tables: [topology] [network]
+[model] [train] [timeouts] [ftar] [checkpoint] [failures] (+ [[failures.events]]) [spares]
+[scheduler] [emulation]. Every table is optional and has defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from harness.topology import HopClass, hosts_per_replica
+
+PROFILE_DIR = Path(__file__).resolve().parents[1] / "scale_profiles"
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+
+
+def _check(ok: bool, name: str, want: str, got: object) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {want}, got {got!r}")
+
+
+def _positive(obj: object, *names: str) -> None:
+    for n in names:
+        _check(getattr(obj, n) > 0, n, "> 0", getattr(obj, n))
+
+
+def _non_negative(obj: object, *names: str) -> None:
+    for n in names:
+        _check(getattr(obj, n) >= 0, n, ">= 0", getattr(obj, n))
+
+
+def _one_of(obj: object, name: str, allowed: tuple[str, ...]) -> None:
+    _check(getattr(obj, name) in allowed, name, f"one of {allowed}", getattr(obj, name))
+
+
+@dataclass(frozen=True, kw_only=True)
+class TopologyConfig:
+    gpus_per_host: int = 8
+    hosts_per_rack: int = 4
+    racks_per_zone: int = 64
+    zones_per_building: int = 4
+    buildings: int = 1
+
+    def __post_init__(self) -> None:
+        _positive(self, "gpus_per_host", "hosts_per_rack", "racks_per_zone", "zones_per_building", "buildings")
+
+    @property
+    def capacity_hosts(self) -> int:
+        return self.hosts_per_rack * self.racks_per_zone * self.zones_per_building * self.buildings
+
+
+@dataclass(frozen=True, kw_only=True)
+class NetworkConfig:
+    """One-way latency = base_latency_us x the hop class's factor (paper §2.1: rack 1x, other rack 7x,
+    other zone 15x, other building 30x). Bandwidth: each host's NIC serializes its frames at
+    host_nic_gbps; frames that cross a zone also pass the source zone's uplink and the destination
+    zone's downlink, each worth (hosts in zone x host_nic_gbps / cross_zone_oversubscription).
+    A send blocks while its host's NIC backlog exceeds send_buffer_kib (see harness.engine.linkmodel)."""
+
+    base_latency_us: float = 10.0
+    same_host_factor: float = 0.2
+    same_rack_factor: float = 1.0
+    other_rack_factor: float = 7.0
+    other_zone_factor: float = 15.0
+    other_building_factor: float = 30.0
+    host_nic_gbps: float = 400.0
+    loopback_gbps: float = 80.0
+    cross_zone_oversubscription: float = 2.8
+    frame_overhead_bytes: int = 64
+    send_buffer_kib: int = 4096
+    latency_jitter: float = 0.0  # uniform +-fraction of latency, from the world's seeded RNG
+
+    def __post_init__(self) -> None:
+        _positive(self, "base_latency_us", "host_nic_gbps", "loopback_gbps", "send_buffer_kib")
+        _non_negative(self, "same_host_factor", "frame_overhead_bytes", "latency_jitter")
+        _check(self.cross_zone_oversubscription >= 1, "cross_zone_oversubscription", ">= 1",
+               self.cross_zone_oversubscription)
+        _check(self.latency_jitter < 1, "latency_jitter", "< 1", self.latency_jitter)
+        factors = [self.same_rack_factor, self.other_rack_factor, self.other_zone_factor, self.other_building_factor]
+        _check(all(f > 0 for f in factors) and factors == sorted(factors), "*_factor",
+               "positive and non-decreasing from same_rack to other_building", factors)
+
+    def latency_s(self, hop: HopClass) -> float:
+        factor = (self.same_host_factor, self.same_rack_factor, self.other_rack_factor,
+                  self.other_zone_factor, self.other_building_factor)[hop]
+        return self.base_latency_us * 1e-6 * factor
+
+    @property
+    def host_nic_bytes_per_s(self) -> float:
+        return self.host_nic_gbps * 1e9 / 8
+
+    @property
+    def loopback_bytes_per_s(self) -> float:
+        return self.loopback_gbps * 1e9 / 8
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Shape for meta-device compute and for gradient sizes. num_params is the usual dense estimate:
+    layers x (attention 2h^2 (1 + kv_heads/heads) + mlp_matrices x h x ffn) + 2 x vocab x h (untied
+    embeddings)."""
+
+    layers: int = 2
+    hidden: int = 256
+    heads: int = 4
+    kv_heads: int = 0  # 0: heads (no grouped-query attention)
+    vocab: int = 32000
+    seq_len: int = 512
+    ffn_hidden: int = 0  # 0: 4 x hidden
+    mlp_matrices: int = 2  # 3 for SwiGLU
+    dtype: Literal["fp32", "bf16", "fp16", "fp8"] = "bf16"
+
+    def __post_init__(self) -> None:
+        _positive(self, "layers", "hidden", "heads", "vocab", "seq_len", "mlp_matrices")
+        _non_negative(self, "ffn_hidden", "kv_heads")
+        _one_of(self, "dtype", tuple(DTYPE_BYTES))
+        _check(self.hidden % self.heads == 0, "hidden", f"a multiple of heads={self.heads}", self.hidden)
+        _check(self.kv_heads <= self.heads and (self.kv_heads == 0 or self.heads % self.kv_heads == 0),
+               "kv_heads", f"0 or a divisor of heads={self.heads}", self.kv_heads)
+
+    @property
+    def num_params(self) -> int:
+        h, ffn = self.hidden, self.ffn_hidden or 4 * self.hidden
+        attention = 2 * h * h + 2 * h * (h * (self.kv_heads or self.heads) // self.heads)
+        return self.layers * (attention + self.mlp_matrices * h * ffn) + 2 * self.vocab * h
+
+    def grad_bytes_per_rank(self, ranks_per_replica: int) -> int:
+        """Bytes of gradient one rank all-reduces across replicas (fully sharded inside a replica)."""
+        return -(-self.num_params * DTYPE_BYTES[self.dtype] // ranks_per_replica)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    step_compute_s: float = 1.0
+    steps: int = 20
+    min_replicas: int = 1
+    lr_intervention: Literal["none", "linear", "sqrt"] = "sqrt"
+    first_step_extra_s: float = 0.0  # the paper's "first-step effect" of a rejoining replica
+    step_jitter: float = 0.0  # uniform +-fraction of step_compute_s per step
+
+    def __post_init__(self) -> None:
+        _positive(self, "step_compute_s", "steps", "min_replicas")
+        _non_negative(self, "first_step_extra_s", "step_jitter")
+        _one_of(self, "lr_intervention", ("none", "linear", "sqrt"))
+        _check(self.step_jitter < 1, "step_jitter", "< 1", self.step_jitter)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TimeoutConfig:
+    heartbeat_interval_s: float = 1.0
+    failure_timeout_s: float = 60.0  # per-operation timeout that declares a peer failed
+    join_timeout_s: float = 60.0  # how long a quorum waits for a recovering replica
+    connect_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        _positive(self, "heartbeat_interval_s", "failure_timeout_s", "join_timeout_s", "connect_timeout_s")
+        _check(self.heartbeat_interval_s < self.failure_timeout_s, "heartbeat_interval_s",
+               f"< failure_timeout_s={self.failure_timeout_s}", self.heartbeat_interval_s)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FtarConfig:
+    chunk_mb: float = 8.0  # S
+    chunks_in_flight: int = 4  # C
+
+    def __post_init__(self) -> None:
+        _positive(self, "chunk_mb", "chunks_in_flight")
+
+    @property
+    def chunk_bytes(self) -> int:
+        return int(self.chunk_mb * 1024 * 1024)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    every_steps: int = 100  # 0 turns persistent checkpoints off
+    loader_state_every_step: bool = True
+
+    def __post_init__(self) -> None:
+        _non_negative(self, "every_steps")
+
+
+FAILURE_KINDS = ("kill_replica", "kill_host", "hang_host", "kill_lighthouse")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FailureEvent:
+    """One scripted fault at a virtual time (at_s) or at the start of a step (at_step), not both."""
+
+    kind: str
+    at_s: float | None = None
+    at_step: int | None = None
+    replica: int | None = None
+    rank: int = 0  # which host of the replica, for kill_host / hang_host
+    duration_s: float = 0.0  # hang_host: how long the host stays silent (0: forever)
+
+    def __post_init__(self) -> None:
+        _one_of(self, "kind", FAILURE_KINDS)
+        _check((self.at_s is None) != (self.at_step is None), "at_s/at_step", "exactly one set",
+               (self.at_s, self.at_step))
+        _check(self.at_s is None or self.at_s >= 0, "at_s", ">= 0", self.at_s)
+        _check(self.at_step is None or self.at_step >= 0, "at_step", ">= 0", self.at_step)
+        _check(self.kind == "kill_lighthouse" or self.replica is not None, "replica", f"set for {self.kind}", None)
+        _non_negative(self, "rank", "duration_s")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FailureConfig:
+    mode: Literal["none", "scripted", "periodic", "mtbf"] = "none"
+    events: tuple[FailureEvent, ...] = ()
+    interval_s: float = 60.0  # periodic: a failure every interval_s ...
+    interval_jitter_s: float = 0.0  # ... +- uniform jitter
+    mtbf_host_hours: float = 5000.0  # mtbf: per-host mean time between failures
+    distribution: Literal["exponential", "weibull"] = "exponential"
+    weibull_shape: float = 0.7
+    replicas_per_failure: int = 1
+    protected_replicas: tuple[int, ...] = ()  # never failed (e.g. one replica kept as a metrics anchor)
+
+    def __post_init__(self) -> None:
+        _one_of(self, "mode", ("none", "scripted", "periodic", "mtbf"))
+        _one_of(self, "distribution", ("exponential", "weibull"))
+        _positive(self, "interval_s", "mtbf_host_hours", "weibull_shape", "replicas_per_failure")
+        _check(0 <= self.interval_jitter_s <= self.interval_s, "interval_jitter_s",
+               f"within [0, interval_s={self.interval_s}]", self.interval_jitter_s)
+        _check(self.mode != "scripted" or bool(self.events), "events", "non-empty when mode = 'scripted'", ())
+
+    def cluster_mtbf_s(self, num_hosts: int) -> float:
+        """Mean seconds between failures anywhere among num_hosts independent hosts."""
+        return self.mtbf_host_hours * 3600.0 / num_hosts
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpareConfig:
+    hot_spare_hosts: int = 0  # pre-warmed, promoted with alloc_delay_warm_s
+    cold_spare_hosts: int = 0  # idle capacity, allocated with alloc_delay_cold_s
+
+    def __post_init__(self) -> None:
+        _non_negative(self, "hot_spare_hosts", "cold_spare_hosts")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    alloc_delay_cold_s: float = 300.0
+    alloc_delay_warm_s: float = 30.0
+    process_start_s: float = 30.0  # launch, imports, state init before a restarted replica checks in
+    poll_interval_s: float = 5.0  # how often the supervisor looks for missing replicas
+
+    def __post_init__(self) -> None:
+        _non_negative(self, "alloc_delay_cold_s", "alloc_delay_warm_s", "process_start_s")
+        _positive(self, "poll_interval_s")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EmulationConfig:
+    cpu_charging: bool = True  # charge each task's real CPU time to its host's virtual timeline
+    cpu_scale: float = 1.0  # modeled seconds per measured second
+    cpu_clock: Literal["thread", "perf"] = "thread"  # thread CPU time (ignores other load) or wall time
+    host_cpu_cores: int = 8  # concurrent CPU slices per emulated host
+    ftar_detail: Literal["folded", "full"] = "folded"
+
+    def __post_init__(self) -> None:
+        _positive(self, "cpu_scale", "host_cpu_cores")
+        _one_of(self, "cpu_clock", ("thread", "perf"))
+        _one_of(self, "ftar_detail", ("folded", "full"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Profile:
+    name: str
+    replicas: int
+    ranks_per_replica: int
+    description: str = ""
+    seed: int = 0
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
+    ftar: FtarConfig = field(default_factory=FtarConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    failures: FailureConfig = field(default_factory=FailureConfig)
+    spares: SpareConfig = field(default_factory=SpareConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    emulation: EmulationConfig = field(default_factory=EmulationConfig)
+
+    def __post_init__(self) -> None:
+        _positive(self, "replicas", "ranks_per_replica")
+        _check(self.train.min_replicas <= self.replicas, "train.min_replicas",
+               f"<= replicas={self.replicas}", self.train.min_replicas)
+        _check(self.num_hosts <= self.topology.capacity_hosts, "topology",
+               f"large enough for {self.num_hosts} hosts (capacity)", self.topology.capacity_hosts)
+        bad = [r for r in self.failures.protected_replicas if not 0 <= r < self.replicas]
+        bad += [e.replica for e in self.failures.events if e.replica is not None and not 0 <= e.replica < self.replicas]
+        _check(not bad, "failures", f"to name replicas in 0..{self.replicas - 1}", bad)
+
+    @property
+    def num_ranks(self) -> int:
+        return self.replicas * self.ranks_per_replica
+
+    @property
+    def hosts_per_replica(self) -> int:
+        return hosts_per_replica(self.ranks_per_replica, self.topology.gpus_per_host)
+
+    @property
+    def num_hosts(self) -> int:
+        """Training hosts plus spares."""
+        return self.replicas * self.hosts_per_replica + self.spares.hot_spare_hosts + self.spares.cold_spare_hosts
+
+
+# -- loading -----------------------------------------------------------------------------------------
+
+def _convert(hint: Any, value: Any, path: str) -> Any:
+    """`value` (from TOML) checked and converted to the field type `hint`; ValueError naming `path`."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise ValueError(f"{path} must be a table, got {value!r}")
+        return _build(hint, value, path + ".")
+    if origin in (types.UnionType, typing.Union):
+        if value is None and type(None) in args:
+            return None
+        return _convert(next(a for a in args if a is not type(None)), value, path)
+    if origin is Literal:
+        if value not in args:
+            raise ValueError(f"{path} must be one of {args}, got {value!r}")
+        return value
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{path} must be an array, got {value!r}")
+        return tuple(_convert(args[0], v, f"{path}[{i}]") for i, v in enumerate(value))
+    if hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, str, bool) and type(value) is hint:
+        return value
+    raise ValueError(f"{path} must be {getattr(hint, '__name__', hint)}, got {value!r}")
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(f"unknown key '{prefix}{unknown[0]}' (known: {', '.join(sorted(names))})")
+    missing = [f.name for f in dataclasses.fields(cls) if f.name not in data
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ValueError(f"missing key '{prefix}{missing[0]}'")
+    kwargs = {k: _convert(hints[k], v, prefix + k) for k, v in data.items()}
+    try:
+        return cls(**kwargs)
+    except ValueError as e:
+        if prefix and not str(e).startswith("["):
+            raise ValueError(f"[{prefix.rstrip('.')}] {e}") from None
+        raise
+
+
+def profile_from_dict(data: dict[str, Any]) -> Profile:
+    """Validate a parsed TOML document into a Profile. Raises ValueError naming the bad key."""
+    return _build(Profile, data)
+
+
+def profile_path(name_or_path: str | Path) -> Path:
+    """A profile name ("meta-98k") resolves to scale_profiles/<name>.toml; anything else is a path."""
+    p = Path(name_or_path)
+    if p.suffix != ".toml" and not p.exists():
+        p = PROFILE_DIR / f"{name_or_path}.toml"
+    return p
+
+
+def load_profile(name_or_path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Profile:
+    """Read, validate and override a profile. Raises FileNotFoundError, ValueError."""
+    with open(profile_path(name_or_path), "rb") as f:
+        data = tomllib.load(f)
+    return apply_overrides(profile_from_dict(data), overrides)
+
+
+def list_profiles() -> list[str]:
+    """Names of the scale profiles in scale_profiles/ (other TOML files there, e.g. the time-to-train
+    profile, have no ranks_per_replica and are skipped)."""
+    names = []
+    for path in sorted(PROFILE_DIR.glob("*.toml")):
+        with open(path, "rb") as f:
+            if "ranks_per_replica" in tomllib.load(f):
+                names.append(path.stem)
+    return names
+
+
+def _parse_value(raw: str) -> Any:
+    """A TOML value ("8", "2.5", "true", "[1, 2]", '"x"'); a bare word falls back to a string."""
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def apply_overrides(profile: Profile, overrides: list[str] | tuple[str, ...]) -> Profile:
+    """A new profile with each "dotted.key=value" applied, validated like a loaded file.
+
+    Raises:
+        ValueError: malformed override, unknown key, or a value the field rejects.
+    """
+    if not overrides:
+        return profile
+    data = _to_dict(profile)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ValueError(f"override {item!r} is not 'dotted.key=value'")
+        *parents, leaf = key.split(".")
+        node = data
+        for part in parents:
+            if not isinstance(node.get(part), dict):
+                raise ValueError(f"unknown key '{key}' in override {item!r}")
+            node = node[part]
+        if leaf not in node:
+            raise ValueError(f"unknown key '{key}' in override {item!r}")
+        node[leaf] = _parse_value(raw.strip())
+    return profile_from_dict(data)
+
+
+def _to_dict(obj: Any) -> Any:
+    """Like dataclasses.asdict, but None fields are dropped (TOML has no null) and tuples become lists."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+                if getattr(obj, f.name) is not None}
+    if isinstance(obj, tuple):
+        return [_to_dict(v) for v in obj]
+    return obj
+
+
+def weibull_scale_for_mean(mean: float, shape: float) -> float:
+    """Weibull scale parameter giving the requested mean (mean = scale x Gamma(1 + 1/shape))."""
+    return mean / math.gamma(1.0 + 1.0 / shape)

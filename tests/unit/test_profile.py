@@ -1,0 +1,122 @@
+"""Scale profiles: the shipped TOML files load with their seed-document numbers; overrides and
+validation errors name the offending key."""
+
+from __future__ import annotations
+
+import tomllib
+
+import pytest
+
+from harness.profile import (FailureEvent, NetworkConfig, Profile, apply_overrides, list_profiles,
+                             load_profile, profile_from_dict, profile_path, weibull_scale_for_mean)
+from harness.topology import HopClass
+
+SHIPPED = ["meta-98k", "llama3-16k", "design-4k", "crusoe-300", "ci-small"]
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_profiles_load(name):
+    p = load_profile(name)
+    assert p.name == name and p.num_hosts <= p.topology.capacity_hosts and p.model.num_params > 0
+
+
+def test_list_profiles_finds_the_scale_profiles():
+    assert set(SHIPPED) <= set(list_profiles())
+    assert all(load_profile(n).name == n for n in list_profiles())
+
+
+def test_meta_98k_numbers_come_from_the_paper():
+    p = load_profile("meta-98k")
+    assert (p.replicas, p.ranks_per_replica, p.num_ranks) == (12, 8192, 98_304)
+    assert p.topology.buildings == 4 and p.train.step_compute_s == 20.0 and p.timeouts.failure_timeout_s == 60.0
+    assert p.failures.cluster_mtbf_s(p.num_hosts) == pytest.approx(18 * 60)  # a failure every 18 minutes
+    ratios = [p.network.latency_s(h) / p.network.latency_s(HopClass.SAME_RACK)
+              for h in (HopClass.OTHER_RACK, HopClass.OTHER_ZONE, HopClass.OTHER_BUILDING)]
+    assert ratios == [7, 15, 30] and p.network.cross_zone_oversubscription == 2.8
+    assert p.ftar.chunk_bytes == 8 * 2**20 and p.checkpoint.every_steps == 100
+
+
+def test_the_other_profiles_match_their_seeds():
+    design = load_profile("design-4k")
+    assert design.num_ranks == 3968 and design.spares.hot_spare_hosts * 8 == 32 and design.num_hosts == 500
+    assert 450e9 < design.model.num_params < 550e9
+    crusoe = load_profile("crusoe-300")
+    assert (crusoe.replicas, crusoe.ranks_per_replica, crusoe.num_hosts) == (30, 10, 30)
+    assert crusoe.failures.mode == "periodic" and crusoe.failures.interval_s == 60.0
+    assert crusoe.train.step_compute_s == pytest.approx(11, abs=0.2) and crusoe.checkpoint.every_steps == 0
+    llama = load_profile("llama3-16k")
+    assert llama.num_ranks == 16_384 and 400e9 < llama.model.num_params < 410e9
+    assert llama.failures.cluster_mtbf_s(llama.num_hosts) == pytest.approx(54 * 86400 / 419, rel=1e-3)
+    ci = load_profile("ci-small")
+    assert ci.failures.events == (FailureEvent(kind="kill_replica", at_step=3, replica=1),)
+    assert ci.emulation.cpu_charging is False
+
+
+def test_overrides_are_typed_and_validated():
+    p = load_profile("ci-small")
+    q = apply_overrides(p, ["ftar.chunk_mb=8", "replicas=2", "emulation.cpu_charging=true",
+                            "failures.distribution=weibull", "failures.protected_replicas=[0]"])
+    assert q.ftar.chunk_mb == 8.0 and isinstance(q.ftar.chunk_mb, float) and q.replicas == 2
+    assert q.emulation.cpu_charging is True and q.failures.distribution == "weibull"
+    assert q.failures.protected_replicas == (0,) and p.replicas == 4  # the original is untouched
+    assert load_profile("ci-small", ["train.steps=3"]).train.steps == 3
+    with pytest.raises(ValueError, match="ftar.chunk_mbb"):
+        apply_overrides(p, ["ftar.chunk_mbb=8"])
+    with pytest.raises(ValueError, match="nosuch.key"):
+        apply_overrides(p, ["nosuch.key=1"])
+    with pytest.raises(ValueError, match="chunk_mb"):
+        apply_overrides(p, ["ftar.chunk_mb=0"])
+    with pytest.raises(ValueError, match="replicas"):
+        apply_overrides(p, ["replicas=two"])
+    with pytest.raises(ValueError, match="distribution"):
+        apply_overrides(p, ["failures.distribution=gamma"])
+    with pytest.raises(ValueError, match="dotted.key=value"):
+        apply_overrides(p, ["replicas"])
+
+
+def base() -> dict:
+    with open(profile_path("ci-small"), "rb") as f:
+        return tomllib.load(f)
+
+
+@pytest.mark.parametrize("patch, message", [
+    ({"replicaz": 3}, "unknown key 'replicaz'"),
+    ({"ftar": {"chunk_mb": 1, "chunks": 2}}, "unknown key 'ftar.chunks'"),
+    ({"replicas": 0}, "replicas must be > 0"),
+    ({"replicas": 2.5}, "replicas must be int"),
+    ({"train": {"steps": "ten"}}, "train.steps must be int"),
+    ({"train": {"min_replicas": 9}}, "min_replicas"),
+    ({"replicas": 100}, "topology"),
+    ({"model": {"hidden": 100, "heads": 3}}, "hidden"),
+    ({"network": {"other_rack_factor": 0.5}}, "_factor"),
+    ({"timeouts": {"heartbeat_interval_s": 5.0}}, "heartbeat_interval_s"),
+    ({"failures": {"mode": "scripted"}}, "events"),
+    ({"failures": {"mode": "often"}}, "failures.mode"),
+    ({"failures": {"mode": "scripted", "events": [{"kind": "kill_replica", "replica": 1}]}}, "at_s/at_step"),
+    ({"failures": {"mode": "scripted", "events": [{"kind": "kill_replica", "at_s": 1.0, "replica": 7}]}},
+     "failures"),
+    ({"topology": "big"}, "topology must be a table"),
+])
+def test_validation_errors_name_the_key(patch, message):
+    data = base()
+    for key, value in patch.items():
+        if isinstance(value, dict) and isinstance(data.get(key), dict):
+            data[key] = {**data[key], **value}
+        else:
+            data[key] = value
+    if patch.get("failures", {}).get("mode") == "scripted" and "events" not in patch["failures"]:
+        data["failures"].pop("events", None)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        profile_from_dict(data)
+
+
+def test_missing_required_keys_and_defaults():
+    with pytest.raises(ValueError, match="missing key 'name'"):
+        profile_from_dict({"replicas": 1, "ranks_per_replica": 1})
+    p = profile_from_dict({"name": "x", "replicas": 2, "ranks_per_replica": 8})
+    assert isinstance(p, Profile) and p.network == NetworkConfig() and p.num_hosts == 2
+
+
+def test_weibull_scale_gives_the_mean():
+    assert weibull_scale_for_mean(10.0, 1.0) == pytest.approx(10.0)  # shape 1 is exponential
+    assert weibull_scale_for_mean(10.0, 0.7) < 10.0
