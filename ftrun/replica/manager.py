@@ -2,7 +2,7 @@
 
 Every rank of a replica runs one Manager. A step is:
 
-    q = manager.start_step()        # check-in (collective), leader asks the lighthouse, decision broadcast
+    q = manager.start_step()        # leader asks the lighthouse, decision broadcast (collective)
     ... forward / backward / cross-replica exchange among q.participants ...
     manager.report_error(e)         # on any failure in this rank's part of the step
     if manager.should_commit():     # every rank's vote (collective); all ok -> commit
@@ -86,16 +86,22 @@ class Manager:
         self._move("start")
         self._errors.clear()
         try:
-            lo, hi = self.comm.all_reduce_int([-self.step, self.step], "max")
-            if -lo != hi:
-                raise ReplicaError(f"ranks of replica {self.replica_id} disagree on the step ({-lo}..{hi})")
             if self._data_addrs is None:
-                self._data_addrs = tuple(a.decode() for a in self.comm.all_gather_bytes(self._data_addr.encode()))
+                self._check_in()
             decision = self._agree_on_decision()
         except Exception as e:
             self._move("fail")
             raise e if isinstance(e, ReplicaError) else ReplicaError(f"quorum failed: {e}") from e
         return self._enter_step(decision)
+
+    def _check_in(self) -> None:
+        """Once per incarnation: every rank is up, agrees on the step, and shares its endpoints. Later
+        steps need no check-in: the previous step's commit vote was a collective every rank took part in
+        and whose result every rank holds, which proves the same thing."""
+        lo, hi = self.comm.all_reduce_int([-self.step, self.step], "max")
+        if -lo != hi:
+            raise ReplicaError(f"ranks of replica {self.replica_id} disagree on the step ({-lo}..{hi})")
+        self._data_addrs = tuple(a.decode() for a in self.comm.all_gather_bytes(self._data_addr.encode()))
 
     def _agree_on_decision(self) -> Decision:
         payload = None
