@@ -1,0 +1,73 @@
+"""Persistent-checkpoint decisions: cadence, which replica writes, what to prune. Pure.
+
+Model and optimizer state are replicated, so one replica writes them (paper §4.4). The writer of the
+checkpoint at step n is chosen from the quorum of step n, at its start: every participant that is not
+behind then holds the state after n committed steps (the one the checkpoint must contain), and every
+rank of every participant computes the same answer without talking to anyone.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Iterable
+
+from ftrun.data.loader_state import HasStep
+
+STEP_DIR = re.compile(r"^step-(\d{8,})$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """every_steps: checkpoint after every that many committed steps. keep: complete checkpoints kept."""
+
+    every_steps: int = 100
+    keep: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("every_steps", "keep"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"CheckpointConfig.{name} must be an int >= 1, got {value!r}")
+
+
+def step_dir(step: int) -> str:
+    """Folder name of the checkpoint after `step` committed steps."""
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    return f"step-{step:08d}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    m = STEP_DIR.match(name)
+    return int(m.group(1)) if m else None
+
+
+def should_checkpoint(step: int, config: CheckpointConfig) -> bool:
+    """Whether the state after `step` committed steps is checkpointed (never the untrained step 0)."""
+    return step > 0 and step % config.every_steps == 0
+
+
+def checkpoint_writer(participants: Iterable[HasStep]) -> str | None:
+    """The lowest replica id among the participants at the quorum's step (not behind); None if none.
+
+    `participants` are the quorum's (replica_id, step) pairs, e.g. StepQuorum.participants.
+    """
+    ps = list(participants)
+    if not ps:
+        return None
+    top = max(p.step for p in ps)
+    return min(p.replica_id for p in ps if p.step == top)
+
+
+def prune_plan(complete: Iterable[int], incomplete: Iterable[int], keep: int) -> list[int]:
+    """Steps whose folders to delete: complete checkpoints beyond the newest `keep`, and incomplete ones
+    older than the newest complete checkpoint (an incomplete newer one may be a write in progress)."""
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    done = sorted(set(complete), reverse=True)
+    newest = done[0] if done else None
+    drop = done[keep:]
+    if newest is not None:
+        drop += [s for s in set(incomplete) if s < newest]
+    return sorted(drop)

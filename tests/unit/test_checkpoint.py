@@ -1,0 +1,238 @@
+"""Persistent checkpoints: writer choice, cadence, pruning plan, manifest, and the DCP store on a tiny model."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from ftrun.checkpoint import manifest as mf
+from ftrun.checkpoint import store
+from ftrun.checkpoint.policy import (
+    CheckpointConfig, checkpoint_writer, parse_step_dir, prune_plan, should_checkpoint, step_dir,
+)
+from ftrun.data.loader_state import LoaderState
+from ftrun.data.sampler import DataLayout
+from ftrun.storage import FileStorage
+from ftrun.train.lr import BASE_LR_KEY, apply_lr_factor
+
+LAYOUT = DataLayout(dataset_size=64, num_replicas=2, ranks_per_replica=1, batch_size_per_rank=4)
+
+
+@dataclass(frozen=True)
+class P:
+    replica_id: str
+    step: int
+
+
+# -- pure policy -----------------------------------------------------------------------------------
+WRITER_CASES = [
+    ("lowest id of all healthy", [P("b", 5), P("a", 5), P("c", 5)], "a"),
+    ("behind replicas never write", [P("a", 3), P("b", 5), P("c", 5)], "b"),
+    ("only one healthy", [P("a", 1), P("b", 1), P("c", 9)], "c"),
+    ("string order, like the ring", [P("r10", 4), P("r2", 4)], "r10"),
+    ("no participants", [], None),
+]
+
+
+@pytest.mark.parametrize(("name", "participants", "writer"), WRITER_CASES, ids=[c[0] for c in WRITER_CASES])
+def test_checkpoint_writer(name, participants, writer):
+    assert checkpoint_writer(participants) == writer
+
+
+@pytest.mark.parametrize(("step", "every", "expected"), [
+    (0, 100, False), (99, 100, False), (100, 100, True), (200, 100, True), (201, 100, False), (3, 1, True),
+])
+def test_should_checkpoint(step, every, expected):
+    assert should_checkpoint(step, CheckpointConfig(every_steps=every)) is expected
+
+
+@pytest.mark.parametrize(("field", "value"), [("every_steps", 0), ("keep", 0), ("keep", True), ("every_steps", 1.5)])
+def test_config_validation_names_the_field(field, value):
+    with pytest.raises(ValueError, match=f"CheckpointConfig.{field}"):
+        CheckpointConfig(**{field: value})
+
+
+def test_defaults_follow_the_paper():
+    assert CheckpointConfig().every_steps == 100
+
+
+PRUNE_CASES = [
+    ("nothing to prune", [300, 200], [], 3, []),
+    ("drop the oldest complete", [100, 200, 300, 400], [], 2, [100, 200]),
+    ("torn folders older than the newest complete go", [100, 300], [200, 50], 2, [50, 200]),
+    ("a torn folder newer than every complete stays (write in progress)", [100], [200], 1, []),
+    ("no complete checkpoint: keep everything", [], [100, 200], 1, []),
+]
+
+
+@pytest.mark.parametrize(("name", "complete", "incomplete", "keep", "drop"), PRUNE_CASES,
+                         ids=[c[0] for c in PRUNE_CASES])
+def test_prune_plan(name, complete, incomplete, keep, drop):
+    assert prune_plan(complete, incomplete, keep) == drop
+
+
+def test_step_dir_names_round_trip():
+    assert step_dir(1200) == "step-00001200" and parse_step_dir("step-00001200") == 1200
+    assert parse_step_dir("step-12") is None and parse_step_dir("tmp") is None
+
+
+# -- manifest --------------------------------------------------------------------------------------
+def test_manifest_round_trip_and_checks():
+    m = mf.Manifest(7, (mf.FileEntry("a.distcp", 10, 1), mf.FileEntry("loader_state.bin", 3, 2)),
+                    "loader_state.bin", "abc")
+    assert mf.decode(mf.encode(m)) == m
+    sizes, crcs = {"a.distcp": 10, "loader_state.bin": 2}, {"a.distcp": 5}
+    problems = mf.check_files(m, sizes.get, crcs.get)
+    assert problems == ["a.distcp: CRC32 0x00000005 does not match the manifest's 0x00000001",
+                        "loader_state.bin: truncated or resized (2 bytes, manifest says 3)"]
+    assert mf.check_files(m, {}.get, crcs.get) == ["a.distcp: missing", "loader_state.bin: missing"]
+
+
+@pytest.mark.parametrize(("data", "message"), [
+    (b"{", "malformed manifest"),
+    (json.dumps({"format": "other/1"}).encode(), "format 'other/1'"),
+    (json.dumps({"format": mf.FORMAT, "step": 1, "loader_state": "x", "files": []}).encode(), "not among the listed"),
+    (json.dumps({"format": mf.FORMAT, "step": 1, "loader_state": "../x",
+                 "files": [{"name": "../x", "size": 1, "crc32": 0}]}).encode(), "plain names"),
+])
+def test_manifest_decode_errors(data, message):
+    with pytest.raises(mf.ManifestError, match=message):
+        mf.decode(data)
+
+
+# -- the store on a tiny model ---------------------------------------------------------------------
+def make(seed: int = 0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def train(model, opt, steps: int, seed: int = 1) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(5, 3, generator=gen)).pow(2).mean().backward()
+        opt.step()
+
+
+def ledger(step: int) -> LoaderState:
+    s = LoaderState.initial(LAYOUT, ("r0", "r1"))
+    for n in range(step):
+        s = s.advance(step=n, contributors=("r0", "r1") if n % 2 else ("r0",))
+    return s
+
+
+def save_at(root, model, opt, step, keep=5):
+    return store.save(root, step=step, model=model, optimizer=opt, loader_state=ledger(step), keep=keep)
+
+
+def test_save_then_restore_round_trips_model_optimizer_and_loader_state(tmp_path):
+    model, opt = make()
+    train(model, opt, 3)
+    info = save_at(tmp_path, model, opt, 3)
+    assert info.path == tmp_path / "step-00000003"
+    names = {f.name for f in info.manifest.files}
+    assert {"loader_state.bin", ".metadata"} <= names and any(n.endswith(".distcp") for n in names)
+    fresh, fresh_opt = make(seed=9)
+    step, state = store.restore(tmp_path, fresh, fresh_opt)
+    assert step == 3 and state == ledger(3)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
+    bufs = [fresh_opt.state[p]["momentum_buffer"] for p in fresh.parameters()]
+    assert all(torch.equal(a, opt.state[p]["momentum_buffer"]) for a, p in zip(bufs, model.parameters()))
+
+
+def test_restore_brings_back_param_group_keys_a_fresh_optimizer_lacks(tmp_path):
+    model, opt = make()
+    apply_lr_factor(opt, 0.5)
+    train(model, opt, 1)
+    save_at(tmp_path, model, opt, 1)
+    fresh, fresh_opt = make()
+    store.restore(tmp_path, fresh, fresh_opt)
+    assert fresh_opt.param_groups[0][BASE_LR_KEY] == 0.1 and fresh_opt.param_groups[0]["lr"] == 0.05
+
+
+def test_a_checkpoint_without_its_manifest_is_not_current(tmp_path, monkeypatch):
+    model, opt = make()
+    train(model, opt, 1)
+    save_at(tmp_path, model, opt, 1)
+    real_write = FileStorage.write_atomic
+
+    def crash_on_manifest(self, key, data):
+        if key.endswith(mf.MANIFEST):
+            raise OSError("killed before the manifest")
+        real_write(self, key, data)
+
+    monkeypatch.setattr(FileStorage, "write_atomic", crash_on_manifest)
+    with pytest.raises(OSError):
+        save_at(tmp_path, model, opt, 2)
+    assert (tmp_path / "step-00000002").is_dir()
+    assert store.latest_complete(tmp_path).step == 1
+    assert store.scan(tmp_path)[0].problems == ("manifest.json: missing (the write did not finish)",)
+
+
+@pytest.mark.parametrize(("damage", "problem"), [
+    ("flip", "CRC32 0x"),
+    ("truncate", "truncated or resized"),
+    ("delete", "missing"),
+])
+def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning_naming_the_file(tmp_path, caplog, damage, problem):
+    model, opt = make()
+    train(model, opt, 2)
+    save_at(tmp_path, model, opt, 2)
+    train(model, opt, 2)
+    save_at(tmp_path, model, opt, 4)
+    victim = next((tmp_path / "step-00000004").glob("*.distcp"))
+    data = victim.read_bytes()
+    if damage == "flip":
+        victim.write_bytes(data[:40] + bytes([data[40] ^ 1]) + data[41:])
+    elif damage == "truncate":
+        victim.write_bytes(data[: len(data) // 2])
+    else:
+        victim.unlink()
+    with caplog.at_level(logging.WARNING, logger="ftrun.checkpoint"):
+        info = store.latest_complete(tmp_path)
+    assert info.step == 2
+    assert f"step-00000004 skipped" in caplog.text and f"{victim.name}: {problem}" in caplog.text
+    fresh, fresh_opt = make()
+    assert store.restore(tmp_path, fresh, fresh_opt)[0] == 2
+
+
+def test_a_corrupt_manifest_falls_back_too(tmp_path):
+    model, opt = make()
+    train(model, opt, 1)
+    save_at(tmp_path, model, opt, 1)
+    save_at(tmp_path, model, opt, 2)
+    (tmp_path / "step-00000002" / mf.MANIFEST).write_bytes(b'{"format": "ftrun.checkpoint/1", "st')
+    assert store.latest_complete(tmp_path).step == 1
+
+
+def test_pruning_keeps_the_newest_complete_checkpoints(tmp_path):
+    model, opt = make()
+    train(model, opt, 1)
+    (tmp_path / "step-00000001").mkdir()  # torn leftover of an earlier write
+    for step in (2, 3, 4, 5):
+        save_at(tmp_path, model, opt, step, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000004", "step-00000005"]
+
+
+def test_rewriting_a_step_replaces_it(tmp_path):
+    model, opt = make()
+    train(model, opt, 1)
+    save_at(tmp_path, model, opt, 1)
+    train(model, opt, 1)
+    save_at(tmp_path, model, opt, 1)
+    fresh, fresh_opt = make()
+    store.restore(tmp_path, fresh, fresh_opt)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
+
+
+def test_restore_without_a_checkpoint_and_save_misuse(tmp_path):
+    model, opt = make()
+    with pytest.raises(store.NoCheckpoint):
+        store.restore(tmp_path / "none", model, opt)
+    with pytest.raises(ValueError, match="loader_state is at step 3, the checkpoint is of step 4"):
+        store.save(tmp_path, step=4, model=model, optimizer=opt, loader_state=ledger(3))
