@@ -51,10 +51,16 @@ class StepQuorum:
     replica_index: int  # this replica's position in participants (its place in the FTAR ring)
     healed: bool  # this replica was behind and caught up at the start of this step
     reason: str
+    behind: tuple[str, ...] = ()  # replicas healing this step: in the ring, contributing zeros
 
     @property
     def num_participants(self) -> int:
         return len(self.participants)
+
+    @property
+    def num_contributors(self) -> int:
+        """Participants that train this step (not behind): the divisor of the gradient mean."""
+        return len(self.participants) - len(self.behind)
 
 
 HealFn = Callable[[StepQuorum], None]
@@ -125,7 +131,8 @@ class Manager:
             self._move("fail")
             raise ReplicaError(f"replica {self.replica_id} is not in quorum {d.quorum_id} ({', '.join(ids)})")
         behind = self.replica_id in d.behind
-        q = StepQuorum(d.quorum_id, d.max_step, d.participants, ids.index(self.replica_id), behind, d.reason)
+        q = StepQuorum(d.quorum_id, d.max_step, d.participants, ids.index(self.replica_id), behind, d.reason,
+                       d.behind)
         self.quorum = q
         self._emit("quorum", participants=list(ids), reason=d.reason, behind=list(d.behind))
         if behind:

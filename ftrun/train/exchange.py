@@ -3,7 +3,8 @@
 Rank r of every participating replica forms one ring (in the quorum's participant order), found through
 the "ftar" endpoint each rank published with the quorum request. The ring is rebuilt whenever the quorum
 id changes (membership change or a failed commit) and used as it is otherwise. A replica that healed
-this step contributes zeros. The result is the mean over participants.
+this step contributes zeros. The result is the mean over the contributors (participants not behind), so
+a healing replica does not dilute the gradient.
 
 Failures: RecoverableError (a peer died or stalled) is for the caller to report to the Manager, which
 turns it into a 'don't commit' vote; the healthy replica retries the step under the next quorum.
@@ -33,7 +34,7 @@ class GradientExchange:
         return ring
 
     def average(self, quorum: StepQuorum, grads: np.ndarray, *, dtype: str | None = None) -> None:
-        """Replace `grads` (C-contiguous, in place) by the mean over the quorum's participants."""
+        """Replace `grads` (C-contiguous, in place) by the mean over the quorum's contributors."""
         if quorum.healed:
             grads.fill(0)  # caught up this step: contributes nothing, receives everyone's mean
         if self._epoch != quorum.quorum_id:
@@ -45,5 +46,5 @@ class GradientExchange:
         except RecoverableError:
             self._epoch = None  # the ring is gone; the failed commit bumps the quorum id for the rebuild
             raise
-        if quorum.num_participants > 1:
-            np.divide(grads, quorum.num_participants, out=grads, casting="unsafe")
+        if quorum.num_contributors > 1:
+            np.divide(grads, quorum.num_contributors, out=grads, casting="unsafe")

@@ -98,3 +98,23 @@ def test_peer_death_mid_exchange_is_a_failed_commit_then_training_goes_on():
         rep.manager.close()
         rep.engine.close()
     lh.stop()
+
+
+def test_a_healing_replica_contributes_zeros_and_does_not_dilute_the_mean():
+    env = RealEnv()
+    lh = Lighthouse(env=env, config=LighthouseConfig(min_replicas=2, timeouts=T), token="t")
+    lh.start()
+    reps = [Replica(env, lh, f"r{i}") for i in range(3)]
+    reps[0].manager.step = reps[1].manager.step = 5  # r2 (step 0) is behind: it heals and sends zeros
+    tasks = [env.spawn(r.step, 1000, name=r.manager.replica_id) for r in reps]
+    for t in tasks:
+        assert t.join(30.0) and t.exception is None, t.exception
+    for rep in reps:
+        quorum_id, participants, committed, value = rep.log[0]
+        assert participants == ["r0", "r1", "r2"] and committed
+        assert value == 1.5  # mean of r0's 1 and r1's 2; r2's 3 is not trained this step
+    assert {r.manager.step for r in reps} == {6}
+    for rep in reps:
+        rep.manager.close()
+        rep.engine.close()
+    lh.stop()
