@@ -1,0 +1,248 @@
+"""The catch-up state server: a healthy rank's published snapshot over HTTP.
+
+    GET /catchup/{step}/manifest      JSON manifest (ftrun.catchup.manifest)
+    GET /catchup/{step}/shard/{i}     the raw bytes of shard i (Content-Length = its size)
+    GET /catchup/status               JSON: the step this source has and its state
+
+Every request carries the job token (`Authorization: Bearer TOKEN`; otherwise 401). A request for a step
+not published yet waits up to `?wait=S` seconds (at most CatchupConfig.long_poll_s; that by default)
+for it — the healthy replicas publish partway through the step — then answers 404. A step retired or
+superseded answers 410 at once. Error bodies are JSON: {"error": ..., "step": asked, "have": newest}.
+Shards go out with sendfile from the snapshot's in-memory file: no copy through Python.
+
+Runs aiohttp on its own event loop in one Env task (the ftrun.quorum.http pattern); binds 127.0.0.1 by
+default. Threading: publish/retire from the training task; the server task only reads the snapshot.
+A publish or retire aborts shard transfers of the step it replaces within one 8 MiB chunk (the client
+retries elsewhere; bytes torn by the overwrite in between fail the shard's CRC).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+from aiohttp import web
+
+from ftrun.catchup.config import CatchupConfig
+from ftrun.catchup.manifest import ShardSpec
+from ftrun.catchup.snapshot import Published, SnapshotStore
+from ftrun.env.base import Env
+
+log = logging.getLogger("ftrun.heal")
+
+_SEND_CHUNK = 8 << 20  # sendfile granularity: a replaced snapshot stops a transfer within this many bytes
+
+
+@dataclass(frozen=True)
+class Fault:
+    """Fault injection for tests: how to spoil one shard response, and what to do right after."""
+
+    kind: str  # "corrupt": flip one byte; "truncate": send half the body, then close the connection
+    then: Callable[[], None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("corrupt", "truncate"):
+            raise ValueError(f"Fault.kind must be 'corrupt' or 'truncate', got {self.kind!r}")
+
+
+FaultHook = Callable[[int, int], "Fault | None"]  # (step, shard index) -> fault to inject, if any
+
+
+class CatchupServer:
+    def __init__(self, *, env: Env, token: str, config: CatchupConfig = CatchupConfig(),
+                 fault: FaultHook | None = None) -> None:
+        if not token:
+            raise ValueError("CatchupServer needs a non-empty job token")
+        self.env, self.config, self._token, self._fault = env, config, token, fault
+        self.store = SnapshotStore(env=env, max_shard_bytes=config.max_shard_bytes, on_change=self._store_changed)
+        self.url = ""
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._error: BaseException | None = None
+
+    # -- training-loop side --------------------------------------------------------------------
+    def start(self) -> str:
+        """Start serving; returns the base URL ("http://127.0.0.1:PORT")."""
+        ready = self.env.event()
+        self._task = self.env.spawn(self._serve, ready, name="catchup-http")
+        if not ready.wait(timeout=self.config.timeouts.connect_timeout_s) or self._error is not None:
+            raise RuntimeError(f"catch-up server did not start on {self.config.bind}: {self._error}")
+        return self.url
+
+    def publish(self, step: int, state: Mapping[str, torch.Tensor], metadata: dict[str, Any] | None = None) -> None:
+        """Snapshot `state` as `step` (see SnapshotStore.publish); served once checksummed."""
+        self.store.publish(step, state, metadata)
+
+    def retire(self, step: int) -> None:
+        """Stop serving `step` (after it commits); in-flight transfers of it are aborted."""
+        self.store.retire(step)
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        return self.store.wait_ready(timeout)
+
+    def stop(self) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(self._stopping.set)
+            except RuntimeError:  # the loop closed meanwhile
+                pass
+            self._task.join(timeout=self.config.timeouts.connect_timeout_s)
+        self.store.close()
+
+    # -- server task ---------------------------------------------------------------------------
+    def _serve(self, ready) -> None:
+        loop = asyncio.new_event_loop()
+        try:
+            loop.run_until_complete(self._run(loop, ready))
+        except BaseException as e:
+            self._error = e
+            ready.set()
+            raise
+        finally:
+            self._loop = None
+            loop.close()
+
+    async def _run(self, loop: asyncio.AbstractEventLoop, ready) -> None:
+        self._stopping, self._changed = asyncio.Event(), asyncio.Event()
+        app = web.Application(middlewares=[self._auth])
+        app.add_routes([web.get("/catchup/status", self._status),
+                        web.get("/catchup/{step}/manifest", self._manifest),
+                        web.get("/catchup/{step}/shard/{index}", self._shard)])
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0, handler_cancellation=True)
+        await runner.setup()
+        host, _, port = self.config.bind.rpartition(":")
+        try:
+            await web.TCPSite(runner, host, int(port)).start()
+            host, port = runner.addresses[0][:2]
+            self.url, self._loop = f"http://{host}:{port}", loop
+            ready.set()
+            await self._stopping.wait()
+            self._wake()
+        finally:
+            await runner.cleanup()
+
+    def _store_changed(self) -> None:
+        loop = self._loop
+        if loop is not None:
+            try:
+                loop.call_soon_threadsafe(self._wake)
+            except RuntimeError:  # the loop closed meanwhile: nobody to wake
+                pass
+
+    def _wake(self) -> None:
+        """On the loop: wake long-polls (shard transfers notice a replaced snapshot between chunks)."""
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    # -- handlers ------------------------------------------------------------------------------
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        given = request.headers.get("Authorization", "").removeprefix("Bearer ")
+        if not hmac.compare_digest(given.encode(), self._token.encode()):
+            return web.json_response({"error": "missing or wrong job token"}, status=401)
+        return await handler(request)
+
+    async def _status(self, request: web.Request) -> web.Response:
+        return web.json_response(self.store.status())
+
+    async def _manifest(self, request: web.Request) -> web.StreamResponse:
+        step = _int(request.match_info["step"])
+        if step is None:
+            return _error(400, "step must be a non-negative integer", None, self.store.newest)
+        published, err = await self._await_step(step, self._wait_s(request))
+        if published is None:
+            return err
+        return web.Response(body=published.manifest_json, content_type="application/json")
+
+    async def _shard(self, request: web.Request) -> web.StreamResponse:
+        step, index = _int(request.match_info["step"]), _int(request.match_info["index"])
+        if step is None or index is None:
+            return _error(400, "step and shard index must be non-negative integers", step, self.store.newest)
+        published, err = await self._await_step(step, self._wait_s(request))
+        if published is None:
+            return err
+        shards = published.manifest.layout.shards
+        if index >= len(shards):
+            return _error(404, f"step {step} has {len(shards)} shards, not shard {index}", step, step)
+        return await self._send_shard(request, published, shards[index])
+
+    async def _send_shard(self, request: web.Request, published: Published, shard: ShardSpec) -> web.StreamResponse:
+        if published.generation != self.store.generation:  # replaced while this request waited
+            return _error(410, f"step {published.step} was replaced", published.step, self.store.newest)
+        resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream",
+                                           "X-Ftrun-Step": str(published.step), "X-Ftrun-Offset": str(shard.offset)})
+        resp.content_length = shard.nbytes
+        await resp.prepare(request)
+        transport = request.transport
+        fault = self._fault(published.step, shard.index) if self._fault else None
+        if transport is None:
+            return resp
+        if fault is not None:
+            return await _send_faulty(resp, transport, published, shard, fault)
+        loop = asyncio.get_running_loop()
+        for start in range(shard.offset, shard.offset + shard.nbytes, _SEND_CHUNK):
+            # Checked between chunks: aborting a transport inside loop.sendfile trips asyncio up.
+            if published.generation != self.store.generation or self._stopping.is_set():
+                transport.abort()  # a publish or retire replaced the snapshot: the client retries elsewhere
+                return resp
+            count = min(_SEND_CHUNK, shard.offset + shard.nbytes - start)
+            await loop.sendfile(transport, published.buffer.file, start, count)
+        await resp.write_eof()
+        return resp
+
+    def _wait_s(self, request: web.Request) -> float:
+        try:
+            asked = float(request.query.get("wait", self.config.long_poll_s))
+        except ValueError:
+            asked = self.config.long_poll_s
+        return max(0.0, min(asked, self.config.long_poll_s))
+
+    async def _await_step(self, step: int, wait_s: float) -> tuple[Published | None, web.Response | None]:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while True:
+            changed = self._changed  # taken before the lookup, so a change in between is not missed
+            availability, published = self.store.lookup(step)
+            if availability.kind == "serve":
+                return published, None
+            if self._stopping.is_set():
+                return None, _error(503, "source is stopping", step, self.store.newest)
+            if availability.kind == "gone":
+                return None, _error(availability.status, availability.reason, step, self.store.newest)
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return None, _error(availability.status, f"{availability.reason} (waited {wait_s:g}s)",
+                                    step, self.store.newest)
+            try:
+                await asyncio.wait_for(changed.wait(), remaining)
+            except asyncio.TimeoutError:
+                pass
+
+
+async def _send_faulty(resp: web.StreamResponse, transport: asyncio.BaseTransport, published: Published,
+                       shard: ShardSpec, fault: Fault) -> web.StreamResponse:
+    data = published.buffer.mem[shard.offset:shard.offset + shard.nbytes]
+    log.warning("catch-up: injecting %s into step %d shard %d", fault.kind, published.step, shard.index)
+    if fault.kind == "corrupt":
+        spoiled = bytearray(data)
+        spoiled[len(spoiled) // 2] ^= 0xFF
+        await resp.write(spoiled)
+        await resp.write_eof()
+    else:
+        await resp.write(data[:shard.nbytes // 2])
+        transport.close()
+    if fault.then is not None:
+        fault.then()
+    return resp
+
+
+def _int(text: str) -> int | None:
+    return int(text) if text.isdigit() else None
+
+
+def _error(status: int, message: str, step: int | None, have: int | None) -> web.Response:
+    return web.json_response({"error": message, "step": step, "have": have}, status=status)

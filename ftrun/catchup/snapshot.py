@@ -1,0 +1,241 @@
+"""A healthy rank's published state: one flat CPU buffer, its manifest, and the step it belongs to.
+
+`SnapshotStore.publish(step, state)` copies a flat dict name -> tensor into a preallocated buffer (the
+buffer and the per-tensor views into it are reused while the state's layout stays the same, so a
+steady-state publish allocates nothing), then checksums the shards in a background task: zlib.crc32
+releases the GIL, so the caller goes on (e.g. to its optimizer step) as soon as the copy is done. The
+snapshot becomes servable when the checksums are. The buffer lives in an anonymous in-memory file
+(memfd) so the server can send shards with sendfile, without copying them through Python. It is not
+page-locked: a GPU state's device-to-host copy goes through pageable memory (registering the mapping
+with cudaHostRegister would pin it; that belongs with the CUDA code, not here).
+
+Threading: publish/retire/close from one task (the training loop); `lookup` from any task (the server's
+event loop); `on_change` is called, from the publishing or checksumming task, whenever what `lookup`
+answers may have changed.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import tempfile
+import zlib
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+
+from ftrun.catchup.errors import CatchupUsageError
+from ftrun.catchup.manifest import DTYPES, Layout, Manifest, dtype_name, encode_manifest, layout_for
+from ftrun.env.base import Env
+
+
+@dataclass(frozen=True)
+class Availability:
+    """What a source answers for a step: serve it, wait for it (long-poll), or say it is gone."""
+
+    kind: str  # "serve" | "wait" | "gone"
+    status: int  # HTTP status for "gone" (410), or the one to use if a wait runs out (404)
+    reason: str
+
+
+def availability(step: int, *, ready: int | None, pending: int | None, newest: int | None,
+                 retired: int | None) -> Availability:
+    """Pure: how to answer a request for `step` given the store's state (steps or None)."""
+    have = ("nothing" if newest is None else f"step {newest} " + (
+        "(published)" if newest == ready else "(publishing)" if newest == pending else "(retired)"))
+    if ready is not None and step == ready:
+        return Availability("serve", 200, f"step {step} is published")
+    if pending is not None and step == pending:
+        return Availability("wait", 404, f"step {step} is being published; this source has {have}")
+    if (newest is not None and step < newest) or (retired is not None and step == retired):
+        return Availability("gone", 410, f"step {step} is retired or superseded; this source has {have}")
+    return Availability("wait", 404, f"step {step} is not published; this source has {have}")
+
+
+class _FlatBuffer:
+    """A flat uint8 CPU tensor backed by an anonymous in-memory file (sendfile-able)."""
+
+    def __init__(self, nbytes: int) -> None:
+        if hasattr(os, "memfd_create"):
+            self.file = os.fdopen(os.memfd_create("ftrun-catchup", os.MFD_CLOEXEC), "r+b", buffering=0)
+        else:  # not Linux: a temporary file serves the same purpose
+            self.file = tempfile.TemporaryFile()
+        self.capacity = nbytes
+        os.ftruncate(self.file.fileno(), max(nbytes, 1))
+        self._mmap = mmap.mmap(self.file.fileno(), max(nbytes, 1))
+        self.mem = memoryview(self._mmap)[:nbytes]
+        self.flat = torch.frombuffer(self._mmap, dtype=torch.uint8)[:nbytes]
+
+    def close(self) -> None:
+        self.mem.release()
+        self.flat = None  # type: ignore[assignment]
+        try:
+            self._mmap.close()
+        except BufferError:  # a view is still held somewhere; the mapping goes with it
+            pass
+        self.file.close()
+
+
+@dataclass(frozen=True)
+class Published:
+    """A servable snapshot. Holds its buffer, so a replaced buffer lives until no request uses it."""
+
+    step: int
+    generation: int
+    manifest: Manifest
+    manifest_json: bytes
+    buffer: _FlatBuffer
+
+
+def describe(state: Mapping[str, torch.Tensor]) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(name, dtype name, shape) of each entry; CatchupUsageError for what cannot be published."""
+    entries = []
+    for name, t in state.items():
+        if not isinstance(name, str) or not isinstance(t, torch.Tensor):
+            raise CatchupUsageError(f"state entries must be str -> Tensor, got {name!r}: {type(t).__name__}")
+        if t.layout != torch.strided or t.device.type == "meta":
+            raise CatchupUsageError(f"tensor {name!r} ({t.layout}, {t.device}) has no bytes to publish")
+        try:
+            entries.append((name, dtype_name(t.dtype), tuple(t.shape)))
+        except ValueError as e:
+            raise CatchupUsageError(str(e)) from None
+    return entries
+
+
+def tensor_views(flat: torch.Tensor, layout: Layout) -> dict[str, torch.Tensor]:
+    """Typed views of each tensor of `layout` into a flat uint8 buffer."""
+    return {t.name: flat[t.offset:t.offset + t.nbytes].view(DTYPES[t.dtype]).view(t.shape) for t in layout.tensors}
+
+
+class SnapshotStore:
+    def __init__(self, *, env: Env, max_shard_bytes: int, on_change: Callable[[], None] | None = None) -> None:
+        self.env, self._max_shard_bytes, self._on_change = env, max_shard_bytes, on_change
+        self._lock = env.lock()
+        self._ready_event = env.event()
+        self._generation = 0
+        self._ready: Published | None = None
+        self._pending: int | None = None
+        self._newest: int | None = None
+        self._retired: int | None = None
+        self._buffer: _FlatBuffer | None = None
+        self._layout: Layout | None = None
+        self._views: dict[str, torch.Tensor] = {}
+        self._checksummer = None
+
+    # -- training-loop side --------------------------------------------------------------------
+    def publish(self, step: int, state: Mapping[str, torch.Tensor], metadata: dict[str, Any] | None = None) -> None:
+        """Copy `state` into the snapshot buffer as `step`; the previous step is gone from then on.
+
+        Returns once the copy is done (the caller may change its tensors); the snapshot is servable
+        when its checksums are (`wait_ready`). Raises CatchupUsageError for a state that cannot be
+        published (non-tensors, sparse or meta tensors, unsupported dtypes, non-JSON metadata).
+        """
+        metadata = dict(metadata or {})
+        try:
+            json.dumps(metadata)
+        except (TypeError, ValueError) as e:
+            raise CatchupUsageError(f"metadata must be JSON-serializable: {e}") from None
+        layout = layout_for(describe(state), self._max_shard_bytes)
+        generation = self._begin(pending=step)
+        self._stop_checksummer()
+        views = self._views_for(layout)
+        for name, tensor in state.items():
+            views[name].copy_(tensor.detach())
+        self._checksummer = self.env.spawn(self._checksum, generation, step, layout, metadata, self._buffer,
+                                           name=f"catchup-crc-{step}")
+
+    def retire(self, step: int) -> None:
+        """Stop serving `step` (call once the step has committed). A no-op for another step."""
+        with self._lock:
+            if step not in (self._newest, self._pending) and (self._ready is None or self._ready.step != step):
+                return
+        self._begin(pending=None, retired=step)
+        self._stop_checksummer()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """True once the last published step is servable."""
+        return self._ready_event.wait(timeout)
+
+    def close(self) -> None:
+        self._begin(pending=None)
+        self._stop_checksummer()
+        self._views = {}
+        if self._buffer is not None:
+            self._buffer.close()
+            self._buffer = None
+
+    # -- server side ---------------------------------------------------------------------------
+    def lookup(self, step: int) -> tuple[Availability, Published | None]:
+        with self._lock:
+            ready = self._ready
+            a = availability(step, ready=ready.step if ready else None, pending=self._pending,
+                             newest=self._newest, retired=self._retired)
+        return a, (ready if a.kind == "serve" else None)
+
+    @property
+    def generation(self) -> int:
+        return self._generation
+
+    @property
+    def newest(self) -> int | None:
+        """The step published last (it may be publishing, published or retired), or None."""
+        return self._newest
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            ready = self._ready.step if self._ready else None
+            state = ("none" if self._newest is None else "published" if self._newest == ready
+                     else "publishing" if self._newest == self._pending else "retired")
+            return {"have": self._newest, "state": state}
+
+    # -- internals -----------------------------------------------------------------------------
+    def _begin(self, *, pending: int | None, retired: int | None = None) -> int:
+        with self._lock:
+            self._generation += 1
+            self._ready, self._pending = None, pending
+            if pending is not None:
+                self._newest = pending
+            if retired is not None:
+                self._retired = retired
+            self._ready_event.clear()
+            generation = self._generation
+        self._changed()
+        return generation
+
+    def _stop_checksummer(self) -> None:
+        if self._checksummer is not None:
+            self._checksummer.join()  # it sees the new generation and stops after its current shard
+            self._checksummer = None
+
+    def _views_for(self, layout: Layout) -> dict[str, torch.Tensor]:
+        if self._layout is not None and self._layout.key == layout.key:
+            return self._views
+        if self._buffer is None or self._buffer.capacity < layout.total_bytes:
+            self._buffer = _FlatBuffer(layout.total_bytes)  # the old one lives on in any Published using it
+        flat = self._buffer.flat
+        for start, end in layout.gaps():  # padding is part of the shards: every replica must send zeros
+            flat[start:end].zero_()
+        self._layout, self._views = layout, tensor_views(flat, layout)
+        return self._views
+
+    def _checksum(self, generation: int, step: int, layout: Layout, metadata: dict[str, Any],
+                  buffer: _FlatBuffer) -> None:
+        crcs = []
+        for shard in layout.shards:
+            if self._generation != generation:
+                return
+            crcs.append(zlib.crc32(buffer.mem[shard.offset:shard.offset + shard.nbytes]))
+        manifest = Manifest(step, layout, tuple(crcs), metadata)
+        published = Published(step, generation, manifest, encode_manifest(manifest), buffer)
+        with self._lock:
+            if self._generation != generation:
+                return
+            self._ready, self._pending = published, None
+            self._ready_event.set()
+        self._changed()
+
+    def _changed(self) -> None:
+        if self._on_change is not None:
+            self._on_change()

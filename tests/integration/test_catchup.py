@@ -1,0 +1,301 @@
+"""Catch-up state transfer over real HTTP on 127.0.0.1: round trips, faults, step and token errors."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+from ftrun.catchup.client import fetch, fetch_state
+from ftrun.catchup.config import CatchupConfig
+from ftrun.catchup.errors import CatchupAuthError, CatchupError, CatchupStepError, CatchupTimeout
+from ftrun.catchup.heal import make_heal
+from ftrun.catchup.server import CatchupServer, Fault
+from ftrun.config import Timeouts
+from ftrun.env.real import RealEnv
+from ftrun.quorum.decide import Participant
+from ftrun.replica.endpoints import encode_endpoints
+from ftrun.replica.manager import StepQuorum
+
+pytestmark = pytest.mark.timeout(60)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOKEN = "job-token"
+CONFIG = CatchupConfig(max_shard_bytes=256 << 10, long_poll_s=2.0, stall_s=5.0)
+TIMEOUTS = Timeouts(catchup_timeout_s=30.0)
+
+
+def make_state(seed: int = 0) -> dict[str, torch.Tensor]:
+    """About 2.2 MB of mixed tensors: big ones split into shards, small ones packed, odd dtypes."""
+    g = torch.Generator().manual_seed(seed)
+    state = {f"layers.{i}.weight": torch.randn(64, 97 + i, generator=g) for i in range(12)}
+    state.update({f"layers.{i}.bias": torch.randn(97 + i, generator=g) for i in range(12)})
+    state["embed"] = torch.randn(1000, 300, generator=g)
+    state["optim.exp_avg"] = torch.randn(3, 5, generator=g).to(torch.bfloat16)
+    state["optim.step"] = torch.tensor(41, dtype=torch.int64)
+    state["mask"] = torch.rand(33, generator=g) > 0.5
+    state["rng"] = torch.Generator().manual_seed(seed + 1).get_state()
+    state["empty"] = torch.zeros(0, 4)
+    return state
+
+
+def digest(state) -> str:
+    h = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name]
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+STATE = make_state()
+DIGEST = digest(STATE)
+
+
+@pytest.fixture
+def servers():
+    env, started = RealEnv(), []
+
+    def start(n=1, *, fault=None, config=CONFIG, token=TOKEN):
+        new = [CatchupServer(env=env, token=token, config=config, fault=fault) for _ in range(n)]
+        started.extend(new)
+        return new, [s.start() for s in new]
+
+    before = {t.ident for t in threading.enumerate()}
+    yield start
+    for s in started:
+        s.stop()
+    left = [t.name for t in threading.enumerate() if t.ident not in before and t.is_alive()]
+    assert left == [], f"threads left behind: {left}"
+
+
+def publish_all(servers_, step=7, state=STATE):
+    for s in servers_:
+        s.publish(step, state, {"step": step, "loader": [1, 2, 3]})
+
+
+def once(kind, shard=None, **kw):
+    """A fault hook that spoils `shard` (default: the first shard the server sends) once."""
+    fired = []
+
+    def hook(step, index):
+        if shard in (None, index) and not fired:
+            fired.append(index)
+            return Fault(kind, **kw)
+        return None
+
+    return hook
+
+
+@pytest.mark.parametrize("num_sources", [1, 2, 3])
+def test_round_trip_is_bitwise_identical(servers, num_sources):
+    srv, urls = servers(num_sources)
+    publish_all(srv)
+    result = fetch(7, urls, TOKEN, TIMEOUTS, config=CONFIG)
+    assert digest(result.tensors) == DIGEST
+    assert {k: v.dtype for k, v in result.tensors.items()} == {k: v.dtype for k, v in STATE.items()}
+    assert result.metadata == {"step": 7, "loader": [1, 2, 3]} and result.failures == ()
+    assert all(result.bytes_by_source[u] > 0 for u in urls)  # every source served its share
+
+
+def test_steady_state_publish_reuses_the_buffer_and_fetch_reuses_the_destination(servers):
+    (srv,), urls = servers(1)
+    srv.publish(1, STATE)
+    views = srv.store._views
+    srv.publish(2, make_state(5))  # same layout, new values: same buffer, same views
+    assert srv.store._views is views
+    buffer = torch.empty(8 << 20, dtype=torch.uint8)
+    out = fetch_state(2, urls, TOKEN, TIMEOUTS, config=CONFIG, buffer=buffer)
+    assert digest(out) == digest(make_state(5))
+    assert out["embed"].untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+
+
+def test_corrupted_shard_is_caught_by_crc_and_fetched_from_another_source(servers):
+    srv, urls = servers(1, fault=once("corrupt"))
+    srv2, urls2 = servers(1)
+    publish_all(srv + srv2)
+    result = fetch(7, urls + urls2, TOKEN, TIMEOUTS, config=CONFIG)
+    assert digest(result.tensors) == DIGEST
+    assert len(result.failures) == 1 and result.failures[0].startswith(urls[0]) and "CRC32" in result.failures[0]
+
+
+def test_truncated_shard_is_retried(servers):
+    srv, urls = servers(1, fault=once("truncate"))
+    srv2, urls2 = servers(1)
+    publish_all(srv + srv2)
+    result = fetch(7, urls + urls2, TOKEN, TIMEOUTS, config=CONFIG)
+    assert digest(result.tensors) == DIGEST
+    assert len(result.failures) == 1 and "closed the connection" in result.failures[0]
+
+
+def test_a_bad_shard_from_the_only_source_is_retried_there(servers):
+    srv, urls = servers(1, fault=once("corrupt", 2))
+    publish_all(srv)
+    result = fetch(7, urls, TOKEN, TIMEOUTS, config=CONFIG)
+    assert digest(result.tensors) == DIGEST and len(result.failures) == 1
+
+
+SOURCE_CHILD = """
+import os, signal, sys
+from ftrun.catchup.server import CatchupServer, Fault
+from ftrun.env.real import RealEnv
+from tests.integration.test_catchup import CONFIG, STATE, TOKEN
+def die_mid_shard(step, index):  # half of the first shard goes out, then the process is SIGKILLed
+    return Fault("truncate", then=lambda: os.kill(os.getpid(), signal.SIGKILL))
+server = CatchupServer(env=RealEnv(), token=TOKEN, config=CONFIG, fault=die_mid_shard)
+print(server.start(), flush=True)
+server.publish(7, STATE, {"step": 7, "loader": [1, 2, 3]})
+sys.stdin.read()
+"""
+
+
+def test_source_sigkilled_mid_transfer_is_replanned_around(servers):
+    child = subprocess.Popen([sys.executable, "-c", SOURCE_CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    try:
+        child_url = child.stdout.readline().strip()
+        assert child_url.startswith("http://127.0.0.1:")
+        srv, urls = servers(2)
+        publish_all(srv)
+        result = fetch(7, [child_url] + urls, TOKEN, TIMEOUTS, config=CONFIG)
+        assert child.wait(timeout=10) == -signal.SIGKILL  # it really died during the fetch
+        assert digest(result.tensors) == DIGEST
+        assert result.failures[0].startswith(f"{child_url} shard ") and "closed the connection" in result.failures[0]
+        # next, the reconnect is refused (or reset, if the kernel accepted it while the process died)
+        assert result.failures[-1].startswith(f"dropped {child_url}: ")
+        assert result.bytes_by_source[child_url] == 0  # the survivors served everything
+    finally:
+        child.kill()
+        child.wait()
+        child.stdout.close()
+        child.stdin.close()
+
+
+def test_all_sources_gone_names_what_failed(servers):
+    srv, urls = servers(2)
+    publish_all(srv)
+    for s in srv:
+        s.stop()
+    with pytest.raises(CatchupError) as e:
+        fetch(7, urls, TOKEN, TIMEOUTS, config=CONFIG)
+    assert all(u in str(e.value) for u in urls)
+
+
+def test_wrong_step_is_a_clear_error(servers):
+    srv, urls = servers(2)
+    publish_all(srv, step=7)
+    with pytest.raises(CatchupStepError) as e:
+        fetch(5, urls, TOKEN, TIMEOUTS, config=CONFIG)
+    assert e.value.status == 410 and e.value.have == 7
+    assert "step 5" in str(e.value) and "step 7" in str(e.value)
+
+
+def test_retired_step_is_gone(servers):
+    (srv,), urls = servers(1)
+    srv.publish(7, STATE)
+    assert srv.wait_ready(10)
+    srv.retire(7)
+    with pytest.raises(CatchupStepError) as e:
+        fetch(7, urls, TOKEN, TIMEOUTS, config=CONFIG)
+    assert e.value.status == 410 and "retired" in str(e.value)
+
+
+def test_wrong_token_is_401(servers):
+    srv, urls = servers(1)
+    publish_all(srv)
+    with pytest.raises(CatchupAuthError):
+        fetch(7, urls, "not-the-token", TIMEOUTS, config=CONFIG)
+    req = urllib.request.Request(urls[0] + "/catchup/7/manifest")
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=5)
+    assert e.value.code == 401 and "token" in json.loads(e.value.read())["error"]
+
+
+def test_unpublished_step_long_polls_then_succeeds(servers):
+    env = RealEnv()
+    config = CatchupConfig(max_shard_bytes=256 << 10, long_poll_s=10.0)
+    srv, urls = servers(2, config=config)
+    results = []
+    task = env.spawn(lambda: results.append(fetch(7, urls, TOKEN, TIMEOUTS, config=config)), name="fetch")
+    env.clock.sleep(0.3)
+    assert task.is_alive() and not results  # still waiting: nothing published yet
+    publish_all(srv)
+    assert task.join(timeout=20) and task.exception is None
+    assert digest(results[0].tensors) == DIGEST
+
+
+def test_step_never_published_times_out_with_404(servers):
+    config = CatchupConfig(max_shard_bytes=256 << 10, long_poll_s=0.2)
+    srv, urls = servers(1, config=config)
+    publish_all(srv, step=7)
+    with pytest.raises(CatchupStepError) as e:
+        fetch(8, urls, TOKEN, TIMEOUTS, config=config)
+    assert e.value.status == 404 and "step 8" in str(e.value) and e.value.have == 7
+
+
+def test_heal_hook_fetches_from_healthy_participants_same_rank(servers):
+    srv, urls = servers(2)
+    publish_all(srv)
+    rank = 1
+
+    def addrs(url):
+        return (encode_endpoints({"ftar": "127.0.0.1:1"}), encode_endpoints({"catchup": url, "ftar": "127.0.0.1:2"}))
+
+    participants = (Participant("a", 7, addrs(urls[0])), Participant("b", 7, addrs(urls[1])),
+                    Participant("c", 5, addrs("http://127.0.0.1:9")))  # c is behind: never a source
+    q = StepQuorum(quorum_id=3, step=7, participants=participants, replica_index=2, healed=True, reason="test")
+    loaded = []
+
+    def fetch_fn(step, sources):
+        assert step == 7 and sorted(sources) == sorted(urls)
+        return fetch_state(step, sources, TOKEN, TIMEOUTS, config=CONFIG)
+
+    make_heal(fetch=fetch_fn, load_state=loaded.append, rank=rank)(q)
+    assert digest(loaded[0]) == DIGEST
+
+
+@pytest.fixture
+def hung_source():
+    """A listener that accepts connections (in the kernel's backlog) and never answers."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    sock.close()
+
+
+def test_a_hung_source_is_dropped_after_stall_s(servers, hung_source):
+    config = CatchupConfig(max_shard_bytes=256 << 10, long_poll_s=0.2, stall_s=0.3)
+    srv, urls = servers(1, config=config)
+    publish_all(srv)
+    result = fetch(7, [hung_source] + urls, TOKEN, TIMEOUTS, config=config)
+    assert digest(result.tensors) == DIGEST
+    assert result.failures[0].startswith(f"skipped {hung_source}") and "sent nothing" in result.failures[0]
+    assert result.bytes_by_source[urls[0]] == result.num_bytes
+
+
+def test_the_whole_fetch_is_bounded_by_catchup_timeout(hung_source):
+    config = CatchupConfig(long_poll_s=5.0, stall_s=5.0)
+    t0 = RealEnv().clock.now()
+    with pytest.raises(CatchupTimeout) as e:
+        fetch(7, [hung_source], TOKEN, Timeouts(catchup_timeout_s=0.5), config=config)
+    assert RealEnv().clock.now() - t0 < 3.0 and "0.5s" in str(e.value)
+
+
+def test_bench_smoke():
+    out = subprocess.run([sys.executable, "-m", "ftrun.cli", "bench", "catchup", "--state-mb", "4", "--sources", "1,2",
+                          "--iters", "1", "--shard-mb", "1", "--json"], capture_output=True, text=True, cwd=ROOT,
+                         timeout=50, env={**os.environ, "PYTHONPATH": ROOT})
+    assert out.returncode == 0, out.stderr
+    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    assert figures["state_mb"] == 4 and set(figures["gbps"]) == {"1", "2"} and figures["baseline_gbps"] > 0
