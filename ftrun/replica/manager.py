@@ -140,7 +140,11 @@ class Manager:
             log.info("replica %s behind at step %d; healing to %d", self.replica_id, self.step, d.max_step,
                      extra=self._extra())
             if self._heal is not None:
-                self._heal(q)
+                try:
+                    self._heal(q)
+                except Exception as e:
+                    self._move("fail")
+                    raise ReplicaError(f"healing replica {self.replica_id} to step {d.max_step} failed: {e}") from e
             self._emit("heal", from_step=self.step, to_step=d.max_step)
             self.step = d.max_step
             self._move("healed")

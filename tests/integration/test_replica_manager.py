@@ -125,3 +125,27 @@ def test_lifecycle_table_rejects_illegal_transitions():
     assert transition(Phase.TRAINING, "fail") is Phase.FAILED
     with pytest.raises(LifecycleError, match="'commit' is not allowed in phase training"):
         transition(Phase.TRAINING, "commit")
+
+
+def test_a_failed_heal_fails_the_replica_cleanly(lighthouse):
+    from ftrun.replica.manager import ReplicaError
+
+    env, lh = lighthouse
+
+    def broken_heal(q):
+        raise ConnectionError("every source is gone")
+
+    a = build_replica(env, lh, "a", 1, step=3)
+    b = build_replica(env, lh, "b", 1, step=0, heal=broken_heal)
+    results = {}
+
+    def one(m):
+        try:
+            m.start_step()
+            results[m.replica_id] = "ok"
+        except ReplicaError as e:
+            results[m.replica_id] = str(e)
+
+    run_all(env, [lambda m=m: one(m) for m in a + b])
+    assert results["a"] == "ok" and "healing replica b to step 3 failed: every source is gone" in results["b"]
+    assert b[0].phase is Phase.FAILED
