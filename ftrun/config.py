@@ -34,6 +34,8 @@ class Timeouts:
     commit_timeout_s: float = 30.0  # collectives inside a replica (check-in, vote, broadcast)
     ftar_timeout_s: float = 10.0  # any single wait inside a cross-replica all-reduce
     catchup_timeout_s: float = 60.0  # fetching a peer's state
+    catchup_long_poll_s: float = 5.0  # a catch-up server holds a request for a not-yet-published step this long
+    catchup_stall_s: float = 10.0  # a catch-up source that sends nothing for this long is treated as dead
 
     def __post_init__(self) -> None:
         _check_positive(self)

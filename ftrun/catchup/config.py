@@ -16,20 +16,17 @@ class CatchupConfig:
     max_shard_bytes: the state is cut into shards of at most this size (a multiple of 64); sources serve
         different shards in parallel, so smaller shards balance better and larger ones cost fewer requests.
     bind: where the state server listens ("host:port", port 0 picks a free one); loopback by default.
-    long_poll_s: how long the server holds a request for a step that is not published yet.
-    stall_s: a source that sends nothing for this long is treated as dead.
     max_source_failures: bad shards (checksum, short body, server error) a source may send before it
         is dropped from the fetch; each bad shard is retried from another source.
     wait_limit_s: paper §6.1 — how long the healthy replicas may wait for a joiner whose fetch runs past
         the end of the step before it joins one step later instead (see ftrun.catchup.wait).
     timeouts: the job's timeouts; the client bounds a whole fetch by catchup_timeout_s and a connect by
-        connect_timeout_s.
+        connect_timeout_s; catchup_long_poll_s is how long the server holds a request for a step not yet
+        published, catchup_stall_s how long a silent source is given before it counts as dead.
     """
 
     max_shard_bytes: int = 32 << 20
     bind: str = "127.0.0.1:0"
-    long_poll_s: float = 5.0
-    stall_s: float = 10.0
     max_source_failures: int = 2
     wait_limit_s: float = 10.0
     timeouts: Timeouts = field(default_factory=Timeouts)
@@ -42,10 +39,15 @@ class CatchupConfig:
         host, sep, port = self.bind.rpartition(":")
         if not sep or not host or not port.isdigit():
             raise ValueError(f"CatchupConfig.bind must be 'host:port', got {self.bind!r}")
-        for name in ("long_poll_s", "stall_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"CatchupConfig.{name} must be > 0, got {getattr(self, name)!r}")
         if self.wait_limit_s < 0:
             raise ValueError(f"CatchupConfig.wait_limit_s must be >= 0, got {self.wait_limit_s!r}")
         if self.max_source_failures < 1:
             raise ValueError(f"CatchupConfig.max_source_failures must be >= 1, got {self.max_source_failures}")
+
+    @property
+    def long_poll_s(self) -> float:
+        return self.timeouts.catchup_long_poll_s
+
+    @property
+    def stall_s(self) -> float:
+        return self.timeouts.catchup_stall_s

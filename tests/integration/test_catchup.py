@@ -31,7 +31,7 @@ pytestmark = pytest.mark.timeout(60)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOKEN = "job-token"
-CONFIG = CatchupConfig(max_shard_bytes=256 << 10, long_poll_s=2.0, stall_s=5.0)
+CONFIG = CatchupConfig(max_shard_bytes=256 << 10, timeouts=Timeouts(catchup_long_poll_s=2.0, catchup_stall_s=5.0))
 TIMEOUTS = Timeouts(catchup_timeout_s=30.0)
 
 
@@ -223,7 +223,7 @@ def test_wrong_token_is_401(servers):
 
 def test_unpublished_step_long_polls_then_succeeds(servers):
     env = RealEnv()
-    config = CatchupConfig(max_shard_bytes=256 << 10, long_poll_s=10.0)
+    config = CatchupConfig(max_shard_bytes=256 << 10, timeouts=Timeouts(catchup_long_poll_s=10.0))
     srv, urls = servers(2, config=config)
     results = []
     task = env.spawn(lambda: results.append(fetch(7, urls, TOKEN, TIMEOUTS, config=config)), name="fetch")
@@ -235,7 +235,7 @@ def test_unpublished_step_long_polls_then_succeeds(servers):
 
 
 def test_step_never_published_times_out_with_404(servers):
-    config = CatchupConfig(max_shard_bytes=256 << 10, long_poll_s=0.2)
+    config = CatchupConfig(max_shard_bytes=256 << 10, timeouts=Timeouts(catchup_long_poll_s=0.2))
     srv, urls = servers(1, config=config)
     publish_all(srv, step=7)
     with pytest.raises(CatchupStepError) as e:
@@ -275,7 +275,7 @@ def hung_source():
 
 
 def test_a_hung_source_is_dropped_after_stall_s(servers, hung_source):
-    config = CatchupConfig(max_shard_bytes=256 << 10, long_poll_s=0.2, stall_s=0.3)
+    config = CatchupConfig(max_shard_bytes=256 << 10, timeouts=Timeouts(catchup_long_poll_s=0.2, catchup_stall_s=0.3))
     srv, urls = servers(1, config=config)
     publish_all(srv)
     result = fetch(7, [hung_source] + urls, TOKEN, TIMEOUTS, config=config)
@@ -285,7 +285,7 @@ def test_a_hung_source_is_dropped_after_stall_s(servers, hung_source):
 
 
 def test_the_whole_fetch_is_bounded_by_catchup_timeout(hung_source):
-    config = CatchupConfig(long_poll_s=5.0, stall_s=5.0)
+    config = CatchupConfig(timeouts=Timeouts(catchup_long_poll_s=5.0, catchup_stall_s=5.0))
     t0 = RealEnv().clock.now()
     with pytest.raises(CatchupTimeout) as e:
         fetch(7, [hung_source], TOKEN, Timeouts(catchup_timeout_s=0.5), config=config)
