@@ -34,10 +34,13 @@ def emit(event: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--steps", type=int, default=None, help="default: FTRUN_MAX_STEPS from the launcher")
     p.add_argument("--step-time", type=float, default=0.1)
     args = p.parse_args(argv)
     spec = WorkerSpec.from_environ()
+    steps = args.steps if args.steps is not None else spec.max_steps
+    if steps is None:
+        p.error("--steps is required when FTRUN_MAX_STEPS is not set")
     env, timeouts = RealEnv(), Timeouts()
     store = dist.TCPStore(spec.store_addr, spec.store_port, is_master=False,
                           timeout=datetime.timedelta(seconds=timeouts.connect_timeout_s))
@@ -55,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     if leader:
         emit({"event": "ready", "t": env.clock.now()})
     grads = np.empty(1 << 18, np.float32)
-    while manager.step < args.steps:
+    while manager.step < steps:
         quorum = manager.start_step()
         env.clock.sleep(args.step_time)  # stands in for forward and backward
         grads.fill(1.0)

@@ -26,6 +26,7 @@ class WorkerSpec:
     store_addr: str
     store_port: int
     run_dir: str
+    max_steps: int | None = None  # stop after this many committed steps (None: the script decides)
 
     def to_environ(self) -> dict[str, str]:
         return {
@@ -42,6 +43,7 @@ class WorkerSpec:
             "FTRUN_LIGHTHOUSE": self.lighthouse,
             "FTRUN_TOKEN": self.token,
             "FTRUN_RUN_DIR": self.run_dir,
+            **({"FTRUN_MAX_STEPS": str(self.max_steps)} if self.max_steps is not None else {}),
         }
 
     @classmethod
@@ -59,6 +61,7 @@ class WorkerSpec:
                 store_addr=environ["MASTER_ADDR"],
                 store_port=int(environ["MASTER_PORT"]),
                 run_dir=environ.get("FTRUN_RUN_DIR", "."),
+                max_steps=int(environ["FTRUN_MAX_STEPS"]) if "FTRUN_MAX_STEPS" in environ else None,
             )
         except KeyError as e:
             raise ValueError(f"rank process started without the {e.args[0]} environment variable") from None

@@ -1,0 +1,81 @@
+"""Failure injection for `ftrun launch`: when to kill which replica. Pure (no clock, no processes).
+
+Policies: every fixed interval (`--kill-every 60s`), exponential inter-arrival times with a mean
+(`--kill-random-mean 15s`), or at given steps (`--kill-at step=40[,replica=r1]`). Victims are drawn
+with a seeded generator among the replicas that are up; a kill is skipped while killing would leave
+fewer than `min_up` replicas up, so injection never takes the job below its quorum.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass, field
+
+
+def parse_duration(text: str) -> float:
+    """'90', '90s', '1.5m', '2h', '250ms' -> seconds."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(ms|s|m|h)?\s*", text)
+    if not m:
+        raise ValueError(f"bad duration {text!r}: expected e.g. 30s, 1.5m, 250ms")
+    scale = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}[m.group(2) or "s"]
+    return float(m.group(1)) * scale
+
+
+@dataclass(frozen=True)
+class KillAt:
+    step: int
+    replica: str | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> "KillAt":
+        fields = dict(part.split("=", 1) for part in text.split(",") if "=" in part)
+        if "step" not in fields or set(fields) - {"step", "replica"}:
+            raise ValueError(f"bad --kill-at {text!r}: expected step=N[,replica=ID]")
+        return cls(int(fields["step"]), fields.get("replica"))
+
+
+@dataclass
+class KillPlan:
+    every_s: float | None = None
+    random_mean_s: float | None = None
+    at_steps: list[KillAt] = field(default_factory=list)
+    min_up: int = 1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.every_s is not None and self.random_mean_s is not None:
+            raise ValueError("choose one of --kill-every and --kill-random-mean")
+        for name in ("every_s", "random_mean_s"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"KillPlan.{name} must be > 0, got {value}")
+        self._rng = random.Random(self.seed)
+        self._next_at: float | None = None
+        self._pending_steps = sorted(self.at_steps, key=lambda k: k.step)
+
+    def start(self, now: float) -> None:
+        self._next_at = self._after(now)
+
+    def _after(self, now: float) -> float | None:
+        if self.every_s is not None:
+            return now + self.every_s
+        if self.random_mean_s is not None:
+            return now + self._rng.expovariate(1.0 / self.random_mean_s)
+        return None
+
+    def due(self, now: float, step: int, up: list[str]) -> str | None:
+        """The replica to kill now, if any. `step`: the job's highest committed step; `up`: replicas up."""
+        if len(up) <= self.min_up:
+            return None
+        if self._pending_steps and step >= self._pending_steps[0].step:
+            target = self._pending_steps.pop(0).replica
+            return target if target in up else self._rng.choice(sorted(up))
+        if self._next_at is not None and now >= self._next_at:
+            self._next_at = self._after(now)
+            return self._rng.choice(sorted(up))
+        return None
+
+    @property
+    def next_at(self) -> float | None:
+        return self._next_at
