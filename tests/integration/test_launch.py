@@ -12,14 +12,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def test_launch_kills_restarts_and_reports(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "ftrun.cli", "launch", "--replicas", "3", "--ranks-per-replica", "1", "--steps", "40",
+        [sys.executable, "-m", "ftrun.cli", "launch", "--replicas", "3", "--ranks-per-replica", "1", "--steps", "100",
          "--kill-at", "step=8,replica=r1", "--min-replicas", "2", "--out", str(tmp_path), "--timeout", "90s",
-         "--json", "-m", "ftrun.launch.demo_worker", "--step-time", "0.05"],
+         "--json", "-m", "ftrun.launch.demo_worker", "--step-time", "0.1"],
         capture_output=True, text=True, timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     f = json.loads(out.stdout.strip().splitlines()[-1])
-    assert f["complete"] and f["steps_reached"] >= 40
+    assert f["complete"] and f["steps_reached"] >= 100
     assert f["kills"] == 1 and f["restarts"] == 1
     assert 0 < f["step_efficiency"] <= 1
     assert os.path.getsize(tmp_path / "report.png") > 10_000
