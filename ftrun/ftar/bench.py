@@ -30,7 +30,7 @@ def parse_size(text: str) -> int:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--procs", default="2,4", help="process counts, comma separated")
     p.add_argument("--sizes", default="64M,256M", help="buffer sizes, comma separated (K/M/G suffixes)")
-    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--iters", type=int, default=5)
     p.add_argument("--chunk-kb", type=int, default=4096, help="FTAR chunk size S")
     p.add_argument("--chunks", type=int, default=4, help="FTAR chunks in flight C")
     p.add_argument("--transport", choices=["auto", "socket"], default="auto",
