@@ -26,8 +26,13 @@ def start(env, min_replicas=2, storage=None):
     return lh
 
 
-def client(env, lh, rid, token=TOKEN):
-    return LighthouseClient(env=env, addr=lh.addr, token=token, replica_id=rid, timeouts=TIMEOUTS)
+def client(env, lh, rid, token=TOKEN, connect=True):
+    """A replica leader's client, registered with the lighthouse at once (so it counts as live before
+    anyone asks: otherwise the first quorum may form without it, and it would wait alone)."""
+    c = LighthouseClient(env=env, addr=lh.addr, token=token, replica_id=rid, timeouts=TIMEOUTS)
+    if connect:
+        c.connect()
+    return c
 
 
 def ask_all(env, clients, steps):
@@ -91,7 +96,7 @@ def test_hung_replica_is_removed_after_heartbeat_timeout(env):
 def test_wrong_token_and_malformed_requests_get_clear_errors(env):
     lh = start(env, min_replicas=1)
     with pytest.raises(LighthouseRejected, match="wrong job token"):
-        client(env, lh, "r0", token="nope").quorum(0)
+        client(env, lh, "r0", token="nope", connect=False).quorum(0)
     conn = env.net.connect(lh.addr, timeout=2.0)
     conn.send({"type": "hello", "token": TOKEN, "replica_id": "r0"})
     assert conn.recv(timeout=2.0)["type"] == "welcome"

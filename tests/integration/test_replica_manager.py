@@ -26,6 +26,8 @@ def build_replica(env, lh, rid, num_ranks, *, step=0, max_retries=3, heal=None, 
         comm = comm_cls.build(env=env, rank=rank, world_size=num_ranks, listener=listeners[rank], addrs=addrs,
                               fanout=2, timeout_s=5.0)
         client = LighthouseClient(env=env, addr=lh.addr, token="t", replica_id=rid, timeouts=T) if rank == 0 else None
+        if client is not None:
+            client.connect()  # live before any replica asks, so the first quorum has every replica
         managers[rank] = Manager(config=ManagerConfig(max_retries=max_retries, timeouts=T), env=env, comm=comm,
                                  replica_id=rid, lighthouse=client, step=step, data_addr=f"{rid}/{rank}",
                                  heal=heal, on_event=events.append if events is not None else None)
