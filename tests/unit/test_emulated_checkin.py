@@ -51,6 +51,8 @@ def test_flat_gather_grows_linearly_while_the_tree_stays_logarithmic():
     tree = [modeled_all_reduce_s(TreeComm, n) for n in sizes]
     flat_growth, tree_growth = flat[1] / flat[0], tree[1] / tree[0]
     print(f"modeled all-reduce at {sizes} ranks: flat {flat} s (x{flat_growth:.1f}), tree {tree} s (x{tree_growth:.1f})")
-    assert flat_growth > 6.0, "16x the ranks should cost the flat gather several times more"
-    assert tree_growth < 3.0, "the tree adds about one level per 16x ranks"
-    assert flat[1] > 5 * tree[1], "at 4096 ranks the flat gather is the bottleneck"
+    # Measured over repeated runs: flat x18-26 (linear: the leader handles every message), tree x1.2-3.4
+    # (one more level; sub-millisecond times, so CPU-charging jitter shows). Asserted with margin.
+    assert flat_growth > 8.0, "16x the ranks should cost the flat gather about 16x"
+    assert flat_growth > 4 * tree_growth, "the flat gather grows far faster than the tree"
+    assert flat[1] > 10 * tree[1], "at 4096 ranks the flat gather is the bottleneck"
