@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: setup
-	$(VENV)/bin/ftrun demo
+	$(VENV)/bin/ftrun emulate
 
 test: setup
 	bash ci/build_kernels.sh

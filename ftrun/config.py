@@ -37,6 +37,13 @@ class Timeouts:
     catchup_long_poll_s: float = 5.0  # a catch-up server holds a request for a not-yet-published step this long
     catchup_stall_s: float = 10.0  # a catch-up source that sends nothing for this long is treated as dead
 
+    @property
+    def replica_comm_s(self) -> float:
+        """The timeout a ReplicaComm needs: ranks other than the leader wait in the decision broadcast
+        while their leader waits for the lighthouse (up to quorum_timeout_s). A dead peer is still seen
+        at once through its closed connection; this bounds only how long a hang goes unnoticed."""
+        return self.quorum_timeout_s + self.commit_timeout_s
+
     def __post_init__(self) -> None:
         _check_positive(self)
         if self.heartbeat_interval_s >= self.heartbeat_timeout_s:

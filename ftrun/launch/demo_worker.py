@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     store = dist.TCPStore(spec.store_addr, spec.store_port, is_master=False,
                           timeout=datetime.timedelta(seconds=timeouts.connect_timeout_s))
     comm = GlooComm(store=store, prefix=f"{spec.replica_id}/{spec.incarnation}/", rank=spec.rank,
-                    world_size=spec.ranks_per_replica, timeout_s=timeouts.commit_timeout_s)
+                    world_size=spec.ranks_per_replica, timeout_s=timeouts.replica_comm_s)
     leader = spec.rank == 0
     client = LighthouseClient(env=env, addr=spec.lighthouse, token=spec.token, replica_id=spec.replica_id,
                               timeouts=timeouts) if leader else None

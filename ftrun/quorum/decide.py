@@ -8,8 +8,11 @@ Rules, checked in this order:
 4. Fast path: every participant of the previous quorum asked again -> decide now (requesters that
    joined meanwhile are included; live members that have not asked are not waited for).
 5. Every live member asked -> decide now.
-6. Otherwise wait for the missing live members until join_timeout_s after the first pending request,
-   then decide with those that asked.
+6. Otherwise wait for the missing live members until join_timeout_s after the round started, then
+   decide with those that asked. The round starts with the first request from a member of the previous
+   quorum (or the first request of all, when none of them has asked): a joiner that asked mid-step must
+   not start the clock, or the first arrivals at the step boundary would form a quorum without the rest
+   and split the job (found by the emulator on crusoe-300).
 
 A decision lists the participants (sorted by replica id, which is also the ring order), the highest
 step asked for, the replicas behind it (they catch up), and the quorum id, which increases whenever
@@ -91,7 +94,9 @@ def decide(
         return _form(state, asking, f"fast path: every member of quorum {state.quorum_id} asked again")
     if asking.keys() == live:
         return _form(state, asking, f"all {num_live} live replicas asked")
-    deadline = min(r.asked_at for r in asking.values()) + config.timeouts.join_timeout_s
+    from_prev = [r.asked_at for rid, r in asking.items() if rid in prev]
+    started = min(from_prev) if from_prev else min(r.asked_at for r in asking.values())
+    deadline = started + config.timeouts.join_timeout_s
     if now >= deadline:
         return _form(
             state, asking, f"join timeout: {num_asking} of {num_live} live replicas asked "

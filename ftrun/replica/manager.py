@@ -9,7 +9,9 @@ Every rank of a replica runs one Manager. A step is:
         optimizer.step()
 
 A failed commit discards the step (gradients are never half-applied); the next start_step retries it
-under a new quorum (the leader reports the failure, which bumps quorum_id). Threading: one task per
+under a new quorum (the leader reports the failure, which bumps quorum_id). Build the ReplicaComm with
+`Timeouts.replica_comm_s`: the other ranks wait in the decision broadcast while the leader waits for the
+lighthouse (found by the emulator: a rejoining replica's ranks timed out and the failure cascaded). Threading: one task per
 Manager; the lighthouse client's heartbeat runs in its own task.
 """
 

@@ -72,6 +72,18 @@ def test_decide(case):
         assert d.max_step == max(requests[p].step for p in participants)
 
 
+def test_a_joiner_waiting_mid_step_does_not_start_the_join_timeout():
+    # r9 rejoined and asked 10 s ago, mid-step; the previous quorum's members are arriving now. Without
+    # the rule, the join timeout (1 s) would have expired long ago and the first arrivals would split off.
+    state = LighthouseState(quorum_id=4, prev_participants=("a", "b", "c"),
+                            members=members("a", "b", "c", "r9", heard=110.0))
+    requests = {**reqs({"a": 7, "b": 7}, at=110.0), **reqs({"r9": 0}, at=100.0)}
+    d = decide(110.2, state, requests, CFG)
+    assert not d.ready and d.retry_at == pytest.approx(111.0) and "waiting for c" in d.reason
+    d = decide(110.3, state, {**requests, **reqs({"c": 7}, at=110.3)}, CFG)
+    assert d.ready and d.replica_ids == ("a", "b", "c", "r9") and d.behind == ("r9",)
+
+
 def test_waiting_decision_says_when_to_look_again():
     state = LighthouseState(quorum_id=1, prev_participants=("a", "b", "c"), members=members("a", "b", "c"))
     d = decide(100.2, state, reqs({"a": 1, "b": 1}, at=100.0), CFG)
