@@ -49,3 +49,16 @@ class FileStorage:
             return self._path(key).read_bytes()
         except FileNotFoundError:
             return None
+
+
+class MemoryStorage:
+    """Storage in a dict: for tests and in-process runs. Writes are atomic by construction."""
+
+    def __init__(self) -> None:
+        self.blobs: dict[str, bytes] = {}
+
+    def write_atomic(self, key: str, data: bytes) -> None:
+        self.blobs[key] = bytes(data)
+
+    def read(self, key: str) -> bytes | None:
+        return self.blobs.get(key)

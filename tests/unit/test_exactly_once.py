@@ -17,6 +17,8 @@ from dataclasses import dataclass, field, replace
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from ftrun.quorum.decide import Participant as P  # a participant: (replica_id, step)
+from ftrun.storage import MemoryStorage
 from ftrun.checkpoint.policy import CheckpointConfig, checkpoint_writer, should_checkpoint
 from ftrun.data.audit import (
     Attempt, AuditLog, Commit, FileAuditSink, audit, decode_record, encode_record, read_log,
@@ -28,22 +30,6 @@ from ftrun.data.sampler import DataLayout, Sampler
 PHASES = ("before_quorum", "heal", "checkpoint", "before_attempt", "after_attempt", "all_gather",
           "after_commit", "after_audit", "after_loader_state")
 
-
-class MemoryStorage:
-    def __init__(self) -> None:
-        self.blobs: dict[str, bytes] = {}
-
-    def write_atomic(self, key: str, data: bytes) -> None:
-        self.blobs[key] = bytes(data)
-
-    def read(self, key: str) -> bytes | None:
-        return self.blobs.get(key)
-
-
-@dataclass(frozen=True)
-class P:
-    replica_id: str
-    step: int
 
 
 @dataclass(frozen=True)

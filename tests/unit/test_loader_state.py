@@ -6,11 +6,13 @@ import json
 import logging
 import struct
 import zlib
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import msgpack
 import pytest
 
+from ftrun.quorum.decide import Participant as P  # a participant: (replica_id, step)
+from ftrun.storage import MemoryStorage
 from ftrun.data.loader_state import (
     GENESIS, LoaderState, LoaderStateCorrupt, LoaderStateError, LoaderStateStore, contributors, decode, encode,
     next_lineage,
@@ -22,22 +24,6 @@ from ftrun.storage import FileStorage
 LAYOUT = DataLayout(dataset_size=40, num_replicas=3, ranks_per_replica=2, batch_size_per_rank=2, seed=3)
 IDS = ("r0", "r1", "r2")
 
-
-class MemoryStorage:
-    def __init__(self) -> None:
-        self.blobs: dict[str, bytes] = {}
-
-    def write_atomic(self, key: str, data: bytes) -> None:
-        self.blobs[key] = bytes(data)
-
-    def read(self, key: str) -> bytes | None:
-        return self.blobs.get(key)
-
-
-@dataclass(frozen=True)
-class P:
-    replica_id: str
-    step: int
 
 
 def initial() -> LoaderState:
