@@ -1,0 +1,110 @@
+"""A replica rank's trainable state as flat tensors + JSON metadata: what catch-up ships and loads.
+
+Plain replication (every rank of a replica holds the whole model and optimizer): `ReplicaState`. A
+sharded replica (FSDP2 inside the replica, a later issue) plugs in another class with the same three
+methods over its rank's local shards; the trainer only uses the `TrainState` protocol.
+
+Names: "model.<state_dict key>" for parameters and buffers, "optim.<param fqn>.<state key>" for the
+optimizer's tensor state. The optimizer's non-tensor per-parameter state and its param groups (LR, the
+LR helper's base LR, betas, ...) travel in the metadata, which must be JSON (the snapshot never pickles).
+Loading copies into the live tensors (parameters keep their identity, so the optimizer still holds
+them) and rebuilds the optimizer state with `Optimizer.load_state_dict`, so a healed rank's optimizer
+(step counters included) is bitwise the source's.
+
+Threading: one task (the training loop) per instance.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Protocol
+
+import torch
+
+MODEL, OPTIM = "model.", "optim."
+
+
+class TrainState(Protocol):
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The state to publish: name -> tensor (CPU or device; the snapshot copies it)."""
+
+    def metadata(self) -> dict[str, Any]:
+        """JSON-able state that is not tensors."""
+
+    def load(self, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any]) -> None:
+        """Replace this rank's state by a peer's. Raises ValueError if it does not fit this model."""
+
+
+class ReplicaState:
+    """The whole model and optimizer of a plainly replicated rank (see the module docstring)."""
+
+    def __init__(self, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+        fqn_of = {id(p): name for name, p in model.named_parameters()}
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        missing = [i for i, p in enumerate(params) if id(p) not in fqn_of]
+        if missing:
+            raise ValueError(f"optimizer params {missing} are not parameters of the model")
+        self._fqns = [fqn_of[id(p)] for p in params]  # optimizer param index -> fqn
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = {MODEL + k: v.detach() for k, v in self.model.state_dict().items()}
+        for index, state in self.optimizer.state_dict()["state"].items():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    out[f"{OPTIM}{self._fqns[index]}.{key}"] = value.detach()
+        return out
+
+    def metadata(self) -> dict[str, Any]:
+        sd = self.optimizer.state_dict()
+        scalars = {self._fqns[i]: {k: v for k, v in s.items() if not isinstance(v, torch.Tensor)}
+                   for i, s in sd["state"].items()}
+        groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
+                  for g in sd["param_groups"]]
+        return {"optim_scalars": scalars, "param_groups": groups}
+
+    def load(self, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any]) -> None:
+        self._check_names(tensors)
+        model_sd = {k[len(MODEL):]: v for k, v in tensors.items() if k.startswith(MODEL)}
+        self.model.load_state_dict(model_sd, strict=True)  # copies into the live tensors
+        self.optimizer.load_state_dict(self._optimizer_state_dict(tensors, metadata))
+
+    def _check_names(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        own = {MODEL + k: v for k, v in self.model.state_dict().items()}
+        missing = sorted(set(own) - set(tensors))
+        unknown = sorted(k for k in tensors if not k.startswith((MODEL, OPTIM)) or
+                         (k.startswith(MODEL) and k not in own))
+        if missing or unknown:
+            raise ValueError(f"fetched state does not fit this model: missing {missing[:5]}, unknown {unknown[:5]}")
+        for name, mine in own.items():
+            got = tensors[name]
+            if got.shape != mine.shape or got.dtype != mine.dtype:
+                raise ValueError(f"{name}: fetched {got.dtype}{tuple(got.shape)}, "
+                                 f"this model has {mine.dtype}{tuple(mine.shape)}")
+
+    def _optimizer_state_dict(self, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any]) -> dict:
+        index_of = {fqn: i for i, fqn in enumerate(self._fqns)}
+        state: dict[int, dict[str, Any]] = {}
+        for name, value in tensors.items():
+            if name.startswith(OPTIM):
+                fqn, _, key = name[len(OPTIM):].rpartition(".")
+                if fqn not in index_of:
+                    raise ValueError(f"fetched optimizer state {name!r} names no parameter of this model")
+                state.setdefault(index_of[fqn], {})[key] = value.clone()  # own memory, not the fetch buffer
+        for fqn, scalars in dict(metadata.get("optim_scalars", {})).items():
+            if fqn not in index_of:
+                raise ValueError(f"fetched optimizer scalars for {fqn!r}, not a parameter of this model")
+            state.setdefault(index_of[fqn], {}).update(scalars)
+        current = self.optimizer.state_dict()["param_groups"]
+        fetched = list(metadata.get("param_groups", []))
+        if len(fetched) != len(current):
+            raise ValueError(f"fetched {len(fetched)} param groups, this optimizer has {len(current)}")
+        groups = [_merge_group(mine, theirs) for mine, theirs in zip(current, fetched)]
+        return {"state": state, "param_groups": groups}
+
+
+def _merge_group(mine: dict, theirs: Mapping[str, Any]) -> dict:
+    """The fetched group's values with this optimizer's param indices; JSON lists back to tuples."""
+    out = dict(mine)
+    for key, value in theirs.items():
+        out[key] = tuple(value) if isinstance(mine.get(key), tuple) and isinstance(value, list) else value
+    return out

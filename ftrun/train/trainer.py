@@ -1,0 +1,319 @@
+"""The FT-HSDP step driver for one rank of a replica: quorum, catch-up, compute, FTAR, two-phase commit.
+
+One `train_step()` (paper §4.1-4.4, DESIGN "The runtime, part by part"):
+
+    q = manager.start_step()            # quorum; a behind replica heals here (`heal`: fetch + load)
+    serve(q)                            # healthy + someone behind: publish the state after q.step commits
+                                        # for catch-up; the writer: a persistent checkpoint of the same state
+    attempt = progress.start(q)         # leader: audit Attempt (before the gradient can enter FTAR)
+    forward/backward on this rank's batch, gather grads into one float32 buffer
+    exchange.average(q, buffer)         # FTAR mean over contributors; a healed replica sends zeros
+    scatter the mean back into .grad
+    manager.should_commit()             # 2PC vote
+      yes: LR factor (healthy/total), optimizer.step, ledger commit, audit Commit, loader_state save
+           (the step's writer), retire the snapshot
+      no:  grads dropped, ledger unchanged: the next train_step retries the step under a new quorum
+
+Catch-up timing. The snapshot of step n (the state after n commits) is published at the START of
+step n, before the compute: the behind replica fetches it inside its start_step (the server long-polls
+until it is published) while the healthy replicas compute, and the healthy replicas' FTAR cannot finish
+before the behind replica sends its zeros. Publishing after the exchange would deadlock the two (each
+waiting for the other until ftar_timeout_s). Nothing changes the state between the publish and the
+optimizer step, so this is the paper's "snapshot before the optimizer step".
+
+Failures. Any exception in forward, backward or the exchange (a peer dying mid-FTAR is a
+RecoverableError) is reported to the Manager and becomes a 'don't commit' vote: nothing is applied,
+model and optimizer are untouched, and the step is retried. A rank that fails before its exchange does
+not enter it, so its peers' FTAR fails too (by their ftar_timeout_s): never a half-trained step (the
+ledger's contract, ftrun.data.loader_state). Errors the Manager raises (ReplicaError: no quorum, a
+failed heal, too many failed commits) propagate: the replica must be restarted.
+
+RNG. With `rng_seed` set, torch's CPU RNG is reseeded before every forward from (seed, replica, rank,
+step): dropout masks are a pure function of the step, so a retry, a healed replica and a full restart
+draw the same numbers without shipping RNG state (a state captured at publish time, before the
+forward, would be the wrong one after the step anyway).
+
+Plain replication inside the replica (`ReplicaState`, `FlatGrads` over whole tensors; the leader writes
+the checkpoint). A sharded replica (FSDP2, later) passes its own `state` and `grads`, the same interfaces
+over each rank's local shards; every rank runs a trainer and serves/fetches its own shards, which is
+why catch-up sources are the same rank of the healthy replicas.
+Threading: one task per trainer; `heal` runs in it, called by the Manager.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from ftrun.catchup.client import FetchResult, fetch
+from ftrun.catchup.config import CatchupConfig
+from ftrun.catchup.errors import CatchupError
+from ftrun.catchup.heal import catchup_sources, should_publish
+from ftrun.catchup.server import CatchupServer
+from ftrun.checkpoint.policy import CheckpointConfig, checkpoint_writer, should_checkpoint
+from ftrun.config import ManagerConfig
+from ftrun.data.audit import AuditLog
+from ftrun.data.loader_state import LoaderState, LoaderStateError, LoaderStateStore
+from ftrun.data.progress import DataProgress
+from ftrun.data.sampler import DataLayout
+from ftrun.env.base import Env
+from ftrun.quorum.client import LighthouseClient
+from ftrun.replica.comm import ReplicaComm
+from ftrun.replica.endpoints import encode_endpoints
+from ftrun.replica.manager import Manager, StepQuorum
+from ftrun.train.exchange import GradientExchange
+from ftrun.train.grads import FlatGrads
+from ftrun.train.lr import LRConfig, apply_lr_factor, lr_factor
+from ftrun.train.resume import checkpoint_store, resume
+from ftrun.train.state import ReplicaState, TrainState
+
+log = logging.getLogger("ftrun.train")
+
+LossFn = Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]  # (model, batch of samples) -> scalar loss
+EventFn = Callable[[dict], None]
+PhaseFn = Callable[[str, int], None]  # (phase, step): instrumentation and fault injection
+PHASES = ("quorum", "heal", "forward", "exchange", "before_commit", "after_commit")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerConfig:
+    """replica_id/rank: who this is. rng_seed: reseed per step (see the module docstring); None leaves
+    torch's RNG alone (then the model must not draw random numbers, or a healed replica diverges).
+    checkpoint_dir: persistent checkpoints (None: off). catchup: server/client settings and timeouts."""
+
+    replica_id: str
+    rank: int = 0
+    rng_seed: int | None = 0
+    lr: LRConfig = field(default_factory=LRConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    checkpoint_dir: str | None = None
+    catchup: CatchupConfig = field(default_factory=CatchupConfig)
+
+    def __post_init__(self) -> None:
+        if not self.replica_id:
+            raise ValueError("TrainerConfig.replica_id must be non-empty")
+        if self.rank < 0:
+            raise ValueError(f"TrainerConfig.rank must be >= 0, got {self.rank}")
+        if self.rng_seed is not None and self.rng_seed < 0:
+            raise ValueError(f"TrainerConfig.rng_seed must be >= 0 or None, got {self.rng_seed}")
+
+
+@dataclass(frozen=True)
+class StepResult:
+    step: int  # the step trained (the number of commits before it)
+    quorum_id: int
+    participants: tuple[str, ...]
+    committed: bool
+    loss: float | None  # None when this replica trained no batch (it healed this step) or failed
+    healed: bool
+    lineage: str  # the ledger's lineage after the step (unchanged when not committed)
+
+
+def step_seed(seed: int, replica_index: int, rank: int, step: int) -> int:
+    """The RNG seed of one rank's forward at `step`: a pure function, the same on every retry."""
+    digest = hashlib.blake2b(f"{seed}/{replica_index}/{rank}/{step}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+class FaultTolerantTrainer:
+    """Drives one rank's steps. Build with `build(...)`, which also makes the Manager (it needs this
+    trainer's `heal` hook and endpoints).
+
+    state/grads: the rank's state and gradient buffer (default: plain replication of `model`).
+    checkpointed: (step, lineage) of a persistent checkpoint that exists, e.g. the one this replica
+    resumed from, so the writer does not rewrite it (a rewrite first discards the complete one).
+    on_event: structured events (catchup, checkpoint) from the leader. on_phase: called at every phase
+    boundary of a step (PHASES), for instrumentation and fault injection.
+    """
+
+    def __init__(self, *, config: TrainerConfig, env: Env, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 loss_fn: LossFn, dataset: torch.Tensor, progress: DataProgress, manager: Manager,
+                 exchange: GradientExchange, server: CatchupServer, token: str, loader_store: LoaderStateStore,
+                 audit: AuditLog, state: TrainState | None = None, grads: FlatGrads | None = None,
+                 checkpointed: tuple[int, str] | None = None, on_event: EventFn | None = None,
+                 on_phase: PhaseFn | None = None) -> None:
+        if len(dataset) < progress.state.layout.dataset_size:
+            raise ValueError(f"dataset has {len(dataset)} samples, the layout {progress.state.layout.dataset_size}")
+        self.config, self.env, self.model, self.optimizer = config, env, model, optimizer
+        self.loss_fn, self.dataset, self.progress, self.manager = loss_fn, dataset, progress, manager
+        self.exchange, self.server, self._token = exchange, server, token
+        self.loader_store, self.audit = loader_store, audit
+        self.state = state if state is not None else ReplicaState(model=model, optimizer=optimizer)
+        self.grads = grads if grads is not None else FlatGrads(model.parameters())
+        self._on_event, self._on_phase = on_event, on_phase
+        self._leader = manager.comm.rank == 0
+        self._ckpt = checkpoint_store() if config.checkpoint_dir is not None else None
+        self._published: tuple[int, str] | None = None  # (step, lineage) of the snapshot being served
+        self._checkpointed = checkpointed  # (step, lineage) of a checkpoint that exists: never rewritten
+        self.last_fetch: FetchResult | None = None
+
+    @property
+    def step(self) -> int:
+        """Steps this replica has committed (or healed to)."""
+        return self.manager.step
+
+    # -- one step --------------------------------------------------------------------------------
+    def train_step(self) -> StepResult:
+        """Run one FT-HSDP step (see the module docstring). Raises ReplicaError when the replica is broken."""
+        self._phase("quorum", self.manager.step)
+        q = self.manager.start_step()
+        self._serve(q)
+        attempt = self.progress.start(step=q.step, participants=q.participants)
+        if attempt is not None and self._leader:
+            self.audit.append(attempt)  # before the gradient can enter the all-reduce
+        loss = self._compute_and_exchange(q, trains=attempt is not None)
+        self._phase("before_commit", q.step)
+        committed = self.manager.should_commit()
+        if committed:
+            self._apply(q)
+        else:
+            self.progress.abort()
+            self.model.zero_grad(set_to_none=True)
+        return StepResult(q.step, q.quorum_id, tuple(p.replica_id for p in q.participants), committed,
+                          loss, q.healed, self.progress.state.lineage)
+
+    def _serve(self, q: StepQuorum) -> None:
+        """Before the compute, the state after q.step commits: the catch-up snapshot (healthy replicas,
+        when someone is behind) first, so the fetch overlaps the checkpoint write; then the persistent
+        checkpoint (its writer). Neither is redone for a retry on the same state."""
+        key = (q.step, self.progress.state.lineage)
+        if should_publish(q) and self._published != key:
+            metadata = {"step": q.step, "loader_state": self.progress.state.to_dict(), "state": self.state.metadata()}
+            self.server.publish(q.step, self.state.tensors(), metadata)
+            self._published = key
+        cfg = self.config
+        if (self._ckpt is not None and self._checkpointed != key and should_checkpoint(q.step, cfg.checkpoint)
+                and checkpoint_writer(q.participants) == cfg.replica_id and self._leader):
+            self._checkpoint(q.step, key)
+
+    def _checkpoint(self, step: int, key: tuple[int, str]) -> None:
+        """Write the checkpoint of the state after `step` commits. A failed write costs this checkpoint
+        only (readers skip a folder without a valid manifest): it is logged, not raised."""
+        started = self.env.clock.now()
+        try:
+            self._ckpt.save(self.config.checkpoint_dir, step=step, model=self.model, optimizer=self.optimizer,
+                            loader_state=self.progress.state, keep=self.config.checkpoint.keep)
+        except Exception as e:  # storage trouble must not take the replica down; the next cadence retries
+            log.error("replica %s: checkpoint of step %d failed: %s", self.config.replica_id, step, e)
+            self._emit("checkpoint_failed", step=step, error=f"{type(e).__name__}: {e}")
+            return
+        self._checkpointed = key
+        self._emit("checkpoint", step=step, seconds=self.env.clock.now() - started)
+
+    def _compute_and_exchange(self, q: StepQuorum, *, trains: bool) -> float | None:
+        """Forward/backward (unless behind) and the FTAR mean into .grad; a failure is a 'no' vote."""
+        loss = None
+        try:
+            if trains:
+                self._phase("forward", q.step)
+                loss = self._forward_backward(q.step)
+                self.grads.gather()
+            else:
+                self.grads.zero()  # behind this step: contributes zeros, receives the contributors' mean
+            self._phase("exchange", q.step)
+            self.exchange.average(q, self.grads.buffer)
+            self.grads.scatter()
+        except Exception as e:  # any failure in the step's compute or exchange: vote no, retry the step
+            self.manager.report_error(e)
+        return loss
+
+    def _forward_backward(self, step: int) -> float:
+        if self.config.rng_seed is not None:
+            index = self.progress.state.index(self.config.replica_id)
+            torch.manual_seed(step_seed(self.config.rng_seed, index, self.config.rank, step))
+        self.model.zero_grad(set_to_none=True)
+        batch = self.dataset[torch.from_numpy(self.progress.samples(self.config.rank))]
+        loss = self.loss_fn(self.model, batch)
+        loss.backward()
+        return float(loss.detach())
+
+    def _apply(self, q: StepQuorum) -> None:
+        """Commit: the optimizer step with the LR intervention, then the ledger, audit and loader_state."""
+        layout = self.progress.state.layout
+        apply_lr_factor(self.optimizer, lr_factor(self.config.lr.policy, num_healthy=q.num_contributors,
+                                                  num_total=layout.num_replicas))
+        self.optimizer.step()
+        self.model.zero_grad(set_to_none=True)
+        self._phase("after_commit", q.step)
+        commit = self.progress.commit(writer=self.config.replica_id)
+        if self._leader:
+            self.audit.append(commit)
+            if checkpoint_writer(q.participants) == self.config.replica_id:
+                self.loader_store.save(self.progress.state)
+        self.server.retire(q.step)  # a no-op unless this step was published
+        self._published = None
+
+    # -- catch-up --------------------------------------------------------------------------------
+    def heal(self, q: StepQuorum) -> None:
+        """The Manager's heal hook: fetch the state after q.step commits from the healthy participants'
+        same-rank catch-up endpoints and load it (model, optimizer, ledger). Raises CatchupError (no
+        source, every source failed, timeout) or LoaderStateError/ValueError (a state that does not fit)."""
+        sources = catchup_sources(q, self.config.rank)
+        if not sources:
+            raise CatchupError(f"step {q.step}: no healthy participant of quorum {q.quorum_id} serves catch-up")
+        cfg = self.config.catchup
+        result = fetch(q.step, sources, self._token, cfg.timeouts, config=cfg)
+        self._phase("heal", q.step)
+        self._load(q.step, result)
+        self.last_fetch = result
+        self._emit("catchup", step=q.step, num_bytes=result.num_bytes, seconds=result.seconds,
+                   bytes_by_source=result.bytes_by_source, failures=list(result.failures))
+
+    def _load(self, step: int, result: FetchResult) -> None:
+        meta = result.metadata
+        if meta.get("step") != step:
+            raise CatchupError(f"asked for step {step}, the snapshot says step {meta.get('step')}")
+        ledger = LoaderState.from_dict(meta.get("loader_state") or {})
+        if ledger.step != step:
+            raise LoaderStateError(f"snapshot of step {step} carries a loader_state at step {ledger.step}")
+        self.state.load(result.tensors, meta.get("state") or {})
+        self.progress.heal(ledger)
+        self.model.zero_grad(set_to_none=True)
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _phase(self, phase: str, step: int) -> None:
+        if self._on_phase is not None:
+            self._on_phase(phase, step)
+
+    def _emit(self, kind: str, **fields: Any) -> None:
+        if self._on_event is not None and self._leader:
+            self._on_event({"event": kind, "t": self.env.clock.now(), "replica_id": self.config.replica_id,
+                            "rank": self.config.rank, **fields})
+
+    def close(self) -> None:
+        """Leave the job: the Manager (lighthouse link, replica comm). The caller closes engine and server."""
+        self.manager.close()
+
+
+def build(*, config: TrainerConfig, env: Env, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+          loss_fn: LossFn, dataset: torch.Tensor, layout: DataLayout, replica_ids: tuple[str, ...],
+          manager_config: ManagerConfig, comm: ReplicaComm, lighthouse: LighthouseClient | None,
+          exchange: GradientExchange, server: CatchupServer, token: str, loader_store: LoaderStateStore,
+          audit: AuditLog, on_event: EventFn | None = None, on_phase: PhaseFn | None = None) -> FaultTolerantTrainer:
+    """Resume (latest complete checkpoint, else step 0), make the Manager with this rank's endpoints
+    ({"ftar", "catchup"}) and the trainer's heal hook, and wire the trainer. `server` must be started.
+    Raises ValueError for a server that is not started, and whatever `resume` raises."""
+    if not server.url:
+        raise ValueError("start the CatchupServer before build(): its URL is this rank's catch-up endpoint")
+    step, ledger = resume(config.checkpoint_dir, model=model, optimizer=optimizer, layout=layout,
+                          replica_ids=replica_ids)
+    endpoints = encode_endpoints({"ftar": exchange.engine.addr, "catchup": server.url})
+    trainer: FaultTolerantTrainer | None = None
+
+    def heal(q: StepQuorum) -> None:
+        assert trainer is not None, "the Manager heals only inside train_step"
+        trainer.heal(q)
+
+    manager = Manager(config=manager_config, env=env, comm=comm, replica_id=config.replica_id,
+                      lighthouse=lighthouse, step=step, data_addr=endpoints, heal=heal,
+                      on_event=on_event if comm.rank == 0 else None)
+    trainer = FaultTolerantTrainer(
+        config=config, env=env, model=model, optimizer=optimizer, loss_fn=loss_fn, dataset=dataset,
+        progress=DataProgress(replica_id=config.replica_id, state=ledger), manager=manager, exchange=exchange,
+        server=server, token=token, loader_store=loader_store, audit=audit,
+        checkpointed=(step, ledger.lineage) if step > 0 else None, on_event=on_event, on_phase=on_phase)
+    return trainer

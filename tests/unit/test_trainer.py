@@ -1,0 +1,241 @@
+"""The FT-HSDP trainer's parts (state round trip, gradient buffer, fault plans) and, in one process with
+threads over loopback, the trainer itself: a late replica heals and ends bitwise equal, a failure inside
+backward is retried without touching model or optimizer."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from ftrun.catchup.config import CatchupConfig
+from ftrun.catchup.server import CatchupServer
+from ftrun.config import LighthouseConfig, ManagerConfig, Timeouts
+from ftrun.data.audit import AuditLog, audit, read_log
+from ftrun.data.loader_state import LoaderState, LoaderStateError, LoaderStateStore
+from ftrun.data.sampler import DataLayout
+from ftrun.env.real import RealEnv
+from ftrun.ftar.engine import FtarConfig, FtarEngine
+from ftrun.quorum.client import LighthouseClient
+from ftrun.quorum.service import Lighthouse
+from ftrun.replica.comm import LocalComm
+from ftrun.storage import FileStorage
+from ftrun.train.exchange import GradientExchange
+from ftrun.train.ft_worker import Float32Kernels, param_hash
+from ftrun.train.grads import FlatGrads
+from ftrun.train.inject import CatchupFault, DieAt, parse_catchup_fault, parse_die_at, plan_for
+from ftrun.train.lr import BASE_LR_KEY, apply_lr_factor
+from ftrun.train.resume import resume
+from ftrun.train.state import ReplicaState
+from ftrun.train.toy import ToyConfig, lm_loss, make_model, make_tokens
+from ftrun.train.trainer import TrainerConfig, build, step_seed
+
+TOY = ToyConfig(vocab=16, seq_len=8, d_model=8, hidden=16, num_samples=256, seed=3)
+DATA = make_tokens(TOY)
+
+
+def trained(steps: int):
+    model = make_model(TOY)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    for i in range(steps):
+        apply_lr_factor(opt, 0.5 + 0.1 * i)
+        lm_loss(model, DATA[i * 8:(i + 1) * 8]).backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def one_step(model, opt, grads_from):
+    for p, g in zip(model.parameters(), grads_from):
+        p.grad = g.clone()
+    apply_lr_factor(opt, 0.7)
+    opt.step()
+
+
+def test_replica_state_round_trip_is_bitwise_and_keeps_the_optimizer_exact():
+    src_model, src_opt = trained(3)
+    dst_model = make_model(replace(TOY, seed=99))
+    dst_opt = torch.optim.AdamW(dst_model.parameters(), lr=5.0)  # other LR, no state yet
+    src = ReplicaState(model=src_model, optimizer=src_opt)
+    metadata = json.loads(json.dumps(src.metadata()))  # it travels as JSON
+    ReplicaState(model=dst_model, optimizer=dst_opt).load({k: v.clone() for k, v in src.tensors().items()}, metadata)
+    assert param_hash(dst_model) == param_hash(src_model)
+    assert dst_opt.param_groups[0][BASE_LR_KEY] == src_opt.param_groups[0][BASE_LR_KEY]
+    assert dst_opt.param_groups[0]["betas"] == src_opt.param_groups[0]["betas"]  # a tuple again
+    grads = [torch.randn_like(p) for p in src_model.parameters()]
+    one_step(src_model, src_opt, grads)
+    one_step(dst_model, dst_opt, grads)
+    assert param_hash(dst_model) == param_hash(src_model)  # same step counters, moments, LR: same bits
+    for a, b in zip(src_opt.state.values(), dst_opt.state.values()):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_replica_state_rejects_another_models_state():
+    with pytest.raises(ValueError, match="not parameters of the model"):
+        ReplicaState(model=make_model(TOY), optimizer=torch.optim.SGD(make_model(TOY).parameters(), lr=1.0))
+    model, opt = trained(1)
+    tensors = ReplicaState(model=model, optimizer=opt).tensors()
+    other = make_model(replace(TOY, hidden=17))
+    with pytest.raises(ValueError, match="up.weight"):
+        ReplicaState(model=other, optimizer=torch.optim.AdamW(other.parameters())).load(tensors, {})
+
+
+def test_flat_grads_gather_zero_fills_and_scatter_gives_every_param_a_grad():
+    model = make_model(TOY)
+    grads = FlatGrads(model.parameters())
+    assert grads.buffer.dtype == np.float32 and grads.buffer.size == sum(p.numel() for p in model.parameters())
+    lm_loss(model, DATA[:4]).backward()
+    model.embed.weight.grad = None  # e.g. an unused parameter
+    grads.gather()
+    n = model.embed.weight.numel()
+    assert not grads.buffer[:n].any() and grads.buffer[n:].any()
+    grads.buffer[:] = 2.0
+    model.zero_grad(set_to_none=True)
+    grads.scatter()
+    assert all(p.grad is not None and bool((p.grad == 2.0).all()) for p in model.parameters())
+
+
+def test_fault_plans_parse_and_filter():
+    plans = parse_die_at("step=5,phase=exchange,replica=r1,incarnation=0; phase=heal")
+    assert plans == (DieAt(phase="exchange", step=5, replica="r1", incarnation=0), DieAt(phase="heal"))
+    assert plan_for(plans, "r1", 1) == (DieAt(phase="heal"),)
+    assert plans[0].due("exchange", 6) and not plans[0].due("exchange", 4) and not plans[0].due("heal", 9)
+    assert parse_catchup_fault("kind=truncate,then=die,replica=r0") == (
+        CatchupFault(kind="truncate", then_die=True, replica="r0"),)
+    assert parse_die_at("") == ()
+    for bad in ("phase=lunch", "step=1", "phase=heal,when=now", "phase=heal,step=-1"):
+        with pytest.raises(ValueError):
+            parse_die_at(bad)
+    with pytest.raises(ValueError):
+        parse_catchup_fault("kind=corrupt,then=live")
+
+
+def test_resume_restores_the_latest_checkpoint_and_its_ledger(tmp_path):
+    from ftrun.checkpoint import store
+
+    layout = DataLayout(dataset_size=len(DATA), num_replicas=2, ranks_per_replica=1, batch_size_per_rank=4)
+    fresh = make_model(TOY)
+    assert resume(tmp_path / "none", model=fresh, optimizer=torch.optim.AdamW(fresh.parameters()), layout=layout,
+                  replica_ids=("a", "b")) == (0, LoaderState.initial(layout, ("a", "b")))
+    model, opt = trained(2)
+    ledger = LoaderState.initial(layout, ("a", "b")).advance(step=0, contributors=("a", "b")).advance(
+        step=1, contributors=("a",))
+    store.save(tmp_path, step=2, model=model, optimizer=opt, loader_state=ledger)
+    other = make_model(TOY)
+    other_opt = torch.optim.AdamW(other.parameters())
+    assert resume(tmp_path, model=other, optimizer=other_opt, layout=layout, replica_ids=("a", "b")) == (2, ledger)
+    assert param_hash(other) == param_hash(model)
+    with pytest.raises(LoaderStateError, match="replicas"):
+        resume(tmp_path, model=other, optimizer=other_opt, layout=layout, replica_ids=("b", "a"))
+
+
+def test_step_seed_is_a_pure_function_of_its_key():
+    assert step_seed(0, 1, 0, 7) == step_seed(0, 1, 0, 7)
+    assert len({step_seed(0, r, 0, s) for r in range(3) for s in range(50)}) == 150
+    assert 0 <= step_seed(2**40, 5, 3, 10**9) < 2**63
+    with pytest.raises(ValueError):
+        TrainerConfig(replica_id="")
+
+
+# -- the trainer in one process: threads, loopback sockets ------------------------------------------
+IDS = ("r0", "r1", "r2")
+TOKEN = "tok"
+T = Timeouts(heartbeat_interval_s=0.05, heartbeat_timeout_s=2.0, join_timeout_s=3.0, ftar_timeout_s=1.0,
+             catchup_long_poll_s=3.0, catchup_stall_s=3.0)
+LAYOUT = DataLayout(dataset_size=len(DATA), num_replicas=3, ranks_per_replica=1, batch_size_per_rank=4, seed=1)
+
+
+class Rep:
+    def __init__(self, env, lighthouse, rid, root):
+        self.rid, self.records, self.events, self.results = rid, [], [], []
+        self.at_quorum = []  # (step, param hash, optimizer step count) before each attempt
+        self.fail_next_backward = False
+        self.model = make_model(TOY)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        catchup = CatchupConfig(max_shard_bytes=1024, timeouts=T)
+        self.server = CatchupServer(env=env, token=TOKEN, config=catchup)
+        self.server.start()
+        self.engine = FtarEngine(env=env, kernels=Float32Kernels(), token=TOKEN,
+                                 config=FtarConfig(chunk_bytes=512, num_chunks=2, timeout_s=T.ftar_timeout_s))
+        self.trainer = build(
+            config=TrainerConfig(replica_id=rid, catchup=catchup), env=env, model=self.model, optimizer=self.opt,
+            loss_fn=self.loss, dataset=DATA, layout=LAYOUT, replica_ids=IDS,
+            manager_config=ManagerConfig(max_retries=3, timeouts=T), comm=LocalComm(),
+            lighthouse=LighthouseClient(env=env, addr=lighthouse.addr, token=TOKEN, replica_id=rid, timeouts=T),
+            exchange=GradientExchange(engine=self.engine, rank=0), server=self.server, token=TOKEN,
+            loader_store=LoaderStateStore(storage=FileStorage(root / rid)), audit=AuditLog(self.records.append),
+            on_event=self.events.append, on_phase=self.on_phase)
+
+    def on_phase(self, phase, step):
+        if phase == "quorum":
+            count = self.opt.state_dict()["state"].get(0, {}).get("step")
+            self.at_quorum.append((step, param_hash(self.model), None if count is None else float(count)))
+
+    def loss(self, model, batch):
+        if self.fail_next_backward:
+            self.fail_next_backward = False
+            raise RuntimeError("injected failure in the compute")
+        return lm_loss(model, batch)
+
+    def run_until(self, step):
+        while self.trainer.step < step:
+            self.results.append(self.trainer.train_step())
+
+    def close(self):
+        self.trainer.close()
+        self.engine.close()
+        self.server.stop()
+
+
+def run(env, reps, step):
+    tasks = [env.spawn(r.run_until, step, name=r.rid) for r in reps]
+    for t in tasks:
+        assert t.join(30.0), "a replica hung"
+        assert t.exception is None, t.exception
+
+
+@pytest.mark.timeout(60)
+def test_trainer_heals_a_late_replica_and_retries_a_failed_backward(tmp_path):
+    env = RealEnv()
+    lighthouse = Lighthouse(env=env, token=TOKEN, config=LighthouseConfig(min_replicas=2, timeouts=T))
+    lighthouse.start()
+    reps = [Rep(env, lighthouse, rid, tmp_path) for rid in IDS]
+    try:
+        r0, r1, r2 = reps
+        run(env, [r0, r1], 3)  # r2 is not there yet
+        late = env.spawn(r2.run_until, 6, name="r2")  # asks for step 0 first, so it is in the next quorum
+        while "r2" not in lighthouse.status()["pending"]:
+            env.clock.sleep(0.01)
+        run(env, [r0, r1], 6)
+        assert late.join(30.0) and late.exception is None, late.exception
+        healed = r2.results[0]
+        assert healed.healed and healed.step == 3 and healed.committed and healed.loss is None
+        assert [e for e in r2.events if e["event"] == "catchup"][0]["step"] == 3
+        assert len({param_hash(r.model) for r in reps}) == 1
+
+        r1.fail_next_backward = True
+        fail_at = r1.trainer.step
+        run(env, reps, fail_at + 1)
+        for r in reps:  # nobody applied the failed attempt: r1 never entered the FTAR, the others timed out
+            attempts = [x for x in r.results if x.step == fail_at]
+            assert [x.committed for x in attempts] == [False, True], (r.rid, attempts)
+            failed, retry = [q for q in r.at_quorum if q[0] == fail_at]
+            assert failed == retry  # model and optimizer (its step count too) untouched by the failure
+        assert r1.results[-2].loss is None  # the failed attempt
+        assert len({param_hash(r.model) for r in reps}) == 1
+        run(env, reps, fail_at + 2)
+        assert len({param_hash(r.model) for r in reps}) == 1
+
+        records = [rec for r in reps for rec in read_log(b"".join(r.records))[0]]
+        final = r0.trainer.progress.state
+        assert all(r.trainer.progress.state == final for r in reps)
+        report = audit(records, final=final)
+        assert report.ok and report.num_steps == fail_at + 2, report.summary()
+        assert final.committed_batches == (fail_at + 2, fail_at + 2, fail_at + 2 - 4)  # r2: away 0..2, healed in 3
+    finally:
+        for r in reps:
+            r.close()
+        lighthouse.stop()
