@@ -1,131 +1,215 @@
-"""`ftrun emulate [PROFILE] [--steps N] [--inject "kill replica=R step=S"] [--set key=value] [--seed S]`.
+"""`ftrun emulate [PROFILE | SCRIPT.py] [--steps N] [--inject "kill replica=R step=S"] [--set key=value]
+[--seed S] [--json] [--sweep ranks=1k,8k,32k,98k] [--out DIR] [--ftar-detail folded|full] [--comm tree|flat]`
 
-Runs the dry run of harness.dryrun on the profile (default: ci-small with its scripted replica kill and
-rejoin) and prints a report; `--json` prints its figures as one JSON object last.
+Runs the real runtime for every emulated rank of a scale profile on the virtual-time engine (harness.run)
+and prints a report (harness.report); `--out DIR` also writes PNG plots, a Chrome/Perfetto trace and
+report.json. With no PROFILE: ci-small with its scripted replica kill and rejoin. `--json` prints the
+figures as one JSON object last. `--sweep ranks=...` runs a short failure-free job at each total rank
+count (ranks per replica varied, replicas as in the profile) and prints get_quorum latency against scale.
+SCRIPT.py runs a training script once under the shadow loader (`shadow.active(profile)`).
+
+Determinism: the same seed gives the same events and report when CPU charging is off (ci-small's
+default; `--cpu-charging off` for any profile). With charging on, the real CPU time of each task's slices
+is charged to its emulated host, which is what exposes O(N) hot spots, and modeled times vary slightly
+from run to run.
 """
 
 from __future__ import annotations
 
 import argparse
-import re
+import gc
+import logging
+import resource
+import runpy
 import sys
 import time
-from collections import defaultdict
+from pathlib import Path
+from typing import Any
 
-import psutil
 from tqdm import tqdm
 
 from ftrun.cli import emit_json
-from harness.dryrun import DryRun, Kill, scripted_kills
-from harness.profile import apply_overrides, load_profile
+from harness import report
+from harness.profile import Profile, apply_overrides, load_profile
+from harness.run import EmulatedJob, JobOptions, kills_from_profile, parse_inject
+
+DEFAULT_PROFILE = "ci-small"
+SWEEP_STEPS = 3
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("profile", nargs="?", default="ci-small", help="profile name or TOML path (default ci-small)")
-    p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--inject", action="append", default=[], metavar='"kill replica=R step=S"')
-    p.add_argument("--set", action="append", default=[], metavar="key=value", dest="overrides")
+    p.add_argument("profile", nargs="?", default=None,
+                   help=f"scale profile name or TOML path (default {DEFAULT_PROFILE}), or a training script .py")
+    p.add_argument("--profile", dest="script_profile", default=DEFAULT_PROFILE,
+                   help="with SCRIPT.py: the profile the shadow loader's torch.cuda shim follows")
+    p.add_argument("--steps", type=int, default=None, help="steps to train (default: the profile's)")
+    p.add_argument("--inject", action="append", default=[], metavar='"kill replica=R step=S"',
+                   help="failure to inject (repeatable); replaces the profile's failure model")
+    p.add_argument("--set", action="append", default=[], metavar="key=value", dest="overrides",
+                   help="override a profile key, e.g. --set train.step_compute_s=2")
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ftar-detail", choices=("folded", "full"), default=None,
+                   help="full: run every chunk of every FTAR ring (default: the profile's)")
+    p.add_argument("--comm", choices=("tree", "flat"), default="tree",
+                   help="the replica's check-in / vote collectives: TreeComm or the naive FlatComm")
+    p.add_argument("--wiring", choices=("auto", "connect", "prewired"), default="auto",
+                   help="how replica trees are wired (auto: prewired above 4096 ranks per replica)")
+    p.add_argument("--cpu-charging", choices=("on", "off"), default=None,
+                   help="charge real CPU time to emulated hosts (default: the profile's)")
+    p.add_argument("--sweep", default=None, metavar="ranks=1k,8k,32k,98k")
+    p.add_argument("--out", default=None, metavar="DIR", help="write PNG plots, trace.json and report.json here")
+    p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json", action="store_true")
 
 
-def parse_inject(text: str) -> Kill:
-    m = re.fullmatch(r"\s*kill\s+replica=(\d+)\s+step=(\d+)\s*", text)
-    if not m:
-        raise ValueError(f"bad --inject {text!r}: expected \"kill replica=R step=S\"")
-    return Kill(int(m.group(1)), int(m.group(2)))
+def build_profile(name: str | None, overrides: list[str], *, steps: int | None, cpu_charging: str | None) -> Profile:
+    extra = list(overrides)
+    if steps is not None:
+        extra.append(f"train.steps={steps}")
+    if cpu_charging is not None:
+        extra.append(f"emulation.cpu_charging={'true' if cpu_charging == 'on' else 'false'}")
+    return apply_overrides(load_profile(name or DEFAULT_PROFILE), extra)
+
+
+def job_options(profile: Profile, args: argparse.Namespace, *, kills: tuple | None = None) -> JobOptions:
+    seed = profile.seed if args.seed is None else args.seed
+    if kills is None:
+        if args.inject:
+            kills = tuple(parse_inject(t) for t in args.inject)
+        else:  # the profile's failure model, over a generous horizon of modeled time
+            horizon = 2 * profile.train.steps * profile.train.step_compute_s
+            kills = tuple(kills_from_profile(profile, seed, horizon))
+    wiring = args.wiring if args.wiring != "auto" else ("prewired" if profile.ranks_per_replica > 4096 else "connect")
+    return JobOptions(steps=profile.train.steps, kills=kills, seed=seed, ftar_detail=args.ftar_detail,
+                      comm=args.comm, wiring=wiring)
+
+
+def execute(profile: Profile, options: JobOptions, *, progress: bool = False, out: str | None = None,
+            ) -> tuple[dict[str, Any], EmulatedJob]:
+    """Run one emulated job; returns (figures, job). Figures include wall_s and peak_rss_mb."""
+    gc.collect()
+    started, cpu0 = time.monotonic(), time.process_time()
+    job = EmulatedJob(profile, options)
+    with tqdm(total=options.steps, desc=f"emulate {profile.name}", unit="step", file=sys.stderr,
+              disable=not progress) as bar:
+        def advance(step: int) -> None:
+            bar.update(step - bar.n)
+        rec = job.run(progress=advance)
+    f = report.figures(rec, profile=profile, steps=options.steps, folded=job.folded, comm=options.comm,
+                       kills=[k.describe() for k in options.kills])
+    f.update(wall_s=round(time.monotonic() - started, 3), cpu_s=round(time.process_time() - cpu0, 3),
+             peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+             engine=job.world.stats(), shape_propagations=job.shapes.num_propagations)
+    if out is not None:
+        from harness.report_files import write_all
+
+        f["files"] = [str(p) for p in write_all(out, f, rec)]
+    return f, job
+
+
+def _quiet_runtime_logs(args: argparse.Namespace) -> int:
+    """Thousands of ranks each logging their failed step would drown the report; the report sums them
+    up. Keep WARNING-level runtime logs off unless a more verbose --log-level was asked for."""
+    logger = logging.getLogger("ftrun")
+    saved = logger.level
+    if str(getattr(args, "log_level", "WARNING")).upper() in ("WARNING", "ERROR", "CRITICAL"):
+        logger.setLevel(logging.ERROR)
+    return saved
 
 
 def run(args: argparse.Namespace) -> int:
-    overrides = list(args.overrides) + ([f"train.steps={args.steps}"] if args.steps is not None else [])
-    profile = apply_overrides(load_profile(args.profile), overrides)
-    kills = [parse_inject(t) for t in args.inject] if args.inject else scripted_kills(profile)
-    for k in kills:
-        if not 0 <= k.replica < profile.replicas:
-            raise SystemExit(f"ftrun emulate: --inject names replica {k.replica}, the profile has {profile.replicas}")
-    started = time.monotonic()
-    with tqdm(total=profile.train.steps, desc=f"emulate {profile.name}", unit="step", file=sys.stderr) as bar:
-        dry = DryRun(profile, seed=args.seed, kills=kills, progress=bar)
-        log = dry.run()
-    figures = report(log, profile=profile, kills=kills, ftar_s=dry._ftar_s, modeled_s=dry.world.now)
-    figures.update(wall_s=time.monotonic() - started, peak_rss_mb=psutil.Process().memory_info().rss / 2**20)
-    _print(figures, profile)
+    if args.profile is not None and args.profile.endswith(".py"):
+        return run_script(args)
+    saved = _quiet_runtime_logs(args)
+    try:
+        if args.sweep:
+            return run_sweep(args)
+        profile = build_profile(args.profile, args.overrides, steps=args.steps, cpu_charging=args.cpu_charging)
+        options = job_options(profile, args)
+        for k in options.kills:
+            if not 0 <= k.replica < profile.replicas:
+                raise SystemExit(f"ftrun emulate: --inject names replica {k.replica}, the profile has "
+                                 f"{profile.replicas} (0..{profile.replicas - 1})")
+        f, _ = execute(profile, options, progress=not args.no_progress, out=args.out)
+    finally:
+        logging.getLogger("ftrun").setLevel(saved)
+    print(report.text(f))
+    if args.out:
+        print(f"  files: {', '.join(f['files'])}")
     if args.json:
-        emit_json(figures)
-    return 0 if figures["complete"] else 1
+        emit_json(f)
+    return 0 if f["complete"] and not f["unexpected_errors"] else 1
 
 
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
+# -- sweep ---------------------------------------------------------------------------------------------
+
+def parse_sweep(text: str) -> list[int]:
+    """"ranks=1k,8k,32k,98k" -> total rank counts (k = 1000)."""
+    key, sep, values = text.partition("=")
+    if key.strip() != "ranks" or not sep:
+        raise ValueError(f"--sweep {text!r}: expected ranks=N,N,... (e.g. ranks=1k,8k,32k,98k)")
+    out = []
+    for v in values.split(","):
+        v = v.strip().lower()
+        mult = 1000 if v.endswith("k") else 1
+        try:
+            out.append(int(float(v.rstrip("k")) * mult))
+        except ValueError:
+            raise ValueError(f"--sweep {text!r}: {v!r} is not a rank count") from None
+    if not out or min(out) < 1:
+        raise ValueError(f"--sweep {text!r}: need positive rank counts")
+    return out
 
 
-def report(log: list[dict], *, profile, kills: list[Kill], ftar_s, modeled_s: float) -> dict:
-    commits = [e for e in log if e["event"] == "commit"]
-    by_step: dict[int, set[str]] = defaultdict(set)
-    for e in commits:
-        by_step[e["step"] - 1].add(e["replica_id"])
-    quorum_ms = [e["seconds"] * 1e3 for e in log if e["event"] == "quorum_time"]
-    times = defaultdict(list)
-    for e in commits:
-        times[(e["replica_id"], e["incarnation"])].append(e["t"])
-    gaps = [b - a for ts in times.values() for a, b in zip(ts, ts[1:])]
-    normal = _pct(gaps, 0.5) or 0.0
-    stalls, rejoins, rejoin_stalls = [], [], []
-    for e in [x for x in log if x["event"] == "kill"]:
-        survivors = [ts for (rid, _), ts in times.items() if rid != e["replica_id"]]
-        around = [b - a for ts in survivors for a, b in zip(ts, ts[1:]) if a <= e["t"] <= b]
-        stalls.append(max(around) - normal if around else 0.0)
-    for e in [x for x in log if x["event"] == "restart"]:
-        mine = times.get((e["replica_id"], e["incarnation"]), [])
-        if mine:
-            rejoins.append(mine[0] - e["t"])
-            survivors = [ts for (rid, _), ts in times.items() if rid != e["replica_id"]]
-            around = [b - a for ts in survivors for a, b in zip(ts, ts[1:]) if a <= mine[0] <= b]
-            rejoin_stalls.append(max(around) - normal if around else 0.0)
-    steps = profile.train.steps
-    replica_steps = sum(len(v) for s, v in by_step.items() if s < steps)
-    return {
-        "profile": profile.name, "ranks": profile.replicas * profile.ranks_per_replica,
-        "replicas": profile.replicas, "steps": steps, "complete": len(by_step) >= steps,
-        "steps_committed": {rid: sum(1 for e in commits if e["replica_id"] == rid)
-                            for rid in sorted({e["replica_id"] for e in commits})},
-        "participants_per_step": [len(by_step[s]) for s in sorted(by_step)],
-        "get_quorum_p50_ms": _pct(quorum_ms, 0.5), "get_quorum_p99_ms": _pct(quorum_ms, 0.99),
-        "step_time_s": normal, "stall_per_failure_s": max(stalls) if stalls else None,
-        "rejoin_s": max(rejoins) if rejoins else None,
-        "rejoin_stall_s": max(rejoin_stalls) if rejoin_stalls else None,
-        "effective_training_time": replica_steps / (profile.replicas * steps),
-        "kills": len([e for e in log if e["event"] == "kill"]), "modeled_s": modeled_s,
-        "time_split_s": {"compute": profile.train.step_compute_s, "quorum_p50": (_pct(quorum_ms, 0.5) or 0) / 1e3,
-                         "ftar_all_replicas": ftar_s_for(ftar_s, profile.replicas)},
-    }
+def sweep_layout(base: Profile, total_ranks: int) -> int:
+    """Ranks per replica for about `total_ranks` in all: the profile's own layout when within 5%,
+    else a whole number of hosts per replica."""
+    if abs(base.num_ranks - total_ranks) <= 0.05 * total_ranks:
+        return base.ranks_per_replica
+    gpus = base.topology.gpus_per_host
+    return max(gpus, round(total_ranks / base.replicas / gpus) * gpus)
 
 
-def ftar_s_for(ftar_s, n: int) -> float:
-    class _Q:  # the modeled all-reduce needs only the participant count
-        num_participants = n
+def run_sweep(args: argparse.Namespace) -> int:
+    base = build_profile(args.profile, args.overrides, steps=args.steps or SWEEP_STEPS, cpu_charging=args.cpu_charging)
+    rows = []
+    for total in parse_sweep(args.sweep):
+        per = sweep_layout(base, total)
+        hosts = -(-per // base.topology.gpus_per_host)
+        t = base.topology
+        racks = max(t.racks_per_zone, -(-base.replicas * hosts // (t.hosts_per_rack * t.zones_per_building * t.buildings)))
+        profile = apply_overrides(base, [f"ranks_per_replica={per}", f"topology.racks_per_zone={racks}",
+                                         "failures.mode=none"])
+        f, _ = execute(profile, job_options(profile, args, kills=()), progress=not args.no_progress)
+        rows.append({"ranks": f["ranks"], "ranks_per_replica": per, "get_quorum_p50_ms": f["get_quorum_p50_ms"],
+                     "get_quorum_p99_ms": f["get_quorum_p99_ms"], "start_step_p50_ms": f["start_step_p50_ms"],
+                     "leader_quorum_rtt_p50_ms": f["leader_quorum_rtt_p50_ms"], "wall_s": f["wall_s"],
+                     "peak_rss_mb": f["peak_rss_mb"], "complete": f["complete"]})
+        print(f"  {f['ranks']:>7} ranks ({base.replicas} x {per:>5}): get_quorum p50 {f['get_quorum_p50_ms']} ms, "
+              f"p99 {f['get_quorum_p99_ms']} ms; start_step p50 {f['start_step_p50_ms']} ms; "
+              f"wall {f['wall_s']:.1f} s (cpu {f['cpu_s']:.1f} s), peak RSS {f['peak_rss_mb']:.0f} MB", flush=True)
+    if args.json:
+        emit_json({"profile": base.name, "comm": args.comm, "steps": base.train.steps, "sweep": rows})
+    return 0 if all(r["complete"] for r in rows) else 1
 
-    return ftar_s(_Q())
 
+# -- a training script under the shadow loader ---------------------------------------------------------
 
-def _print(f: dict, profile) -> None:
-    print(f"\nftrun emulate {f['profile']}: {f['replicas']} replicas x {profile.ranks_per_replica} ranks = "
-          f"{f['ranks']} emulated ranks, {f['steps']} steps, {f['kills']} replica kill(s)")
-    print("  real for every rank: lighthouse quorum, tree check-in/broadcast/commit vote, failure detection, rejoin;")
-    print("  modeled: compute (profile step time), cross-replica all-reduce (folded ring formula), catch-up transfer")
-    print(f"  participants per step: {f['participants_per_step']}")
-    print(f"  steps committed per replica: {f['steps_committed']}")
-    print(f"  get_quorum p50 {f['get_quorum_p50_ms']:.2f} ms, p99 {f['get_quorum_p99_ms']:.2f} ms (modeled)")
-    print(f"  step time {f['step_time_s']:.3f} s; stall per failure {_s(f['stall_per_failure_s'])}; "
-          f"rejoin {_s(f['rejoin_s'])} after restart, stalling the others {_s(f['rejoin_stall_s'])}")
-    print(f"  effective training time {100 * f['effective_training_time']:.1f}% of replica-steps; "
-          f"where a step's time goes: {f['time_split_s']}")
-    print(f"  modeled {f['modeled_s']:.2f} s in {f['wall_s']:.1f} s wall, peak RSS {f['peak_rss_mb']:.0f} MB; "
-          f"{'complete' if f['complete'] else 'INCOMPLETE'}")
+def run_script(args: argparse.Namespace) -> int:
+    import shadow
 
-
-def _s(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:.3f} s"
+    profile = build_profile(args.script_profile, args.overrides, steps=args.steps, cpu_charging=None)
+    script = Path(args.profile)
+    if not script.is_file():
+        raise SystemExit(f"ftrun emulate: no such script {script}")
+    saved_argv = sys.argv
+    sys.argv = [str(script)]
+    try:
+        with shadow.active(profile) as registry:
+            print(f"ftrun emulate: running {script} under the shadow loader "
+                  f"({', '.join(f'{k} -> {v}' for k, v in registry.modules.items())}; torch.cuda shimmed)",
+                  file=sys.stderr)
+            runpy.run_path(str(script), run_name="__main__")
+    finally:
+        sys.argv = saved_argv
+    return 0

@@ -122,19 +122,28 @@ class FtarEngine:
         self._own_slots = self._prev_slots = None
 
     def all_reduce(self, buf: np.ndarray, dtype: DType | str | None = None) -> None:
-        """Sum `buf` (C-contiguous numpy array) elementwise across the ring, in place."""
+        """Sum `buf` (C-contiguous numpy array) elementwise across the ring, in place.
+
+        With kernels that do not compute values (`computes_values = False`, the emulator's shape-only
+        kernels) `buf` may instead be a sized stand-in with `nbytes`, whose slices `buf[a:b]` are what
+        the Env's connections send and receive, and `type(buf)(nbytes)` makes staging of the same kind.
+        """
         links = self._links
         if links is None:
             raise FatalError("all_reduce before reconfigure (or after a failed one): rebuild the ring first")
         dt = DType.parse(dtype if dtype is not None else buf.dtype)
-        if not isinstance(buf, np.ndarray) or not buf.flags.c_contiguous or not buf.flags.writeable:
+        if isinstance(buf, np.ndarray) and buf.flags.c_contiguous and buf.flags.writeable:
+            data = buf.reshape(-1).view(np.uint8)
+        elif not isinstance(buf, np.ndarray) and not self.kernels.computes_values:
+            data = buf  # shape-only kernels touch no memory: a sized stand-in (see all_reduce's docstring)
+        else:
             raise FatalError("all_reduce needs a writable C-contiguous numpy array")
         n, index = self._ring
         sched = _schedule(n, index, buf.nbytes, dt.itemsize, self.config.chunk_bytes, self.config.num_chunks)
         if not sched.steps:
             return
-        staging = self._own_slots.array if self._own_slots is not None else self._local_staging(sched)
-        run = RingRun(env=self.env, kernels=self.kernels, links=links, sched=sched, data=buf.reshape(-1).view(np.uint8),
+        staging = self._own_slots.array if self._own_slots is not None else self._local_staging(sched, data)
+        run = RingRun(env=self.env, kernels=self.kernels, links=links, sched=sched, data=data,
                       dtype=dt, staging=staging, out_shared=self._own_slots is not None, timeout=self.config.timeout_s,
                       prev_slots=self._prev_slots.array if self._prev_slots is not None else None)
         try:
@@ -144,8 +153,10 @@ class FtarEngine:
             self._drop_shared()
             raise
 
-    def _local_staging(self, sched: Schedule) -> np.ndarray:
+    def _local_staging(self, sched: Schedule, data) -> np.ndarray:
         need = sched.num_slots * sched.slot_bytes
+        if not isinstance(data, np.ndarray):
+            return type(data)(need)  # shape-only staging for a shape-only buffer
         if self._staging.nbytes < need:
             self._staging = np.empty(need, np.uint8)
         return self._staging

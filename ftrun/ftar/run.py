@@ -10,6 +10,10 @@ This task receives and computes in schedule order; a sender task drains the queu
 the rank receives while it sends; in shared mode an ack task frees slots as the next rank acknowledges
 them. A staging slot is rewritten only once its previous send is complete (socket) or acknowledged
 (shared), which also caps the bytes in flight per peer at 2 x C x S.
+
+Buffers are numpy uint8 arrays, or, with shape-only kernels (emulation), stand-ins whose slices are what
+the Env's connections send and receive for those bytes (harness.engine.ShapeOnly). Kernel calls return
+modeled device seconds (0.0 for real backends), which the rank waits out on its clock.
 """
 
 from __future__ import annotations
@@ -91,29 +95,30 @@ class RingRun:
         if isinstance(local, CopyFromSlot):  # socket, all-gather: receive straight into place
             self._wait_slot(recv.slot)
             target = self._region(local.offset, local.nbytes)
-            self.links.prev.recv_into(memoryview(target), timeout=self.timeout)
+            self.links.prev.recv_into(target, timeout=self.timeout)
             return target
         self._wait_slot(recv.slot)
-        self.links.prev.recv_into(memoryview(self.staging[slot_off:slot_off + recv.nbytes]), timeout=self.timeout)
+        self.links.prev.recv_into(self.staging[slot_off:slot_off + recv.nbytes], timeout=self.timeout)
         if isinstance(local, Reduce):
-            self.k.reduce(self.staging, slot_off, self.data, local.offset, local.nbytes, self.dt)
+            self._charge(self.k.reduce(self.staging, slot_off, self.data, local.offset, local.nbytes, self.dt))
         else:
-            self.k.reduce_copy(self.staging, slot_off, self.data, local.offset, self.data, local.offset,
-                               local.nbytes, self.dt)
+            self._charge(self.k.reduce_copy(self.staging, slot_off, self.data, local.offset, self.data, local.offset,
+                                            local.nbytes, self.dt))
         return self.staging[slot_off:slot_off + recv.nbytes]
 
     def _compute_from(self, src: np.ndarray, src_off: int, recv, local):
         """The local op with its input in another rank's shared slot; result in our slot (or data)."""
         nb, slot_off = recv.nbytes, recv.slot * self.sched.slot_bytes
         if isinstance(local, CopyFromSlot):
-            self.k.copy(self.data, local.offset, src, src_off, nb)
+            self._charge(self.k.copy(self.data, local.offset, src, src_off, nb))
             return self._region(local.offset, nb)
         self._wait_slot(recv.slot)
-        self.k.copy(self.staging, slot_off, src, src_off, nb)
+        self._charge(self.k.copy(self.staging, slot_off, src, src_off, nb))
         if isinstance(local, Reduce):
-            self.k.reduce(self.staging, slot_off, self.data, local.offset, nb, self.dt)
+            self._charge(self.k.reduce(self.staging, slot_off, self.data, local.offset, nb, self.dt))
         else:
-            self.k.reduce_copy(self.staging, slot_off, self.data, local.offset, self.data, local.offset, nb, self.dt)
+            self._charge(self.k.reduce_copy(self.staging, slot_off, self.data, local.offset, self.data, local.offset,
+                                            nb, self.dt))
         return self.staging[slot_off:slot_off + nb]
 
     def _send(self, send: Send, out: np.ndarray) -> None:
@@ -121,12 +126,17 @@ class RingRun:
             slot_off = send.slot * self.sched.slot_bytes
             if not np.may_share_memory(out, self.staging):  # shared mode sends only from staging
                 self._wait_slot(send.slot)
-                self.k.copy(self.staging, slot_off, out, 0, send.nbytes)
+                self._charge(self.k.copy(self.staging, slot_off, out, 0, send.nbytes))
             self.slot_free[send.slot].clear()
             self.sends.put((send.slot, {"s": send.seq, "slot": send.slot}))
         else:
             self.slot_free[send.slot].clear()
             self.sends.put((send.slot, out))
+
+    def _charge(self, seconds: float) -> None:
+        """Wait out the device time a kernel models (shape-only kernels; real ones return 0.0)."""
+        if seconds:
+            self.env.clock.sleep(seconds)
 
     def _region(self, offset: int, nbytes: int) -> np.ndarray:
         return self.data[offset:offset + nbytes]
@@ -151,7 +161,7 @@ class RingRun:
                 if isinstance(payload, dict):
                     self.links.next.send(payload, timeout=self.timeout)
                 else:
-                    self.links.next.send_bytes(memoryview(payload), timeout=self.timeout)
+                    self.links.next.send_bytes(payload, timeout=self.timeout)
                     self.slot_free[slot].set()
             except NetError as e:
                 return self._helper_failed(e, slot)

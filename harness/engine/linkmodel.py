@@ -57,11 +57,16 @@ class LinkModel:
         self._nic_rate = config.host_nic_bytes_per_s
         self._loop_rate = config.loopback_bytes_per_s
         self._zone_links: dict[int, tuple[Timeline, Timeline, float]] = {}
+        # Fraction of each zone's hosts whose bulk traffic is emulated. 1.0 normally; a run that folds
+        # identical FTAR rings onto a few representative hosts sets it (before the first frame) so the
+        # zone links are scaled to the hosts that actually send and keep their per-host share.
+        self.zone_share = 1.0
 
     def _zone(self, zone: int) -> tuple[Timeline, Timeline, float]:
         link = self._zone_links.get(zone)
         if link is None:
-            rate = self.topology.zone_size(zone) * self._nic_rate / self.config.cross_zone_oversubscription
+            rate = (self.topology.zone_size(zone) * self.zone_share * self._nic_rate
+                    / self.config.cross_zone_oversubscription)
             link = self._zone_links[zone] = (Timeline(), Timeline(), rate)
         return link
 

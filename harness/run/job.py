@@ -1,0 +1,284 @@
+"""An emulated FT-HSDP job: the real lighthouse, every replica's every rank, failures and restarts.
+
+    job = EmulatedJob(profile, JobOptions(steps=10, kills=(Kill(1, at_step=3),)))
+    job.run(progress=lambda step: ...)        # returns when the job has trained `steps` steps
+    job.recorder                              # what happened (harness.run.record), for harness.report
+
+Hosts: the lighthouse and the job's supervisor run on their own emulated hosts; replica r's ranks run on
+the topology's hosts (rank k on host k // gpus_per_host). The supervisor injects kills (world.kill_host on
+every host of the replica), notices a dead replica at its next poll, asks the mock scheduler for hosts
+(relaunch: warm delay; replace: spares) and starts a new incarnation there, which waits out the
+process start time, checks in, is found behind, catches up and trains on.
+
+The whole run happens inside `shadow.active(profile)`: the FTAR kernels come from importing
+`ftrun.ftar.cuda_kernels`, which the shadow loader maps to mocks.ftar_kernels.
+"""
+
+from __future__ import annotations
+
+import random
+import secrets
+from typing import Any, Callable
+
+import shadow
+from ftrun.config import LighthouseConfig, Timeouts
+from ftrun.env.base import EnvTimeout
+from ftrun.ftar.engine import FtarConfig
+from ftrun.quorum.service import Lighthouse
+from ftrun.replica.tree_comm import TreeComm
+from harness.engine import EmulatedWorld
+from harness.engine.net import EmuConnection
+from harness.profile import DTYPE_BYTES, Profile
+from harness.run.dataplane import Mirror
+from harness.run.options import JobOptions, Kill
+from harness.run.rank import rank_main
+from harness.run.record import Recorder
+from mocks.compute import ShapeCache
+from mocks.scheduler import MockScheduler, NoCapacity
+from mocks.storage import MockObjectStore
+
+LIGHTHOUSE_HOST = "lighthouse"
+SUPERVISOR_HOST = "supervisor"
+ADAM_STATE_BYTES = 8  # two fp32 moments per parameter, next to the parameter itself
+
+
+def timeouts_of(profile: Profile) -> Timeouts:
+    t = profile.timeouts
+    return Timeouts(heartbeat_interval_s=t.heartbeat_interval_s, heartbeat_timeout_s=t.failure_timeout_s,
+                    join_timeout_s=t.join_timeout_s, connect_timeout_s=t.connect_timeout_s,
+                    quorum_timeout_s=max(30.0, 10 * t.failure_timeout_s), commit_timeout_s=t.failure_timeout_s,
+                    ftar_timeout_s=t.failure_timeout_s, catchup_timeout_s=max(60.0, t.failure_timeout_s))
+
+
+class Incarnation:
+    """One start of one replica: its hosts, Envs, wiring, and how many of its ranks are still running."""
+
+    def __init__(self, job: "EmulatedJob", replica: int, number: int, hosts: tuple[str, ...]) -> None:
+        p, world = job.profile, job.world
+        self.replica, self.number, self.hosts = replica, number, hosts
+        self.replica_id = job.replica_id(replica)
+        self.world_size = p.ranks_per_replica
+        gpus = p.topology.gpus_per_host
+        host_envs = [world.host_env(h) for h in hosts]
+        self.envs = [host_envs[k // gpus] for k in range(self.world_size)]
+        self.mirror = Mirror(self.envs[0], min(gpus, self.world_size)) if job.folded else None
+        self.listeners: list[Any] = []
+        self.addrs: list[str] = []
+        self.prewired: list[tuple[Any, list[Any]]] | None = None
+        if job.options.wiring == "prewired":
+            self.prewired = _prewire(world, self.envs, hosts, gpus, job.options.fanout)
+        else:
+            self.listeners = [env.net.listen("127.0.0.1:0") for env in self.envs]
+            self.addrs = [ln.addr for ln in self.listeners]
+        self.live = self.world_size
+        self.alive = True  # False once killed or failed (its ranks may still be unwinding)
+        self.completed = False  # its leader committed the last step
+
+
+def _prewire(world: EmulatedWorld, envs: list[Any], hosts: tuple[str, ...], gpus: int,
+             fanout: int) -> list[tuple[Any, list[Any]]]:
+    """Each rank's (parent, children) tree connections, made directly instead of by listen/connect."""
+    fab = world.fabric
+    n = len(envs)
+    links: list[tuple[Any, list[Any]]] = [(None, []) for _ in range(n)]
+    for rank in range(1, n):
+        parent = (rank - 1) // fanout
+        child_host, parent_host = fab.net_host(hosts[rank // gpus]), fab.net_host(hosts[parent // gpus])
+        up, down = EmuConnection.pair(fab, child_host, parent_host, f"{parent_host.name}:tree{parent}")
+        links[rank] = (up, links[rank][1])
+        links[parent][1].append(down)
+    assert all(len(ch) == len(TreeComm.children_of(r, n, fanout)) for r, (_, ch) in enumerate(links))
+    return links
+
+
+class EmulatedJob:
+    def __init__(self, profile: Profile, options: JobOptions) -> None:
+        for k in options.kills:
+            if not 0 <= k.replica < profile.replicas:
+                raise ValueError(f"{k.describe()}: the profile has replicas 0..{profile.replicas - 1}")
+        self.profile, self.options = profile, options
+        self.folded = (options.ftar_detail or profile.emulation.ftar_detail) == "folded"
+        self.world = EmulatedWorld.from_profile(profile, seed=options.seed)
+        if self.folded:  # only each replica's first host sends FTAR traffic: scale the zone links to match
+            self.world.fabric.model.zone_share = 1.0 / profile.hosts_per_replica
+        self.topology = self.world.topology
+        self.timeouts = timeouts_of(profile)
+        self.token = secrets.token_hex(8)
+        self.recorder = Recorder(spans=options.trace)
+        self.shapes = ShapeCache()
+        shapes = self.shapes.get(profile.model, profile.ranks_per_replica)
+        self.state_bytes_per_rank = shapes.params_per_rank * (DTYPE_BYTES[profile.model.dtype] + ADAM_STATE_BYTES)
+        self.ftar_config = FtarConfig(chunk_bytes=max(16, profile.ftar.chunk_bytes // 16 * 16),
+                                      num_chunks=profile.ftar.chunks_in_flight,
+                                      timeout_s=self.timeouts.ftar_timeout_s, transport="socket")
+        self.mirror_timeout_s = 10 * (self.timeouts.ftar_timeout_s + self.timeouts.catchup_timeout_s
+                                      + profile.train.step_compute_s + profile.train.first_step_extra_s)
+        self.finished = False
+        self.max_step = 0
+        self.lighthouse_addr = ""
+        self._incarnations: list[Incarnation | None] = [None] * profile.replicas
+        self._num_starts = [0] * profile.replicas
+        self._progress: Callable[[int], None] | None = None
+        self._cuda_kernels: Any = None
+        self._notices: Any = None
+        self._pending_step_kills = sorted((k for k in options.kills if k.at_step is not None),
+                                          key=lambda k: k.at_step)  # type: ignore[arg-type, return-value]
+        self.lighthouse: Lighthouse | None = None
+        self.scheduler: MockScheduler | None = None
+
+    # -- names and models ------------------------------------------------------------------------
+    def replica_id(self, replica: int) -> str:
+        return f"r{replica:0{len(str(self.profile.replicas - 1))}d}"
+
+    def kernels(self) -> Any:
+        """FTAR kernels for one rank: the CUDA kernels as the shadow loader maps them."""
+        return self._cuda_kernels.CudaKernels()
+
+    def jitter_s(self, replica: int, step: int) -> float:
+        j = self.profile.train.step_jitter
+        if not j:
+            return 0.0
+        return self.profile.train.step_compute_s * random.Random(f"{self.options.seed}/{replica}/{step}").uniform(-j, j)
+
+    # -- running ---------------------------------------------------------------------------------
+    def run(self, progress: Callable[[int], None] | None = None) -> Recorder:
+        """Run the job to completion in virtual time. Returns the recorder."""
+        self._progress = progress
+        with shadow.active(self.profile):
+            from ftrun.ftar import cuda_kernels  # shadowed: mocks.ftar_kernels under the real name
+
+            self._cuda_kernels = cuda_kernels
+            self.world.run_on(SUPERVISOR_HOST, self._supervise)
+        for h in self.lighthouse.history:  # membership changes and quorums, as the lighthouse saw them
+            self.recorder.event({**h, "event": f"lighthouse_{h['event']}"})
+        return self.recorder
+
+    def _supervise(self) -> None:
+        env = self.world.host_env(SUPERVISOR_HOST)
+        lh_env = self.world.host_env(LIGHTHOUSE_HOST)
+        self.lighthouse = Lighthouse(env=lh_env, token=self.token, storage=MockObjectStore.local_disk(lh_env),
+                                     config=LighthouseConfig(min_replicas=self.profile.train.min_replicas,
+                                                             timeouts=self.timeouts))
+        self.lighthouse_addr = self.lighthouse.start()
+        self.scheduler = MockScheduler(env=env, config=self.profile.scheduler,
+                                       hot_spares=self.topology.hot_spare_hosts,
+                                       cold_spares=self.topology.cold_spare_hosts)
+        self._notices = env.queue()
+        for r in range(self.profile.replicas):
+            self._start(r, self.topology.replica_hosts(r))
+        for k in self.options.kills:
+            if k.at_s is not None:
+                env.spawn(self._kill_at_time, k, name=f"inject-{k.describe()}")
+        self._event_loop(env)
+
+    def _event_loop(self, env: Any) -> None:
+        deadline = None
+        while True:
+            live = [inc for inc in self._incarnations if inc is not None and inc.live > 0]
+            if self.finished and not live:
+                return
+            if self.finished and deadline is None:  # grace for the last quorum's other replicas to commit
+                deadline = env.clock.now() + self.profile.train.step_compute_s + self.timeouts.join_timeout_s
+            try:
+                kind, inc = self._notices.get(timeout=None if deadline is None else max(deadline - env.clock.now(), 0))
+            except EnvTimeout:
+                for inc in live:  # tear down what is still running once the job is over
+                    self._kill(inc, "teardown")
+                deadline = float("inf")
+                continue
+            if kind == "failed" and inc.alive and not self.finished:
+                self._kill(inc, "failed")
+                env.spawn(self._recover, inc, "relaunch", name=f"recover-{inc.replica_id}")
+
+    def _start(self, replica: int, hosts: tuple[str, ...]) -> None:
+        number = self._num_starts[replica]
+        self._num_starts[replica] += 1
+        inc = Incarnation(self, replica, number, tuple(hosts))
+        self._incarnations[replica] = inc
+        self._record("start", inc)
+        for rank in range(inc.world_size):
+            inc.envs[rank].spawn(rank_main, self, inc, rank, name=f"{inc.replica_id}.{number}/rank{rank}")
+
+    def _kill(self, inc: Incarnation, why: str) -> None:
+        """Kill every host of the incarnation; the calling task's own host last (that raises TaskKilled)."""
+        inc.alive = False
+        self._record("kill" if why == "injected" else why, inc)
+        current = self.world.sched.current
+        own = current.host.name if current is not None else None
+        for host in sorted(inc.hosts, key=lambda h: h == own):
+            self.world.kill_host(host)
+
+    def _recover(self, inc: Incarnation, hosts_mode: str) -> None:
+        env = self.world.host_env(SUPERVISOR_HOST)
+        poll = self.profile.scheduler.poll_interval_s
+        now = env.clock.now()
+        env.clock.sleep(poll - now % poll if now % poll else poll)  # noticed at the supervisor's next poll
+        if self.finished:
+            return
+        self._record("noticed", inc)
+        try:
+            alloc = (self.scheduler.relaunch(inc.hosts) if hosts_mode == "relaunch"
+                     else self.scheduler.replace(len(inc.hosts)))
+        except NoCapacity as e:
+            self._record("no_capacity", inc, reason=str(e))
+            return
+        self._record("allocated", inc, allocation=alloc.kind, delay_s=alloc.delay_s, reason=alloc.reason)
+        if not self.finished:
+            self._start(inc.replica, alloc.hosts)
+
+    # -- failure injection -----------------------------------------------------------------------
+    def _inject(self, kill: Kill) -> None:
+        inc = self._incarnations[kill.replica]
+        if inc is None or not inc.alive or self.finished:
+            self.recorder.event({"event": "kill_skipped", "t": self.world.now, "what": kill.describe(),
+                                 "why": "replica not running" if not self.finished else "job finished"})
+            return
+        self.world.host_env(SUPERVISOR_HOST).spawn(self._recover, inc, kill.hosts, name=f"recover-{inc.replica_id}")
+        self._kill(inc, "injected")
+
+    def _kill_at_time(self, kill: Kill) -> None:
+        env = self.world.host_env(SUPERVISOR_HOST)
+        env.clock.sleep(max(kill.at_s - env.clock.now(), 0.0))  # type: ignore[operator]
+        self._inject(kill)
+
+    def _kill_in_step(self, kill: Kill) -> None:
+        env = self.world.host_env(SUPERVISOR_HOST)
+        env.clock.sleep(kill.at_fraction * self.profile.train.step_compute_s)
+        self._inject(kill)
+
+    # -- called from rank tasks (never block) ----------------------------------------------------
+    def committed(self, inc: Incarnation, step: int) -> None:
+        """A leader committed: its replica has trained `step` steps."""
+        if step >= self.options.steps:
+            inc.completed = True
+            self.finished = True
+        if step > self.max_step:
+            self.max_step = step
+            if self._progress is not None:
+                self._progress(step)
+        for kill in list(self._pending_step_kills):  # at its own commit of step S (or once the job is past S)
+            mine = kill.replica == inc.replica and step >= kill.at_step  # type: ignore[operator]
+            if mine or self.max_step > kill.at_step:  # type: ignore[operator]
+                self._pending_step_kills.remove(kill)
+                if mine and kill.at_fraction == 0:
+                    self._inject(kill)  # now, before its leader asks for the next quorum (kills this task too)
+                else:
+                    self.world.host_env(SUPERVISOR_HOST).spawn(self._kill_in_step, kill, name=f"inject-{kill.describe()}")
+
+    def leader_event(self, inc: Incarnation, event: dict) -> None:
+        self.recorder.event({**event, "incarnation": inc.number})
+
+    def rank_failed(self, inc: Incarnation, rank: int, error: BaseException, unexpected: bool = False) -> None:
+        if unexpected:
+            self.recorder.errors.append(f"{inc.replica_id}.{inc.number} rank {rank}: {type(error).__name__}: {error}")
+        if inc.alive and not self.finished:
+            self._notices.put(("failed", inc))
+
+    def rank_exited(self, inc: Incarnation, rank: int, ok: bool) -> None:
+        inc.live -= 1
+        if inc.live == 0:
+            self._notices.put(("exited", inc))
+
+    def _record(self, what: str, inc: Incarnation, **fields: Any) -> None:
+        self.recorder.event({"event": what, "t": self.world.now, "replica_id": inc.replica_id,
+                             "incarnation": inc.number, "step": self.max_step, **fields})

@@ -1,0 +1,187 @@
+"""Shape-only compute: a Llama-shaped decoder's forward and backward on meta tensors, with modeled time.
+
+No arithmetic runs and no memory is allocated for weights or activations: the model is built on
+torch's "meta" device, one decoder block is run forward and backward there to propagate shapes, and
+the step's duration comes from the profile (its step time) or from a FLOP model (6 x params x tokens
+at a sustained rate). Every block of a dense decoder has the same shapes, so propagating through one
+block and multiplying by the layer count is exact.
+
+Shapes are propagated ONCE per replica layout (model shape, ranks per replica, micro-batch), not once
+per rank: a `ShapeCache` owned by the emulated job holds the results and counts propagations, and
+every rank's `ShapeOnlyCompute` reads from it.
+
+This module is also the shadow of `ftrun.train.compute_cuda` (the GPU step driver's compute, not
+written yet; see mocks/shadow_registry.toml).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from harness.engine import ShapeOnly
+from harness.profile import DTYPE_BYTES, ModelConfig
+
+__all__ = ["LayoutShapes", "ShapeCache", "ShapeOnlyCompute", "ShapeOnlyGrads", "propagate_shapes"]
+
+
+class ShapeOnlyGrads(ShapeOnly):
+    """A rank's flat gradient buffer in shape-only mode: a size and a dtype, no bytes.
+
+    Slices of its bytes (`grads[a:b]`) are `ShapeOnly` frames, so the emulated network sends and
+    receives them as modeled transfers; `fill()` and numpy ufuncs applied to it (the gradient mean of
+    ftrun.train.exchange) are accepted and do nothing. `ShapeOnlyGrads(nbytes)` of raw bytes is what
+    the FTAR engine makes for staging.
+    """
+
+    __slots__ = ("dtype",)
+
+    def __init__(self, nbytes: int, dtype: str = "uint8") -> None:
+        super().__init__(nbytes)
+        self.dtype = dtype
+
+    def __getitem__(self, key: slice) -> ShapeOnly:
+        if not isinstance(key, slice):
+            raise TypeError("a shape-only buffer is sliced by bytes, e.g. buf[a:b]")
+        start, stop, step = key.indices(self.nbytes)
+        if step != 1:
+            raise ValueError("shape-only slices are contiguous")
+        return ShapeOnly(max(0, stop - start))
+
+    def fill(self, value: Any) -> None:
+        """Nothing to fill."""
+
+    def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> "ShapeOnlyGrads":
+        return self  # e.g. np.divide(grads, n, out=grads): no values to change
+
+    def __repr__(self) -> str:
+        return f"ShapeOnlyGrads({self.nbytes}, {self.dtype!r})"
+
+
+@dataclass(frozen=True)
+class LayoutShapes:
+    """What shape propagation found for one replica layout."""
+
+    num_params: int  # whole model
+    params_per_rank: int  # fully sharded inside the replica (FSDP)
+    grad_bytes_per_rank: int
+    dtype: str
+    block_params: int
+    activation_shape: tuple[int, ...]  # (micro_batch, seq_len, hidden) between blocks
+    logits_shape: tuple[int, ...]
+    flops_per_step_per_rank: float  # 6 x params x tokens of the rank's micro-batch (forward + backward)
+
+
+_TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "float8_e4m3fn"}
+
+
+def _block_shapes(model: ModelConfig, micro_batch: int) -> tuple[int, tuple[int, ...]]:
+    """Run one decoder block forward and backward on meta tensors; (its parameter count, output shape)."""
+    import torch
+    import torch.nn.functional as F
+
+    h, heads = model.hidden, model.heads
+    kv_heads = model.kv_heads or heads
+    head_dim, ffn = h // heads, model.ffn_hidden or 4 * h
+    meta = dict(device="meta", dtype=getattr(torch, _TORCH_DTYPES[model.dtype]))
+    weights = {
+        "wq": torch.empty(h, h, **meta), "wk": torch.empty(h, kv_heads * head_dim, **meta),
+        "wv": torch.empty(h, kv_heads * head_dim, **meta), "wo": torch.empty(h, h, **meta),
+        "w_in": torch.empty(h, (model.mlp_matrices - 1) * ffn, **meta), "w_out": torch.empty(ffn, h, **meta),
+    }
+    for w in weights.values():
+        w.requires_grad_(True)
+    x = torch.empty(micro_batch, model.seq_len, h, **meta, requires_grad=True)
+    b, s = micro_batch, model.seq_len
+    y = F.rms_norm(x, (h,))
+    q = (y @ weights["wq"]).view(b, s, heads, head_dim).transpose(1, 2)
+    k = (y @ weights["wk"]).view(b, s, kv_heads, head_dim).transpose(1, 2)
+    v = (y @ weights["wv"]).view(b, s, kv_heads, head_dim).transpose(1, 2)
+    if kv_heads != heads:  # grouped-query attention: each kv head serves heads / kv_heads query heads
+        k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
+    attn = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, h)
+    x = x + attn @ weights["wo"]
+    up = F.rms_norm(x, (h,)) @ weights["w_in"]
+    if model.mlp_matrices >= 3:  # SwiGLU: gate and up projections in one matrix
+        gate, up = up.split(ffn, dim=-1)
+        up = F.silu(gate) * up
+    else:
+        up = F.gelu(up)
+    out = x + up @ weights["w_out"]
+    out.sum().backward()
+    for name, w in weights.items():
+        assert w.grad is not None and w.grad.shape == w.shape, f"meta backward lost the gradient of {name}"
+    return sum(w.numel() for w in weights.values()), tuple(out.shape)
+
+
+def propagate_shapes(model: ModelConfig, ranks_per_replica: int, micro_batch: int = 1) -> LayoutShapes:
+    """Shapes and sizes of one rank's step for a replica layout (meta tensors; no memory, no compute)."""
+    block_params, act_shape = _block_shapes(model, micro_batch)
+    embed = model.vocab * model.hidden
+    num_params = model.layers * block_params + 2 * embed  # untied input embedding and output head
+    per_rank = -(-num_params // ranks_per_replica)
+    tokens = micro_batch * model.seq_len
+    return LayoutShapes(
+        num_params=num_params, params_per_rank=per_rank, grad_bytes_per_rank=per_rank * DTYPE_BYTES[model.dtype],
+        dtype=_TORCH_DTYPES[model.dtype], block_params=block_params, activation_shape=act_shape,
+        logits_shape=(micro_batch, model.seq_len, model.vocab),
+        flops_per_step_per_rank=6.0 * num_params * tokens,  # each rank runs the whole model on its own batch
+    )
+
+
+class ShapeCache:
+    """Shape propagation results by replica layout; one per emulated job, shared by all its ranks."""
+
+    def __init__(self) -> None:
+        self._by_layout: dict[tuple, LayoutShapes] = {}
+        self.num_propagations = 0
+
+    def get(self, model: ModelConfig, ranks_per_replica: int, micro_batch: int = 1) -> LayoutShapes:
+        key = (model, ranks_per_replica, micro_batch)
+        shapes = self._by_layout.get(key)
+        if shapes is None:
+            shapes = self._by_layout[key] = propagate_shapes(model, ranks_per_replica, micro_batch)
+            self.num_propagations += 1
+        return shapes
+
+
+class ShapeOnlyCompute:
+    """One rank's forward + backward, shape-only: waits out the modeled step time on the Env's clock.
+
+    Args:
+        env: the rank's Env (its clock is slept on).
+        model, ranks_per_replica: the layout; shapes come from `cache`.
+        step_time_s: modeled seconds per step (the profile's train.step_compute_s); None -> FLOP model.
+        flops_per_s: sustained FLOP/s per rank for the FLOP model (e.g. 450e12, paper §6.1).
+        jitter: uniform +-fraction of the step time, drawn from `rng` (seeded by the caller).
+    Raises ValueError if neither a step time nor a FLOP rate is given.
+    """
+
+    def __init__(self, *, env: Any, model: ModelConfig, ranks_per_replica: int, cache: ShapeCache,
+                 step_time_s: float | None = None, flops_per_s: float | None = None, jitter: float = 0.0,
+                 rng: random.Random | None = None) -> None:
+        if step_time_s is None and not flops_per_s:
+            raise ValueError("give step_time_s or flops_per_s")
+        if not 0 <= jitter < 1:
+            raise ValueError(f"jitter must be in [0, 1), got {jitter}")
+        self.env, self.shapes = env, cache.get(model, ranks_per_replica)
+        self._base_s = step_time_s if step_time_s is not None else self.shapes.flops_per_step_per_rank / flops_per_s
+        self._jitter, self._rng = jitter, rng or random.Random(0)
+        self.num_steps = 0
+
+    def grad_buffer(self) -> ShapeOnlyGrads:
+        """This rank's flat gradient shard (what FTAR all-reduces across replicas)."""
+        return ShapeOnlyGrads(self.shapes.grad_bytes_per_rank, self.shapes.dtype)
+
+    def step_seconds(self) -> float:
+        if not self._jitter:
+            return self._base_s
+        return self._base_s * (1.0 + self._rng.uniform(-self._jitter, self._jitter))
+
+    def forward_backward(self, extra_s: float = 0.0) -> float:
+        """Run one step's forward and backward (a modeled wait); returns the seconds it took."""
+        seconds = self.step_seconds() + extra_s
+        self.env.clock.sleep(seconds)
+        self.num_steps += 1
+        return seconds

@@ -1,0 +1,143 @@
+"""A small `torch.cuda` stand-in for shape-only runs: GPUs that exist, do nothing and take no time.
+
+What training code commonly asks torch.cuda is answered: is_available / device_count / current_device /
+set_device / device(i), synchronize, Stream / Event / stream(s) / current_stream, memory statistics
+(all zero; mem_get_info reports the modeled device as empty), get_device_properties / get_device_name,
+manual_seed(_all), is_initialized / init. Private names (`torch.cuda._...`, used by torch itself, e.g.
+`_is_in_bad_fork` from torch.manual_seed) fall through to the real module; any other public name raises
+AttributeError naming the shim, so a gap shows up as a clear error instead of a silent wrong answer.
+
+One shim per `shadow.active` context; its state (current device) lives on the shim object.
+"""
+
+from __future__ import annotations
+
+import types
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+H100_MEMORY_BYTES = 80 * 1024**3  # modeling assumption: the profiles' hosts are 8 x H100 80 GB
+
+
+class Event:
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
+        self.enable_timing = enable_timing
+        self._recorded = False
+
+    def record(self, stream: Any = None) -> None:
+        self._recorded = True
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end_event: "Event") -> float:
+        """Milliseconds between two events: shape-only work takes no device time here (the emulator
+        models durations on its virtual clock instead)."""
+        if not (self.enable_timing and end_event.enable_timing):
+            raise RuntimeError("both events need enable_timing=True")
+        return 0.0
+
+
+class Stream:
+    def __init__(self, device: Any = None, priority: int = 0) -> None:
+        self.device, self.priority = device, priority
+
+    def wait_stream(self, stream: "Stream") -> None:
+        pass
+
+    def wait_event(self, event: Event) -> None:
+        pass
+
+    def record_event(self, event: Event | None = None) -> Event:
+        event = event or Event()
+        event.record(self)
+        return event
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    @property
+    def cuda_stream(self) -> int:
+        return 0  # the null stream's handle; nothing is ever launched on it
+
+
+class _Properties(types.SimpleNamespace):
+    pass
+
+
+def make_cuda_shim(*, device_count: int, real: Any = None, device_name: str = "Emulated H100 (shape-only)",
+                   total_memory: int = H100_MEMORY_BYTES) -> types.ModuleType:
+    """A module object to install as `torch.cuda`. `real` is the real torch.cuda (private fallbacks)."""
+    if device_count < 1:
+        raise ValueError(f"device_count must be >= 1, got {device_count}")
+    shim = types.ModuleType("torch.cuda", "shadow.cuda_shim: torch.cuda for shape-only emulation")
+    state = {"device": 0}
+    default_stream = Stream(0)
+
+    def _index(device: Any = None) -> int:
+        if device is None:
+            return state["device"]
+        index = device if isinstance(device, int) else getattr(device, "index", None)
+        if index is None:
+            index = int(str(device).rpartition(":")[2] or 0) if ":" in str(device) else state["device"]
+        if not 0 <= index < device_count:
+            raise RuntimeError(f"invalid device ordinal {index} (the shim has {device_count} devices)")
+        return index
+
+    def set_device(device: Any) -> None:
+        state["device"] = _index(device)
+
+    @contextmanager
+    def device(dev: Any) -> Iterator[None]:
+        saved = state["device"]
+        state["device"] = _index(dev)
+        try:
+            yield
+        finally:
+            state["device"] = saved
+
+    @contextmanager
+    def stream(s: Stream | None) -> Iterator[None]:
+        yield
+
+    def get_device_properties(dev: Any = None) -> _Properties:
+        _index(dev)
+        return _Properties(name=device_name, total_memory=total_memory, multi_processor_count=132,
+                           major=9, minor=0, is_integrated=False)
+
+    zero = lambda device=None: 0  # noqa: E731  memory statistics: shape-only tensors allocate nothing
+    nothing = lambda *a, **k: None  # noqa: E731
+    names = dict(
+        is_available=lambda: True, is_initialized=lambda: True, init=nothing,
+        device_count=lambda: device_count, current_device=lambda: state["device"], set_device=set_device,
+        device=device, synchronize=lambda device=None: None, Stream=Stream, Event=Event, stream=stream,
+        current_stream=lambda device=None: default_stream, default_stream=lambda device=None: default_stream,
+        get_device_name=lambda device=None: get_device_properties(device).name,
+        get_device_properties=get_device_properties,
+        get_device_capability=lambda device=None: (9, 0),
+        memory_allocated=zero, max_memory_allocated=zero, memory_reserved=zero, max_memory_reserved=zero,
+        reset_peak_memory_stats=nothing, empty_cache=nothing,
+        memory_stats=lambda device=None: {"allocated_bytes.all.current": 0, "reserved_bytes.all.current": 0},
+        mem_get_info=lambda device=None: (total_memory, total_memory),
+        manual_seed=nothing, manual_seed_all=nothing, seed=nothing, seed_all=nothing,
+    )
+    shim.__dict__.update(names)
+    shim.__all__ = sorted(names)
+
+    def __getattr__(name: str) -> Any:
+        if name.startswith("_") and real is not None:
+            return getattr(real, name)  # torch's own internals (e.g. _is_in_bad_fork)
+        raise AttributeError(f"torch.cuda.{name} is not provided by the shadow loader's torch.cuda shim "
+                             f"(shadow/cuda_shim.py); add it there if training code needs it")
+
+    shim.__getattr__ = __getattr__  # type: ignore[attr-defined]
+    return shim

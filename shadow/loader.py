@@ -1,0 +1,160 @@
+"""The shadow loader: inside `with active(profile):` GPU-targeted modules import as their CPU mocks.
+
+    with shadow.active(profile):
+        import ftrun.ftar.cuda_kernels as k     # -> the code of mocks.ftar_kernels, named ftrun.ftar.cuda_kernels
+        torch.cuda.is_available()               # -> True (shadow.cuda_shim), device_count() = GPUs per host
+
+How: a meta path finder (first on sys.meta_path) answers for every real module in the registry with a
+loader that executes the mock's code in a fresh module object carrying the real name, so the training
+code imports and runs unchanged, and the mock module itself is never modified. Real modules imported
+before the context are set aside (sys.modules and their parent package's attribute) and put back on
+exit; shadow modules are dropped on exit. `torch.cuda` is replaced by a shim object (sys.modules and
+the `torch.cuda` attribute) and restored on exit, when torch is installed.
+
+Only one context may be active at a time (the import system is process-wide); nesting raises
+RuntimeError. Modules imported inside the context that bound a shadow module by name keep it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+import types
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+from shadow.cuda_shim import make_cuda_shim
+from shadow.registry import Registry, load_registry
+
+_MISSING = object()
+
+
+class ShadowLoader(importlib.abc.Loader):
+    """Executes the mock's code under the real module's name."""
+
+    def __init__(self, real: str, mock: str) -> None:
+        self.real, self.mock = real, mock
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        module = types.ModuleType(spec.name)
+        module.__shadow_of__ = self.mock  # type: ignore[attr-defined]
+        return module
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        spec = importlib.util.find_spec(self.mock)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "get_code"):
+            raise ImportError(f"shadow loader: mock {self.mock!r} for {self.real!r} cannot be found", name=self.real)
+        code = spec.loader.get_code(self.mock)
+        module.__file__ = spec.origin
+        exec(code, module.__dict__)
+
+
+class ShadowFinder(importlib.abc.MetaPathFinder):
+    def __init__(self, modules: dict[str, str]) -> None:
+        self.modules = dict(modules)
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        mock = self.modules.get(fullname)
+        if mock is None:
+            return None
+        return importlib.util.spec_from_loader(fullname, ShadowLoader(fullname, mock), origin=f"shadow:{mock}")
+
+
+class _Active:
+    """What an active context changed, so that exit can undo exactly that."""
+
+    def __init__(self) -> None:
+        self.saved_modules: dict[str, Any] = {}
+        self.saved_attrs: list[tuple[Any, str, Any]] = []
+        self.finder: ShadowFinder | None = None
+
+
+_state: dict[str, _Active | None] = {"active": None}  # process-wide by nature: sys.meta_path is
+
+
+def _gpus_per_host(profile: Any) -> int:
+    topo = getattr(profile, "topology", None)
+    return int(getattr(topo, "gpus_per_host", 8)) if topo is not None else 8
+
+
+@contextmanager
+def active(profile: Any = None, *, registry: Registry | None = None, cuda_shim: bool = True) -> Iterator[Registry]:
+    """Install the import hook (and the torch.cuda shim) for the duration of the block.
+
+    Args:
+        profile: a harness.profile.Profile (or None); the shim reports its gpus_per_host devices.
+        registry: real -> mock table; default mocks/shadow_registry.toml.
+        cuda_shim: also replace torch.cuda (when torch is installed).
+    Yields the registry in use. Raises RuntimeError when a context is already active.
+    """
+    if _state["active"] is not None:
+        raise RuntimeError("shadow.active() is already in effect; it does not nest")
+    registry = registry if registry is not None else load_registry()
+    undo = _Active()
+    _state["active"] = undo
+    try:
+        for real in registry.modules:
+            _set_aside(undo, real)
+        if cuda_shim:
+            _install_cuda_shim(undo, _gpus_per_host(profile))
+        undo.finder = ShadowFinder(registry.modules)
+        sys.meta_path.insert(0, undo.finder)
+        importlib.invalidate_caches()
+        yield registry
+    finally:
+        _restore(undo, registry)
+        _state["active"] = None
+
+
+def is_active() -> bool:
+    return _state["active"] is not None
+
+
+def _set_aside(undo: _Active, name: str) -> None:
+    """Take an already-imported real module out of sys.modules and off its parent package."""
+    undo.saved_modules[name] = sys.modules.pop(name, _MISSING)
+    parent_name, _, attr = name.rpartition(".")
+    parent = sys.modules.get(parent_name)
+    if parent is not None and hasattr(parent, attr):
+        undo.saved_attrs.append((parent, attr, getattr(parent, attr)))
+        delattr(parent, attr)
+
+
+def _install_cuda_shim(undo: _Active, devices: int) -> None:
+    try:
+        import torch
+    except ImportError:
+        return  # nothing to shim: code that needs torch.cuda needs torch first
+    real = sys.modules.get("torch.cuda")
+    shim = make_cuda_shim(device_count=devices, real=real)
+    undo.saved_modules["torch.cuda"] = sys.modules.get("torch.cuda", _MISSING)
+    undo.saved_attrs.append((torch, "cuda", getattr(torch, "cuda", _MISSING)))
+    sys.modules["torch.cuda"] = shim
+    torch.cuda = shim  # type: ignore[assignment]
+
+
+def _restore(undo: _Active, registry: Registry) -> None:
+    if undo.finder is not None and undo.finder in sys.meta_path:
+        sys.meta_path.remove(undo.finder)
+    for real in registry.modules:  # drop the shadow modules imported inside the context
+        mod = sys.modules.get(real)
+        if mod is not None and getattr(mod, "__shadow_of__", None) is not None:
+            del sys.modules[real]
+            parent_name, _, attr = real.rpartition(".")
+            parent = sys.modules.get(parent_name)
+            if parent is not None and getattr(parent, attr, None) is mod:
+                delattr(parent, attr)
+    for name, mod in undo.saved_modules.items():
+        if mod is _MISSING:
+            sys.modules.pop(name, None)
+        else:
+            sys.modules[name] = mod
+    for obj, attr, value in reversed(undo.saved_attrs):
+        if value is _MISSING:
+            if hasattr(obj, attr):
+                delattr(obj, attr)
+        else:
+            setattr(obj, attr, value)
+    importlib.invalidate_caches()
