@@ -34,16 +34,17 @@ LoadFn = Callable[[Mapping[str, torch.Tensor]], None]
 ENDPOINT = "catchup"
 
 
-def catchup_sources(q: StepQuorum, rank: int, endpoint: str = ENDPOINT) -> list[str]:
-    """The same rank's catch-up endpoint in every healthy (not behind) participant, pure.
+def catchup_sources(q: StepQuorum, endpoint: str = ENDPOINT) -> list[str]:
+    """This rank's catch-up sources: the same rank's endpoint in every healthy (not behind) participant
+    (from q.peer_addrs), pure.
 
     Rotated by this replica's place in the quorum, so behind replicas start at different sources.
-    Participants that published no endpoint for `rank` are skipped.
+    Participants that published no such endpoint for this rank are skipped.
     """
     sources = []
-    for p in q.participants:
-        if p.step == q.step and rank < len(p.data_addrs):
-            addr = decode_endpoints(p.data_addrs[rank]).get(endpoint)
+    for p, peer in zip(q.participants, q.peer_addrs):
+        if p.step == q.step and peer:
+            addr = decode_endpoints(peer).get(endpoint)
             if addr:
                 sources.append(addr)
     if not sources:
@@ -64,7 +65,7 @@ def make_heal(*, fetch: FetchFn, load_state: LoadFn, rank: int, endpoint: str = 
     """
 
     def heal(q: StepQuorum) -> None:
-        sources = catchup_sources(q, rank, endpoint)
+        sources = catchup_sources(q, endpoint)
         if not sources:
             raise CatchupError(f"step {q.step}: no healthy participant of quorum {q.quorum_id} has a "
                                f"{endpoint!r} endpoint for rank {rank}")

@@ -5,7 +5,7 @@ O(log N) rounds. Implementations:
 - `LocalComm`: a replica of one rank.
 - `GlooComm`: a torch.distributed ProcessGroupGloo of the replica's ranks, created on its own store
   prefix (no process-wide default group), so a restarted replica builds a fresh group.
-- the emulator's tree collective over env.net (mocks/replica_comm.py).
+- `TreeComm` (ftrun/replica/tree_comm.py): a k-ary tree over env.net, real or emulated.
 Payloads are raw bytes and int64 vectors: nothing is pickled.
 """
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 from typing import Literal, Protocol
 
+import msgpack
 import torch
 import torch.distributed as dist
 
@@ -35,6 +36,12 @@ class ReplicaComm(Protocol):
 
     def all_gather_bytes(self, data: bytes) -> list[bytes]: ...
 
+    def gather_bytes(self, data: bytes) -> list[bytes] | None:
+        """Rank 0 returns every rank's bytes in rank order; the others return None."""
+
+    def scatter_bytes(self, chunks: list[bytes] | None) -> bytes:
+        """Rank 0 supplies one chunk per rank (ignored elsewhere); rank r returns chunks[r]."""
+
     def close(self) -> None: ...
 
 
@@ -50,6 +57,13 @@ class LocalComm:
 
     def all_gather_bytes(self, data: bytes) -> list[bytes]:
         return [bytes(data)]
+
+    def gather_bytes(self, data: bytes) -> list[bytes] | None:
+        return [bytes(data)]
+
+    def scatter_bytes(self, chunks: list[bytes] | None) -> bytes:
+        assert chunks is not None and len(chunks) == 1, "the root must supply one chunk per rank"
+        return bytes(chunks[0])
 
     def close(self) -> None:
         pass
@@ -108,6 +122,20 @@ class GlooComm:
         out = [torch.empty_like(mine) for _ in range(self.world_size)]
         self._wait(self._group().allgather([out], [mine]), "all_gather")
         return [o[8:8 + int(o[:8].view(torch.int64).item())].numpy().tobytes() for o in out]
+
+    # A gloo replica is a handful of processes on real hosts: gather and scatter reuse the all-gather and
+    # the broadcast (O(N) bytes per rank) rather than gloo's rooted collectives with per-rank sizes.
+    def gather_bytes(self, data: bytes) -> list[bytes] | None:
+        everyone = self.all_gather_bytes(data)
+        return everyone if self.rank == 0 else None
+
+    def scatter_bytes(self, chunks: list[bytes] | None) -> bytes:
+        packed = None
+        if self.rank == 0:
+            if chunks is None or len(chunks) != self.world_size:
+                raise ValueError(f"scatter needs one chunk per rank ({self.world_size})")
+            packed = msgpack.packb([bytes(c) for c in chunks])
+        return msgpack.unpackb(self.broadcast_bytes(packed, root=0))[self.rank]
 
     def close(self) -> None:
         # Drop the group and let its destructor tear it down. An explicit ProcessGroupGloo.shutdown()

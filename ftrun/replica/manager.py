@@ -17,8 +17,9 @@ Manager; the lighthouse client's heartbeat runs in its own task.
 
 from __future__ import annotations
 
+import hashlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import msgpack
@@ -33,6 +34,18 @@ from ftrun.replica.lifecycle import Phase, transition
 from ftrun.replica.vote import commit_outcome
 
 log = logging.getLogger("ftrun.commit")
+
+
+def _addrs_digest(d: Decision) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    for p in d.participants:
+        h.update(msgpack.packb([p.replica_id, list(p.data_addrs)]))
+    return h.digest()
+
+
+def _without_addrs(d: Decision) -> Decision:
+    """The decision every rank needs: who and at which step, not the job's address table."""
+    return replace(d, participants=tuple(replace(p, data_addrs=()) for p in d.participants))
 
 
 class ReplicaError(Exception):
@@ -54,6 +67,10 @@ class StepQuorum:
     healed: bool  # this replica was behind and caught up at the start of this step
     reason: str
     behind: tuple[str, ...] = ()  # replicas healing this step: in the ring, contributing zeros
+    # This rank's peers: the data-plane address (encoded endpoints) of the same rank of each participant,
+    # in participant order; "" where that replica published none. Only this column reaches a rank: the
+    # leader scatters it, so no rank ever holds the job's O(replicas x ranks) address table.
+    peer_addrs: tuple[str, ...] = ()
 
     @property
     def num_participants(self) -> int:
@@ -86,7 +103,11 @@ class Manager:
         self._errors: list[BaseException] = []
         self._failures_in_a_row = 0
         self._report_commit_failure = False
-        self._data_addrs: tuple[str, ...] | None = None
+        self._checked_in = False
+        self._data_addrs: tuple[str, ...] = ()  # the leader's: every rank's address, sent to the lighthouse
+        self._peers_key: tuple | None = None  # the quorum whose peer addresses this rank holds
+        self._peer_addrs: tuple[str, ...] = ()
+        self._leader_decision: Decision | None = None
 
     # -- phase 1: quorum -----------------------------------------------------------------------
     def start_step(self) -> StepQuorum:
@@ -94,9 +115,10 @@ class Manager:
         self._move("start")
         self._errors.clear()
         try:
-            if self._data_addrs is None:
+            if not self._checked_in:
                 self._check_in()
-            decision = self._agree_on_decision()
+            decision, addrs_digest = self._agree_on_decision()
+            self._receive_peer_addrs(decision, addrs_digest)
         except Exception as e:
             self._move("fail")
             raise e if isinstance(e, ReplicaError) else ReplicaError(f"quorum failed: {e}") from e
@@ -105,27 +127,50 @@ class Manager:
     def _check_in(self) -> None:
         """Once per incarnation: every rank is up, agrees on the step, and shares its endpoints. Later
         steps need no check-in: the previous step's commit vote was a collective every rank took part in
-        and whose result every rank holds, which proves the same thing."""
+        and whose result every rank holds, which proves the same thing. The endpoints go to the leader
+        only (a gather, not an all-gather: at 8,192 ranks an all-gather is 67M addresses per replica)."""
         lo, hi = self.comm.all_reduce_int([-self.step, self.step], "max")
         if -lo != hi:
             raise ReplicaError(f"ranks of replica {self.replica_id} disagree on the step ({-lo}..{hi})")
-        self._data_addrs = tuple(a.decode() for a in self.comm.all_gather_bytes(self._data_addr.encode()))
+        gathered = self.comm.gather_bytes(self._data_addr.encode())
+        self._data_addrs = tuple(a.decode() for a in gathered) if gathered is not None else ()
+        self._checked_in = True
 
-    def _agree_on_decision(self) -> Decision:
+    def _agree_on_decision(self) -> tuple[Decision, bytes]:
         payload = None
         if self._lighthouse is not None:
             try:
                 d = self._lighthouse.quorum(
-                    self.step, commit_failed=self._report_commit_failure, data_addrs=self._data_addrs or ()
+                    self.step, commit_failed=self._report_commit_failure, data_addrs=self._data_addrs
                 )
-                payload = msgpack.packb({"ok": True, "decision": protocol.encode_decision(d)})
+                self._leader_decision = d
+                payload = msgpack.packb({"ok": True, "decision": protocol.encode_decision(_without_addrs(d)),
+                                         "addrs": _addrs_digest(d)})
                 self._report_commit_failure = False
             except QuorumError as e:
                 payload = msgpack.packb({"ok": False, "error": str(e)})  # tell the others, then fail
         reply = msgpack.unpackb(self.comm.broadcast_bytes(payload, root=0), raw=False)
         if not reply["ok"]:
             raise ReplicaError(f"leader could not get a quorum: {reply['error']}")
-        return protocol.decode_decision(reply["decision"])
+        return protocol.decode_decision(reply["decision"]), reply["addrs"]
+
+    def _receive_peer_addrs(self, d: Decision, addrs_digest: bytes) -> None:
+        """A collective after a decision whose participants or addresses changed: the leader scatters to
+        rank r the addresses of rank r of every participant. Every rank got the same broadcast, so all
+        agree on whether this quorum needs it."""
+        key = (d.replica_ids, addrs_digest)
+        if key == self._peers_key:
+            return
+        chunks = None
+        if self._lighthouse is not None:
+            assert self._leader_decision is not None
+            full = self._leader_decision.participants
+            chunks = [msgpack.packb([p.data_addrs[r] if r < len(p.data_addrs) else "" for p in full])
+                      for r in range(self.comm.world_size)]
+        self._peer_addrs = tuple(msgpack.unpackb(self.comm.scatter_bytes(chunks), raw=False))
+        if len(self._peer_addrs) != len(d.participants):
+            raise ReplicaError(f"got {len(self._peer_addrs)} peer addresses for {len(d.participants)} participants")
+        self._peers_key = key
 
     def _enter_step(self, d: Decision) -> StepQuorum:
         ids = d.replica_ids
@@ -134,7 +179,7 @@ class Manager:
             raise ReplicaError(f"replica {self.replica_id} is not in quorum {d.quorum_id} ({', '.join(ids)})")
         behind = self.replica_id in d.behind
         q = StepQuorum(d.quorum_id, d.max_step, d.participants, ids.index(self.replica_id), behind, d.reason,
-                       d.behind)
+                       d.behind, self._peer_addrs)
         self.quorum = q
         self._emit("quorum", participants=list(ids), reason=d.reason, behind=list(d.behind))
         if behind:

@@ -22,9 +22,14 @@ class TreeComm:
     """Connect with `TreeComm.build(...)`; every rank of the replica must call it."""
 
     def __init__(self, *, rank: int, world_size: int, parent: Connection | None,
-                 children: list[Connection], timeout_s: float) -> None:
+                 children: list[Connection], timeout_s: float, fanout: int = 16) -> None:
         self.rank, self.world_size = rank, world_size
         self._parent, self._children, self._timeout = parent, children, timeout_s
+        self._fanout = fanout
+        self._child_ranks = self.children_of(rank, world_size, fanout)
+        if len(self._child_ranks) != len(children):
+            raise ValueError(f"rank {rank} of {world_size} with fanout {fanout} has {len(self._child_ranks)} "
+                             f"children, got {len(children)} connections")
         self._seq = 0
 
     @staticmethod
@@ -50,7 +55,7 @@ class TreeComm:
         except (NetError, TimeoutError) as e:
             raise ReplicaCommError(f"rank {rank} could not join the replica tree: {e}") from e
         return cls(rank=rank, world_size=world_size, parent=parent,
-                   children=[by_rank[c] for c in expected], timeout_s=timeout_s)
+                   children=[by_rank[c] for c in expected], timeout_s=timeout_s, fanout=fanout)
 
     # -- the two primitives: gather up, broadcast down -----------------------------------------
     def _up(self, value, combine: Callable):
@@ -101,6 +106,36 @@ class TreeComm:
         pairs = self._up([[self.rank, bytes(data)]], lambda a, b: a + b)
         got = self._down(None if pairs is None else [d for _, d in sorted(pairs)])
         return list(got)
+
+    def gather_bytes(self, data: bytes) -> list[bytes] | None:
+        pairs = self._up([[self.rank, bytes(data)]], lambda a, b: a + b)
+        return None if pairs is None else [d for _, d in sorted(pairs)]
+
+    def scatter_bytes(self, chunks: list[bytes] | None) -> bytes:
+        """Each rank receives only its subtree's chunks: O(subtree) bytes per hop, not O(N) per rank."""
+        self._seq += 1
+        if self._parent is None:
+            if chunks is None or len(chunks) != self.world_size:
+                raise ValueError(f"scatter needs one chunk per rank ({self.world_size})")
+            mine = dict(enumerate(chunks))
+        else:
+            mine = {int(r): c for r, c in self._recv(self._parent)["v"]}
+        if self._children:
+            by_child: dict[int, list] = {c: [] for c in self._child_ranks}
+            for r, c in mine.items():
+                if r != self.rank:
+                    by_child[self._child_of(r)].append([r, c])
+            for rank, conn in zip(self._child_ranks, self._children):
+                self._send(conn, {"s": self._seq, "v": by_child[rank]})
+        return bytes(mine[self.rank])
+
+    def _child_of(self, rank: int) -> int:
+        """The child of this rank whose subtree holds `rank` (a descendant)."""
+        while True:
+            up = (rank - 1) // self._fanout
+            if up == self.rank:
+                return rank
+            rank = up
 
     def close(self) -> None:
         for conn in self._children + ([self._parent] if self._parent else []):

@@ -26,11 +26,15 @@ class GradientExchange:
         self._epoch: int | None = None
 
     def ring_for(self, quorum: StepQuorum) -> list[str]:
+        if len(quorum.peer_addrs) != len(quorum.participants):
+            raise RecoverableError(f"quorum {quorum.quorum_id} carries {len(quorum.peer_addrs)} peer addresses "
+                                   f"for {len(quorum.participants)} participants")
         ring = []
-        for p in quorum.participants:
-            if self.rank >= len(p.data_addrs):
-                raise RecoverableError(f"replica {p.replica_id} published no endpoint for rank {self.rank}")
-            ring.append(decode_endpoints(p.data_addrs[self.rank])["ftar"])
+        for p, peer in zip(quorum.participants, quorum.peer_addrs):
+            addr = decode_endpoints(peer).get("ftar") if peer else None
+            if not addr:
+                raise RecoverableError(f"replica {p.replica_id} published no FTAR endpoint for rank {self.rank}")
+            ring.append(addr)
         return ring
 
     def average(self, quorum: StepQuorum, grads: np.ndarray, *, dtype: str | None = None) -> None:

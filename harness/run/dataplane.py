@@ -142,7 +142,7 @@ def shape_only_heal(*, env: Any, rank: int, state_bytes: int, timeout_s: float) 
     shard per the real fetch plan, all sources at once. Raises CatchupError."""
 
     def heal(q: StepQuorum) -> None:
-        sources = catchup_sources(q, rank)
+        sources = catchup_sources(q)
         if not sources:
             raise CatchupError(f"step {q.step}: no healthy participant serves rank {rank}")
         sizes = [state_bytes // NUM_SHARDS + (1 if i < state_bytes % NUM_SHARDS else 0) for i in range(NUM_SHARDS)]

@@ -248,12 +248,12 @@ def test_heal_hook_fetches_from_healthy_participants_same_rank(servers):
     publish_all(srv)
     rank = 1
 
-    def addrs(url):
-        return (encode_endpoints({"ftar": "127.0.0.1:1"}), encode_endpoints({"catchup": url, "ftar": "127.0.0.1:2"}))
+    def peer(url):  # rank 1's endpoints in one replica
+        return encode_endpoints({"catchup": url, "ftar": "127.0.0.1:2"})
 
-    participants = (Participant("a", 7, addrs(urls[0])), Participant("b", 7, addrs(urls[1])),
-                    Participant("c", 5, addrs("http://127.0.0.1:9")))  # c is behind: never a source
-    q = StepQuorum(quorum_id=3, step=7, participants=participants, replica_index=2, healed=True, reason="test")
+    participants = (Participant("a", 7), Participant("b", 7), Participant("c", 5))  # c is behind: never a source
+    q = StepQuorum(quorum_id=3, step=7, participants=participants, replica_index=2, healed=True, reason="test",
+                   peer_addrs=(peer(urls[0]), peer(urls[1]), peer("http://127.0.0.1:9")))
     loaded = []
 
     def fetch_fn(step, sources):

@@ -21,7 +21,9 @@ comm = GlooComm(store=store, prefix="replica-a/0/", rank=rank, world_size=2, tim
 out = [comm.all_reduce_int([rank, -rank], "max"), comm.all_reduce_int([rank + 1], "min"),
        comm.broadcast_bytes(b"decision" if rank == 0 else None).decode(),
        [b.decode() for b in comm.all_gather_bytes(f"addr-{rank}".encode() * (rank + 1))],
-       comm.broadcast_bytes(b"").decode()]
+       comm.broadcast_bytes(b"").decode(),
+       comm.gather_bytes(str(rank).encode()) is None if rank else [b.decode() for b in comm.gather_bytes(b"0")],
+       comm.scatter_bytes([b"zero", b"one"] if rank == 0 else None).decode()]
 comm.close()
 print(json.dumps(out))
 """
@@ -37,6 +39,7 @@ def test_gloo_collectives_round_trip():
     finally:
         for p in procs:
             p.kill()
-    for p, out in zip(procs, outs):
-        assert p.returncode == 0
-        assert json.loads(out.strip().splitlines()[-1]) == [[1, 0], [1], "decision", ["addr-0", "addr-1addr-1"], ""]
+    results = [json.loads(out.strip().splitlines()[-1]) for out in outs]
+    assert [p.returncode for p in procs] == [0, 0]
+    common = [[1, 0], [1], "decision", ["addr-0", "addr-1addr-1"], ""]
+    assert results == [common + [["0", "1"], "zero"], common + [True, "one"]]

@@ -79,7 +79,9 @@ def test_all_ok_commits_and_one_failing_rank_aborts_its_replica(lighthouse):
     assert all(committed for _, committed in out) and all(m.step == 1 for m in a + b)
     q0 = out[0][0]
     assert [p.replica_id for p in q0.participants] == ["a", "b"]
-    assert q0.participants[0].data_addrs == ("a/0", "a/1", "a/2")
+    # each rank holds only its column of the address table: rank r of every participant
+    assert [q.peer_addrs for q, _ in out] == [(f"a/{r}", f"b/{r}") for r in range(3)] * 2
+    assert all(p.data_addrs == () for p in q0.participants)
     out = step_all(env, a + b, fail={("a", 2)})
     assert [c for _, c in out] == [False] * 3 + [True] * 3  # the whole replica a discards; b commits
     assert [m.step for m in a + b] == [1] * 3 + [2] * 3
@@ -120,6 +122,28 @@ def test_flat_and_tree_comm_agree(lighthouse):
     assert all(c for _, c in out)
     gathered = run_all(env, [lambda m=m: m.comm.all_gather_bytes(bytes([m.comm.rank])) for m in a])
     assert gathered == [[bytes([r]) for r in range(5)]] * 5
+
+
+@pytest.mark.parametrize("world_size,fanout", [(1, 2), (2, 2), (13, 2), (40, 3), (9, 16)])
+def test_tree_gather_and_scatter_reach_the_right_ranks(world_size, fanout):
+    """Gather lands every rank's bytes at the root in rank order; scatter gives rank r exactly chunk r,
+    through subtrees of every shape (deep binary trees, partial last levels, a flat fan)."""
+    env = RealEnv()
+    listeners = [env.net.listen("127.0.0.1:0") for _ in range(world_size)]
+    addrs = [ln.addr for ln in listeners]
+    comms = run_all(env, [lambda r=r: TreeComm.build(env=env, rank=r, world_size=world_size, listener=listeners[r],
+                                                     addrs=addrs, fanout=fanout, timeout_s=10) for r in range(world_size)])
+    try:
+        gathered = run_all(env, [lambda c=c: c.gather_bytes(b"x" * c.rank) for c in comms])
+        assert gathered[0] == [b"x" * r for r in range(world_size)] and gathered[1:] == [None] * (world_size - 1)
+        chunks = [f"to-{r}".encode() for r in range(world_size)]
+        got = run_all(env, [lambda c=c: c.scatter_bytes(chunks if c.rank == 0 else None) for c in comms])
+        assert got == chunks
+        assert run_all(env, [lambda c=c: c.all_reduce_int([c.rank], "sum") for c in comms])[0] == [sum(range(world_size))]
+    finally:
+        for c, ln in zip(comms, listeners):
+            c.close()
+            ln.close()
 
 
 def test_lifecycle_table_rejects_illegal_transitions():

@@ -220,17 +220,17 @@ def test_request_and_url():
 
 
 # -- sources from a quorum -----------------------------------------------------------------------
-def quorum(steps, replica_index, step=7):
-    parts = tuple(Participant(f"r{i}", s, (encode_endpoints({"catchup": f"http://h{i}:0"}),
-                                           encode_endpoints({"catchup": f"http://h{i}:1"})))
-                  for i, s in enumerate(steps))
-    return StepQuorum(1, step, parts, replica_index, steps[replica_index] < step, "test")
+def quorum(steps, replica_index, step=7, rank=0):
+    """The StepQuorum rank `rank` gets: its peers are rank `rank` of each participant."""
+    parts = tuple(Participant(f"r{i}", s) for i, s in enumerate(steps))
+    peers = tuple(encode_endpoints({"catchup": f"http://h{i}:{rank}"}) if rank < 2 else "" for i in range(len(steps)))
+    return StepQuorum(1, step, parts, replica_index, steps[replica_index] < step, "test", peer_addrs=peers)
 
 
 def test_catchup_sources_are_healthy_same_rank_rotated():
-    assert catchup_sources(quorum([7, 7, 5, 7], 2), rank=1) == ["http://h3:1", "http://h0:1", "http://h1:1"]
-    assert catchup_sources(quorum([7, 5], 1), rank=0) == ["http://h0:0"]
-    assert catchup_sources(quorum([7, 5], 1), rank=4) == []  # no endpoint for that rank
+    assert catchup_sources(quorum([7, 7, 5, 7], 2, rank=1)) == ["http://h3:1", "http://h0:1", "http://h1:1"]
+    assert catchup_sources(quorum([7, 5], 1)) == ["http://h0:0"]
+    assert catchup_sources(quorum([7, 5], 1, rank=4)) == []  # no endpoint for that rank
 
 
 def test_should_publish_only_when_someone_is_behind():
