@@ -149,12 +149,17 @@ class TrainConfig:
     steps: int = 20
     min_replicas: int = 1
     lr_intervention: Literal["none", "linear", "sqrt"] = "sqrt"
-    first_step_extra_s: float = 0.0  # the paper's "first-step effect" of a rejoining replica
+    # The paper's "first-step effect" of a restarted replica (checkpoint re-creation, dataloader
+    # init, JIT). With warmup_before_checkin (paper §5's mitigation) it runs before the replica checks
+    # in, hidden from the others; without, it lengthens the replica's first trained step and stalls them.
+    first_step_extra_s: float = 0.0
+    warmup_before_checkin: bool = True
+    first_batch_s: float = 0.0  # loading the first batch: between check-in and the first FTAR (paper §5)
     step_jitter: float = 0.0  # uniform +-fraction of step_compute_s per step
 
     def __post_init__(self) -> None:
         _positive(self, "step_compute_s", "steps", "min_replicas")
-        _non_negative(self, "first_step_extra_s", "step_jitter")
+        _non_negative(self, "first_step_extra_s", "first_batch_s", "step_jitter")
         _one_of(self, "lr_intervention", ("none", "linear", "sqrt"))
         _check(self.step_jitter < 1, "step_jitter", "< 1", self.step_jitter)
 

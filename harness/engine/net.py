@@ -358,7 +358,7 @@ class EmuConnection:
                 raise NetTimeout(f"receive from {self.peer_addr} timed out after {timeout}s")
             if wake_at < deadline:
                 sched.call_at(wake_at, _wake_rx, self)
-            sched.wait(self._rx, None if deadline == _NEVER else deadline - now, self)
+            sched.wait(self._rx, None if deadline == _NEVER else deadline - now, self, deadline)
             now = sched.now  # just resumed: the slice has barely begun; look again
 
     # -- closing -----------------------------------------------------------------------------------

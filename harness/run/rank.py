@@ -58,8 +58,10 @@ def rank_main(job: "EmulatedJob", inc: "Incarnation", rank: int) -> None:
     lead = inc.mirror is None or rank < inc.mirror.num_leads
     ok = False
     try:
-        if inc.number > 0:
-            env.clock.sleep(job.profile.scheduler.process_start_s)  # start python, import, init state
+        if inc.number > 0:  # start python, import, init state; warm up before checking in (paper §5)
+            train = job.profile.train
+            env.clock.sleep(job.profile.scheduler.process_start_s
+                            + (train.first_step_extra_s if train.warmup_before_checkin else 0.0))
         _train(job, inc, rank, env, lead)
         ok = True
     except TaskKilled:
@@ -78,7 +80,8 @@ def _comm(job: "EmulatedJob", inc: "Incarnation", rank: int, env: Any) -> TreeCo
     timeout = job.timeouts.replica_comm_s  # ranks wait in the broadcast while the leader waits for a quorum
     if inc.prewired is not None:
         parent, children = inc.prewired[rank]
-        return TreeComm(rank=rank, world_size=inc.world_size, parent=parent, children=children, timeout_s=timeout)
+        return TreeComm(rank=rank, world_size=inc.world_size, parent=parent, children=children, timeout_s=timeout,
+                        fanout=job.options.fanout)
     cls = FlatComm if job.options.comm == "flat" else TreeComm
     listener = inc.listeners[rank]
     try:
@@ -133,18 +136,23 @@ def _setup(job: "EmulatedJob", inc: "Incarnation", rank: int, env: Any, lead: bo
 
 def _train(job: "EmulatedJob", inc: "Incarnation", rank: int, env: Any, lead: bool) -> None:
     r = _setup(job, inc, rank, env, lead)
-    manager, now, extra_first = r.manager, env.clock.now, job.profile.train.first_step_extra_s
+    train = job.profile.train
+    manager, now = r.manager, env.clock.now
+    extra_first = 0.0 if train.warmup_before_checkin else train.first_step_extra_s
     first = True
     while manager.step < job.options.steps and not job.finished:
         t0 = now()
         q = manager.start_step()
         t1 = now()
         job.recorder.rank_started_step(q.quorum_id, q.step, t0, r.decided_at if q.healed else t1)
-        extra = extra_first if first and inc.number > 0 else 0.0  # the first-step effect of a restart
+        restarted_first = first and inc.number > 0
         first = False
-        if lead:
-            # A replica that caught up this step contributes a zero gradient at the end of the step
-            # (paper §4.3): it trains nothing but joins the all-reduce when the others do, a step later.
+        if lead and q.healed:
+            # Caught up this step: it trains nothing and contributes a zero gradient (paper §4.3), entering
+            # the all-reduce at once, where it waits for the others. Its first batch loads meanwhile.
+            env.clock.sleep(train.first_batch_s if restarted_first else 0.0)
+        elif lead:
+            extra = (extra_first + train.first_batch_s) if restarted_first else 0.0  # the first-step effect
             r.compute.forward_backward(extra_s=extra + job.jitter_s(inc.replica, q.step))
         t2 = now()
         try:  # a mirroring rank waits out its lead's compute and exchange in this one call
