@@ -3,87 +3,50 @@
     python -m ftrun.train.ft_worker --steps 100 [--stop-file PATH] [--checkpoint-every 10] ...
     ftrun launch --replicas 3 --steps 100 -m ftrun.train.ft_worker --step-time 0.05
 
-Reads its identity from the torchrun-compatible environment (WorkerSpec.from_environ), trains
-`ftrun.train.toy.TinyLM` on synthetic tokens with FaultTolerantTrainer (real quorum, catch-up over HTTP,
-FTAR, 2PC, DCP checkpoints under run_dir/ckpt, loader_state under run_dir) and prints JSON event lines
-on stdout: the Manager's (quorum, heal, commit, abort, error), the trainer's (catchup, checkpoint) and
-its own: ready, step (after every step; `param_hash` = sha256 of every parameter's bytes after a
-commit), final (at a clean exit, with the ledger), failed. Audit records go to
-run_dir/audit-{replica}-{incarnation}.jsonl. It stops once it has committed --steps steps, or the step
-written in --stop-file (tests use it to end every replica at the same step).
+A thin user of the training API (ftrun.train.api): reads its identity from the torchrun-compatible
+environment, trains `ftrun.train.toy.TinyLM` on synthetic tokens (real quorum, catch-up over HTTP,
+FTAR, 2PC, DCP checkpoints under run_dir/ckpt, loader_state under run_dir; FSDP2 inside a replica of
+more than one rank) and prints the API's JSON event lines on stdout: the Manager's (quorum, heal,
+commit, abort, error), the trainer's (catchup, checkpoint) and every rank's: ready, step (after every
+step; `param_hash` = sha256 of this rank's parameter bytes after a commit), final (at a clean exit,
+with the ledger), failed. Audit records go to run_dir/audit-{replica}-{incarnation}.jsonl. It stops
+once it has committed --steps steps, or the step written in --stop-file (tests use it to end every
+replica at the same step).
 
 Fault injection for tests: FTRUN_DIE_AT and FTRUN_CATCHUP_FAULT (see ftrun.train.inject), or the same
 plans in a JSON --fault-file that is reloaded before every step.
-One rank per replica (FSDP2 inside a replica is a later issue).
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import logging
 import os
 import signal
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from ftrun.catchup.config import CatchupConfig
-from ftrun.catchup.server import CatchupServer, Fault
-from ftrun.checkpoint.policy import CheckpointConfig
-from ftrun.cli import setup_logging
-from ftrun.config import ManagerConfig, Timeouts
-from ftrun.data.audit import AuditLog, FileAuditSink
-from ftrun.data.loader_state import LoaderStateStore
-from ftrun.data.sampler import DataLayout
-from ftrun.env.real import RealEnv
-from ftrun.ftar.cpu_kernels import CpuKernels
-from ftrun.ftar.engine import FtarConfig, FtarEngine
-from ftrun.ftar.kernels import DType
+from ftrun.catchup.server import Fault
+from ftrun.config import Timeouts
 from ftrun.launch.worker_env import WorkerSpec
-from ftrun.quorum.client import LighthouseClient
-from ftrun.replica.comm import LocalComm
-from ftrun.replica.manager import ReplicaError
-from ftrun.storage import FileStorage
-from ftrun.train.exchange import GradientExchange
+from ftrun.train.api import FTConfig, Float32CpuKernels, Hooks, init_from_env
+from ftrun.train.api import param_hash  # noqa: F401 (re-exported: tests hash models with it)
 from ftrun.train.inject import parse_catchup_fault, parse_die_at, plan_for
-from ftrun.train.lr import LRConfig
 from ftrun.train.toy import ToyConfig, lm_loss, make_model, make_tokens
-from ftrun.train.trainer import FaultTolerantTrainer, StepResult, TrainerConfig, build
-
-log = logging.getLogger("ftrun.train")
-
-
-def emit(event: dict) -> None:
-    print(json.dumps(event), flush=True)
 
 
 def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def param_hash(model: torch.nn.Module) -> str:
-    h = hashlib.sha256()
-    for _, p in model.named_parameters():
-        h.update(p.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
-class Float32Kernels(CpuKernels):
-    """CPU FTAR kernels that warm up float32 only (the others' numba loops cost ~1.5 s at start, which
-    a restarted replica would spend before checking in), and can die after a few reduces (mid-FTAR)."""
+class Float32Kernels(Float32CpuKernels):
+    """The API's CPU FTAR kernels, able to die after a few reduces (mid-FTAR)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.die_after: int | None = None  # reduces left before SIGKILL, when armed
-
-    def warmup(self) -> None:
-        a = np.zeros(16, np.uint8)
-        self.reduce(a, 0, a.copy(), 0, 8, DType.FLOAT32)
-        self.reduce_copy(a, 0, a.copy(), 0, a, 8, 8, DType.FLOAT32)
 
     def _tick(self) -> None:
         if self.die_after is not None:
@@ -130,7 +93,13 @@ class Faults:
             self._set(doc.get("die_at", ""), doc.get("catchup", ""))
 
     def attach(self, model: torch.nn.Module) -> None:
-        next(model.parameters()).register_hook(self._in_backward)
+        """Die inside autograd: a hook on the model's output fires when the backward reaches it (a hook
+        on a parameter would not fire under FSDP2, whose sharded parameters are not in the graph)."""
+        model.register_forward_hook(self._on_output)
+
+    def _on_output(self, module: torch.nn.Module, args, output: torch.Tensor) -> None:
+        if output.requires_grad:
+            output.register_hook(self._in_backward)
 
     def _in_backward(self, grad: torch.Tensor) -> None:
         if self._backward_armed:
@@ -180,65 +149,10 @@ def stop_step(args: argparse.Namespace, steps: int) -> int:
     return steps
 
 
-def make_trainer(args: argparse.Namespace, spec: WorkerSpec, env: RealEnv, faults: Faults):
-    """Everything a rank holds, wired; returns (trainer, things to close)."""
-    timeouts = Timeouts(ftar_timeout_s=args.ftar_timeout)
-    toy = ToyConfig(seed=args.seed)
-    dataset, model = make_tokens(toy), make_model(toy)
-    faults.attach(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    layout = DataLayout(dataset_size=len(dataset), num_replicas=spec.num_replicas, ranks_per_replica=1,
-                        batch_size_per_rank=args.batch_size, seed=args.seed)
-    replica_ids = tuple(f"r{i}" for i in range(spec.num_replicas))  # the launcher's naming
-    if replica_ids[spec.replica_index] != spec.replica_id:
-        raise ValueError(f"replica {spec.replica_id} at index {spec.replica_index}: expected ids {replica_ids}")
-    catchup = CatchupConfig(max_shard_bytes=args.shard_bytes, timeouts=timeouts)
-    server = CatchupServer(env=env, token=spec.token, config=catchup, fault=faults.catchup_hook)
-    server.start()
-    ftar = FtarConfig(chunk_bytes=args.chunk_bytes, num_chunks=2, timeout_s=timeouts.ftar_timeout_s)
-    engine = FtarEngine(env=env, kernels=faults.kernels, token=spec.token, config=ftar)
-    sink = FileAuditSink(Path(spec.run_dir) / f"audit-{spec.replica_id}-{spec.incarnation}.jsonl")
-    checkpoint_dir = str(Path(spec.run_dir) / "ckpt") if args.checkpoint_every > 0 else None
-    config = TrainerConfig(replica_id=spec.replica_id, rng_seed=args.seed, lr=LRConfig(), catchup=catchup,
-                           checkpoint=CheckpointConfig(every_steps=max(args.checkpoint_every, 1)),
-                           checkpoint_dir=checkpoint_dir)
-
-    def loss_fn(m: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
-        env.clock.sleep(args.step_time)  # stands in for the compute of a real model
-        return lm_loss(m, batch)
-
-    trainer = build(
-        config=config, env=env, model=model, optimizer=optimizer, loss_fn=loss_fn, dataset=dataset, layout=layout,
-        replica_ids=replica_ids, manager_config=ManagerConfig(timeouts=timeouts), comm=LocalComm(),
-        lighthouse=LighthouseClient(env=env, addr=spec.lighthouse, token=spec.token, replica_id=spec.replica_id,
-                                    timeouts=timeouts),
-        exchange=GradientExchange(engine=engine, rank=0), server=server, token=spec.token,
-        loader_store=LoaderStateStore(storage=FileStorage(spec.run_dir)), audit=AuditLog(sink),
-        on_event=emit, on_phase=faults.on_phase)
-    return trainer, (engine.close, server.stop, sink.close)
-
-
-def step_event(trainer: FaultTolerantTrainer, r: StepResult, env: RealEnv) -> dict:
-    event = {"event": "step", "t": env.clock.now(), "step": r.step, "quorum_id": r.quorum_id,
-             "participants": list(r.participants), "committed": r.committed, "loss": r.loss, "healed": r.healed,
-             "lineage": r.lineage}
-    if r.committed:
-        event["param_hash"] = param_hash(trainer.model)
-    return event
-
-
-def train(args: argparse.Namespace, spec: WorkerSpec, trainer: FaultTolerantTrainer, env: RealEnv, steps: int) -> int:
-    emit({"event": "ready", "t": env.clock.now(), "step": trainer.step, "lineage": trainer.progress.state.lineage})
-    try:
-        while trainer.step < stop_step(args, steps):
-            emit(step_event(trainer, trainer.train_step(), env))
-    except ReplicaError as e:
-        log.error("replica %s gives up: %s", spec.replica_id, e)
-        emit({"event": "failed", "t": env.clock.now(), "step": trainer.step, "error": str(e)})
-        return 1
-    emit({"event": "final", "t": env.clock.now(), "step": trainer.step, "param_hash": param_hash(trainer.model),
-          "loader_state": trainer.progress.state.to_dict()})
-    return 0
+def config_from(args: argparse.Namespace) -> FTConfig:
+    return FTConfig(batch_size=args.batch_size, seed=args.seed, checkpoint_every=args.checkpoint_every,
+                    timeouts=Timeouts(ftar_timeout_s=args.ftar_timeout), ftar_chunk_bytes=args.chunk_bytes,
+                    catchup_shard_bytes=args.shard_bytes, log_level=args.log_level)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -247,20 +161,21 @@ def main(argv: list[str] | None = None) -> int:
     steps = args.steps if args.steps is not None else spec.max_steps
     if steps is None:
         raise SystemExit("--steps is required when FTRUN_MAX_STEPS is not set")
-    if spec.ranks_per_replica != 1:
-        raise SystemExit("ft_worker runs replicas of one rank (FSDP2 inside a replica is not built yet)")
-    setup_logging(args.log_level)
-    torch.set_num_threads(1)  # one rank per process; torch's pool would fight the FTAR and HTTP threads
-    env = RealEnv()
     faults = Faults(spec, die_at=os.environ.get("FTRUN_DIE_AT", ""), catchup=os.environ.get("FTRUN_CATCHUP_FAULT", ""),
                     plan_file=args.fault_file)
-    trainer, closers = make_trainer(args, spec, env, faults)
-    try:
-        return train(args, spec, trainer, env, steps)
-    finally:
-        trainer.close()
-        for close in closers:
-            close()
+    toy = ToyConfig(seed=args.seed)
+    with init_from_env(config_from(args)) as ft:
+        def loss_fn(m: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+            ft.env.clock.sleep(args.step_time)  # stands in for the compute of a real model
+            return lm_loss(m, batch)
+
+        result = ft.train(
+            model_fn=lambda: make_model(toy), loss_fn=loss_fn, dataset=make_tokens(toy),
+            steps=lambda: stop_step(args, steps),
+            optimizer_fn=lambda params: torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01),
+            hooks=Hooks(kernels=faults.kernels, on_model=faults.attach, on_phase=faults.on_phase,
+                        catchup_fault=faults.catchup_hook))
+    return result.exit_code
 
 
 if __name__ == "__main__":

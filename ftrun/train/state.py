@@ -1,15 +1,18 @@
 """A replica rank's trainable state as flat tensors + JSON metadata: what catch-up ships and loads.
 
-Plain replication (every rank of a replica holds the whole model and optimizer): `ReplicaState`. A
-sharded replica (FSDP2 inside the replica, a later issue) plugs in another class with the same three
-methods over its rank's local shards; the trainer only uses the `TrainState` protocol.
+`ReplicaState` is one rank's part of its replica: the whole model and optimizer under plain replication,
+the rank's LOCAL shards under FSDP2 (a DTensor parameter, its optimizer state and its state_dict entry
+contribute `to_local()`), so the same rank of two replicas exchange the same shards. The trainer only
+uses the `TrainState` protocol; other layouts plug in their own class.
 
 Names: "model.<state_dict key>" for parameters and buffers, "optim.<param fqn>.<state key>" for the
 optimizer's tensor state. The optimizer's non-tensor per-parameter state and its param groups (LR, the
 LR helper's base LR, betas, ...) travel in the metadata, which must be JSON (the snapshot never pickles).
 Loading copies into the live tensors (parameters keep their identity, so the optimizer still holds
-them) and rebuilds the optimizer state with `Optimizer.load_state_dict`, so a healed rank's optimizer
-(step counters included) is bitwise the source's.
+them; a shard is copied into the DTensor's local tensor, which FSDP2's all-gather reads) and rebuilds
+the optimizer state with `Optimizer.load_state_dict` (per-element state of a sharded parameter wrapped
+back into a DTensor like it), so a healed rank's optimizer (step counters included) is bitwise the
+source's.
 
 Threading: one task (the training loop) per instance.
 """
@@ -19,6 +22,8 @@ from __future__ import annotations
 from typing import Any, Mapping, Protocol
 
 import torch
+
+from ftrun.train.shard import is_dtensor, like, local
 
 MODEL, OPTIM = "model.", "optim."
 
@@ -35,7 +40,7 @@ class TrainState(Protocol):
 
 
 class ReplicaState:
-    """The whole model and optimizer of a plainly replicated rank (see the module docstring)."""
+    """One rank's model and optimizer: whole tensors, or its local shards (see the module docstring)."""
 
     def __init__(self, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.model, self.optimizer = model, optimizer
@@ -45,13 +50,14 @@ class ReplicaState:
         if missing:
             raise ValueError(f"optimizer params {missing} are not parameters of the model")
         self._fqns = [fqn_of[id(p)] for p in params]  # optimizer param index -> fqn
+        self._params = params
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        out = {MODEL + k: v.detach() for k, v in self.model.state_dict().items()}
+        out = {MODEL + k: local(v).detach() for k, v in self.model.state_dict().items()}
         for index, state in self.optimizer.state_dict()["state"].items():
             for key, value in state.items():
                 if isinstance(value, torch.Tensor):
-                    out[f"{OPTIM}{self._fqns[index]}.{key}"] = value.detach()
+                    out[f"{OPTIM}{self._fqns[index]}.{key}"] = local(value).detach()
         return out
 
     def metadata(self) -> dict[str, Any]:
@@ -65,11 +71,17 @@ class ReplicaState:
     def load(self, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any]) -> None:
         self._check_names(tensors)
         model_sd = {k[len(MODEL):]: v for k, v in tensors.items() if k.startswith(MODEL)}
-        self.model.load_state_dict(model_sd, strict=True)  # copies into the live tensors
+        live = self.model.state_dict()
+        if any(is_dtensor(v) for v in live.values()):
+            with torch.no_grad():  # the state dict's DTensors alias the live shards: copy into them
+                for key, value in live.items():
+                    local(value).copy_(model_sd[key])
+        else:
+            self.model.load_state_dict(model_sd, strict=True)  # copies into the live tensors
         self.optimizer.load_state_dict(self._optimizer_state_dict(tensors, metadata))
 
     def _check_names(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        own = {MODEL + k: v for k, v in self.model.state_dict().items()}
+        own = {MODEL + k: local(v) for k, v in self.model.state_dict().items()}
         missing = sorted(set(own) - set(tensors))
         unknown = sorted(k for k in tensors if not k.startswith((MODEL, OPTIM)) or
                          (k.startswith(MODEL) and k not in own))
@@ -89,7 +101,11 @@ class ReplicaState:
                 fqn, _, key = name[len(OPTIM):].rpartition(".")
                 if fqn not in index_of:
                     raise ValueError(f"fetched optimizer state {name!r} names no parameter of this model")
-                state.setdefault(index_of[fqn], {})[key] = value.clone()  # own memory, not the fetch buffer
+                param = self._params[index_of[fqn]]
+                value = value.clone()  # own memory, not the fetch buffer
+                if value.shape == local(param).shape:  # a shard of per-element state (not a step counter)
+                    value = like(param, value)
+                state.setdefault(index_of[fqn], {})[key] = value
         for fqn, scalars in dict(metadata.get("optim_scalars", {})).items():
             if fqn not in index_of:
                 raise ValueError(f"fetched optimizer scalars for {fqn!r}, not a parameter of this model")

@@ -23,20 +23,30 @@ optimizer step, so this is the paper's "snapshot before the optimizer step".
 
 Failures. Any exception in forward, backward or the exchange (a peer dying mid-FTAR is a
 RecoverableError) is reported to the Manager and becomes a 'don't commit' vote: nothing is applied,
-model and optimizer are untouched, and the step is retried. A rank that fails before its exchange does
-not enter it, so its peers' FTAR fails too (by their ftar_timeout_s): never a half-trained step (the
-ledger's contract, ftrun.data.loader_state). Errors the Manager raises (ReplicaError: no quorum, a
-failed heal, too many failed commits) propagate: the replica must be restarted.
+model and optimizer are untouched (gradients dropped, FSDP2's per-iteration state reset), and the step
+is retried. A rank that fails before its exchange does not enter it, so its peers' FTAR fails too (by
+their ftar_timeout_s): never a half-trained step (the ledger's contract, ftrun.data.loader_state).
+Errors the Manager raises (ReplicaError: no quorum, a failed heal, too many failed commits) propagate:
+the replica must be restarted.
+
+One exception to the retry: in a replica of K > 1 ranks, a failure in forward/backward raises
+`ShardedComputeError` (a ReplicaError) at once. The ranks' FSDP collectives inside the replica may then
+be out of step (this rank left the sequence while a peer waits in an all-gather or reduce-scatter), and
+no reset re-aligns a gloo/NCCL group's sequence, so the replica restarts and heals from its peers, the
+way a dead rank does. Not voting is what keeps it fast: the peer stuck in the collective sees this
+rank's process end at once, where a vote would wait for the peer's collective timeout. A failure in
+the exchange comes after the replica's last FSDP collective of the step, so it is retried in place.
 
 RNG. With `rng_seed` set, torch's CPU RNG is reseeded before every forward from (seed, replica, rank,
 step): dropout masks are a pure function of the step, so a retry, a healed replica and a full restart
 draw the same numbers without shipping RNG state (a state captured at publish time, before the
 forward, would be the wrong one after the step anyway).
 
-Plain replication inside the replica (`ReplicaState`, `FlatGrads` over whole tensors; the leader writes
-the checkpoint). A sharded replica (FSDP2, later) passes its own `state` and `grads`, the same interfaces
-over each rank's local shards; every rank runs a trainer and serves/fetches its own shards, which is
-why catch-up sources are the same rank of the healthy replicas.
+Inside the replica: plain replication with one rank, or FSDP2 over K ranks (ftrun.train.shard). The
+default `ReplicaState` and `FlatGrads` cover each rank's local shards (whole tensors when unsharded);
+every rank runs a trainer and serves/fetches its own shards, which is why catch-up sources are the
+same rank of the healthy replicas. The leader (rank 0) writes audit, loader_state and checkpoints;
+persistent checkpoints of a sharded replica are not supported yet (build() refuses them).
 Threading: one task per trainer; `heal` runs in it, called by the Manager.
 """
 
@@ -64,11 +74,12 @@ from ftrun.env.base import Env
 from ftrun.quorum.client import LighthouseClient
 from ftrun.replica.comm import ReplicaComm
 from ftrun.replica.endpoints import encode_endpoints
-from ftrun.replica.manager import Manager, StepQuorum
+from ftrun.replica.manager import Manager, ReplicaError, StepQuorum
 from ftrun.train.exchange import GradientExchange
 from ftrun.train.grads import FlatGrads
 from ftrun.train.lr import LRConfig, apply_lr_factor, lr_factor
 from ftrun.train.resume import checkpoint_store, resume
+from ftrun.train.shard import reset_iteration
 from ftrun.train.state import ReplicaState, TrainState
 
 log = logging.getLogger("ftrun.train")
@@ -77,6 +88,10 @@ LossFn = Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]  # (model, batc
 EventFn = Callable[[dict], None]
 PhaseFn = Callable[[str, int], None]  # (phase, step): instrumentation and fault injection
 PHASES = ("quorum", "heal", "forward", "exchange", "before_commit", "after_commit")
+
+
+class ShardedComputeError(ReplicaError):
+    """Forward/backward failed on a rank of a sharded replica: the replica must restart (module docstring)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,7 +138,8 @@ class FaultTolerantTrainer:
     """Drives one rank's steps. Build with `build(...)`, which also makes the Manager (it needs this
     trainer's `heal` hook and endpoints).
 
-    state/grads: the rank's state and gradient buffer (default: plain replication of `model`).
+    state/grads: the rank's state and gradient buffer (default: ReplicaState/FlatGrads over the model's
+    tensors, i.e. its local shards when it is sharded with FSDP2).
     checkpointed: (step, lineage) of a persistent checkpoint that exists, e.g. the one this replica
     resumed from, so the writer does not rewrite it (a rewrite first discards the complete one).
     on_event: structured events (catchup, checkpoint) from the leader. on_phase: called at every phase
@@ -172,7 +188,7 @@ class FaultTolerantTrainer:
             self._apply(q)
         else:
             self.progress.abort()
-            self.model.zero_grad(set_to_none=True)
+            reset_iteration(self.model)
         return StepResult(q.step, q.quorum_id, tuple(p.replica_id for p in q.participants), committed,
                           loss, q.healed, self.progress.state.lineage)
 
@@ -205,7 +221,8 @@ class FaultTolerantTrainer:
         self._emit("checkpoint", step=step, seconds=self.env.clock.now() - started)
 
     def _compute_and_exchange(self, q: StepQuorum, *, trains: bool) -> float | None:
-        """Forward/backward (unless behind) and the FTAR mean into .grad; a failure is a 'no' vote."""
+        """Forward/backward (unless behind) and the FTAR mean into .grad; a failure is a 'no' vote
+        (in a sharded replica, a compute failure raises ShardedComputeError: see the module docstring)."""
         loss = None
         try:
             if trains:
@@ -214,10 +231,19 @@ class FaultTolerantTrainer:
                 self.grads.gather()
             else:
                 self.grads.zero()  # behind this step: contributes zeros, receives the contributors' mean
+        except Exception as e:
+            if self.manager.comm.world_size > 1:  # no reset first: it may wait on a collective of the peer's
+                raise ShardedComputeError(f"replica {self.config.replica_id} rank {self.config.rank} step "
+                                          f"{q.step}: {type(e).__name__}: {e}") from e
+            reset_iteration(self.model)
+            self.manager.report_error(e)  # vote no without entering the exchange; the step is retried
+            return None
+        try:
             self._phase("exchange", q.step)
             self.exchange.average(q, self.grads.buffer)
             self.grads.scatter()
-        except Exception as e:  # any failure in the step's compute or exchange: vote no, retry the step
+        except Exception as e:  # a failed exchange: vote no, retry the step
+            reset_iteration(self.model)
             self.manager.report_error(e)
         return loss
 
@@ -252,7 +278,7 @@ class FaultTolerantTrainer:
         """The Manager's heal hook: fetch the state after q.step commits from the healthy participants'
         same-rank catch-up endpoints and load it (model, optimizer, ledger). Raises CatchupError (no
         source, every source failed, timeout) or LoaderStateError/ValueError (a state that does not fit)."""
-        sources = catchup_sources(q, self.config.rank)
+        sources = catchup_sources(q)
         if not sources:
             raise CatchupError(f"step {q.step}: no healthy participant of quorum {q.quorum_id} serves catch-up")
         cfg = self.config.catchup
@@ -299,6 +325,9 @@ def build(*, config: TrainerConfig, env: Env, model: torch.nn.Module, optimizer:
     Raises ValueError for a server that is not started, and whatever `resume` raises."""
     if not server.url:
         raise ValueError("start the CatchupServer before build(): its URL is this rank's catch-up endpoint")
+    if comm.world_size > 1 and config.checkpoint_dir is not None:
+        raise ValueError("persistent checkpoints of a sharded replica (more than one rank) are not supported "
+                         "yet: set checkpoint_dir=None")
     step, ledger = resume(config.checkpoint_dir, model=model, optimizer=optimizer, layout=layout,
                           replica_ids=replica_ids)
     endpoints = encode_endpoints({"ftar": exchange.engine.addr, "catchup": server.url})

@@ -1,0 +1,317 @@
+"""The user-facing training API: an ordinary PyTorch training loop, made fault tolerant in a few lines.
+
+    import ftrun.train
+
+    with ftrun.train.init_from_env(ftrun.train.FTConfig(batch_size=8)) as ft:
+        result = ft.train(model_fn=lambda: MyModel(),
+                          optimizer_fn=lambda params: torch.optim.AdamW(params, lr=3e-4),
+                          loss_fn=lambda model, batch: my_loss(model(batch[:, :-1]), batch[:, 1:]),
+                          dataset=tokens, steps=1000)
+    sys.exit(result.exit_code)
+
+Run it with `ftrun launch --replicas 3 --ranks-per-replica 2 --steps N script.py` (one process per rank,
+torchrun-compatible environment, see ftrun.launch.worker_env), or as `python script.py` alone: without
+FTRUN_* variables `init_from_env` starts an in-process lighthouse and trains a one-replica, one-rank
+job in a temporary run folder.
+
+What `train` does per rank: builds the model from `model_fn` under the job's seed (the same weights in
+every replica), shards it with FSDP2 over the replica's ranks when there is more than one
+(ftrun.train.shard; `shard_fn` overrides the default of one unit per nn.ModuleList member), builds the
+optimizer over the (sharded) parameters and runs FaultTolerantTrainer steps until `steps` are committed:
+quorum, catch-up of a restarted replica, forward/backward on this rank's batch (`dataset[indices]`, a
+deterministic, resumable, exactly-once order), FTAR across replicas, two-phase commit. On stdout it
+prints JSON event lines: the Manager's and trainer's (rank 0: quorum, heal, commit, abort, error,
+catchup, checkpoint) and every rank's own: ready, step (loss; param_hash, sha256 of this rank's
+parameter bytes, after a commit), final, failed. `ftrun launch` reads rank 0's.
+
+One job per process: `init_from_env` makes the replica's ranks the process's default process group
+(FSDP2 needs one). Only `init_from_env` reads the environment.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import logging
+import os
+import secrets
+import tempfile
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Iterable, Mapping
+
+import numpy as np
+import torch
+
+from ftrun.config import LighthouseConfig, Timeouts
+from ftrun.env.real import RealEnv
+from ftrun.ftar.cpu_kernels import CpuKernels
+from ftrun.ftar.kernels import DType, Kernels
+from ftrun.launch.worker_env import WorkerSpec
+from ftrun.replica.comm import LocalComm, ReplicaComm
+from ftrun.replica.manager import ReplicaError
+from ftrun.train.lr import LRConfig
+from ftrun.train.shard import ShardFn, close_replica_group, init_replica_group, local, shard_model
+from ftrun.train.trainer import LossFn, PhaseFn, StepResult
+
+log = logging.getLogger("ftrun.train")
+
+ModelFn = Callable[[], torch.nn.Module]
+OptimizerFn = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+
+
+@dataclass(frozen=True, kw_only=True)
+class FTConfig:
+    """batch_size: samples per rank per step. seed: model init, data order and per-step RNG.
+    checkpoint_every: steps between persistent checkpoints under run_dir/ckpt (0: off; one-rank replicas
+    only for now). run_dir: audit and loader_state files (default: the launcher's, else a temp folder).
+    ftar_chunk_bytes/ftar_num_chunks: FTAR's S and C. catchup_shard_bytes: catch-up transfer unit.
+    reshard_after_forward: FSDP2's (False trades memory for one all-gather less per step).
+    num_threads: torch intra-op threads per rank (None: torch's default). events: JSON lines on stdout."""
+
+    batch_size: int = 8
+    seed: int = 0
+    lr: LRConfig = field(default_factory=LRConfig)
+    checkpoint_every: int = 0
+    run_dir: str | None = None
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    max_retries: int = 10
+    ftar_chunk_bytes: int = 256 << 10
+    ftar_num_chunks: int = 2
+    catchup_shard_bytes: int = 4 << 20
+    reshard_after_forward: bool = True
+    num_threads: int | None = 1
+    events: bool = True
+    log_level: str = "WARNING"
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "ftar_chunk_bytes", "ftar_num_chunks", "catchup_shard_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"FTConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.seed < 0 or self.checkpoint_every < 0 or self.max_retries < 0:
+            raise ValueError(f"FTConfig.seed, checkpoint_every and max_retries must be >= 0, got "
+                             f"{self.seed}, {self.checkpoint_every}, {self.max_retries}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"FTConfig.num_threads must be >= 1 or None, got {self.num_threads}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hooks:
+    """Instrumentation and fault injection (tests, ftrun.train.ft_worker). kernels: FTAR kernels
+    (default: CPU, float32 warmed up). on_model: called with the (sharded) model before the optimizer
+    is built. on_phase: trainer phase boundaries. catchup_fault: the catch-up server's fault hook.
+    on_step: after every step, with its StepResult."""
+
+    kernels: Kernels | None = None
+    on_model: Callable[[torch.nn.Module], None] | None = None
+    on_phase: PhaseFn | None = None
+    catchup_fault: Callable[[int, int], Any] | None = None
+    on_step: Callable[[StepResult], None] | None = None
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    ok: bool  # False: the replica failed (ReplicaError) and must be restarted
+    step: int  # steps committed (or healed to) by this replica
+    param_hash: str  # sha256 of this rank's parameter bytes at the end
+    loader_state: dict  # the ledger at the end (JSON form)
+    error: str = ""
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.ok else 1
+
+
+class Float32CpuKernels(CpuKernels):
+    """CPU FTAR kernels that compile float32 only at start (the other dtypes' numba loops cost ~1.5 s,
+    which a restarted replica would spend before checking in); gradients travel as float32."""
+
+    def warmup(self) -> None:
+        a = np.zeros(16, np.uint8)
+        self.reduce(a, 0, a.copy(), 0, 8, DType.FLOAT32)
+        self.reduce_copy(a, 0, a.copy(), 0, a, 8, 8, DType.FLOAT32)
+
+
+def param_hash(model: torch.nn.Module) -> str:
+    """sha256 of this rank's parameter bytes (its local shards under FSDP2), in named_parameters order."""
+    h = hashlib.sha256()
+    for _, p in model.named_parameters():
+        h.update(local(p).detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def print_event(event: dict) -> None:
+    print(json.dumps(event), flush=True)
+
+
+def init_from_env(config: FTConfig | None = None, *, environ: Mapping[str, str] | None = None) -> "FTJob":
+    """Join the job this process was started for: read the launcher's environment (WorkerSpec), or,
+    without one, start a one-replica job with an in-process lighthouse. With more than one rank per
+    replica this rendezvouses with the replica's other ranks (replica and FSDP groups) and blocks until
+    they are all up. Raises ValueError for an incomplete environment."""
+    from ftrun.cli import setup_logging
+
+    config = config or FTConfig()
+    environ = os.environ if environ is None else environ
+    setup_logging(config.log_level)
+    if config.num_threads is not None:
+        torch.set_num_threads(config.num_threads)  # ranks share the host; torch's pool would fight FTAR's threads
+    env = RealEnv()
+    lighthouse = None
+    if "FTRUN_REPLICA_ID" in environ:
+        spec = WorkerSpec.from_environ(environ)
+    else:
+        from ftrun.quorum.service import Lighthouse
+
+        token = secrets.token_hex(16)
+        lighthouse = Lighthouse(env=env, config=LighthouseConfig(timeouts=config.timeouts), token=token)
+        lighthouse.start()
+        spec = WorkerSpec(replica_id="r0", replica_index=0, num_replicas=1, rank=0, ranks_per_replica=1,
+                          incarnation=0, lighthouse=lighthouse.addr, token=token, store_addr="", store_port=0,
+                          run_dir=config.run_dir or tempfile.mkdtemp(prefix="ftrun-run-"))
+    if config.run_dir is not None:
+        spec = replace(spec, run_dir=config.run_dir)
+    return FTJob(config=config, spec=spec, env=env, lighthouse=lighthouse)
+
+
+class FTJob:
+    """This rank's membership in the job. `train` runs once; `close` (or the with-block) leaves the
+    job. Threading: the training loop's thread only."""
+
+    def __init__(self, *, config: FTConfig, spec: WorkerSpec, env: RealEnv, lighthouse=None) -> None:
+        if spec.ranks_per_replica > 1 and config.checkpoint_every > 0:
+            raise ValueError("FTConfig.checkpoint_every: persistent checkpoints of a sharded replica are not "
+                             "supported yet (use 0 with more than one rank per replica)")
+        self.config, self.spec, self.env, self._lighthouse = config, spec, env, lighthouse
+        self.comm: ReplicaComm = LocalComm()
+        self.mesh = None
+        self._trained = False
+        if spec.ranks_per_replica > 1:
+            self.comm, self.mesh = _join_replica(spec, config.timeouts)
+
+    @property
+    def rank(self) -> int:
+        return self.spec.rank
+
+    @property
+    def replica_id(self) -> str:
+        return self.spec.replica_id
+
+    def emit(self, event: dict) -> None:
+        if self.config.events:
+            print_event(event)
+
+    def train(self, *, model_fn: ModelFn, optimizer_fn: OptimizerFn, loss_fn: LossFn, dataset: Any,
+              steps: int | Callable[[], int] | None = None, shard_fn: ShardFn | None = None,
+              hooks: Hooks | None = None) -> TrainResult:
+        """Train until this replica has committed `steps` steps (a callable is asked before every step;
+        None: the launcher's --steps). `dataset`: anything with len() that a LongTensor of sample indices
+        indexes into one batch (e.g. a (num_samples, seq_len + 1) token tensor); the same in every rank.
+        Returns the result; a replica failure is returned (ok=False, event "failed"), not raised."""
+        from ftrun.train.wiring import build_trainer
+
+        if self._trained:
+            raise RuntimeError("FTJob.train runs once per process (the replica's groups are closed after it)")
+        self._trained = True
+        target = _target(steps, self.spec.max_steps)
+        hooks = hooks or Hooks()
+        model = self._make_model(model_fn, shard_fn)
+        if hooks.on_model is not None:
+            hooks.on_model(model)
+        optimizer = optimizer_fn(model.parameters())
+        trainer, closers = build_trainer(job=self, model=model, optimizer=optimizer, loss_fn=loss_fn,
+                                         dataset=dataset, hooks=hooks, kernels=hooks.kernels or Float32CpuKernels())
+        try:
+            return self._loop(trainer, target, hooks)
+        finally:
+            trainer.close()
+            for close in closers:
+                close()
+
+    def _make_model(self, model_fn: ModelFn, shard_fn: ShardFn | None) -> torch.nn.Module:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.config.seed)
+            model = model_fn()
+        if not isinstance(model, torch.nn.Module):
+            raise ValueError(f"model_fn must return a torch.nn.Module, got {type(model).__name__}")
+        if self.mesh is not None:
+            if shard_fn is not None:
+                shard_fn(model, self.mesh)
+            else:
+                shard_model(model, self.mesh, reshard_after_forward=self.config.reshard_after_forward)
+        return model
+
+    def _loop(self, trainer, target: Callable[[], int], hooks: Hooks) -> TrainResult:
+        who = {"rank": self.rank}
+        self.emit({"event": "ready", "t": self.env.clock.now(), "step": trainer.step,
+                   "lineage": trainer.progress.state.lineage, **who})
+        try:
+            while trainer.step < target():
+                r = trainer.train_step()
+                self.emit(step_event(r, trainer.model, self.env.clock.now(), rank=self.rank))
+                if hooks.on_step is not None:
+                    hooks.on_step(r)
+        except ReplicaError as e:
+            log.error("replica %s rank %d gives up: %s", self.replica_id, self.rank, e)
+            self.emit({"event": "failed", "t": self.env.clock.now(), "step": trainer.step, "error": str(e), **who})
+            return TrainResult(False, trainer.step, param_hash(trainer.model), trainer.progress.state.to_dict(),
+                               str(e))
+        result = TrainResult(True, trainer.step, param_hash(trainer.model), trainer.progress.state.to_dict())
+        self.emit({"event": "final", "t": self.env.clock.now(), "step": result.step, "param_hash": result.param_hash,
+                   "loader_state": result.loader_state, **who})
+        return result
+
+    def close(self) -> None:
+        """Leave the job: the replica's groups (once train has not) and the standalone lighthouse."""
+        if not self._trained:
+            self.comm.close()
+        close_replica_group()
+        if self._lighthouse is not None:
+            self._lighthouse.stop()
+            self._lighthouse = None
+
+    def __enter__(self) -> "FTJob":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def step_event(r: StepResult, model: torch.nn.Module, now: float, *, rank: int) -> dict:
+    event = {"event": "step", "t": now, "step": r.step, "quorum_id": r.quorum_id, "participants": list(r.participants),
+             "committed": r.committed, "loss": r.loss, "healed": r.healed, "lineage": r.lineage, "rank": rank}
+    if r.committed:
+        event["param_hash"] = param_hash(model)
+    return event
+
+
+def _target(steps: int | Callable[[], int] | None, launcher_steps: int | None) -> Callable[[], int]:
+    if steps is None:
+        if launcher_steps is None:
+            raise ValueError("train(steps=...) is required when the launcher set no step count (FTRUN_MAX_STEPS)")
+        steps = launcher_steps
+    if callable(steps):
+        return steps
+    if steps < 0:
+        raise ValueError(f"steps must be >= 0, got {steps}")
+    return lambda: steps
+
+
+def _join_replica(spec: WorkerSpec, timeouts: Timeouts):
+    """The replica's control group (check-in, votes) and its FSDP group, each on its own store prefix
+    naming this incarnation. The FSDP group's timeout is shorter than the control group's: a rank whose
+    peer hangs in an FSDP collective fails there (and leaves the replica) before any control collective
+    of its peers times out."""
+    import torch.distributed as dist
+
+    from ftrun.replica.comm import GlooComm
+
+    store = dist.TCPStore(spec.store_addr, spec.store_port, is_master=False,
+                          timeout=datetime.timedelta(seconds=timeouts.connect_timeout_s))
+    comm = GlooComm(store=store, prefix=f"{spec.replica_id}/{spec.incarnation}/ctl/", rank=spec.rank,
+                    world_size=spec.ranks_per_replica, timeout_s=timeouts.replica_comm_s)
+    mesh = init_replica_group(store=store, replica_id=spec.replica_id, incarnation=spec.incarnation, rank=spec.rank,
+                              world_size=spec.ranks_per_replica, timeout_s=timeouts.commit_timeout_s)
+    return comm, mesh
+
+

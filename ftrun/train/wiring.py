@@ -1,0 +1,89 @@
+"""Wire one rank's runtime for `FTJob.train`: catch-up server, FTAR engine, audit, loader_state, the
+lighthouse link (the replica's leader only) and the FaultTolerantTrainer over them.
+
+Kept apart from ftrun.train.api so the API module stays the user's page. Threading: the caller's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from ftrun.catchup.config import CatchupConfig
+from ftrun.catchup.server import CatchupServer
+from ftrun.checkpoint.policy import CheckpointConfig
+from ftrun.config import ManagerConfig
+from ftrun.data.audit import AuditLog, FileAuditSink
+from ftrun.data.loader_state import LoaderStateStore
+from ftrun.data.sampler import DataLayout
+from ftrun.ftar.engine import FtarConfig, FtarEngine
+from ftrun.ftar.kernels import Kernels
+from ftrun.quorum.client import LighthouseClient
+from ftrun.storage import FileStorage
+from ftrun.train.exchange import GradientExchange
+from ftrun.train.trainer import FaultTolerantTrainer, LossFn, TrainerConfig, build
+
+if TYPE_CHECKING:
+    from ftrun.train.api import FTJob, Hooks
+
+
+def replica_ids(num_replicas: int) -> tuple[str, ...]:
+    """The launcher's replica naming: r0, r1, ..."""
+    return tuple(f"r{i}" for i in range(num_replicas))
+
+
+def build_trainer(*, job: "FTJob", model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn,
+                  dataset: Any, hooks: "Hooks", kernels: Kernels) -> tuple[FaultTolerantTrainer, list[Callable]]:
+    """The trainer and what to close after it (engine, server, audit file), in that order.
+    Raises ValueError for a dataset or spec that does not fit the job."""
+    spec, cfg, env = job.spec, job.config, job.env
+    ids = replica_ids(spec.num_replicas)
+    if ids[spec.replica_index] != spec.replica_id:
+        raise ValueError(f"replica {spec.replica_id} at index {spec.replica_index}: expected ids {ids}")
+    layout = DataLayout(dataset_size=len(dataset), num_replicas=spec.num_replicas,
+                        ranks_per_replica=spec.ranks_per_replica, batch_size_per_rank=cfg.batch_size, seed=cfg.seed)
+    closers: list[Callable] = []
+    lighthouse = None
+    try:
+        catchup = CatchupConfig(max_shard_bytes=_multiple_of(cfg.catchup_shard_bytes, 64), timeouts=cfg.timeouts)
+        server = CatchupServer(env=env, token=spec.token, config=catchup, fault=hooks.catchup_fault)
+        server.start()
+        closers.append(server.stop)
+        ftar = FtarConfig(chunk_bytes=_multiple_of(cfg.ftar_chunk_bytes, 16), num_chunks=cfg.ftar_num_chunks,
+                          timeout_s=cfg.timeouts.ftar_timeout_s)
+        engine = FtarEngine(env=env, kernels=kernels, token=spec.token, config=ftar)
+        closers.insert(0, engine.close)
+        leader = spec.rank == 0
+        sink = FileAuditSink(Path(spec.run_dir) / f"audit-{spec.replica_id}-{spec.incarnation}.jsonl") if leader \
+            else _no_audit
+        if leader:
+            closers.append(sink.close)
+        lighthouse = LighthouseClient(env=env, addr=spec.lighthouse, token=spec.token, replica_id=spec.replica_id,
+                                      timeouts=cfg.timeouts) if leader else None
+        config = TrainerConfig(replica_id=spec.replica_id, rank=spec.rank, rng_seed=cfg.seed, lr=cfg.lr,
+                               catchup=catchup, checkpoint=CheckpointConfig(every_steps=max(cfg.checkpoint_every, 1)),
+                               checkpoint_dir=str(Path(spec.run_dir) / "ckpt") if cfg.checkpoint_every > 0 else None)
+        trainer = build(
+            config=config, env=env, model=model, optimizer=optimizer, loss_fn=loss_fn, dataset=dataset,
+            layout=layout, replica_ids=ids, manager_config=ManagerConfig(max_retries=cfg.max_retries,
+                                                                         timeouts=cfg.timeouts),
+            comm=job.comm, lighthouse=lighthouse, exchange=GradientExchange(engine=engine, rank=spec.rank),
+            server=server, token=spec.token, loader_store=LoaderStateStore(storage=FileStorage(spec.run_dir)),
+            audit=AuditLog(sink), on_event=job.emit, on_phase=hooks.on_phase)
+    except BaseException:
+        if lighthouse is not None:
+            lighthouse.close()
+        for close in closers:
+            close()
+        raise
+    return trainer, closers
+
+
+def _no_audit(data: bytes) -> None:
+    """Ranks other than the leader write no audit records (the trainer appends on the leader only)."""
+
+
+def _multiple_of(n: int, k: int) -> int:
+    return max(k, n - n % k)

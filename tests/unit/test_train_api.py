@@ -1,0 +1,118 @@
+"""The training API's pure parts: config checks, step targets, the shard helpers on plain tensors, and the
+Llama example's model and data pieces (tokenizer, windows, rotary embeddings, causality, corpus cache)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+import torch
+
+from ftrun.launch.worker_env import WorkerSpec
+from ftrun.train.api import FTConfig, FTJob, _target, init_from_env
+from ftrun.train.shard import block_modules, is_dtensor, like, local, reset_iteration
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def load_example():
+    name = "train_llama_tiny_example"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "examples", "train_llama_tiny.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up by name
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+@pytest.mark.parametrize("bad", [dict(batch_size=0), dict(seed=-1), dict(checkpoint_every=-1),
+                                 dict(num_threads=0), dict(ftar_num_chunks=0), dict(max_retries=-2)])
+def test_config_rejects_bad_values(bad):
+    with pytest.raises(ValueError):
+        FTConfig(**bad)
+
+
+def test_step_target():
+    assert _target(5, None)() == 5
+    assert _target(None, 7)() == 7
+    assert _target(lambda: 3, 7)() == 3
+    with pytest.raises(ValueError, match="steps"):
+        _target(None, None)
+    with pytest.raises(ValueError):
+        _target(-1, None)
+
+
+def test_incomplete_launcher_environment_is_refused():
+    with pytest.raises(ValueError, match="GROUP_RANK"):
+        init_from_env(FTConfig(num_threads=None), environ={"FTRUN_REPLICA_ID": "r0"})
+
+
+def test_checkpoints_of_a_sharded_replica_are_refused_before_joining():
+    spec = WorkerSpec(replica_id="r0", replica_index=0, num_replicas=1, rank=0, ranks_per_replica=2, incarnation=0,
+                      lighthouse="127.0.0.1:1", token="t", store_addr="127.0.0.1", store_port=1, run_dir=".")
+    with pytest.raises(ValueError, match="sharded"):
+        FTJob(config=FTConfig(checkpoint_every=10), spec=spec, env=None)
+
+
+def test_shard_helpers_leave_plain_tensors_alone():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ModuleList([torch.nn.Linear(2, 2)] * 2))
+    p = model[0].weight
+    assert not is_dtensor(p) and local(p) is p
+    value = torch.ones(2, 2)
+    assert like(p, value) is value
+    assert block_modules(model) == list(model[1])
+    model[0](torch.ones(1, 2)).sum().backward()
+    reset_iteration(model)
+    assert all(q.grad is None for q in model.parameters())
+
+
+def test_byte_tokenizer_and_windows():
+    ex = load_example()
+    text = "Zoë works at Acme.\n"
+    tokens = ex.encode(text)
+    assert tokens.max() < 256 and ex.decode(tokens) == text
+    w = ex.windows(tokens, 4)
+    assert w.shape == (len(tokens) // 5, 5) and w.dtype == torch.int64
+    assert w[1].tolist() == tokens[5:10].tolist()
+    with pytest.raises(ValueError):
+        ex.windows(tokens[:3], 4)
+
+
+def test_rotary_embedding_depends_on_relative_position_only():
+    ex = load_example()
+    cos, sin = ex.rope_tables(8, 16, 10000.0)
+    q, k = torch.randn(8), torch.randn(8)
+
+    def rotated(v, pos):
+        x = v.expand(1, 1, 16, 8)
+        return ex.apply_rope(x, cos, sin)[0, 0, pos]
+
+    assert torch.allclose(rotated(q, 3).norm(), q.norm(), atol=1e-5)
+    assert torch.allclose(rotated(q, 5) @ rotated(k, 2), rotated(q, 9) @ rotated(k, 6), atol=1e-5)
+
+
+def test_llama_is_causal_and_shapes_fit():
+    ex = load_example()
+    torch.manual_seed(0)
+    cfg = ex.LlamaConfig(dim=16, num_layers=2, num_heads=2, ffn_hidden=24, max_seq_len=12)
+    model = ex.LlamaTiny(cfg)
+    x = torch.randint(0, 256, (2, 12))
+    y = x.clone()
+    y[:, 8:] = (y[:, 8:] + 1) % 256
+    a, b = model(x), model(y)
+    assert a.shape == (2, 12, 256)
+    assert torch.equal(a[:, :8], b[:, :8]) and not torch.equal(a[:, 8:], b[:, 8:])
+    assert "rope_cos" not in model.state_dict()  # derived buffers are not state
+    assert ex.lm_loss(model, torch.randint(0, 256, (2, 13))).ndim == 0
+    with pytest.raises(ValueError):
+        ex.LlamaConfig(dim=10, num_heads=4)
+
+
+def test_corpus_is_deterministic_and_cached(tmp_path):
+    ex = load_example()
+    a = ex.load_tokens(tmp_path, seed=1, num_chars=3000)
+    assert len(a) >= 3000 and list(tmp_path.iterdir())
+    assert (ex.load_tokens(tmp_path, seed=1, num_chars=3000) == a).all()
+    assert ex.make_corpus(1, 3000) == ex.make_corpus(1, 3000) != ex.make_corpus(2, 3000)
