@@ -8,7 +8,8 @@ traffic of a loopback socket, which copies every byte into the kernel and out ag
 
 Lifetime: the owner creates the file, the neighbour maps it and says so, and the owner then unlinks it,
 so nothing is left in /dev/shm even if either process is SIGKILLed afterwards; the memory goes away
-when both have unmapped it.
+when both have unmapped it. A process killed inside that window leaves its file behind: the next
+`create` on the host removes files whose owner pid (in the name) is no longer running.
 """
 
 from __future__ import annotations
@@ -32,6 +33,38 @@ def host_identity() -> str:
     return f"{os.uname().nodename}/{boot}"
 
 
+def _pid_of(name: str) -> int | None:
+    """ftrun-ftar-{tag}-{pid}-{hex} -> pid (tags contain no '-')."""
+    parts = name.split("-")
+    return int(parts[3]) if len(parts) == 5 and parts[3].isdigit() else None
+
+
+def sweep_stale() -> list[str]:
+    """Remove staging files of processes that are gone (killed between create and unlink)."""
+    removed = []
+    try:
+        names = [n for n in os.listdir(SHM_DIR) if n.startswith("ftrun-ftar-")]
+    except OSError:
+        return removed
+    for name in names:
+        pid = _pid_of(name)
+        if pid is None or pid == os.getpid():
+            continue
+        try:
+            os.kill(pid, 0)
+            continue  # its owner runs
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # another user's live process
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+            removed.append(name)
+        except OSError:
+            pass
+    return removed
+
+
 class SharedSlots:
     """A shared byte area of `nbytes`, as a uint8 numpy array (`array`)."""
 
@@ -52,6 +85,7 @@ class SharedSlots:
 
     @classmethod
     def create(cls, nbytes: int, tag: str) -> "SharedSlots":
+        sweep_stale()
         return cls(os.path.join(SHM_DIR, f"ftrun-ftar-{tag}-{os.getpid()}-{secrets.token_hex(6)}"), nbytes, True)
 
     @classmethod
