@@ -19,7 +19,8 @@ class CatchupConfig:
     max_source_failures: bad shards (checksum, short body, server error) a source may send before it
         is dropped from the fetch; each bad shard is retried from another source.
     wait_limit_s: paper §6.1 — how long the healthy replicas may wait for a joiner whose fetch runs past
-        the end of the step before it joins one step later instead (see ftrun.catchup.wait).
+        the end of the step before it joins one step later instead: it bounds each wait of building a
+        step's FTAR ring when the quorum has a joiner, in place of ftar_timeout_s (see ftrun.catchup.wait).
     timeouts: the job's timeouts; the client bounds a whole fetch by catchup_timeout_s and a connect by
         connect_timeout_s; catchup_long_poll_s is how long the server holds a request for a step not yet
         published, catchup_stall_s how long a silent source is given before it counts as dead.

@@ -4,12 +4,12 @@
 slots when the neighbour is on this host, bulk frames on the connection otherwise (see run.py); the
 connections always carry control and detect failures. `all_reduce` runs the schedule (run.RingRun).
 
-Errors. A peer that dies or closes, or a wait past ftar_timeout_s, ends the operation with
-RecoverableError: this rank closes both ring connections, which ends its neighbours' operations at
-once (PeerClosed), and so on around the ring, so every survivor learns within milliseconds instead of
-waiting out a timeout. Queued sends are dropped; the ring must be rebuilt with `reconfigure` before the
-next all-reduce; the data buffer holds partial sums and must be refilled. Bad arguments or a kernel
-failure raise FatalError.
+Errors. A peer that dies or closes, or a wait past ftar_timeout_s (in reconfigure: the call's timeout),
+ends the operation with RecoverableError: this rank closes both ring connections, which ends its
+neighbours' operations at once (PeerClosed), and so on around the ring, so every survivor learns
+within milliseconds instead of waiting out a timeout. Queued sends are dropped; the ring must be rebuilt
+with `reconfigure` before the next all-reduce; the data buffer holds partial sums and must be refilled.
+Bad arguments or a kernel failure raise FatalError.
 """
 
 from __future__ import annotations
@@ -72,10 +72,15 @@ class FtarEngine:
         self._prev_slots: SharedSlots | None = None  # the previous rank's staging, mapped here
         self.transports = ("none", "none")  # (from previous rank, to next rank), for reports
 
-    def reconfigure(self, *, epoch: int, ring: list[str], index: int) -> None:
+    def reconfigure(self, *, epoch: int, ring: list[str], index: int, timeout: float | None = None,
+                    joining: bool = False) -> None:
         """(Re)build the ring for a new participant set: `ring` lists every rank's ftar address in
-        ring order and `index` is this rank's place. Epochs must increase. Raises RecoverableError if
-        a neighbour cannot be reached, FatalError on bad arguments."""
+        ring order and `index` is this rank's place. Epochs must increase. `timeout` bounds each wait
+        of this call (default: config.timeout_s), e.g. the catch-up wait limit while a joiner heals.
+        `joining`: this rank may come after its peers gave up on the epoch (it was catching up); it
+        then fails at once on the connection its previous rank closed (see _negotiate). Never every
+        rank of a ring. Raises RecoverableError if a neighbour cannot be reached in time, FatalError on
+        bad arguments."""
         if not 0 <= index < len(ring) or len(set(ring)) != len(ring) or ring[index] != self.addr:
             raise FatalError(f"bad ring: index {index} of {ring} (this rank listens at {self.addr})")
         if self._links is not None:
@@ -84,11 +89,13 @@ class FtarEngine:
             self._links.close()
             self._links = None
         self._drop_shared()
-        links = connect_ring(self.env, self._listener, self._token, epoch=epoch, ring=ring, index=index,
-                             timeout=self.config.timeout_s)
+        t = self.config.timeout_s if timeout is None else timeout
+        if t <= 0:
+            raise FatalError(f"reconfigure timeout must be > 0, got {t}")
+        links = connect_ring(self.env, self._listener, self._token, epoch=epoch, ring=ring, index=index, timeout=t)
         if len(ring) > 1:
             try:
-                self._negotiate(links)
+                self._negotiate(links, t, joining=joining)
             except (NetError, ValueError, OSError, KeyError, TypeError) as e:
                 links.close()
                 self._drop_shared()
@@ -96,24 +103,33 @@ class FtarEngine:
         self._links = links
         self._ring = (len(ring), index)
 
-    def _negotiate(self, links: RingLinks) -> None:
-        """Tell both neighbours our host; share staging with a same-host next rank; map the previous
-        rank's staging if it offers it. Every message is sent before any is awaited (no deadlock)."""
-        t, me = self.config.timeout_s, host_identity()
-        links.next.send({"host": me})
+    def _negotiate(self, links: RingLinks, t: float, *, joining: bool) -> None:
+        """Pick each link's transport: the next rank tells us its host (backward); if it is ours we share
+        our staging with it; we send it our host and offer (forward); we map the previous rank's offered
+        staging and acknowledge it (backward).
+
+        A rank sends forward only after its next rank has spoken, so a rank that gave up on the epoch
+        (its next rank did not come within `t`) closes the connection to that next rank with nothing in
+        it. A joining rank waits for its previous rank first, so when it comes after that give-up it
+        reads the close at once. No deadlock: a rank's forward message waits only on its next rank's
+        first (backward) message, and a joining rank's previous rank is not joining or itself waits on
+        one that is not; a ring of joining ranks only would wait on itself."""
+        me = host_identity()
         links.prev.send({"host": me})
-        share_out = self.config.transport == "auto" and links.next.recv(timeout=t)["host"] == me
-        links.prev.recv(timeout=t)
+        offer = links.prev.recv(timeout=t) if joining else None
+        share_out = links.next.recv(timeout=t)["host"] == me and self.config.transport == "auto"
         if share_out:
             self._own_slots = SharedSlots.create(self.config.staging_bytes, tag=f"e{links.epoch}")
-        links.next.send({"shm": self._own_slots.path if share_out else None})
-        offer = links.prev.recv(timeout=t)["shm"]
-        if offer is not None:
-            self._prev_slots = SharedSlots.attach(str(offer), self.config.staging_bytes)
-        links.prev.send({"attached": offer is not None})
+        links.next.send({"host": me, "shm": self._own_slots.path if share_out else None})
+        if offer is None:
+            offer = links.prev.recv(timeout=t)
+        shm = offer["shm"]
+        if shm is not None:
+            self._prev_slots = SharedSlots.attach(str(shm), self.config.staging_bytes)
+        links.prev.send({"attached": shm is not None})
         if share_out and links.next.recv(timeout=t)["attached"]:
             self._own_slots.unlink()  # both sides have it mapped: nothing to leave behind in /dev/shm
-        self.transports = ("shared" if offer is not None else "socket", "shared" if share_out else "socket")
+        self.transports = ("shared" if shm is not None else "socket", "shared" if share_out else "socket")
 
     def _drop_shared(self) -> None:
         for slots in (self._own_slots, self._prev_slots):

@@ -66,6 +66,8 @@ class FTConfig:
     checkpoint_every: steps between persistent checkpoints under run_dir/ckpt (0: off; one-rank replicas
     only for now). run_dir: audit and loader_state files (default: the launcher's, else a temp folder).
     ftar_chunk_bytes/ftar_num_chunks: FTAR's S and C. catchup_shard_bytes: catch-up transfer unit.
+    catchup_wait_limit_s: how long healthy replicas wait in a step's FTAR for a joiner still fetching
+    before they retry the step with it one step later (paper §6.1; None: timeouts.ftar_timeout_s).
     reshard_after_forward: FSDP2's (False trades memory for one all-gather less per step).
     num_threads: torch intra-op threads per rank (None: torch's default). events: JSON lines on stdout."""
 
@@ -79,6 +81,7 @@ class FTConfig:
     ftar_chunk_bytes: int = 256 << 10
     ftar_num_chunks: int = 2
     catchup_shard_bytes: int = 4 << 20
+    catchup_wait_limit_s: float | None = None
     reshard_after_forward: bool = True
     num_threads: int | None = 1
     events: bool = True
@@ -91,6 +94,8 @@ class FTConfig:
         if self.seed < 0 or self.checkpoint_every < 0 or self.max_retries < 0:
             raise ValueError(f"FTConfig.seed, checkpoint_every and max_retries must be >= 0, got "
                              f"{self.seed}, {self.checkpoint_every}, {self.max_retries}")
+        if self.catchup_wait_limit_s is not None and self.catchup_wait_limit_s < 0:
+            raise ValueError(f"FTConfig.catchup_wait_limit_s must be >= 0 or None, got {self.catchup_wait_limit_s}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"FTConfig.num_threads must be >= 1 or None, got {self.num_threads}")
 

@@ -8,6 +8,11 @@ a healing replica does not dilute the gradient.
 
 Failures: RecoverableError (a peer died or stalled) is for the caller to report to the Manager, which
 turns it into a 'don't commit' vote; the healthy replica retries the step under the next quorum.
+
+Waiting for a joiner (paper §6.1, ftrun.catchup.wait): a step with a joiner always builds a new ring,
+and the ring cannot be built before the joiner, done healing, enters it; `setup_timeout_s` bounds each
+wait of that build (the wait limit) where the default would be ftar_timeout_s. `setup_s`/`setup_ok`
+tell the caller how long the last build took and whether it completed (the joiner arrived).
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ class GradientExchange:
     def __init__(self, *, engine: FtarEngine, rank: int) -> None:
         self.engine, self.rank = engine, rank
         self._epoch: int | None = None
+        self.setup_s = 0.0  # seconds the last `average` spent building its ring (0.0: the ring was reused)
+        self.setup_ok = True  # whether that build completed
 
     def ring_for(self, quorum: StepQuorum) -> list[str]:
         if len(quorum.peer_addrs) != len(quorum.participants):
@@ -37,13 +44,24 @@ class GradientExchange:
             ring.append(addr)
         return ring
 
-    def average(self, quorum: StepQuorum, grads: np.ndarray, *, dtype: str | None = None) -> None:
-        """Replace `grads` (C-contiguous, in place) by the mean over the quorum's contributors."""
+    def average(self, quorum: StepQuorum, grads: np.ndarray, *, dtype: str | None = None,
+                setup_timeout_s: float | None = None) -> None:
+        """Replace `grads` (C-contiguous, in place) by the mean over the quorum's contributors.
+        `setup_timeout_s` bounds each wait of building a new ring (default: the engine's ftar_timeout_s).
+        Raises RecoverableError (the caller votes no), FatalError (bad arguments, a local fault)."""
         if quorum.healed:
             grads.fill(0)  # caught up this step: contributes nothing, receives everyone's mean
+        self.setup_s, self.setup_ok = 0.0, True
         if self._epoch != quorum.quorum_id:
             self._epoch = None
-            self.engine.reconfigure(epoch=quorum.quorum_id, ring=self.ring_for(quorum), index=quorum.replica_index)
+            clock = self.engine.env.clock
+            started, self.setup_ok = clock.now(), False
+            try:
+                self.engine.reconfigure(epoch=quorum.quorum_id, ring=self.ring_for(quorum),
+                                        index=quorum.replica_index, timeout=setup_timeout_s, joining=quorum.healed)
+                self.setup_ok = True
+            finally:
+                self.setup_s = clock.now() - started
             self._epoch = quorum.quorum_id
         try:
             self.engine.all_reduce(grads, dtype)

@@ -21,6 +21,15 @@ before the behind replica sends its zeros. Publishing after the exchange would d
 waiting for the other until ftar_timeout_s). Nothing changes the state between the publish and the
 optimizer step, so this is the paper's "snapshot before the optimizer step".
 
+Waiting for a joiner (paper §6.1, ftrun.catchup.wait). When the fetch is slower than the step, the
+healthy replicas wait in the FTAR for the joiner's zeros, each wait of the step's ring build bounded by
+CatchupConfig.wait_limit_s instead of ftar_timeout_s. Within it the step commits with everyone (WAIT);
+past it the step fails ('no' vote) and is retried under the next quorum, where the joiner, healed to
+the same step meanwhile, trains with them (it joined one step later; its own exchange of the aborted
+step fails at once on the connection its healthy predecessor closed). Either way the leader emits a
+"catchup_wait" event with the measured stall. The healthy ranks keep the gradient of such a step: the
+retry on the same state and batch reuses it instead of running forward/backward again.
+
 Failures. Any exception in forward, backward or the exchange (a peer dying mid-FTAR is a
 RecoverableError) is reported to the Manager and becomes a 'don't commit' vote: nothing is applied,
 model and optimizer are untouched (gradients dropped, FSDP2's per-iteration state reset), and the step
@@ -57,6 +66,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from ftrun.catchup.client import FetchResult, fetch
@@ -64,6 +74,7 @@ from ftrun.catchup.config import CatchupConfig
 from ftrun.catchup.errors import CatchupError
 from ftrun.catchup.heal import catchup_sources, should_publish
 from ftrun.catchup.server import CatchupServer
+from ftrun.catchup.wait import estimate_fetch_s, exchange_wait_s, should_wait, wait_outcome
 from ftrun.checkpoint.policy import CheckpointConfig, checkpoint_writer, should_checkpoint
 from ftrun.config import ManagerConfig
 from ftrun.data.audit import AuditLog
@@ -166,6 +177,9 @@ class FaultTolerantTrainer:
         self._published: tuple[int, str] | None = None  # (step, lineage) of the snapshot being served
         self._checkpointed = checkpointed  # (step, lineage) of a checkpoint that exists: never rewritten
         self.last_fetch: FetchResult | None = None
+        self._kept: tuple[tuple[int, str], float, np.ndarray] | None = None  # ((step, lineage), loss, gradient)
+        self._compute_s: float | None = None  # the last forward/backward's seconds
+        self._snapshot_bytes = 0  # the size of the last published catch-up snapshot
 
     @property
     def step(self) -> int:
@@ -199,7 +213,9 @@ class FaultTolerantTrainer:
         key = (q.step, self.progress.state.lineage)
         if should_publish(q) and self._published != key:
             metadata = {"step": q.step, "loader_state": self.progress.state.to_dict(), "state": self.state.metadata()}
-            self.server.publish(q.step, self.state.tensors(), metadata)
+            tensors = self.state.tensors()
+            self.server.publish(q.step, tensors, metadata)
+            self._snapshot_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
             self._published = key
         cfg = self.config
         if (self._ckpt is not None and self._checkpointed != key and should_checkpoint(q.step, cfg.checkpoint)
@@ -226,9 +242,7 @@ class FaultTolerantTrainer:
         loss = None
         try:
             if trains:
-                self._phase("forward", q.step)
-                loss = self._forward_backward(q.step)
-                self.grads.gather()
+                loss = self._compute(q)
             else:
                 self.grads.zero()  # behind this step: contributes zeros, receives the contributors' mean
         except Exception as e:
@@ -238,14 +252,50 @@ class FaultTolerantTrainer:
             reset_iteration(self.model)
             self.manager.report_error(e)  # vote no without entering the exchange; the step is retried
             return None
+        self._exchange(q)
+        return loss
+
+    def _compute(self, q: StepQuorum) -> float:
+        """This rank's gradient into the buffer: forward/backward, or the gradient kept from an attempt of
+        the same step on the same state that a joiner's wait limit aborted (module docstring)."""
+        key = (q.step, self.progress.state.lineage)
+        if self._kept is not None and self._kept[0] == key:
+            np.copyto(self.grads.buffer, self._kept[2])
+            return self._kept[1]
+        self._phase("forward", q.step)
+        started = self.env.clock.now()
+        loss = self._forward_backward(q.step)
+        self._compute_s = self.env.clock.now() - started
+        self.grads.gather()
+        self._kept = (key, loss, self.grads.buffer.copy()) if q.behind and not q.healed else None
+        return loss
+
+    def _exchange(self, q: StepQuorum) -> None:
+        """The FTAR mean into .grad; a failure is a 'no' vote. In a step with a joiner, a healthy rank
+        waits for it at most the wait limit (ftrun.catchup.wait) and reports how the wait ended."""
+        limit = self.config.catchup.wait_limit_s
+        setup_timeout = exchange_wait_s(num_behind=len(q.behind), healed=q.healed, wait_limit_s=limit)
         try:
             self._phase("exchange", q.step)
-            self.exchange.average(q, self.grads.buffer)
+            self.exchange.average(q, self.grads.buffer, setup_timeout_s=setup_timeout)
             self.grads.scatter()
         except Exception as e:  # a failed exchange: vote no, retry the step
             reset_iteration(self.model)
             self.manager.report_error(e)
-        return loss
+        if setup_timeout is not None:
+            self._report_wait(q, limit)
+
+    def _report_wait(self, q: StepQuorum, limit: float) -> None:
+        x = self.exchange
+        outcome = wait_outcome(waited_s=x.setup_s, joined=x.setup_ok, wait_limit_s=limit)
+        predicted = None  # the paper's rule on estimates: this snapshot at the bandwidth of our last fetch
+        last = self.last_fetch
+        if last is not None and last.seconds > 0 and self._compute_s is not None:
+            fetch_s = estimate_fetch_s(self._snapshot_bytes, last.num_bytes / last.seconds)
+            predicted = should_wait(fetch_s, self._compute_s, limit).action.value
+        log.info("replica %s step %d: %s", self.config.replica_id, q.step, outcome.reason)
+        self._emit("catchup_wait", step=q.step, behind=list(q.behind), action=outcome.action.value,
+                   stall_s=outcome.stall_s, wait_limit_s=limit, reason=outcome.reason, predicted=predicted)
 
     def _forward_backward(self, step: int) -> float:
         if self.config.rng_seed is not None:
@@ -272,6 +322,7 @@ class FaultTolerantTrainer:
                 self.loader_store.save(self.progress.state)
         self.server.retire(q.step)  # a no-op unless this step was published
         self._published = None
+        self._kept = None
 
     # -- catch-up --------------------------------------------------------------------------------
     def heal(self, q: StepQuorum) -> None:
@@ -299,6 +350,7 @@ class FaultTolerantTrainer:
         self.state.load(result.tensors, meta.get("state") or {})
         self.progress.heal(ledger)
         self.model.zero_grad(set_to_none=True)
+        self._kept = None
 
     # -- helpers ---------------------------------------------------------------------------------
     def _phase(self, phase: str, step: int) -> None:

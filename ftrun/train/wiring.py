@@ -47,7 +47,9 @@ def build_trainer(*, job: "FTJob", model: torch.nn.Module, optimizer: torch.opti
     closers: list[Callable] = []
     lighthouse = None
     try:
-        catchup = CatchupConfig(max_shard_bytes=_multiple_of(cfg.catchup_shard_bytes, 64), timeouts=cfg.timeouts)
+        wait_limit = cfg.timeouts.ftar_timeout_s if cfg.catchup_wait_limit_s is None else cfg.catchup_wait_limit_s
+        catchup = CatchupConfig(max_shard_bytes=_multiple_of(cfg.catchup_shard_bytes, 64), wait_limit_s=wait_limit,
+                                timeouts=cfg.timeouts)
         server = CatchupServer(env=env, token=spec.token, config=catchup, fault=hooks.catchup_fault)
         server.start()
         closers.append(server.stop)
