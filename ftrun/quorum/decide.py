@@ -21,18 +21,23 @@ membership changes or a participant reports a failed commit.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ftrun.config import LighthouseConfig
 
 
 @dataclass(frozen=True)
 class Member:
-    """A replica known to the lighthouse (its leader holds a connection)."""
+    """A replica known to the lighthouse (its leader holds a connection).
+
+    `expected`: restored from the persisted last quorum by a restarted lighthouse and not heard from
+    yet. It counts as live until the heartbeat timeout passes, so the first leader to reconnect cannot
+    form a quorum alone while the others are still reconnecting (that split the job in two)."""
 
     replica_id: str
     last_heard: float
     connected: bool = True
+    expected: bool = False
 
 
 @dataclass(frozen=True)
@@ -75,7 +80,14 @@ class Decision:
 
 def live_members(now: float, state: LighthouseState, config: LighthouseConfig) -> set[str]:
     timeout = config.timeouts.heartbeat_timeout_s
-    return {m.replica_id for m in state.members.values() if m.connected and now - m.last_heard <= timeout}
+    return {m.replica_id for m in state.members.values()
+            if (m.connected or m.expected) and now - m.last_heard <= timeout}
+
+
+def expect_previous(state: LighthouseState, now: float) -> LighthouseState:
+    """A restarted lighthouse's state: the last quorum's participants are expected back (see Member)."""
+    members = {rid: Member(rid, now, connected=False, expected=True) for rid in state.prev_participants}
+    return replace(state, members={**members, **state.members})
 
 
 def decide(

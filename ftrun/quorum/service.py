@@ -22,7 +22,8 @@ from typing import Any
 from ftrun.config import LighthouseConfig
 from ftrun.env.base import Connection, Env, EnvTimeout, NetError, NetTimeout, PeerClosed
 from ftrun.quorum import protocol
-from ftrun.quorum.decide import Decision, LighthouseState, Member, QuorumRequest, apply, decide, live_members
+from ftrun.quorum.decide import (Decision, LighthouseState, Member, QuorumRequest, apply, decide, expect_previous,
+                                 live_members)
 from ftrun.storage import Storage
 
 log = logging.getLogger("ftrun.quorum")
@@ -64,7 +65,7 @@ class Lighthouse:
     ) -> None:
         self.env, self.config, self._token, self._storage, self._bind = env, config, token, storage, bind
         self._events = env.queue()
-        self._state = load_state(storage)
+        self._state = expect_previous(load_state(storage), env.clock.now())
         self._requests: dict[str, QuorumRequest] = {}
         self._conns: dict[str, Connection] = {}
         self._last_decision: Decision | None = None
@@ -156,7 +157,7 @@ class Lighthouse:
         hb = self.config.timeouts.heartbeat_timeout_s
         retry = self._last_decision.retry_at if self._last_decision and not self._last_decision.ready else None
         wake = [retry] if retry is not None else []
-        wake += [m.last_heard + hb for m in self._state.members.values() if m.connected]
+        wake += [m.last_heard + hb for m in self._state.members.values() if m.connected or m.expected]
         return max(min(wake) - self.env.clock.now(), 0.001) if wake else 1.0
 
     def _apply_event(self, ev: _Event) -> None:

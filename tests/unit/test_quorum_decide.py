@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ftrun.config import LighthouseConfig, Timeouts
-from ftrun.quorum.decide import LighthouseState, Member, QuorumRequest, apply, decide
+from ftrun.quorum.decide import LighthouseState, Member, QuorumRequest, apply, decide, expect_previous
 
 CFG = LighthouseConfig(min_replicas=2, timeouts=Timeouts(heartbeat_timeout_s=5.0, join_timeout_s=1.0))
 
@@ -82,6 +82,27 @@ def test_a_joiner_waiting_mid_step_does_not_start_the_join_timeout():
     assert not d.ready and d.retry_at == pytest.approx(111.0) and "waiting for c" in d.reason
     d = decide(110.3, state, {**requests, **reqs({"c": 7}, at=110.3)}, CFG)
     assert d.ready and d.replica_ids == ("a", "b", "c", "r9") and d.behind == ("r9",)
+
+
+def test_a_restarted_lighthouse_waits_for_the_last_quorum_instead_of_forming_with_the_first_caller():
+    # Restarted at t=100 from persisted state {quorum 4: a, b, c, d}; a reconnects and asks first. Without
+    # the expected members a would be "all live replicas" and train alone, and with a join timeout shorter
+    # than a step b, c, d would form a second quorum for the same step: split brain.
+    state = expect_previous(LighthouseState(quorum_id=4, prev_participants=("a", "b", "c", "d")), now=100.0)
+    state = LighthouseState(quorum_id=4, prev_participants=state.prev_participants,
+                            members={**state.members, "a": Member("a", 100.1)})
+    cfg = LighthouseConfig(min_replicas=1, timeouts=CFG.timeouts)
+    d = decide(100.2, state, reqs({"a": 7}, at=100.1), cfg)
+    assert not d.ready and "no majority (1 of 4" in d.reason
+    back = {**state.members, **members("b", "c", heard=100.3)}
+    state3 = LighthouseState(quorum_id=4, prev_participants=state.prev_participants, members=back)
+    requests = reqs({"a": 7, "b": 7, "c": 7}, at=100.3)
+    d = decide(100.4, state3, requests, cfg)
+    assert not d.ready and "waiting for d" in d.reason  # d is expected back until its heartbeat timeout
+    heartbeats = {**back, **members("a", "b", "c", heard=105.9)}  # a, b, c keep heartbeating; d never returns
+    state4 = LighthouseState(quorum_id=4, prev_participants=state.prev_participants, members=heartbeats)
+    d = decide(106.0, state4, requests, cfg)  # past d's heartbeat_timeout_s (5 s) after the restart
+    assert d.ready and d.replica_ids == ("a", "b", "c") and d.quorum_id == 5
 
 
 def test_waiting_decision_says_when_to_look_again():
