@@ -31,7 +31,7 @@ from tqdm import tqdm
 from ftrun.cli import emit_json
 from harness import report
 from harness.profile import Profile, apply_overrides, load_profile
-from harness.run import EmulatedJob, JobOptions, kills_from_profile, parse_inject
+from harness.run import EmulatedJob, JobOptions, check_faults, faults_from_profile, parse_inject, split_faults
 
 DEFAULT_PROFILE = "ci-small"
 SWEEP_STEPS = 3
@@ -44,7 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with SCRIPT.py: the profile the shadow loader's torch.cuda shim follows")
     p.add_argument("--steps", type=int, default=None, help="steps to train (default: the profile's)")
     p.add_argument("--inject", action="append", default=[], metavar='"kill replica=R step=S"',
-                   help="failure to inject (repeatable); replaces the profile's failure model")
+                   help="fault to inject (repeatable; forms in harness/run/faults.py: kill replica, kill "
+                        "lighthouse, slow host, slow fetch, cut building); replaces the profile's failure model")
     p.add_argument("--set", action="append", default=[], metavar="key=value", dest="overrides",
                    help="override a profile key, e.g. --set train.step_compute_s=2")
     p.add_argument("--seed", type=int, default=None)
@@ -73,14 +74,15 @@ def build_profile(name: str | None, overrides: list[str], *, steps: int | None, 
 
 def job_options(profile: Profile, args: argparse.Namespace, *, kills: tuple | None = None) -> JobOptions:
     seed = profile.seed if args.seed is None else args.seed
+    faults: tuple = ()
     if kills is None:
         if args.inject:
-            kills = tuple(parse_inject(t) for t in args.inject)
+            kills, faults = split_faults([parse_inject(t) for t in args.inject])
         else:  # the profile's failure model, over a generous horizon of modeled time
             horizon = 2 * profile.train.steps * profile.train.step_compute_s
-            kills = tuple(kills_from_profile(profile, seed, horizon))
+            kills, faults = split_faults(faults_from_profile(profile, seed, horizon))
     wiring = args.wiring if args.wiring != "auto" else ("prewired" if profile.ranks_per_replica > 4096 else "connect")
-    return JobOptions(steps=profile.train.steps, kills=kills, seed=seed, ftar_detail=args.ftar_detail,
+    return JobOptions(steps=profile.train.steps, kills=kills, faults=faults, seed=seed, ftar_detail=args.ftar_detail,
                       comm=args.comm, wiring=wiring)
 
 
@@ -96,7 +98,7 @@ def execute(profile: Profile, options: JobOptions, *, progress: bool = False, ou
             bar.update(step - bar.n)
         rec = job.run(progress=advance)
     f = report.figures(rec, profile=profile, steps=options.steps, folded=job.folded, comm=options.comm,
-                       kills=[k.describe() for k in options.kills])
+                       kills=[k.describe() for k in options.injected])
     f.update(wall_s=round(time.monotonic() - started, 3), cpu_s=round(time.process_time() - cpu0, 3),
              peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
              engine=job.world.stats(), shape_propagations=job.shapes.num_propagations)
@@ -126,10 +128,11 @@ def run(args: argparse.Namespace) -> int:
             return run_sweep(args)
         profile = build_profile(args.profile, args.overrides, steps=args.steps, cpu_charging=args.cpu_charging)
         options = job_options(profile, args)
-        for k in options.kills:
-            if not 0 <= k.replica < profile.replicas:
-                raise SystemExit(f"ftrun emulate: --inject names replica {k.replica}, the profile has "
-                                 f"{profile.replicas} (0..{profile.replicas - 1})")
+        try:
+            check_faults(options.injected, replicas=profile.replicas, ranks_per_replica=profile.ranks_per_replica,
+                         buildings=profile.topology.buildings)
+        except ValueError as e:
+            raise SystemExit(f"ftrun emulate: --inject {e}") from None
         f, _ = execute(profile, options, progress=not args.no_progress, out=args.out)
     finally:
         logging.getLogger("ftrun").setLevel(saved)
@@ -138,7 +141,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"  files: {', '.join(f['files'])}")
     if args.json:
         emit_json(f)
-    return 0 if f["complete"] and not f["unexpected_errors"] else 1
+    consistent = f["replicas_consistent"] and f["quorum_history_consistent"]
+    return 0 if f["complete"] and not f["unexpected_errors"] and consistent else 1
 
 
 # -- sweep ---------------------------------------------------------------------------------------------

@@ -17,6 +17,9 @@ Definitions (all modeled, i.e. virtual, seconds):
   from the first quorum to the last commit (1.0: every replica trained all the time at full speed).
 - where the time went: the replica leaders' time in each phase span, as fractions ("heal" includes the
   step a caught-up replica spends waiting to contribute its zero gradient).
+- replicas_consistent / quorum_history_consistent: harness.run.consistency's checks (each live replica
+  of the last quorum ends at the final step with the same history digest; no step committed with two
+  histories; quorum ids monotonic, one participant set per id, across lighthouse restarts).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from statistics import median
 from typing import Any
 
 from harness.profile import Profile
+from harness.run.consistency import check_quorum_history, check_replicas
 from harness.run.record import Recorder
 
 PHASES = {"ftrun::train::forward_backward": "compute", "ftrun::replica::start_step": "quorum",
@@ -139,7 +143,16 @@ def figures(rec: Recorder, *, profile: Profile, steps: int, folded: bool, kills:
                  f"{profile.ranks_per_replica} rings); every other ring is identical and mirrors one of them"
                  if folded else f"full: every ring runs ({profile.ranks_per_replica} rings)"),
         "replica_comm": comm, "unexpected_errors": list(rec.errors[:20]),
+        **_consistency(ev),
     }
+
+
+def _consistency(ev: list[dict[str, Any]]) -> dict[str, Any]:
+    r, q = check_replicas(ev), check_quorum_history(ev)
+    return {"replicas_consistent": r.consistent, "quorum_history_consistent": q.consistent,
+            "consistency": {"final_step": r.final_step, "final_digest": r.final_digest,
+                            "live_replicas": r.live_replicas, "quorums": q.num_quorums,
+                            "lighthouse_starts": q.num_lighthouses, "violations": r.violations + q.violations}}
 
 
 def text(f: dict[str, Any]) -> str:
@@ -173,6 +186,13 @@ def text(f: dict[str, Any]) -> str:
         lines.append(f"  modeled {f['modeled_s']:.2f} s in {f['wall_s']:.1f} s wall ({f.get('cpu_s', 0):.1f} s CPU), "
                      f"peak RSS {f['peak_rss_mb']:.0f} MB"
                      f"; {'complete' if f['complete'] else 'INCOMPLETE'}")
+    c = f["consistency"]
+    lines.append(f"  state: {'identical' if f['replicas_consistent'] else 'INCONSISTENT'} across the "
+                 f"{len(c['live_replicas'])} live replicas at step {c['final_step']} (history digest "
+                 f"{c['final_digest']}); quorum history {'consistent' if f['quorum_history_consistent'] else 'INCONSISTENT'}"
+                 f" ({c['quorums']} quorum ids, {c['lighthouse_starts']} lighthouse start(s))")
+    for v in c["violations"][:5]:
+        lines.append(f"    ! {v}")
     if f["unexpected_errors"]:
         lines.append(f"  UNEXPECTED ERRORS ({len(f['unexpected_errors'])}): " + "; ".join(f["unexpected_errors"][:3]))
     return "\n".join(lines)

@@ -34,7 +34,8 @@ class Timeline:
 class Route:
     """Everything `transmit` needs for frames from one host to another, resolved once per connection."""
 
-    __slots__ = ("hop", "latency", "host_rate", "tx", "rx", "up", "down", "up_rate", "down_rate", "sndbuf_s")
+    __slots__ = ("hop", "latency", "host_rate", "tx", "rx", "up", "down", "up_rate", "down_rate", "sndbuf_s",
+                 "buildings")
 
     def __init__(self, hop: HopClass, latency: float, host_rate: float, tx: Timeline | None,
                  rx: Timeline | None, up: Timeline | None = None, down: Timeline | None = None,
@@ -43,6 +44,7 @@ class Route:
         self.tx, self.rx, self.up, self.down = tx, rx, up, down
         self.up_rate, self.down_rate = up_rate, down_rate
         self.sndbuf_s = sndbuf_bytes / host_rate  # how far the NIC may run behind before a send blocks
+        self.buildings: tuple[int, int] | None = None  # (src, dst) building of a cross-building route
 
 
 class LinkModel:
@@ -82,7 +84,10 @@ class LinkModel:
             return Route(hop, latency, self._nic_rate, src_nic[0], dst_nic[1], sndbuf_bytes=sndbuf)
         up, _, up_rate = self._zone(self.topology.location(src).zone)
         _, down, down_rate = self._zone(self.topology.location(dst).zone)
-        return Route(hop, latency, self._nic_rate, src_nic[0], dst_nic[1], up, down, up_rate, down_rate, sndbuf)
+        r = Route(hop, latency, self._nic_rate, src_nic[0], dst_nic[1], up, down, up_rate, down_rate, sndbuf)
+        if hop is HopClass.OTHER_BUILDING:
+            r.buildings = (self.topology.location(src).building, self.topology.location(dst).building)
+        return r
 
     def transmit(self, r: Route, depart: float, nbytes: int) -> tuple[float, float]:
         """Send a frame of `nbytes` on route r at virtual time `depart`: returns (sent, arrival) and

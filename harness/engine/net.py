@@ -12,6 +12,11 @@ Close: the other side sees PeerClosed once the FIN arrives (one latency, after f
 flight). A killed host closes all its connections; a *silently* killed host sends nothing, drops what
 arrives and ignores connection attempts, so peers only notice through timeouts.
 Sending blocks only while the host's NIC backlog exceeds the send buffer (NetworkConfig.send_buffer_kib).
+
+Building cuts (`fabric.cuts`, (building, start, end) triples): silent, as a fiber cut is for TCP. A frame,
+FIN or SYN that leaves during a cut on a route with exactly one end in the cut building is held and
+arrives one latency after the cut ends (TCP retransmitting it then); nothing is refused or reset, so
+peers notice the cut only through their own timeouts.
 """
 
 from __future__ import annotations
@@ -91,6 +96,16 @@ class Fabric:
         self._routes: dict[tuple[str, str], Route] = {}
         self.num_frames = 0
         self.num_bytes = 0
+        self.cuts: list[tuple[int, float, float]] = []  # (building, start, end): see the module docstring
+
+    def held_until(self, route: Route, t: float) -> float:
+        """When something leaving at t on `route` can cross: t, or the end of the cut that holds it."""
+        b = route.buildings
+        if b is not None:
+            for building, start, end in self.cuts:
+                if start <= t < end and building in b:
+                    t = end
+        return t
 
     def net_host(self, name: str) -> NetHost:
         return self._host_of(name).net
@@ -166,7 +181,8 @@ class EmuNetwork:
         fab, sched = self._fab, self._fab.sched
         waiters: list = []
         route = fab.route(src, dst)
-        sched.call_at(sched.vnow() + route.latency, _on_syn, (fab, src, dst, key), waiters)
+        depart = fab.held_until(route, sched.vnow()) if fab.cuts else sched.vnow()
+        sched.call_at(depart + route.latency, _on_syn, (fab, src, dst, key), waiters)
         return sched.wait(waiters, max(timeout, 0.0), f"connect to {dst.name}:{key}")
 
 
@@ -176,7 +192,8 @@ def _on_syn(args: tuple, waiters: list) -> None:
     if dst.silent:
         return  # a dead machine does not answer: the client times out
     listener = dst.listeners.get(key)
-    answer_at = fab.sched.now + fab.route(dst, src).latency
+    back = fab.route(dst, src)
+    answer_at = (fab.held_until(back, fab.sched.now) if fab.cuts else fab.sched.now) + back.latency
     if listener is None or listener._closed:
         fab.sched.call_at(answer_at, _on_answer, (fab, waiters), _REFUSED)
         return
@@ -296,6 +313,10 @@ class EmuConnection:
         depart = sched.vnow()
         route = self._route
         sent, arrival = fab.transmit(route, depart, nbytes)
+        if fab.cuts:
+            held = fab.held_until(route, depart)
+            if held > depart and arrival < held + route.latency:
+                arrival = held + route.latency
         if arrival < self._last_arrival:
             arrival = self._last_arrival  # one byte stream: frames arrive in order
         self._last_arrival = arrival
@@ -377,7 +398,8 @@ class EmuConnection:
             sched.wake(task, token, None)
         peer = self._peer
         if send_fin and not self._host.silent and not peer._closed:
-            fin_at = max(sched.vnow() + self._route.latency, self._last_arrival)  # after frames in flight
+            now = self._fab.held_until(self._route, sched.vnow()) if self._fab.cuts else sched.vnow()
+            fin_at = max(now + self._route.latency, self._last_arrival)  # after frames in flight
             if fin_at < peer._fin_at:
                 peer._fin_at = fin_at
                 if peer._rx and not peer._inbox:

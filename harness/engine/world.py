@@ -7,7 +7,8 @@
 `env.spawn` starts a task on that env's host; any task may spawn on any host through that host's env.
 `world.kill_host(name)` kills every task on a host and closes its connections (peers see PeerClosed
 after one latency); `silent=True` instead makes the host vanish (peers only see timeouts) until
-`revive_host`. A killed host can run new tasks at once (a restarted process).
+`revive_host`. `world.cut_building(b, start, end)` partitions building b from the rest for a while.
+A killed host can run new tasks at once (a restarted process).
 """
 
 from __future__ import annotations
@@ -167,6 +168,13 @@ class EmulatedWorld:
                 self.sched.kill(task)
         if current is not None and current.host is core:
             self.sched.kill(current)  # raises TaskKilled here
+
+    def cut_building(self, building: int, start_s: float, end_s: float) -> None:
+        """Cut building `building` off from the others from virtual time start_s to end_s (silent: frames,
+        FINs and connects across the cut are held until it heals; see harness.engine.net)."""
+        if not 0 <= start_s < end_s:
+            raise ValueError(f"a cut needs 0 <= start < end, got {start_s}, {end_s}")
+        self.fabric.cuts.append((building, start_s, end_s))
 
     def revive_host(self, host: str) -> None:
         """Undo a silent kill: the host answers and receives again (its old connections stay closed)."""

@@ -10,6 +10,11 @@ every host of the replica), notices a dead replica at its next poll, asks the mo
 (relaunch: warm delay; replace: spares) and starts a new incarnation there, which waits out the
 process start time, checks in, is found behind, catches up and trains on.
 
+Other faults (harness.run.faults): a lighthouse kill kills the lighthouse host and, after its down
+time, starts a new Lighthouse on the same address from the state the first one persisted (the same
+mock local disk); a building cut goes to the world's fabric (harness.engine.net); a straggler host and
+a slow fetch are looked up by the rank tasks (compute_extra_s, slowed_heal).
+
 The whole run happens inside `shadow.active(profile)`: the FTAR kernels come from importing
 `ftrun.ftar.cuda_kernels`, which the shadow loader maps to mocks.ftar_kernels.
 """
@@ -30,7 +35,8 @@ from harness.engine import EmulatedWorld
 from harness.engine.net import EmuConnection
 from harness.profile import DTYPE_BYTES, Profile
 from harness.run.dataplane import Mirror
-from harness.run.options import JobOptions, Kill
+from harness.run.faults import CutBuilding, Kill, KillLighthouse, SlowFetch, SlowHost, check_faults
+from harness.run.options import JobOptions
 from harness.run.rank import rank_main
 from harness.run.record import Recorder
 from mocks.compute import ShapeCache
@@ -71,6 +77,8 @@ class Incarnation:
             self.listeners = [env.net.listen("127.0.0.1:0") for env in self.envs]
             self.addrs = [ln.addr for ln in self.listeners]
         self.live = self.world_size
+        # a straggler among its hosts: (host index, factor, from step), or None
+        self.straggler = job.straggler_on(hosts)
         self.alive = True  # False once killed or failed (its ranks may still be unwinding)
         self.completed = False  # its leader committed the last step
 
@@ -93,9 +101,8 @@ def _prewire(world: EmulatedWorld, envs: list[Any], hosts: tuple[str, ...], gpus
 
 class EmulatedJob:
     def __init__(self, profile: Profile, options: JobOptions) -> None:
-        for k in options.kills:
-            if not 0 <= k.replica < profile.replicas:
-                raise ValueError(f"{k.describe()}: the profile has replicas 0..{profile.replicas - 1}")
+        check_faults(options.injected, replicas=profile.replicas, ranks_per_replica=profile.ranks_per_replica,
+                     buildings=profile.topology.buildings)
         self.profile, self.options = profile, options
         self.folded = (options.ftar_detail or profile.emulation.ftar_detail) == "folded"
         self.world = EmulatedWorld.from_profile(profile, seed=options.seed)
@@ -121,9 +128,19 @@ class EmulatedJob:
         self._progress: Callable[[int], None] | None = None
         self._cuda_kernels: Any = None
         self._notices: Any = None
-        self._pending_step_kills = sorted((k for k in options.kills if k.at_step is not None),
-                                          key=lambda k: k.at_step)  # type: ignore[arg-type, return-value]
+        self._pending_step_kills = sorted((k for k in options.injected if isinstance(k, (Kill, KillLighthouse))
+                                           and k.at_step is not None and not getattr(k, "in_ftar", False)),
+                                          key=lambda k: k.at_step)  # type: ignore
+        self._ftar_kills = [k for k in options.kills if k.in_ftar]
+        gpus = profile.topology.gpus_per_host
+        self._slow_hosts = {self.topology.host_of(f.replica, f.rank): f for f in options.faults
+                            if isinstance(f, SlowHost)}
+        self._slow_fetch = {f.replica: f for f in options.faults if isinstance(f, SlowFetch)}
+        self._num_leads = min(gpus, profile.ranks_per_replica) if self.folded else None
         self.lighthouse: Lighthouse | None = None
+        self._lighthouses: list[Lighthouse] = []  # every start, for the quorum history
+        self._lighthouse_storage: MockObjectStore | None = None  # its disk: survives a restart
+        self._lighthouse_down = False
         self.scheduler: MockScheduler | None = None
 
     # -- names and models ------------------------------------------------------------------------
@@ -149,17 +166,14 @@ class EmulatedJob:
 
             self._cuda_kernels = cuda_kernels
             self.world.run_on(SUPERVISOR_HOST, self._supervise)
-        for h in self.lighthouse.history:  # membership changes and quorums, as the lighthouse saw them
-            self.recorder.event({**h, "event": f"lighthouse_{h['event']}"})
+        for n, lh in enumerate(self._lighthouses):  # membership changes and quorums, as each lighthouse saw them
+            for h in lh.history:
+                self.recorder.event({**h, "event": f"lighthouse_{h['event']}", "lighthouse": n})
         return self.recorder
 
     def _supervise(self) -> None:
         env = self.world.host_env(SUPERVISOR_HOST)
-        lh_env = self.world.host_env(LIGHTHOUSE_HOST)
-        self.lighthouse = Lighthouse(env=lh_env, token=self.token, storage=MockObjectStore.local_disk(lh_env),
-                                     config=LighthouseConfig(min_replicas=self.profile.train.min_replicas,
-                                                             timeouts=self.timeouts))
-        self.lighthouse_addr = self.lighthouse.start()
+        self._start_lighthouse()
         self.scheduler = MockScheduler(env=env, config=self.profile.scheduler,
                                        hot_spares=self.topology.hot_spare_hosts,
                                        cold_spares=self.topology.cold_spare_hosts)
@@ -169,7 +183,26 @@ class EmulatedJob:
         for k in self.options.kills:
             if k.at_s is not None:
                 env.spawn(self._kill_at_time, k, name=f"inject-{k.describe()}")
+        for f in self.options.faults:
+            if isinstance(f, KillLighthouse) and f.at_s is not None:
+                env.spawn(self._lighthouse_outage, f, name=f"inject-{f.describe()}")
+            elif isinstance(f, CutBuilding):
+                self.world.cut_building(f.building, f.at_s, f.end_s)
+                env.spawn(self._record_cut, f, name=f"inject-{f.describe()}")
         self._event_loop(env)
+
+    def _start_lighthouse(self) -> None:
+        """Start a lighthouse process on its host: at the job's start, and again after a kill, on the same
+        address and with the same disk (so it reloads the quorum state the previous one persisted)."""
+        lh_env = self.world.host_env(LIGHTHOUSE_HOST)
+        if self._lighthouse_storage is None:
+            self._lighthouse_storage = MockObjectStore.local_disk(lh_env)
+        self.lighthouse = Lighthouse(env=lh_env, token=self.token, storage=self._lighthouse_storage,
+                                     config=LighthouseConfig(min_replicas=self.profile.train.min_replicas,
+                                                             timeouts=self.timeouts),
+                                     bind=self.lighthouse_addr or "127.0.0.1:0")
+        self._lighthouses.append(self.lighthouse)
+        self.lighthouse_addr = self.lighthouse.start()
 
     def _event_loop(self, env: Any) -> None:
         deadline = None
@@ -246,6 +279,63 @@ class EmulatedJob:
         env.clock.sleep(kill.at_fraction * self.profile.train.step_compute_s)
         self._inject(kill)
 
+    def _lighthouse_outage(self, fault: KillLighthouse) -> None:
+        """Kill the lighthouse (at its time, or F x a step after the job reached its step) and restart it."""
+        env = self.world.host_env(SUPERVISOR_HOST)
+        wait = (fault.at_s - env.clock.now() if fault.at_s is not None
+                else fault.at_fraction * self.profile.train.step_compute_s)
+        env.clock.sleep(max(wait, 0.0))
+        if self.finished or self._lighthouse_down:
+            self.recorder.event({"event": "kill_skipped", "t": self.world.now, "what": fault.describe(),
+                                 "why": "job finished" if self.finished else "lighthouse already down"})
+            return
+        self._lighthouse_down = True
+        self.recorder.event({"event": "lighthouse_kill", "t": self.world.now, "step": self.max_step,
+                             "what": fault.describe()})
+        self.world.kill_host(LIGHTHOUSE_HOST)
+        env.clock.sleep(fault.down_s)
+        self._start_lighthouse()
+        self._lighthouse_down = False
+        self.recorder.event({"event": "lighthouse_restart", "t": self.world.now, "step": self.max_step,
+                             "quorum_id": self.lighthouse.status()["quorum_id"]})
+
+    def _record_cut(self, cut: CutBuilding) -> None:
+        env = self.world.host_env(SUPERVISOR_HOST)
+        for what, at in (("cut_start", cut.at_s), ("cut_end", cut.end_s)):
+            env.clock.sleep(max(at - env.clock.now(), 0.0))
+            self.recorder.event({"event": what, "t": self.world.now, "step": self.max_step, "building": cut.building})
+
+    # -- stragglers and slow fetches (looked up by rank tasks; never block) ----------------------
+    def straggler_on(self, hosts: tuple[str, ...]) -> tuple[int, float, int] | None:
+        """(host index, factor, from step) of a slow host among `hosts`, or None."""
+        for i, h in enumerate(hosts):
+            f = self._slow_hosts.get(h)
+            if f is not None:
+                return i, f.factor, f.from_step
+        return None
+
+    def compute_extra_s(self, inc: Incarnation, rank: int, step: int) -> float:
+        """Extra compute time of `rank` at `step` on a straggler host: (factor - 1) x a step. Folded,
+        only the lead host computes, so it carries the replica's straggler wherever it is: either way the
+        job's step waits for the slowest ring of the replica."""
+        s = inc.straggler
+        if s is None or step < s[2]:
+            return 0.0
+        on_it = rank < self._num_leads if self._num_leads is not None else rank // self.profile.topology.gpus_per_host == s[0]
+        return (s[1] - 1.0) * self.profile.train.step_compute_s if on_it else 0.0
+
+    def slowed_heal(self, inc: Incarnation, env: Any, heal: Callable[[Any], None]) -> Callable[[Any], None]:
+        """The heal hook, slowed by a slow fetch fault of the replica: F x the modeled transfer, plus D."""
+        slow = self._slow_fetch.get(inc.replica)
+        if slow is None:
+            return heal
+
+        def slowed(q: Any) -> None:
+            t0 = env.clock.now()
+            heal(q)
+            env.clock.sleep((slow.factor - 1.0) * (env.clock.now() - t0) + slow.delay_s)
+        return slowed
+
     # -- called from rank tasks (never block) ----------------------------------------------------
     def committed(self, inc: Incarnation, step: int) -> None:
         """A leader committed: its replica has trained `step` steps."""
@@ -257,6 +347,12 @@ class EmulatedJob:
             if self._progress is not None:
                 self._progress(step)
         for kill in list(self._pending_step_kills):  # at its own commit of step S (or once the job is past S)
+            if isinstance(kill, KillLighthouse):
+                if self.max_step >= kill.at_step:  # type: ignore[operator]
+                    self._pending_step_kills.remove(kill)
+                    self.world.host_env(SUPERVISOR_HOST).spawn(self._lighthouse_outage, kill,
+                                                               name=f"inject-{kill.describe()}")
+                continue
             mine = kill.replica == inc.replica and step >= kill.at_step  # type: ignore[operator]
             if mine or self.max_step > kill.at_step:  # type: ignore[operator]
                 self._pending_step_kills.remove(kill)
@@ -264,6 +360,12 @@ class EmulatedJob:
                     self._inject(kill)  # now, before its leader asks for the next quorum (kills this task too)
                 else:
                     self.world.host_env(SUPERVISOR_HOST).spawn(self._kill_in_step, kill, name=f"inject-{kill.describe()}")
+
+    def entering_ftar(self, inc: Incarnation, step: int) -> None:
+        """A leader enters the all-reduce of `step`: fire the at=ftar kills due for its replica."""
+        for kill in [k for k in self._ftar_kills if k.replica == inc.replica and step >= k.at_step]:  # type: ignore
+            self._ftar_kills.remove(kill)
+            self.world.host_env(SUPERVISOR_HOST).spawn(self._inject, kill, name=f"inject-{kill.describe()}")
 
     def leader_event(self, inc: Incarnation, event: dict) -> None:
         self.recorder.event({**event, "incarnation": inc.number})

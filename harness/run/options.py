@@ -1,74 +1,29 @@
 """What an emulated job runs: its options and its failure script, parsed from the CLI or the profile.
 
-Kills are "kill replica=R step=S [at=F] [hosts=relaunch|replace]": when the job reaches step S (replica R
-has committed S steps, or the job is past S), plus F x the step's compute time (default 0: at the step
-boundary, before the next quorum;
-at=0.5 kills mid-compute, so the survivors' all-reduce fails and they retrain the step), every host of
-replica R dies (its processes are SIGKILLed: connections drop, peers see it at once).
-hosts=relaunch (default): the hosts are healthy and the scheduler relaunches on them after the warm
-delay; hosts=replace: the hosts are lost and the scheduler hands out spares (hot: warm delay, cold:
-cold delay). "kill replica=R time=T" kills at virtual second T instead.
+The faults and their --inject syntax are in harness.run.faults (kill a replica, kill the lighthouse, a
+straggler host, a slow state fetch, a building cut off). From a profile: its scripted kill_replica and
+kill_lighthouse events (duration_s is how long the lighthouse stays down), or kills drawn from its
+periodic / MTBF failure model. Scripted kill_host and hang_host events are not emulated yet.
 """
 
 from __future__ import annotations
 
 import random
-import re
 from dataclasses import dataclass
 from typing import Literal
 
 from harness.profile import Profile, weibull_scale_for_mean
+from harness.run.faults import (CutBuilding, Fault, Kill, KillLighthouse, SlowFetch, SlowHost, check_faults,
+                                parse_inject)
 
-
-@dataclass(frozen=True)
-class Kill:
-    replica: int
-    at_step: int | None = None
-    at_s: float | None = None
-    at_fraction: float = 0.0  # of the step's compute time, after the step begins (at_step kills)
-    hosts: Literal["relaunch", "replace"] = "relaunch"
-
-    def __post_init__(self) -> None:
-        if (self.at_step is None) == (self.at_s is None):
-            raise ValueError("a kill needs exactly one of step= or time=")
-        if self.replica < 0 or (self.at_step is not None and self.at_step < 0) or (self.at_s or 0) < 0:
-            raise ValueError(f"negative replica, step or time in {self}")
-        if not 0 <= self.at_fraction < 1:
-            raise ValueError(f"at= must be in [0, 1), got {self.at_fraction}")
-        if self.hosts not in ("relaunch", "replace"):
-            raise ValueError(f"hosts= must be relaunch or replace, got {self.hosts!r}")
-
-    def describe(self) -> str:
-        when = f"step={self.at_step} at={self.at_fraction:g}" if self.at_step is not None else f"time={self.at_s:g}"
-        return f"kill replica={self.replica} {when} hosts={self.hosts}"
-
-
-_KILL = re.compile(r"\s*kill((?:\s+[a-z]+=\S+)+)\s*")
-
-
-def parse_inject(text: str) -> Kill:
-    """Parse one --inject value. Raises ValueError with the expected form."""
-    m = _KILL.fullmatch(text)
-    form = 'expected "kill replica=R step=S [at=F] [hosts=relaunch|replace]" or "kill replica=R time=T"'
-    if not m:
-        raise ValueError(f"bad --inject {text!r}: {form}")
-    fields = dict(part.split("=", 1) for part in m.group(1).split())
-    unknown = sorted(set(fields) - {"replica", "step", "time", "at", "hosts"})
-    if unknown or "replica" not in fields:
-        raise ValueError(f"bad --inject {text!r}: {form}")
-    try:
-        return Kill(replica=int(fields["replica"]),
-                    at_step=int(fields["step"]) if "step" in fields else None,
-                    at_s=float(fields["time"]) if "time" in fields else None,
-                    at_fraction=float(fields.get("at", 0.0)), hosts=fields.get("hosts", "relaunch"))  # type: ignore[arg-type]
-    except ValueError as e:
-        raise ValueError(f"bad --inject {text!r}: {e}") from None
+__all__ = ["CutBuilding", "Fault", "JobOptions", "Kill", "KillLighthouse", "SlowFetch", "SlowHost",
+           "check_faults", "faults_from_profile", "kills_from_profile", "parse_inject", "split_faults"]
 
 
 def kills_from_profile(profile: Profile, seed: int, horizon_s: float) -> list[Kill]:
     """The profile's failure model as kills: scripted kill_replica events as they are; periodic and MTBF
     failures drawn (seeded) up to `horizon_s` of virtual time, each on a uniformly chosen unprotected
-    replica. Other scripted kinds (kill_host, hang_host, kill_lighthouse) are not emulated yet."""
+    replica. Scripted events of other kinds are left out (see faults_from_profile)."""
     f = profile.failures
     if f.mode == "none":
         return []
@@ -93,6 +48,20 @@ def kills_from_profile(profile: Profile, seed: int, horizon_s: float) -> list[Ki
             kills.append(Kill(r, at_s=round(t, 6)))
 
 
+def faults_from_profile(profile: Profile, seed: int, horizon_s: float) -> list[Fault]:
+    """kills_from_profile plus the scripted kill_lighthouse events (down for their duration_s)."""
+    faults: list[Fault] = list(kills_from_profile(profile, seed, horizon_s))
+    if profile.failures.mode == "scripted":
+        faults += [KillLighthouse(at_step=e.at_step, at_s=e.at_s, down_s=e.duration_s)
+                   for e in profile.failures.events if e.kind == "kill_lighthouse"]
+    return faults
+
+
+def split_faults(faults: tuple[Fault, ...] | list[Fault]) -> tuple[tuple[Kill, ...], tuple[Fault, ...]]:
+    """(replica kills, every other fault), as JobOptions takes them."""
+    return (tuple(f for f in faults if isinstance(f, Kill)), tuple(f for f in faults if not isinstance(f, Kill)))
+
+
 @dataclass(frozen=True, kw_only=True)
 class JobOptions:
     """How to run one emulated job (the profile says what the cluster and the model are).
@@ -108,6 +77,7 @@ class JobOptions:
 
     steps: int
     kills: tuple[Kill, ...] = ()
+    faults: tuple[Fault, ...] = ()  # every other injected fault (lighthouse kill, straggler, slow fetch, cut)
     seed: int = 0
     ftar_detail: Literal["folded", "full"] | None = None
     comm: Literal["tree", "flat"] = "tree"
@@ -124,3 +94,9 @@ class JobOptions:
             raise ValueError(f"comm must be tree|flat and wiring connect|prewired, got {self.comm}, {self.wiring}")
         if self.fanout < 2:
             raise ValueError(f"fanout must be >= 2, got {self.fanout}")
+        if not all(isinstance(k, Kill) for k in self.kills) or any(isinstance(f, Kill) for f in self.faults):
+            raise ValueError("replica kills go in kills=, every other fault in faults= (see split_faults)")
+
+    @property
+    def injected(self) -> tuple[Fault, ...]:
+        return (*self.kills, *self.faults)

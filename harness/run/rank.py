@@ -112,8 +112,8 @@ def _setup(job: "EmulatedJob", inc: "Incarnation", rank: int, env: Any, lead: bo
     if client is not None:
         client.connect()  # counted live from the start, so the first quorum waits for this replica
     heal_call = MirroredCall(inc.mirror, rank, "heal", job.mirror_timeout_s)
-    heal_fn = shape_only_heal(env=env, rank=rank, state_bytes=job.state_bytes_per_rank,
-                              timeout_s=job.timeouts.catchup_timeout_s)
+    heal_fn = job.slowed_heal(inc, env, shape_only_heal(env=env, rank=rank, state_bytes=job.state_bytes_per_rank,
+                                                        timeout_s=job.timeouts.catchup_timeout_s))
     r = _Rank(leader=leader, lead=lead, decided_at=0.0)
 
     def heal(q) -> None:
@@ -153,8 +153,11 @@ def _train(job: "EmulatedJob", inc: "Incarnation", rank: int, env: Any, lead: bo
             env.clock.sleep(train.first_batch_s if restarted_first else 0.0)
         elif lead:
             extra = (extra_first + train.first_batch_s) if restarted_first else 0.0  # the first-step effect
-            r.compute.forward_backward(extra_s=extra + job.jitter_s(inc.replica, q.step))
+            r.compute.forward_backward(extra_s=extra + job.jitter_s(inc.replica, q.step)
+                                       + job.compute_extra_s(inc, rank, q.step))
         t2 = now()
+        if r.leader:
+            job.entering_ftar(inc, q.step)
         try:  # a mirroring rank waits out its lead's compute and exchange in this one call
             r.ftar_call(r.exchange.average if r.exchange is not None else None, q, r.grads)
         except RecoverableError as e:

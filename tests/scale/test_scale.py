@@ -1,5 +1,6 @@
 """Emulated scale suites. The flat-vs-tree test runs by default (about 15 s); the profile runs are marked
-`scale` and run with `make test-scale` (`pytest -m scale tests/scale`).
+`scale` and run with `make test-scale` (`pytest -n 2 -m scale tests/scale`). The failure scenarios are in
+test_failure_scenarios.py.
 
 The meta-98k run is checked against DESIGN.md's numbers (<= 5 min wall and <= 8 GB RSS on 2 cores, modeled
 get_quorum <= 300 ms, stall per failure <= one step + detection). It runs in a subprocess under an RSS
@@ -69,8 +70,10 @@ def test_crusoe_300_with_periodic_kills():
     assert f["get_quorum_p99_ms"] < 300
 
 
-def _run_watched(cmd: list[str], *, rss_limit_mb: float, wall_limit_s: float) -> tuple[str, float, float]:
-    """Run cmd; kill it if its RSS passes the limit or it runs too long. (stdout, wall s, peak RSS MB)."""
+def _run_watched(cmd: list[str], *, rss_limit_mb: float, wall_limit_s: float,
+                 allow_failure: bool = False) -> tuple[str, float, float]:
+    """Run cmd; kill it if its RSS passes the limit or it runs too long. (stdout, wall s, peak RSS MB).
+    A non-zero exit fails the test unless allow_failure (the caller then checks the JSON it printed)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT, env=env)
     ps, peak, started = psutil.Process(proc.pid), 0.0, time.monotonic()
@@ -86,16 +89,13 @@ def _run_watched(cmd: list[str], *, rss_limit_mb: float, wall_limit_s: float) ->
     except psutil.NoSuchProcess:
         pass
     out = proc.stdout.read() if proc.stdout else ""
-    assert proc.wait() == 0, out[-3000:]
+    rc = proc.wait()
+    assert rc == 0 or (allow_failure and out.strip()), out[-3000:]
     return out, time.monotonic() - started, peak
 
 
 @pytest.mark.scale
 @pytest.mark.timeout(1200)
-@pytest.mark.xfail(strict=False, reason=(
-    "found by this emulator: the Manager sends every rank the decision with all participants' per-rank "
-    "data_addrs (O(replicas x ranks) per rank per step) and all-gathers every rank's address to every rank "
-    "at check-in (O(ranks^2) per replica): at 12 x 8192 that needs tens of GB and hours; see the issue note"))
 def test_meta_98k_20_steps_with_a_kill_and_rejoin():
     cmd = [sys.executable, "-m", "ftrun.cli", "emulate", "meta-98k", "--steps", "20",
            "--inject", "kill replica=3 step=5 at=0.5", "--json", "--no-progress"]  # mid-step: the step is lost
@@ -105,6 +105,7 @@ def test_meta_98k_20_steps_with_a_kill_and_rejoin():
           f"{f['get_quorum_p50_ms']}/{f['get_quorum_p99_ms']} ms, stall {f['stall_per_failure_s']} s, "
           f"rejoin stall {f['rejoin_stall_s']} s")
     assert f["ranks"] == 98304 and f["complete"] and f["unexpected_errors"] == []
+    assert f["replicas_consistent"] and f["quorum_history_consistent"], f["consistency"]["violations"]
     assert min(f["participants_per_step"]) == 11 and f["participants_per_step"][-1] == 12  # killed, then rejoined
     assert f["wall_s"] <= 300 and f["peak_rss_mb"] <= 8192
     assert f["get_quorum_p99_ms"] <= 300

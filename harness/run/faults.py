@@ -1,0 +1,226 @@
+"""The faults an emulated job can inject, and their one-line syntax (`ftrun emulate --inject "..."`). Pure.
+
+    kill replica=R step=S [at=F|ftar] [hosts=relaunch|replace]
+    kill replica=R time=T [hosts=relaunch|replace]
+        When the job reaches step S (replica R has committed S steps, or the job is past S), plus F x the
+        step's compute time (default 0: at the step boundary, before the next quorum; at=0.5 kills
+        mid-compute, so the survivors' all-reduce fails and they retrain the step); at=ftar: as replica
+        R's leader enters the gradient all-reduce of step S (its peers' first chunks are on their way to
+        it); or at virtual second T, every host of replica R dies (its processes are SIGKILLed: connections drop, peers see it at
+        once). hosts=relaunch (default): the hosts are healthy and the scheduler relaunches on them after
+        the warm delay; hosts=replace: the hosts are lost and the scheduler hands out spares.
+    kill lighthouse time=T [down=D]
+    kill lighthouse step=S [at=F] [down=D]
+        The lighthouse's process dies (its connections drop: leaders see PeerClosed) and a new one starts
+        on the same host and address D seconds later (default 0), from the state it persisted
+        (quorum_id, last participants). Leaders reconnect on their next quorum request.
+    slow host replica=R [rank=K] factor=F [step=S]
+        A straggler: the host that runs rank K (default 0) of replica R computes F x slower (F >= 1) from
+        step S on (default 0). It stays slow across a relaunch on the same hosts; spares are not slow.
+    slow fetch replica=R [factor=F] [delay=D]
+        Every catch-up (state fetch) of replica R takes F x its modeled transfer time, plus D seconds (a
+        throttled or congested path from the sources); combine with a kill of R to make a behind replica
+        whose fetch is slower than a step.
+    cut building=B time=T duration=D
+        From virtual second T for D seconds, the network between building B and every other building is
+        cut. The cut is silent, as a fiber cut is for TCP: nothing is refused and no RST is sent; a frame,
+        FIN or connection attempt that would cross the cut is held and delivered when the cut heals (TCP
+        retransmitting it then), so peers see only their own timeouts fire meanwhile. Hosts the topology
+        does not place (the lighthouse, the supervisor) are in building 0.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Literal, Union
+
+
+def _check_trigger(what: str, at_step: int | None, at_s: float | None, at_fraction: float) -> None:
+    if (at_step is None) == (at_s is None):
+        raise ValueError(f"{what} needs exactly one of step= or time=")
+    if (at_step is not None and at_step < 0) or (at_s is not None and not at_s >= 0):
+        raise ValueError(f"{what}: step and time must be >= 0")
+    if not 0 <= at_fraction < 1:
+        raise ValueError(f"{what}: at= must be in [0, 1), got {at_fraction}")
+    if at_s is not None and at_fraction:
+        raise ValueError(f"{what}: at= goes with step=, not time=")
+
+
+def _when(at_step: int | None, at_s: float | None, at_fraction: float) -> str:
+    return f"step={at_step} at={at_fraction:g}" if at_step is not None else f"time={at_s:g}"
+
+
+@dataclass(frozen=True)
+class Kill:
+    replica: int
+    at_step: int | None = None
+    at_s: float | None = None
+    at_fraction: float = 0.0  # of the step's compute time, after the step begins (at_step kills)
+    hosts: Literal["relaunch", "replace"] = "relaunch"
+    in_ftar: bool = False  # at step at_step, as the replica enters the all-reduce (at=ftar)
+
+    def __post_init__(self) -> None:
+        _check_trigger("a kill", self.at_step, self.at_s, self.at_fraction)
+        if self.in_ftar and (self.at_step is None or self.at_fraction):
+            raise ValueError("at=ftar goes with step= alone")
+        if self.replica < 0:
+            raise ValueError(f"negative replica in {self}")
+        if self.hosts not in ("relaunch", "replace"):
+            raise ValueError(f"hosts= must be relaunch or replace, got {self.hosts!r}")
+
+    def describe(self) -> str:
+        when = f"step={self.at_step} at=ftar" if self.in_ftar else _when(self.at_step, self.at_s, self.at_fraction)
+        return f"kill replica={self.replica} {when} hosts={self.hosts}"
+
+
+@dataclass(frozen=True)
+class KillLighthouse:
+    at_step: int | None = None
+    at_s: float | None = None
+    at_fraction: float = 0.0
+    down_s: float = 0.0  # from the kill to the new process listening
+
+    def __post_init__(self) -> None:
+        _check_trigger("a lighthouse kill", self.at_step, self.at_s, self.at_fraction)
+        if not (self.down_s >= 0 and math.isfinite(self.down_s)):
+            raise ValueError(f"down= must be a finite number >= 0, got {self.down_s}")
+
+    def describe(self) -> str:
+        return f"kill lighthouse {_when(self.at_step, self.at_s, self.at_fraction)} down={self.down_s:g}"
+
+
+@dataclass(frozen=True)
+class SlowHost:
+    replica: int
+    factor: float
+    rank: int = 0  # the host that runs this rank of the replica
+    from_step: int = 0
+
+    def __post_init__(self) -> None:
+        if self.replica < 0 or self.rank < 0 or self.from_step < 0:
+            raise ValueError(f"negative replica, rank or step in {self}")
+        if not (self.factor >= 1 and math.isfinite(self.factor)):
+            raise ValueError(f"factor= must be a finite number >= 1, got {self.factor}")
+
+    def describe(self) -> str:
+        return f"slow host replica={self.replica} rank={self.rank} factor={self.factor:g} step={self.from_step}"
+
+
+@dataclass(frozen=True)
+class SlowFetch:
+    replica: int
+    factor: float = 1.0
+    delay_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.replica < 0:
+            raise ValueError(f"negative replica in {self}")
+        if not (self.factor >= 1 and math.isfinite(self.factor)) or not (self.delay_s >= 0 and math.isfinite(self.delay_s)):
+            raise ValueError(f"factor= must be >= 1 and delay= >= 0, got {self.factor}, {self.delay_s}")
+        if self.factor == 1 and self.delay_s == 0:
+            raise ValueError("a slow fetch needs factor= > 1 or delay= > 0")
+
+    def describe(self) -> str:
+        return f"slow fetch replica={self.replica} factor={self.factor:g} delay={self.delay_s:g}"
+
+
+@dataclass(frozen=True)
+class CutBuilding:
+    building: int
+    at_s: float
+    duration_s: float
+
+    def __post_init__(self) -> None:
+        if self.building < 0 or not self.at_s >= 0:
+            raise ValueError(f"negative building or time in {self}")
+        if not (self.duration_s > 0 and math.isfinite(self.duration_s)):
+            raise ValueError(f"duration= must be a finite number > 0, got {self.duration_s}")
+
+    @property
+    def end_s(self) -> float:
+        return self.at_s + self.duration_s
+
+    def describe(self) -> str:
+        return f"cut building={self.building} time={self.at_s:g} duration={self.duration_s:g}"
+
+
+Fault = Union[Kill, KillLighthouse, SlowHost, SlowFetch, CutBuilding]
+
+# (verb, noun or None) -> (required fields, optional fields)
+_FORMS: dict[tuple[str, str | None], tuple[set[str], set[str]]] = {
+    ("kill", None): ({"replica"}, {"step", "time", "at", "hosts"}),
+    ("kill", "lighthouse"): (set(), {"step", "time", "at", "down"}),
+    ("slow", "host"): ({"replica", "factor"}, {"rank", "step"}),
+    ("slow", "fetch"): ({"replica"}, {"factor", "delay"}),
+    ("cut", None): ({"building", "time", "duration"}, set()),
+}
+USAGE = ('expected one of: "kill replica=R step=S [at=F|ftar] [hosts=relaunch|replace]", "kill replica=R time=T", '
+         '"kill lighthouse time=T|step=S [at=F] [down=D]", "slow host replica=R [rank=K] factor=F [step=S]", '
+         '"slow fetch replica=R [factor=F] [delay=D]", "cut building=B time=T duration=D"')
+_FIELD = re.compile(r"([a-z]+)=(\S+)")
+
+
+def _split(text: str) -> tuple[tuple[str, str | None], dict[str, str]]:
+    words = text.split()
+    if not words:
+        raise ValueError("empty")
+    noun = words[1] if len(words) > 1 and "=" not in words[1] else None
+    form = (words[0], noun)
+    if form not in _FORMS:
+        raise ValueError(f"unknown fault {' '.join(w for w in form if w)!r}")
+    fields: dict[str, str] = {}
+    for word in words[2 if noun else 1:]:
+        m = _FIELD.fullmatch(word)
+        if m is None or m.group(1) in fields:
+            raise ValueError(f"bad or repeated field {word!r}")
+        fields[m.group(1)] = m.group(2)
+    required, optional = _FORMS[form]
+    missing, unknown = sorted(required - fields.keys()), sorted(fields.keys() - required - optional)
+    if missing or unknown:
+        raise ValueError(f"missing {missing} / unknown {unknown} fields")
+    return form, fields
+
+
+def parse_inject(text: str) -> Fault:
+    """Parse one --inject value into a fault. Raises ValueError naming the problem and the expected forms."""
+    try:
+        form, f = _split(text)
+        num = lambda key, default=None: float(f[key]) if key in f else default  # noqa: E731
+        step = int(f["step"]) if "step" in f else None
+        if form == ("kill", None):
+            in_ftar = f.get("at") == "ftar"
+            return Kill(replica=int(f["replica"]), at_step=step, at_s=num("time"),
+                        at_fraction=0.0 if in_ftar else num("at", 0.0), in_ftar=in_ftar,
+                        hosts=f.get("hosts", "relaunch"))  # type: ignore[arg-type]
+        if form == ("kill", "lighthouse"):
+            return KillLighthouse(at_step=step, at_s=num("time"), at_fraction=num("at", 0.0), down_s=num("down", 0.0))
+        if form == ("slow", "host"):
+            return SlowHost(replica=int(f["replica"]), rank=int(f.get("rank", 0)), factor=num("factor"),
+                            from_step=step or 0)
+        if form == ("slow", "fetch"):
+            return SlowFetch(replica=int(f["replica"]), factor=num("factor", 1.0), delay_s=num("delay", 0.0))
+        return CutBuilding(building=int(f["building"]), at_s=num("time"), duration_s=num("duration"))
+    except ValueError as e:
+        raise ValueError(f"bad --inject {text!r}: {e}; {USAGE}") from None
+
+
+def check_faults(faults: tuple[Fault, ...] | list[Fault], *, replicas: int, ranks_per_replica: int,
+                 buildings: int) -> None:
+    """Raise ValueError if a fault names a replica, rank or building the job does not have, or two
+    faults of a kind that allows one per replica (slow host, slow fetch) name the same replica."""
+    seen: set[tuple[str, int]] = set()
+    for fault in faults:
+        replica = getattr(fault, "replica", None)
+        if replica is not None and not 0 <= replica < replicas:
+            raise ValueError(f"{fault.describe()}: the profile has replicas 0..{replicas - 1}")
+        if isinstance(fault, SlowHost) and fault.rank >= ranks_per_replica:
+            raise ValueError(f"{fault.describe()}: a replica has ranks 0..{ranks_per_replica - 1}")
+        if isinstance(fault, CutBuilding) and fault.building >= buildings:
+            raise ValueError(f"{fault.describe()}: the topology has buildings 0..{buildings - 1}")
+        if isinstance(fault, (SlowHost, SlowFetch)):
+            key = (type(fault).__name__, fault.replica)
+            if key in seen:
+                raise ValueError(f"{fault.describe()}: one {type(fault).__name__} per replica")
+            seen.add(key)
