@@ -21,6 +21,7 @@ membership changes or a participant reports a failed commit.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 
 from ftrun.config import LighthouseConfig
@@ -73,7 +74,7 @@ class Decision:
     behind: tuple[str, ...] = ()
     retry_at: float | None = None  # when a waiting decision should be evaluated again
 
-    @property
+    @functools.cached_property
     def replica_ids(self) -> tuple[str, ...]:
         return tuple(p.replica_id for p in self.participants)
 

@@ -17,6 +17,7 @@ Manager; the lighthouse client's heartbeat runs in its own task.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 from dataclasses import dataclass, replace
@@ -41,6 +42,16 @@ def _addrs_digest(d: Decision) -> bytes:
     for p in d.participants:
         h.update(msgpack.packb([p.replica_id, list(p.data_addrs)]))
     return h.digest()
+
+
+@functools.lru_cache(maxsize=16)
+def _decode_reply(payload: bytes) -> tuple[Decision, bytes]:
+    """The leader's broadcast -> (decision, address digest). Cached: every rank of a replica gets the
+    same bytes (thousands of ranks in one emulator process), and a Decision is immutable."""
+    reply = msgpack.unpackb(payload, raw=False)
+    if not reply["ok"]:
+        raise ReplicaError(f"leader could not get a quorum: {reply['error']}")
+    return protocol.decode_decision(reply["decision"]), reply["addrs"]
 
 
 def _without_addrs(d: Decision) -> Decision:
@@ -149,10 +160,7 @@ class Manager:
                 self._report_commit_failure = False
             except QuorumError as e:
                 payload = msgpack.packb({"ok": False, "error": str(e)})  # tell the others, then fail
-        reply = msgpack.unpackb(self.comm.broadcast_bytes(payload, root=0), raw=False)
-        if not reply["ok"]:
-            raise ReplicaError(f"leader could not get a quorum: {reply['error']}")
-        return protocol.decode_decision(reply["decision"]), reply["addrs"]
+        return _decode_reply(self.comm.broadcast_bytes(payload, root=0))
 
     def _receive_peer_addrs(self, d: Decision, addrs_digest: bytes) -> None:
         """A collective after a decision whose participants or addresses changed: the leader scatters to

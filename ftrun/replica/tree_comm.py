@@ -71,8 +71,10 @@ class TreeComm:
     def _down(self, value):
         if self._parent is not None:
             value = self._recv(self._parent)["v"]
-        for child in self._children:
-            self._send(child, {"s": self._seq, "v": value})
+        if self._children:
+            msg = {"s": self._seq, "v": value}  # sent as is to every child (sending never mutates it)
+            for child in self._children:
+                self._send(child, msg)
         return value
 
     def _recv(self, conn: Connection) -> dict:
