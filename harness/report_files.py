@@ -65,12 +65,18 @@ def plot(out: Path, f: dict[str, Any], rec: Recorder) -> list[Path]:
     y = {rid: i for i, rid in enumerate(lanes)}
     last: dict[tuple[str, int], float] = {}
     healed = {(e["replica_id"], e["to_step"]) for e in rec.events if e["event"] == "heal"}
+    starting: set[tuple] = set()  # incarnations between their start and their first quorum
     for e in rec.events:
         key = (e.get("replica_id"), e.get("incarnation"))
         if e["event"] == "start":
             last[key] = e["t"]
             if e["incarnation"] > 0 and e["replica_id"] in y:
+                starting.add(key)
                 ax.plot([e["t"]], [y[e["replica_id"]]], ">", color="green", ms=8)
+        elif e["event"] == "quorum" and key in starting and e["replica_id"] in y:
+            starting.discard(key)  # process start, warm-up and check-in: a thin grey line
+            ax.plot([last[key], e["t"]], [y[e["replica_id"]]] * 2, color="tab:gray", lw=2, solid_capstyle="butt")
+            last[key] = e["t"]
         elif e["event"] == "commit" and e["replica_id"] in y:
             t0 = last.get(key, e["t"])
             color = "tab:orange" if (e["replica_id"], e["step"] - 1) in healed else "tab:blue"
@@ -80,8 +86,8 @@ def plot(out: Path, f: dict[str, Any], rec: Recorder) -> list[Path]:
         elif e["event"] == "kill" and e["replica_id"] in y:
             ax.plot([e["t"]], [y[e["replica_id"]]], "x", color="red", ms=10, mew=2)
     ax.set_yticks(range(len(lanes)), lanes, fontsize=7 if len(lanes) > 16 else 9)
-    ax.set_xlabel("modeled time (s)   [blue: committed steps, orange: caught-up (zero-gradient) step, "
-                  "x: kill, >: restart]")
+    ax.set_xlabel("modeled time (s)\n[blue: committed steps, orange: caught-up (zero-gradient) step, "
+                  "grey: restarting (process start, warm-up, check-in), x: kill, >: restart]")
     ax.set_title(f"{f['profile']}: {f['replicas']} x {f['ranks_per_replica']} ranks; stall per failure "
                  f"{f['stall_per_failure_s']} s, rejoin stall {f['rejoin_stall_s']} s, effective "
                  f"{100 * f['effective_training_time']:.1f}%")
