@@ -26,8 +26,16 @@ from ftrun.replica.manager import StepQuorum
 
 
 class GradientExchange:
-    def __init__(self, *, engine: FtarEngine, rank: int) -> None:
-        self.engine, self.rank = engine, rank
+    """`joiner_wait_s`: a rank that healed this step computes nothing and enters the exchange at once,
+    so building its ring waits for the healthy replicas to finish computing the step. Its setup waits
+    are bounded by joiner_wait_s, not the engine's ftar_timeout_s, which can be shorter than a step
+    (found by the emulator: at 11 s steps and a 5 s timeout every joiner failed its first step, forever).
+    Default None: ftar_timeout_s."""
+
+    def __init__(self, *, engine: FtarEngine, rank: int, joiner_wait_s: float | None = None) -> None:
+        if joiner_wait_s is not None and joiner_wait_s <= 0:
+            raise ValueError(f"joiner_wait_s must be > 0, got {joiner_wait_s}")
+        self.engine, self.rank, self.joiner_wait_s = engine, rank, joiner_wait_s
         self._epoch: int | None = None
         self.setup_s = 0.0  # seconds the last `average` spent building its ring (0.0: the ring was reused)
         self.setup_ok = True  # whether that build completed
@@ -51,6 +59,8 @@ class GradientExchange:
         Raises RecoverableError (the caller votes no), FatalError (bad arguments, a local fault)."""
         if quorum.healed:
             grads.fill(0)  # caught up this step: contributes nothing, receives everyone's mean
+            if setup_timeout_s is None:
+                setup_timeout_s = self.joiner_wait_s
         self.setup_s, self.setup_ok = 0.0, True
         if self._epoch != quorum.quorum_id:
             self._epoch = None

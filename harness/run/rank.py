@@ -129,7 +129,9 @@ def _setup(job: "EmulatedJob", inc: "Incarnation", rank: int, env: Any, lead: bo
     r.compute = ShapeOnlyCompute(env=env, model=p.model, ranks_per_replica=p.ranks_per_replica, cache=job.shapes,
                                  step_time_s=p.train.step_compute_s)
     r.grads = r.compute.grad_buffer()
-    r.exchange = GradientExchange(engine=engine, rank=rank) if engine is not None else None
+    joiner_wait = job.timeouts.ftar_timeout_s + 2 * p.train.step_compute_s  # the others compute, then the timeout
+    r.exchange = (GradientExchange(engine=engine, rank=rank, joiner_wait_s=joiner_wait)
+                  if engine is not None else None)
     r.ftar_call = MirroredCall(inc.mirror, rank, "ftar", job.mirror_timeout_s)
     return r
 

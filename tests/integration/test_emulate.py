@@ -83,6 +83,18 @@ def test_a_kill_mid_step_breaks_the_ring_and_the_survivors_retrain_the_step():
     assert 0.9 * step < f["stall_per_failure_s"] <= step + f["detection_s"] + 0.05  # one step + detection
 
 
+def test_a_joiner_waits_out_a_step_longer_than_the_ftar_timeout():
+    """Found by the crusoe-300 scale run: a healed replica enters the all-reduce at once and waits for the
+    healthy replicas to finish computing. With 3 s steps and a 2 s FTAR timeout it used to time out on
+    every rejoin attempt (it dropped out, came back behind, and failed again)."""
+    profile = apply_overrides(ci_small(), ["train.step_compute_s=3"])
+    f, job = cli.execute(profile, JobOptions(steps=8, kills=(parse_inject("kill replica=2 step=2"),)))
+    assert f["complete"] and f["unexpected_errors"] == [] and f["replicas_consistent"]
+    assert f["participants_per_step"][-1] == 4 and f["steps_committed"]["r2"] >= 4
+    assert not [e for e in job.recorder.events if e["event"] == "abort"]  # nobody's step failed
+    assert f["rejoin_stall_s"] <= 0.1
+
+
 def test_full_ftar_detail_runs_every_ring():
     f, job = _figures(0, ftar_detail="full")
     assert f["complete"] and f["ftar"].startswith("full") and f["unexpected_errors"] == []
