@@ -150,5 +150,7 @@ def _report(args: argparse.Namespace, gbps: dict[str, float], baseline: float) -
     for k, v in gbps.items():
         print(f"{k:>7} {v:6.2f} {v / baseline:10.2f}x")
     if args.json:
-        emit_json({"state_mb": args.state_mb, "shard_mb": args.shard_mb, "gbps": gbps, "baseline_gbps": baseline,
+        emit_json({"results": [{"sources": int(k), "state_mb": args.state_mb, "gbps": v,
+                                "ratio_to_baseline": v / baseline} for k, v in gbps.items()],
+                   "state_mb": args.state_mb, "shard_mb": args.shard_mb, "gbps": gbps, "baseline_gbps": baseline,
                    "ratio_to_baseline": {k: v / baseline for k, v in gbps.items()}})

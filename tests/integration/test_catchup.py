@@ -299,3 +299,5 @@ def test_bench_smoke():
     assert out.returncode == 0, out.stderr
     figures = json.loads(out.stdout.strip().splitlines()[-1])
     assert figures["state_mb"] == 4 and set(figures["gbps"]) == {"1", "2"} and figures["baseline_gbps"] > 0
+    assert [(r["sources"], r["state_mb"]) for r in figures["results"]] == [(1, 4), (2, 4)]
+    assert all(r["gbps"] > 0 for r in figures["results"])
