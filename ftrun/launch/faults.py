@@ -2,8 +2,9 @@
 
 Policies: every fixed interval (`--kill-every 60s`), exponential inter-arrival times with a mean
 (`--kill-random-mean 15s`), or at given steps (`--kill-at step=40[,replica=r1]`). Victims are drawn
-with a seeded generator among the replicas that are up; a kill is skipped while killing would leave
-fewer than `min_up` replicas up, so injection never takes the job below its quorum.
+with a seeded generator among the replicas that are up; a kill waits while killing would leave fewer
+than `min_up` healthy replicas (committed since their last start), so injection never takes the job
+below its quorum nor kills the last replicas that hold the current state.
 """
 
 from __future__ import annotations
@@ -64,16 +65,23 @@ class KillPlan:
             return now + self._rng.expovariate(1.0 / self.random_mean_s)
         return None
 
-    def due(self, now: float, step: int, up: list[str]) -> str | None:
-        """The replica to kill now, if any. `step`: the job's highest committed step; `up`: replicas up."""
-        if len(up) <= self.min_up:
+    def due(self, now: float, step: int, up: list[str], healthy: list[str] | None = None) -> str | None:
+        """The replica to kill now, if any.
+
+        step: the job's highest committed step; up: replicas whose processes run; healthy: those of them
+        that have committed since they last started (default: all of `up`). Only a replica whose loss
+        leaves at least `min_up` healthy replicas is a candidate, so the job never loses its last copies
+        of the state. A due kill without a candidate waits (it happens once there is one)."""
+        healthy_set = set(up if healthy is None else healthy)
+        candidates = sorted(r for r in up if len(healthy_set - {r}) >= self.min_up)
+        if not candidates:
             return None
         if self._pending_steps and step >= self._pending_steps[0].step:
             target = self._pending_steps.pop(0).replica
-            return target if target in up else self._rng.choice(sorted(up))
+            return target if target in candidates else self._rng.choice(candidates)
         if self._next_at is not None and now >= self._next_at:
             self._next_at = self._after(now)
-            return self._rng.choice(sorted(up))
+            return self._rng.choice(candidates)
         return None
 
     @property

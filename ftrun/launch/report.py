@@ -1,94 +1,179 @@
-"""Figures and plots of a supervised run, from its event log (commit/abort/quorum events of replica
-leaders plus the supervisor's kill/restart events). Pure apart from writing the PNG."""
+"""Figures, the printed report and the PNG of a supervised run.
+
+`summarize` turns a run's RunStats (and, when the workers write them, the exactly-once audit over every
+replica's audit files) into the flat figures `ftrun launch --json` prints; `audit_figures` is the pure
+part of the audit, `read_audit` the file part. `write_plots` draws participants per step, committed vs
+failed replica-steps and loss vs batches trained, with the no-failure baseline when there is one.
+"""
 
 from __future__ import annotations
 
-from collections import defaultdict
+import glob
+import json
+import os
+
+from ftrun.data.audit import AuditReport, audit, read_log
+from ftrun.data.loader_state import LoaderState
+from ftrun.launch.stats import RunStats, loss_at, loss_curve
+from ftrun.launch.theory import FORMULA, realized_interval, theoretical_efficiency
+
+LOSS_WINDOW_STEPS = 20  # the final loss is the mean over this many steps' worth of batches
 
 
-def summarize(log: list[dict], *, num_replicas: int, steps: int, wall_s: float,
-              kill_interval_s: float | None) -> dict:
-    commits = [e for e in log if e.get("event") == "commit"]
-    by_step: dict[int, set[str]] = defaultdict(set)
-    for e in commits:
-        by_step[e["step"] - 1].add(e["replica_id"])
-    reached = max(by_step) + 1 if by_step else 0
-    replica_steps = sum(len(v) for v in by_step.values())
-    kills = [e for e in log if e.get("event") == "kill"]
-    downtime = _downtimes(log)
-    step_times = _step_times(commits)
-    t_step = sorted(step_times)[len(step_times) // 2] if step_times else 0.0
-    figures = {
-        "steps_reached": reached,
-        "replica_steps_committed": replica_steps,
-        "failed_commits": sum(1 for e in log if e.get("event") == "abort"),
-        "kills": len(kills),
-        "restarts": sum(1 for e in log if e.get("event") == "restart"),
-        "step_efficiency": replica_steps / (num_replicas * reached) if reached else 0.0,
-        "mean_downtime_s": sum(downtime) / len(downtime) if downtime else None,
-        "median_step_s": t_step,
-        "kill_interval_s": kill_interval_s,
-        "theoretical_efficiency": None,
-        "wall_s": wall_s,
-        "complete": reached >= steps,
-    }
-    if kill_interval_s and downtime:
-        d = figures["mean_downtime_s"]
-        # A kill takes one of R replicas away for its downtime D, and the survivors lose the step that was
-        # in flight (a failed commit): per interval T, D/R + t_step of the job's replica-time is lost.
-        figures["theoretical_efficiency"] = max(0.0, 1.0 - d / (kill_interval_s * num_replicas) - t_step / kill_interval_s)
-    return figures
+def read_audit(run_dir: str, final: dict | None) -> AuditReport | None:
+    """The exactly-once audit over run_dir/audit-*.jsonl for the final ledger; None without audit files."""
+    paths = sorted(glob.glob(os.path.join(run_dir, "audit-*.jsonl")))
+    if not paths:
+        return None
+    records, problems = [], []
+    for path in paths:
+        with open(path, "rb") as f:
+            recs, probs = read_log(f.read(), name=os.path.basename(path))
+        records += recs
+        problems += probs
+    state = LoaderState.from_dict(final["loader_state"]) if final and "loader_state" in final else None
+    report = audit(records, final=state)
+    if problems:
+        report = AuditReport(report.trained, report.duplicates, report.gaps, report.problems + tuple(problems),
+                             report.num_steps)
+    return report
 
 
-def _downtimes(log: list[dict]) -> list[float]:
-    """Kill -> first commit of that replica's next incarnation."""
-    out, killed_at = [], {}
-    for e in log:
-        rid = e.get("replica_id")
-        if e.get("event") == "kill":
-            killed_at[rid] = e["t"]
-        elif e.get("event") == "commit" and rid in killed_at and e.get("incarnation", 0) > 0:
-            out.append(e["t"] - killed_at.pop(rid))
+def audit_figures(report: AuditReport | None) -> dict:
+    """duplicate/skipped batch counts and per-step batch counts; None values without an audit."""
+    if report is None:
+        return {"duplicate_batches": None, "skipped_batches": None, "audit_problems": None, "audit": "no audit files"}
+    return {"duplicate_batches": len(report.duplicates), "skipped_batches": len(report.gaps),
+            "audit_problems": len(report.problems), "batches_trained": len(report.trained),
+            "audit": report.summary()}
+
+
+def batches_per_step(report: AuditReport | None) -> dict[int, int] | None:
+    if report is None:
+        return None
+    out: dict[int, int] = {}
+    for t in report.trained:
+        out[t.step] = out.get(t.step, 0) + 1
     return out
 
 
-def _step_times(commits: list[dict]) -> list[float]:
-    per_replica: dict[tuple, list[float]] = defaultdict(list)
-    for e in commits:
-        per_replica[(e["replica_id"], e.get("incarnation", 0))].append(e["t"])
-    return [b - a for ts in per_replica.values() for a, b in zip(sorted(ts), sorted(ts)[1:])]
+def final_state(stats: RunStats) -> dict | None:
+    """The final event of the furthest replica (every replica ending at the job's step has the same)."""
+    return max(stats.finals, key=lambda e: e.get("step", 0), default=None)
 
 
-def write_plots(log: list[dict], path: str) -> str:
-    """Participants per step, committed vs failed steps, loss vs tokens (when the script reports them)."""
+def summarize(stats: RunStats, *, steps: int, wall_s: float, kill_interval_s: float | None,
+              report: AuditReport | None, baseline: RunStats | None = None,
+              baseline_report: AuditReport | None = None) -> dict:
+    committed, total = stats.efficiency()
+    downtime = [d.commit_after_s for d in stats.downtimes]
+    mean_down = _mean(downtime)
+    stall_s = sum(b - a for a, b in stats.stalls())
+    window_s = (stats.last_t - stats.steady_t) if stats.steady_t is not None and stats.last_t is not None else 0.0
+    stepping_down = _mean(stats.stepping_downtimes())
+    stepping_interval = realized_interval(num_kills=stats.num_kills, window_s=window_s - stall_s)
+    figures = {
+        "steps_reached": stats.max_step, "steps_total": total, "steps_committed": committed,
+        "step_efficiency": committed / total if total else 0.0,
+        "failed_commits": sum(r.aborts for r in stats.rows.values()),
+        "failures_injected": stats.num_kills, "events_after_kill": stats.events_after_kill, "crashes": stats.num_crashes, "restarts": stats.num_restarts,
+        "replicas_identical": stats.replicas_identical, "identity_checks": stats.identity_checks,
+        "divergences": [vars(d) for d in stats.divergences[:5]],
+        "mean_downtime_s": mean_down, "stepping_downtime_s": stepping_down, "stall_s": stall_s,
+        "stepping_kill_interval_s": stepping_interval,
+        "mean_restart_s": _mean([d.ready_after_s for d in stats.downtimes if d.ready_after_s is not None]),
+        "median_step_s": stats.step_period_s(), "kill_interval_s": kill_interval_s,
+        "realized_kill_interval_s": realized_interval(num_kills=stats.num_kills, window_s=window_s),
+        "theoretical_efficiency": None, "theory": FORMULA, "wall_s": wall_s, "complete": stats.max_step >= steps,
+        **audit_figures(report),
+    }
+    if stepping_interval and stepping_down is not None:
+        figures["theoretical_efficiency"] = theoretical_efficiency(
+            num_replicas=stats.num_replicas, kill_interval_s=stepping_interval, downtime_s=stepping_down)
+    figures.update(_losses(stats, report, baseline, baseline_report))
+    return figures
+
+
+def _losses(stats: RunStats, report: AuditReport | None, baseline: RunStats | None,
+            baseline_report: AuditReport | None) -> dict:
+    curve = loss_curve(stats.rows, batches_per_step(report))
+    if not curve:
+        return {"final_loss": None, "baseline_final_loss": None, "batches_at_final_loss": None}
+    batches, window = curve[-1][0], LOSS_WINDOW_STEPS * stats.num_replicas
+    out = {"final_loss": loss_at(curve, batches, window), "batches_at_final_loss": batches,
+           "loss_window_batches": window, "baseline_final_loss": None}
+    if baseline is not None:
+        base = loss_curve(baseline.rows, batches_per_step(baseline_report))
+        out["baseline_final_loss"] = loss_at(base, batches, window)  # the same number of batches trained
+        out["baseline_end_loss"] = loss_at(base, base[-1][0], window) if base else None
+    return out
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def write_metrics(stats: RunStats, path: str) -> None:
+    """One JSON line per step: replicas that committed it, failed commits, mean loss, batches, times."""
+    with open(path, "w") as f:
+        for step in sorted(stats.rows):
+            f.write(json.dumps(stats.rows[step].as_json()) + "\n")
+
+
+def print_report(f: dict) -> None:
+    print("\nftrun launch report")
+    print(f"  steps: {f['steps_reached']} reached; replica-steps {f['steps_committed']}/{f['steps_total']} committed "
+          f"(steady part), {f['failed_commits']} failed commits; kills: {f['failures_injected']} injected, "
+          f"{f['crashes']} crashes, {f['restarts']} restarts")
+    print(f"  step efficiency (committed / total replica-steps): {f['step_efficiency']:.3f}")
+    if f["theoretical_efficiency"] is not None:
+        print(f"  theoretical for this kill rate:                   {f['theoretical_efficiency']:.3f}  "
+              f"[{f['theory']}]")
+        print(f"    D={f['stepping_downtime_s']:.2f}s (wall {f['mean_downtime_s']:.2f}s, of which restart "
+              f"{f['mean_restart_s'] or 0:.2f}s), T={f['stepping_kill_interval_s']:.2f}s (wall "
+              f"{f['realized_kill_interval_s']:.2f}s; nominal "
+              f"{'-' if f['kill_interval_s'] is None else format(f['kill_interval_s'], '.2f') + 's'}), stalls "
+              f"{f['stall_s']:.1f}s in all, t_step={f['median_step_s'] or 0:.3f}s")
+    print(f"  identical state: {f['replicas_identical']} ({f['identity_checks']} param_hash comparisons); "
+          f"audit: {f['audit']}; events after a kill: {f['events_after_kill']}")
+    if f.get("final_loss") is not None:
+        base = f.get("baseline_final_loss")
+        print(f"  final loss {f['final_loss']:.4f} at {f['batches_at_final_loss']:.0f} batches"
+              + (f"; no-failure baseline at the same batches {base:.4f}" if base is not None else ""))
+    print(f"  per-step metrics: {f['out']}/metrics.jsonl; events: {f['out']}/events.jsonl; plots: {f['report_png']}; "
+          f"{'complete' if f['complete'] else 'INCOMPLETE'}")
+
+
+def write_plots(stats: RunStats, path: str, *, report: AuditReport | None = None,
+                baseline: RunStats | None = None, baseline_report: AuditReport | None = None) -> str:
+    """Participants per step, committed vs failed replica-steps, loss vs batches (with the baseline)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    commits = [e for e in log if e.get("event") == "commit"]
-    by_step: dict[int, int] = defaultdict(int)
-    for e in commits:
-        by_step[e["step"] - 1] += 1
-    aborts: dict[int, int] = defaultdict(int)
-    for e in log:
-        if e.get("event") == "abort":
-            aborts[e["step"]] += 1
+    steps = sorted(stats.rows)
+    committed = [len(stats.rows[s].committed) for s in steps]
     fig, axes = plt.subplots(3, 1, figsize=(9, 9))
-    steps = sorted(by_step)
-    axes[0].step(steps, [by_step[s] for s in steps], where="post")
-    axes[0].set(title="replicas committing each step", xlabel="step", ylabel="replicas")
-    axes[1].bar(steps, [by_step[s] for s in steps], label="committed", color="tab:green")
-    axes[1].bar(sorted(aborts), [aborts[s] for s in sorted(aborts)], label="failed", color="tab:red")
-    axes[1].set(title="committed vs failed replica-steps", xlabel="step")
-    axes[1].legend()
-    with_loss = [e for e in commits if "loss" in e]
-    if with_loss:
-        x = [e.get("tokens", e["step"]) for e in with_loss]
-        axes[2].plot(x, [e["loss"] for e in with_loss], ".", markersize=3)
+    axes[0].step(steps, committed, where="post")
+    axes[0].set(title="replicas committing each step", xlabel="step", ylabel="replicas",
+                ylim=(0, stats.num_replicas + 0.5))
+    axes[1].bar(steps, committed, width=1.0, label="committed", color="tab:green")
+    axes[1].bar(steps, [-stats.rows[s].aborts for s in steps], width=1.0, label="failed (below 0)", color="tab:red")
+    axes[1].set(title="committed vs failed replica-steps", xlabel="step", ylabel="replica-steps")
+    axes[1].legend(loc="lower right")
+    curve = loss_curve(stats.rows, batches_per_step(report))
+    if curve:
+        axes[2].plot(*zip(*curve), ".", markersize=2, label="with failures", color="tab:red")
+        if baseline is not None:
+            base = loss_curve(baseline.rows, batches_per_step(baseline_report))
+            if base:
+                axes[2].plot(*zip(*base), ".", markersize=2, label="no failures (baseline)", color="tab:blue")
+        axes[2].legend()
     else:
         axes[2].text(0.5, 0.5, "the script reported no loss", ha="center", va="center", transform=axes[2].transAxes)
-    axes[2].set(title="loss", xlabel="tokens" if with_loss and "tokens" in with_loss[0] else "step", ylabel="loss")
+    axes[2].set(title="loss vs data trained", xlabel="batches trained (tokens = batches x tokens per batch)",
+                ylabel="loss")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)

@@ -1,4 +1,9 @@
-"""`ftrun launch` end to end: real replica processes, an injected kill, a restart, the report."""
+"""`ftrun launch` end to end: real replica processes, injected kills, restarts, the report, no leftovers.
+
+Each test runs the CLI as a subprocess (as a user would) and checks its --json figures and files, then
+that no process of the run is left (psutil: processes whose command line or environment names the
+run's folder; forked ranks carry the zygote's command line, which does).
+"""
 
 from __future__ import annotations
 
@@ -7,24 +12,104 @@ import os
 import subprocess
 import sys
 
+import psutil
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_launch_kills_restarts_and_reports(tmp_path):
-    out = subprocess.run(
-        [sys.executable, "-m", "ftrun.cli", "launch", "--replicas", "3", "--ranks-per-replica", "1", "--steps", "100",
-         "--kill-at", "step=8,replica=r1", "--min-replicas", "2", "--out", str(tmp_path), "--timeout", "90s",
-         "--json", "-m", "ftrun.launch.demo_worker", "--step-time", "0.1"],
-        capture_output=True, text=True, timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
-    )
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    f = json.loads(out.stdout.strip().splitlines()[-1])
-    assert f["complete"] and f["steps_reached"] >= 100
-    assert f["kills"] == 1 and f["restarts"] == 1
-    assert 0 < f["step_efficiency"] <= 1
+def leftovers(run_dir: str) -> list[psutil.Process]:
+    """Live processes that belong to the run in `run_dir`."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if any(run_dir in arg for arg in p.info["cmdline"] or []) or p.environ().get("FTRUN_RUN_DIR") == run_dir:
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def launch(out, *args: str, timeout: float = 100.0) -> dict:
+    """Run `ftrun launch --json --out OUT ARGS`; returns its figures; asserts that nothing was left running."""
+    proc = subprocess.run([sys.executable, "-m", "ftrun.cli", "launch", "--out", str(out), "--json", "--no-progress",
+                           *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+    left = leftovers(str(out))
+    for p in left:
+        p.kill()
+    assert not left, f"processes left behind: {[p.pid for p in left]}"
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.timeout(120)
+def test_launch_kills_at_a_step_restarts_and_reports(tmp_path):
+    f = launch(tmp_path, "--replicas", "3", "--ranks-per-replica", "1", "--steps", "60", "--kill-at",
+               "step=8,replica=r1", "--min-replicas", "2", "--timeout", "90s", "-m", "ftrun.launch.demo_worker",
+               "--step-time", "0.1")
+    assert f["complete"] and f["steps_reached"] >= 60 and f["start_method"] == "fork-server"
+    assert f["failures_injected"] == 1 and f["restarts"] == 1 and f["crashes"] == 0
+    assert 0.8 < f["step_efficiency"] < 1
+    assert f["duplicate_batches"] is None  # demo_worker writes no audit files
     assert os.path.getsize(tmp_path / "report.png") > 10_000
-    events = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    events = [json.loads(line) for line in open(tmp_path / "events.jsonl")]
     kill = next(e for e in events if e["event"] == "kill")
     assert kill["replica_id"] == "r1" and kill["step"] >= 8
     assert any(e["event"] == "commit" and e["replica_id"] == "r1" and e["incarnation"] == 1 for e in events), \
         "the restarted replica rejoined and committed"
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == list(range(len(rows))) and len(rows) >= 60
+    assert any(len(r["replicas_committed"]) == 2 for r in rows) and rows[-1]["replicas_committed"] == ["r0", "r1", "r2"]
+
+
+@pytest.mark.timeout(120)
+def test_launch_two_ranks_per_replica_with_kill_every(tmp_path):
+    """3 replicas x 2 ranks (gloo inside each replica), a kill every 4 s: efficiency near its theory."""
+    f = launch(tmp_path, "--replicas", "3", "--ranks-per-replica", "2", "--steps", "150", "--kill-every", "4s",
+               "--restart-delay", "0.2s", "--timeout", "100s", "-m", "ftrun.launch.demo_worker", "--step-time", "0.05")
+    assert f["complete"] and f["failures_injected"] >= 2 and f["crashes"] == 0
+    assert f["theoretical_efficiency"] is not None
+    assert abs(f["step_efficiency"] - f["theoretical_efficiency"]) < 0.08, f
+    logs = sorted(os.listdir(tmp_path / "logs"))
+    assert "r0.0.1.out" in logs and "r0.0.1.log" in logs  # every rank's stdout and stderr are kept
+
+
+@pytest.mark.timeout(120)
+def test_launch_ft_worker_checks_state_and_data_with_spawn(tmp_path):
+    """The real FT-HSDP worker under the spawn launcher: identical state and exactly-once data after kills."""
+    f = launch(tmp_path, "--replicas", "3", "--steps", "120", "--kill-at", "step=30,replica=r0", "--kill-at",
+               "step=70", "--start-method", "spawn", "--timeout", "100s", "-m", "ftrun.train.ft_worker",
+               "--step-time", "0.02")
+    assert f["complete"] and f["start_method"] == "spawn" and f["failures_injected"] == 2
+    assert f["replicas_identical"] and f["identity_checks"] > 100  # ~2 per step; fewer while one restarts
+    assert (f["duplicate_batches"], f["skipped_batches"], f["audit_problems"]) == (0, 0, 0)
+    assert f["final_loss"] is not None and f["final_loss"] < 3.0
+
+
+FAKE_SCRIPT = '''
+import json, os, sys
+import helper_mod  # noqa: F401  (the zygote preloads the script's imports)
+
+steps = int(os.environ["FTRUN_MAX_STEPS"])
+assert sys.argv[1:] == ["--flag", "x"], sys.argv
+rid, inc = os.environ["FTRUN_REPLICA_ID"], int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+for step in range(steps):
+    print(json.dumps({"event": "commit", "step": step + 1, "t": float(step), "pid": os.getpid()}), flush=True)
+'''
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("threaded", [False, True])
+def test_launch_runs_a_script_path_forked_or_spawned_when_fork_is_unsafe(tmp_path, threaded):
+    """A plain script (not -m) runs forked from the zygote with its argv and environment; if loading its
+    imports starts a thread, forking is unsafe and the launcher falls back to spawning."""
+    (tmp_path / "helper_mod.py").write_text(
+        "import threading, time\nthreading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n"
+        if threaded else "VALUE = 1\n")
+    script = tmp_path / "fake_train.py"
+    script.write_text(FAKE_SCRIPT)
+    f = launch(tmp_path / "out", "--replicas", "2", "--steps", "20", "--timeout", "40s", str(script), "--flag", "x")
+    assert f["complete"] and f["steps_reached"] == 20 and f["step_efficiency"] == 1.0
+    assert f["start_method"] == ("spawn (fallback)" if threaded else "fork-server")

@@ -1,0 +1,283 @@
+"""The fork server ("zygote") behind `ftrun launch`: cheap replica restarts.
+
+Starting a python + torch rank process costs 2-4 CPU-seconds (imports, torch._dynamo on the first optimizer
+step, numba compiles), which on a small box is most of a restarted replica's downtime and slows the
+survivors. The zygote pays that once: it imports what the training script imports (its top-level imports,
+read from its source without running it), warms the lazily loaded parts (an optimizer step, the CPU FTAR
+kernels), checks that it runs a single thread, and then forks one child per rank process on request. A
+child sets its own session, stdio, working directory, environment and argv and runs the script as
+`__main__`, exactly like `python [-m] SCRIPT ARGS` would, only without the start-up cost. The code it runs
+is the script as compiled at preload, so every restart runs the same version even if the file changes.
+
+    python -m ftrun.launch.zygote [--run-dir DIR] (-m MODULE | SCRIPT)
+
+Protocol, JSON lines: requests on stdin `{"id", "argv", "env", "cwd", "stdout", "stderr"}`
+(argv[0] is the module name for -m, else the script path; stdout/stderr are file paths, appended to);
+replies on stdout: first `{"ready": bool, "reason", "threads", "seconds"}`, then `{"id", "pid"}` per
+request and `{"exit": pid, "code": returncode}` (negative: killed by that signal, as with Popen) when
+a child ends. `ready: false` means forking is unsafe (e.g. a library started a thread while
+loading) and the client falls back to starting processes itself. When stdin closes (the supervisor
+ended or died) the zygote SIGKILLs its children's sessions and exits.
+
+Forked ranks inherit single-threaded BLAS/OpenMP pools (the client starts the zygote with
+OPENBLAS_NUM_THREADS=OMP_NUM_THREADS=1, required for a fork-safe zygote): right for many rank
+processes on few cores; pass `--start-method spawn` to `ftrun launch` otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import gc
+import importlib
+import importlib.util
+import json
+import os
+import runpy
+import signal
+import sys
+import traceback
+import types
+
+REQUEST_FD = 0
+
+
+def source_of(target: str, *, module: bool) -> str | None:
+    """Path of the target's source file, or None when it has none we can read."""
+    if not module:
+        return target if os.path.isfile(target) else None
+    try:
+        spec = importlib.util.find_spec(target)
+    except (ImportError, ValueError):
+        return None
+    origin = spec.origin if spec is not None else None
+    return origin if origin and origin.endswith(".py") and os.path.isfile(origin) else None
+
+
+def top_level_imports(source: str) -> list[str]:
+    """Modules a script imports at its top level (not inside functions or classes), in order. Pure."""
+    names: list[str] = []
+    todo = list(ast.parse(source).body)
+    while todo:
+        node = todo.pop(0)
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.append(node.module)
+        elif isinstance(node, (ast.If, ast.Try)):  # `if TYPE_CHECKING:` / `try: import x` blocks
+            todo[:0] = [n for block in (node.body, getattr(node, "handlers", []), node.orelse) for n in block]
+        elif isinstance(node, ast.ExceptHandler):
+            todo[:0] = node.body
+    return list(dict.fromkeys(names))
+
+
+def preload(target: str, *, module: bool) -> tuple[types.CodeType | None, str | None, list[str]]:
+    """Import the target's top-level imports and warm lazily loaded parts.
+
+    Returns the target's compiled code (None without a readable source), its path, and the imports that
+    failed. Children run this code, not the file as it is when they start: a restarted replica runs the
+    same version of the script as the others and as the modules loaded here, even if the file changed."""
+    failed = []
+    path = source_of(target, module=module)
+    if path is None:
+        _warm()
+        return None, None, failed
+    with open(path, encoding="utf-8") as f:
+        source = f.read()
+    code = compile(source, path, "exec", dont_inherit=True)
+    for name in top_level_imports(source):
+        try:
+            importlib.import_module(name)
+        except Exception:  # the script would fail the same way in the child: report it there
+            failed.append(name)
+    _warm()
+    return code, path, failed
+
+
+def _warm() -> None:
+    """Run what each child would otherwise pay for on its first step (all of it single-threaded)."""
+    if "torch" in sys.modules:
+        import torch
+
+        torch.set_num_threads(1)
+        p = torch.nn.Parameter(torch.zeros(4))
+        opt = torch.optim.AdamW([p], lr=1e-3)  # the first step imports torch._dynamo (~1 s)
+        torch.nn.functional.cross_entropy(p.view(1, 4), torch.zeros(1, dtype=torch.long)).backward()
+        opt.step()
+    if "ftrun.ftar.cpu_kernels" in sys.modules:
+        import numpy as np
+
+        from ftrun.ftar.cpu_kernels import CpuKernels
+        from ftrun.ftar.kernels import DType
+
+        a = np.zeros(16, np.uint8)
+        kernels = CpuKernels()
+        kernels.reduce(a, 0, a.copy(), 0, 8, DType.FLOAT32)  # numba compiles on the first call
+        kernels.reduce_copy(a, 0, a.copy(), 0, a, 8, 8, DType.FLOAT32)
+
+
+def num_threads() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 1  # no procfs: nothing to count with; the client's fork is then on trust
+
+
+class _Target:
+    def __init__(self, name: str, module: bool, code: types.CodeType | None, path: str | None) -> None:
+        self.name, self.module, self.code, self.path = name, module, code, path
+
+
+class _Server:
+    def __init__(self, reply_fd: int, target: _Target) -> None:
+        self.reply_fd, self.target = reply_fd, target
+        self.children: set[int] = set()
+
+    def reply(self, obj: dict) -> None:
+        os.write(self.reply_fd, (json.dumps(obj) + "\n").encode())  # < PIPE_BUF: one atomic write
+
+    def reap(self, *_: object) -> None:
+        """SIGCHLD: report every ended child."""
+        while self.children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            self.children.discard(pid)
+            self.reply({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+
+    def serve(self) -> None:
+        signal.signal(signal.SIGCHLD, self.reap)
+        for line in _lines(REQUEST_FD):
+            req = json.loads(line)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})  # the pid goes in before its exit
+            started_r, started_w = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                os.close(started_r)
+                _child(req, self.target, self.reply_fd, started_w)  # never returns
+            os.close(started_w)
+            os.read(started_r, 1)  # the child leads its session (or died): killpg(pid) reaches it from now on
+            os.close(started_r)
+            self.children.add(pid)
+            self.reply({"id": req["id"], "pid": pid})
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for pid in list(self.children):
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for pid in list(self.children):
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
+
+
+def _lines(fd: int):
+    buf = b""
+    while True:
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            return
+        buf += chunk
+        *complete, buf = buf.split(b"\n")
+        yield from (c for c in complete if c.strip())
+
+
+def _run_main(target: "_Target") -> None:
+    """Run the preloaded code as the __main__ module, as `python [-m] TARGET` would."""
+    main = types.ModuleType("__main__")
+    main.__file__ = target.path
+    main.__builtins__ = __builtins__
+    if target.module:
+        main.__package__ = target.name.rpartition(".")[0]
+        main.__spec__ = importlib.util.find_spec(target.name)
+        sys.argv[0] = target.path
+    else:
+        sys.path[0] = os.path.dirname(os.path.abspath(target.path))
+    sys.modules["__main__"] = main
+    exec(target.code, main.__dict__)
+
+
+def _child(req: dict, target: "_Target", reply_fd: int, started_fd: int) -> None:
+    """In the forked child: become the rank process and run the script as __main__; never returns."""
+    code = 1
+    try:
+        os.setsid()  # its own process group: the supervisor kills a rank with killpg, as for spawned ones
+        os.close(started_fd)  # tells the zygote (which only then hands out the pid)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
+        os.close(reply_fd)
+        for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, req["stdout"], os.O_WRONLY | os.O_APPEND | os.O_CREAT),
+                                (2, req["stderr"], os.O_WRONLY | os.O_APPEND | os.O_CREAT)):
+            new = os.open(path, flags, 0o644)
+            os.dup2(new, fd)
+            os.close(new)
+        os.chdir(req["cwd"])
+        os.environ.clear()
+        os.environ.update(req["env"])
+        if "numpy" in sys.modules:  # spawned processes seed numpy's global RNG from the OS: so do forked ones
+            sys.modules["numpy"].random.seed()
+        gc.unfreeze()
+        sys.argv = list(req["argv"])
+        if target.code is None:  # no source read at preload: run what is there now
+            if target.module:
+                runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+            else:
+                runpy.run_path(sys.argv[0], run_name="__main__")
+        else:
+            _run_main(target)
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, (int, type(None))):
+            print(e.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="ftrun.launch.zygote", description=__doc__.splitlines()[0])
+    p.add_argument("--run-dir", default=None, help="the job's folder (only so that ps shows whose zygote it is)")
+    p.add_argument("-m", "--module", action="store_true")
+    p.add_argument("target")
+    args = p.parse_args(argv)
+    reply_fd = os.dup(1)
+    os.dup2(2, 1)  # anything the preloaded libraries print must not corrupt the reply stream
+    sys.path.insert(0, os.getcwd() if args.module else os.path.dirname(os.path.abspath(args.target)))
+    started = _now()
+    code, path, failed = preload(args.target, module=args.module)
+    gc.collect()
+    gc.freeze()  # keep the preloaded objects' pages shared with the children (no refcount/GC writes)
+    threads = num_threads()
+    server = _Server(reply_fd, _Target(args.target, args.module, code, path))
+    ready = threads == 1
+    reason = "ok" if ready else f"{threads} threads after loading the script's imports: fork is unsafe"
+    server.reply({"ready": ready, "reason": reason, "threads": threads, "seconds": _now() - started,
+                  "failed_imports": failed})
+    if ready:
+        server.serve()
+    return 0
+
+
+def _now() -> float:
+    return os.times().elapsed
+
+
+if __name__ == "__main__":
+    sys.exit(main())
