@@ -179,7 +179,6 @@ class FaultTolerantTrainer:
         self.last_fetch: FetchResult | None = None
         self._kept: tuple[tuple[int, str], float, np.ndarray] | None = None  # ((step, lineage), loss, gradient)
         self._compute_s: float | None = None  # the last forward/backward's seconds
-        self._healthy_compute_s: float | None = None  # the healthy replicas' compute, from the last snapshot
         self._snapshot_bytes = 0  # the size of the last published catch-up snapshot
 
     @property
@@ -277,10 +276,6 @@ class FaultTolerantTrainer:
         waits for it at most the wait limit (ftrun.catchup.wait) and reports how the wait ended."""
         limit = self.config.catchup.wait_limit_s
         setup_timeout = exchange_wait_s(num_behind=len(q.behind), healed=q.healed, wait_limit_s=limit)
-        if q.healed and self._healthy_compute_s is not None:
-            # A joiner computes nothing: it waits for the healthy replicas to finish this step's compute,
-            # which can be longer than ftar_timeout_s; the snapshot told it how long theirs takes.
-            setup_timeout = self.exchange.engine.config.timeout_s + 2 * self._healthy_compute_s
         try:
             self._phase("exchange", q.step)
             self.exchange.average(q, self.grads.buffer, setup_timeout_s=setup_timeout)
@@ -354,7 +349,10 @@ class FaultTolerantTrainer:
         if ledger.step != step:
             raise LoaderStateError(f"snapshot of step {step} carries a loader_state at step {ledger.step}")
         compute_s = meta.get("compute_s")
-        self._healthy_compute_s = float(compute_s) if isinstance(compute_s, (int, float)) and compute_s >= 0 else None
+        if isinstance(compute_s, (int, float)) and compute_s >= 0:
+            # This step we compute nothing and wait in the exchange for the healthy replicas' compute,
+            # which can be longer than ftar_timeout_s: the snapshot says how long theirs takes.
+            self.exchange.joiner_wait_s = self.exchange.engine.config.timeout_s + 2 * float(compute_s)
         self.state.load(result.tensors, meta.get("state") or {})
         self.progress.heal(ledger)
         self.model.zero_grad(set_to_none=True)
