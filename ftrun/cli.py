@@ -23,7 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "launch": ("ftrun.launch.cli", "supervise a lighthouse and R replicas x K ranks of a training script"),
     "emulate": ("harness.cli", "emulated dry run of the runtime from a scale profile"),
     "bench": ("ftrun.bench", "benchmarks that print ratios against a baseline measured in the same run"),
-    "sim": ("ftrun.sim.cli", "availability analytics, SPARe Monte-Carlo and time-to-train simulation"),
+    "sim": ("harness.analysis.sim.cli", "availability analytics, SPARe Monte-Carlo and time-to-train simulation"),
 }
 
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from ftrun.cli import main
-from ftrun.sim.availability import (
+from harness.analysis.sim.availability import (
     AvailabilityInputs,
     checkpoint_availability,
     ft_hsdp_effective_training_time,

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from ftrun.sim.profile import apply_overrides, load_profile, profile_from_dict
-from ftrun.sim.sweep import format_sweep, run_sweep
-from ftrun.sim.ttt import simulate, wipeout_interval_s
+from harness.analysis.sim.profile import apply_overrides, load_profile, profile_from_dict
+from harness.analysis.sim.sweep import format_sweep, run_sweep
+from harness.analysis.sim.ttt import simulate, wipeout_interval_s
 
 pytestmark = pytest.mark.timeout(60)
 

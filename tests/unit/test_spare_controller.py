@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ftrun.spare.controller import covers_at_depth, decide, min_free_depth
-from ftrun.spare.layout import SpareLayout
+from harness.analysis.spare.controller import covers_at_depth, decide, min_free_depth
+from harness.analysis.spare.layout import SpareLayout
 
 pytestmark = pytest.mark.timeout(60)
 

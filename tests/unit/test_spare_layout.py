@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ftrun.spare.golomb import OPTIMAL_RULERS, cyclic_golomb_ruler, is_cyclic_golomb
-from ftrun.spare.layout import SpareLayout, block_replication_hosts
+from harness.analysis.spare.golomb import OPTIMAL_RULERS, cyclic_golomb_ruler, is_cyclic_golomb
+from harness.analysis.spare.layout import SpareLayout, block_replication_hosts
 
 pytestmark = pytest.mark.timeout(60)
 

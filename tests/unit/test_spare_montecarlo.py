@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from ftrun.spare.layout import SpareLayout
-from ftrun.spare.montecarlo import (
+from harness.analysis.spare.layout import SpareLayout
+from harness.analysis.spare.montecarlo import (
     MonteCarloConfig,
     closed_form_failures,
     controller_trial,

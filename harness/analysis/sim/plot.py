@@ -8,7 +8,7 @@ matplotlib.use("Agg")  # headless: never open a window, whatever the user's defa
 
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 
-from ftrun.sim.sweep import SweepResult  # noqa: E402
+from harness.analysis.sim.sweep import SweepResult  # noqa: E402
 
 
 def plot_sweep(result: SweepResult, path: str, title: str = "") -> None:

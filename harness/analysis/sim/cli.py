@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ftrun.cli import emit_json
 
-DEFAULT_PROFILE = Path(__file__).resolve().parents[2] / "scale_profiles" / "ttt-default.toml"
+DEFAULT_PROFILE = Path(__file__).resolve().parents[3] / "scale_profiles" / "ttt-default.toml"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _availability(args: argparse.Namespace) -> int:
-    from ftrun.sim.availability import (
+    from harness.analysis.sim.availability import (
         REPORT_KEYS,
         AvailabilityInputs,
         ft_hsdp_effective_training_time,
@@ -97,7 +97,7 @@ def _availability(args: argparse.Namespace) -> int:
 
 
 def _spare_mc(args: argparse.Namespace) -> int:
-    from ftrun.spare.montecarlo import MonteCarloConfig, run_monte_carlo
+    from harness.analysis.spare.montecarlo import MonteCarloConfig, run_monte_carlo
 
     cells = []
     print(f"{'N':>5} {'r':>3} {'trials':>6} {'E[F] MC':>9} {'Thm 4.1':>9} {'err':>7} {'+1/2':>9} {'err':>7} "
@@ -122,14 +122,14 @@ def _spare_mc(args: argparse.Namespace) -> int:
 
 
 def _ttt(args: argparse.Namespace) -> int:
-    from ftrun.sim.profile import load_profile
-    from ftrun.sim.sweep import format_sweep, run_sweep
+    from harness.analysis.sim.profile import load_profile
+    from harness.analysis.sim.sweep import format_sweep, run_sweep
 
     profile = load_profile(args.profile, args.set)
     result = run_sweep(profile)
     print(format_sweep(result, profile))
     if args.plot:
-        from ftrun.sim.plot import plot_sweep
+        from harness.analysis.sim.plot import plot_sweep
 
         plot_sweep(result, args.plot, title=f"{Path(args.profile).name} {' '.join(args.set)}".strip())
         print(f"plot: {args.plot}")

@@ -26,7 +26,7 @@ import numpy as np
 from scipy.sparse import csr_array
 from scipy.sparse.csgraph import maximum_bipartite_matching, min_weight_full_bipartite_matching
 
-from ftrun.spare.layout import SpareLayout
+from harness.analysis.spare.layout import SpareLayout
 
 
 @dataclass(frozen=True, kw_only=True)

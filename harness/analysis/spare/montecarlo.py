@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ftrun.spare.controller import covers_at_depth, decide
-from ftrun.spare.layout import SpareLayout
+from harness.analysis.spare.controller import covers_at_depth, decide
+from harness.analysis.spare.layout import SpareLayout
 
 # Elements (trials x groups x redundancy) processed per vectorized chunk: bounds memory near 160 MB.
 _CHUNK_ELEMS = 20_000_000

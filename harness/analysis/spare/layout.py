@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ftrun.spare.golomb import cyclic_golomb_ruler, is_cyclic_golomb
+from harness.analysis.spare.golomb import cyclic_golomb_ruler, is_cyclic_golomb
 
 
 @dataclass(frozen=True, kw_only=True)

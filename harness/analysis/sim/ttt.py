@@ -26,15 +26,15 @@ import numpy as np
 import simpy
 from scipy.stats import poisson
 
-from ftrun.sim.availability import (
+from harness.analysis.sim.availability import (
     AvailabilityInputs,
     checkpoint_availability,
     ft_hsdp_effective_training_time,
     optimal_checkpoint_period,
 )
-from ftrun.sim.profile import TttProfile
-from ftrun.sim.schemes import CkptOnly, FtHsdp, Replication, Spare
-from ftrun.spare.montecarlo import failures_to_wipeout
+from harness.analysis.sim.profile import TttProfile
+from harness.analysis.sim.schemes import CkptOnly, FtHsdp, Replication, Spare
+from harness.analysis.spare.montecarlo import failures_to_wipeout
 
 FAILURE, REJOIN = "failure", "rejoin"
 SCHEME_IDS = {"ckpt_only": 0, "rep": 1, "spare": 2, "ft_hsdp": 3}

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ftrun.sim.profile import FtHsdpConfig, SystemConfig
-from ftrun.spare.controller import decide
-from ftrun.spare.layout import SpareLayout, block_replication_hosts
+from harness.analysis.sim.profile import FtHsdpConfig, SystemConfig
+from harness.analysis.spare.controller import decide
+from harness.analysis.spare.layout import SpareLayout, block_replication_hosts
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -11,8 +11,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from ftrun.sim.profile import TttProfile
-from ftrun.sim.ttt import RunResult, simulate, wipeout_interval_s
+from harness.analysis.sim.profile import TttProfile
+from harness.analysis.sim.ttt import RunResult, simulate, wipeout_interval_s
 
 
 @dataclass(frozen=True, kw_only=True)
