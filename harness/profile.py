@@ -19,32 +19,35 @@ import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
+from enum import IntEnum
 from pathlib import Path
 from typing import Any, Literal
 
-from harness.topology import HopClass, hosts_per_replica
+# The [model] and [scheduler] sections and the field checks live in mocks.config, below both mocks and
+# harness; they are re-exported here so a profile's types come from one place.
+from mocks.config import DTYPE_BYTES, ModelConfig, SchedulerConfig  # noqa: F401
+from mocks.config import non_negative as _non_negative, one_of as _one_of, positive as _positive, require as _check
 
 PROFILE_DIR = Path(__file__).resolve().parents[1] / "scale_profiles"
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
 
-def _check(ok: bool, name: str, want: str, got: object) -> None:
-    if not ok:
-        raise ValueError(f"{name} must be {want}, got {got!r}")
+class HopClass(IntEnum):
+    """How far apart two hosts are; latency grows with the class (paper §2.1). Defined here, where
+    NetworkConfig keys its latency factors by it; harness.topology computes it for a pair of hosts."""
+
+    SAME_HOST = 0
+    SAME_RACK = 1
+    OTHER_RACK = 2  # same AI zone, another rack (through the CTSW)
+    OTHER_ZONE = 3  # same building, another AI zone (through the ATSW; oversubscribed)
+    OTHER_BUILDING = 4  # across the inter-DC mesh (oversubscribed like cross-zone)
+
+    @property
+    def crosses_zone(self) -> bool:
+        return self >= HopClass.OTHER_ZONE
 
 
-def _positive(obj: object, *names: str) -> None:
-    for n in names:
-        _check(getattr(obj, n) > 0, n, "> 0", getattr(obj, n))
-
-
-def _non_negative(obj: object, *names: str) -> None:
-    for n in names:
-        _check(getattr(obj, n) >= 0, n, ">= 0", getattr(obj, n))
-
-
-def _one_of(obj: object, name: str, allowed: tuple[str, ...]) -> None:
-    _check(getattr(obj, name) in allowed, name, f"one of {allowed}", getattr(obj, name))
+def hosts_per_replica(ranks_per_replica: int, gpus_per_host: int) -> int:
+    return -(-ranks_per_replica // gpus_per_host)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,41 +109,6 @@ class NetworkConfig:
     @property
     def loopback_bytes_per_s(self) -> float:
         return self.loopback_gbps * 1e9 / 8
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelConfig:
-    """Shape for meta-device compute and for gradient sizes. num_params is the usual dense estimate:
-    layers x (attention 2h^2 (1 + kv_heads/heads) + mlp_matrices x h x ffn) + 2 x vocab x h (untied
-    embeddings)."""
-
-    layers: int = 2
-    hidden: int = 256
-    heads: int = 4
-    kv_heads: int = 0  # 0: heads (no grouped-query attention)
-    vocab: int = 32000
-    seq_len: int = 512
-    ffn_hidden: int = 0  # 0: 4 x hidden
-    mlp_matrices: int = 2  # 3 for SwiGLU
-    dtype: Literal["fp32", "bf16", "fp16", "fp8"] = "bf16"
-
-    def __post_init__(self) -> None:
-        _positive(self, "layers", "hidden", "heads", "vocab", "seq_len", "mlp_matrices")
-        _non_negative(self, "ffn_hidden", "kv_heads")
-        _one_of(self, "dtype", tuple(DTYPE_BYTES))
-        _check(self.hidden % self.heads == 0, "hidden", f"a multiple of heads={self.heads}", self.hidden)
-        _check(self.kv_heads <= self.heads and (self.kv_heads == 0 or self.heads % self.kv_heads == 0),
-               "kv_heads", f"0 or a divisor of heads={self.heads}", self.kv_heads)
-
-    @property
-    def num_params(self) -> int:
-        h, ffn = self.hidden, self.ffn_hidden or 4 * self.hidden
-        attention = 2 * h * h + 2 * h * (h * (self.kv_heads or self.heads) // self.heads)
-        return self.layers * (attention + self.mlp_matrices * h * ffn) + 2 * self.vocab * h
-
-    def grad_bytes_per_rank(self, ranks_per_replica: int) -> int:
-        """Bytes of gradient one rank all-reduces across replicas (fully sharded inside a replica)."""
-        return -(-self.num_params * DTYPE_BYTES[self.dtype] // ranks_per_replica)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -255,18 +223,6 @@ class SpareConfig:
 
     def __post_init__(self) -> None:
         _non_negative(self, "hot_spare_hosts", "cold_spare_hosts")
-
-
-@dataclass(frozen=True, kw_only=True)
-class SchedulerConfig:
-    alloc_delay_cold_s: float = 300.0
-    alloc_delay_warm_s: float = 30.0
-    process_start_s: float = 30.0  # launch, imports, state init before a restarted replica checks in
-    poll_interval_s: float = 5.0  # how often the supervisor looks for missing replicas
-
-    def __post_init__(self) -> None:
-        _non_negative(self, "alloc_delay_cold_s", "alloc_delay_warm_s", "process_start_s")
-        _positive(self, "poll_interval_s")
 
 
 @dataclass(frozen=True, kw_only=True)

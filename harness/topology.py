@@ -13,26 +13,14 @@ building 0, so an empty topology puts every host in one rack.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import IntEnum
 from typing import TYPE_CHECKING, Sequence
 
+from harness.profile import HopClass, Profile, hosts_per_replica
+
 if TYPE_CHECKING:
-    from harness.profile import Profile
     from mocks.inventory import Inventory
 
-
-class HopClass(IntEnum):
-    """How far apart two hosts are; latency grows with the class (paper §2.1)."""
-
-    SAME_HOST = 0
-    SAME_RACK = 1
-    OTHER_RACK = 2  # same AI zone, another rack (through the CTSW)
-    OTHER_ZONE = 3  # same building, another AI zone (through the ATSW; oversubscribed)
-    OTHER_BUILDING = 4  # across the inter-DC mesh (oversubscribed like cross-zone)
-
-    @property
-    def crosses_zone(self) -> bool:
-        return self >= HopClass.OTHER_ZONE
+__all__ = ["UNPLACED", "HopClass", "Location", "Topology", "hop_between", "hosts_per_replica"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,10 +46,6 @@ def hop_between(a: Location, b: Location, same_host: bool) -> HopClass:
     if a.rack != b.rack:
         return HopClass.OTHER_RACK
     return HopClass.SAME_RACK
-
-
-def hosts_per_replica(ranks_per_replica: int, gpus_per_host: int) -> int:
-    return -(-ranks_per_replica // gpus_per_host)
 
 
 class Topology:
@@ -119,12 +103,16 @@ class Topology:
                    num_hot_spares=num_hot_spares, num_cold_spares=num_cold_spares)
 
     @classmethod
-    def from_profile(cls, profile: "Profile", *, seed: int | None = None) -> "Topology":
-        """Generate the profile's inventory (Faker, seeded with `seed` or the profile's seed) and place
-        its replicas on it."""
-        from mocks.inventory import inventory_for_profile
+    def from_profile(cls, profile: Profile, *, seed: int | None = None) -> "Topology":
+        """Generate the profile's inventory (Faker, seeded with `seed` or the profile's seed): its
+        training hosts plus hot and cold spares, and place its replicas on it."""
+        from mocks.inventory import build_inventory  # Faker is imported only when an inventory is made
 
-        inventory = inventory_for_profile(profile, seed=profile.seed if seed is None else seed)
+        topo = profile.topology
+        inventory = build_inventory(num_hosts=profile.num_hosts, gpus_per_host=topo.gpus_per_host,
+                                    hosts_per_rack=topo.hosts_per_rack, racks_per_zone=topo.racks_per_zone,
+                                    zones_per_building=topo.zones_per_building, buildings=topo.buildings,
+                                    seed=profile.seed if seed is None else seed)
         return cls.from_inventory(inventory, replicas=profile.replicas,
                                   ranks_per_replica=profile.ranks_per_replica,
                                   gpus_per_host=profile.topology.gpus_per_host,

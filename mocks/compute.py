@@ -20,8 +20,8 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from harness.engine import ShapeOnly
-from harness.profile import DTYPE_BYTES, ModelConfig
+from mocks.config import DTYPE_BYTES, ModelConfig
+from mocks.shapes import ShapeOnly
 
 __all__ = ["LayoutShapes", "ShapeCache", "ShapeOnlyCompute", "ShapeOnlyGrads", "propagate_shapes"]
 

@@ -12,12 +12,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from faker import Faker
-
-if TYPE_CHECKING:
-    from harness.profile import Profile
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,15 +113,3 @@ def build_inventory(*, num_hosts: int, gpus_per_host: int, hosts_per_rack: int, 
                                 zone=rack.zone, building=rack.building, num_gpus=gpus_per_host,
                                 serial=fake.bothify("??########").upper()))
     return Inventory(buildings=tuple(bldgs), zones=zones, racks=racks, hosts=tuple(hosts))
-
-
-def inventory_for_profile(profile: "Profile", *, seed: int) -> Inventory:
-    """The inventory a profile needs: its training hosts plus hot and cold spares."""
-    from harness.topology import hosts_per_replica
-
-    topo = profile.topology
-    num_hosts = (profile.replicas * hosts_per_replica(profile.ranks_per_replica, topo.gpus_per_host)
-                 + profile.spares.hot_spare_hosts + profile.spares.cold_spare_hosts)
-    return build_inventory(num_hosts=num_hosts, gpus_per_host=topo.gpus_per_host,
-                           hosts_per_rack=topo.hosts_per_rack, racks_per_zone=topo.racks_per_zone,
-                           zones_per_building=topo.zones_per_building, buildings=topo.buildings, seed=seed)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from harness.profile import SchedulerConfig
+from mocks.config import SchedulerConfig
 
 __all__ = ["Allocation", "MockScheduler", "NoCapacity"]
 

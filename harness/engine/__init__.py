@@ -8,11 +8,13 @@
     conn.send_bytes(ShapeOnly(nbytes))       # a modeled transfer with a size and no bytes
 
 Modules: core (scheduler, tasks, CPU charging), sync (Event/Queue/Lock), linkmodel (pure frame
-timing), net (listeners, connections), world (EmulatedWorld, EmulatedEnv).
+timing), net (listeners, connections), world (EmulatedWorld, EmulatedEnv); ShapeOnly comes from
+mocks.shapes, below both the engine and the shape-only mocks.
 """
 
 from harness.engine.core import DeadlockError, Task
-from harness.engine.net import ShapeOnly, parse_addr
+from harness.engine.net import parse_addr
 from harness.engine.world import EmulatedEnv, EmulatedWorld
+from mocks.shapes import ShapeOnly
 
 __all__ = ["DeadlockError", "EmulatedEnv", "EmulatedWorld", "ShapeOnly", "Task", "parse_addr"]

@@ -30,6 +30,7 @@ from ftrun.env import wire
 from ftrun.env.base import ConnectError, EnvTimeout, Message, NetTimeout, PeerClosed, ProtocolError
 from harness.engine.core import TIMEOUT, Scheduler
 from harness.engine.linkmodel import LinkModel, Route, Timeline
+from mocks.shapes import ShapeOnly
 
 _LOCAL_NAMES = frozenset({"", "127.0.0.1", "localhost", "0.0.0.0", "::1"})
 _REFUSED = object()
@@ -38,25 +39,6 @@ _FIRST_EPHEMERAL = 40000
 _NEVER = float("inf")
 _MSG, _BULK, _HEADER = wire.KIND_MSG, wire.KIND_BULK, wire.HEADER_SIZE
 decode_msg = wire.decode_msg
-
-
-class ShapeOnly:
-    """A bulk buffer that has a size but no bytes: `send_bytes(ShapeOnly(n))` models an n-byte
-    transfer; `recv_into(ShapeOnly(n))` accepts an n-byte frame without copying. A real buffer that
-    receives a shape-only frame is left as it was."""
-
-    __slots__ = ("nbytes",)
-
-    def __init__(self, nbytes: int) -> None:
-        if nbytes < 0:
-            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-        self.nbytes = int(nbytes)
-
-    def __len__(self) -> int:
-        return self.nbytes
-
-    def __repr__(self) -> str:
-        return f"ShapeOnly({self.nbytes})"
 
 
 def parse_addr(addr: str) -> tuple[str | None, int | str]:
