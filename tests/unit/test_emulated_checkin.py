@@ -102,3 +102,4 @@ def test_the_tree_pays_one_latency_per_level_so_16x_the_ranks_add_one_level(runs
     small, large = (runs[TreeComm, n][1] for n in SIZES)
     assert run_all_reduces(TreeComm, SIZES[0])[1] == small, "modeled time is deterministic"
     assert 1.45 < large / small < 1.55, (small, large)
+
