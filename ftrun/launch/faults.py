@@ -33,7 +33,11 @@ class KillAt:
         fields = dict(part.split("=", 1) for part in text.split(",") if "=" in part)
         if "step" not in fields or set(fields) - {"step", "replica"}:
             raise ValueError(f"bad --kill-at {text!r}: expected step=N[,replica=ID]")
-        return cls(int(fields["step"]), fields.get("replica"))
+        try:
+            step = int(fields["step"])
+        except ValueError:
+            raise ValueError(f"bad --kill-at {text!r}: step must be an integer") from None
+        return cls(step, fields.get("replica"))
 
 
 @dataclass
@@ -54,6 +58,7 @@ class KillPlan:
         self._rng = random.Random(self.seed)
         self._next_at: float | None = None
         self._pending_steps = sorted(self.at_steps, key=lambda k: k.step)
+        self.num_timed_kills = 0  # kills made by every_s / random_mean_s
 
     def start(self, now: float) -> None:
         self._next_at = self._after(now)
@@ -81,8 +86,14 @@ class KillPlan:
             return target if target in candidates else self._rng.choice(candidates)
         if self._next_at is not None and now >= self._next_at:
             self._next_at = self._after(now)
+            self.num_timed_kills += 1
             return self._rng.choice(candidates)
         return None
+
+    @property
+    def pending(self) -> list[KillAt]:
+        """The at-step kills that have not fired yet."""
+        return list(self._pending_steps)
 
     @property
     def next_at(self) -> float | None:

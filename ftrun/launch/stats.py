@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from statistics import median
 
+SUPERVISOR_EVENTS = frozenset({"kill", "restart", "steady", "stop", "gave_up"})  # the supervisor's, not a rank's
 AFTER_KILL_SLACK_S = 0.1  # events carry the rank's monotonic clock, the supervisor's kill its own (same clock)
 
 
@@ -89,7 +90,7 @@ class RunStats:
         if "t" in ev:
             self.last_t = ev["t"] if self.last_t is None else max(self.last_t, ev["t"])
             died = self._died.get((rid, inc))
-            if kind != "kill" and died is not None and ev["t"] > died + AFTER_KILL_SLACK_S:
+            if kind not in SUPERVISOR_EVENTS and died is not None and ev["t"] > died + AFTER_KILL_SLACK_S:
                 self.events_after_kill += 1  # stamped by a rank after its replica was killed: it survived
         if kind == "commit" and ev.get("rank", 0) == 0:
             self._on_commit(rid, inc, ev["step"] - 1, ev["t"])
