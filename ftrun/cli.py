@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     top = argparse.ArgumentParser(prog="ftrun", description=__doc__.splitlines()[0])
     top.add_argument("--log-level", default="WARNING")
+    top.add_argument("--version", action="version", version=f"%(prog)s {importlib.import_module('ftrun').__version__}")
     sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (_, help_text) in COMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)

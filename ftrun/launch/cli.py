@@ -19,6 +19,14 @@ E = 1 - D/(R*T)), the identical-state check (every replica that committed a step
 param_hash, per rank) and, from run_dir/audit-*.jsonl, the exactly-once audit. `--baseline` first runs
 the same job (seed, steps, script arguments) without failures and compares the losses at the same number
 of batches trained. With --json the last stdout line is one JSON object with all figures.
+
+When things go wrong: bad flags exit 2 with a message naming the flag (checks.py). A crashed rank's
+error, with its traceback from the rank's stderr, is shown once per job (crashes.py); a replica that
+fails to start --max-startup-failures times in a row with the same error ends the job. The exit status
+is 0 only for a complete job: it reached its steps with identical replicas, no duplicated or skipped
+batch, and was neither interrupted nor given up on (`incomplete_reasons` in the JSON says why not).
+Ctrl-C or SIGTERM stops the job and writes the partial report (exit 128 + signal); a second one quits
+at once. Kill options that never fired are warnings in the report and the JSON.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ import os
 import secrets
 import sys
 import tempfile
-from dataclasses import dataclass
+from typing import Callable
 
 import torch.distributed as dist
 from tqdm import tqdm
@@ -39,9 +47,13 @@ from ftrun.cli import emit_json
 from ftrun.config import LighthouseConfig, Timeouts
 from ftrun.env.base import EnvTimeout
 from ftrun.env.real import RealEnv
-from ftrun.launch.faults import KillAt, KillPlan, parse_duration
+from ftrun.launch.checks import (duration, kill_at, non_negative_int, positive_duration, positive_int, problems,
+                                 unfired_kills)
+from ftrun.launch.crashes import CrashLog, summarize_stderr
+from ftrun.launch.faults import KillPlan
+from ftrun.launch.interrupts import Interrupts
 from ftrun.launch.procs import ForkServer, Launcher, SpawnLauncher
-from ftrun.launch.report import final_state, print_report, read_audit, summarize, write_metrics, write_plots
+from ftrun.launch.report import JobResult, job_figures, print_report
 from ftrun.launch.stats import RunStats
 from ftrun.launch.supervisor import ReplicaProcesses
 from ftrun.launch.worker_env import WorkerSpec
@@ -51,44 +63,55 @@ FINISH_GRACE_S = 5.0  # after the job's last step: how long replicas get to exit
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--replicas", type=int, default=3)
-    p.add_argument("--ranks-per-replica", type=int, default=1)
-    p.add_argument("--steps", type=int, required=True, help="the job ends when it has committed this many steps")
-    p.add_argument("--min-replicas", type=int, default=None,
+    p.add_argument("--replicas", type=positive_int, default=3, help="replicas (units of failure) (default: %(default)s)")
+    p.add_argument("--ranks-per-replica", type=positive_int, default=1,
+                   help="rank processes per replica (default: %(default)s)")
+    p.add_argument("--steps", type=positive_int, required=True,
+                   help="the job ends when it has committed this many steps (required)")
+    p.add_argument("--min-replicas", type=positive_int, default=None,
                    help="smallest quorum, and the fewest healthy replicas a kill may leave (default: a majority)")
-    p.add_argument("--kill-every", type=parse_duration, default=None, metavar="DURATION")
-    p.add_argument("--kill-random-mean", type=parse_duration, default=None, metavar="DURATION")
-    p.add_argument("--kill-at", type=KillAt.parse, action="append", default=[], metavar="step=N[,replica=ID]")
-    p.add_argument("--max-kills", type=int, default=None,
-                   help="inject this many kills, then end the job (needs --stop-file) or let it run to --steps")
+    p.add_argument("--kill-every", type=positive_duration, default=None, metavar="DURATION",
+                   help="SIGKILL a random replica this often, e.g. 30s (default: never)")
+    p.add_argument("--kill-random-mean", type=positive_duration, default=None, metavar="DURATION",
+                   help="SIGKILL a random replica at exponential intervals of this mean (default: never)")
+    p.add_argument("--kill-at", type=kill_at, action="append", default=[], metavar="step=N[,replica=ID]",
+                   help="SIGKILL a replica (rI, default: a random one) once the job commits step N; repeatable "
+                        "(default: none)")
+    p.add_argument("--max-kills", type=non_negative_int, default=None,
+                   help="inject this many kills, then end the job (needs --stop-file) or let it run to --steps "
+                        "(default: no limit)")
     p.add_argument("--stop-file", default=None, help="to end early, the supervisor writes the last step here "
-                   "(pass the same path to the script, e.g. ft_worker --stop-file)")
-    p.add_argument("--restart-delay", type=parse_duration, default=0.5, metavar="DURATION")
-    p.add_argument("--start-method", choices=("fork-server", "spawn"), default="fork-server")
+                   "(pass the same path to the script, e.g. ft_worker --stop-file) (default: none)")
+    p.add_argument("--restart-delay", type=duration, default=0.5, metavar="DURATION",
+                   help="wait before restarting a killed replica; doubles after each crash in a row "
+                        "(default: %(default)ss)")
+    p.add_argument("--max-startup-failures", type=positive_int, default=3, metavar="N",
+                   help="stop the job when a replica fails to start (exits with an error before its first commit) "
+                        "N times in a row with the same error (default: %(default)s)")
+    p.add_argument("--start-method", choices=("fork-server", "spawn"), default="fork-server",
+                   help="fork rank processes from a preloaded zygote, or spawn fresh interpreters "
+                        "(default: %(default)s)")
     p.add_argument("--baseline", action="store_true", help="first run the same job without failures")
-    p.add_argument("--seed", type=int, default=0, help="seeds the choice of victims and kill times")
-    p.add_argument("--timeout", type=parse_duration, default=3600.0, metavar="DURATION")
+    p.add_argument("--seed", type=int, default=0, help="seeds the choice of victims and kill times "
+                   "(default: %(default)s)")
+    p.add_argument("--timeout", type=positive_duration, default=None, metavar="DURATION",
+                   help="end the job after this long, e.g. 90s, 12h (default: no limit: a real job runs until "
+                        "--steps; crash loops end it through --max-startup-failures)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
-    p.add_argument("--out", default=None, help="folder for events, metrics, report.png and rank logs")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--out", default=None, help="folder for events, metrics, report.png and rank logs "
+                   "(default: a new temporary folder)")
+    p.add_argument("--json", action="store_true", help="print one JSON object with all figures as the last line")
     p.add_argument("-m", "--module", action="store_true", help="SCRIPT names a module to run as python -m")
     p.add_argument("script", help="training script (or module, with -m)")
-    p.add_argument("script_args", nargs=argparse.REMAINDER)
-
-
-@dataclass
-class JobResult:
-    stats: RunStats
-    wall_s: float
-    out: str
-    goal: int  # the step the job was to end at
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed on to the script")
 
 
 class _Job:
     """One running job: lighthouse, replicas, the kill plan, restarts, the event log and its stats."""
 
-    def __init__(self, env: RealEnv, args: argparse.Namespace, out: str, launcher: Launcher, *, inject: bool) -> None:
-        self.env, self.args, self.out, self.inject = env, args, out, inject
+    def __init__(self, env: RealEnv, args: argparse.Namespace, out: str, launcher: Launcher, *, inject: bool,
+                 say: Callable[[str], None]) -> None:
+        self.env, self.args, self.out, self.inject, self.say = env, args, out, inject, say
         self.min_up = args.min_replicas or args.replicas // 2 + 1
         self.token = secrets.token_hex(16)
         self.lighthouse = Lighthouse(env=env, token=self.token, config=LighthouseConfig(
@@ -119,6 +142,8 @@ class _Job:
         self.goal = args.steps  # the step the job ends at (earlier with --max-kills and --stop-file)
         self.steady = False  # every replica has committed a step
         self.closed = False
+        self.crash_log = CrashLog(args.max_startup_failures)
+        self.gave_up: dict | None = None  # set when a replica is in a crash loop: the job ends
         self.plan = KillPlan(every_s=args.kill_every, random_mean_s=args.kill_random_mean,
                              at_steps=list(args.kill_at), min_up=self.min_up, seed=args.seed) if inject else None
 
@@ -146,6 +171,7 @@ class _Job:
         elif kind == "commit" and current and ev.get("rank", 0) == 0:
             self.last_commit[rid] = ev["step"]
             self.crashes_in_a_row.pop(rid, None)
+            self.crash_log.committed(rid)
             if ev["step"] >= self.goal and self.finished_at is None:
                 self._finish(rid)
         if not self.steady and self.stats.steady_step is not None:
@@ -183,7 +209,7 @@ class _Job:
         os.replace(tmp, self.args.stop_file)  # the script reads the whole number or nothing
         self.record({"event": "stop", "t": self.env.clock.now(), "step": self.goal})
 
-    def kill(self, rid: str, why: str) -> None:
+    def kill(self, rid: str, why: str, **extra: object) -> None:
         now, rep = self.env.clock.now(), self.replicas[rid]
         rep.kill()
         self.live.pop(rid, None)
@@ -191,7 +217,7 @@ class _Job:
         backoff = 2 ** min(self.crashes_in_a_row.get(rid, 0), 6)  # a replica that keeps crashing waits longer
         self.down_until[rid] = now + self.args.restart_delay * backoff
         self.record({"event": "kill", "replica_id": rid, "incarnation": rep.spec.incarnation, "t": now, "why": why,
-                     "step": self.stats.max_step})
+                     "step": self.stats.max_step, **extra})
 
     def tick(self) -> None:
         now = self.env.clock.now()
@@ -210,9 +236,10 @@ class _Job:
             if self.finished_at is not None or (not crashed and all(c == 0 for c in codes)):
                 self.done.add(rid)
             elif crashed:
-                self.crashes_in_a_row[rid] = self.crashes_in_a_row.get(rid, 0) + 1
-                self.kill(rid, f"rank exited with {codes}")  # a crash: the whole replica restarts
-        if self.plan is None or self.finished_at is not None:
+                self._on_crash(rid, codes)
+                if self.gave_up is not None:
+                    return  # the job ends
+        if self.plan is None or self.finished_at is not None or self.gave_up is not None:
             return  # the job reached its goal: no more injected failures
         if self.args.max_kills is not None and self.stats.num_kills >= self.args.max_kills:
             self._end_early()
@@ -222,21 +249,68 @@ class _Job:
         if victim is not None:
             self.kill(victim, "injected")
 
+    def _on_crash(self, rid: str, codes: list[int | None]) -> None:
+        """A rank of `rid` exited with an error: stop the replica's other ranks and take in what they wrote,
+        show what it died of (the first time the job sees that error), then restart the whole replica, or end
+        the job if the replica is in a crash loop."""
+        rep = self.replicas[rid]
+        rep.kill()
+        rep.drain()
+        self.pull_events()  # its last commits, if any, decide whether it had started
+        started = rid in self.last_commit
+        failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+        summaries = {r: summarize_stderr(rep.stderr_tail(r), codes[r]) for r in failed}
+        rank = next((r for r in failed if "Traceback" in summaries[r].detail), failed[0])
+        summary, inc = summaries[rank], rep.spec.incarnation
+        verdict = self.crash_log.crashed(rid, rank=rank, incarnation=inc, exit_code=codes[rank], summary=summary,
+                                         started=started)
+        if verdict.show:
+            self.say(f"ftrun launch: {rid} rank {rank} (incarnation {inc}) exited with {codes[rank]}"
+                     f"{'' if started else ' before its first commit'}: {summary.error}"
+                     + "".join(f"\n  | {line}" for line in summary.detail.splitlines()))
+        if verdict.give_up:
+            self.gave_up = {"replica_id": rid, "incarnation": inc, "count": verdict.startup_failures,
+                            "error": summary.error}
+            self.say(f"ftrun launch: {rid} failed to start {verdict.startup_failures} times in a row with the same "
+                     f"error ({summary.error}); not restarting it (--max-startup-failures "
+                     f"{self.args.max_startup_failures}); stopping the job. Rank logs: {self.out}/logs")
+            self.record({"event": "gave_up", "t": self.env.clock.now(), **self.gave_up})
+            return
+        self.crashes_in_a_row[rid] = self.crashes_in_a_row.get(rid, 0) + 1
+        self.kill(rid, f"rank exited with {codes}", error=summary.error)  # a crash: the whole replica restarts
+
+    def pull_events(self) -> None:
+        """Record every event already delivered."""
+        while True:
+            try:
+                self.record(self.events.get(timeout=0.0))
+            except EnvTimeout:
+                return
+
+    def kill_warnings(self) -> list[str]:
+        if self.plan is None:
+            return []
+        return unfired_kills(pending=self.plan.pending, every_s=self.args.kill_every,
+                             random_mean_s=self.args.kill_random_mean, num_timed_kills=self.plan.num_timed_kills,
+                             max_kills=self.args.max_kills, num_kills=self.stats.num_kills)
+
     def running(self) -> bool:
-        if len(self.done) == len(self.replicas):
+        if len(self.done) == len(self.replicas) or self.gave_up is not None:
             return False
         return self.finished_at is None or self.env.clock.now() - self.finished_at < FINISH_GRACE_S
 
 
 def run_job(env: RealEnv, args: argparse.Namespace, out: str, launcher: Launcher, *, inject: bool,
-            label: str) -> JobResult:
-    job = _Job(env, args, out, launcher, inject=inject)
-    started = env.clock.now()
+            label: str, stop: Interrupts) -> JobResult:
     bar = tqdm(total=args.steps, desc=label, unit="step", file=sys.stderr, dynamic_ncols=True,
                disable=args.no_progress)
+    job = _Job(env, args, out, launcher, inject=inject, say=lambda text: tqdm.write(text, file=sys.stderr))
+    started = env.clock.now()
+    deadline = started + args.timeout if args.timeout is not None else float("inf")
     try:
-        job.start()
-        while job.running() and env.clock.now() - started < args.timeout:
+        if stop.signal is None:
+            job.start()
+        while job.running() and stop.signal is None and env.clock.now() < deadline:
             job.tick()
             try:
                 ev = job.events.get(timeout=0.05)
@@ -245,19 +319,18 @@ def run_job(env: RealEnv, args: argparse.Namespace, out: str, launcher: Launcher
             job.record(ev)
             if ev.get("event") in ("commit", "step"):
                 _progress(bar, job)
+        timed_out = job.running() and stop.signal is None
         job.close()  # then take in what the ranks wrote before they exited ("final" events)
         for rep in job.replicas.values():
             rep.drain()
-        while True:
-            try:
-                job.record(job.events.get(timeout=0.0))
-            except EnvTimeout:
-                break
+        job.pull_events()
     finally:
         bar.close()
         job.close()
         job.event_log.close()
-    return JobResult(job.stats, env.clock.now() - started, out, job.goal)
+    return JobResult(job.stats, env.clock.now() - started, out, job.goal, stop_signal=stop.signal,
+                     timed_out=timed_out, gave_up=job.gave_up,
+                     errors=[e.as_json() for e in job.crash_log.errors.values()], warnings=job.kill_warnings())
 
 
 def _progress(bar: tqdm, job: _Job) -> None:
@@ -278,32 +351,58 @@ def make_launcher(env: RealEnv, args: argparse.Namespace, out: str) -> Launcher:
 
 
 def run(args: argparse.Namespace) -> int:
-    env = RealEnv()
-    out = os.path.abspath(args.out or tempfile.mkdtemp(prefix="ftrun-launch-"))
-    os.makedirs(out, exist_ok=True)
+    bad = problems(args)
+    out = os.path.abspath(args.out) if args.out else None
+    if not bad and out is not None and (why := unwritable(out)):
+        bad.append(f"--out {args.out}: {why}")
+    if bad:
+        for text in bad:
+            print(f"ftrun launch: error: {text}", file=sys.stderr)
+        return 2
+    out = out or tempfile.mkdtemp(prefix="ftrun-launch-")
+    stop = Interrupts()
+    stop.install()
+    try:
+        return _launch(RealEnv(), args, out, stop)
+    except KeyboardInterrupt:
+        print("ftrun launch: interrupted again: stopped without a report", file=sys.stderr)
+        return 130
+    finally:
+        stop.restore()
+
+
+def unwritable(out: str) -> str | None:
+    """Why the job cannot write into the folder `out` (made if missing); None when it can."""
+    try:
+        os.makedirs(out, exist_ok=True)
+        probe = os.path.join(out, f".ftrun-write-test-{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        return f"cannot write there ({e.strerror or e})"
+    return None
+
+
+def _launch(env: RealEnv, args: argparse.Namespace, out: str, stop: Interrupts) -> int:
     launcher = make_launcher(env, args, out)
-    base = None
+    base = result = None
     try:
         if args.baseline:
-            base = run_job(env, args, os.path.join(out, "baseline"), launcher, inject=False, label="baseline")
-        result = run_job(env, args, out, launcher, inject=True, label="ftrun launch")
+            base = run_job(env, args, os.path.join(out, "baseline"), launcher, inject=False, label="baseline",
+                           stop=stop)
+        if stop.signal is None:
+            result = run_job(env, args, out, launcher, inject=True, label="ftrun launch", stop=stop)
     finally:
         launcher.close()
-    report = read_audit(out, final_state(result.stats))
-    base_report = read_audit(base.out, final_state(base.stats)) if base else None
-    figures = summarize(result.stats, steps=result.goal, wall_s=result.wall_s,
-                        kill_interval_s=args.kill_every or args.kill_random_mean, report=report,
-                        baseline=base.stats if base else None, baseline_report=base_report)
-    write_metrics(result.stats, os.path.join(out, "metrics.jsonl"))
-    figures["report_png"] = write_plots(result.stats, os.path.join(out, "report.png"), report=report,
-                                        baseline=base.stats if base else None, baseline_report=base_report)
-    figures["out"] = out
-    figures["start_method"] = getattr(launcher, "fallback_reason", None) and "spawn (fallback)" or args.start_method
-    if base is not None:
-        figures["baseline_steps_reached"] = base.stats.max_step
-        figures["baseline_replicas_identical"] = base.stats.replicas_identical
-    figures["steps_goal"] = result.goal
+    if result is None:  # stopped during the baseline: that run's partial report is the report
+        result, base = base, None
+    figures = job_figures(result, base, args=args,
+                          start_method="spawn (fallback)" if getattr(launcher, "fallback_reason", None)
+                          else args.start_method)
     print_report(figures)
     if args.json:
         emit_json(figures)
+    if stop.signal is not None:
+        return stop.exit_code
     return 0 if figures["complete"] else 1

@@ -8,16 +8,54 @@ failed replica-steps and loss vs batches trained, with the no-failure baseline w
 
 from __future__ import annotations
 
+import argparse
 import glob
 import json
 import os
+from dataclasses import dataclass, field
 
 from ftrun.data.audit import AuditReport, audit, read_log
 from ftrun.data.loader_state import LoaderState
+from ftrun.launch.checks import incomplete_reasons
 from ftrun.launch.stats import RunStats, loss_at, loss_curve
 from ftrun.launch.theory import FORMULA, realized_interval, theoretical_efficiency
 
 LOSS_WINDOW_STEPS = 20  # the final loss is the mean over this many steps' worth of batches
+
+
+@dataclass
+class JobResult:
+    stats: RunStats
+    wall_s: float
+    out: str
+    goal: int  # the step the job was to end at
+    stop_signal: str | None = None  # "SIGINT"/"SIGTERM" when a signal ended the job early
+    timed_out: bool = False
+    gave_up: dict | None = None  # the replica in a crash loop, when the job ended for it
+    errors: list[dict] = field(default_factory=list)  # what crashed rank processes died of (CrashLog)
+    warnings: list[str] = field(default_factory=list)  # kill options that never fired
+
+
+def job_figures(result: JobResult, base: JobResult | None, *, args: argparse.Namespace, start_method: str) -> dict:
+    """The figures of a finished (or stopped) job, with its metrics.jsonl and report.png written into its
+    folder; `complete` only when incomplete_reasons finds nothing."""
+    report = read_audit(result.out, final_state(result.stats))
+    base_report = read_audit(base.out, final_state(base.stats)) if base else None
+    figures = summarize(result.stats, wall_s=result.wall_s,
+                        kill_interval_s=args.kill_every or args.kill_random_mean, report=report,
+                        baseline=base.stats if base else None, baseline_report=base_report)
+    write_metrics(result.stats, os.path.join(result.out, "metrics.jsonl"))
+    figures["report_png"] = write_plots(result.stats, os.path.join(result.out, "report.png"), report=report,
+                                        baseline=base.stats if base else None, baseline_report=base_report)
+    if base is not None:
+        figures["baseline_steps_reached"] = base.stats.max_step
+        figures["baseline_replicas_identical"] = base.stats.replicas_identical
+    figures.update(out=result.out, start_method=start_method, steps_goal=result.goal,
+                   interrupted=result.stop_signal is not None, stop_signal=result.stop_signal,
+                   timed_out=result.timed_out, gave_up=result.gave_up, errors=result.errors, warnings=result.warnings)
+    figures["incomplete_reasons"] = incomplete_reasons(figures, goal=result.goal)
+    figures["complete"] = not figures["incomplete_reasons"]
+    return figures
 
 
 def read_audit(run_dir: str, final: dict | None) -> AuditReport | None:
@@ -62,7 +100,7 @@ def final_state(stats: RunStats) -> dict | None:
     return max(stats.finals, key=lambda e: e.get("step", 0), default=None)
 
 
-def summarize(stats: RunStats, *, steps: int, wall_s: float, kill_interval_s: float | None,
+def summarize(stats: RunStats, *, wall_s: float, kill_interval_s: float | None,
               report: AuditReport | None, baseline: RunStats | None = None,
               baseline_report: AuditReport | None = None) -> dict:
     committed, total = stats.efficiency()
@@ -78,13 +116,13 @@ def summarize(stats: RunStats, *, steps: int, wall_s: float, kill_interval_s: fl
         "failed_commits": sum(r.aborts for r in stats.rows.values()),
         "failures_injected": stats.num_kills, "events_after_kill": stats.events_after_kill, "crashes": stats.num_crashes, "restarts": stats.num_restarts,
         "replicas_identical": stats.replicas_identical, "identity_checks": stats.identity_checks,
-        "divergences": [vars(d) for d in stats.divergences[:5]],
+        "divergences": [vars(d) for d in stats.divergences[:5]], "num_divergences": len(stats.divergences),
         "mean_downtime_s": mean_down, "stepping_downtime_s": stepping_down, "stall_s": stall_s,
         "stepping_kill_interval_s": stepping_interval,
         "mean_restart_s": _mean([d.ready_after_s for d in stats.downtimes if d.ready_after_s is not None]),
         "median_step_s": stats.step_period_s(), "kill_interval_s": kill_interval_s,
         "realized_kill_interval_s": realized_interval(num_kills=stats.num_kills, window_s=window_s),
-        "theoretical_efficiency": None, "theory": FORMULA, "wall_s": wall_s, "complete": stats.max_step >= steps,
+        "theoretical_efficiency": None, "theory": FORMULA, "wall_s": wall_s,
         **audit_figures(report),
     }
     if stepping_interval and stepping_down is not None:
@@ -140,8 +178,14 @@ def print_report(f: dict) -> None:
         base = f.get("baseline_final_loss")
         print(f"  final loss {f['final_loss']:.4f} at {f['batches_at_final_loss']:.0f} batches"
               + (f"; no-failure baseline at the same batches {base:.4f}" if base is not None else ""))
-    print(f"  per-step metrics: {f['out']}/metrics.jsonl; events: {f['out']}/events.jsonl; plots: {f['report_png']}; "
-          f"{'complete' if f['complete'] else 'INCOMPLETE'}")
+    for e in f.get("errors", []):
+        print(f"  crashes: {e['count']} x {e['error']} (first: {e['replica_id']} rank {e['rank']}, "
+              f"incarnation {e['incarnation']}; its log: {f['out']}/logs/{e['replica_id']}.{e['incarnation']}."
+              f"{e['rank']}.log)")
+    for text in f.get("warnings", []):
+        print(f"  warning: {text}")
+    print(f"  per-step metrics: {f['out']}/metrics.jsonl; events: {f['out']}/events.jsonl; plots: {f['report_png']}")
+    print("  complete" if f["complete"] else f"  INCOMPLETE: {'; '.join(f['incomplete_reasons'])}")
 
 
 def write_plots(stats: RunStats, path: str, *, report: AuditReport | None = None,

@@ -85,5 +85,15 @@ class ReplicaProcesses:
         self.spec = replace(self.spec, incarnation=self.spec.incarnation + 1)
         self.start()
 
+    def stderr_tail(self, rank: int, max_bytes: int = 32768) -> str:
+        """The last `max_bytes` of the running (or last) incarnation's rank `rank` stderr ("" if none)."""
+        path = os.path.join(self._log_dir, f"{self.spec.replica_id}.{self.spec.incarnation}.{rank}.log")
+        try:
+            with open(path, "rb") as f:
+                f.seek(max(0, os.path.getsize(path) - max_bytes))
+                return f.read().decode("utf-8", "replace")
+        except FileNotFoundError:
+            return ""
+
     def exited(self) -> list[int | None]:
         return [p.poll() for p in self.procs]

@@ -241,14 +241,22 @@ def _child(req: dict, target: "_Target", reply_fd: int, started_fd: int) -> None
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if not isinstance(e.code, (int, type(None))):
             print(e.code, file=sys.stderr)
-    except BaseException:
-        traceback.print_exc()
+    except BaseException as e:
+        _print_script_traceback(e)
     finally:
         try:
             sys.stdout.flush()
             sys.stderr.flush()
         finally:
             os._exit(code)
+
+
+def _print_script_traceback(e: BaseException) -> None:
+    """Print the traceback as `python SCRIPT` would: without the zygote's own frames on top."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    traceback.print_exception(type(e), e, tb)
 
 
 def main(argv: list[str] | None = None) -> int:
