@@ -120,7 +120,8 @@ def incomplete_reasons(figures: dict, *, goal: int) -> list[str]:
         out.append("interrupted")
     if figures.get("gave_up"):
         g = figures["gave_up"]
-        out.append(f"gave up on {g['replica_id']} after {g['count']} startup failures with the same error")
+        out.append(f"gave up on {g['replica_id']} after {g['count']} crashes in a row with the same error "
+                   f"and no progress (a crash loop)")
     if figures.get("timed_out"):
         out.append("--timeout expired")
     if figures["steps_reached"] < goal:

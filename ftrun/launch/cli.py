@@ -22,7 +22,8 @@ of batches trained. With --json the last stdout line is one JSON object with all
 
 When things go wrong: bad flags exit 2 with a message naming the flag (checks.py). A crashed rank's
 error, with its traceback from the rank's stderr, is shown once per job (crashes.py); a replica that
-fails to start --max-startup-failures times in a row with the same error ends the job. The exit status
+crashes --max-startup-failures times in a row with the same error, each time before its first commit or
+with the job no further, is in a crash loop and ends the job. The exit status
 is 0 only for a complete job: it reached its steps with identical replicas, no duplicated or skipped
 batch, and was neither interrupted nor given up on (`incomplete_reasons` in the JSON says why not).
 Ctrl-C or SIGTERM stops the job and writes the partial report (exit 128 + signal); a second one quits
@@ -86,8 +87,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="wait before restarting a killed replica; doubles after each crash in a row "
                         "(default: %(default)ss)")
     p.add_argument("--max-startup-failures", type=positive_int, default=3, metavar="N",
-                   help="stop the job when a replica fails to start (exits with an error before its first commit) "
-                        "N times in a row with the same error (default: %(default)s)")
+                   help="stop the job when a replica crashes N times in a row with the same error, each time before "
+                        "its first commit or without the job getting further (a crash loop) (default: %(default)s)")
     p.add_argument("--start-method", choices=("fork-server", "spawn"), default="fork-server",
                    help="fork rank processes from a preloaded zygote, or spawn fresh interpreters "
                         "(default: %(default)s)")
@@ -171,7 +172,7 @@ class _Job:
         elif kind == "commit" and current and ev.get("rank", 0) == 0:
             self.last_commit[rid] = ev["step"]
             self.crashes_in_a_row.pop(rid, None)
-            self.crash_log.committed(rid)
+            self.crash_log.committed(rid, self.stats.max_step)
             if ev["step"] >= self.goal and self.finished_at is None:
                 self._finish(rid)
         if not self.steady and self.stats.steady_step is not None:
@@ -263,16 +264,17 @@ class _Job:
         rank = next((r for r in failed if "Traceback" in summaries[r].detail), failed[0])
         summary, inc = summaries[rank], rep.spec.incarnation
         verdict = self.crash_log.crashed(rid, rank=rank, incarnation=inc, exit_code=codes[rank], summary=summary,
-                                         started=started)
+                                         started=started, job_step=self.stats.max_step)
         if verdict.show:
             self.say(f"ftrun launch: {rid} rank {rank} (incarnation {inc}) exited with {codes[rank]}"
                      f"{'' if started else ' before its first commit'}: {summary.error}"
                      + "".join(f"\n  | {line}" for line in summary.detail.splitlines()))
         if verdict.give_up:
-            self.gave_up = {"replica_id": rid, "incarnation": inc, "count": verdict.startup_failures,
-                            "error": summary.error}
-            self.say(f"ftrun launch: {rid} failed to start {verdict.startup_failures} times in a row with the same "
-                     f"error ({summary.error}); not restarting it (--max-startup-failures "
+            self.gave_up = {"replica_id": rid, "incarnation": inc, "count": verdict.futile, "error": summary.error,
+                            "step": self.stats.max_step}
+            self.say(f"ftrun launch: {rid} crashed {verdict.futile} times in a row with the same error "
+                     f"({summary.error}), each time before its first commit or with the job still at step "
+                     f"{self.stats.max_step}: a crash loop. Not restarting it (--max-startup-failures "
                      f"{self.args.max_startup_failures}); stopping the job. Rank logs: {self.out}/logs")
             self.record({"event": "gave_up", "t": self.env.clock.now(), **self.gave_up})
             return

@@ -21,6 +21,8 @@ from ftrun.launch.stats import RunStats, loss_at, loss_curve
 from ftrun.launch.theory import FORMULA, realized_interval, theoretical_efficiency
 
 LOSS_WINDOW_STEPS = 20  # the final loss is the mean over this many steps' worth of batches
+MAX_ERRORS_SHOWN = 5  # distinct crash errors in the printed report (the JSON has up to MAX_ERRORS_KEPT)
+MAX_ERRORS_KEPT = 50
 
 
 @dataclass
@@ -52,7 +54,8 @@ def job_figures(result: JobResult, base: JobResult | None, *, args: argparse.Nam
         figures["baseline_replicas_identical"] = base.stats.replicas_identical
     figures.update(out=result.out, start_method=start_method, steps_goal=result.goal,
                    interrupted=result.stop_signal is not None, stop_signal=result.stop_signal,
-                   timed_out=result.timed_out, gave_up=result.gave_up, errors=result.errors, warnings=result.warnings)
+                   timed_out=result.timed_out, gave_up=result.gave_up, errors=result.errors[:MAX_ERRORS_KEPT],
+                   warnings=result.warnings)
     figures["incomplete_reasons"] = incomplete_reasons(figures, goal=result.goal)
     figures["complete"] = not figures["incomplete_reasons"]
     return figures
@@ -178,7 +181,10 @@ def print_report(f: dict) -> None:
         base = f.get("baseline_final_loss")
         print(f"  final loss {f['final_loss']:.4f} at {f['batches_at_final_loss']:.0f} batches"
               + (f"; no-failure baseline at the same batches {base:.4f}" if base is not None else ""))
-    for e in f.get("errors", []):
+    errors = f.get("errors", [])
+    if len(errors) > MAX_ERRORS_SHOWN:
+        print(f"  crashes: {len(errors)} distinct errors, the first {MAX_ERRORS_SHOWN}:")
+    for e in errors[:MAX_ERRORS_SHOWN]:
         print(f"  crashes: {e['count']} x {e['error']} (first: {e['replica_id']} rank {e['rank']}, "
               f"incarnation {e['incarnation']}; its log: {f['out']}/logs/{e['replica_id']}.{e['incarnation']}."
               f"{e['rank']}.log)")

@@ -74,11 +74,13 @@ class RunStats:
         self._ready: dict[tuple[str, int], float] = {}
         self._last_commit: dict[tuple[str, int], float] = {}
         self._periods: list[float] = []  # gaps between consecutive commits of one incarnation
+        self._num_committed = 0  # the highest committed step + 1
 
     @property
     def max_step(self) -> int:
-        """Steps the job has committed (the highest step any replica reached)."""
-        return max(self.rows) + 1 if self.rows else 0
+        """Steps the job has committed (the highest step any replica committed; a failed commit of the next
+        step does not count)."""
+        return self._num_committed
 
     def row(self, step: int) -> StepRow:
         if step not in self.rows:
@@ -114,6 +116,7 @@ class RunStats:
             self.finals.append(ev)
 
     def _on_commit(self, rid: str, inc: int, step: int, t: float) -> None:
+        self._num_committed = max(self._num_committed, step + 1)
         row = self.row(step)
         row.committed.add(rid)
         row.first_t = t if row.first_t is None else min(row.first_t, t)
@@ -132,6 +135,7 @@ class RunStats:
 
     def _on_step(self, ev: dict, rid: str, inc: int) -> None:
         step, rank = ev["step"], ev.get("rank", 0)
+        self._num_committed = max(self._num_committed, step + 1)  # a committed "step" event
         if rank == 0 and ev.get("loss") is not None and not ev.get("healed"):
             self.row(step).losses.append(float(ev["loss"]))
         digest = ev.get("param_hash")

@@ -29,6 +29,8 @@ for step in range(steps):
         sys.exit(0)  # a clean exit before the job's last step
     if mode == "user-error" and rid == "r1" and step == 3:
         {}["no such key"] + 1  # the same bug in every incarnation of r1, after it has committed
+    if mode == "stuck" and step == 3:
+        raise RuntimeError(f"bad batch in {rid}")  # every replica, every time: the job never gets past step 3
     time.sleep(step_s)
     print(json.dumps({"event": "commit", "step": step + 1, "t": time.monotonic()}), flush=True)
     digest = rid if mode == "short" else "same"  # "short" also diverges: each replica its own state
@@ -72,9 +74,22 @@ def test_a_crash_loop_at_startup_stops_after_n_same_failures_and_shows_the_cause
     # the cause, with the script's own traceback (not the zygote's frames), shown once however many crashes
     assert stderr.count("Traceback (most recent call last)") == 1, stderr
     assert "import no_such_module_for_ftrun_tests" in stderr and "zygote.py" not in stderr
-    assert "failed to start 2 times in a row" in stderr
+    assert "crashed 2 times in a row with the same error" in stderr
     [err] = f["errors"]
     assert err["count"] >= 2 and "No module named 'no_such_module_for_ftrun_tests'" in err["error"]
+
+
+@pytest.mark.timeout(120)
+def test_crashing_at_the_same_step_again_and_again_is_a_crash_loop_too(tmp_path):
+    """Each incarnation commits (restarted from scratch, without a checkpoint) and crashes at step 3 again:
+    not a failure to start, but the job makes no progress."""
+    code, _, stderr, f = finish(start(tmp_path / "out", fake_script(tmp_path), "--replicas", "2", "--steps", "20",
+                                      "--restart-delay", "0.05s", "--max-startup-failures", "2",
+                                      script_args=("stuck", "0.01")), tmp_path / "out")
+    assert code == 1 and f["gave_up"]["error"] in ("RuntimeError: bad batch in r0", "RuntimeError: bad batch in r1")
+    assert f["gave_up"]["step"] == 3 and f["steps_reached"] == 3
+    assert stderr.count("Traceback (most recent call last)") <= 2  # once per distinct error (one per replica)
+    assert any("a crash loop" in r for r in f["incomplete_reasons"])
 
 
 @pytest.mark.timeout(120)

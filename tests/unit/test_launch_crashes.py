@@ -36,6 +36,8 @@ RuntimeError: bad object at 0x7f3a2c
     ("/usr/bin/python: No module named nosuch\n", 1, "/usr/bin/python: No module named nosuch", "/usr/bin/python"),
     ("", -9, "killed by SIGKILL, nothing on stderr", ""),
     ("\n\n", 3, "exit code 3, nothing on stderr", ""),
+    ("2026-11-23 18:47:13,612 ERROR ftrun.train: replica r1 gives up\n", 1, "ERROR ftrun.train: replica r1 gives up",
+     "2026-11-23"),
     ("Traceback (most recent call last):\n  File \"a.py\", line 1\n", 1, "File \"a.py\", line 1", "Traceback"),
 ])
 def test_summarize_stderr(text, code, error, detail_starts):
@@ -43,6 +45,16 @@ def test_summarize_stderr(text, code, error, detail_starts):
     assert s.error == error and s.detail.startswith(detail_starts)
     if "Traceback" in text:
         assert "shutting down" not in s.detail and "something earlier" not in s.detail
+
+
+def test_repeated_log_lines_are_collapsed():
+    lines = [f"2026-11-23 18:49:36,{i:03d} WARNING ftrun.commit: step 3: bad operand" for i in range(11)]
+    text = "\n".join(["first"] + lines + ["2026-11-23 18:49:37,000 ERROR ftrun.train: gives up"]) + "\n"
+    s = summarize_stderr(text, 1)
+    assert s.error == "ERROR ftrun.train: gives up"
+    assert s.detail.splitlines() == ["first", lines[0] + "  [repeated 11 times]",
+                                     "2026-11-23 18:49:37,000 ERROR ftrun.train: gives up"]
+    assert summarize_stderr("x\nx\n", 1) == ErrorSummary("x", "x  [repeated 2 times]")
 
 
 def test_a_long_traceback_is_clipped_in_the_middle():
@@ -53,37 +65,40 @@ def test_a_long_traceback_is_clipped_in_the_middle():
     assert any("lines left out" in line for line in lines)
 
 
-def crash(log, rid, error, started=False, inc=0):
-    return log.crashed(rid, rank=0, incarnation=inc, exit_code=1, summary=ErrorSummary(error, "tb " + error),
-                       started=started)
+def crash(log, rid, error, started=False, job_step=0):
+    return log.crashed(rid, rank=0, incarnation=0, exit_code=1, summary=ErrorSummary(error, "tb " + error),
+                       started=started, job_step=job_step)
 
 
-def test_the_same_startup_failure_n_times_in_a_row_is_a_crash_loop():
+def test_the_same_futile_crash_n_times_in_a_row_is_a_crash_loop():
     log = CrashLog(max_startup_failures=3)
-    rows = [  # replica, error, started -> (show, startup failures in a row, give up)
-        ("r0", "E1", False, (True, 1, False)),
-        ("r1", "E1", False, (False, 1, False)),  # shown once per job, whichever replica
-        ("r0", "E1", False, (False, 2, False)),
-        ("r0", "E2", False, (True, 1, False)),  # another error starts the count again
-        ("r0", "E2", False, (False, 2, False)),
-        ("r0", "E2", True, (False, 0, False)),  # it had committed: not a failure to start
-        ("r0", "E2", False, (False, 1, False)),
-        ("r0", "E2", False, (False, 2, False)),
-        ("r0", "E2", False, (False, 3, True)),
+    rows = [  # replica, error, its incarnation had committed, job step -> (show, futile in a row, give up)
+        ("r0", "E1", False, 0, (True, 1, False)),
+        ("r1", "E1", False, 0, (False, 1, False)),  # shown once per job, whichever replica
+        ("r0", "E1", False, 0, (False, 2, False)),
+        ("r0", "E2", False, 0, (True, 1, False)),  # another error starts the count again
+        ("r0", "E2", False, 0, (False, 2, False)),
+        ("r0", "E2", True, 7, (False, 0, False)),  # it ran and the job got further: not futile
+        ("r0", "E2", True, 7, (False, 1, False)),  # it ran, but the job is no further than at its last crash
+        ("r0", "E2", True, 7, (False, 2, False)),
+        ("r0", "E2", False, 9, (False, 3, True)),  # failed to start (the others went on): futile
     ]
-    for rid, error, started, expected in rows:
-        v = crash(log, rid, error, started)
-        assert (v.show, v.startup_failures, v.give_up) == expected, (rid, error, started)
+    for rid, error, started, step, expected in rows:
+        v = crash(log, rid, error, started, step)
+        assert (v.show, v.futile, v.give_up) == expected, (rid, error, started, step)
     assert [(e.error, e.count, e.replica_id) for e in log.errors.values()] == [("E1", 3, "r0"), ("E2", 6, "r0")]
     assert log.errors["E1"].as_json()["detail"] == "tb E1"
 
 
-def test_a_commit_between_failures_ends_the_streak():
+def test_a_commit_resets_the_count_only_once_the_job_gets_further():
     log = CrashLog(max_startup_failures=2)
-    assert not crash(log, "r0", "E").give_up
-    log.committed("r0")
-    assert not crash(log, "r0", "E").give_up
-    assert crash(log, "r0", "E").give_up
+    assert crash(log, "r0", "E", job_step=5).futile == 1
+    log.committed("r0", 5)  # re-committing steps the job already had (restarted from scratch) is no progress
+    assert crash(log, "r0", "E", started=True, job_step=5).give_up
+    log = CrashLog(max_startup_failures=2)
+    assert crash(log, "r0", "E", job_step=5).futile == 1
+    log.committed("r0", 6)
+    assert crash(log, "r0", "E", job_step=6).futile == 1
     with pytest.raises(ValueError, match="max_startup_failures"):
         CrashLog(max_startup_failures=0)
 
@@ -102,7 +117,8 @@ GOOD = {"steps_reached": 10, "replicas_identical": True, "num_divergences": 0, "
     ({"audit_problems": 3}, "3 audit problem(s)"),
     ({"interrupted": True}, "interrupted"),
     ({"timed_out": True}, "--timeout expired"),
-    ({"gave_up": {"replica_id": "r1", "count": 3}}, "gave up on r1 after 3 startup failures with the same error"),
+    ({"gave_up": {"replica_id": "r1", "count": 3}},
+     "gave up on r1 after 3 crashes in a row with the same error and no progress (a crash loop)"),
 ])
 def test_incomplete_reasons(change, reason):
     assert incomplete_reasons({**GOOD, **change}, goal=10) == ([] if reason is None else [reason])

@@ -33,6 +33,16 @@ def test_efficiency_counts_replica_steps_from_the_first_full_step():
     assert s.efficiency() == (8, 9)
 
 
+def test_a_failed_commit_of_the_next_step_is_not_a_step_reached():
+    s = RunStats(2)
+    for step in (0, 1, 2):
+        s.add(commit("r0", step, float(step)))
+        s.add(commit("r1", step, float(step)))
+    s.add({"event": "abort", "replica_id": "r0", "incarnation": 0, "rank": 0, "step": 3, "t": 3.0})
+    assert s.max_step == 3 and s.rows[3].aborts == 1
+    assert s.efficiency() == (6, 6)
+
+
 def test_identical_state_compares_each_step_and_rank_against_the_first_hash():
     s = RunStats(2)
     s.add(stepped("r0", 0, h="x"))
