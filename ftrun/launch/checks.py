@@ -83,6 +83,8 @@ def problems(args: argparse.Namespace) -> list[str]:
                        f"so it would never fire")
     if args.max_kills is not None and not (args.kill_every or args.kill_random_mean or args.kill_at):
         out.append("--max-kills: needs a kill option (--kill-every, --kill-random-mean or --kill-at)")
+    if args.stop_file is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.stop_file))):
+        out.append(f"--stop-file {args.stop_file}: its folder does not exist")
     if not args.module and not os.path.isfile(args.script):
         out.append(f"SCRIPT {args.script!r}: no such file (use -m to run a module)")
     return out

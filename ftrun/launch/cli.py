@@ -268,7 +268,8 @@ class _Job:
         if verdict.show:
             self.say(f"ftrun launch: {rid} rank {rank} (incarnation {inc}) exited with {codes[rank]}"
                      f"{'' if started else ' before its first commit'}: {summary.error}"
-                     + "".join(f"\n  | {line}" for line in summary.detail.splitlines()))
+                     + "".join(f"\n  | {line}" for line in summary.detail.splitlines()
+                               if summary.detail.strip() != summary.error))
         if verdict.give_up:
             self.gave_up = {"replica_id": rid, "incarnation": inc, "count": verdict.futile, "error": summary.error,
                             "step": self.stats.max_step}
@@ -393,7 +394,7 @@ def _launch(env: RealEnv, args: argparse.Namespace, out: str, stop: Interrupts) 
         if args.baseline:
             base = run_job(env, args, os.path.join(out, "baseline"), launcher, inject=False, label="baseline",
                            stop=stop)
-        if stop.signal is None:
+        if stop.signal is None or base is None:  # stopped before any job: an empty one writes the report
             result = run_job(env, args, out, launcher, inject=True, label="ftrun launch", stop=stop)
     finally:
         launcher.close()

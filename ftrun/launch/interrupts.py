@@ -24,8 +24,12 @@ class Interrupts:
         self._previous: dict[int, object] = {}
 
     def install(self) -> None:
+        """Catch SIGINT and SIGTERM, except a SIGINT this process was started ignoring (a background job)."""
         try:
-            self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+            self._previous = {sig: signal.getsignal(sig) for sig in self.SIGNALS}
+            for sig, previous in self._previous.items():
+                if not (sig == signal.SIGINT and previous == signal.SIG_IGN):
+                    signal.signal(sig, self._handle)
         except ValueError:  # not the main thread (an embedding caller): signals stay theirs
             self._previous = {}
 

@@ -42,7 +42,13 @@ for step in range(steps):
 def start(out, script, *args: str, script_args: tuple[str, ...] = ()) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "ftrun.cli", "launch", "--out", str(out), "--json", "--no-progress",
                              *args, str(script), *script_args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+                            text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, preexec_fn=_default_sigint)
+
+
+def _default_sigint() -> None:
+    """In the launcher's process before exec: SIGINT as a terminal's foreground job has it, whatever the
+    test runner's own setting (a launcher started with SIGINT ignored keeps ignoring it)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def finish(proc: subprocess.Popen, out, timeout: float = 90.0) -> tuple[int, str, str, dict]:

@@ -4,12 +4,15 @@ defaults in --help, and `ftrun --version` answers. Fast: nothing is started."""
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 
 import pytest
 
 import ftrun
 from ftrun.cli import main
 from ftrun.launch import cli as launch_cli
+from ftrun.launch.interrupts import Interrupts
 
 SCRIPT = ["-m", "ftrun.launch.demo_worker"]
 
@@ -42,6 +45,7 @@ def exit_status(argv: list[str]) -> int:
     (["--steps", "5", "--restart-delay", "x"], "argument --restart-delay: bad duration 'x'"),
     (["--steps", "5", "--max-startup-failures", "0"], "argument --max-startup-failures: must be >= 1, got 0"),
     (["--steps", "5", "--start-method", "fork"], "argument --start-method: invalid choice: 'fork'"),
+    (["--steps", "5", "--stop-file", "/no/such/folder/stop"], "--stop-file /no/such/folder/stop: its folder does not exist"),
 ])
 def test_bad_flags_exit_2_with_a_message_naming_the_flag(argv, message, capsys):
     assert exit_status(["launch", *argv, *SCRIPT]) == 2
@@ -78,3 +82,30 @@ def test_every_option_shows_its_default_in_help():
 def test_version(capsys):
     assert exit_status(["--version"]) == 0
     assert capsys.readouterr().out.strip() == f"ftrun {ftrun.__version__}"
+
+
+def test_the_first_signal_asks_to_stop_and_a_second_quits_at_once(capsys):
+    before = signal.getsignal(signal.SIGTERM)
+    stop = Interrupts()
+    stop.install()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.signal == "SIGTERM" and stop.exit_code == 128 + signal.SIGTERM
+        assert "SIGTERM: stopping the job and writing the partial report" in capsys.readouterr().err
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)
+    finally:
+        stop.restore()
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_a_sigint_the_process_was_started_ignoring_stays_ignored():
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        stop = Interrupts()
+        stop.install()
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) == stop._handle
+        stop.restore()
+    finally:
+        signal.signal(signal.SIGINT, before)
