@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass, field
 
 from ftrun.data.audit import AuditReport, audit, read_log
-from ftrun.data.loader_state import LoaderState
+from ftrun.data.loader_state import DataError, LoaderState
 from ftrun.launch.checks import incomplete_reasons
 from ftrun.launch.stats import RunStats, loss_at, loss_curve
 from ftrun.launch.theory import FORMULA, realized_interval, theoretical_efficiency
@@ -69,10 +69,19 @@ def read_audit(run_dir: str, final: dict | None) -> AuditReport | None:
     records, problems = [], []
     for path in paths:
         with open(path, "rb") as f:
-            recs, probs = read_log(f.read(), name=os.path.basename(path))
+            data = f.read()
+        try:
+            recs, probs = read_log(data, name=os.path.basename(path))
+        except DataError as e:  # a malformed log is a finding of the audit, not a crash of the launcher
+            recs, probs = [], [str(e)]
         records += recs
         problems += probs
-    state = LoaderState.from_dict(final["loader_state"]) if final and "loader_state" in final else None
+    state = None
+    if final and "loader_state" in final:
+        try:
+            state = LoaderState.from_dict(final["loader_state"])
+        except DataError as e:
+            problems.append(f"the final loader_state is unreadable: {e}")
     report = audit(records, final=state)
     if problems:
         report = AuditReport(report.trained, report.duplicates, report.gaps, report.problems + tuple(problems),
