@@ -4,6 +4,9 @@
 replica's audit files) into the flat figures `ftrun launch --json` prints; `audit_figures` is the pure
 part of the audit, `read_audit` the file part. `write_plots` draws participants per step, committed vs
 failed replica-steps and loss vs batches trained, with the no-failure baseline when there is one.
+`job_figures` puts it together for a finished or stopped job (JobResult): it writes metrics.jsonl and
+report.png and sets `complete` from checks.incomplete_reasons. A malformed audit file is an audit
+problem (the job is incomplete), never a crash of the launcher.
 """
 
 from __future__ import annotations
