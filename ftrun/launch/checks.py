@@ -120,8 +120,7 @@ def incomplete_reasons(figures: dict, *, goal: int) -> list[str]:
     out = []
     if figures.get("interrupted"):
         out.append("interrupted")
-    if figures.get("gave_up"):
-        g = figures["gave_up"]
+    for g in figures.get("gave_up") or []:
         out.append(f"gave up on {g['replica_id']} after {g['count']} crashes in a row with the same error "
                    f"and no progress (a crash loop)")
     if figures.get("timed_out"):

@@ -23,7 +23,8 @@ of batches trained. With --json the last stdout line is one JSON object with all
 When things go wrong: bad flags exit 2 with a message naming the flag (checks.py). A crashed rank's
 error, with its traceback from the rank's stderr, is shown once per job (crashes.py); a replica that
 crashes --max-startup-failures times in a row with the same error, each time before its first commit or
-with the job no further, is in a crash loop and ends the job. The exit status
+with the job no further, is in a crash loop: it is not restarted, and the job ends when the others
+cannot make a quorum (either way it does not count as complete). The exit status
 is 0 only for a complete job: it reached its steps with identical replicas, no duplicated or skipped
 batch, and was neither interrupted nor given up on (`incomplete_reasons` in the JSON says why not).
 Ctrl-C or SIGTERM stops the job and writes the partial report (exit 128 + signal); a second one quits
@@ -87,8 +88,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="wait before restarting a killed replica; doubles after each crash in a row "
                         "(default: %(default)ss)")
     p.add_argument("--max-startup-failures", type=positive_int, default=3, metavar="N",
-                   help="stop the job when a replica crashes N times in a row with the same error, each time before "
-                        "its first commit or without the job getting further (a crash loop) (default: %(default)s)")
+                   help="stop restarting a replica that crashed N times in a row with the same error, each time "
+                        "before its first commit or without the job getting further (a crash loop); the job ends if "
+                        "the others cannot make a quorum, and exits 1 either way (default: %(default)s)")
     p.add_argument("--start-method", choices=("fork-server", "spawn"), default="fork-server",
                    help="fork rank processes from a preloaded zygote, or spawn fresh interpreters "
                         "(default: %(default)s)")
@@ -144,7 +146,8 @@ class _Job:
         self.steady = False  # every replica has committed a step
         self.closed = False
         self.crash_log = CrashLog(args.max_startup_failures)
-        self.gave_up: dict | None = None  # set when a replica is in a crash loop: the job ends
+        self.gave_up: list[dict] = []  # replicas in a crash loop, no longer restarted
+        self.too_few = False  # the replicas not given up cannot make a quorum: the job ends
         self.plan = KillPlan(every_s=args.kill_every, random_mean_s=args.kill_random_mean,
                              at_steps=list(args.kill_at), min_up=self.min_up, seed=args.seed) if inject else None
 
@@ -238,9 +241,9 @@ class _Job:
                 self.done.add(rid)
             elif crashed:
                 self._on_crash(rid, codes)
-                if self.gave_up is not None:
+                if self.too_few:
                     return  # the job ends
-        if self.plan is None or self.finished_at is not None or self.gave_up is not None:
+        if self.plan is None or self.finished_at is not None or self.too_few:
             return  # the job reached its goal: no more injected failures
         if self.args.max_kills is not None and self.stats.num_kills >= self.args.max_kills:
             self._end_early()
@@ -271,16 +274,26 @@ class _Job:
                      + "".join(f"\n  | {line}" for line in summary.detail.splitlines()
                                if summary.detail.strip() != summary.error))
         if verdict.give_up:
-            self.gave_up = {"replica_id": rid, "incarnation": inc, "count": verdict.futile, "error": summary.error,
-                            "step": self.stats.max_step}
-            self.say(f"ftrun launch: {rid} crashed {verdict.futile} times in a row with the same error "
-                     f"({summary.error}), each time before its first commit or with the job still at step "
-                     f"{self.stats.max_step}: a crash loop. Not restarting it (--max-startup-failures "
-                     f"{self.args.max_startup_failures}); stopping the job. Rank logs: {self.out}/logs")
-            self.record({"event": "gave_up", "t": self.env.clock.now(), **self.gave_up})
+            self._give_up(rid, inc, verdict.futile, summary.error)
             return
         self.crashes_in_a_row[rid] = self.crashes_in_a_row.get(rid, 0) + 1
         self.kill(rid, f"rank exited with {codes}", error=summary.error)  # a crash: the whole replica restarts
+
+    def _give_up(self, rid: str, inc: int, count: int, error: str) -> None:
+        """Stop restarting a replica in a crash loop; end the job if the others cannot make a quorum."""
+        self.gave_up.append({"replica_id": rid, "incarnation": inc, "count": count, "error": error,
+                             "step": self.stats.max_step})
+        self.done.add(rid)
+        self.last_commit.pop(rid, None)
+        self.record({"event": "gave_up", "t": self.env.clock.now(), **self.gave_up[-1]})
+        left = len(self.replicas) - len(self.gave_up)
+        self.too_few = left < self.min_up
+        self.say(f"ftrun launch: {rid} crashed {count} times in a row with the same error ({error}), each time "
+                 f"before its first commit or with the job still at step {self.stats.max_step}: a crash loop. Not "
+                 f"restarting it (--max-startup-failures {self.args.max_startup_failures}); "
+                 + (f"stopping the job ({left} replica(s) left, fewer than {self.min_up})." if self.too_few else
+                    f"the job goes on with {left} replica(s) and will not count as complete.")
+                 + f" Rank logs: {self.out}/logs")
 
     def pull_events(self) -> None:
         """Record every event already delivered."""
@@ -298,7 +311,7 @@ class _Job:
                              max_kills=self.args.max_kills, num_kills=self.stats.num_kills)
 
     def running(self) -> bool:
-        if len(self.done) == len(self.replicas) or self.gave_up is not None:
+        if len(self.done) == len(self.replicas) or self.too_few:
             return False
         return self.finished_at is None or self.env.clock.now() - self.finished_at < FINISH_GRACE_S
 

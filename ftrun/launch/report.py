@@ -36,7 +36,7 @@ class JobResult:
     goal: int  # the step the job was to end at
     stop_signal: str | None = None  # "SIGINT"/"SIGTERM" when a signal ended the job early
     timed_out: bool = False
-    gave_up: dict | None = None  # the replica in a crash loop, when the job ended for it
+    gave_up: list[dict] = field(default_factory=list)  # replicas in a crash loop, no longer restarted
     errors: list[dict] = field(default_factory=list)  # what crashed rank processes died of (CrashLog)
     warnings: list[str] = field(default_factory=list)  # kill options that never fired
 

@@ -29,6 +29,13 @@ for step in range(steps):
         sys.exit(0)  # a clean exit before the job's last step
     if mode == "user-error" and rid == "r1" and step == 3:
         {}["no such key"] + 1  # the same bug in every incarnation of r1, after it has committed
+    if mode == "r1-broken" and rid == "r1":
+        raise ImportError("r1 cannot load its data")  # fails to start, every time
+    if mode == "r1-broken" and step == 5:
+        events = os.path.join(os.environ["FTRUN_RUN_DIR"], "events.jsonl")
+        deadline = time.monotonic() + 60  # r0 goes on once the launcher has given up on r1
+        while '"gave_up"' not in open(events).read() and time.monotonic() < deadline:
+            time.sleep(0.02)
     if mode == "stuck" and step == 3:
         raise RuntimeError(f"bad batch in {rid}")  # every replica, every time: the job never gets past step 3
     time.sleep(step_s)
@@ -74,7 +81,8 @@ def test_a_crash_loop_at_startup_stops_after_n_same_failures_and_shows_the_cause
     code, _, stderr, f = finish(start(tmp_path / "out", script, "--replicas", "2", "--steps", "10",
                                    "--restart-delay", "0.05s", "--max-startup-failures", "2"), tmp_path / "out")
     assert code == 1 and not f["complete"]
-    assert f["gave_up"]["count"] == 2 and f["gave_up"]["error"].startswith("ModuleNotFoundError")
+    [gave_up] = f["gave_up"]  # 2 replicas, a quorum needs 2: the job ends at the first one given up
+    assert gave_up["count"] == 2 and gave_up["error"].startswith("ModuleNotFoundError")
     assert any(r.startswith("gave up on r") for r in f["incomplete_reasons"])
     assert "reached step 0 of 10" in f["incomplete_reasons"]
     # the cause, with the script's own traceback (not the zygote's frames), shown once however many crashes
@@ -92,10 +100,24 @@ def test_crashing_at_the_same_step_again_and_again_is_a_crash_loop_too(tmp_path)
     code, _, stderr, f = finish(start(tmp_path / "out", fake_script(tmp_path), "--replicas", "2", "--steps", "20",
                                       "--restart-delay", "0.05s", "--max-startup-failures", "2",
                                       script_args=("stuck", "0.01")), tmp_path / "out")
-    assert code == 1 and f["gave_up"]["error"] in ("RuntimeError: bad batch in r0", "RuntimeError: bad batch in r1")
-    assert f["gave_up"]["step"] == 3 and f["steps_reached"] == 3
+    [gave_up] = f["gave_up"]
+    assert code == 1 and gave_up["error"] in ("RuntimeError: bad batch in r0", "RuntimeError: bad batch in r1")
+    assert gave_up["step"] == 3 and f["steps_reached"] == 3
     assert stderr.count("Traceback (most recent call last)") <= 2  # once per distinct error (one per replica)
     assert any("a crash loop" in r for r in f["incomplete_reasons"])
+
+
+@pytest.mark.timeout(120)
+def test_a_replica_in_a_crash_loop_is_given_up_while_the_others_finish_the_job(tmp_path):
+    code, _, stderr, f = finish(start(tmp_path / "out", fake_script(tmp_path), "--replicas", "2", "--min-replicas",
+                                      "1", "--steps", "20", "--restart-delay", "0.05s", "--max-startup-failures", "2",
+                                      script_args=("r1-broken", "0.01")), tmp_path / "out")
+    assert [(g["replica_id"], g["count"], g["error"]) for g in f["gave_up"]] == \
+        [("r1", 2, "ImportError: r1 cannot load its data")]
+    assert "the job goes on with 1 replica(s) and will not count as complete" in stderr
+    assert f["steps_reached"] == 20 and f["incomplete_reasons"] == [
+        "gave up on r1 after 2 crashes in a row with the same error and no progress (a crash loop)"]
+    assert code == 1 and not f["complete"]
 
 
 @pytest.mark.timeout(120)
@@ -108,7 +130,7 @@ def test_a_user_error_after_commits_is_shown_once_and_the_others_finish(tmp_path
     assert err["count"] >= 2, "r1 crashed again after its restart (and committed first: no crash loop)"
     assert stderr.count("Traceback (most recent call last)") == 1, stderr  # shown once, not per restart
     assert "exited with 1: KeyError: 'no such key'" in stderr
-    assert f["gave_up"] is None and f["crashes"] == err["count"]
+    assert f["gave_up"] == [] and f["crashes"] == err["count"]
     assert code == 0 and f["complete"] and f["steps_reached"] >= 40
 
 

@@ -104,7 +104,7 @@ def test_a_commit_resets_the_count_only_once_the_job_gets_further():
 
 
 GOOD = {"steps_reached": 10, "replicas_identical": True, "num_divergences": 0, "duplicate_batches": 0,
-        "skipped_batches": 0, "audit_problems": 0, "interrupted": False, "gave_up": None, "timed_out": False}
+        "skipped_batches": 0, "audit_problems": 0, "interrupted": False, "gave_up": [], "timed_out": False}
 
 
 @pytest.mark.parametrize("change,reason", [
@@ -117,7 +117,7 @@ GOOD = {"steps_reached": 10, "replicas_identical": True, "num_divergences": 0, "
     ({"audit_problems": 3}, "3 audit problem(s)"),
     ({"interrupted": True}, "interrupted"),
     ({"timed_out": True}, "--timeout expired"),
-    ({"gave_up": {"replica_id": "r1", "count": 3}},
+    ({"gave_up": [{"replica_id": "r1", "count": 3}]},
      "gave up on r1 after 3 crashes in a row with the same error and no progress (a crash loop)"),
 ])
 def test_incomplete_reasons(change, reason):
