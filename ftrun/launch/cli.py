@@ -125,7 +125,7 @@ class _Job:
         self.stats = RunStats(args.replicas)
         self.events = env.queue()
         os.makedirs(os.path.join(out, "logs"), exist_ok=True)
-        self.event_log = open(os.path.join(out, "events.jsonl"), "w")
+        self.event_log = open(os.path.join(out, "events.jsonl"), "w", buffering=1)  # line by line: tail -f works
         argv = (["-m", args.script] if args.module else [args.script]) + list(args.script_args)
         self.replicas = {f"r{i}": ReplicaProcesses(
             env=env, events=self.events, log_dir=os.path.join(out, "logs"), argv=argv, launcher=launcher,
