@@ -55,24 +55,35 @@ class Timeouts:
 
 @dataclass(frozen=True, kw_only=True)
 class LighthouseConfig:
+    """min_replicas: a quorum needs this many replicas, and a commit this many contributors.
+    leave_out_after: a replica reporting this many failed commits by its own fault since its last commit
+    sits out the next quorum when the others can form it (ftrun.quorum.decide rule 7)."""
+
     min_replicas: int = 1
+    leave_out_after: int = 2
     timeouts: Timeouts = field(default_factory=Timeouts)
 
     def __post_init__(self) -> None:
-        if self.min_replicas < 1:
-            raise ValueError(f"LighthouseConfig.min_replicas must be >= 1, got {self.min_replicas}")
+        for name in ("min_replicas", "leave_out_after"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"LighthouseConfig.{name} must be >= 1, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True, kw_only=True)
 class ManagerConfig:
     """Per-replica manager settings.
 
-    max_retries: failed commits in a row after which the replica gives up (raises) instead of retrying.
+    max_retries: failed commits by the replica's own fault (its compute, a local error) since its last
+    commit, after which it gives up (raises) instead of retrying.
+    max_peer_retries: the same for failed commits that other replicas caused (a peer died or stalled in
+    the exchange, too few contributors): a larger budget, so a failing peer cannot take this one down.
     """
 
     max_retries: int = 10
+    max_peer_retries: int = 100
     timeouts: Timeouts = field(default_factory=Timeouts)
 
     def __post_init__(self) -> None:
-        if self.max_retries < 0:
-            raise ValueError(f"ManagerConfig.max_retries must be >= 0, got {self.max_retries}")
+        for name in ("max_retries", "max_peer_retries"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"ManagerConfig.{name} must be >= 0, got {getattr(self, name)}")

@@ -6,11 +6,12 @@ import argparse
 import os
 import secrets
 import signal
+import sys
 
 from ftrun.config import LighthouseConfig, Timeouts
 from ftrun.env.real import RealEnv
 from ftrun.quorum.http import StatusServer
-from ftrun.quorum.service import Lighthouse
+from ftrun.quorum.service import Lighthouse, LighthouseStateError
 from ftrun.storage import FileStorage
 
 
@@ -33,7 +34,11 @@ def run(args: argparse.Namespace) -> int:
     )
     env = RealEnv()
     storage = FileStorage(args.state_dir) if args.state_dir else None
-    lighthouse = Lighthouse(env=env, config=config, token=token, storage=storage, bind=args.bind)
+    try:
+        lighthouse = Lighthouse(env=env, config=config, token=token, storage=storage, bind=args.bind)
+    except LighthouseStateError as e:
+        print(f"ftrun lighthouse: {e} (in --state-dir {args.state_dir})", file=sys.stderr)
+        return 2
     addr = lighthouse.start()
     http = StatusServer(env=env, lighthouse=lighthouse, token=token, bind=args.http_bind)
     url = http.start()
@@ -42,8 +47,11 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     print(f"lighthouse listening on {addr}; status {url}/ (token {'from $FTRUN_TOKEN' if not args.token and os.environ.get('FTRUN_TOKEN') else token})",
           flush=True)
-    while not stop.wait(timeout=1.0):
+    while not stop.wait(timeout=1.0) and lighthouse.failed is None:
         pass
     http.stop()
     lighthouse.stop()
+    if lighthouse.failed is not None:
+        print(f"ftrun lighthouse: the quorum service died: {lighthouse.failed}", file=sys.stderr)
+        return 1
     return 0

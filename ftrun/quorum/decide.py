@@ -15,8 +15,25 @@ Rules, checked in this order:
    and split the job (found by the emulator on crusoe-300).
 
 A decision lists the participants (sorted by replica id, which is also the ring order), the highest
-step asked for, the replicas behind it (they catch up), and the quorum id, which increases whenever
-membership changes or a participant reports a failed commit.
+step asked for, the replicas behind it (they catch up), the quorum id, which increases whenever
+membership changes or a participant reports a failed commit, and min_replicas: a replica commits only
+when at least that many participants contributed a gradient (a healthy replica and a joiner that heals
+in the same step must not commit on one contribution when min_replicas is 2).
+
+Two more rules apply to a quorum about to form:
+7. Left out: a requester that keeps failing by its own fault (`own_failures` since its last commit at
+   least LighthouseConfig.leave_out_after) sits out this quorum when the others can form it without it
+   (min_replicas, and one of them holds the step); it stays pending and joins the next one as a replica
+   behind, so a replica that keeps failing its own compute does not keep failing its peers' steps.
+8. No regress: a quorum never forms below the highest step the lighthouse has handed out
+   (`LighthouseState.max_step`, persisted). While a live member has not asked (it may hold that step)
+   the lighthouse waits; when every live member asked and none holds it, the requesters are refused:
+   training them would fork the job (a replica frozen at step 10 resumed after its peers finished
+   step 40 trained a lineage of its own and overwrote the run's loader_state). One exception, the full
+   restart: when every requester at the quorum's step is `fresh` (a new incarnation on its first
+   quorum, resumed from the job's durable state: its latest checkpoint, else step 0), the job rewinds
+   to that step on purpose, and the floor moves down with it. A replica that trained on in memory
+   across the others' progress is never fresh.
 """
 
 from __future__ import annotations
@@ -48,6 +65,8 @@ class QuorumRequest:
     asked_at: float
     commit_failed: bool = False
     data_addrs: tuple[str, ...] = ()  # per-rank data-plane addresses of the replica (FTAR, catch-up)
+    own_failures: int = 0  # failed commits by this replica's own fault since its last commit (rule 7)
+    fresh: bool = False  # a new incarnation's first request: its state is the job's durable state (rule 8)
 
 
 @dataclass(frozen=True)
@@ -55,6 +74,7 @@ class LighthouseState:
     quorum_id: int = 0
     prev_participants: tuple[str, ...] = ()
     members: dict[str, Member] = field(default_factory=dict)
+    max_step: int = 0  # the highest step handed out: no quorum forms below it (rule 8)
 
 
 @dataclass(frozen=True)
@@ -73,6 +93,10 @@ class Decision:
     max_step: int = 0
     behind: tuple[str, ...] = ()
     retry_at: float | None = None  # when a waiting decision should be evaluated again
+    min_replicas: int = 1  # contributors (participants not behind) a commit needs
+    left_out: tuple[str, ...] = ()  # requesters that sit this quorum out and stay pending (rule 7)
+    refused: tuple[str, ...] = ()  # requesters refused for good (rule 8): each gets an error
+    rewind: bool = False  # a full restart below the highest step handed out (rule 8): the floor moves down
 
     @functools.cached_property
     def replica_ids(self) -> tuple[str, ...]:
@@ -104,24 +128,35 @@ def decide(
         return Decision(False, f"waiting: no majority ({num_asking} of {num_live} live replicas asked)")
     prev = set(state.prev_participants)
     if prev and prev <= asking.keys():
-        return _form(state, asking, f"fast path: every member of quorum {state.quorum_id} asked again")
+        return _form(state, asking, live, config, f"fast path: every member of quorum {state.quorum_id} asked again")
     if asking.keys() == live:
-        return _form(state, asking, f"all {num_live} live replicas asked")
+        return _form(state, asking, live, config, f"all {num_live} live replicas asked")
     from_prev = [r.asked_at for rid, r in asking.items() if rid in prev]
     started = min(from_prev) if from_prev else min(r.asked_at for r in asking.values())
     deadline = started + config.timeouts.join_timeout_s
     if now >= deadline:
         return _form(
-            state, asking, f"join timeout: {num_asking} of {num_live} live replicas asked "
+            state, asking, live, config, f"join timeout: {num_asking} of {num_live} live replicas asked "
             f"within {config.timeouts.join_timeout_s}s"
         )
     missing = sorted(live - asking.keys())
     return Decision(False, f"waiting for {', '.join(missing)} until join timeout", retry_at=deadline)
 
 
-def _form(state: LighthouseState, asking: dict[str, QuorumRequest], reason: str) -> Decision:
-    ids = tuple(sorted(asking))
+def _form(state: LighthouseState, asking: dict[str, QuorumRequest], live: set[str], config: LighthouseConfig,
+          reason: str) -> Decision:
     max_step = max(r.step for r in asking.values())
+    rewind = max_step < state.max_step
+    if rewind:
+        refusal = _regress(state, asking, live, max_step)
+        if refusal is not None:
+            return refusal
+        reason += f"; rewinding the job from step {state.max_step} to {max_step} (a full restart)"
+    left_out = _left_out(asking, max_step, config)
+    if left_out:
+        asking = {rid: r for rid, r in asking.items() if rid not in left_out}
+        reason += f"; left out {', '.join(left_out)} (failing by its own fault)"
+    ids = tuple(sorted(asking))
     changed = ids != tuple(sorted(state.prev_participants))
     failed = [rid for rid in ids if asking[rid].commit_failed]
     quorum_id = state.quorum_id + 1 if changed or failed else state.quorum_id
@@ -134,12 +169,43 @@ def _form(state: LighthouseState, asking: dict[str, QuorumRequest], reason: str)
         participants=tuple(Participant(rid, asking[rid].step, asking[rid].data_addrs) for rid in ids),
         max_step=max_step,
         behind=tuple(rid for rid in ids if asking[rid].step < max_step),
+        min_replicas=config.min_replicas,
+        left_out=left_out,
+        rewind=rewind,
+    )
+
+
+def _left_out(asking: dict[str, QuorumRequest], max_step: int, config: LighthouseConfig) -> tuple[str, ...]:
+    """Rule 7: the requesters that keep failing by their own fault, if the rest still form a quorum of at
+    least min_replicas that holds max_step (otherwise nobody sits out: there would be no one to heal from)."""
+    out = tuple(sorted(rid for rid, r in asking.items() if r.own_failures >= config.leave_out_after))
+    rest = [r for rid, r in asking.items() if rid not in out]
+    if not out or len(rest) < config.min_replicas or max(r.step for r in rest) < max_step:
+        return ()
+    return out
+
+
+def _regress(state: LighthouseState, asking: dict[str, QuorumRequest], live: set[str],
+             max_step: int) -> Decision | None:
+    """Rule 8: the requesters are all below the step already handed out. None: a full restart, go on."""
+    silent = sorted(live - asking.keys())
+    if not silent and all(r.fresh for r in asking.values() if r.step == max_step):
+        return None
+    if silent:
+        return Decision(False, f"waiting: the requesters' highest step {max_step} is below step {state.max_step} "
+                               f"already handed out; waiting for {', '.join(silent)}, which may hold it")
+    return Decision(
+        False,
+        f"refused: the requesters' highest step is {max_step}, but step {state.max_step} was already handed out "
+        "and no live replica holds it to heal from; training from here would fork the job (restart the "
+        "replica when a replica at that step is up, or give the lighthouse a fresh state to rewind on purpose)",
+        refused=tuple(sorted(asking)),
     )
 
 
 def apply(state: LighthouseState, decision: Decision) -> LighthouseState:
     """The state after a ready decision has been handed out."""
     assert decision.ready, "only a formed quorum changes the lighthouse state"
-    return LighthouseState(
-        quorum_id=decision.quorum_id, prev_participants=decision.replica_ids, members=state.members
-    )
+    floor = decision.max_step if decision.rewind else max(state.max_step, decision.max_step)
+    return LighthouseState(quorum_id=decision.quorum_id, prev_participants=decision.replica_ids,
+                           members=state.members, max_step=floor)

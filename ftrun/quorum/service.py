@@ -6,8 +6,14 @@ Tasks:
   A dropped connection becomes a `lost` event at once (failure detection is pushed, not polled); a
   connection silent for heartbeat_timeout_s becomes a `hung` event.
 - main: the only task that touches state. It applies events, calls `decide`, hands a formed quorum to
-  its participants and persists (quorum_id, participants) atomically, so `kill -9` and a restart keep
-  quorum ids monotonic and the job alive.
+  its participants and persists (quorum_id, participants, max_step) atomically, so `kill -9` and a
+  restart keep quorum ids monotonic, never hand out a lower step, and keep the job alive.
+
+Nothing a replica sends can stop the main task: requests are range-checked at decode time
+(ftrun.quorum.protocol), a decision too large for one frame is refused to the requester with the largest
+address list, and an unexpected error while handling one event is answered to that replica only. If the
+main task dies anyway, `failed` says why, `status()` raises (the status page stops answering 200) and
+every connection is closed, so replicas see the loss and `ftrun lighthouse` exits non-zero.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ftrun.config import LighthouseConfig
+from ftrun.env import wire
 from ftrun.env.base import Connection, Env, EnvTimeout, NetError, NetTimeout, PeerClosed
 from ftrun.quorum import protocol
 from ftrun.quorum.decide import (Decision, LighthouseState, Member, QuorumRequest, apply, decide, expect_previous,
@@ -34,6 +41,10 @@ class LighthouseStateError(ValueError):
     """The persisted lighthouse state cannot be read."""
 
 
+class LighthouseDown(RuntimeError):
+    """The lighthouse's main task died; `status()` raises this instead of answering."""
+
+
 @dataclass(frozen=True)
 class _Event:
     kind: str  # hello | heard | ask | lost | hung | stop
@@ -43,17 +54,30 @@ class _Event:
 
 
 def load_state(storage: Storage | None) -> LighthouseState:
+    """The persisted state, checked as strictly as a request. Raises LighthouseStateError naming the
+    bad field: a state that could not be handed out again must stop the start, not the service later."""
     raw = storage.read(STATE_KEY) if storage else None
     if raw is None:
         return LighthouseState()
     try:
         doc = json.loads(raw)
-        quorum_id, participants = doc["quorum_id"], doc["participants"]
-        if not isinstance(quorum_id, int) or quorum_id < 0 or not all(isinstance(p, str) for p in participants):
-            raise ValueError(f"bad field types in {doc!r}")
-    except (ValueError, KeyError, TypeError) as e:
+        if not isinstance(doc, dict):
+            raise ValueError(f"expected a JSON object, got {type(doc).__name__}")
+        quorum_id, max_step = (_persisted_counter(doc, name) for name in ("quorum_id", "max_step"))
+        participants = doc["participants"]
+        if not isinstance(participants, list):
+            raise ValueError(f"'participants' must be a list, got {type(participants).__name__}")
+        participants = [protocol.check_replica_id(p) for p in participants]
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
         raise LighthouseStateError(f"lighthouse state {STATE_KEY!r} is unreadable: {e}") from e
-    return LighthouseState(quorum_id=quorum_id, prev_participants=tuple(participants))
+    return LighthouseState(quorum_id=quorum_id, prev_participants=tuple(participants), max_step=max_step)
+
+
+def _persisted_counter(doc: dict, name: str) -> int:
+    value = doc.get(name, 0) if name == "max_step" else doc[name]  # max_step: absent in older states
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= protocol.MAX_COUNTER:
+        raise ValueError(f"{name!r} must be an integer in [0, {protocol.MAX_COUNTER}], got {value!r:.80}")
+    return value
 
 
 class Lighthouse:
@@ -73,6 +97,7 @@ class Lighthouse:
         self.addr = ""
         self._tasks: list = []
         self._pending_view: tuple[str, ...] = ()
+        self.failed: str | None = None  # why the main task died (None while it runs)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> str:
@@ -141,6 +166,17 @@ class Lighthouse:
 
     # -- the one task that owns state ----------------------------------------------------------
     def _main_loop(self) -> None:
+        try:
+            self._serve_events()
+        except BaseException as e:  # never silently: status() raises, replicas see every connection close
+            self.failed = f"{type(e).__name__}: {e}"
+            log.critical("lighthouse main task died: %s", self.failed, exc_info=True)
+            self._listener.close()
+            for conn in list(self._conns.values()):
+                conn.close()
+            raise
+
+    def _serve_events(self) -> None:
         while True:
             try:
                 ev = self._events.get(timeout=self._wait_time())
@@ -149,7 +185,13 @@ class Lighthouse:
             if ev is not None and ev.kind == "stop":
                 return
             if ev is not None:
-                self._apply_event(ev)
+                try:
+                    self._apply_event(ev)
+                except Exception as e:  # a bug reached by one replica's input: answer it, keep serving
+                    log.error("lighthouse: event %s from %r failed: %r", ev.kind, ev.replica_id, e, exc_info=True)
+                    self._requests.pop(ev.replica_id, None)
+                    if ev.conn is not None:
+                        self._reply(ev.conn, {"type": "error", "error": f"lighthouse could not handle it: {e!r}"})
             self._maybe_form()
             self._pending_view = tuple(sorted(self._requests))  # what status() may read concurrently
 
@@ -180,14 +222,28 @@ class Lighthouse:
             self._set_member(Member(rid, now, False))
             self._record("member_lost", replica_id=rid, why=ev.kind)
             log.warning("replica %s %s", rid, "disconnected" if ev.kind == "lost" else "hung (no heartbeat)")
+            if ev.kind == "hung":
+                self._notify_hung(rid)
             return
         self._set_member(Member(rid, now, True))
         if ev.kind == "ask":
             self._accept_request(rid, ev.conn, ev.msg, now)
 
+    def _notify_hung(self, rid: str) -> None:
+        """Tell the other participants of the current quorum that `rid` hung: whoever waits for it inside
+        the all-reduce gives up now, within heartbeat_timeout_s, not after its FTAR timeout. (A closed
+        connection needs no notice: the ring peers see it on their own connections at once.)"""
+        state = self._state
+        if rid not in state.prev_participants:
+            return
+        notice = {"type": "hung", "replica_id": rid, "quorum_id": state.quorum_id}
+        for other in state.prev_participants:
+            if other != rid and other in self._conns:
+                self._reply(self._conns[other], notice)
+
     def _accept_request(self, rid: str, conn: Connection, msg: dict, now: float) -> None:
         try:
-            step, commit_failed, last_quorum_id, addrs = protocol.parse_quorum_request(msg)
+            step, commit_failed, last_quorum_id, addrs, own_failures, fresh = protocol.parse_quorum_request(msg)
         except protocol.BadRequest as e:
             self._reply(conn, {"type": "error", "error": str(e)})
             return
@@ -195,45 +251,76 @@ class Lighthouse:
             # The replicas have seen a higher id than ours (state lost): adopt it to stay monotonic.
             log.warning("adopting quorum_id %d reported by %s (had %d)", last_quorum_id, rid, self._state.quorum_id)
             self._state = replace(self._state, quorum_id=last_quorum_id)
-        self._requests[rid] = QuorumRequest(rid, step, now, commit_failed, addrs)
+        self._requests[rid] = QuorumRequest(rid, step, now, commit_failed, addrs, own_failures, fresh)
 
     def _set_member(self, m: Member) -> None:
         self._state = replace(self._state, members={**self._state.members, m.replica_id: m})
 
     def _maybe_form(self) -> None:
-        if not self._requests:
+        while self._requests:
+            d = decide(self.env.clock.now(), self._state, self._requests, self.config)
+            if d.reason != (self._last_decision.reason if self._last_decision else None):
+                (log.warning if d.refused else log.info)("quorum: %s", d.reason)
+            self._last_decision = d
+            if d.refused:
+                self._refuse(d.refused, d.reason)
+                continue
+            if not d.ready:
+                return
+            msg = protocol.encode_decision(d)
+            try:
+                wire.encode_msg(msg)
+            except ValueError as e:  # too large for one frame: refuse the largest contribution, decide again
+                rid = max(d.participants, key=lambda p: sum(map(len, p.data_addrs))).replica_id
+                self._refuse((rid,), f"refused: the decision would not fit one message ({e}); "
+                                     f"{rid}'s address list is the largest")
+                continue
+            self._hand_out(d, msg)
             return
-        d = decide(self.env.clock.now(), self._state, self._requests, self.config)
-        if d.reason != (self._last_decision.reason if self._last_decision else None):
-            log.info("quorum: %s", d.reason)
-        self._last_decision = d
-        if not d.ready:
-            return
+
+    def _hand_out(self, d: Decision, msg: dict) -> None:
         self._state = apply(self._state, d)
         self._persist()
-        self._record("quorum", quorum_id=d.quorum_id, participants=list(d.replica_ids),
-                     max_step=d.max_step, behind=list(d.behind), reason=d.reason)
-        msg = protocol.encode_decision(d)
+        self._record("quorum", quorum_id=d.quorum_id, participants=list(d.replica_ids), max_step=d.max_step,
+                     behind=list(d.behind), left_out=list(d.left_out), reason=d.reason)
+        for rid in d.left_out:  # it sits this quorum out only: it joins the next one (decide rule 7)
+            self._requests[rid] = replace(self._requests[rid], own_failures=0)
         for rid in d.replica_ids:
             self._requests.pop(rid, None)
             self._reply(self._conns[rid], msg)
 
+    def _refuse(self, replica_ids: tuple[str, ...], why: str) -> None:
+        for rid in replica_ids:
+            self._requests.pop(rid, None)
+            self._record("refused", replica_id=rid, reason=why)
+            if rid in self._conns:
+                self._reply(self._conns[rid], {"type": "error", "error": why})
+
     def _persist(self) -> None:
-        if self._storage is not None:
-            doc = {"quorum_id": self._state.quorum_id, "participants": list(self._state.prev_participants)}
+        if self._storage is None:
+            return
+        doc = {"quorum_id": self._state.quorum_id, "participants": list(self._state.prev_participants),
+               "max_step": self._state.max_step}
+        try:
             self._storage.write_atomic(STATE_KEY, json.dumps(doc).encode())
+        except Exception as e:  # keep serving from memory; a restart would lose only this decision
+            log.error("lighthouse: persisting its state failed: %r", e)
 
     def _record(self, kind: str, **fields: Any) -> None:
         self.history.append({"t": self.env.clock.now(), "event": kind, **fields})
 
     # -- observation ---------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
-        """A snapshot for the status page; safe to call from another task (reads immutable values)."""
+        """A snapshot for the status page; safe to call from another task (reads immutable values).
+        Raises LighthouseDown once the main task has died."""
+        if self.failed is not None:
+            raise LighthouseDown(f"lighthouse main task died: {self.failed}")
         state, now = self._state, self.env.clock.now()
         last = self._last_decision
         return {
             "addr": self.addr,
             "quorum_id": state.quorum_id,
+            "max_step": state.max_step,
             "participants": list(state.prev_participants),
             "live": sorted(live_members(now, state, self.config)),
             "members": {m.replica_id: {"connected": m.connected, "heard_s_ago": round(now - m.last_heard, 3)}

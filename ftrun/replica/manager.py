@@ -5,11 +5,15 @@ Every rank of a replica runs one Manager. A step is:
     q = manager.start_step()        # leader asks the lighthouse, decision broadcast (collective)
     ... forward / backward / cross-replica exchange among q.participants ...
     manager.report_error(e)         # on any failure in this rank's part of the step
+                                    # (peer=True: another replica caused it, e.g. it died mid-exchange)
     if manager.should_commit():     # every rank's vote (collective); all ok -> commit
         optimizer.step()
 
 A failed commit discards the step (gradients are never half-applied); the next start_step retries it
-under a new quorum (the leader reports the failure, which bumps quorum_id). Build the ReplicaComm with
+under a new quorum (the leader reports the failure, which bumps quorum_id, and whether it was the
+replica's own fault, which may leave it out of that quorum). A commit also needs min_replicas
+contributors (the lighthouse's, carried by the decision). Own and peer-caused failures spend separate
+budgets (ftrun.replica.vote). Build the ReplicaComm with
 `Timeouts.replica_comm_s`: the other ranks wait in the decision broadcast while the leader waits for the
 lighthouse (found by the emulator: a rejoining replica's ranks timed out and the failure cascaded). Threading: one task per
 Manager; the lighthouse client's heartbeat runs in its own task.
@@ -32,7 +36,7 @@ from ftrun.quorum.client import LighthouseClient, QuorumError
 from ftrun.quorum.decide import Decision, Participant
 from ftrun.replica.comm import ReplicaComm
 from ftrun.replica.lifecycle import Phase, transition
-from ftrun.replica.vote import commit_outcome
+from ftrun.replica.vote import FailureCounts, Vote, commit_outcome
 
 log = logging.getLogger("ftrun.commit")
 
@@ -82,6 +86,7 @@ class StepQuorum:
     # in participant order; "" where that replica published none. Only this column reaches a rank: the
     # leader scatters it, so no rank ever holds the job's O(replicas x ranks) address table.
     peer_addrs: tuple[str, ...] = ()
+    min_replicas: int = 1  # contributors a commit of this step needs
 
     @property
     def num_participants(self) -> int:
@@ -111,8 +116,8 @@ class Manager:
         self.step = step
         self.phase = Phase.IDLE
         self.quorum: StepQuorum | None = None
-        self._errors: list[BaseException] = []
-        self._failures_in_a_row = 0
+        self._errors: list[tuple[BaseException, bool]] = []  # (error, caused by a peer)
+        self._failures = FailureCounts()
         self._report_commit_failure = False
         self._checked_in = False
         self._data_addrs: tuple[str, ...] = ()  # the leader's: every rank's address, sent to the lighthouse
@@ -151,9 +156,9 @@ class Manager:
         payload = None
         if self._lighthouse is not None:
             try:
-                d = self._lighthouse.quorum(
-                    self.step, commit_failed=self._report_commit_failure, data_addrs=self._data_addrs
-                )
+                d = self._lighthouse.quorum(self.step, commit_failed=self._report_commit_failure,
+                                            own_failures=self._failures.own, fresh=self.quorum is None,
+                                            data_addrs=self._data_addrs)
                 self._leader_decision = d
                 payload = msgpack.packb({"ok": True, "decision": protocol.encode_decision(_without_addrs(d)),
                                          "addrs": _addrs_digest(d)})
@@ -187,7 +192,7 @@ class Manager:
             raise ReplicaError(f"replica {self.replica_id} is not in quorum {d.quorum_id} ({', '.join(ids)})")
         behind = self.replica_id in d.behind
         q = StepQuorum(d.quorum_id, d.max_step, d.participants, ids.index(self.replica_id), behind, d.reason,
-                       d.behind, self._peer_addrs)
+                       d.behind, self._peer_addrs, d.min_replicas)
         self.quorum = q
         self._emit("quorum", participants=list(ids), reason=d.reason, behind=list(d.behind))
         if behind:
@@ -208,31 +213,36 @@ class Manager:
         return q
 
     # -- phase 2: commit -----------------------------------------------------------------------
-    def report_error(self, error: BaseException) -> None:
-        """Record a failure in this rank's part of the step: it becomes a 'don't commit' vote."""
-        log.warning("replica %s rank %d step %d: %s", self.replica_id, self.comm.rank, self.step, error,
-                    extra=self._extra())
-        self._errors.append(error)
-        self._emit("error", error=f"{type(error).__name__}: {error}")
+    def report_error(self, error: BaseException, *, peer: bool = False) -> None:
+        """Record a failure in this rank's part of the step: it becomes a 'don't commit' vote.
+        peer: another replica caused it (it died or stalled in the exchange); such failures do not
+        spend this replica's own retry budget (ManagerConfig.max_peer_retries)."""
+        log.warning("replica %s rank %d step %d: %s%s", self.replica_id, self.comm.rank, self.step, error,
+                    " (caused by a peer)" if peer else "", extra=self._extra())
+        self._errors.append((error, peer))
+        self._emit("error", error=f"{type(error).__name__}: {error}", peer=peer)
 
     def should_commit(self) -> bool:
         """Two-phase commit vote. True: apply the step. False: discard it and call start_step again."""
         self._move("vote")
-        vote = 0 if self._errors else 1
+        vote = min((Vote.PEER_FAILURE if peer else Vote.OWN_FAILURE for _, peer in self._errors), default=Vote.OK)
         try:
-            min_vote = self.comm.all_reduce_int([vote], "min")[0]
+            min_vote = self.comm.all_reduce_int([int(vote)], "min")[0]
         except Exception as e:
             self._move("fail")
             raise ReplicaError(f"commit vote failed: {e}") from e
-        outcome = commit_outcome(min_vote, self._failures_in_a_row, self.config.max_retries)
-        self._failures_in_a_row = outcome.failures_in_a_row
+        q = self.quorum
+        outcome = commit_outcome(min_vote, self._failures, max_retries=self.config.max_retries,
+                                 max_peer_retries=self.config.max_peer_retries,
+                                 num_contributors=q.num_contributors if q else 1, min_replicas=q.min_replicas if q else 1)
+        self._failures = outcome.counts
         if outcome.commit:
             self.step += 1
             self._move("commit")
             self._emit("commit")
             return True
         self._report_commit_failure = True
-        self._emit("abort", reason=outcome.reason)
+        self._emit("abort", reason=outcome.reason, own=outcome.failed_own)
         if outcome.give_up:
             self._move("fail")
             raise ReplicaGaveUp(outcome.reason)

@@ -85,11 +85,14 @@ def test_all_ok_commits_and_one_failing_rank_aborts_its_replica(lighthouse):
     out = step_all(env, a + b, fail={("a", 2)})
     assert [c for _, c in out] == [False] * 3 + [True] * 3  # the whole replica a discards; b commits
     assert [m.step for m in a + b] == [1] * 3 + [2] * 3
-    # a retries: it is behind now, heals to b's step, and its failure bumped the quorum id
+    # a retries: it is behind now, heals to b's step, and its failure bumped the quorum id; with
+    # min_replicas=2 that step has one contributor (b), so nobody commits it ...
     out = step_all(env, a + b)
-    assert all(c for _, c in out)
-    assert out[0][0].quorum_id > q0.quorum_id and out[0][0].healed
-    assert {m.step for m in a + b} == {3}
+    assert not any(c for _, c in out)
+    assert out[0][0].quorum_id > q0.quorum_id and out[0][0].healed and out[0][0].num_contributors == 1
+    assert {m.step for m in a + b} == {2}
+    out = step_all(env, a + b)  # ... and both train it next
+    assert all(c for _, c in out) and {m.step for m in a + b} == {3}
 
 
 def test_behind_replica_heals_through_the_hook(lighthouse):
@@ -98,10 +101,12 @@ def test_behind_replica_heals_through_the_hook(lighthouse):
     events = []
     a = build_replica(env, lh, "a", 2, step=7)
     b = build_replica(env, lh, "b", 2, step=0, heal=healed.append, events=events)
+    out = step_all(env, a + b)  # one contributor < min_replicas=2: healed, not committed
+    assert not any(c for _, c in out) and {m.step for m in a + b} == {7}
+    assert len(healed) == 2 and healed[0].step == 7 and healed[0].healed
     out = step_all(env, a + b)
     assert all(c for _, c in out) and {m.step for m in a + b} == {8}
-    assert len(healed) == 2 and healed[0].step == 7 and healed[0].healed
-    assert [e["event"] for e in events if e["rank"] == 0] == ["quorum", "heal", "commit"]
+    assert [e["event"] for e in events if e["rank"] == 0] == ["quorum", "heal", "abort", "quorum", "commit"]
     assert events[0]["replica_id"] == "b" and "quorum_id" in events[0]
 
 
@@ -175,3 +180,19 @@ def test_a_failed_heal_fails_the_replica_cleanly(lighthouse):
     run_all(env, [lambda m=m: one(m) for m in a + b])
     assert results["a"] == "ok" and "healing replica b to step 3 failed: every source is gone" in results["b"]
     assert b[0].phase is Phase.FAILED
+
+
+def test_failures_a_peer_caused_do_not_spend_the_own_budget(lighthouse):
+    env, lh = lighthouse
+    a, b = build_replica(env, lh, "a", 1, max_retries=1), build_replica(env, lh, "b", 1, max_retries=1)
+
+    def peer_failed(m):
+        m.start_step()
+        m.report_error(ConnectionError("the ring peer left"), peer=True)
+        return m.should_commit()
+
+    for _ in range(3):  # three failed commits in a row, all caused by a peer: more than max_retries=1
+        assert run_all(env, [lambda m=m: peer_failed(m) for m in a + b]) == [False, False]
+    assert all(m.step == 0 and m.phase is Phase.IDLE for m in a + b)
+    out = step_all(env, a + b)
+    assert all(c for _, c in out) and {m.step for m in a + b} == {1}

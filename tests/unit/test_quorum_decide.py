@@ -15,11 +15,11 @@ def members(*ids, heard=100.0, connected=True):
 
 
 def reqs(spec, at=100.0):
-    """spec: {replica_id: step} or {replica_id: (step, commit_failed)}."""
+    """spec: {replica_id: step} or {replica_id: (step, commit_failed[, own_failures])}."""
     out = {}
     for rid, v in spec.items():
-        step, failed = v if isinstance(v, tuple) else (v, False)
-        out[rid] = QuorumRequest(rid, step, at, failed)
+        step, failed, own = (*v, 0)[:3] if isinstance(v, tuple) else (v, False, 0)
+        out[rid] = QuorumRequest(rid, step, at, failed, own_failures=own)
     return out
 
 
@@ -129,3 +129,76 @@ def test_config_rejects_bad_values():
         Timeouts(join_timeout_s=-1)
     with pytest.raises(ValueError, match="heartbeat_interval_s"):
         Timeouts(heartbeat_interval_s=3.0, heartbeat_timeout_s=2.0)
+
+
+# -- rules 7 (left out) and 8 (no regress) ------------------------------------------------------------
+ONE = LighthouseConfig(min_replicas=1, timeouts=CFG.timeouts)
+# (name, config, state, requests, ready, reason fragment, participants, behind, left_out, refused)
+SAFETY_CASES = [
+    ("a stale replica alone is refused, not trained (the fork)", ONE,
+     LighthouseState(quorum_id=9, prev_participants=("a", "b"), members=members("c"), max_step=40),
+     reqs({"c": 11}), False, "refused: the requesters' highest step is 11, but step 40", (), (), (), ("c",)),
+    ("stale requesters wait while a silent live member may hold the step", ONE,
+     LighthouseState(quorum_id=9, prev_participants=("a",), members=members("a", "b", "c"), max_step=40),
+     reqs({"b": 11, "c": 11}, at=90.0), False, "waiting for a, which may hold it", (), (), (), ()),
+    ("a replica at the step heals the stale one", ONE,
+     LighthouseState(quorum_id=9, prev_participants=("a", "b"), members=members("a", "c"), max_step=40),
+     reqs({"a": 40, "c": 11}), True, "all 2 live", ("a", "c"), ("c",), (), ()),
+    ("a replica that keeps failing by its own fault sits out", ONE,
+     LighthouseState(quorum_id=3, prev_participants=("a", "b"), members=members("a", "b"), max_step=5),
+     reqs({"a": (5, True), "b": (5, True, 2)}), True, "left out b", ("a",), (), ("b",), ()),
+    ("one own failure is retried with everyone", ONE,
+     LighthouseState(quorum_id=3, prev_participants=("a", "b"), members=members("a", "b"), max_step=5),
+     reqs({"a": (5, True), "b": (5, True, 1)}), True, "fast path", ("a", "b"), (), (), ()),
+    ("nobody sits out below min_replicas", CFG,
+     LighthouseState(quorum_id=3, prev_participants=("a", "b"), members=members("a", "b"), max_step=5),
+     reqs({"a": (5, True), "b": (5, True, 3)}), True, "fast path", ("a", "b"), (), (), ()),
+    ("nobody sits out when the rest cannot heal from anyone", ONE,
+     LighthouseState(quorum_id=3, prev_participants=("a", "b"), members=members("a", "b"), max_step=5),
+     reqs({"a": 3, "b": (5, True, 3)}), True, "fast path", ("a", "b"), ("a",), (), ()),
+]
+
+
+@pytest.mark.parametrize("case", SAFETY_CASES, ids=[c[0] for c in SAFETY_CASES])
+def test_decide_safety_rules(case):
+    _, cfg, state, requests, ready, reason, participants, behind, left_out, refused = case
+    d = decide(100.0 if ready or refused else 100.2, state, requests, cfg)
+    assert (d.ready, d.replica_ids, d.behind, d.left_out, d.refused) == (ready, participants, behind, left_out, refused)
+    assert reason in d.reason
+    if ready:
+        assert d.min_replicas == cfg.min_replicas and d.max_step >= state.max_step
+
+
+def test_apply_keeps_the_highest_step_handed_out():
+    state = LighthouseState(members=members("a", "b"))
+    d = decide(100.0, state, reqs({"a": 7, "b": 7}), CFG)
+    state = apply(state, d)
+    assert state.max_step == 7
+    assert expect_previous(state, 200.0).max_step == 7
+    d = decide(100.0, state, reqs({"a": 7, "b": 9}), CFG)
+    assert apply(state, d).max_step == 9 and d.behind == ("a",)
+
+
+def test_a_full_restart_rewinds_only_when_every_holder_of_the_step_is_fresh():
+    """Every replica restarted from the latest checkpoint (step 20) after the job had reached 25: a
+    deliberate rewind, and the floor follows it down. A replica that kept its in-memory state is not."""
+    state = LighthouseState(quorum_id=9, prev_participants=("a", "b"), members=members("a", "b"), max_step=25)
+    fresh = {rid: QuorumRequest(rid, 20, 100.0, fresh=True) for rid in ("a", "b")}
+    d = decide(100.0, state, fresh, ONE)
+    assert d.ready and d.rewind and "rewinding the job from step 25 to 20" in d.reason
+    assert apply(state, d).max_step == 20
+    stale = {**fresh, "b": QuorumRequest("b", 20, 100.0)}
+    d = decide(100.0, state, stale, ONE)
+    assert not d.ready and d.refused == ("a", "b")
+    behind_stale = {**fresh, "b": QuorumRequest("b", 11, 100.0)}  # the stale one heals from the restart
+    d = decide(100.0, state, behind_stale, ONE)
+    assert d.ready and d.rewind and d.behind == ("b",)
+
+
+def test_left_out_replica_stays_out_of_the_ring_until_it_asks_again():
+    cfg = LighthouseConfig(min_replicas=1, leave_out_after=1, timeouts=CFG.timeouts)
+    state = LighthouseState(quorum_id=3, prev_participants=("a", "b"), members=members("a", "b"), max_step=5)
+    d = decide(100.0, state, reqs({"a": (5, True), "b": (5, True, 1)}), cfg)
+    assert d.ready and d.replica_ids == ("a",) and d.left_out == ("b",) and d.quorum_id == 4
+    with pytest.raises(ValueError, match="leave_out_after"):
+        LighthouseConfig(leave_out_after=0)
