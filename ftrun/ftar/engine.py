@@ -177,6 +177,16 @@ class FtarEngine:
             self._staging = np.empty(need, np.uint8)
         return self._staging
 
+    def abort(self, epoch: int) -> bool:
+        """Close the ring of `epoch` from another task (a peer is known to hang): a blocked all_reduce
+        fails at once with RecoverableError instead of waiting out timeout_s. False if the ring is not
+        that epoch's (already rebuilt, or none)."""
+        links = self._links
+        if links is None or links.epoch != epoch:
+            return False
+        links.close()
+        return True
+
     def close(self) -> None:
         if self._links is not None:
             self._links.close()

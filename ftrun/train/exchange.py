@@ -17,12 +17,16 @@ tell the caller how long the last build took and whether it completed (the joine
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 from ftrun.ftar.engine import FtarEngine
 from ftrun.ftar.ring import RecoverableError
 from ftrun.replica.endpoints import decode_endpoints
 from ftrun.replica.manager import StepQuorum
+
+log = logging.getLogger("ftrun.ftar")
 
 
 class GradientExchange:
@@ -39,6 +43,13 @@ class GradientExchange:
         self._epoch: int | None = None
         self.setup_s = 0.0  # seconds the last `average` spent building its ring (0.0: the ring was reused)
         self.setup_ok = True  # whether that build completed
+
+    def abort_for_hung_peer(self, replica_id: str, quorum_id: int) -> None:
+        """The lighthouse's notice that `replica_id`, a participant of quorum `quorum_id`, hung: fail a
+        blocked exchange of that quorum now (a 'no' vote caused by a peer) instead of after the FTAR
+        timeout. Called from the lighthouse client's reader task."""
+        if self.engine.abort(quorum_id):
+            log.warning("replica %s hung in quorum %d: aborting this rank's all-reduce", replica_id, quorum_id)
 
     def ring_for(self, quorum: StepQuorum) -> list[str]:
         if len(quorum.peer_addrs) != len(quorum.participants):

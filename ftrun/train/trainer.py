@@ -31,12 +31,14 @@ step fails at once on the connection its healthy predecessor closed). Either way
 retry on the same state and batch reuses it instead of running forward/backward again.
 
 Failures. Any exception in forward, backward or the exchange (a peer dying mid-FTAR is a
-RecoverableError) is reported to the Manager and becomes a 'don't commit' vote: nothing is applied,
+RecoverableError, reported as caused by a peer: it does not spend this replica's own retry budget) is
+reported to the Manager and becomes a 'don't commit' vote: nothing is applied,
 model and optimizer are untouched (gradients dropped, FSDP2's per-iteration state reset), and the step
 is retried. A rank that fails before its exchange does not enter it, so its peers' FTAR fails too (by
 their ftar_timeout_s): never a half-trained step (the ledger's contract, ftrun.data.loader_state).
 Errors the Manager raises (ReplicaError: no quorum, a failed heal, too many failed commits) propagate:
-the replica must be restarted.
+the replica must be restarted. A forward/backward that raises again on the retry is a bug in the
+training code: `UserCodeError`, with the traceback logged at ERROR, ends the replica at once.
 
 One exception to the retry: in a replica of K > 1 ranks, a failure in forward/backward raises
 `ShardedComputeError` (a ReplicaError) at once. The ranks' FSDP collectives inside the replica may then
@@ -82,6 +84,7 @@ from ftrun.data.loader_state import LoaderState, LoaderStateError, LoaderStateSt
 from ftrun.data.progress import DataProgress
 from ftrun.data.sampler import DataLayout
 from ftrun.env.base import Env
+from ftrun.ftar.ring import RecoverableError
 from ftrun.quorum.client import LighthouseClient
 from ftrun.replica.comm import ReplicaComm
 from ftrun.replica.endpoints import encode_endpoints
@@ -103,6 +106,11 @@ PHASES = ("quorum", "heal", "forward", "exchange", "before_commit", "after_commi
 
 class ShardedComputeError(ReplicaError):
     """Forward/backward failed on a rank of a sharded replica: the replica must restart (module docstring)."""
+
+
+class UserCodeError(ReplicaError):
+    """The user's code (loss_fn, forward, backward) raised again on the retry of a failed attempt: a bug,
+    not a fault; the replica ends with the traceback logged at ERROR instead of retrying forever."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -180,6 +188,7 @@ class FaultTolerantTrainer:
         self._kept: tuple[tuple[int, str], float, np.ndarray] | None = None  # ((step, lineage), loss, gradient)
         self._compute_s: float | None = None  # the last forward/backward's seconds
         self._snapshot_bytes = 0  # the size of the last published catch-up snapshot
+        self._compute_failures = 0  # forward/backward attempts in a row that raised
 
     @property
     def step(self) -> int:
@@ -251,10 +260,21 @@ class FaultTolerantTrainer:
                 raise ShardedComputeError(f"replica {self.config.replica_id} rank {self.config.rank} step "
                                           f"{q.step}: {type(e).__name__}: {e}") from e
             reset_iteration(self.model)
+            self._fail_fast_on_repeat(q, e)
             self.manager.report_error(e)  # vote no without entering the exchange; the step is retried
             return None
+        self._compute_failures = 0
         self._exchange(q)
         return loss
+
+    def _fail_fast_on_repeat(self, q: StepQuorum, e: BaseException) -> None:
+        """Raise UserCodeError when the compute failed on the retry too (module docstring, Failures)."""
+        self._compute_failures += 1
+        if self._compute_failures >= 2:
+            log.error("replica %s rank %d step %d: the training code raised again on the retry; ending the "
+                      "replica", self.config.replica_id, self.config.rank, q.step, exc_info=e)
+            raise UserCodeError(f"replica {self.config.replica_id} step {q.step}: the training code raised "
+                                f"on {self._compute_failures} attempts in a row: {type(e).__name__}: {e}") from e
 
     def _compute(self, q: StepQuorum) -> float:
         """This rank's gradient into the buffer: forward/backward, or the gradient kept from an attempt of
@@ -282,7 +302,7 @@ class FaultTolerantTrainer:
             self.grads.scatter()
         except Exception as e:  # a failed exchange: vote no, retry the step
             reset_iteration(self.model)
-            self.manager.report_error(e)
+            self.manager.report_error(e, peer=isinstance(e, RecoverableError))  # a peer died or stalled
         if setup_timeout is not None:
             self._report_wait(q, limit)
 
@@ -389,6 +409,8 @@ def build(*, config: TrainerConfig, env: Env, model: torch.nn.Module, optimizer:
     step, ledger = resume(config.checkpoint_dir, model=model, optimizer=optimizer, layout=layout,
                           replica_ids=replica_ids)
     endpoints = encode_endpoints({"ftar": exchange.engine.addr, "catchup": server.url})
+    if lighthouse is not None:  # a hung peer's notice ends this rank's blocked all-reduce at once
+        lighthouse.on_peer_hung = exchange.abort_for_hung_peer
     trainer: FaultTolerantTrainer | None = None
 
     def heal(q: StepQuorum) -> None:
