@@ -232,9 +232,10 @@ class Manager:
             self._move("fail")
             raise ReplicaError(f"commit vote failed: {e}") from e
         q = self.quorum
+        assert q is not None, "a vote follows start_step"
         outcome = commit_outcome(min_vote, self._failures, max_retries=self.config.max_retries,
                                  max_peer_retries=self.config.max_peer_retries,
-                                 num_contributors=q.num_contributors if q else 1, min_replicas=q.min_replicas if q else 1)
+                                 num_contributors=q.num_contributors, min_replicas=q.min_replicas)
         self._failures = outcome.counts
         if outcome.commit:
             self.step += 1

@@ -36,9 +36,10 @@ class Job:
             min_replicas=min_replicas, timeouts=Timeouts(heartbeat_timeout_s=1.0, join_timeout_s=2.0)))
         self.lighthouse.start()
         self.events = self.env.queue()
-        self.reps = {rid: ReplicaProcesses(env=self.env, events=self.events, log_dir=str(tmp), argv=argv, spec=WorkerSpec(
-            replica_id=rid, replica_index=i, num_replicas=len(ids), rank=0, ranks_per_replica=1, incarnation=0,
-            lighthouse=self.lighthouse.addr, token=token, store_addr="127.0.0.1", store_port=0, run_dir=str(tmp)))
+        self.reps = {rid: ReplicaProcesses(
+            env=self.env, events=self.events, log_dir=str(tmp), argv=argv, spec=WorkerSpec(
+                replica_id=rid, replica_index=i, num_replicas=len(ids), rank=0, ranks_per_replica=1, incarnation=0,
+                lighthouse=self.lighthouse.addr, token=token, store_addr="127.0.0.1", store_port=0, run_dir=str(tmp)))
             for i, rid in enumerate(ids)}
         for rep in self.reps.values():
             rep.start()

@@ -6,6 +6,9 @@ silent, and a quorum never regresses below the step already handed out (the fork
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 
@@ -170,3 +173,12 @@ def test_a_replica_that_keeps_failing_by_its_own_fault_sits_out_one_quorum(env):
     good.close()
     bad.close()
     lh.stop()
+
+
+def test_ftrun_lighthouse_refuses_a_bad_state_dir_with_a_clear_error(tmp_path):
+    FileStorage(tmp_path).write_atomic(STATE_KEY, json.dumps({"quorum_id": 2**64 - 1, "participants": []}).encode())
+    done = subprocess.run([sys.executable, "-m", "ftrun.cli", "lighthouse", "--bind", "127.0.0.1:0",
+                           "--state-dir", str(tmp_path)], capture_output=True, text=True, timeout=30,
+                          env={**os.environ, "FTRUN_TOKEN": "t"})
+    assert done.returncode == 2
+    assert "'quorum_id' must be an integer" in done.stderr and "Traceback" not in done.stderr

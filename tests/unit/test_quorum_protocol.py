@@ -90,3 +90,30 @@ def test_hostile_replica_ids_are_refused():
     for bad in ["", "a\nb", "x" * 300, 7, None]:
         with pytest.raises(BadRequest, match="replica id"):
             protocol.parse_hello({"type": "hello", "token": "t", "replica_id": bad})
+
+
+json_values = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False)
+                           | st.text(max_size=6),
+                           lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner,
+                                                                                       max_size=4), max_leaves=10)
+state_docs = st.fixed_dictionaries({}, optional={"quorum_id": json_values, "participants": json_values,
+                                                 "max_step": json_values}) | json_values
+
+
+@settings(max_examples=150, deadline=None)
+@given(state_docs)
+def test_persisted_state_loads_in_range_or_is_refused(doc):
+    import json
+
+    from ftrun.quorum.service import STATE_KEY, LighthouseStateError, load_state
+    from ftrun.storage import MemoryStorage
+
+    storage = MemoryStorage()
+    storage.write_atomic(STATE_KEY, json.dumps(doc).encode())
+    try:
+        state = load_state(storage)
+    except LighthouseStateError as e:
+        assert STATE_KEY in str(e)
+        return
+    assert 0 <= state.quorum_id <= MAX_COUNTER and 0 <= state.max_step <= MAX_COUNTER
+    assert all(isinstance(p, str) and p for p in state.prev_participants)
