@@ -211,7 +211,7 @@ class FaultTolerantTrainer:
             self._apply(q)
         else:
             self.progress.abort()
-            reset_iteration(self.model)
+            self._drop_iteration(q)
         return StepResult(q.step, q.quorum_id, tuple(p.replica_id for p in q.participants), committed,
                           loss, q.healed, self.progress.state.lineage)
 
@@ -267,6 +267,16 @@ class FaultTolerantTrainer:
         self._exchange(q)
         return loss
 
+    def _drop_iteration(self, q: StepQuorum) -> None:
+        """Discard a failed attempt. A replica that healed this step ran no forward, so FSDP2 holds no
+        iteration state, and a new incarnation's has none to reset (reset_iter_state raises before the
+        first forward): a step it healed in can now fail, when it leaves fewer than min_replicas
+        contributors."""
+        if q.healed:
+            self.model.zero_grad(set_to_none=True)
+        else:
+            reset_iteration(self.model)
+
     def _fail_fast_on_repeat(self, q: StepQuorum, e: BaseException) -> None:
         """Raise UserCodeError when the compute failed on the retry too (module docstring, Failures)."""
         self._compute_failures += 1
@@ -301,7 +311,7 @@ class FaultTolerantTrainer:
             self.exchange.average(q, self.grads.buffer, setup_timeout_s=setup_timeout)
             self.grads.scatter()
         except Exception as e:  # a failed exchange: vote no, retry the step
-            reset_iteration(self.model)
+            self._drop_iteration(q)
             self.manager.report_error(e, peer=isinstance(e, RecoverableError))  # a peer died or stalled
         if setup_timeout is not None:
             self._report_wait(q, limit)
