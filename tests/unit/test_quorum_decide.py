@@ -202,3 +202,38 @@ def test_left_out_replica_stays_out_of_the_ring_until_it_asks_again():
     assert d.ready and d.replica_ids == ("a",) and d.left_out == ("b",) and d.quorum_id == 4
     with pytest.raises(ValueError, match="leave_out_after"):
         LighthouseConfig(leave_out_after=0)
+
+
+# -- invariants over random states (hypothesis) ------------------------------------------------------
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+IDS5 = ("a", "b", "c", "d", "e")
+req_st = st.builds(lambda step, failed, own, fresh, at: (step, failed, own, fresh, at),
+                   st.integers(0, 12), st.booleans(), st.integers(0, 3), st.booleans(), st.floats(95.0, 100.0))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.sampled_from(IDS5), st.tuples(st.floats(90.0, 100.0), st.booleans()), min_size=1),
+       st.dictionaries(st.sampled_from(IDS5), req_st), st.lists(st.sampled_from(IDS5), unique=True, max_size=5),
+       st.integers(0, 12), st.integers(0, 9), st.integers(1, 3))
+def test_decide_invariants(heard, asks, prev, floor, quorum_id, min_replicas):
+    state = LighthouseState(quorum_id=quorum_id, prev_participants=tuple(sorted(prev)), max_step=floor,
+                            members={rid: Member(rid, t, connected) for rid, (t, connected) in heard.items()})
+    requests = {rid: QuorumRequest(rid, step, at, failed, own_failures=own, fresh=fresh)
+                for rid, (step, failed, own, fresh, at) in asks.items()}
+    cfg = LighthouseConfig(min_replicas=min_replicas, timeouts=CFG.timeouts)
+    d = decide(100.0, state, requests, cfg)
+    assert d.reason
+    assert set(d.refused) <= set(requests) and not (d.refused and d.ready)
+    if not d.ready:
+        return
+    ids = set(d.replica_ids)
+    assert ids <= set(requests) and len(ids) >= min_replicas and not ids & set(d.left_out)
+    assert d.quorum_id >= state.quorum_id and d.min_replicas == min_replicas
+    assert d.max_step == max(requests[r].step for r in ids)
+    assert set(d.behind) == {r for r in ids if requests[r].step < d.max_step}
+    if d.max_step < floor:  # a regress only as a full restart, by fresh replicas holding the step
+        assert d.rewind and all(requests[r].fresh for r in ids if requests[r].step == d.max_step)
+        assert apply(state, d).max_step == d.max_step
+    else:
+        assert not d.rewind and apply(state, d).max_step == max(floor, d.max_step)
