@@ -35,6 +35,7 @@ from ftrun.storage import Storage
 
 log = logging.getLogger("ftrun.quorum")
 STATE_KEY = "lighthouse_state.json"
+ACCEPT_RETRY_S = 5.0
 
 
 class LighthouseStateError(ValueError):
@@ -98,6 +99,7 @@ class Lighthouse:
         self._tasks: list = []
         self._pending_view: tuple[str, ...] = ()
         self.failed: str | None = None  # why the main task died (None while it runs)
+        self._stopping = False
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> str:
@@ -111,6 +113,7 @@ class Lighthouse:
         return self.addr
 
     def stop(self) -> None:
+        self._stopping = True
         self._events.put(_Event("stop"))
         self._listener.close()
         for t in self._tasks:
@@ -120,11 +123,27 @@ class Lighthouse:
 
     # -- connection tasks ----------------------------------------------------------------------
     def _accept_loop(self) -> None:
+        """Accepts until stop(). A failing accept (e.g. EMFILE, out of descriptors for now) is retried
+        for ACCEPT_RETRY_S; past that the lighthouse is marked failed rather than deaf while /status
+        still answered."""
+        failing_since = None
         while True:
             try:
                 conn = self._listener.accept()
-            except (PeerClosed, NetError):
-                return
+            except (PeerClosed, NetError) as e:
+                if self._stopping or self.failed is not None:
+                    return
+                now = self.env.clock.now()
+                if failing_since is None:
+                    failing_since = now
+                    log.error("lighthouse: accepting a connection failed: %s; retrying", e)
+                elif now - failing_since > ACCEPT_RETRY_S:
+                    self.failed = f"accepting connections failed for {ACCEPT_RETRY_S}s: {e}"
+                    log.critical("lighthouse: %s", self.failed)
+                    return
+                self.env.clock.sleep(0.1)
+                continue
+            failing_since = None
             self.env.spawn(self._reader, conn, name="lighthouse-reader")
 
     def _reader(self, conn: Connection) -> None:

@@ -182,3 +182,16 @@ def test_ftrun_lighthouse_refuses_a_bad_state_dir_with_a_clear_error(tmp_path):
                           env={**os.environ, "FTRUN_TOKEN": "t"})
     assert done.returncode == 2
     assert "'quorum_id' must be an integer" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_lighthouse_that_cannot_accept_any_more_is_marked_failed_not_deaf(env, monkeypatch):
+    monkeypatch.setattr(service, "ACCEPT_RETRY_S", 0.3)
+    lh = start(env)
+    lh._listener.close()  # every accept fails from now on, as when the process is out of descriptors
+    deadline = env.clock.now() + 10.0
+    while lh.failed is None and env.clock.now() < deadline:
+        env.clock.sleep(0.05)
+    assert lh.failed is not None and "accepting connections failed" in lh.failed
+    with pytest.raises(LighthouseDown):
+        lh.status()
+    lh.stop()
