@@ -212,7 +212,7 @@ req_st = st.builds(lambda step, failed, own, fresh, at: (step, failed, own, fres
                    st.integers(0, 12), st.booleans(), st.integers(0, 3), st.booleans(), st.floats(95.0, 100.0))
 
 
-@settings(max_examples=300, deadline=None)
+@settings(deadline=None)
 @given(st.dictionaries(st.sampled_from(IDS5), st.tuples(st.floats(90.0, 100.0), st.booleans()), min_size=1),
        st.dictionaries(st.sampled_from(IDS5), req_st), st.lists(st.sampled_from(IDS5), unique=True, max_size=5),
        st.integers(0, 12), st.integers(0, 9), st.integers(1, 3))
