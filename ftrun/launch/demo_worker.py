@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             exchange.average(quorum, grads)
         except RecoverableError as e:
-            manager.report_error(e)
+            manager.report_error(e, peer=True)  # a peer died or stalled: not this replica's own failure
         manager.should_commit()
     manager.close()
     engine.close()

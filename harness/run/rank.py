@@ -163,7 +163,7 @@ def _train(job: "EmulatedJob", inc: "Incarnation", rank: int, env: Any, lead: bo
         try:  # a mirroring rank waits out its lead's compute and exchange in this one call
             r.ftar_call(r.exchange.average if r.exchange is not None else None, q, r.grads)
         except RecoverableError as e:
-            manager.report_error(e)
+            manager.report_error(e, peer=True)  # a peer died or stalled: not this replica's own failure
         t3 = now()
         committed = manager.should_commit()
         if r.leader:
