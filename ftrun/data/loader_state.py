@@ -168,10 +168,10 @@ class LoaderState:
     def from_dict(cls, raw: dict) -> "LoaderState":
         """Inverse of `to_dict`. Raises LoaderStateError naming what is wrong."""
         try:
-            return cls(DataLayout(**raw["layout"]), tuple(str(r) for r in raw["replica_ids"]),
-                       tuple(int(c) for c in raw["committed_batches"]), int(raw["step"]), str(raw["lineage"]))
-        except (KeyError, TypeError, ValueError) as e:
-            raise LoaderStateError(f"malformed loader_state dict: {e!r}") from e
+            return cls(DataLayout(**raw["layout"]), tuple(_text(r) for r in raw["replica_ids"]),
+                       tuple(_int(c) for c in raw["committed_batches"]), _int(raw["step"]), _text(raw["lineage"]))
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
+            raise LoaderStateError(f"malformed loader_state dict: {str(e)[:200]}") from e
 
     def check_layout(self, layout: DataLayout) -> None:
         """Raise LoaderStateError if this state was made for another data layout."""

@@ -2,7 +2,8 @@
 
 Decoders: the checkpoint manifest (through `store.verify` on a real folder, so file names reach the
 filesystem), the catch-up manifest, the catch-up HTTP response head, the loader_state record (with a
-valid CRC, so the body's content is what is fuzzed) and the audit log. Inputs are valid documents with
+valid CRC, so the body's content is what is fuzzed), the loader_state a catch-up snapshot carries in
+its metadata (`LoaderState.from_dict`) and the audit log. Inputs are valid documents with
 one part replaced by an arbitrary value, hostile shapes (deep nesting, 1e400, 5,000-digit numbers, NUL
 and 300-character names, a name that is a folder) and raw bytes.
 
@@ -26,7 +27,9 @@ from ftrun.catchup.manifest import Manifest as CatchupManifest, decode_manifest,
 from ftrun.catchup.wire import parse_head
 from ftrun.checkpoint import manifest as mf
 from ftrun.data.audit import Attempt, AuditLogError, Commit, encode_record, read_log
-from ftrun.data.loader_state import LoaderState, LoaderStateCorrupt, decode as decode_loader_state, encode
+from ftrun.data.loader_state import (
+    LoaderState, LoaderStateCorrupt, LoaderStateError, decode as decode_loader_state, encode,
+)
 from ftrun.data.sampler import DataLayout
 
 pytestmark = pytest.mark.fuzz
@@ -193,6 +196,21 @@ def test_loader_state_decode_raises_only_corrupt(body):
     except LoaderStateCorrupt:
         return
     assert max(state.committed_batches) < 2**62
+
+
+# -- loader_state in a catch-up snapshot's metadata (JSON) ----------------------------------------------
+@PROFILE
+@given(data=documents(_state.to_dict()))
+def test_loader_state_from_dict_raises_only_loader_state_errors(data):
+    try:
+        raw = json.loads(data)
+    except (ValueError, RecursionError):
+        return  # not JSON: the catch-up manifest decoder rejects it before from_dict sees it
+    try:
+        state = LoaderState.from_dict(raw)
+    except LoaderStateError:
+        return
+    assert state.step >= 0 and max(state.committed_batches) < 2**62
 
 
 # -- audit log ---------------------------------------------------------------------------------------

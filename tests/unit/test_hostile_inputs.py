@@ -94,6 +94,16 @@ def test_a_loader_state_claiming_a_trillion_ranks_is_corrupt_without_allocating_
         decode(_with_crc(raw))
 
 
+@pytest.mark.parametrize("change", [{"committed_batches": [1e400, 0]}, {"step": "3"}, {"replica_ids": [[], "r1"]},
+                                    {"layout": [1]}, {"committed_batches": [2**62, 0]}])
+def test_a_snapshot_s_loader_state_metadata_of_the_wrong_shape_is_a_loader_state_error(change):
+    from ftrun.data.loader_state import LoaderStateError
+
+    raw = {**LoaderState.initial(LAYOUT, ("r0", "r1")).to_dict(), **change}
+    with pytest.raises(LoaderStateError):
+        LoaderState.from_dict(json.loads(json.dumps(raw)))
+
+
 @pytest.mark.parametrize("line", [
     b'{"kind":"attempt","replica":"r0","step":"1","parent":"g","position":0,"batch_id":0}',
     b'{"kind":"attempt","replica":"r0","step":1e400,"parent":"g","position":0,"batch_id":0}',
