@@ -125,11 +125,20 @@ class MalformedLog(logging.LoggerAdapter):
 
 
 class _Refused(asyncio.Protocol):
-    """A connection over the cap: answered 503 and closed at once."""
+    """A connection over the cap: answered 503 at once, its request read and dropped, closed when the
+    client closes or within a second (closing with its request unread would reset the connection
+    before the client read the 503)."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         transport.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
-        transport.close()
+        transport.write_eof()
+        asyncio.get_running_loop().call_later(1.0, transport.close)
+
+    def data_received(self, data: bytes) -> None:
+        pass
+
+    def eof_received(self) -> bool:
+        return False  # close
 
 
 class ConnectionGuard:
@@ -151,6 +160,11 @@ class ConnectionGuard:
     @property
     def num_open(self) -> int:
         return len(self._open)
+
+    @property
+    def num_busy(self) -> int:
+        """Connections serving a request now."""
+        return len(self._busy)
 
     def runner_kwargs(self) -> dict[str, Any]:
         return {**self.limits.handler_kwargs(), "logger": MalformedLog(self.log, self),
@@ -175,8 +189,8 @@ class ConnectionGuard:
         try:
             return await handler(request)
         finally:
-            left = self._busy.pop(proto) - 1
-            if left:
+            left = self._busy.pop(proto, 1) - 1  # absent: the connection was lost meanwhile
+            if left > 0:
                 self._busy[proto] = left
             if proto in self._open:
                 self._open.move_to_end(proto)

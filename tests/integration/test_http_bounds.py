@@ -176,3 +176,24 @@ def test_lighthouse_status_server_is_bounded_the_same_way(caplog):
         http.stop()
         lh.stop()
     assert not [t for t in threading.enumerate() if t.name == "lighthouse-http" and t.is_alive()]
+
+
+def test_busy_connections_are_never_evicted_and_a_full_server_answers_503():
+    env = RealEnv()
+    server = CatchupServer(env=env, token=TOKEN, limits=HttpLimits(max_connections=2),
+                           config=CatchupConfig(timeouts=Timeouts(catchup_long_poll_s=2.0)))
+    host, port = server.start().removeprefix("http://").rsplit(":", 1)
+    addr = (host, int(port))
+    polls = [socket.create_connection(addr, timeout=10) for _ in range(2)]
+    try:
+        for s in polls:  # long-polls for a step nobody publishes: both connections are busy
+            s.sendall(get("/catchup/9/manifest?wait=2"))
+        while server.guard.num_busy < 2:
+            threading.Event().wait(0.01)
+        assert status_of(raw_request(addr, get("/catchup/status"))) == 503
+        assert [status_of(s.recv(4096)) for s in polls] == [404, 404]  # served to the end, not evicted
+        assert server.guard.num_refused == 1 and server.guard.num_evicted == 0
+    finally:
+        for s in polls:
+            s.close()
+        server.stop()
