@@ -13,7 +13,8 @@ Shards go out with sendfile from the snapshot's in-memory file: no copy through 
 Runs aiohttp on its own event loop in one Env task (the ftrun.quorum.http pattern); binds 127.0.0.1 by
 default. Bounded as `HttpLimits` says (idle/header-read timeout, connection cap; see http_guard): a
 malformed request (a token that is not ASCII, a step or index that is not a short ASCII number) gets a
-4xx and one rate-limited WARNING line, never a 500 or a traceback. Threading: publish/retire from the training task; the server task only reads the snapshot.
+4xx and one rate-limited WARNING line, never a 500 or a traceback.
+Threading: publish/retire from the training task; the server task only reads the snapshot.
 A publish or retire aborts shard transfers of the step it replaces within one 8 MiB chunk (the client
 retries elsewhere; bytes torn by the overwrite in between fail the shard's CRC).
 """
