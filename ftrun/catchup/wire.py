@@ -47,7 +47,8 @@ def parse_head(raw: bytes) -> ResponseHead:
     try:
         lines = raw.decode("latin-1").split("\r\n")
         version, status, *reason = lines[0].split(" ", 2)
-        if version not in ("HTTP/1.1", "HTTP/1.0") or not _is_number(status, 3):
+        if version not in ("HTTP/1.1", "HTTP/1.0") or len(status) != 3 or not _is_number(status, 3) \
+                or status[0] == "0":
             raise ValueError(f"bad status line {lines[0]!r}")
         headers = {}
         for line in lines[1:]:

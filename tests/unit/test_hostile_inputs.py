@@ -123,6 +123,8 @@ def test_audit_records_of_the_wrong_shape_are_audit_log_errors(line):
     "HTTP/1.1 200 OK\r\nContent-Length: \u00b2\r\n\r\n".encode("latin-1"),
     b"HTTP/1.1 200 OK\r\nContent-Length: " + b"9" * 5000 + b"\r\n\r\n",
     "HTTP/1.1 \u00b2\u00b2\u00b2 OK\r\nContent-Length: 1\r\n\r\n".encode("latin-1"),
+    b"HTTP/1.1 1 OK\r\nContent-Length: 1\r\n\r\n",  # found by the fuzz run: a status must be 100-999
+    b"HTTP/1.1 099 OK\r\nContent-Length: 1\r\n\r\n",
 ])
 def test_response_heads_with_odd_digits_are_peer_errors(head):
     with pytest.raises(CatchupPeerError):
