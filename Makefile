@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-scale kernels bench clean
+.PHONY: setup demo test test-scale test-fuzz kernels bench clean
 
 setup: $(STAMP)
 
@@ -24,6 +24,10 @@ test: setup
 
 test-scale: setup
 	$(PY) -m pytest -q -m scale tests/scale
+
+# Every on-disk/wire decoder, 100,000 hypothesis examples each (the default suite runs a few).
+test-fuzz: setup
+	HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -q -m fuzz -p no:randomly -o timeout=0 --hypothesis-show-statistics tests/unit/test_decoders_fuzz.py
 
 clean:
 	rm -rf $(VENV) build csrc/build

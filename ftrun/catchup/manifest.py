@@ -156,13 +156,15 @@ def decode_manifest(body: bytes | bytearray | memoryview, *, step: int) -> Manif
         return _validated(doc, step)
     except CatchupPeerError:
         raise
-    except (ValueError, TypeError, KeyError, AttributeError) as e:
-        raise CatchupPeerError(f"malformed manifest: {type(e).__name__}: {e}") from None
+    except RecursionError:
+        raise CatchupPeerError("malformed manifest: nested too deeply") from None
+    except (ValueError, TypeError, KeyError, AttributeError, IndexError, OverflowError) as e:
+        raise CatchupPeerError(f"malformed manifest: {type(e).__name__}: {str(e)[:200]}") from None
 
 
 def _int(v: Any, what: str, lo: int = 0, hi: int | None = None) -> int:
     if type(v) is not int or v < lo or (hi is not None and v > hi):
-        raise CatchupPeerError(f"manifest field {what} = {v!r} is not an int in [{lo}, {hi}]")
+        raise CatchupPeerError(f"manifest field {what[:64]} = {str(v)[:64]} is not an int in [{lo}, {hi}]")
     return v
 
 

@@ -11,7 +11,10 @@ superseded answers 410 at once. Error bodies are JSON: {"error": ..., "step": as
 Shards go out with sendfile from the snapshot's in-memory file: no copy through Python.
 
 Runs aiohttp on its own event loop in one Env task (the ftrun.quorum.http pattern); binds 127.0.0.1 by
-default. Threading: publish/retire from the training task; the server task only reads the snapshot.
+default. Bounded as `HttpLimits` says (idle/header-read timeout, connection cap; see http_guard): a
+malformed request (a token that is not ASCII, a step or index that is not a short ASCII number) gets a
+4xx and one rate-limited WARNING line, never a 500 or a traceback.
+Threading: publish/retire from the training task; the server task only reads the snapshot.
 A publish or retire aborts shard transfers of the step it replaces within one 8 MiB chunk (the client
 retries elsewhere; bytes torn by the overwrite in between fail the shard's CRC).
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -28,6 +32,7 @@ import torch
 from aiohttp import web
 
 from ftrun.catchup.config import CatchupConfig
+from ftrun.catchup.http_guard import ConnectionGuard, GuardedSite, HttpLimits, bearer_token, path_int
 from ftrun.catchup.manifest import ShardSpec
 from ftrun.catchup.snapshot import Published, SnapshotStore
 from ftrun.env.base import Env
@@ -54,10 +59,11 @@ FaultHook = Callable[[int, int], "Fault | None"]  # (step, shard index) -> fault
 
 class CatchupServer:
     def __init__(self, *, env: Env, token: str, config: CatchupConfig = CatchupConfig(),
-                 fault: FaultHook | None = None) -> None:
+                 fault: FaultHook | None = None, limits: HttpLimits = HttpLimits()) -> None:
         if not token:
             raise ValueError("CatchupServer needs a non-empty job token")
         self.env, self.config, self._token, self._fault = env, config, token, fault
+        self.guard = ConnectionGuard(limits, log, name="catch-up server")
         self.store = SnapshotStore(env=env, max_shard_bytes=config.max_shard_bytes, on_change=self._store_changed)
         self.url = ""
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -108,15 +114,15 @@ class CatchupServer:
 
     async def _run(self, loop: asyncio.AbstractEventLoop, ready) -> None:
         self._stopping, self._changed = asyncio.Event(), asyncio.Event()
-        app = web.Application(middlewares=[self._auth])
+        app = web.Application(middlewares=[self.guard.middleware, self._auth])
         app.add_routes([web.get("/catchup/status", self._status),
                         web.get("/catchup/{step}/manifest", self._manifest),
                         web.get("/catchup/{step}/shard/{index}", self._shard)])
-        runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0, handler_cancellation=True)
+        runner = web.AppRunner(app, shutdown_timeout=1.0, handler_cancellation=True, **self.guard.runner_kwargs())
         await runner.setup()
         host, _, port = self.config.bind.rpartition(":")
         try:
-            await web.TCPSite(runner, host, int(port)).start()
+            await GuardedSite(runner, host, int(port), guard=self.guard).start()
             host, port = runner.addresses[0][:2]
             self.url, self._loop = f"http://{host}:{port}", loop
             ready.set()
@@ -141,27 +147,27 @@ class CatchupServer:
     # -- handlers ------------------------------------------------------------------------------
     @web.middleware
     async def _auth(self, request: web.Request, handler):
-        given = request.headers.get("Authorization", "").removeprefix("Bearer ")
-        if not hmac.compare_digest(given.encode(), self._token.encode()):
-            return web.json_response({"error": "missing or wrong job token"}, status=401)
+        if not hmac.compare_digest(bearer_token(request), self._token.encode()):
+            return self.guard.reply(401, "missing or wrong job token")
         return await handler(request)
 
     async def _status(self, request: web.Request) -> web.Response:
         return web.json_response(self.store.status())
 
     async def _manifest(self, request: web.Request) -> web.StreamResponse:
-        step = _int(request.match_info["step"])
+        step = path_int(request.match_info["step"])
         if step is None:
-            return _error(400, "step must be a non-negative integer", None, self.store.newest)
+            return self._malformed("step must be a non-negative integer of at most 19 ASCII digits", None)
         published, err = await self._await_step(step, self._wait_s(request))
         if published is None:
             return err
         return web.Response(body=published.manifest_json, content_type="application/json")
 
     async def _shard(self, request: web.Request) -> web.StreamResponse:
-        step, index = _int(request.match_info["step"]), _int(request.match_info["index"])
+        step, index = path_int(request.match_info["step"]), path_int(request.match_info["index"])
         if step is None or index is None:
-            return _error(400, "step and shard index must be non-negative integers", step, self.store.newest)
+            return self._malformed("step and shard index must be non-negative integers of at most 19 ASCII digits",
+                                   step)
         published, err = await self._await_step(step, self._wait_s(request))
         if published is None:
             return err
@@ -194,10 +200,15 @@ class CatchupServer:
         await resp.write_eof()
         return resp
 
+    def _malformed(self, message: str, step: int | None) -> web.Response:
+        return self.guard.reply(400, message, step=step, have=self.store.newest)
+
     def _wait_s(self, request: web.Request) -> float:
         try:
             asked = float(request.query.get("wait", self.config.long_poll_s))
         except ValueError:
+            asked = self.config.long_poll_s
+        if math.isnan(asked):
             asked = self.config.long_poll_s
         return max(0.0, min(asked, self.config.long_poll_s))
 
@@ -238,10 +249,6 @@ async def _send_faulty(resp: web.StreamResponse, transport: asyncio.BaseTranspor
     if fault.then is not None:
         fault.then()
     return resp
-
-
-def _int(text: str) -> int | None:
-    return int(text) if text.isdigit() else None
 
 
 def _error(status: int, message: str, step: int | None, have: int | None) -> web.Response:

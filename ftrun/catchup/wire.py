@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 from ftrun.catchup.errors import CatchupPeerError
 
 MAX_HEAD_BYTES = 64 * 1024
+MAX_LENGTH_DIGITS = 18  # a Content-Length below 10**18 bytes
 HEAD_END = b"\r\n\r\n"
 
 
@@ -46,7 +47,8 @@ def parse_head(raw: bytes) -> ResponseHead:
     try:
         lines = raw.decode("latin-1").split("\r\n")
         version, status, *reason = lines[0].split(" ", 2)
-        if version not in ("HTTP/1.1", "HTTP/1.0") or not status.isdigit():
+        if version not in ("HTTP/1.1", "HTTP/1.0") or len(status) != 3 or not _is_number(status, 3) \
+                or status[0] == "0":
             raise ValueError(f"bad status line {lines[0]!r}")
         headers = {}
         for line in lines[1:]:
@@ -60,8 +62,13 @@ def parse_head(raw: bytes) -> ResponseHead:
     if headers.get("transfer-encoding", "identity").lower() != "identity":
         raise CatchupPeerError(f"unsupported Transfer-Encoding {headers['transfer-encoding']!r}")
     length = headers.get("content-length", "")
-    if not length.isdigit():
-        raise CatchupPeerError(f"response without a valid Content-Length ({length!r})")
+    if not _is_number(length, MAX_LENGTH_DIGITS):
+        raise CatchupPeerError(f"response without a valid Content-Length ({length[:32]!r})")
     connection = headers.get("connection", "").lower()
     keep_alive = connection != "close" and (version == "HTTP/1.1" or connection == "keep-alive")
     return ResponseHead(int(status), reason[0] if reason else "", headers, int(length), keep_alive)
+
+
+def _is_number(text: str, max_digits: int) -> bool:
+    """ASCII digits only (str.isdigit also accepts '²' and other digits int() refuses), not too many."""
+    return 0 < len(text) <= max_digits and text.isascii() and text.isdigit()

@@ -1,16 +1,25 @@
-"""The checkpoint manifest: what a complete checkpoint contains, committed last. Pure apart from `crc32_file`.
+"""The checkpoint manifest: what a complete checkpoint contains, committed last. Pure apart from `file_digests`.
 
 A checkpoint folder is current only once its `manifest.json` exists, and that file is written
-atomically after every other file is durable. The manifest lists each file with its size and CRC32,
-and names the loader_state snapshot file, so a reader can tell a complete checkpoint from a torn,
-truncated or bit-rotten one without trusting anything but the manifest.
+atomically after every other file is durable. The manifest lists each file with its size, CRC32 and
+SHA-256, and names the loader_state snapshot file, so a reader can tell a complete checkpoint from a
+torn, truncated or bit-rotten one without trusting anything but the manifest.
+
+Verified, not trusted: DCP's `.metadata` (and non-tensor values in its data files) are pickles, so a
+crafted checkpoint folder would run code on restore. A manifest written with the job key carries
+`mac`, an HMAC-SHA256 (key: `checkpoint_key(job token)`) over its canonical encoding, which covers every
+file's SHA-256. A reader holding the key checks the MAC, then each file's size and SHA-256, before
+anything else reads a byte of the folder. `decode` treats the bytes as untrusted: anything malformed
+raises ManifestError.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -27,6 +36,7 @@ class FileEntry:
     name: str
     size: int
     crc32: int
+    sha256: str = ""  # hex; "" in manifests written before it was added
 
 
 @dataclass(frozen=True)
@@ -35,59 +45,149 @@ class Manifest:
     files: tuple[FileEntry, ...]
     loader_state: str  # name of the loader_state snapshot, one of `files`
     lineage: str = ""  # the loader_state's lineage hash (for humans and for cross-checks)
+    mac: str = ""  # hex HMAC-SHA256 of encode(self without mac) under the job's checkpoint key; "" = unsigned
 
     def entry(self, name: str) -> FileEntry | None:
         return next((f for f in self.files if f.name == name), None)
 
 
 def encode(manifest: Manifest) -> bytes:
-    return json.dumps({
+    doc = {
         "format": FORMAT,
         "step": manifest.step,
         "lineage": manifest.lineage,
         "loader_state": manifest.loader_state,
-        "files": [{"name": f.name, "size": f.size, "crc32": f.crc32} for f in manifest.files],
-    }, indent=1).encode()
+        "files": [{"name": f.name, "size": f.size, "crc32": f.crc32, **({"sha256": f.sha256} if f.sha256 else {})}
+                  for f in manifest.files],
+    }
+    if manifest.mac:
+        doc["mac"] = manifest.mac
+    return json.dumps(doc, indent=1).encode()
+
+
+def checkpoint_key(token: str | bytes) -> bytes:
+    """The key checkpoint manifests are signed with, derived from the job token (never the token itself)."""
+    secret = token.encode() if isinstance(token, str) else bytes(token)
+    if not secret:
+        raise ValueError("the checkpoint key needs a non-empty job token")
+    return hmac.new(secret, b"ftrun checkpoint manifest v1", hashlib.sha256).digest()
+
+
+def _mac(manifest: Manifest, key: bytes) -> str:
+    return hmac.new(key, encode(replace(manifest, mac="")), hashlib.sha256).hexdigest()
+
+
+def sign(manifest: Manifest, key: bytes) -> Manifest:
+    """`manifest` with its MAC. Raises ValueError if a file has no SHA-256 (the MAC would not cover it)."""
+    if any(not f.sha256 for f in manifest.files):
+        raise ValueError("sign a manifest whose every file has its SHA-256")
+    return replace(manifest, mac=_mac(manifest, key))
+
+
+def check_mac(manifest: Manifest, key: bytes) -> str | None:
+    """None if `manifest` is signed under `key` and every file has its SHA-256; else the problem."""
+    if not manifest.mac:
+        return "unsigned (written without the job key): not trusted, DCP would unpickle it"
+    if not hmac.compare_digest(manifest.mac, _mac(manifest, key)):
+        return "its MAC does not verify under the job key (written by another job, or altered)"
+    if any(not f.sha256 for f in manifest.files):
+        return "a file has no SHA-256"
+    return None
+
+
+MAX_NAME_BYTES = 255  # a file name in a checkpoint folder: one path component (NAME_MAX on Linux)
+MAX_INT = 2**63 - 1  # steps, sizes: what an int64 holds
 
 
 def decode(data: bytes) -> Manifest:
+    """Parse and check manifest bytes. Raises ManifestError for anything malformed (never another error)."""
     try:
         raw = json.loads(data)
-        if raw.get("format") != FORMAT:
-            raise ManifestError(f"format {raw.get('format')!r}, expected {FORMAT!r}")
-        files = tuple(FileEntry(str(f["name"]), int(f["size"]), int(f["crc32"])) for f in raw["files"])
-        m = Manifest(int(raw["step"]), files, str(raw["loader_state"]), str(raw.get("lineage", "")))
-    except ManifestError:
-        raise
-    except (ValueError, TypeError, KeyError, AttributeError) as e:
-        raise ManifestError(f"malformed manifest: {e!r}") from e
+    except RecursionError:
+        raise ManifestError("malformed manifest: nested too deeply") from None
+    except (ValueError, TypeError) as e:  # UnicodeDecodeError is a ValueError
+        raise ManifestError(f"malformed manifest: {e!r}") from None
+    if not isinstance(raw, dict):
+        raise ManifestError(f"malformed manifest: a JSON {type(raw).__name__}, not an object")
+    if raw.get("format") != FORMAT:
+        raise ManifestError(f"format {str(raw.get('format'))[:64]!r}, expected {FORMAT!r}")
+    files = raw.get("files")
+    if not isinstance(files, list) or not all(isinstance(f, dict) for f in files):
+        raise ManifestError("malformed manifest: 'files' must be a list of objects")
+    m = Manifest(_int(raw, "step"), tuple(_file(f) for f in files), _name(raw.get("loader_state"), "loader_state"),
+                 _str(raw.get("lineage", ""), "lineage"), _hex(raw.get("mac", ""), "mac"))
     if m.entry(m.loader_state) is None:
         raise ManifestError(f"loader_state file {m.loader_state!r} is not among the listed files")
-    if any("/" in f.name or f.name in ("", ".", "..", MANIFEST) for f in m.files):
-        raise ManifestError("file names must be plain names inside the checkpoint folder")
+    if len({f.name for f in m.files}) != len(m.files):
+        raise ManifestError("a file is listed twice")
     return m
 
 
-def crc32_file(path: Path, *, chunk: int = 1 << 22) -> int:
-    crc = 0
+def _int(raw: dict, key: str, hi: int = MAX_INT) -> int:
+    value = raw.get(key)
+    if type(value) is not int or not 0 <= value <= hi:
+        raise ManifestError(f"malformed manifest: {key} = {str(value)[:64]} is not an int in [0, {hi}]")
+    return value
+
+
+def _str(value: object, what: str, max_len: int = 256) -> str:
+    if not isinstance(value, str) or len(value) > max_len:
+        raise ManifestError(f"malformed manifest: {what} is not a string of at most {max_len} characters")
+    return value
+
+
+def _name(value: object, what: str) -> str:
+    """A plain file name inside the checkpoint folder."""
+    name = _str(value, what)
+    if (not name or name in (".", "..", MANIFEST) or "/" in name or "\0" in name
+            or len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES):
+        raise ManifestError(f"file name {name[:64]!r} is not a plain name inside the checkpoint folder "
+                            f"(1-{MAX_NAME_BYTES} bytes, no '/', NUL, '.', '..' or {MANIFEST})")
+    return name
+
+
+def _hex(value: object, what: str) -> str:
+    text = _str(value, what, 64)
+    if text and (len(text) != 64 or text.strip("0123456789abcdef")):
+        raise ManifestError(f"malformed manifest: {what} is not 64 lowercase hex digits")
+    return text
+
+
+def _file(raw: dict) -> FileEntry:
+    return FileEntry(_name(raw.get("name"), "file name"), _int(raw, "size"), _int(raw, "crc32", 0xFFFFFFFF),
+                     _hex(raw.get("sha256", ""), "sha256"))
+
+
+def file_digests(path: Path, *, chunk: int = 1 << 22, sha256: bool = True) -> tuple[int, str]:
+    """(CRC32, hex SHA-256 or "") of a file's bytes, in one pass."""
+    crc, sha = 0, hashlib.sha256() if sha256 else None
     with open(path, "rb") as f:
         while block := f.read(chunk):
             crc = zlib.crc32(block, crc)
-    return crc
+            if sha is not None:
+                sha.update(block)
+    return crc, sha.hexdigest() if sha is not None else ""
+
+
+def crc32_file(path: Path, *, chunk: int = 1 << 22) -> int:
+    return file_digests(path, chunk=chunk, sha256=False)[0]
 
 
 def check_files(manifest: Manifest, size_of: Callable[[str], int | None],
-                crc_of: Callable[[str], int]) -> list[str]:
-    """Problems with the files against the manifest ([] = complete). `size_of` returns None for a missing file."""
+                digests_of: Callable[[str], tuple[int, str]], *, sha256: bool = False) -> list[str]:
+    """Problems with the files against the manifest ([] = complete). `size_of` returns None for a missing
+    file; `digests_of` gives (CRC32, SHA-256 hex). sha256: also compare SHA-256 (a signed manifest)."""
     problems = []
     for f in manifest.files:
         size = size_of(f.name)
         if size is None:
-            problems.append(f"{f.name}: missing")
+            problems.append(f"{f.name}: missing (or not a regular file)")
         elif size != f.size:
             problems.append(f"{f.name}: truncated or resized ({size} bytes, manifest says {f.size})")
         else:
-            crc = crc_of(f.name)
+            crc, sha = digests_of(f.name)
             if crc != f.crc32:
                 problems.append(f"{f.name}: CRC32 {crc:#010x} does not match the manifest's {f.crc32:#010x}")
+            elif sha256 and not hmac.compare_digest(sha, f.sha256):
+                problems.append(f"{f.name}: SHA-256 does not match the signed manifest")
     return problems

@@ -65,18 +65,45 @@ def encode_record(record: Record) -> bytes:
     return (json.dumps({"kind": kind, **asdict(record)}, separators=(",", ":")) + "\n").encode()
 
 
+MAX_FIELD = 2**63 - 1  # steps, positions, batch ids: int64
+_ATTEMPT = {"replica": str, "step": int, "parent": str, "position": int, "batch_id": int}
+_COMMIT = {"writer": str, "step": int, "parent": str, "lineage": str, "contributors": list, "positions": list}
+
+
 def decode_record(line: bytes | str) -> Record:
+    """One JSON-lines record. Raises AuditLogError for anything that is not exactly a record."""
     try:
         raw = json.loads(line)
-        kind = raw.pop("kind")
-        if kind == "attempt":
-            return Attempt(**raw)
-        if kind == "commit":
-            raw["contributors"], raw["positions"] = tuple(raw["contributors"]), tuple(raw["positions"])
-            return Commit(**raw)
-    except (ValueError, TypeError, KeyError, AttributeError) as e:
-        raise AuditLogError(f"bad audit record {line!r}: {e}") from e
-    raise AuditLogError(f"unknown audit record kind {kind!r}")
+    except RecursionError:
+        raise AuditLogError(f"bad audit record ({len(line)} bytes): nested too deeply") from None
+    except (ValueError, TypeError) as e:
+        raise AuditLogError(f"bad audit record {_clip(line)}: {e}") from None
+    kind = raw.get("kind") if isinstance(raw, dict) else None
+    schema = {"attempt": _ATTEMPT, "commit": _COMMIT}.get(kind) if isinstance(kind, str) else None
+    if schema is None:
+        raise AuditLogError(f"unknown audit record kind in {_clip(line)}")
+    fields_ = {k: v for k, v in raw.items() if k != "kind"}
+    if set(fields_) != set(schema) or not all(_fits(fields_[k], t) for k, t in schema.items()):
+        raise AuditLogError(f"bad audit record {_clip(line)}: fields must be exactly {sorted(schema)} "
+                            f"with their types")
+    if kind == "attempt":
+        return Attempt(**fields_)
+    contributors, positions = tuple(fields_["contributors"]), tuple(fields_["positions"])
+    if not (all(_fits(c, str) for c in contributors) and all(_fits(p, int) for p in positions)
+            and len(contributors) == len(positions)):
+        raise AuditLogError(f"bad audit record {_clip(line)}: contributors must be strings, positions ints, "
+                            f"as many of each")
+    return Commit(**{**fields_, "contributors": contributors, "positions": positions})
+
+
+def _fits(value: object, kind: type) -> bool:
+    if kind is int:
+        return type(value) is int and 0 <= value <= MAX_FIELD
+    return isinstance(value, kind)
+
+
+def _clip(line: bytes | str) -> str:
+    return repr(line[:120]) + ("..." if len(line) > 120 else "")
 
 
 def read_log(data: bytes, *, name: str = "<audit log>") -> tuple[list[Record], list[str]]:

@@ -26,7 +26,11 @@ Durable copy: `LoaderStateStore` writes the job's whole ledger (one record, ever
 into one of two Storage slots chosen by step parity, every step, atomically. One file for the job, as
 in the paper: the ledger is replicated, so one writer can write everyone's position in one small
 write, and the record is a consistent cut (all positions at the same step). The other slot keeps the
-previous step, so a torn or corrupt slot falls back to the previous good version.
+previous step, so a torn or corrupt slot falls back to the previous good version. The store refuses
+forks (`fork_refusal`): a write below the newest stored step, or of another lineage at the same step,
+raises LoaderStateFork, unless that newest state was already there when this store was opened (a full
+restart from an older checkpoint supersedes the states it found; a stale replica cannot supersede
+states written after it started).
 """
 
 from __future__ import annotations
@@ -35,8 +39,8 @@ import hashlib
 import logging
 import struct
 import zlib
-from dataclasses import dataclass, replace
-from typing import Iterable, Protocol
+from dataclasses import dataclass, fields, replace
+from typing import Collection, Iterable, Protocol
 
 import msgpack
 import numpy as np
@@ -50,6 +54,7 @@ GENESIS = "genesis"  # lineage of the initial state (nothing trained)
 _MAGIC = b"FTLS"
 _VERSION = 1
 _HEADER = struct.Struct(">4sBIQ")  # magic, version, crc32 of body, body length
+MAX_SAMPLE_INDEX = 2**62  # every sample count and stream offset a ledger implies stays below this (int64-safe)
 
 
 class DataError(Exception):
@@ -66,6 +71,10 @@ class LoaderStateCorrupt(LoaderStateError):
     def __init__(self, key: str, problem: str) -> None:
         super().__init__(f"loader_state {key!r} is corrupt: {problem}")
         self.key, self.problem = key, problem
+
+
+class LoaderStateFork(LoaderStateError):
+    """A write that would replace stored state of another lineage at the same or a higher step."""
 
 
 class HasStep(Protocol):
@@ -109,6 +118,11 @@ class LoaderState:
             raise LoaderStateError(f"bad committed_batches {self.committed_batches} for {self.replica_ids}")
         if self.step < 0:
             raise LoaderStateError(f"step must be >= 0, got {self.step}")
+        too_big = [f.name for f in fields(self.layout) if getattr(self.layout, f.name) >= MAX_SAMPLE_INDEX]
+        if too_big or (max(self.committed_batches) + 1) * self.layout.replica_batch_size >= MAX_SAMPLE_INDEX \
+                or self.step >= MAX_SAMPLE_INDEX:
+            raise LoaderStateError(f"loader_state beyond the int64 range of sample indices (layout fields {too_big}, "
+                                   f"step {self.step}, committed_batches up to {max(self.committed_batches)})")
 
     @classmethod
     def initial(cls, layout: DataLayout, replica_ids: Iterable[str]) -> "LoaderState":
@@ -154,10 +168,10 @@ class LoaderState:
     def from_dict(cls, raw: dict) -> "LoaderState":
         """Inverse of `to_dict`. Raises LoaderStateError naming what is wrong."""
         try:
-            return cls(DataLayout(**raw["layout"]), tuple(str(r) for r in raw["replica_ids"]),
-                       tuple(int(c) for c in raw["committed_batches"]), int(raw["step"]), str(raw["lineage"]))
-        except (KeyError, TypeError, ValueError) as e:
-            raise LoaderStateError(f"malformed loader_state dict: {e!r}") from e
+            return cls(DataLayout(**raw["layout"]), tuple(_text(r) for r in raw["replica_ids"]),
+                       tuple(_int(c) for c in raw["committed_batches"]), _int(raw["step"]), _text(raw["lineage"]))
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
+            raise LoaderStateError(f"malformed loader_state dict: {str(e)[:200]}") from e
 
     def check_layout(self, layout: DataLayout) -> None:
         """Raise LoaderStateError if this state was made for another data layout."""
@@ -206,17 +220,52 @@ def decode(data: bytes, *, key: str = "<bytes>") -> LoaderState:
         raw = msgpack.unpackb(body, raw=False)
         layout = DataLayout(**raw["layout"])
         tables = [np.array([r[name] for name in _COLUMNS], dtype=np.int64).T for r in raw["replicas"]]
-        state = LoaderState(layout, tuple(str(r["id"]) for r in raw["replicas"]),
-                            tuple(int(t[0, 0]) for t in tables), int(raw["step"]), str(raw["lineage"]))
-    except (KeyError, TypeError, ValueError, IndexError, LoaderStateError, msgpack.UnpackException) as e:
-        raise LoaderStateCorrupt(key, f"malformed body: {e!r}") from e
+        if any(t.shape != (layout.ranks_per_replica, len(_COLUMNS)) for t in tables):
+            raise ValueError(f"every replica must list {layout.ranks_per_replica} rank positions")
+        state = LoaderState(layout, tuple(_text(r["id"]) for r in raw["replicas"]),
+                            tuple(int(t[0, 0]) for t in tables), _int(raw["step"]), _text(raw["lineage"]))
+    except (KeyError, TypeError, ValueError, IndexError, OverflowError, LoaderStateError,
+            msgpack.UnpackException) as e:
+        raise LoaderStateCorrupt(key, f"malformed body: {str(e)[:200]}") from e
     sampler = Sampler(layout)
     for i, (rid, table) in enumerate(zip(state.replica_ids, tables)):
         expect = _rank_table(sampler, i, state.committed_batches[i])
-        if table.shape != expect.shape or not np.array_equal(table, expect):
+        if not np.array_equal(table, expect):
             raise LoaderStateCorrupt(key, f"rank positions of {rid} do not match the layout "
                                           f"(every rank must be at committed_batches={state.committed_batches[i]})")
     return state
+
+
+def _int(value: object) -> int:
+    if type(value) is not int:
+        raise TypeError(f"{str(value)[:32]} is not an int")
+    return value
+
+
+def _text(value: object) -> str:
+    if not isinstance(value, str) or len(value) > 256:
+        raise TypeError("ids and lineages are strings of at most 256 characters")
+    return value
+
+
+def fork_refusal(held: list[tuple[int, str]], new: tuple[int, str], *,
+                 found: Collection[tuple[int, str]]) -> str | None:
+    """Why writing state `new` = (step, lineage) over the stored `held` states would fork the job; None if
+    it would not. Pure.
+
+    Allowed: a step above every stored one; the same (step, lineage) again; and anything while the
+    newest stored state is one of `found`, the states there when the writer opened the store (a full
+    restart from an older checkpoint abandons the states after it). Refused: a step below the newest
+    stored one, or another lineage at its step, once it was written after the writer opened the store.
+    """
+    if not held:
+        return None
+    newest = max(held)
+    if newest[0] < new[0] or new in held or newest in found:
+        return None
+    what = f"lineage {newest[1]} at the same step" if newest[0] == new[0] else f"step {newest[0]} (lineage {newest[1]})"
+    return (f"refusing to write loader_state of step {new[0]} (lineage {new[1]}): the store holds {what}, "
+            f"written since this writer opened it; this writer is stale or forked")
 
 
 # -- durable copy ----------------------------------------------------------------------------------
@@ -231,14 +280,33 @@ class LoaderStateStore:
     def __init__(self, *, storage: Storage, prefix: str = "loader_state") -> None:
         self.storage, self.prefix = storage, prefix
         self.problems: list[str] = []
+        self._found = frozenset(self._held())  # the states stored when opened: a restart may supersede them
 
     def slot_key(self, step: int) -> str:
         return f"{self.prefix}/slot-{step % 2}"
 
     def save(self, state: LoaderState) -> str:
+        """Write `state` into its slot. Raises LoaderStateFork (see `fork_refusal`) instead of replacing
+        another lineage's state."""
+        refusal = fork_refusal(self._held(), (state.step, state.lineage), found=self._found)
+        if refusal is not None:
+            raise LoaderStateFork(refusal)
         key = self.slot_key(state.step)
         self.storage.write_atomic(key, encode(state))
         return key
+
+    def _held(self) -> list[tuple[int, str]]:
+        """(step, lineage) of every slot that passes its checks."""
+        held = []
+        for slot in (0, 1):
+            data = self.storage.read(f"{self.prefix}/slot-{slot}")
+            if data is not None:
+                try:
+                    state = decode(data)
+                except LoaderStateCorrupt:
+                    continue  # a torn or corrupt slot holds nothing to protect
+                held.append((state.step, state.lineage))
+        return held
 
     def load(self) -> LoaderState | None:
         """The newest good state, None if nothing was ever saved. Raises LoaderStateCorrupt if no slot is good."""

@@ -1,7 +1,8 @@
 """The lighthouse's HTTP face: a status page at `/`, JSON at `/status`, Prometheus text at `/metrics`.
 
 Runs aiohttp on its own event loop in one Env task. Every request must carry the job token, as
-`Authorization: Bearer TOKEN` or `?token=TOKEN`.
+`Authorization: Bearer TOKEN` or `?token=TOKEN`. Bounded like the catch-up server (`HttpLimits`:
+idle/header-read timeout, connection cap, 4xx and one rate-limited WARNING line for a malformed request).
 """
 
 from __future__ import annotations
@@ -10,13 +11,17 @@ import asyncio
 import hmac
 import html
 import json
+import logging
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
+from ftrun.catchup.http_guard import ConnectionGuard, GuardedSite, HttpLimits, bearer_token
 from ftrun.env.base import Env
 from ftrun.quorum.service import Lighthouse
+
+log = logging.getLogger("ftrun.quorum")
 
 
 class _LighthouseCollector:
@@ -37,8 +42,10 @@ class _LighthouseCollector:
 
 
 class StatusServer:
-    def __init__(self, *, env: Env, lighthouse: Lighthouse, token: str, bind: str = "127.0.0.1:0") -> None:
+    def __init__(self, *, env: Env, lighthouse: Lighthouse, token: str, bind: str = "127.0.0.1:0",
+                 limits: HttpLimits = HttpLimits(max_connections=64)) -> None:
         self.env, self.lighthouse, self._token = env, lighthouse, token
+        self.guard = ConnectionGuard(limits, log, name="lighthouse status server")
         host, _, port = bind.rpartition(":")
         self._host, self._port = host or "127.0.0.1", int(port)
         self.registry = CollectorRegistry()
@@ -63,11 +70,11 @@ class StatusServer:
 
     async def _run(self, ready) -> None:
         self._stopping = asyncio.Event()
-        app = web.Application(middlewares=[self._auth])
+        app = web.Application(middlewares=[self.guard.middleware, self._auth])
         app.add_routes([web.get("/", self._page), web.get("/status", self._status), web.get("/metrics", self._metrics)])
-        runner = web.AppRunner(app, access_log=None)
+        runner = web.AppRunner(app, **self.guard.runner_kwargs())
         await runner.setup()
-        site = web.TCPSite(runner, self._host, self._port)
+        site = GuardedSite(runner, self._host, self._port, guard=self.guard)
         await site.start()
         host, port = runner.addresses[0][:2]
         self.url = f"http://{host}:{port}"
@@ -77,9 +84,9 @@ class StatusServer:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
-        given = request.headers.get("Authorization", "").removeprefix("Bearer ") or request.query.get("token", "")
-        if not hmac.compare_digest(given.encode(), self._token.encode()):
-            return web.json_response({"error": "missing or wrong job token"}, status=401)
+        given = bearer_token(request) or request.query.get("token", "").encode("utf-8", "surrogateescape")
+        if not hmac.compare_digest(given, self._token.encode()):
+            return self.guard.reply(401, "missing or wrong job token")
         return await handler(request)
 
     async def _status(self, request: web.Request) -> web.Response:

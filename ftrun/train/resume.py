@@ -35,8 +35,9 @@ def checkpoint_store():
 
 
 def resume(checkpoint_dir: str | os.PathLike | None, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-           layout: DataLayout, replica_ids: Iterable[str]) -> tuple[int, LoaderState]:
+           layout: DataLayout, replica_ids: Iterable[str], key: bytes | None = None) -> tuple[int, LoaderState]:
     """(step, ledger) to start from; restores model and optimizer in place when a checkpoint is used.
+    key: use only checkpoints signed under it (ftrun.checkpoint.manifest.checkpoint_key of the job token).
 
     Raises LoaderStateError if the checkpoint's ledger was written for another data layout or job, and
     CheckpointCorrupt if the newest complete checkpoint cannot be loaded.
@@ -46,9 +47,9 @@ def resume(checkpoint_dir: str | os.PathLike | None, *, model: torch.nn.Module, 
     if root is None or not root.is_dir() or not any(parse_step_dir(p.name) is not None for p in root.iterdir()):
         return 0, LoaderState.initial(layout, ids)
     store = checkpoint_store()
-    if store.latest_complete(root) is None:
+    if store.latest_complete(root, key=key) is None:
         return 0, LoaderState.initial(layout, ids)
-    step, ledger = store.restore(root, model, optimizer)
+    step, ledger = store.restore(root, model, optimizer, key=key)
     ledger.check_layout(layout)
     if ledger.replica_ids != ids:
         raise LoaderStateError(f"checkpoint ledger has replicas {ledger.replica_ids}, the job has {ids}")

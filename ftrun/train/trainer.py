@@ -77,6 +77,7 @@ from ftrun.catchup.errors import CatchupError
 from ftrun.catchup.heal import catchup_sources, should_publish
 from ftrun.catchup.server import CatchupServer
 from ftrun.catchup.wait import estimate_fetch_s, exchange_wait_s, should_wait, wait_outcome
+from ftrun.checkpoint.manifest import checkpoint_key
 from ftrun.checkpoint.policy import CheckpointConfig, checkpoint_writer, should_checkpoint
 from ftrun.config import ManagerConfig
 from ftrun.data.audit import AuditLog
@@ -238,7 +239,8 @@ class FaultTolerantTrainer:
         started = self.env.clock.now()
         try:
             self._ckpt.save(self.config.checkpoint_dir, step=step, model=self.model, optimizer=self.optimizer,
-                            loader_state=self.progress.state, keep=self.config.checkpoint.keep)
+                            loader_state=self.progress.state, keep=self.config.checkpoint.keep,
+                            key=checkpoint_key(self._token))
         except Exception as e:  # storage trouble must not take the replica down; the next cadence retries
             log.error("replica %s: checkpoint of step %d failed: %s", self.config.replica_id, step, e)
             self._emit("checkpoint_failed", step=step, error=f"{type(e).__name__}: {e}")
@@ -417,7 +419,7 @@ def build(*, config: TrainerConfig, env: Env, model: torch.nn.Module, optimizer:
         raise ValueError("persistent checkpoints of a sharded replica (more than one rank) are not supported "
                          "yet: set checkpoint_dir=None")
     step, ledger = resume(config.checkpoint_dir, model=model, optimizer=optimizer, layout=layout,
-                          replica_ids=replica_ids)
+                          replica_ids=replica_ids, key=checkpoint_key(token))
     endpoints = encode_endpoints({"ftar": exchange.engine.addr, "catchup": server.url})
     if lighthouse is not None:  # a hung peer's notice ends this rank's blocked all-reduce at once
         lighthouse.on_peer_hung = exchange.abort_for_hung_peer

@@ -85,11 +85,12 @@ def test_manifest_round_trip_and_checks():
     m = mf.Manifest(7, (mf.FileEntry("a.distcp", 10, 1), mf.FileEntry("loader_state.bin", 3, 2)),
                     "loader_state.bin", "abc")
     assert mf.decode(mf.encode(m)) == m
-    sizes, crcs = {"a.distcp": 10, "loader_state.bin": 2}, {"a.distcp": 5}
-    problems = mf.check_files(m, sizes.get, crcs.get)
+    sizes, digests = {"a.distcp": 10, "loader_state.bin": 2}, {"a.distcp": (5, "")}
+    problems = mf.check_files(m, sizes.get, digests.get)
     assert problems == ["a.distcp: CRC32 0x00000005 does not match the manifest's 0x00000001",
                         "loader_state.bin: truncated or resized (2 bytes, manifest says 3)"]
-    assert mf.check_files(m, {}.get, crcs.get) == ["a.distcp: missing", "loader_state.bin: missing"]
+    assert mf.check_files(m, {}.get, digests.get) == ["a.distcp: missing (or not a regular file)",
+                                                      "loader_state.bin: missing (or not a regular file)"]
 
 
 @pytest.mark.parametrize(("data", "message"), [
@@ -97,7 +98,7 @@ def test_manifest_round_trip_and_checks():
     (json.dumps({"format": "other/1"}).encode(), "format 'other/1'"),
     (json.dumps({"format": mf.FORMAT, "step": 1, "loader_state": "x", "files": []}).encode(), "not among the listed"),
     (json.dumps({"format": mf.FORMAT, "step": 1, "loader_state": "../x",
-                 "files": [{"name": "../x", "size": 1, "crc32": 0}]}).encode(), "plain names"),
+                 "files": [{"name": "../x", "size": 1, "crc32": 0}]}).encode(), "not a plain name"),
 ])
 def test_manifest_decode_errors(data, message):
     with pytest.raises(mf.ManifestError, match=message):

@@ -8,6 +8,8 @@ die at any phase of a step, restart from the latest complete checkpoint and heal
 for everyone or commit on some replicas only (a death or a 'no' vote after the all-reduce completed),
 and the newest checkpoint may be corrupt. After every sequence the audit of the records must show
 each batch trained exactly once on the final lineage, and list exactly the batches the model trained.
+Each replica incarnation opens the loader_state store when it starts, as a process does; a writer the
+store refuses as stale or forked (LoaderStateFork) stops, as a real replica does.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from ftrun.checkpoint.policy import CheckpointConfig, checkpoint_writer, should_
 from ftrun.data.audit import (
     Attempt, AuditLog, Commit, FileAuditSink, audit, decode_record, encode_record, read_log,
 )
-from ftrun.data.loader_state import GENESIS, LoaderState, LoaderStateStore, contributors, next_lineage
+from ftrun.data.loader_state import (
+    GENESIS, LoaderState, LoaderStateFork, LoaderStateStore, contributors, next_lineage,
+)
 from ftrun.data.progress import DataProgress
 from ftrun.data.sampler import DataLayout, Sampler
 
@@ -50,6 +54,7 @@ class Rep:
     progress: DataProgress | None = None
     model: tuple[int, ...] = ()
     local: int = 0  # naive policy only: batches it committed itself (its own file: survives restarts)
+    store: LoaderStateStore | None = None  # opened when this incarnation started
 
 
 @dataclass
@@ -64,7 +69,9 @@ class Job:
                                  batch_size_per_rank=1, seed=5)
         self.sampler = Sampler(self.layout)
         self.ids = tuple(f"r{i}" for i in range(self.num_replicas))
-        self.store = LoaderStateStore(storage=MemoryStorage())
+        self.storage = MemoryStorage()
+        self.store = LoaderStateStore(storage=self.storage)  # the job-level reader (heal_from_file)
+        self.refused = 0  # loader_state writes refused as forks
         self.config = CheckpointConfig(every_steps=self.every_steps, keep=2)
         self.checkpoints: dict[int, tuple[LoaderState, tuple[int, ...]]] = {}
         self.corrupt: set[int] = set()
@@ -78,6 +85,7 @@ class Job:
         good = [s for s in self.checkpoints if s not in self.corrupt]
         state, model = self.checkpoints[max(good)] if good else (LoaderState.initial(self.layout, self.ids), ())
         rep.alive, rep.progress, rep.model = True, DataProgress(replica_id=rep.rid, state=state), model
+        rep.store = LoaderStateStore(storage=self.storage)
 
     @staticmethod
     def _kill(rep: Rep) -> None:
@@ -179,7 +187,12 @@ class Job:
             if dies(rep, "after_audit"):
                 continue
             if rep.rid == ls_writer:
-                self.store.save(rep.progress.state)
+                try:
+                    rep.store.save(rep.progress.state)
+                except LoaderStateFork:  # it trained on a branch the job had left: it stops
+                    self.refused += 1
+                    self._kill(rep)
+                    continue
             dies(rep, "after_loader_state")
         for rep in members:
             if rep.alive and rep not in committers:
@@ -349,3 +362,16 @@ def test_log_round_trip_and_torn_tail(tmp_path):
     assert read_log(data) == (records, [])
     torn, problems = read_log(data + encode_record(records[0])[:9], name="audit.jsonl")
     assert torn == records and problems == ["audit.jsonl: ignored a torn last line (9 bytes)"]
+
+
+def test_a_replica_left_alone_on_an_abandoned_step_cannot_overwrite_the_job_s_loader_state():
+    """r1 votes no on step 8 while r0 commits it and writes step 9; r0 dies; r1 retrains step 8 alone on
+    another lineage. Its loader_state write of step 9 is refused (it would fork the job) and it stops."""
+    job = Job(2, 100)
+    for _ in range(8):
+        job.run_round(RoundPlan())
+    job.run_round(RoundPlan(vote_no=frozenset({1})))
+    stored = job.store.load()
+    job.run_round(RoundPlan(kills=((0, "before_quorum"),)))
+    assert job.refused == 1 and not any(r.alive for r in job.reps)
+    assert job.store.load() == stored  # r0's step 9 is still what the store holds
