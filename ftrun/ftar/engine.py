@@ -57,6 +57,8 @@ def _schedule(n: int, index: int, nbytes: int, elem: int, chunk_bytes: int, num_
 class FtarEngine:
     """Fault-tolerant ring all-reduce for one rank. Threading: one caller at a time."""
 
+    telemetry = None  # this rank's ftrun.diagnose.telemetry.Recorder, when root-cause telemetry is on
+
     def __init__(self, *, env: Env, kernels: Kernels, token: str, config: FtarConfig = FtarConfig(),
                  bind: str = "127.0.0.1:0") -> None:
         self.env, self.kernels, self.config, self._token = env, kernels, config, token
@@ -158,10 +160,12 @@ class FtarEngine:
         sched = _schedule(n, index, buf.nbytes, dt.itemsize, self.config.chunk_bytes, self.config.num_chunks)
         if not sched.steps:
             return
+        if self.telemetry: self.telemetry.ftar_enter(links.epoch, buf.nbytes, n, index, len(sched.steps))
         staging = self._own_slots.array if self._own_slots is not None else self._local_staging(sched, data)
         run = RingRun(env=self.env, kernels=self.kernels, links=links, sched=sched, data=data,
                       dtype=dt, staging=staging, out_shared=self._own_slots is not None, timeout=self.config.timeout_s,
                       prev_slots=self._prev_slots.array if self._prev_slots is not None else None)
+        run.telemetry = self.telemetry
         try:
             run.go()
         except RecoverableError:

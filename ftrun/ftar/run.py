@@ -29,6 +29,8 @@ from ftrun.ftar.schedule import CopyFromSlot, CopyToSlot, Reduce, ReduceCopy, Sc
 
 
 class RingRun:
+    telemetry = None  # the rank's ftrun.diagnose.telemetry.Recorder (set by the engine), or None
+
     def __init__(self, *, env, kernels: Kernels, links: RingLinks, sched: Schedule, data: np.ndarray, dtype: DType,
                  staging: np.ndarray, prev_slots: np.ndarray | None, out_shared: bool, timeout: float) -> None:
         self.env, self.k, self.links, self.sched, self.data, self.dt = env, kernels, links, sched, data, dtype
@@ -47,6 +49,7 @@ class RingRun:
         try:
             for step in self.sched.steps:
                 self._run_step(step.ops)
+                if self.telemetry: self.telemetry.ftar_step(step.partition, step.hop, step.ops[0].nbytes)
         except (NetError, EnvTimeout) as e:
             self._fail(e)
         except (KernelError, ValueError) as e:
@@ -61,8 +64,10 @@ class RingRun:
             self._fail(EnvTimeout(f"the next rank did not take its data within {self.timeout}s"))
         if self.error is not None:
             self._fail(self.error)
+        if self.telemetry: self.telemetry.ftar_end(True)
 
     def _fail(self, e: BaseException) -> None:
+        if self.telemetry: self.telemetry.ftar_end(False)
         self._abort()
         if e.__traceback__ is not None:
             traceback.clear_frames(e.__traceback__)  # frames hold views of the staging buffers
@@ -86,6 +91,7 @@ class RingRun:
         slot_off = recv.slot * self.sched.slot_bytes
         if self.prev_slots is not None:  # shared: read the bytes in the slot the previous rank names
             msg = self.links.prev.recv(timeout=self.timeout)
+            if self.telemetry: self.telemetry.ftar_recv(recv.nbytes)
             src_slot = msg.get("slot")
             if msg.get("s") != recv.seq or not isinstance(src_slot, int) or not 0 <= src_slot < self.sched.num_slots:
                 raise NetError(f"expected chunk {recv.seq} in a slot below {self.sched.num_slots}, got {msg}")
@@ -96,9 +102,11 @@ class RingRun:
             self._wait_slot(recv.slot)
             target = self._region(local.offset, local.nbytes)
             self.links.prev.recv_into(target, timeout=self.timeout)
+            if self.telemetry: self.telemetry.ftar_recv(recv.nbytes)
             return target
         self._wait_slot(recv.slot)
         self.links.prev.recv_into(self.staging[slot_off:slot_off + recv.nbytes], timeout=self.timeout)
+        if self.telemetry: self.telemetry.ftar_recv(recv.nbytes)
         if isinstance(local, Reduce):
             self._charge(self.k.reduce(self.staging, slot_off, self.data, local.offset, local.nbytes, self.dt))
         else:
@@ -163,6 +171,7 @@ class RingRun:
                 else:
                     self.links.next.send_bytes(payload, timeout=self.timeout)
                     self.slot_free[slot].set()
+                if self.telemetry: self.telemetry.ftar_sent(self.sched.next_rank, getattr(payload, "nbytes", 0))
             except NetError as e:
                 return self._helper_failed(e, slot)
 

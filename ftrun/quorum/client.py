@@ -41,6 +41,8 @@ class LighthouseClient:
     not block), so a replica stuck inside an all-reduce with a hung peer hears of it within the
     lighthouse's heartbeat timeout instead of its own FTAR timeout."""
 
+    telemetry = None  # this rank's ftrun.diagnose.telemetry.Recorder, when root-cause telemetry is on
+
     def __init__(self, *, env: Env, addr: str, token: str, replica_id: str, timeouts: Timeouts,
                  on_peer_hung: PeerHungFn | None = None) -> None:
         self.env, self.addr, self.replica_id, self.timeouts = env, addr, replica_id, timeouts
@@ -70,6 +72,7 @@ class LighthouseClient:
             "fresh": fresh, "last_quorum_id": self.last_quorum_id, "data_addrs": list(data_addrs),
         }
         deadline = self.env.clock.now() + self.timeouts.quorum_timeout_s
+        if self.telemetry: self.telemetry.quorum_ask(step)
         while True:
             remaining = deadline - self.env.clock.now()
             if remaining <= 0:
@@ -90,6 +93,7 @@ class LighthouseClient:
                 continue
             decision = self._decision(reply)
             self.last_quorum_id = decision.quorum_id
+            if self.telemetry: self.telemetry.quorum_got(decision.max_step, decision.quorum_id)
             return decision
 
     def _decision(self, reply: dict) -> Decision:

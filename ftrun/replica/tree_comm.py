@@ -21,6 +21,8 @@ _COMBINE: dict[str, Callable[[int, int], int]] = {"min": min, "max": max, "sum":
 class TreeComm:
     """Connect with `TreeComm.build(...)`; every rank of the replica must call it."""
 
+    telemetry = None  # this rank's ftrun.diagnose.telemetry.Recorder, when root-cause telemetry is on
+
     def __init__(self, *, rank: int, world_size: int, parent: Connection | None,
                  children: list[Connection], timeout_s: float, fanout: int = 16) -> None:
         self.rank, self.world_size = rank, world_size
@@ -61,8 +63,10 @@ class TreeComm:
     def _up(self, value, combine: Callable):
         """Combine children's values with ours; the root returns the total, others return None."""
         self._seq += 1
+        if self.telemetry: self.telemetry.tree_enter(self._seq)
         for child in self._children:
             value = combine(value, self._recv(child)["v"])
+        if self.telemetry: self.telemetry.tree_sent(self._seq)
         if self._parent is None:
             return value
         self._send(self._parent, {"s": self._seq, "v": value})
@@ -75,6 +79,7 @@ class TreeComm:
             msg = {"s": self._seq, "v": value}  # sent as is to every child (sending never mutates it)
             for child in self._children:
                 self._send(child, msg)
+        if self.telemetry: self.telemetry.tree_done(self._seq)
         return value
 
     def _recv(self, conn: Connection) -> dict:

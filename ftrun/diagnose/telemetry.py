@@ -1,0 +1,138 @@
+"""Per-rank collective telemetry: a fixed-size ring buffer of 40-byte records (paper §2.3).
+
+A `Recorder` belongs to one rank (the emulator hosts many ranks per process, so nothing here is global).
+The runtime calls it from one-line hooks: the FTAR engine and its ring run (one record per chunk
+received, per chunk step completed and per chunk sent, plus enter/done/fail per all-reduce), the
+replica tree (enter, sent up, received down, done), the lighthouse client (asked, answered) and the
+catch-up fetch (start, done). Each record is packed with one `struct.pack_into` into a preallocated
+bytearray that numpy views as the structured array `RECORD`; the oldest records are overwritten.
+
+Record fields: `t` (env.clock), the collective id (`qid`: ring epoch or quorum id; `cid`: all-reduce
+number within the epoch, tree collective number, or the step asked/fetched), `step` (the training step
+when the rank knows it, else -1), `seq` (the chunk step within the all-reduce), `peer` (ring index or
+tree rank of the other side, -1 if none), `nbytes`, `aux` (see `Ev`), `part` (FTAR partition), `op`
+(Op) and `ev` (Ev).
+
+`summarize(records, now)` is the pure reduction shipped to the collector: one `SUMMARY` row (the
+rank's current collectives) and `HIST_LEN` `HIST` rows (per completed all-reduce: enter and done time,
+send busy time, reduce time), so the analysis at 98,304 ranks reads kilobytes, not the whole buffers.
+"""
+
+from __future__ import annotations
+
+import struct
+from enum import IntEnum
+
+import numpy as np
+
+from ftrun.env.base import Clock
+
+
+class Op(IntEnum):
+    FTAR = 1
+    TREE = 2
+    QUORUM = 3
+    CATCHUP = 4
+
+
+class Ev(IntEnum):
+    ENTER = 1  # joined the collective (FTAR: aux = ring size, peer = own ring index, seq = chunk steps)
+    RECV = 2  # a chunk arrived from the previous ring rank (FTAR) / the result came down from the parent (tree)
+    STEP = 3  # FTAR chunk step `seq` completed (received from `peer` + reduced/copied); aux = its ring hop
+    SEND = 4  # a chunk went out to `peer` (FTAR) / our value went up to the parent (tree)
+    DONE = 5  # the collective completed on this rank
+    FAIL = 6  # it failed here; `peer` is the side that failed when known
+
+
+RECORD = np.dtype([("t", "<f8"), ("qid", "<i4"), ("cid", "<i4"), ("step", "<i4"), ("seq", "<i4"),
+                   ("peer", "<i4"), ("nbytes", "<u4"), ("aux", "<i4"), ("part", "<u2"), ("op", "u1"),
+                   ("ev", "u1")])
+_PACK = struct.Struct("<diiiiiIiHBB")
+assert _PACK.size == RECORD.itemsize == 40
+MAX_BYTES = 1_000_000  # the paper's budget: at most 1 MB of telemetry per rank in host memory
+DEFAULT_CAPACITY = MAX_BYTES // RECORD.itemsize
+
+
+class Recorder:
+    """One rank's telemetry. Threading: records may come from a rank's tasks concurrently (the FTAR
+    send task and its main task); under the GIL each `pack_into` is atomic and a slot index is taken
+    before packing, so a race can at worst reorder two records' slots, never tear one."""
+
+    def __init__(self, clock: Clock, capacity: int = DEFAULT_CAPACITY) -> None:
+        if not 16 <= capacity <= DEFAULT_CAPACITY:
+            raise ValueError(f"Recorder capacity must be in 16..{DEFAULT_CAPACITY} records, got {capacity}")
+        self._now = clock.now
+        self._buf = bytearray(capacity * RECORD.itemsize)
+        self._view = np.frombuffer(self._buf, RECORD)
+        assert self._view.nbytes <= MAX_BYTES
+        self.capacity, self.written = capacity, 0
+        self.step = -1  # the training step, when whoever drives the rank sets it
+        self._ftar = (0, 0)  # (epoch, all-reduce number within it) of the current all-reduce
+        self._seq = 0  # chunk steps completed in the current all-reduce
+        self._prev = -1  # the previous rank's ring index in it
+        self._tree_cid = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self._view.nbytes
+
+    def _put(self, qid: int, cid: int, seq: int, peer: int, nbytes: int, aux: int, part: int, op: int,
+             ev: int) -> None:
+        i = self.written
+        self.written = i + 1
+        _PACK.pack_into(self._buf, (i % self.capacity) * 40, self._now(), qid, cid, self.step, seq, peer,
+                        nbytes, aux, part, op, ev)
+
+    # -- hooks -------------------------------------------------------------------------------------
+    def ftar_enter(self, epoch: int, nbytes: int, ring_size: int, index: int, num_steps: int) -> None:
+        cid = self._ftar[1] + 1 if self._ftar[0] == epoch else 0
+        self._ftar, self._seq, self._prev = (epoch, cid), 0, (index - 1) % ring_size
+        self._put(epoch, cid, num_steps, index, nbytes & 0xFFFFFFFF, ring_size, 0, Op.FTAR, Ev.ENTER)
+
+    def ftar_step(self, part: int, hop: int, nbytes: int) -> None:
+        """The next chunk step (partition `part`, ring hop `hop`) completed: received from the previous
+        ring rank (hop > 0) and reduced or copied, or staged (hop 0); every hop but the last queues a send,
+        matched in order by the `ftar_sent` records."""
+        self._seq += 1
+        self._put(self._ftar[0], self._ftar[1], self._seq, self._prev, nbytes, hop, part, Op.FTAR, Ev.STEP)
+
+    def ftar_recv(self, nbytes: int) -> None:
+        self._put(self._ftar[0], self._ftar[1], self._seq, self._prev, nbytes, 0, 0, Op.FTAR, Ev.RECV)
+
+    def ftar_sent(self, peer: int, nbytes: int) -> None:
+        self._put(self._ftar[0], self._ftar[1], 0, peer, nbytes, 0, 0, Op.FTAR, Ev.SEND)
+
+    def ftar_end(self, ok: bool, peer: int = -1) -> None:
+        self._put(self._ftar[0], self._ftar[1], 0, peer, 0, 0, 0, Op.FTAR, Ev.DONE if ok else Ev.FAIL)
+
+    def tree_enter(self, seq: int) -> None:
+        self._put(0, seq, 0, -1, 0, 0, 0, Op.TREE, Ev.ENTER)
+
+    def tree_sent(self, seq: int) -> None:
+        """Our subtree's value went up to the parent (the root: every child's value is in)."""
+        self._put(0, seq, 0, -1, 0, 0, 0, Op.TREE, Ev.SEND)
+
+    def tree_done(self, seq: int) -> None:
+        self._put(0, seq, 0, -1, 0, 0, 0, Op.TREE, Ev.DONE)
+
+    def quorum_ask(self, step: int) -> None:
+        self._put(0, step, 0, -1, 0, 0, 0, Op.QUORUM, Ev.ENTER)
+
+    def quorum_got(self, step: int, quorum_id: int) -> None:
+        self.step = step
+        self._put(quorum_id, step, 0, -1, 0, 0, 0, Op.QUORUM, Ev.DONE)
+
+    def catchup_start(self, step: int, num_sources: int) -> None:
+        self._put(0, step, 0, -1, 0, num_sources, 0, Op.CATCHUP, Ev.ENTER)
+
+    def catchup_end(self, step: int, nbytes: int, ok: bool) -> None:
+        self._put(0, step, 0, -1, nbytes & 0xFFFFFFFF, 0, 0, Op.CATCHUP, Ev.DONE if ok else Ev.FAIL)
+
+    # -- reading -----------------------------------------------------------------------------------
+    def records(self) -> np.ndarray:
+        """A copy of the buffered records, oldest first."""
+        n, cap = self.written, self.capacity
+        if n <= cap:
+            return self._view[:n].copy()
+        i = n % cap
+        return np.concatenate([self._view[i:], self._view[:i]])

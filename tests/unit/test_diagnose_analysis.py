@@ -1,0 +1,112 @@
+"""Table tests of the pure root-cause analysis: one case per fault kind and per reason, and the edges."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from ftrun.diagnose.analysis import (CANDIDATES, HANG, NO_HANG, SLOW_HOST, SLOW_LINK, SLOW_RANK, AnalysisConfig,
+                                     Layout, Snapshot, analyze)
+from ftrun.diagnose.summary import FAILED
+from ftrun.diagnose.synth import KINDS, JobShape, scenario
+
+SHAPE = JobShape(num_replicas=4, ranks_per_replica=32, ranks_per_host=8)
+
+# (kind, verdict kind, reason fragment)
+CASES = [
+    ("none", NO_HANG, "no hang"),
+    ("hang_rank", HANG, "did not answer the collector while its ring peers wait on it"),
+    ("stuck_rank", HANG, "joined without progress: has its input, no stuck send, no progress for 3.0s"),
+    ("never_joined", HANG, "never joined the all-reduce (it is outside any collective"),
+    ("lost_chunk", CANDIDATES, "did not receive it (the link or either rank)"),
+    ("hang_host", HANG, "8 ranks on 1 host(s)"),
+    ("killed_rank", HANG, "died: did not answer and its ring aborted around it"),
+    ("building_cut", HANG, "32 ranks on 4 host(s)"),
+    ("slow_host", SLOW_HOST, "its ranks enter the all-reduce a median"),
+    ("slow_link", SLOW_LINK, "its sends take"),
+]
+
+
+def test_every_fault_kind_has_a_case():
+    assert sorted(k for k, *_ in CASES) == sorted(KINDS)
+
+
+@pytest.mark.parametrize("kind,expected,fragment", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_verdict_names_the_injected_culprit(kind, expected, fragment, seed):
+    snap, layout, truth = scenario(SHAPE, kind, seed)
+    v = analyze(snap, layout)
+    assert v.kind == expected and fragment in v.reason, v
+    assert set(v.ranks) == set(truth.ranks)
+    if truth.hosts:
+        assert set(v.hosts) == set(truth.hosts)
+    if v.is_hang:
+        assert v.collectives and all(c.startswith("ftar ring ") for c in v.collectives)
+        assert set(v.replicas) == {int(layout.replica[r]) for r in truth.ranks}
+
+
+def test_a_pause_shorter_than_stall_s_is_no_hang():
+    snap, layout, _ = scenario(SHAPE, "stuck_rank", 1)
+    assert analyze(snap, layout, AnalysisConfig(stall_s=5.0)).kind == NO_HANG
+    assert analyze(snap, layout, AnalysisConfig(stall_s=2.5)).kind == HANG
+
+
+def test_one_slow_rank_on_a_healthy_host_is_a_slow_rank():
+    snap, layout, _ = scenario(SHAPE, "none", 4)
+    snap.hist["enter"][37] += 0.8
+    v = analyze(snap, layout)
+    assert v.kind == SLOW_RANK and v.ranks == (37,) and v.lag_s == pytest.approx(0.8, abs=0.1), v
+    assert "rank 5 of replica 1 (host4)" in v.reason
+
+
+def test_slow_link_names_sender_and_receiver():
+    snap, layout, _ = scenario(SHAPE, "none", 5)
+    snap.hist["busy"][70] *= 6  # rank 6 of replica 2 -> rank 6 of replica 3
+    v = analyze(snap, layout)
+    assert v.kind == SLOW_LINK and v.ranks == (70, 102), v
+    assert "rank 6 of replica 2 (host8) -> rank 6 of replica 3 (host12)" in v.reason
+
+
+def test_a_wait_cycle_gives_candidates_at_the_oldest_progress():
+    snap, layout, _ = scenario(SHAPE, "stuck_rank", 1)
+    ring = np.flatnonzero(layout.group == layout.group[np.argmin(snap.summary["f_last"])])
+    s = snap.summary
+    s["f_recvd"][ring] = s["f_used"][ring] = 10  # everyone has read all that was sent ...
+    s["f_sent"][ring] = s["f_sends"][ring] = 10  # ... and sent all it queued: each waits on its previous rank
+    s["f_last"][ring[2]] -= 1.0
+    v = analyze(snap, layout)
+    assert v.kind == CANDIDATES and ring[2] in v.ranks and "a cycle" in v.reason, v
+
+
+def test_an_aborted_ring_where_everyone_answered_names_the_first_to_fail():
+    snap, layout, _ = scenario(SHAPE, "none", 6)
+    ring = np.flatnonzero(layout.group == 9)
+    snap.summary["f_state"][ring] = FAILED
+    snap.summary["f_last"][ring] = snap.now - 2.0 + np.arange(len(ring)) * 0.01
+    snap.summary["f_last"][ring[3]] = snap.now - 2.5
+    v = analyze(snap, layout)
+    assert v.kind == CANDIDATES and v.ranks == (int(ring[3]),) and "failed first" in v.reason, v
+
+
+def test_ranks_outside_the_quorum_are_ignored():
+    snap, layout, _ = scenario(SHAPE, "hang_rank", 2)
+    out = layout.replica == layout.replica[np.flatnonzero(~snap.answered)[0]]
+    pos = layout.ring_pos.copy()
+    pos[out] = -1
+    pos[~out & (pos > layout.replica[out][0])] -= 1
+    lay = dataclasses.replace(layout, ring_pos=pos)
+    healthy, _, _ = scenario(SHAPE, "none", 2)
+    snap = Snapshot(snap.now, np.where(out, False, True), healthy.summary, healthy.hist)
+    assert analyze(snap, lay).kind == NO_HANG
+
+
+def test_bad_input_is_refused():
+    snap, layout, _ = scenario(SHAPE, "none", 1)
+    with pytest.raises(ValueError, match="snapshot has 128 ranks, layout 127"):
+        analyze(snap, Layout(layout.replica[:-1], layout.group[:-1], layout.host[:-1], layout.ring_pos[:-1]))
+    with pytest.raises(ValueError, match="one entry per rank"):
+        Layout(layout.replica, layout.group[:-1], layout.host, layout.ring_pos)
+    with pytest.raises(ValueError, match="stall_s > 0"):
+        AnalysisConfig(stall_s=0)
