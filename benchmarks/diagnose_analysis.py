@@ -22,6 +22,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ftrun.diagnose.act import decide_eviction  # noqa: E402
 from ftrun.diagnose.analysis import CANDIDATES, NO_HANG, analyze  # noqa: E402
 from ftrun.diagnose.summary import HIST, HIST_LEN, SUMMARY  # noqa: E402
 from ftrun.diagnose.synth import KINDS, JobShape, scenario  # noqa: E402
@@ -64,12 +65,18 @@ def run(args: argparse.Namespace) -> dict:
     jobs = [(str(rng.choice(faulty)), args.seed * 100_000 + i) for i in range(args.scenarios)]
     jobs += [("none", args.seed * 100_000 + args.scenarios + i) for i in range(args.fault_free)]
     times, exact, cand, cand_total, fp, misses = [], 0, 0, 0, 0, []
+    false_evictions = should_not_evict = 0
     for kind, seed in jobs:
         snap, layout, truth = scenario(shape, kind, seed)
         t = time.perf_counter()
         verdict = analyze(snap, layout)
         times.append(time.perf_counter() - t)
         got = judge(verdict, truth)
+        # as if the same verdict had held for 10 s: what would the eviction rule do?
+        evicted = decide_eviction(snap.now, verdict, snap.now - 10.0, args.replicas).replicas
+        if kind in ("none", "slow_host", "slow_link", "lost_chunk"):
+            should_not_evict += 1
+            false_evictions += bool(evicted)
         if kind == "none":
             fp += got != "exact"
         elif truth.candidate_kind:
@@ -85,6 +92,7 @@ def run(args: argparse.Namespace) -> dict:
         "ranks": shape.num_ranks, "scenarios": args.scenarios, "fault_free_runs": args.fault_free,
         "accuracy": exact / exact_total if exact_total else None, "exact": exact, "exact_total": exact_total,
         "candidate_hits": cand, "candidate_total": cand_total, "false_positive_runs": fp,
+        "false_evictions": false_evictions, "eviction_checks": should_not_evict,
         "analysis_s_p50": float(np.percentile(times, 50)), "analysis_s_p99": float(np.percentile(times, 99)),
         "telemetry_bytes_per_rank": Recorder(_Clock()).nbytes,
         "collected_bytes_per_rank": SUMMARY.itemsize + HIST_LEN * HIST.itemsize,
@@ -106,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     out = run(args)
     print(f"{out['ranks']} ranks: exact {out['exact']}/{out['exact_total']}, candidate sets "
           f"{out['candidate_hits']}/{out['candidate_total']}, false positives {out['false_positive_runs']}/"
-          f"{out['fault_free_runs']}; analysis p50 {out['analysis_s_p50'] * 1e3:.1f} ms, p99 "
+          f"{out['fault_free_runs']}, false evictions {out['false_evictions']}/{out['eviction_checks']}; analysis p50 {out['analysis_s_p50'] * 1e3:.1f} ms, p99 "
           f"{out['analysis_s_p99'] * 1e3:.1f} ms; telemetry {out['telemetry_bytes_per_rank']} B/rank held, "
           f"{out['collected_bytes_per_rank']} B/rank collected; {out['record_ns']:.0f} ns/record")
     for m in out["misses"]:

@@ -184,29 +184,29 @@ def _follow(sub: np.ndarray, st: np.ndarray, s: np.ndarray) -> np.ndarray:
 
 def _verdict_from_leaves(leaves, sub, st, snap, layout, rings) -> Verdict:
     s, n = snap.summary, sub.shape[1]
-    culprits: dict[int, int] = {}  # rank -> its status kind
-    pairs: set[tuple[int, int]] = set()
+    bs, ps = np.nonzero(st == _RUN)
+    ends = np.unique(np.stack([bs, leaves[bs, ps]], axis=1), axis=0)  # (ring row, end position) pairs
     reasons: list[str] = []
-    for b, g in enumerate(rings):
-        stalled_cells = np.flatnonzero(st[b] == _RUN)
-        for p in sorted(set(int(p) for p in leaves[b][stalled_cells])):
-            if p < 0:
-                old = int(stalled_cells[np.argmin(s["f_last"][sub[b, stalled_cells]])])
-                pairs.add((int(sub[b, old]), int(sub[b, (old + 1) % n])))
-                reasons.append(f"ring {g}: every rank waits on another (a cycle); the oldest progress is at "
-                               f"{layout.rank_name(int(sub[b, old]))}")
-                continue
-            r, kind, prev = int(sub[b, p]), int(st[b, p]), int(sub[b, (p - 1) % n])
-            if kind == _RUN and s["f_recvd"][r] == s["f_used"][r] and s["f_sent"][prev] > s["f_recvd"][r]:
-                pairs.add((prev, r))
-                reasons.append(f"ring {g}: {layout.rank_name(prev)} sent chunk {int(s['f_recvd'][r]) + 1} but "
-                               f"{layout.rank_name(r)} did not receive it (the link or either rank)")
-            else:
-                culprits[r] = kind
-    leaves_c = tuple(f"ftar ring {int(g)}" for g in rings)
+    pairs: set[tuple[int, int]] = set()
+    for b in ends[ends[:, 1] < 0, 0]:  # cycles: rare, each ring on its own
+        cells = np.flatnonzero(st[b] == _RUN)
+        old = int(cells[np.argmin(s["f_last"][sub[b, cells]])])
+        pairs.add((int(sub[b, old]), int(sub[b, (old + 1) % n])))
+        reasons.append(f"ring {int(rings[b])}: every rank waits on another (a cycle); the oldest progress is at "
+                       f"{layout.rank_name(int(sub[b, old]))}")
+    ends = ends[ends[:, 1] >= 0]
+    r, kind = sub[ends[:, 0], ends[:, 1]], st[ends[:, 0], ends[:, 1]]
+    prev = sub[ends[:, 0], (ends[:, 1] - 1) % n]
+    in_flight = (kind == _RUN) & (s["f_recvd"][r] == s["f_used"][r]) & (s["f_sent"][prev] > s["f_recvd"][r])
+    for a, b, g in zip(prev[in_flight][:3], r[in_flight][:3], rings[ends[in_flight, 0]][:3]):
+        reasons.append(f"ring {int(g)}: {layout.rank_name(int(a))} sent chunk {int(s['f_recvd'][b]) + 1} but "
+                       f"{layout.rank_name(int(b))} did not receive it (the link or either rank)")
+    pairs.update(zip(prev[in_flight].tolist(), r[in_flight].tolist()))
+    culprits = dict(zip(r[~in_flight].tolist(), kind[~in_flight].tolist()))
+    leaves_c = tuple(f"ftar ring {int(g)}" for g in rings[:8]) + ((f"and {len(rings) - 8} more rings",) if len(rings) > 8 else ())
     if culprits:
         return _named(HANG, set(culprits), layout, _culprit_reasons(culprits, snap, layout), leaves_c)
-    return _named(CANDIDATES, {r for pr in pairs for r in pr}, layout, reasons, leaves_c)
+    return _named(CANDIDATES, {x for pr in pairs for x in pr}, layout, reasons, leaves_c)
 
 
 _GROUP_WHY = {_UNKNOWN: "did not answer the collector while their ring peers wait on them (hung or dead)",
@@ -242,7 +242,7 @@ def _failed_rings(sub, st, snap, layout, rings) -> Verdict:
     """A ring that aborted (a peer closed): the members that did not answer are the dead; else the pair
     around the rank that failed first."""
     dead = {int(r) for r in sub[(st == _UNKNOWN) & (sub >= 0)]}
-    leaves = tuple(f"ftar ring {int(g)}" for g in rings)
+    leaves = tuple(f"ftar ring {int(g)}" for g in rings[:8]) + ((f"and {len(rings) - 8} more rings",) if len(rings) > 8 else ())
     if dead:
         names = ", ".join(layout.rank_name(r) for r in sorted(dead)[:3]) + (" ..." if len(dead) > 3 else "")
         return _named(HANG, dead, layout, [f"{names} died: did not answer and its ring aborted around it"], leaves)

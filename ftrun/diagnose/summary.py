@@ -14,7 +14,7 @@ import numpy as np
 
 from ftrun.diagnose.telemetry import RECORD, Ev, Op
 
-HIST_LEN = 16
+HIST_LEN = 8
 
 # FTAR state of a rank in its latest all-reduce
 NONE, RUNNING, DONE, FAILED = 0, 1, 2, 3

@@ -43,7 +43,7 @@ def test_verdict_names_the_injected_culprit(kind, expected, fragment, seed):
     if truth.hosts:
         assert set(v.hosts) == set(truth.hosts)
     if v.is_hang:
-        assert v.collectives and all(c.startswith("ftar ring ") for c in v.collectives)
+        assert v.collectives[0].startswith("ftar ring ")
         assert set(v.replicas) == {int(layout.replica[r]) for r in truth.ranks}
 
 
