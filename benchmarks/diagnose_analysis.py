@@ -1,12 +1,14 @@
 """Root-cause analysis at scale: accuracy and time over seeded synthetic fault scenarios.
 
 Usage: python benchmarks/diagnose_analysis.py [--replicas 12] [--ranks-per-replica 8192] [--scenarios 40]
-                                              [--fault-free 10] [--seed 0] [--json]
+                                              [--fault-free 10] [--seed 0] [--ftar-mb 32] [--json]
 Each scenario synthesizes the telemetry summaries the collector would gather from every rank of a
 replicas x ranks job (FTAR ring per rank index across replicas) with one injected fault of a random
 kind and place (ftrun.diagnose.synth), runs the pure analysis and checks the verdict against the
-injected culprit. Fault-free runs count false positives. Also measured in the same run: the cost of
-one telemetry record, and the bytes per rank held (ring buffer) and collected (summary).
+injected culprit. Fault-free runs count false positives, and the eviction rule is applied to every
+verdict to count false evictions. Also measured in the same run: the cost of one telemetry record, the
+bytes per rank held (ring buffer) and collected (summary), and an FTAR all-reduce (threads on loopback)
+with telemetry off and on, alternating.
 With --json the last line is one JSON object.
 """
 
@@ -29,6 +31,9 @@ from ftrun.diagnose.synth import KINDS, JobShape, scenario  # noqa: E402
 from ftrun.diagnose.telemetry import Recorder  # noqa: E402
 
 
+WAIT_LIMIT_S = 10.0  # EvictionConfig's default: the FTAR timeout
+
+
 class _Clock:
     now = staticmethod(time.perf_counter)
 
@@ -44,6 +49,37 @@ def ns_per_record(n: int = 200_000) -> float:
         rec.ftar_step(0, 3, 4096)
         rec.ftar_sent(1, 4096)
     return (time.perf_counter_ns() - t) / (n + 1)
+
+
+def ftar_overhead(mb: float, num_ranks: int = 3, iters: int = 6) -> dict:
+    """Seconds per FTAR all-reduce of `mb` MB over `num_ranks` engines (threads, loopback sockets, CPU
+    kernels) with telemetry off and on, alternating in the same run; and the records per all-reduce."""
+    from ftrun.env.real import RealEnv
+    from ftrun.ftar.cpu_kernels import CpuKernels
+    from ftrun.ftar.engine import FtarConfig, FtarEngine
+    env = RealEnv()
+    engs = [FtarEngine(env=env, kernels=CpuKernels(), token="bench", config=FtarConfig(chunk_bytes=1 << 20))
+            for _ in range(num_ranks)]
+    recs = [Recorder(env.clock) for _ in engs]
+    ring = [e.addr for e in engs]
+    tasks = [env.spawn(lambda e=e, i=i: e.reconfigure(epoch=1, ring=ring, index=i), name="ring")
+             for i, e in enumerate(engs)]
+    assert all(t.join(30) for t in tasks)
+    bufs = [np.ones(int(mb * (1 << 20)) // 4, np.float32) for _ in engs]
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for i in range(2 * iters):
+        on = bool(i % 2)
+        for e, r in zip(engs, recs):
+            e.telemetry = r if on else None
+        t = time.perf_counter()
+        tasks = [env.spawn(lambda e=e, b=b: e.all_reduce(b), name="ar") for e, b in zip(engs, bufs)]
+        assert all(tk.join(60) for tk in tasks) and all(tk.exception is None for tk in tasks)
+        times[on].append(time.perf_counter() - t)
+    for e in engs:
+        e.close()
+    off, on_ = float(np.median(times[False])), float(np.median(times[True]))
+    return {"mb": mb, "ranks": num_ranks, "s_off": off, "s_on": on_, "overhead": on_ / off - 1,
+            "records_per_all_reduce": recs[0].written // iters}
 
 
 def judge(verdict, truth) -> str:
@@ -72,9 +108,10 @@ def run(args: argparse.Namespace) -> dict:
         verdict = analyze(snap, layout)
         times.append(time.perf_counter() - t)
         got = judge(verdict, truth)
-        # as if the same verdict had held for 10 s: what would the eviction rule do?
+        # as if the same verdict had held for 10 s: would the eviction rule evict a replica that is
+        # healthy, or slow but under the wait limit (the FTAR timeout, 10 s), or only maybe at fault?
         evicted = decide_eviction(snap.now, verdict, snap.now - 10.0, args.replicas).replicas
-        if kind in ("none", "slow_host", "slow_link", "lost_chunk"):
+        if kind in ("none", "slow_host", "slow_link", "lost_chunk") and truth.lag_s < WAIT_LIMIT_S:
             should_not_evict += 1
             false_evictions += bool(evicted)
         if kind == "none":
@@ -97,6 +134,7 @@ def run(args: argparse.Namespace) -> dict:
         "telemetry_bytes_per_rank": Recorder(_Clock()).nbytes,
         "collected_bytes_per_rank": SUMMARY.itemsize + HIST_LEN * HIST.itemsize,
         "record_ns": ns_per_record(), "misses": misses,
+        "ftar": ftar_overhead(args.ftar_mb) if args.ftar_mb > 0 else None,
     }
 
 
@@ -107,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scenarios", type=int, default=40)
     p.add_argument("--fault-free", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ftar-mb", type=float, default=32.0, help="FTAR overhead measurement size; 0 skips it")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if args.replicas < 3 or args.ranks_per_replica < 8 or args.scenarios < 1 or args.fault_free < 0:
@@ -117,6 +156,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{out['fault_free_runs']}, false evictions {out['false_evictions']}/{out['eviction_checks']}; analysis p50 {out['analysis_s_p50'] * 1e3:.1f} ms, p99 "
           f"{out['analysis_s_p99'] * 1e3:.1f} ms; telemetry {out['telemetry_bytes_per_rank']} B/rank held, "
           f"{out['collected_bytes_per_rank']} B/rank collected; {out['record_ns']:.0f} ns/record")
+    if out["ftar"]:
+        f = out["ftar"]
+        print(f"FTAR {f['mb']:g} MB x {f['ranks']} ranks: {f['s_off'] * 1e3:.1f} ms off, {f['s_on'] * 1e3:.1f} ms with "
+              f"telemetry ({100 * f['overhead']:+.1f}%, {f['records_per_all_reduce']} records per all-reduce)")
     for m in out["misses"]:
         print(f"  miss: seed {m['seed']} {m['kind']} at {m['place']}: got {m['verdict']} {m['named']}: {m['reason']}")
     if args.json:

@@ -202,10 +202,15 @@ def _verdict_from_leaves(leaves, sub, st, snap, layout, rings) -> Verdict:
         reasons.append(f"ring {int(g)}: {layout.rank_name(int(a))} sent chunk {int(s['f_recvd'][b]) + 1} but "
                        f"{layout.rank_name(int(b))} did not receive it (the link or either rank)")
     pairs.update(zip(prev[in_flight].tolist(), r[in_flight].tolist()))
-    culprits = dict(zip(r[~in_flight].tolist(), kind[~in_flight].tolist()))
+    holes = ~in_flight & (r < 0)
+    for b, p in ends[holes][:3]:
+        reasons.append(f"ring {int(rings[b])}: position {int(p)} is waited on but no known rank holds it")
+    culprits = dict(zip(r[~in_flight & ~holes].tolist(), kind[~in_flight & ~holes].tolist()))
     leaves_c = tuple(f"ftar ring {int(g)}" for g in rings[:8]) + ((f"and {len(rings) - 8} more rings",) if len(rings) > 8 else ())
     if culprits:
         return _named(HANG, set(culprits), layout, _culprit_reasons(culprits, snap, layout), leaves_c)
+    if holes.any() and not pairs:
+        return _named(HANG, set(), layout, reasons, leaves_c)
     return _named(CANDIDATES, {x for pr in pairs for x in pr}, layout, reasons, leaves_c)
 
 
@@ -241,7 +246,7 @@ def _why(kind: int, r: int, snap: Snapshot) -> str:
 def _failed_rings(sub, st, snap, layout, rings) -> Verdict:
     """A ring that aborted (a peer closed): the members that did not answer are the dead; else the pair
     around the rank that failed first."""
-    dead = {int(r) for r in sub[(st == _UNKNOWN) & (sub >= 0)]}
+    dead = {int(r) for r in sub[(st == _UNKNOWN) & (sub >= 0)]}  # holes (-1) are not named
     leaves = tuple(f"ftar ring {int(g)}" for g in rings[:8]) + ((f"and {len(rings) - 8} more rings",) if len(rings) > 8 else ())
     if dead:
         names = ", ".join(layout.rank_name(r) for r in sorted(dead)[:3]) + (" ..." if len(dead) > 3 else "")

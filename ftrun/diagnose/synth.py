@@ -50,6 +50,7 @@ class Truth:
     ranks: tuple[int, ...] = ()
     hosts: tuple[int, ...] = ()
     candidate_kind: str = ""  # a kind that counts as a candidate-set hit (sender/receiver ambiguity)
+    lag_s: float = 0.0  # slow kinds: the injected delay per step
 
 
 def layout(shape: JobShape) -> Layout:
@@ -164,7 +165,7 @@ def _inject(kind, shape, s, hist, answered, lay, j, m0, now, rng) -> Truth:
         ranks = np.flatnonzero(lay.host == host)
         factor = rng.uniform(2, 10)
         hist["enter"][ranks] += (factor - 1) * shape.compute_s
-        return Truth(SLOW_HOST, tuple(int(r) for r in ranks), (host,))
+        return Truth(SLOW_HOST, tuple(int(r) for r in ranks), (host,), lag_s=(factor - 1) * shape.compute_s)
     factor = rng.uniform(3.5, 10)
     hist["busy"][j] *= factor
     nxt = int(_ring(shape, j)[1])

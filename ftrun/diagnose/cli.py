@@ -1,0 +1,86 @@
+"""`ftrun diagnose`: print the current root-cause verdict of a live job, or run its collector.
+
+  ftrun diagnose --collector HOST:PORT [--json]      ask the collector for a verdict now
+  ftrun diagnose --serve [--bind 127.0.0.1:29511]    run the collector (ranks register with it)
+
+The job token comes from $FTRUN_TOKEN or --token-file (a file only its owner can read), never argv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import stat
+import sys
+
+from ftrun.diagnose.collect import Collector, CollectorConfig, DiagnoseError, request
+from ftrun.env.real import RealEnv
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--collector", help="the diagnosis collector's address (host:port)")
+    where.add_argument("--serve", action="store_true", help="run the collector until interrupted")
+    p.add_argument("--bind", default="127.0.0.1:29511", help="--serve: the collector's address")
+    p.add_argument("--interval", type=float, default=2.0, help="--serve: seconds between pulls")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the verdict")
+    p.add_argument("--token-file", help="file holding the job token (mode 0600); default: $FTRUN_TOKEN")
+    p.add_argument("--json", action="store_true")
+
+
+def job_token(path: str | None) -> str:
+    if path:
+        mode = os.stat(path).st_mode
+        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise SystemExit(f"ftrun diagnose: token file {path} must be readable by its owner only (chmod 600)")
+        with open(path) as f:
+            return f.read().strip()
+    token = os.environ.get("FTRUN_TOKEN")
+    if not token:
+        raise SystemExit("ftrun diagnose: no job token: set $FTRUN_TOKEN or pass --token-file")
+    return token
+
+
+def run(args: argparse.Namespace) -> int:
+    token, env = job_token(args.token_file), RealEnv()
+    if args.serve:
+        return _serve(env, token, args)
+    try:
+        reply = request(env, args.collector, {"type": "verdict", "token": token}, args.timeout)
+    except DiagnoseError as e:
+        print(f"ftrun diagnose: {e}", file=sys.stderr)
+        return 2
+    reply.pop("type", None)
+    if args.json:
+        from ftrun.cli import emit_json
+        emit_json(reply)
+        return 0
+    print(format_verdict(reply))
+    return 0
+
+
+def format_verdict(v: dict) -> str:
+    lines = [f"verdict: {v['kind']} ({v.get('num_answered', '?')} of {v.get('num_ranks', '?')} ranks answered)",
+             f"  reason: {v['reason']}"]
+    if v.get("rank_names"):
+        lines.append(f"  ranks: {', '.join(v['rank_names'])}")
+    if v.get("hosts"):
+        lines.append(f"  hosts: {', '.join(v['hosts'])}")
+    if v.get("collectives"):
+        lines.append(f"  blocked in: {', '.join(v['collectives'])}")
+    ev = v.get("eviction") or {}
+    lines.append(f"  eviction: {ev.get('replicas') or 'none'}: {ev.get('reason', '')}")
+    return "\n".join(lines)
+
+
+def _serve(env: RealEnv, token: str, args: argparse.Namespace) -> int:
+    collector = Collector(env=env, token=token, bind=args.bind, config=CollectorConfig())
+    addr = collector.start()
+    stop = env.event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"diagnosis collector listening on {addr}", flush=True)
+    collector.run_every(args.interval, stop)
+    collector.stop()
+    return 0

@@ -1,0 +1,284 @@
+"""Collection over env.net: a `TelemetryServer` in each rank process serves its ranks' summaries; a
+`Collector` (run beside the lighthouse) learns the servers when they register, pulls every one on
+demand, assembles the job's Snapshot and Layout (`assemble`, pure), runs the analysis and the eviction
+rule, and answers `ftrun diagnose`.
+
+Protocol (framed msgpack, never pickle; every request carries the job token):
+  server <- {"type": "pull", "token"}   -> {"type": "telemetry", "now", "ranks": [{"key", "summary", "hist"}]}
+  collector <- {"type": "register", "token", "addr", "ranks": [{"key", "replica", "rank", "host"}]} -> {"type": "ok"}
+  collector <- {"type": "verdict", "token"}   -> {"type": "verdict", ...verdict_dict}
+"summary" and "hist" are the raw bytes of one SUMMARY row and HIST_LEN HIST rows (fixed dtypes, checked).
+A server that does not answer within pull_timeout_s leaves its ranks unanswered: a hung (SIGSTOPped) or
+dead process is exactly what the analysis looks for. Rank clocks are mapped onto the collector's with the
+offset of each reply (collector now - rank now), so hosts need no common clock.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ftrun.diagnose.act import EvictionConfig, decide_eviction, same_culprits
+from ftrun.diagnose.analysis import AnalysisConfig, Layout, Snapshot, Verdict, analyze
+from ftrun.diagnose.summary import HIST, HIST_LEN, SUMMARY, empty_hist, empty_summary, summarize
+from ftrun.diagnose.telemetry import Recorder
+from ftrun.env.base import Connection, Env, NetError, PeerClosed
+
+log = logging.getLogger("ftrun.diagnose")
+
+_TIMES_S = ("now", "f_enter", "f_last", "t_t", "q_t", "c_t")
+_TIMES_H = ("enter", "done")
+
+
+class DiagnoseError(Exception):
+    """A diagnosis request failed: refused (token, bad message) or unanswered."""
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    key: str  # unique, e.g. "r3/5"
+    replica: int  # replica index
+    rank: int  # group rank within the replica (its FTAR ring)
+    host: str
+
+
+def _check_token(msg: dict, token: str) -> None:
+    got = msg.get("token")
+    if not isinstance(got, str) or not hmac.compare_digest(got.encode(), token.encode()):
+        raise DiagnoseError("wrong job token")
+
+
+def request(env: Env, addr: str, msg: dict, timeout: float) -> dict:
+    """One request/reply; raises DiagnoseError on refusal or when no reply comes within `timeout`."""
+    try:
+        conn = env.net.connect(addr, timeout=timeout)
+    except NetError as e:
+        raise DiagnoseError(f"cannot reach {addr}: {e}") from e
+    try:
+        conn.send(msg, timeout=timeout)
+        reply = conn.recv(timeout=timeout)
+    except NetError as e:
+        raise DiagnoseError(f"{addr} did not answer {msg.get('type')!r} within {timeout}s: {e}") from e
+    finally:
+        conn.close()
+    if reply.get("type") == "error":
+        raise DiagnoseError(f"{addr} refused: {reply.get('error')}")
+    return reply
+
+
+class _Service:
+    """Accept loop + one short-lived handler per connection (one request, one reply)."""
+
+    def __init__(self, env: Env, token: str, bind: str, name: str) -> None:
+        self.env, self._token, self._bind, self._name = env, token, bind, name
+        self.addr = ""
+        self._listener = None
+        self._task = None
+
+    def start(self) -> str:
+        self._listener = self.env.net.listen(self._bind)
+        self.addr = self._listener.addr
+        self._task = self.env.spawn(self._accept_loop, name=f"{self._name}-accept")
+        return self.addr
+
+    def stop(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+        if self._task is not None:
+            self._task.join(timeout=5.0)
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn = self._listener.accept()
+            except (PeerClosed, NetError):
+                return
+            self.env.spawn(self._handle, conn, name=f"{self._name}-conn")
+
+    def _handle(self, conn: Connection) -> None:
+        try:
+            msg = conn.recv(timeout=5.0)
+            _check_token(msg, self._token)
+            reply = self.answer(msg)
+        except DiagnoseError as e:
+            reply = {"type": "error", "error": str(e)}
+        except (NetError, ValueError, KeyError, TypeError) as e:
+            reply = {"type": "error", "error": f"bad request: {type(e).__name__}: {e}"}
+        try:
+            conn.send(reply, timeout=5.0)
+        except NetError:
+            pass
+        finally:
+            conn.close()
+
+    def answer(self, msg: dict) -> dict:
+        raise NotImplementedError
+
+
+class TelemetryServer(_Service):
+    """Serves the summaries of the ranks of one process. `ranks`: RankInfo -> that rank's Recorder."""
+
+    def __init__(self, *, env: Env, token: str, ranks: dict[RankInfo, Recorder], bind: str = "127.0.0.1:0") -> None:
+        super().__init__(env, token, bind, "telemetry")
+        self.ranks = ranks
+
+    def register(self, collector: str, timeout: float = 5.0) -> None:
+        ranks = [{"key": i.key, "replica": i.replica, "rank": i.rank, "host": i.host} for i in self.ranks]
+        request(self.env, collector, {"type": "register", "token": self._token, "addr": self.addr, "ranks": ranks},
+                timeout)
+
+    def answer(self, msg: dict) -> dict:
+        if msg.get("type") != "pull":
+            raise DiagnoseError(f"unknown request {msg.get('type')!r}")
+        now = self.env.clock.now()
+        out = []
+        for info, rec in self.ranks.items():
+            s, h = summarize(rec.records(), now)
+            out.append({"key": info.key, "summary": s.tobytes(), "hist": h.tobytes()})
+        return {"type": "telemetry", "now": now, "ranks": out}
+
+
+def parse_rank(row: dict) -> tuple[str, np.ndarray, np.ndarray]:
+    """(key, SUMMARY row, HIST rows) from one reply entry; ValueError if the bytes do not fit."""
+    key, s, h = row.get("key"), row.get("summary"), row.get("hist")
+    if not isinstance(key, str) or not isinstance(s, bytes) or not isinstance(h, bytes):
+        raise ValueError("a telemetry entry needs str key and bytes summary and hist")
+    if len(s) != SUMMARY.itemsize or len(h) != HIST_LEN * HIST.itemsize:
+        raise ValueError(f"telemetry of {key}: {len(s)}/{len(h)} bytes, expected {SUMMARY.itemsize}/"
+                         f"{HIST_LEN * HIST.itemsize}")
+    return key, np.frombuffer(s, SUMMARY).copy(), np.frombuffer(h, HIST).copy()
+
+
+@dataclass
+class _Known:
+    info: RankInfo
+    addr: str
+    summary: np.ndarray = field(default_factory=empty_summary)  # last seen, on the collector's clock
+    hist: np.ndarray = field(default_factory=empty_hist)
+    seen: bool = False
+
+
+def assemble(known: list[_Known], answered_keys: set[str], now: float) -> tuple[Snapshot, Layout]:
+    """The analysis input from what each rank last sent (pure). The ring position of a rank is its ring
+    index in the newest epoch (quorum) it was seen in; a rank last seen in an older one is outside it."""
+    hosts = sorted({k.info.host for k in known})
+    host_index = {h: i for i, h in enumerate(hosts)}
+    s = np.concatenate([k.summary for k in known]) if known else np.zeros(0, SUMMARY)
+    h = np.stack([k.hist for k in known]) if known else np.zeros((0, HIST_LEN), HIST)
+    newest = s["f_qid"].max() if len(s) else -1
+    ring_pos = np.where((s["f_qid"] == newest) & (newest >= 0), s["f_index"], -1).astype(np.int64)
+    layout = Layout(replica=np.array([k.info.replica for k in known], np.int64),
+                    group=np.array([k.info.rank for k in known], np.int64),
+                    host=np.array([host_index[k.info.host] for k in known], np.int64),
+                    ring_pos=ring_pos, host_names=tuple(hosts))
+    answered = np.array([k.info.key in answered_keys for k in known], bool)
+    return Snapshot(now=now, answered=answered, summary=s, hist=h), layout
+
+
+def verdict_dict(v: Verdict, layout: Layout, keys: list[str]) -> dict:
+    return {"kind": v.kind, "reason": v.reason, "ranks": [keys[r] for r in v.ranks],
+            "rank_names": [layout.rank_name(r) for r in v.ranks[:16]],
+            "hosts": [layout.host_name(x) for x in v.hosts], "replicas": list(v.replicas),
+            "collectives": list(v.collectives), "lag_s": v.lag_s}
+
+
+@dataclass(frozen=True, kw_only=True)
+class CollectorConfig:
+    pull_timeout_s: float = 1.0
+    analysis: AnalysisConfig = AnalysisConfig()
+    eviction: EvictionConfig = EvictionConfig()
+
+    def __post_init__(self) -> None:
+        if self.pull_timeout_s <= 0:
+            raise ValueError(f"CollectorConfig.pull_timeout_s must be > 0, got {self.pull_timeout_s}")
+
+
+class Collector(_Service):
+    """Beside the lighthouse: registered telemetry servers, pulled on each `diagnose()`."""
+
+    def __init__(self, *, env: Env, token: str, bind: str = "127.0.0.1:0",
+                 config: CollectorConfig = CollectorConfig()) -> None:
+        super().__init__(env, token, bind, "collector")
+        self.config = config
+        self._known: dict[str, _Known] = {}
+        self._lock, self._diagnosing = env.lock(), env.lock()  # the rank table; one diagnosis at a time
+        self._last: tuple[Verdict, float] | None = None  # (verdict, first seen)
+        self.latest: dict | None = None
+
+    def answer(self, msg: dict) -> dict:
+        kind = msg.get("type")
+        if kind == "register":
+            addr = str(msg["addr"])
+            with self._lock:
+                for r in msg["ranks"]:
+                    info = RankInfo(str(r["key"]), int(r["replica"]), int(r["rank"]), str(r["host"]))
+                    self._known[info.key] = _Known(info, addr)
+            return {"type": "ok"}
+        if kind == "verdict":
+            return {"type": "verdict", **self.diagnose()}
+        raise DiagnoseError(f"unknown request {kind!r}")
+
+    def diagnose(self) -> dict:
+        """Pull every server, analyze, decide; the verdict as a dict (with `eviction` and counts)."""
+        with self._diagnosing:
+            return self._diagnose()
+
+    def _diagnose(self) -> dict:
+        with self._lock:
+            known = sorted(self._known.values(), key=lambda k: (k.info.replica, k.info.rank))
+        answered = self._pull({k.addr for k in known})
+        now = self.env.clock.now()
+        snap, layout = assemble(known, answered, now)
+        verdict = analyze(snap, layout, self.config.analysis)
+        first = self._last[1] if self._last and same_culprits(self._last[0], verdict) else now
+        self._last = (verdict, first)
+        live = len({k.info.replica for k in known})
+        eviction = decide_eviction(now, verdict, first, max(live, 1), self.config.eviction)
+        out = verdict_dict(verdict, layout, [k.info.key for k in known])
+        out.update(eviction={"replicas": list(eviction.replicas), "reason": eviction.reason},
+                   num_ranks=len(known), num_answered=len(answered))
+        return out
+
+    def run_every(self, interval_s: float, stop) -> None:
+        """Diagnose every `interval_s` until the event `stop` is set (run it as a task); keeps `latest`."""
+        while not stop.wait(timeout=interval_s):
+            self.latest = self.diagnose()
+
+    def _pull(self, addrs: set[str]) -> set[str]:
+        """Pull every server at once; the keys of the ranks that answered (their state updated)."""
+        results: dict[str, dict] = {}
+        timeout = self.config.pull_timeout_s
+
+        def pull(addr: str) -> None:
+            try:
+                results[addr] = request(self.env, addr, {"type": "pull", "token": self._token}, timeout)
+            except DiagnoseError as e:
+                log.info("no telemetry from %s: %s", addr, e)
+
+        tasks = [self.env.spawn(pull, a, name="collector-pull") for a in sorted(addrs)]
+        for t in tasks:
+            t.join(timeout=timeout + 1.0)
+        answered: set[str] = set()
+        arrived = self.env.clock.now()
+        for reply in list(results.values()):
+            offset = arrived - float(reply.get("now", arrived))
+            for row in reply.get("ranks", []):
+                try:
+                    key, s, h = parse_rank(row)
+                except ValueError as e:
+                    log.warning("dropping telemetry: %s", e)
+                    continue
+                with self._lock:
+                    k = self._known.get(key)
+                    if k is None:
+                        continue
+                    for f in _TIMES_S:
+                        s[f] += offset
+                    for f in _TIMES_H:
+                        h[f] += offset
+                    k.summary, k.hist, k.seen = s, h, True
+                answered.add(key)
+        return answered

@@ -1,0 +1,114 @@
+"""Collection over real sockets: FTAR engines with telemetry, telemetry servers, the collector, a rank
+that never joins its all-reduce, a server that stops answering, and the token check."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ftrun.diagnose.analysis import AnalysisConfig
+from ftrun.diagnose.collect import Collector, CollectorConfig, DiagnoseError, RankInfo, TelemetryServer, request
+from ftrun.diagnose.telemetry import Recorder
+from ftrun.env.real import RealEnv
+from ftrun.ftar.cpu_kernels import CpuKernels
+from ftrun.ftar.engine import FtarConfig, FtarEngine
+
+pytestmark = pytest.mark.timeout(60)
+REPLICAS, RANKS = 3, 2
+TOKEN = "job-token"
+
+
+class Job:
+    """3 replicas x 2 ranks in threads: rank g of every replica forms FTAR ring g."""
+
+    def __init__(self) -> None:
+        self.env = RealEnv()
+        cfg = FtarConfig(chunk_bytes=4096, num_chunks=2, timeout_s=4.0)
+        self.engines = {(r, g): FtarEngine(env=self.env, kernels=CpuKernels(), token=TOKEN, config=cfg)
+                        for r in range(REPLICAS) for g in range(RANKS)}
+        self.recorders = {k: Recorder(self.env.clock) for k in self.engines}
+        for k, e in self.engines.items():
+            e.telemetry = self.recorders[k]
+        self.collector = Collector(env=self.env, token=TOKEN, config=CollectorConfig(
+            pull_timeout_s=1.0, analysis=AnalysisConfig(stall_s=0.3)))
+        self.collector.start()
+        self.servers = []
+        for r in range(REPLICAS):  # one server per replica, as one per host would be
+            ranks = {RankInfo(f"r{r}/{g}", r, g, f"host{r}"): self.recorders[(r, g)] for g in range(RANKS)}
+            server = TelemetryServer(env=self.env, token=TOKEN, ranks=ranks)
+            server.start()
+            server.register(self.collector.addr)
+            self.servers.append(server)
+        self._parallel([lambda k=k, e=e: e.reconfigure(
+            epoch=1, ring=[self.engines[(r, k[1])].addr for r in range(REPLICAS)], index=k[0])
+            for k, e in self.engines.items()])
+
+    def _parallel(self, fns, timeout=20.0):
+        tasks = [self.env.spawn(fn, name=f"t{i}") for i, fn in enumerate(fns)]
+        return tasks if timeout == 0 else [t.join(timeout) and t.exception for t in tasks]
+
+    def all_reduce(self, skip=(), wait=True):
+        bufs = {k: np.ones(20_000, np.float32) for k in self.engines}
+        fns = [lambda k=k: self.engines[k].all_reduce(bufs[k]) for k in self.engines if k not in skip]
+        return self._parallel(fns, timeout=20.0 if wait else 0)
+
+    def close(self):
+        for s in self.servers:
+            s.stop()
+        self.collector.stop()
+        for e in self.engines.values():
+            e.close()
+
+
+@pytest.fixture
+def job():
+    j = Job()
+    yield j
+    j.close()
+
+
+def test_healthy_job_has_no_hang_and_every_rank_answers(job):
+    assert job.all_reduce() == [None] * 6
+    assert job.all_reduce() == [None] * 6
+    v = job.collector.diagnose()
+    assert v["kind"] == "no_hang" and v["num_ranks"] == v["num_answered"] == 6, v
+    assert v["eviction"]["replicas"] == []
+
+
+def test_a_rank_that_never_joins_is_named_and_its_replica_evicted_once_confirmed(job):
+    assert job.all_reduce() == [None] * 6
+    tasks = job.all_reduce(skip={(1, 0)}, wait=False)  # ring 0 waits on replica 1's rank 0
+    job.env.clock.sleep(0.8)
+    v = job.collector.diagnose()
+    assert v["kind"] == "hang" and v["ranks"] == ["r1/0"], v
+    assert "never joined the all-reduce" in v["reason"] and v["hosts"] == ["host1"]
+    assert v["eviction"]["replicas"] == [] and "confirming" in v["eviction"]["reason"]
+    job.env.clock.sleep(1.0)
+    v = job.collector.diagnose()
+    assert v["ranks"] == ["r1/0"] and v["eviction"]["replicas"] == [1], v
+    reply = request(job.env, job.collector.addr, {"type": "verdict", "token": TOKEN}, 5.0)
+    assert reply["type"] == "verdict" and reply["ranks"] == ["r1/0"]
+    for t in tasks:
+        t.join(10.0)  # ring 0 times out (RecoverableError), ring 1 completed
+
+
+def test_a_server_that_stops_answering_is_named(job):
+    assert job.all_reduce() == [None] * 6
+    job.collector.diagnose()  # the collector learns every rank's ring place while all answer
+    job.servers[2].stop()  # replica 2's process no longer answers ...
+    tasks = job.all_reduce(skip={(2, 1)}, wait=False)  # ... and its rank 1 is stuck before the ring
+    job.env.clock.sleep(0.8)
+    v = job.collector.diagnose()
+    assert v["kind"] == "hang" and v["ranks"] == ["r2/1"] and v["num_answered"] == 4, v
+    assert "did not answer the collector" in v["reason"]
+    for t in tasks:
+        t.join(10.0)
+
+
+def test_wrong_token_and_bad_requests_are_refused(job):
+    with pytest.raises(DiagnoseError, match="wrong job token"):
+        request(job.env, job.collector.addr, {"type": "verdict", "token": "nope"}, 5.0)
+    with pytest.raises(DiagnoseError, match="wrong job token"):
+        request(job.env, job.servers[0].addr, {"type": "pull"}, 5.0)
+    with pytest.raises(DiagnoseError, match="unknown request 'what'"):
+        request(job.env, job.collector.addr, {"type": "what", "token": TOKEN}, 5.0)
