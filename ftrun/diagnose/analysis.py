@@ -36,12 +36,14 @@ class AnalysisConfig:
     stall_s: float = 1.0  # a running collective that has not moved for this long is blocked
     slow_lag_frac: float = 0.10  # a rank whose median entry lag exceeds this fraction of the step is slow
     slow_min_ops: int = 4  # ... over at least this many recent all-reduces
+    slow_min_lag_s: float = 0.1  # ... and by at least this much (scheduling noise on short steps is not a fault)
     link_factor: float = 3.0  # a link whose busy time per byte exceeds this multiple of the median is slow
 
     def __post_init__(self) -> None:
-        if self.stall_s <= 0 or not 0 < self.slow_lag_frac < 1 or self.slow_min_ops < 2 or self.link_factor <= 1:
-            raise ValueError(f"AnalysisConfig: need stall_s > 0, 0 < slow_lag_frac < 1, slow_min_ops >= 2 and "
-                             f"link_factor > 1, got {self}")
+        if (self.stall_s <= 0 or not 0 < self.slow_lag_frac < 1 or self.slow_min_ops < 2 or self.link_factor <= 1
+                or self.slow_min_lag_s < 0):
+            raise ValueError(f"AnalysisConfig: need stall_s > 0, 0 < slow_lag_frac < 1, slow_min_ops >= 2, "
+                             f"link_factor > 1 and slow_min_lag_s >= 0, got {self}")
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ def find(snap: "Snapshot", layout: "Layout", cfg: "AnalysisConfig") -> "Verdict 
     ok, lag, period = _lags(snap, layout)
     enough = ok.sum(axis=1) >= cfg.slow_min_ops
     lag_med = np.where(enough, row_median(lag, ok), 0.0)
-    slow = enough & (lag_med > cfg.slow_lag_frac * period)
+    slow = enough & (lag_med > max(cfg.slow_lag_frac * period, cfg.slow_min_lag_s))
     if slow.any():
         return _slow_verdict(np.flatnonzero(slow), lag_med, period, layout)
     return _slow_link(snap, layout, cfg, ok & enough[:, None], period)
@@ -100,7 +100,7 @@ def _slow_link(snap, layout, cfg, ok, period) -> "Verdict | None":
         return None
     busy = np.full(len(rate), np.nan)
     busy[bad] = row_median(busy_all[bad], use[bad])
-    bad &= busy > cfg.slow_lag_frac * period
+    bad &= busy > max(cfg.slow_lag_frac * period, cfg.slow_min_lag_s)
     if not bad.any():
         return None
     a = int(np.argmax(np.where(bad, rate, -np.inf)))

@@ -61,6 +61,13 @@ def test_one_slow_rank_on_a_healthy_host_is_a_slow_rank():
     assert "rank 5 of replica 1 (host4)" in v.reason
 
 
+def test_lag_below_the_absolute_floor_is_noise_not_a_slow_rank():
+    snap, layout, _ = scenario(SHAPE, "none", 4)
+    snap.hist["enter"][37] += 0.08  # 4% of a 2 s step would pass the 10% rule on a 0.5 s step ...
+    assert analyze(snap, layout, AnalysisConfig(slow_lag_frac=0.01)).kind == NO_HANG  # ... the 0.1 s floor holds
+    assert analyze(snap, layout, AnalysisConfig(slow_lag_frac=0.01, slow_min_lag_s=0.05)).kind == SLOW_RANK
+
+
 def test_slow_link_names_sender_and_receiver():
     snap, layout, _ = scenario(SHAPE, "none", 5)
     snap.hist["busy"][70] *= 6  # rank 6 of replica 2 -> rank 6 of replica 3
