@@ -15,11 +15,12 @@ All work is vectorized over ranks (numpy), so 98,304 ranks take well under a sec
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from ftrun.diagnose import slow
+from ftrun.diagnose import slow, tree
 from ftrun.diagnose.summary import DONE, FAILED, RUNNING
 from ftrun.diagnose.telemetry import Ev
 
@@ -101,7 +102,32 @@ def analyze(snap: Snapshot, layout: Layout, config: AnalysisConfig = AnalysisCon
     hang = _ftar_hang(snap, layout, config)
     if hang is not None:
         return hang
+    hang = _tree_hang(snap, layout, config)
+    if hang is not None:
+        return hang
     return slow.find(snap, layout, config) or Verdict(NO_HANG, "no hang: every all-reduce is moving or done")
+
+
+def _tree_hang(snap: Snapshot, layout: Layout, cfg: AnalysisConfig) -> Verdict | None:
+    edges, culprits = tree.edges_and_culprits(snap, layout, cfg, np.zeros(0, bool))
+    if not culprits:
+        return None
+    reps = sorted({int(layout.replica[r]) for r in culprits})
+    leaves = tuple(f"tree collective {int(tree.blocked_trees(snap, layout, cfg)[1][r])} of replica {r}"
+                   for r in reps[:8])
+    ranks = sorted(culprits)
+    reasons = [f"{layout.rank_name(r)} {culprits[r]}" for r in ranks[:2]]
+    if len(ranks) > 2:
+        reasons.append(f"and {len(ranks) - 2} more ranks")
+    return _named(HANG, set(ranks), layout, reasons, leaves)
+
+
+def _with_tree_edges(v: Verdict, snap: Snapshot, layout: Layout, cfg: AnalysisConfig, rings) -> Verdict:
+    """The collective wait-for graph above a blocked ring: which tree collectives wait on it."""
+    blocked = np.zeros(int(layout.group.max()) + 1, bool)
+    blocked[rings] = True
+    edges, _ = tree.edges_and_culprits(snap, layout, cfg, blocked)
+    return dataclasses.replace(v, edges=tuple(edges))
 
 
 # -- FTAR rings ------------------------------------------------------------------------------------
@@ -147,7 +173,7 @@ def _ftar_hang(snap: Snapshot, layout: Layout, cfg: AnalysisConfig) -> Verdict |
     if failed.any() and not stalled.any():
         return _failed_rings(sub, st, snap, layout, rings)
     leaves = _follow(sub, st, s)
-    return _verdict_from_leaves(leaves, sub, st, snap, layout, rings)
+    return _with_tree_edges(_verdict_from_leaves(leaves, sub, st, snap, layout, rings), snap, layout, cfg, rings)
 
 
 def _edges(sub: np.ndarray, st: np.ndarray, s: np.ndarray) -> np.ndarray:
@@ -187,7 +213,8 @@ def _follow(sub: np.ndarray, st: np.ndarray, s: np.ndarray) -> np.ndarray:
 def _verdict_from_leaves(leaves, sub, st, snap, layout, rings) -> Verdict:
     s, n = snap.summary, sub.shape[1]
     bs, ps = np.nonzero(st == _RUN)
-    ends = np.unique(np.stack([bs, leaves[bs, ps]], axis=1), axis=0)  # (ring row, end position) pairs
+    code = np.unique(bs.astype(np.int64) * (n + 1) + leaves[bs, ps] + 1)  # distinct (ring row, end position)
+    ends = np.stack([code // (n + 1), code % (n + 1) - 1], axis=1)
     reasons: list[str] = []
     pairs: set[tuple[int, int]] = set()
     for b in ends[ends[:, 1] < 0, 0]:  # cycles: rare, each ring on its own

@@ -19,7 +19,8 @@ from ftrun.diagnose.summary import DONE, FAILED, HIST_LEN, RUNNING, empty_hist, 
 from ftrun.diagnose.telemetry import Ev
 
 KINDS = ("none", "hang_rank", "stuck_rank", "never_joined", "lost_chunk", "hang_host", "killed_rank",
-         "building_cut", "slow_host", "slow_link")
+         "building_cut", "slow_host", "slow_link", "hang_in_vote", "stuck_in_vote")
+_TREE_FANOUT = 16
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,6 +117,30 @@ def _stall_ring(s: np.ndarray, shape: JobShape, j: int, m0: int, now: float) -> 
     return ring
 
 
+def _vote_waits(s: np.ndarray, since: float, who: np.ndarray) -> None:
+    """`who` entered the commit vote (tree collective) after their all-reduce and wait in it since `since`."""
+    s["t_cid"][who] += 1
+    s["t_ev"][who] = Ev.ENTER
+    s["t_t"][who] = since
+
+
+def _vote_hang(s: np.ndarray, shape: JobShape, lay: Layout, j: int, now: float, answering: bool) -> None:
+    """Every all-reduce done; the replica's ranks in the commit vote, held up by j: j did not answer (and
+    never entered), or j entered, its children sent up and it did not."""
+    s["f_state"], s["f_last"] = DONE, now - shape.hang_age_s
+    mates = lay.replica == lay.replica[j]
+    _vote_waits(s, now - shape.hang_age_s, mates)
+    s["t_ev"][mates] = Ev.SEND
+    g, base = int(lay.group[j]), j - int(lay.group[j])
+    while g > 0:  # j's ancestors still wait for j's subtree
+        g = (g - 1) // _TREE_FANOUT
+        s["t_ev"][base + g] = Ev.ENTER
+    s["t_ev"][j] = Ev.ENTER
+    if not answering:
+        s["t_cid"][j] -= 1
+        s["t_ev"][j] = Ev.DONE
+
+
 def scenario(shape: JobShape, kind: str, seed: int) -> tuple[Snapshot, Layout, Truth]:
     if kind not in KINDS:
         raise ValueError(f"unknown fault kind {kind!r}; one of {KINDS}")
@@ -125,7 +150,13 @@ def scenario(shape: JobShape, kind: str, seed: int) -> tuple[Snapshot, Layout, T
     answered = np.ones(shape.num_ranks, bool)
     j = int(rng.integers(shape.num_ranks))
     m0 = int(rng.integers(0, shape.num_messages - shape.num_chunks))
+    before = s["f_last"].copy()
     truth = _inject(kind, shape, s, hist, answered, lay, j, m0, now, rng)
+    if kind in ("hang_rank", "stuck_rank", "never_joined", "lost_chunk", "hang_host", "building_cut"):
+        others = (s["f_last"] == before) & (s["t_ev"] == Ev.DONE)  # every rank outside the held-up rings ...
+        s["f_state"][others] = DONE  # ... finished its all-reduce and waits in the commit vote
+        s["f_steps"][others] = s["f_total"][others]
+        _vote_waits(s, now - shape.hang_age_s + 0.1, others)
     return Snapshot(now=now, answered=answered, summary=s, hist=hist), lay, truth
 
 
@@ -166,6 +197,10 @@ def _inject(kind, shape, s, hist, answered, lay, j, m0, now, rng) -> Truth:
         factor = rng.uniform(2, 10)
         hist["enter"][ranks] += (factor - 1) * shape.compute_s
         return Truth(SLOW_HOST, tuple(int(r) for r in ranks), (host,), lag_s=(factor - 1) * shape.compute_s)
+    if kind in ("hang_in_vote", "stuck_in_vote"):
+        _vote_hang(s, shape, lay, j, now, answering=kind == "stuck_in_vote")
+        answered[j] = kind == "stuck_in_vote"
+        return Truth(HANG, (j,), (host,))
     factor = rng.uniform(3.5, 10)
     hist["busy"][j] *= factor
     nxt = int(_ring(shape, j)[1])

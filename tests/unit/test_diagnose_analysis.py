@@ -26,6 +26,8 @@ CASES = [
     ("building_cut", HANG, "32 ranks on 4 host(s)"),
     ("slow_host", SLOW_HOST, "its ranks enter the all-reduce a median"),
     ("slow_link", SLOW_LINK, "its sends take"),
+    ("hang_in_vote", HANG, "did not answer the collector while its replica's tree collective waits on it"),
+    ("stuck_in_vote", HANG, "joined its tree collective without progress: every child sent up, it did not"),
 ]
 
 
@@ -43,8 +45,18 @@ def test_verdict_names_the_injected_culprit(kind, expected, fragment, seed):
     if truth.hosts:
         assert set(v.hosts) == set(truth.hosts)
     if v.is_hang:
-        assert v.collectives[0].startswith("ftar ring ")
+        leaf = "tree collective " if kind.endswith("_vote") else "ftar ring "
+        assert v.collectives[0].startswith(leaf)
         assert set(v.replicas) == {int(layout.replica[r]) for r in truth.ranks}
+
+
+@pytest.mark.parametrize("kind", ["hang_rank", "never_joined", "hang_host"])
+def test_the_collective_graph_has_every_blocked_vote_waiting_on_the_ring(kind):
+    snap, layout, truth = scenario(SHAPE, kind, 7)
+    v = analyze(snap, layout)
+    rings = {f"ftar ring {int(layout.group[r])}" for r in truth.ranks}
+    assert v.edges and {b for _, b in v.edges} == rings, v.edges
+    assert {a for a, _ in v.edges} == {f"tree collective 217 of replica {r}" for r in range(SHAPE.num_replicas)}
 
 
 def test_a_pause_shorter_than_stall_s_is_no_hang():

@@ -1,0 +1,84 @@
+"""The replica tree collectives (check-in, commit vote) in the wait-for graph (part of the pure analysis).
+
+A replica's current tree collective is the newest one any of its ranks entered. It is blocked when a rank
+in it has waited `stall_s`. It waits on every FTAR ring a missing rank is stuck in (an edge of the
+collective wait-for graph); missing ranks that are in no blocked ring are its own culprits (did not
+answer, or never joined). With nobody missing, the rank-level graph of the tree: a rank that entered and
+whose children have all sent up, but has not sent itself, joined without progress.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ftrun.diagnose.telemetry import Ev
+
+if TYPE_CHECKING:
+    from ftrun.diagnose.analysis import AnalysisConfig, Layout, Snapshot
+
+FANOUT = 16  # ftrun.replica.tree_comm.TreeComm's default
+
+
+def per_replica_max(values: np.ndarray, replica: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    out = np.full(int(replica.max()) + 1 if len(replica) else 0, -1, np.int64)
+    np.maximum.at(out, replica[mask], values[mask])
+    return out
+
+
+def blocked_trees(snap: "Snapshot", layout: "Layout", cfg: "AnalysisConfig"):
+    """(replicas whose tree collective is blocked, their collective number, per-rank 'in it' mask)."""
+    s, ans = snap.summary, snap.answered
+    cid = s["t_cid"].astype(np.int64)
+    cur = per_replica_max(cid, layout.replica, ans & (cid >= 0))
+    in_seq = ans & (cid == cur[layout.replica]) & (cid >= 0)
+    waiting = in_seq & (s["t_ev"] != Ev.DONE) & (snap.now - s["t_t"] >= cfg.stall_s)
+    replicas = np.unique(layout.replica[waiting])
+    return replicas, cur, in_seq
+
+
+def edges_and_culprits(snap, layout, cfg, ring_blocked: np.ndarray):
+    """Collective edges (tree -> ftar ring or -> rank) and the tree-level culprits {rank: why}.
+
+    `ring_blocked[g]`: FTAR ring g is blocked (a leaf found by the ring analysis)."""
+    replicas, cur, in_seq = blocked_trees(snap, layout, cfg)
+    if not replicas.size:
+        return [], {}
+    s = snap.summary
+    in_blocked = np.zeros(len(layout.replica), bool)
+    if ring_blocked.size:
+        in_blocked = ring_blocked[layout.group] & (layout.ring_pos >= 0)
+    of_blocked = np.isin(layout.replica, replicas)
+    missing = of_blocked & ~in_seq
+    edges, culprits = [], {}
+    for rep in replicas[:64]:
+        name = f"tree collective {int(cur[rep])} of replica {int(rep)}"
+        rings = np.unique(layout.group[missing & in_blocked & (layout.replica == rep)])
+        edges += [(name, f"ftar ring {int(g)}") for g in rings[:8]]
+    lone = np.flatnonzero(missing & ~in_blocked)
+    for r in lone:
+        culprits[int(r)] = ("did not answer the collector while its replica's tree collective waits on it"
+                            if not snap.answered[r] else
+                            f"never joined tree collective {int(cur[layout.replica[r]])} of its replica")
+    if not culprits and not edges:
+        culprits = _no_progress(s, layout, of_blocked & in_seq)
+    return edges, culprits
+
+
+def _no_progress(s: np.ndarray, layout: "Layout", members: np.ndarray) -> dict[int, str]:
+    """Ranks in ENTER whose children (in the tree by group rank) have all sent up."""
+    entered = members & (s["t_ev"] == Ev.ENTER)
+    sent = members & np.isin(s["t_ev"], (Ev.SEND, Ev.RECV, Ev.DONE))
+    width = int(layout.group.max()) + 1
+    key = layout.replica.astype(np.int64) * width + layout.group
+    order = np.argsort(key)
+    has_parent = members & (layout.group > 0)
+    parent_key = layout.replica.astype(np.int64) * width + (layout.group - 1) // FANOUT
+    at = np.minimum(np.searchsorted(key[order], parent_key), len(order) - 1)
+    parent = np.where(key[order][at] == parent_key, order[at], -1)
+    has_parent &= parent >= 0
+    kids = np.bincount(parent[has_parent], minlength=len(key))
+    kids_sent = np.bincount(parent[has_parent & sent], minlength=len(key))
+    stuck = np.flatnonzero(entered & (kids_sent == kids))
+    return {int(r): "joined its tree collective without progress: every child sent up, it did not" for r in stuck}
