@@ -64,7 +64,7 @@ def test_sigstopped_rank_is_named_by_the_collector():
     collector = Collector(env=env, token=TOKEN, config=CollectorConfig(
         pull_timeout_s=0.5, analysis=AnalysisConfig(stall_s=0.5)))
     collector.start()
-    procs = {}
+    procs, t0 = {}, time.monotonic()
     environ = {**os.environ, "FTRUN_TOKEN": TOKEN, "PYTHONPATH": ROOT}
     try:
         for r in range(REPLICAS):
@@ -77,6 +77,7 @@ def test_sigstopped_rank_is_named_by_the_collector():
             p.stdin.write(json.dumps([addrs[(x, g)] for x in range(REPLICAS)]) + "\n")
             p.stdin.flush()
         assert all(p.stdout.readline().strip() == "ready" for p in procs.values())
+        print(f"6 rank processes up and in their rings after {time.monotonic() - t0:.1f}s")
         env.clock.sleep(1.0)
         healthy = collector.diagnose()
         # no hang and nobody evicted (a 50 ms step on shared cores may show a slow rank: never evicted)
