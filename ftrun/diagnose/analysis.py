@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -62,6 +63,19 @@ class Layout:
         n = len(self.replica)
         if any(len(a) != n for a in (self.group, self.host, self.ring_pos)):
             raise ValueError("Layout: replica, group, host and ring_pos need one entry per rank")
+
+    @cached_property
+    def ring_table(self) -> np.ndarray:
+        """table[g, pos] = global rank of group rank g in the replica at ring position pos, or -1.
+        Computed once per layout (a live job's membership), like `num_groups`."""
+        part = np.flatnonzero(self.ring_pos >= 0)
+        table = np.full((self.num_groups, int(self.ring_pos.max()) + 1 if part.size else 0), -1, np.int64)
+        table[self.group[part], self.ring_pos[part]] = part
+        return table
+
+    @cached_property
+    def num_groups(self) -> int:
+        return int(self.group.max()) + 1 if len(self.group) else 0
 
     def host_name(self, h: int) -> str:
         return self.host_names[h] if h < len(self.host_names) else f"host{h}"
@@ -110,11 +124,13 @@ def analyze(snap: Snapshot, layout: Layout, config: AnalysisConfig = AnalysisCon
 
 def _tree_hang(snap: Snapshot, layout: Layout, cfg: AnalysisConfig) -> Verdict | None:
     edges, culprits = tree.edges_and_culprits(snap, layout, cfg, np.zeros(0, bool))
+    for r in [r for r in culprits if snap.answered[r] and slow.usual_lag_covers(r, snap, layout, cfg)]:
+        del culprits[r]  # alive and as late as usual: slow, not hung
     if not culprits:
         return None
     reps = sorted({int(layout.replica[r]) for r in culprits})
-    leaves = tuple(f"tree collective {int(tree.blocked_trees(snap, layout, cfg)[1][r])} of replica {r}"
-                   for r in reps[:8])
+    seq = tree.blocked_trees(snap, layout, cfg)[1]
+    leaves = tuple(f"tree collective {int(seq[r])} of replica {r}" for r in reps[:8])
     ranks = sorted(culprits)
     reasons = [f"{layout.rank_name(r)} {culprits[r]}" for r in ranks[:2]]
     if len(ranks) > 2:
@@ -132,12 +148,7 @@ def _with_tree_edges(v: Verdict, snap: Snapshot, layout: Layout, cfg: AnalysisCo
 
 # -- FTAR rings ------------------------------------------------------------------------------------
 def _ring_table(layout: Layout) -> np.ndarray:
-    """table[g, pos] = global rank of group rank g in the replica at ring position pos, or -1."""
-    part = np.flatnonzero(layout.ring_pos >= 0)
-    num_groups = int(layout.group.max()) + 1 if len(layout.group) else 0
-    table = np.full((num_groups, int(layout.ring_pos.max()) + 1 if part.size else 0), -1, np.int64)
-    table[layout.group[part], layout.ring_pos[part]] = part
-    return table
+    return layout.ring_table
 
 
 def _status(snap: Snapshot, layout: Layout) -> tuple[np.ndarray, np.ndarray]:
@@ -145,10 +156,9 @@ def _status(snap: Snapshot, layout: Layout) -> tuple[np.ndarray, np.ndarray]:
     s, ans = snap.summary, snap.answered
     key = (s["f_qid"].astype(np.int64) << 32) | (s["f_cid"].astype(np.int64) & 0xFFFFFFFF)
     key = np.where(ans & (s["f_qid"] >= 0), key, -1)
-    num_groups = int(layout.group.max()) + 1
-    cur = np.full(num_groups, -1, np.int64)
-    part = layout.ring_pos >= 0
-    np.maximum.at(cur, layout.group[part], key[part])
+    table = layout.ring_table
+    cur = np.where(table >= 0, key[np.maximum(table, 0)], -1).max(axis=1) if table.size else \
+        np.full(layout.num_groups, -1, np.int64)
     incur = key == cur[layout.group]
     status = np.full(len(ans), _ABSENT, np.int8)
     status[~ans] = _UNKNOWN
@@ -172,8 +182,8 @@ def _ftar_hang(snap: Snapshot, layout: Layout, cfg: AnalysisConfig) -> Verdict |
     st = np.where(sub >= 0, status[np.maximum(sub, 0)], _UNKNOWN)
     if failed.any() and not stalled.any():
         return _failed_rings(sub, st, snap, layout, rings)
-    leaves = _follow(sub, st, s)
-    return _with_tree_edges(_verdict_from_leaves(leaves, sub, st, snap, layout, rings), snap, layout, cfg, rings)
+    verdict = _verdict_from_leaves(_follow(sub, st, s), sub, st, snap, layout, rings, cfg)
+    return None if verdict is None else _with_tree_edges(verdict, snap, layout, cfg, rings)
 
 
 def _edges(sub: np.ndarray, st: np.ndarray, s: np.ndarray) -> np.ndarray:
@@ -210,7 +220,9 @@ def _follow(sub: np.ndarray, st: np.ndarray, s: np.ndarray) -> np.ndarray:
     return np.where(off[rows, pos] == 0, pos, -1)
 
 
-def _verdict_from_leaves(leaves, sub, st, snap, layout, rings) -> Verdict:
+def _verdict_from_leaves(leaves, sub, st, snap, layout, rings, cfg) -> Verdict | None:
+    """The verdict from the ends of the rank wait-for chains; None when the only culprits are alive ranks
+    whose usual lag explains the wait (then the slow-rank analysis speaks)."""
     s, n = snap.summary, sub.shape[1]
     bs, ps = np.nonzero(st == _RUN)
     code = np.unique(bs.astype(np.int64) * (n + 1) + leaves[bs, ps] + 1)  # distinct (ring row, end position)
@@ -235,6 +247,11 @@ def _verdict_from_leaves(leaves, sub, st, snap, layout, rings) -> Verdict:
     for b, p in ends[holes][:3]:
         reasons.append(f"ring {int(rings[b])}: position {int(p)} is waited on but no known rank holds it")
     culprits = dict(zip(r[~in_flight & ~holes].tolist(), kind[~in_flight & ~holes].tolist()))
+    late = [x for x, k in culprits.items() if k != _UNKNOWN and slow.usual_lag_covers(x, snap, layout, cfg)]
+    for x in late:  # alive, and as late as it always is: a slow rank (the history names it), not a hang
+        del culprits[x]
+    if late and not culprits and not pairs and not holes.any():
+        return None
     leaves_c = tuple(f"ftar ring {int(g)}" for g in rings[:8]) + ((f"and {len(rings) - 8} more rings",) if len(rings) > 8 else ())
     if culprits:
         return _named(HANG, set(culprits), layout, _culprit_reasons(culprits, snap, layout), leaves_c)

@@ -6,8 +6,8 @@ median lag over the last few steps stands out against the step period. Link: the
 spent on the wire per byte (send busy time); the link to the next ring rank is slow when that is a
 multiple of the job's median.
 
-Per-ring reductions use a sort by ring and `ufunc.reduceat` (ufunc.at is ten times slower), and row
-medians a sort of the (ranks x HIST_LEN) matrix, so 98,304 ranks take tens of milliseconds.
+Per-ring reductions gather through the layout's ring table (groups x ring positions, computed once per
+membership) instead of `ufunc.at` (ten times slower), and row medians sort the (ranks x HIST_LEN) matrix.
 """
 
 from __future__ import annotations
@@ -43,23 +43,39 @@ def find(snap: "Snapshot", layout: "Layout", cfg: "AnalysisConfig") -> "Verdict 
     return _slow_link(snap, layout, cfg, ok & enough[:, None], period)
 
 
+def usual_lag_covers(r: int, snap: "Snapshot", layout: "Layout", cfg: "AnalysisConfig") -> bool:
+    """Whether rank r's ring has been waiting no longer than r's usual lag behind it (median over the
+    recent all-reduces, times 1.5, plus stall_s): an alive rank that is always this late is slow, not hung."""
+    table, h, s = layout.ring_table, snap.hist, snap.summary
+    members = table[layout.group[r]]
+    members = members[(members >= 0) & snap.answered[np.maximum(members, 0)]]
+    key = (h["qid"][members].astype(np.int64) << 32) | h["cid"][members]
+    same = (key == key[members == r]).all(axis=0) & (h["cid"][r] >= 0)
+    if same.sum() < cfg.slow_min_ops:
+        return False
+    enter = h["enter"][members][:, same]
+    lag = float(np.median(h["enter"][r][same] - enter.min(axis=0)))
+    cur = (s["f_qid"][members].astype(np.int64) << 32) | s["f_cid"][members]
+    entered = cur == cur.max()  # the members in the ring's current all-reduce
+    waiting = snap.now - float(s["f_enter"][members][entered].min())
+    return lag > cfg.slow_min_lag_s and waiting <= 1.5 * lag + cfg.stall_s
+
+
 def _lags(snap, layout) -> tuple[np.ndarray, np.ndarray, float]:
     """(ok: the entry is this ring's op, lag behind the ring's first entry, median step period)."""
-    h = snap.hist
+    h, table = snap.hist, layout.ring_table
     part = snap.answered & (layout.ring_pos >= 0)
     cid = np.ascontiguousarray(h["cid"])
     key = (np.ascontiguousarray(h["qid"]).astype(np.int64) << 32) | cid
     key[~part[:, None] | (cid < 0)] = -1
-    order = np.argsort(layout.group, kind="stable")
-    groups = layout.group[order]
-    starts = np.flatnonzero(np.r_[True, groups[1:] != groups[:-1]])
-    ring_of = np.empty(len(order), np.int64)
-    ring_of[order] = np.repeat(np.arange(len(starts)), np.diff(np.r_[starts, len(order)]))
-    ref = np.maximum.reduceat(key[order], starts, axis=0)
-    ok = (key >= 0) & (key == ref[ring_of])
+    cells = np.maximum(table, 0)
+    ring_key = np.where((table >= 0)[:, :, None], key[cells], -1)  # (groups, positions, K)
+    ref = ring_key.max(axis=1)  # (groups, K): the op each history column holds in this ring
+    ok = (key >= 0) & (key == ref[layout.group])
     enter = np.ascontiguousarray(h["enter"])
-    first = np.minimum.reduceat(np.where(ok, enter, np.inf)[order], starts, axis=0)
-    lag = enter - first[ring_of]
+    at = np.where(ok, enter, np.inf)
+    first = np.where((table >= 0)[:, :, None], at[cells], np.inf).min(axis=1)  # (groups, K)
+    lag = enter - first[layout.group]
     with np.errstate(invalid="ignore"):
         d = np.diff(np.where(np.isfinite(first), first, np.nan), axis=1).ravel()
     d = d[np.isfinite(d)]

@@ -11,6 +11,7 @@ read all its previous rank sent, the rank upstream has a send that its next rank
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -54,7 +55,10 @@ class Truth:
     lag_s: float = 0.0  # slow kinds: the injected delay per step
 
 
+@lru_cache(maxsize=4)
 def layout(shape: JobShape) -> Layout:
+    """One Layout per shape, as a live job's collector keeps one per membership (its ring table is
+    computed once). Callers must not modify its arrays."""
     r = np.arange(shape.num_ranks)
     replica = (r // shape.ranks_per_replica).astype(np.int32)
     return Layout(replica=replica, group=(r % shape.ranks_per_replica).astype(np.int32),
@@ -113,8 +117,18 @@ def _stall_ring(s: np.ndarray, shape: JobShape, j: int, m0: int, now: float) -> 
     s["f_sends"][ring[-1]] += 1
     s["f_state"][ring] = RUNNING
     s["f_last"][ring] = now - shape.hang_age_s
+    s["f_enter"][ring] = np.minimum(s["f_enter"][ring], now - shape.hang_age_s - 0.05)
     s["f_steps"][ring] = s["f_used"][ring] + c
     return ring
+
+
+def _late(s: np.ndarray, shape: JobShape, ranks: np.ndarray, now: float, wait: float) -> None:
+    """`ranks` have not entered the current all-reduce yet; their ring peers entered `wait` ago and wait."""
+    for j in ranks:
+        ring = _stall_ring(s, shape, int(j), 0, now)
+        s["f_enter"][ring] = s["f_last"][ring] = now - wait
+        s["f_cid"][j] -= 1
+        s["f_state"][j] = DONE
 
 
 def _vote_waits(s: np.ndarray, since: float, who: np.ndarray) -> None:
@@ -196,6 +210,8 @@ def _inject(kind, shape, s, hist, answered, lay, j, m0, now, rng) -> Truth:
         ranks = np.flatnonzero(lay.host == host)
         factor = rng.uniform(2, 10)
         hist["enter"][ranks] += (factor - 1) * shape.compute_s
+        if rng.random() < 0.5:  # caught while its ring peers wait for it, as every step (less than usual)
+            _late(s, shape, ranks, now, wait=rng.uniform(0.2, 0.9) * (factor - 1) * shape.compute_s)
         return Truth(SLOW_HOST, tuple(int(r) for r in ranks), (host,), lag_s=(factor - 1) * shape.compute_s)
     if kind in ("hang_in_vote", "stuck_in_vote"):
         _vote_hang(s, shape, lay, j, now, answering=kind == "stuck_in_vote")

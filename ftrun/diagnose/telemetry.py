@@ -88,7 +88,7 @@ class Recorder:
     def ftar_enter(self, epoch: int, nbytes: int, ring_size: int, index: int, num_steps: int) -> None:
         cid = self._ftar[1] + 1 if self._ftar[0] == epoch else 0
         self._ftar, self._seq, self._prev = (epoch, cid), 0, (index - 1) % ring_size
-        self._put(epoch, cid, num_steps, index, nbytes & 0xFFFFFFFF, ring_size, 0, Op.FTAR, Ev.ENTER)
+        self._put(epoch, cid, num_steps, index, min(nbytes, 0xFFFFFFFF), ring_size, 0, Op.FTAR, Ev.ENTER)
 
     def ftar_step(self, part: int, hop: int, nbytes: int) -> None:
         """The next chunk step (partition `part`, ring hop `hop`) completed: received from the previous
@@ -135,7 +135,7 @@ class Recorder:
         self._put(0, step, 0, -1, 0, num_sources, 0, Op.CATCHUP, Ev.ENTER)
 
     def catchup_end(self, step: int, nbytes: int, ok: bool) -> None:
-        self._put(0, step, 0, -1, nbytes & 0xFFFFFFFF, 0, 0, Op.CATCHUP, Ev.DONE if ok else Ev.FAIL)
+        self._put(0, step, 0, -1, min(nbytes, 0xFFFFFFFF), 0, 0, Op.CATCHUP, Ev.DONE if ok else Ev.FAIL)
 
     # -- reading -----------------------------------------------------------------------------------
     def records(self) -> np.ndarray:

@@ -2,7 +2,7 @@
 
 A replica's current tree collective is the newest one any of its ranks entered. It is blocked when a rank
 in it has waited `stall_s`. It waits on every FTAR ring a missing rank is stuck in (an edge of the
-collective wait-for graph); missing ranks that are in no blocked ring are its own culprits (did not
+collective wait-for graph); missing ranks in no all-reduce are its own culprits (did not
 answer, or never joined). With nobody missing, the rank-level graph of the tree: a rank that entered and
 whose children have all sent up, but has not sent itself, joined without progress.
 """
@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ftrun.diagnose.summary import RUNNING
 from ftrun.diagnose.telemetry import Ev
 
 if TYPE_CHECKING:
@@ -41,14 +42,15 @@ def blocked_trees(snap: "Snapshot", layout: "Layout", cfg: "AnalysisConfig"):
 def edges_and_culprits(snap, layout, cfg, ring_blocked: np.ndarray):
     """Collective edges (tree -> ftar ring or -> rank) and the tree-level culprits {rank: why}.
 
-    `ring_blocked[g]`: FTAR ring g is blocked (a leaf found by the ring analysis)."""
+    A missing rank inside an all-reduce, or in a blocked ring (`ring_blocked[g]`, a leaf of the ring
+    analysis), makes an edge to that ring; the others are the tree's own culprits."""
     replicas, cur, in_seq = blocked_trees(snap, layout, cfg)
     if not replicas.size:
         return [], {}
     s = snap.summary
-    in_blocked = np.zeros(len(layout.replica), bool)
+    in_blocked = snap.answered & (s["f_state"] == RUNNING) & (layout.ring_pos >= 0)  # inside an all-reduce
     if ring_blocked.size:
-        in_blocked = ring_blocked[layout.group] & (layout.ring_pos >= 0)
+        in_blocked |= ring_blocked[layout.group] & (layout.ring_pos >= 0)
     of_blocked = np.isin(layout.replica, replicas)
     missing = of_blocked & ~in_seq
     edges, culprits = [], {}

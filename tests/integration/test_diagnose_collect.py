@@ -111,3 +111,37 @@ def test_wrong_token_and_bad_requests_are_refused(job):
         request(job.env, job.servers[0].addr, {"type": "pull"}, 5.0)
     with pytest.raises(DiagnoseError, match="unknown request 'what'"):
         request(job.env, job.collector.addr, {"type": "what", "token": TOKEN}, 5.0)
+
+
+def test_tree_collectives_and_their_summary_from_real_tree_comm():
+    from ftrun.diagnose.summary import summarize
+    from ftrun.diagnose.telemetry import Ev
+    from ftrun.replica.tree_comm import TreeComm
+
+    env, n = RealEnv(), 5
+    listeners = [env.net.listen("127.0.0.1:0") for _ in range(n)]
+    addrs = [lst.addr for lst in listeners]
+    comms: dict[int, TreeComm] = {}
+
+    def build(rank):
+        comms[rank] = TreeComm.build(env=env, rank=rank, world_size=n, listener=listeners[rank], addrs=addrs,
+                                     fanout=2, timeout_s=10.0)
+    tasks = [env.spawn(build, r, name="tree") for r in range(n)]
+    assert all(t.join(20.0) for t in tasks)
+    recs = {r: Recorder(env.clock) for r in range(n)}
+    for r, c in comms.items():
+        c.telemetry = recs[r]
+    results = {}
+    tasks = [env.spawn(lambda r=r: results.__setitem__(r, comms[r].all_reduce_int([r], "sum")), name="ar")
+             for r in range(n)]
+    assert all(t.join(20.0) for t in tasks)
+    assert all(v == [10] for v in results.values())
+    for r in range(n):
+        got = recs[r].records()
+        assert list(got["ev"]) == [Ev.ENTER, Ev.SEND, Ev.DONE] and set(got["cid"]) == {1}
+        s, _ = summarize(got, env.clock.now())
+        assert (s["t_cid"][0], s["t_ev"][0]) == (1, Ev.DONE)
+    for c in comms.values():
+        c.close()
+    for lst in listeners:
+        lst.close()

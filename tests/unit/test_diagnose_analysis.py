@@ -73,6 +73,22 @@ def test_one_slow_rank_on_a_healthy_host_is_a_slow_rank():
     assert "rank 5 of replica 1 (host4)" in v.reason
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_a_slow_host_its_peers_wait_for_is_slow_not_hung(seed):
+    snap, layout, truth = scenario(SHAPE, "slow_host", seed)
+    v = analyze(snap, layout)
+    assert v.kind == SLOW_HOST and set(v.ranks) == set(truth.ranks), v
+
+
+def test_an_always_late_rank_that_stays_away_far_longer_is_hung():
+    snap, layout, _ = scenario(SHAPE, "never_joined", 3)
+    j = int(np.flatnonzero(snap.summary["t_ev"] == 0)[0])
+    snap.hist["enter"][j] += 0.5  # it is usually 0.5 s late ...
+    assert analyze(snap, layout).kind == HANG  # ... its ring has waited 3 s > 1.5 x 0.5 + stall_s
+    snap.hist["enter"][j] += 1.5  # usually 2 s late: 3 s is within 1.5 x its lag
+    assert analyze(snap, layout).kind == SLOW_RANK
+
+
 def test_lag_below_the_absolute_floor_is_noise_not_a_slow_rank():
     snap, layout, _ = scenario(SHAPE, "none", 4)
     snap.hist["enter"][37] += 0.08  # 4% of a 2 s step would pass the 10% rule on a 0.5 s step ...

@@ -108,3 +108,17 @@ def test_summary_of_completed_running_and_failed_all_reduces():
 def test_summary_refuses_other_arrays():
     with pytest.raises(ValueError, match="RECORD"):
         summarize(np.zeros(3), 0.0)
+
+
+def test_attach_sets_one_recorder_on_every_hooked_component():
+    from ftrun.diagnose.attach import attach
+    from ftrun.ftar.engine import FtarEngine
+    from ftrun.quorum.client import LighthouseClient
+    from ftrun.replica.tree_comm import TreeComm
+
+    parts = [object.__new__(cls) for cls in (FtarEngine, TreeComm, LighthouseClient)]  # hooks only, no I/O
+    rec = attach(FakeClock(), engine=parts[0], comm=parts[1], lighthouse=parts[2], capacity=64)
+    assert all(p.telemetry is rec for p in parts) and rec.capacity == 64
+    assert FtarEngine.telemetry is None  # the class default stays off
+    with pytest.raises(TypeError, match="has no telemetry hook"):
+        attach(FakeClock(), engine=object())

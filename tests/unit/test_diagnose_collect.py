@@ -1,0 +1,76 @@
+"""The pure parts of collection: parsing a reply, assembling the analysis input, the CLI's token and text."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from ftrun.diagnose.analysis import HANG, analyze
+from ftrun.diagnose.cli import format_verdict, job_token
+from ftrun.diagnose.collect import RankInfo, _Known, assemble, parse_rank, verdict_dict
+from ftrun.diagnose.summary import HIST_LEN, RUNNING, empty_hist, empty_summary
+
+
+def known(replica, rank, *, qid=2, index=None, host=None, last=10.0):
+    s = empty_summary()
+    s["f_qid"], s["f_index"], s["f_state"], s["f_last"], s["f_ring"] = qid, replica if index is None else index, \
+        RUNNING, last, 3
+    return _Known(RankInfo(f"r{replica}/{rank}", replica, rank, host or f"h{replica}"), "addr", s, empty_hist())
+
+
+def test_parse_rank_takes_only_the_fixed_dtypes():
+    k = known(0, 0)
+    key, s, h = parse_rank({"key": "r0/0", "summary": k.summary.tobytes(), "hist": k.hist.tobytes()})
+    assert key == "r0/0" and s["f_qid"][0] == 2 and len(h) == HIST_LEN
+    with pytest.raises(ValueError, match="expected"):
+        parse_rank({"key": "r0/0", "summary": b"x" * 3, "hist": k.hist.tobytes()})
+    with pytest.raises(ValueError, match="str key and bytes"):
+        parse_rank({"key": 5, "summary": k.summary.tobytes(), "hist": k.hist.tobytes()})
+
+
+def test_assemble_places_ranks_in_the_newest_ring_and_marks_who_answered():
+    ks = [known(0, 0), known(1, 0), known(2, 0, qid=1), known(0, 1, host="h0")]
+    snap, layout = assemble(ks, {"r0/0", "r1/0"}, now=12.0)
+    assert list(layout.ring_pos) == [0, 1, -1, 0]  # r2 was last seen in an older epoch: outside the ring
+    assert list(layout.group) == [0, 0, 0, 1] and list(layout.replica) == [0, 1, 2, 0]
+    assert list(layout.host) == [0, 1, 2, 0] and layout.host_names == ("h0", "h1", "h2")
+    assert list(snap.answered) == [True, True, False, False] and snap.now == 12.0
+    assert snap.hist.shape == (4, HIST_LEN)
+
+
+def test_a_ring_position_nobody_holds_is_reported_not_named():
+    ks = [known(0, 0, index=0, last=1.0), known(1, 0, index=1, last=1.0)]  # ring of 3: position 2 unknown
+    ks[0].summary["f_ring"] = ks[1].summary["f_ring"] = 3
+    snap, layout = assemble(ks, {"r0/0", "r1/0"}, now=12.0)
+    layout = type(layout)(layout.replica, layout.group, layout.host, np.array([0, 2]), layout.host_names)
+    v = analyze(snap, layout)
+    assert v.kind == HANG and v.ranks == () and "no known rank holds it" in v.reason, v
+
+
+def test_verdict_text_and_dict():
+    ks = [known(0, 0), known(1, 0)]
+    snap, layout = assemble(ks, {"r0/0"}, now=30.0)
+    v = analyze(snap, layout)
+    d = verdict_dict(v, layout, [k.info.key for k in ks])
+    assert d["kind"] == HANG and d["ranks"] == ["r1/0"] and d["hosts"] == ["h1"]
+    text = format_verdict({**d, "eviction": {"replicas": [1], "reason": "confirmed"}, "num_ranks": 2,
+                           "num_answered": 1})
+    assert text.splitlines()[0] == "verdict: hang (1 of 2 ranks answered)"
+    assert "ranks: rank 0 of replica 1 (h1)" in text and "eviction: [1]: confirmed" in text
+
+
+def test_job_token_from_environment_or_private_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("FTRUN_TOKEN", "from-env")
+    assert job_token(None) == "from-env"
+    f = tmp_path / "token"
+    f.write_text("from-file\n")
+    os.chmod(f, 0o600)
+    assert job_token(str(f)) == "from-file"
+    os.chmod(f, 0o644)
+    with pytest.raises(SystemExit, match="owner only"):
+        job_token(str(f))
+    monkeypatch.delenv("FTRUN_TOKEN")
+    with pytest.raises(SystemExit, match="no job token"):
+        job_token(None)
