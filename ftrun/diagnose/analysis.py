@@ -74,6 +74,11 @@ class Layout:
         return table
 
     @cached_property
+    def ring_full(self) -> bool:
+        """Every ring position of every group is held (no hole in the ring table)."""
+        return bool((self.ring_table >= 0).all())
+
+    @cached_property
     def num_groups(self) -> int:
         return int(self.group.max()) + 1 if len(self.group) else 0
 
@@ -113,6 +118,8 @@ class Verdict:
 def analyze(snap: Snapshot, layout: Layout, config: AnalysisConfig = AnalysisConfig()) -> Verdict:
     if len(snap.answered) != len(layout.replica) or len(snap.summary) != len(layout.replica):
         raise ValueError(f"snapshot has {len(snap.summary)} ranks, layout {len(layout.replica)}")
+    if not len(layout.replica):
+        return Verdict(NO_HANG, "no ranks to analyze")
     hang = _ftar_hang(snap, layout, config)
     if hang is not None:
         return hang

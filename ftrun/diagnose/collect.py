@@ -245,7 +245,10 @@ class Collector(_Service):
     def run_every(self, interval_s: float, stop) -> None:
         """Diagnose every `interval_s` until the event `stop` is set (run it as a task); keeps `latest`."""
         while not stop.wait(timeout=interval_s):
-            self.latest = self.diagnose()
+            try:
+                self.latest = self.diagnose()
+            except Exception:  # a monitor outlives one bad round; the error is logged with its traceback
+                log.exception("diagnosis round failed")
 
     def _pull(self, addrs: set[str]) -> set[str]:
         """Pull every server at once; the keys of the ranks that answered (their state updated)."""

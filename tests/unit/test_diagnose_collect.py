@@ -74,3 +74,10 @@ def test_job_token_from_environment_or_private_file(tmp_path, monkeypatch):
     monkeypatch.delenv("FTRUN_TOKEN")
     with pytest.raises(SystemExit, match="no job token"):
         job_token(None)
+
+
+def test_nothing_registered_or_nobody_in_a_ring_is_no_hang():
+    snap, layout = assemble([], set(), now=1.0)
+    assert analyze(snap, layout).kind == "no_hang"
+    snap, layout = assemble([known(0, 0, qid=-1), known(1, 0, qid=-1)], {"r0/0", "r1/0"}, now=1.0)
+    assert list(layout.ring_pos) == [-1, -1] and analyze(snap, layout).kind == "no_hang"
