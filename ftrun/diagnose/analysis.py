@@ -10,7 +10,9 @@ or a pair (sender, receiver) when a chunk was sent but never received (the two c
 Without a hang, the lag of each rank's all-reduce entry behind its ring across recent steps names a
 slow rank or host, and the send busy time per byte of each ring link a slow link.
 
-All work is vectorized over ranks (numpy), so 98,304 ranks take well under a second.
+The collective graph's edges (a replica's tree collective waits on an FTAR ring; a quorum ask waits on a
+replica's tree collective) come with every hang verdict, for display. All work is vectorized over ranks
+(numpy), so 98,304 ranks take well under a second.
 """
 
 from __future__ import annotations
@@ -120,12 +122,9 @@ def analyze(snap: Snapshot, layout: Layout, config: AnalysisConfig = AnalysisCon
         raise ValueError(f"snapshot has {len(snap.summary)} ranks, layout {len(layout.replica)}")
     if not len(layout.replica):
         return Verdict(NO_HANG, "no ranks to analyze")
-    hang = _ftar_hang(snap, layout, config)
+    hang = _ftar_hang(snap, layout, config) or _tree_hang(snap, layout, config)
     if hang is not None:
-        return hang
-    hang = _tree_hang(snap, layout, config)
-    if hang is not None:
-        return hang
+        return dataclasses.replace(hang, edges=hang.edges + tuple(tree.quorum_edges(snap, layout, config)))
     return slow.find(snap, layout, config) or Verdict(NO_HANG, "no hang: every all-reduce is moving or done")
 
 

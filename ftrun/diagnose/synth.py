@@ -215,6 +215,9 @@ def _inject(kind, shape, s, hist, answered, lay, j, m0, now, rng) -> Truth:
         return Truth(SLOW_HOST, tuple(int(r) for r in ranks), (host,), lag_s=(factor - 1) * shape.compute_s)
     if kind in ("hang_in_vote", "stuck_in_vote"):
         _vote_hang(s, shape, lay, j, now, answering=kind == "stuck_in_vote")
+        others = (lay.group == 0) & (lay.replica != lay.replica[j])  # the other replicas committed and ask
+        s["t_ev"][others], s["q_ev"][others], s["q_t"][others] = Ev.DONE, Ev.ENTER, now - shape.hang_age_s + 0.5
+        s["q_step"][others] = s["f_step"][others] + 1
         answered[j] = kind == "stuck_in_vote"
         return Truth(HANG, (j,), (host,))
     factor = rng.uniform(3.5, 10)

@@ -84,3 +84,24 @@ def _no_progress(s: np.ndarray, layout: "Layout", members: np.ndarray) -> dict[i
     kids_sent = np.bincount(parent[has_parent & sent], minlength=len(key))
     stuck = np.flatnonzero(entered & (kids_sent == kids))
     return {int(r): "joined its tree collective without progress: every child sent up, it did not" for r in stuck}
+
+
+def quorum_edges(snap: "Snapshot", layout: "Layout", cfg: "AnalysisConfig") -> list[tuple[str, str]]:
+    """Leaders waiting `stall_s` in a quorum ask wait on the replicas whose leader has not asked: on that
+    replica's blocked tree collective, or on the replica itself."""
+    s, ans = snap.summary, snap.answered
+    leader = layout.group == 0
+    asked = leader & ans & (s["q_ev"] == Ev.ENTER) & (snap.now - s["q_t"] >= cfg.stall_s)
+    if not asked.any():
+        return []
+    step = int(s["q_step"][asked].max())
+    name = f"quorum for step {step}"
+    trees, cur, _ = blocked_trees(snap, layout, cfg)
+    edges = []
+    for r in np.flatnonzero(leader & ~(asked & (s["q_step"] == step)))[:64]:
+        rep = int(layout.replica[r])
+        if rep in trees:
+            edges.append((name, f"tree collective {int(cur[rep])} of replica {rep}"))
+        else:
+            edges.append((name, f"replica {rep} ({'leader busy' if ans[r] else 'leader did not answer'})"))
+    return edges

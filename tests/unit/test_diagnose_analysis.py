@@ -59,6 +59,14 @@ def test_the_collective_graph_has_every_blocked_vote_waiting_on_the_ring(kind):
     assert {a for a, _ in v.edges} == {f"tree collective 217 of replica {r}" for r in range(SHAPE.num_replicas)}
 
 
+@pytest.mark.parametrize("kind", ["hang_in_vote", "stuck_in_vote"])
+def test_other_replicas_quorum_ask_waits_on_the_blocked_vote(kind):
+    snap, layout, truth = scenario(SHAPE, kind, 8)
+    v = analyze(snap, layout)
+    rep = int(layout.replica[truth.ranks[0]])
+    assert v.edges == (("quorum for step 109", f"tree collective 217 of replica {rep}"),), v.edges
+
+
 def test_a_pause_shorter_than_stall_s_is_no_hang():
     snap, layout, _ = scenario(SHAPE, "stuck_rank", 1)
     assert analyze(snap, layout, AnalysisConfig(stall_s=5.0)).kind == NO_HANG
