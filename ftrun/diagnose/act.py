@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ftrun.diagnose.analysis import CANDIDATES, HANG, NO_HANG, Verdict
+from ftrun.diagnose.model import CANDIDATES, HANG, NO_HANG, Verdict
 
 
 @dataclass(frozen=True, kw_only=True)

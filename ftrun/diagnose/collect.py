@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ftrun.diagnose.act import EvictionConfig, decide_eviction, same_culprits
-from ftrun.diagnose.analysis import AnalysisConfig, Layout, Snapshot, Verdict, analyze
+from ftrun.diagnose.analysis import analyze
+from ftrun.diagnose.model import AnalysisConfig, Layout, Snapshot, Verdict
 from ftrun.diagnose.summary import HIST, HIST_LEN, SUMMARY, empty_hist, empty_summary, summarize
 from ftrun.diagnose.telemetry import Recorder
 from ftrun.env.base import Connection, Env, NetError, PeerClosed

@@ -12,12 +12,10 @@ membership) instead of `ufunc.at` (ten times slower), and row medians sort the (
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
-if TYPE_CHECKING:
-    from ftrun.diagnose.analysis import AnalysisConfig, Layout, Snapshot, Verdict
+from ftrun.diagnose.model import (SLOW_HOST, SLOW_LINK, SLOW_RANK, AnalysisConfig, Layout, Snapshot,
+                                  Verdict)
 
 
 def row_median(a: np.ndarray, valid: np.ndarray) -> np.ndarray:
@@ -30,7 +28,7 @@ def row_median(a: np.ndarray, valid: np.ndarray) -> np.ndarray:
         return np.where(n > 0, (lo + hi) / 2, np.nan)
 
 
-def find(snap: "Snapshot", layout: "Layout", cfg: "AnalysisConfig") -> "Verdict | None":
+def find(snap: Snapshot, layout: Layout, cfg: AnalysisConfig) -> Verdict | None:
     h = snap.hist
     if h.ndim != 2 or h.shape[0] != len(layout.replica) or h.shape[1] == 0 or not layout.ring_table.size:
         return None
@@ -43,7 +41,7 @@ def find(snap: "Snapshot", layout: "Layout", cfg: "AnalysisConfig") -> "Verdict 
     return _slow_link(snap, layout, cfg, ok & enough[:, None], period)
 
 
-def usual_lag_covers(r: int, snap: "Snapshot", layout: "Layout", cfg: "AnalysisConfig") -> bool:
+def usual_lag_covers(r: int, snap: Snapshot, layout: Layout, cfg: AnalysisConfig) -> bool:
     """Whether rank r's ring has been waiting no longer than r's usual lag behind it (median over the
     recent all-reduces, times 1.5, plus stall_s): an alive rank that is always this late is slow, not hung."""
     table, h, s = layout.ring_table, snap.hist, snap.summary
@@ -84,8 +82,7 @@ def _lags(snap, layout) -> tuple[np.ndarray, np.ndarray, float]:
     return ok, lag, period
 
 
-def _slow_verdict(slow_ranks: np.ndarray, lag_med: np.ndarray, period: float, layout: "Layout") -> "Verdict":
-    from ftrun.diagnose.analysis import SLOW_HOST, SLOW_RANK, Verdict
+def _slow_verdict(slow_ranks: np.ndarray, lag_med: np.ndarray, period: float, layout: Layout) -> Verdict:
     hosts = layout.host[slow_ranks]
     uh, counts = np.unique(hosts, return_counts=True)
     per_host = np.bincount(layout.host[layout.ring_pos >= 0], minlength=int(uh.max()) + 1)[uh]
@@ -104,8 +101,7 @@ def _slow_verdict(slow_ranks: np.ndarray, lag_med: np.ndarray, period: float, la
     return Verdict(SLOW_RANK, reason, ranks, tuple(sorted({int(x) for x in hosts})), reps, lag_s=lag_ms / 1e3)
 
 
-def _slow_link(snap, layout, cfg, ok, period) -> "Verdict | None":
-    from ftrun.diagnose.analysis import SLOW_LINK, Verdict, _ring_table
+def _slow_link(snap, layout, cfg, ok, period) -> Verdict | None:
     sent, busy_all = np.ascontiguousarray(snap.hist["sent_bytes"]), np.ascontiguousarray(snap.hist["busy"])
     use = ok & (sent > 0)
     if not use.any():
@@ -121,7 +117,7 @@ def _slow_link(snap, layout, cfg, ok, period) -> "Verdict | None":
     if not bad.any():
         return None
     a = int(np.argmax(np.where(bad, rate, -np.inf)))
-    table = _ring_table(layout)
+    table = layout.ring_table
     b = int(table[layout.group[a], (layout.ring_pos[a] + 1) % table.shape[1]])
     factor = float(rate[a] / typical) if typical > 0 else float("inf")
     reason = (f"slow link {layout.rank_name(a)} -> {layout.rank_name(b)}: its sends take {factor:.1f}x the "

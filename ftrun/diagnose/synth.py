@@ -15,7 +15,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from ftrun.diagnose.analysis import CANDIDATES, HANG, NO_HANG, SLOW_HOST, SLOW_LINK, Layout, Snapshot
+from ftrun.diagnose.model import CANDIDATES, HANG, NO_HANG, SLOW_HOST, SLOW_LINK, Layout, Snapshot
 from ftrun.diagnose.summary import DONE, FAILED, HIST_LEN, RUNNING, empty_hist, empty_summary
 from ftrun.diagnose.telemetry import Ev
 

@@ -9,15 +9,11 @@ whose children have all sent up, but has not sent itself, joined without progres
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
+from ftrun.diagnose.model import AnalysisConfig, Layout, Snapshot
 from ftrun.diagnose.summary import RUNNING
 from ftrun.diagnose.telemetry import Ev
-
-if TYPE_CHECKING:
-    from ftrun.diagnose.analysis import AnalysisConfig, Layout, Snapshot
 
 FANOUT = 16  # ftrun.replica.tree_comm.TreeComm's default
 
@@ -28,7 +24,7 @@ def per_replica_max(values: np.ndarray, replica: np.ndarray, mask: np.ndarray) -
     return out
 
 
-def blocked_trees(snap: "Snapshot", layout: "Layout", cfg: "AnalysisConfig"):
+def blocked_trees(snap: Snapshot, layout: Layout, cfg: AnalysisConfig):
     """(replicas whose tree collective is blocked, their collective number, per-rank 'in it' mask)."""
     s, ans = snap.summary, snap.answered
     cid = s["t_cid"].astype(np.int64)
@@ -68,7 +64,7 @@ def edges_and_culprits(snap, layout, cfg, ring_blocked: np.ndarray):
     return edges, culprits
 
 
-def _no_progress(s: np.ndarray, layout: "Layout", members: np.ndarray) -> dict[int, str]:
+def _no_progress(s: np.ndarray, layout: Layout, members: np.ndarray) -> dict[int, str]:
     """Ranks in ENTER whose children (in the tree by group rank) have all sent up."""
     entered = members & (s["t_ev"] == Ev.ENTER)
     sent = members & np.isin(s["t_ev"], (Ev.SEND, Ev.RECV, Ev.DONE))
@@ -86,7 +82,7 @@ def _no_progress(s: np.ndarray, layout: "Layout", members: np.ndarray) -> dict[i
     return {int(r): "joined its tree collective without progress: every child sent up, it did not" for r in stuck}
 
 
-def quorum_edges(snap: "Snapshot", layout: "Layout", cfg: "AnalysisConfig") -> list[tuple[str, str]]:
+def quorum_edges(snap: Snapshot, layout: Layout, cfg: AnalysisConfig) -> list[tuple[str, str]]:
     """Leaders waiting `stall_s` in a quorum ask wait on the replicas whose leader has not asked: on that
     replica's blocked tree collective, or on the replica itself."""
     s, ans = snap.summary, snap.answered
