@@ -56,8 +56,9 @@ DEFAULT_CAPACITY = MAX_BYTES // RECORD.itemsize
 
 class Recorder:
     """One rank's telemetry. Threading: records may come from a rank's tasks concurrently (the FTAR
-    send task and its main task); under the GIL each `pack_into` is atomic and a slot index is taken
-    before packing, so a race can at worst reorder two records' slots, never tear one."""
+    send task and its main task) without a lock: under the GIL each `pack_into` is atomic, so a record
+    is never torn; two tasks switched between taking and advancing the slot index (rare: a switch
+    between two bytecodes) write one slot, and one of the two records is lost."""
 
     def __init__(self, clock: Clock, capacity: int = DEFAULT_CAPACITY) -> None:
         if not 16 <= capacity <= DEFAULT_CAPACITY:
