@@ -3,8 +3,8 @@
 A `Recorder` belongs to one rank (the emulator hosts many ranks per process, so nothing here is global).
 The runtime calls it from one-line hooks: the FTAR engine and its ring run (one record per chunk
 received, per chunk step completed and per chunk sent, plus enter/done/fail per all-reduce), the
-replica tree (enter, sent up, received down, done), the lighthouse client (asked, answered) and the
-catch-up fetch (start, done). Each record is packed with one `struct.pack_into` into a preallocated
+replica tree (entered, sent up, done) and the lighthouse client (asked, answered); `catchup_start` and
+`catchup_end` wait for the catch-up fetch's caller to pass the recorder (not hooked yet). Each record is packed with one `struct.pack_into` into a preallocated
 bytearray that numpy views as the structured array `RECORD`; the oldest records are overwritten.
 
 Record fields: `t` (env.clock), the collective id (`qid`: ring epoch or quorum id; `cid`: all-reduce
@@ -15,7 +15,7 @@ tree rank of the other side, -1 if none), `nbytes`, `aux` (see `Ev`), `part` (FT
 
 `summarize(records, now)` is the pure reduction shipped to the collector: one `SUMMARY` row (the
 rank's current collectives) and `HIST_LEN` `HIST` rows (per completed all-reduce: enter and done time,
-send busy time, reduce time), so the analysis at 98,304 ranks reads kilobytes, not the whole buffers.
+send busy time and bytes), so the analysis at 98,304 ranks reads kilobytes, not the whole buffers.
 """
 
 from __future__ import annotations
