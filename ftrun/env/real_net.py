@@ -17,11 +17,14 @@ import socket
 import threading
 import time
 import weakref
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from ftrun.env.admission import Admission, ListenLimits
 from ftrun.env.base import ConnectError, EnvTimeout, Message, NetTimeout, PeerClosed, ProtocolError
 from ftrun.env import wire
+
+if TYPE_CHECKING:
+    from ftrun.env.real_pump import RealPump
 
 _SOCK_BUF = 4 * 1024 * 1024
 # One recv() copies at most this much: a huge read holds the socket lock while it copies and stalls the
@@ -108,6 +111,13 @@ class RealConnection:
                     if not self._wait(self._wpoll, deadline):
                         self.close()  # part of a frame may be on the wire: the stream is unusable
                         raise NetTimeout(f"send to {self.peer_addr} timed out after {timeout}s")
+
+    def duplex(self, inc: "RealConnection") -> "RealPump":
+        """A pump that sends bulk frames on this connection while it receives them from `inc` (both
+        directions of a ring link from one thread; see ftrun.env.real_pump)."""
+        from ftrun.env.real_pump import RealPump
+
+        return RealPump(self, inc)
 
     # -- receiving -----------------------------------------------------------------------------
     def recv(self, timeout: float | None) -> Message:
