@@ -269,7 +269,7 @@ class RealListener:
             self._sock.settimeout(remaining)
             try:
                 sock, _ = self._sock.accept()
-            except socket.timeout:
+            except (socket.timeout, BlockingIOError):  # BlockingIOError: no time was left (timeout 0)
                 raise EnvTimeout(f"accept timed out after {timeout}s") from None
             except OSError as e:
                 raise PeerClosed(f"listener {self.addr} closed: {e}") from None

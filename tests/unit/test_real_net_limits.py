@@ -226,3 +226,14 @@ def test_large_messages_from_a_greeted_peer_still_arrive_whole():
         conn.close()
     finally:
         server.close()
+
+
+def test_accept_with_no_time_left_is_a_timeout():
+    from ftrun.env.base import EnvTimeout
+
+    listener = RealListener("127.0.0.1:0")
+    try:
+        with pytest.raises(EnvTimeout):
+            listener.accept(timeout=0.0)
+    finally:
+        listener.close()
