@@ -95,22 +95,28 @@ class RealConnection:
         self._send_all((memoryview(wire.bulk_header(view.nbytes)), view), timeout)
 
     def _send_all(self, parts: tuple[memoryview, ...], timeout: float | None) -> None:
+        """Header and payload go in one sendmsg: with TCP_NODELAY a separate 9-byte header would be a
+        packet (and a wake-up of the receiver) of its own."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        left = [p for p in parts if p.nbytes]
         with self._send_lock:
-            for part in parts:
-                sent = 0
-                while sent < part.nbytes:
-                    self._check_open()
-                    try:
-                        sent += self._sock.send(part[sent:])
-                        continue
-                    except BlockingIOError:
-                        pass
-                    except OSError as e:
-                        self._lost("sending", e)
+            while left:
+                self._check_open()
+                try:
+                    sent = self._sock.sendmsg(left)
+                except BlockingIOError:
                     if not self._wait(self._wpoll, deadline):
                         self.close()  # part of a frame may be on the wire: the stream is unusable
-                        raise NetTimeout(f"send to {self.peer_addr} timed out after {timeout}s")
+                        raise NetTimeout(f"send to {self.peer_addr} timed out after {timeout}s") from None
+                    continue
+                except OSError as e:
+                    self._lost("sending", e)
+                while sent:
+                    take = min(sent, left[0].nbytes)
+                    left[0] = left[0][take:]
+                    sent -= take
+                    if not left[0].nbytes:
+                        left.pop(0)
 
     def duplex(self, inc: "RealConnection") -> "RealPump":
         """A pump that sends bulk frames on this connection while it receives them from `inc` (both
