@@ -137,6 +137,9 @@ class Connection(Protocol):
 
 
 class Listener(Protocol):
+    """Accepted connections may be bounded: an implementation may close, at accept, connections beyond
+    its caps (the real one: ftrun.env.admission.ListenLimits); accept() then keeps waiting."""
+
     addr: str
 
     def accept(self, timeout: float | None = None) -> Connection:

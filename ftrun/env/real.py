@@ -13,6 +13,7 @@ import time
 from typing import Any, Callable, TypeVar
 
 from ftrun.env.base import EnvTimeout, TaskKilled
+from ftrun.env.admission import ListenLimits
 from ftrun.env.real_net import RealNetwork
 
 T = TypeVar("T")
@@ -99,9 +100,10 @@ class RealLock:
 class RealEnv:
     """Env backed by the operating system. Cheap to create; holds no resources itself."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, net_limits: ListenLimits = ListenLimits()) -> None:
+        """net_limits: caps on every listener's connections (ftrun.env.admission)."""
         self.clock = RealClock()
-        self.net = RealNetwork()
+        self.net = RealNetwork(net_limits)
 
     def spawn(self, fn: Callable[..., Any], *args: Any, name: str) -> RealTask:
         return RealTask(fn, args, name)

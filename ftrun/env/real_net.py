@@ -3,6 +3,10 @@
 Addresses are "host:port" (port 0 picks a free port) or "unix:/path". Receives honour a deadline per
 frame; a peer that dies surfaces as PeerClosed as soon as the kernel sees the connection drop (FIN or
 RST), with no waiting for a timeout.
+
+Bounded memory: a control message's buffer grows with the bytes that arrived (wire.next_alloc), never
+to the size a header claims; listeners cap live and pending connections and the size of a pending
+connection's first frame (admission.ListenLimits, set per RealNetwork).
 """
 
 from __future__ import annotations
@@ -12,9 +16,15 @@ import select
 import socket
 import threading
 import time
+import weakref
+from typing import TYPE_CHECKING, Callable
 
-from ftrun.env.base import ConnectError, EnvTimeout, Message, NetTimeout, PeerClosed
+from ftrun.env.admission import Admission, ListenLimits
+from ftrun.env.base import ConnectError, EnvTimeout, Message, NetTimeout, PeerClosed, ProtocolError
 from ftrun.env import wire
+
+if TYPE_CHECKING:
+    from ftrun.env.real_pump import RealPump
 
 _SOCK_BUF = 4 * 1024 * 1024
 # One recv() copies at most this much: a huge read holds the socket lock while it copies and stalls the
@@ -54,10 +64,15 @@ class RealConnection:
     connection also polls an eventfd that close() signals.
     """
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, *, hello_limit: int | None = None,
+                 on_event: Callable[["RealConnection", str], None] | None = None) -> None:
+        """hello_limit: the largest first control message accepted (None: wire.MAX_MSG_BYTES); set for
+        connections a listener accepted. on_event(conn, "greeted" | "closed"): the listener's bookkeeping."""
         _tune(sock)
         sock.setblocking(False)
         self._sock = sock
+        self._hello_limit, self._on_event = hello_limit, on_event
+        self._rx: bytearray | None = None  # a control message being received
         self._send_lock = threading.Lock()
         self._header = bytearray(wire.HEADER_SIZE)
         self._closed = False
@@ -80,31 +95,69 @@ class RealConnection:
         self._send_all((memoryview(wire.bulk_header(view.nbytes)), view), timeout)
 
     def _send_all(self, parts: tuple[memoryview, ...], timeout: float | None) -> None:
+        """Header and payload go in one sendmsg: with TCP_NODELAY a separate 9-byte header would be a
+        packet (and a wake-up of the receiver) of its own."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        left = [p for p in parts if p.nbytes]
         with self._send_lock:
-            for part in parts:
-                sent = 0
-                while sent < part.nbytes:
-                    self._check_open()
-                    try:
-                        sent += self._sock.send(part[sent:])
-                        continue
-                    except BlockingIOError:
-                        pass
-                    except OSError as e:
-                        self._lost("sending", e)
+            while left:
+                self._check_open()
+                try:
+                    sent = self._sock.sendmsg(left)
+                except BlockingIOError:
                     if not self._wait(self._wpoll, deadline):
                         self.close()  # part of a frame may be on the wire: the stream is unusable
-                        raise NetTimeout(f"send to {self.peer_addr} timed out after {timeout}s")
+                        raise NetTimeout(f"send to {self.peer_addr} timed out after {timeout}s") from None
+                    continue
+                except OSError as e:
+                    self._lost("sending", e)
+                while sent:
+                    take = min(sent, left[0].nbytes)
+                    left[0] = left[0][take:]
+                    sent -= take
+                    if not left[0].nbytes:
+                        left.pop(0)
+
+    def duplex(self, inc: "RealConnection") -> "RealPump":
+        """A pump that sends bulk frames on this connection while it receives them from `inc` (both
+        directions of a ring link from one thread; see ftrun.env.real_pump)."""
+        from ftrun.env.real_pump import RealPump
+
+        return RealPump(self, inc)
 
     # -- receiving -----------------------------------------------------------------------------
     def recv(self, timeout: float | None) -> Message:
         deadline = None if timeout is None else time.monotonic() + timeout
         kind, length = self._read_header(deadline, timeout)
         wire.expect_kind(kind, wire.KIND_MSG, length)
-        payload = bytearray(length)
-        self._read_exact(memoryview(payload), deadline, timeout, started=True)
+        if self._hello_limit is not None and length > self._hello_limit:
+            self.close()
+            raise ProtocolError(f"first message from {self.peer_addr} announces {length} bytes, more than the "
+                                f"{self._hello_limit} allowed before the handshake; connection closed")
+        payload = bytearray(min(length, wire.ALLOC_STEP))
+        self._rx = payload
+        try:
+            self._read_exact(memoryview(payload), deadline, timeout, started=True)
+            while len(payload) < length:  # grow only once what was allocated has arrived
+                received = len(payload)
+                payload.extend(bytes(wire.next_alloc(received, length)))
+                self._read_exact(memoryview(payload)[received:], deadline, timeout, started=True)
+        finally:
+            self._rx = None
+        self._greeted()
         return wire.decode_msg(payload)
+
+    @property
+    def receive_buffer_bytes(self) -> int:
+        """Bytes allocated for a control message now being received (0 between messages)."""
+        rx = self._rx
+        return len(rx) if rx is not None else 0
+
+    def _greeted(self) -> None:
+        if self._hello_limit is not None:
+            self._hello_limit = None
+            if self._on_event is not None:
+                self._on_event(self, "greeted")
 
     def recv_into(self, buf: memoryview, timeout: float | None) -> None:
         view = memoryview(buf).cast("B")
@@ -116,6 +169,7 @@ class RealConnection:
             self.close()  # the unread payload makes the stream unusable
             raise
         self._read_exact(view, deadline, timeout, started=True)
+        self._greeted()
 
     def _read_header(self, deadline: float | None, timeout: float | None) -> tuple[int, int]:
         self._read_exact(memoryview(self._header), deadline, timeout, started=False)
@@ -168,6 +222,8 @@ class RealConnection:
         if self._closed:
             return
         self._closed = True
+        if self._on_event is not None:
+            self._on_event(self, "closed")
         os.eventfd_write(self._wake, 1)  # wakes a task polling this connection
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
@@ -176,6 +232,9 @@ class RealConnection:
         self._sock.close()
 
     def __del__(self) -> None:
+        on_event = getattr(self, "_on_event", None)
+        if on_event is not None and not getattr(self, "_closed", True):
+            on_event(self, "closed")  # dropped without close(): the listener must not count it
         # The eventfd outlives close(): a task may still be waking up on it. It goes with the object.
         wake = getattr(self, "_wake", None)
         if wake is not None:
@@ -188,7 +247,10 @@ class RealConnection:
 
 
 class RealListener:
-    def __init__(self, addr: str) -> None:
+    """Accepts connections under `limits` (see ftrun.env.admission): accept() closes the connections the
+    caps refuse or evict and keeps waiting, within its timeout, for one it may return."""
+
+    def __init__(self, addr: str, limits: ListenLimits = ListenLimits()) -> None:
         family, sockaddr = _parse(addr)
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         if family == socket.AF_INET:
@@ -199,19 +261,69 @@ class RealListener:
         self._sock.listen(1024)
         self._closed = False
         self.addr = _format(family, self._sock.getsockname())
+        self.limits = limits
+        self._admission = Admission(limits)
+        self._lock = threading.RLock()  # RLock: a connection's __del__ may report from inside a locked call
+        self._conns: weakref.WeakValueDictionary[int, RealConnection] = weakref.WeakValueDictionary()
 
     def accept(self, timeout: float | None = None) -> RealConnection:
-        if self._closed:
-            raise PeerClosed("listener is closed")
-        self._sock.settimeout(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self._closed:
+                raise PeerClosed("listener is closed")
+            remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            self._sock.settimeout(remaining)
+            try:
+                sock, _ = self._sock.accept()
+            except (socket.timeout, BlockingIOError):  # BlockingIOError: no time was left (timeout 0)
+                raise EnvTimeout(f"accept timed out after {timeout}s") from None
+            except OSError as e:
+                raise PeerClosed(f"listener {self.addr} closed: {e}") from None
+            sock.settimeout(None)
+            conn = self._admit(sock)
+            if conn is not None:
+                return conn
+
+    def _admit(self, sock: socket.socket) -> RealConnection | None:
         try:
-            sock, _ = self._sock.accept()
-        except socket.timeout:
-            raise EnvTimeout(f"accept timed out after {timeout}s") from None
-        except OSError as e:
-            raise PeerClosed(f"listener {self.addr} closed: {e}") from None
-        sock.settimeout(None)
-        return RealConnection(sock)
+            conn = RealConnection(sock, hello_limit=self.limits.max_hello_bytes, on_event=self._on_event)
+        except OSError:
+            sock.close()  # the peer reset it before we got to it
+            return None
+        with self._lock:
+            decision = self._admission.accepted(id(conn))
+            evicted = [self._conns.get(cid) for cid in decision.evict]
+            if decision.keep:
+                self._conns[id(conn)] = conn
+        for old in evicted:
+            if old is not None:
+                old.close()
+        if not decision.keep:
+            conn._on_event = None
+            conn.close()
+            return None
+        return conn
+
+    def _on_event(self, conn: RealConnection, event: str) -> None:
+        with self._lock:
+            if self._conns.get(id(conn)) is not conn and event == "greeted":
+                return  # evicted or refused meanwhile
+            if event == "greeted":
+                self._admission.greeted(id(conn))
+            else:
+                self._admission.closed(id(conn))
+                self._conns.pop(id(conn), None)
+
+    def stats(self) -> dict[str, int]:
+        """Accepted connections now live and pending, how many were refused and evicted, and the bytes
+        their receive buffers hold for control messages in progress."""
+        with self._lock:
+            conns = list(self._conns.values())
+            adm = self._admission
+            out = {"live": adm.num_live, "pending": adm.num_pending, "refused": adm.num_refused,
+                   "evicted": adm.num_evicted}
+        out["buffered_bytes"] = sum(c.receive_buffer_bytes for c in conns)
+        return out
 
     def close(self) -> None:
         if self._closed:
@@ -225,8 +337,13 @@ class RealListener:
 
 
 class RealNetwork:
+    """`limits` apply to every listener this network makes."""
+
+    def __init__(self, limits: ListenLimits = ListenLimits()) -> None:
+        self.limits = limits
+
     def listen(self, addr: str) -> RealListener:
-        return RealListener(addr)
+        return RealListener(addr, self.limits)
 
     def connect(self, addr: str, timeout: float) -> RealConnection:
         family, sockaddr = _parse(addr)

@@ -19,6 +19,9 @@ HEADER_SIZE = HEADER.size
 KIND_MSG = 1
 KIND_BULK = 2
 MAX_MSG_BYTES = 16 * 1024 * 1024
+# A control message's receive buffer starts at this size and at most doubles once the bytes already
+# allocated have arrived, so memory follows what a peer actually sent, not what its header claims.
+ALLOC_STEP = 64 * 1024
 
 
 def encode_msg(msg: Message) -> bytes:
@@ -43,6 +46,13 @@ def parse_header(header: bytes | memoryview) -> tuple[int, int]:
     if kind == KIND_MSG and length > MAX_MSG_BYTES:
         raise ProtocolError(f"control message of {length} bytes exceeds {MAX_MSG_BYTES}")
     return kind, length
+
+
+def next_alloc(received: int, length: int) -> int:
+    """Bytes to add to a receive buffer that holds `received` of a `length`-byte message (0: done)."""
+    if not 0 <= received <= length:
+        raise ValueError(f"received {received} of a {length}-byte message")
+    return min(length - received, max(received, ALLOC_STEP))
 
 
 def decode_msg(payload: bytes | bytearray | memoryview) -> Message:

@@ -35,6 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunks", type=int, default=4, help="FTAR chunks in flight C")
     p.add_argument("--transport", choices=["auto", "socket"], default="auto",
                    help="auto: shared staging between same-host neighbours; socket: bulk frames over TCP only")
+    p.add_argument("--socket-io", choices=["threads", "pump"], default="threads",
+                   help="socket links: a sender thread per link, or one task pumping both directions")
     p.add_argument("--json", action="store_true")
 
 
@@ -47,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
     for r in rows:
         print(f"{r['procs']:5d} {r['size_mb']:6.0f}MB {r['ftar_gbps']:10.2f} {r['gloo_gbps']:10.2f} {r['ratio']:6.2f}")
     if args.json:
-        emit_json({"results": rows, "min_ratio": min(r["ratio"] for r in rows), "transport": args.transport})
+        emit_json({"results": rows, "min_ratio": min(r["ratio"] for r in rows), "transport": args.transport,
+                   "socket_io": args.socket_io})
     return 0
 
 
@@ -55,7 +58,7 @@ def _run_group(procs: int, sizes: list[int], args: argparse.Namespace) -> list[d
     store = dist.TCPStore("127.0.0.1", 0, procs + 1, True, timeout=datetime.timedelta(seconds=120),
                           wait_for_workers=False)
     cmd = [sys.executable, "-m", "ftrun.ftar.bench_worker", str(store.port), str(procs), ",".join(map(str, sizes)),
-           str(args.iters), str(args.chunk_kb << 10), str(args.chunks), args.transport]
+           str(args.iters), str(args.chunk_kb << 10), str(args.chunks), args.transport, args.socket_io]
     workers = [subprocess.Popen(cmd + [str(r)], stdout=subprocess.PIPE, text=True, env=os.environ.copy())
                for r in range(procs)]
     try:

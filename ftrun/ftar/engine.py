@@ -33,6 +33,9 @@ class FtarConfig:
     num_chunks: int = 4  # C: chunks in flight per peer
     timeout_s: float = 10.0  # any single wait inside an all-reduce
     transport: str = "auto"  # "auto": shared slots with same-host neighbours; "socket": bulk frames only
+    # Socket links: "threads" sends from a helper task while this one receives; "pump" drives both
+    # directions from one task when the Env's connections offer it (ftrun.env.real_pump), else threads.
+    socket_io: str = "threads"
 
     def __post_init__(self) -> None:
         if self.chunk_bytes < 16 or self.chunk_bytes % 16:
@@ -43,6 +46,8 @@ class FtarConfig:
             raise ValueError(f"FtarConfig.timeout_s must be > 0, got {self.timeout_s}")
         if self.transport not in ("auto", "socket"):
             raise ValueError(f"FtarConfig.transport must be 'auto' or 'socket', got {self.transport!r}")
+        if self.socket_io not in ("threads", "pump"):
+            raise ValueError(f"FtarConfig.socket_io must be 'threads' or 'pump', got {self.socket_io!r}")
 
     @property
     def staging_bytes(self) -> int:
@@ -164,6 +169,7 @@ class FtarEngine:
         staging = self._own_slots.array if self._own_slots is not None else self._local_staging(sched, data)
         run = RingRun(env=self.env, kernels=self.kernels, links=links, sched=sched, data=data,
                       dtype=dt, staging=staging, out_shared=self._own_slots is not None, timeout=self.config.timeout_s,
+                      pump=self.config.socket_io == "pump",
                       prev_slots=self._prev_slots.array if self._prev_slots is not None else None)
         run.telemetry = self.telemetry
         try:

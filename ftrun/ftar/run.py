@@ -6,9 +6,11 @@ Each link has a transport chosen when the ring was built:
 - shared (same host): the sender's staging slots are mapped by the receiver; a Send is a small control
   message naming slot and seq, the receiver reads the bytes in place and acknowledges the slot.
 
-This task receives and computes in schedule order; a sender task drains the queue of outgoing frames so
-the rank receives while it sends; in shared mode an ack task frees slots as the next rank acknowledges
-them. A staging slot is rewritten only once its previous send is complete (socket) or acknowledged
+This task receives and computes in schedule order. With `pump` (FtarConfig.socket_io = "pump"), when both
+links are sockets and the connections offer `duplex` (ftrun.env.real_pump), this one task also pushes the queued
+frames while it waits for the next one to arrive: no thread hand-offs per chunk. Otherwise a sender task
+drains the queue of outgoing frames so the rank receives while it sends; in shared mode an ack task frees
+slots as the next rank acknowledges them. A staging slot is rewritten only once its previous send is complete (socket) or acknowledged
 (shared), which also caps the bytes in flight per peer at 2 x C x S.
 
 Buffers are numpy uint8 arrays, or, with shape-only kernels (emulation), stand-ins whose slices are what
@@ -32,7 +34,8 @@ class RingRun:
     telemetry = None  # the rank's ftrun.diagnose.telemetry.Recorder (set by the engine), or None
 
     def __init__(self, *, env, kernels: Kernels, links: RingLinks, sched: Schedule, data: np.ndarray, dtype: DType,
-                 staging: np.ndarray, prev_slots: np.ndarray | None, out_shared: bool, timeout: float) -> None:
+                 staging: np.ndarray, prev_slots: np.ndarray | None, out_shared: bool, timeout: float,
+                 pump: bool = False) -> None:
         self.env, self.k, self.links, self.sched, self.data, self.dt = env, kernels, links, sched, data, dtype
         self.staging, self.prev_slots, self.out_shared, self.timeout = staging, prev_slots, out_shared, timeout
         self.slot_free = [env.event() for _ in range(sched.num_slots)]
@@ -40,16 +43,22 @@ class RingRun:
             ev.set()
         self.sends = env.queue()
         self.error: BaseException | None = None
+        duplex = getattr(links.next, "duplex", None) if pump else None
+        both_sockets = prev_slots is None and not out_shared and isinstance(data, np.ndarray)
+        self.pump = duplex(links.prev) if duplex is not None and both_sockets else None
+        self.slot_ticket = [0] * sched.num_slots  # pump mode: a slot is free once its send's ticket went
 
     # -- driver --------------------------------------------------------------------------------
     def go(self) -> None:
-        helpers = [self.env.spawn(self._send_loop, name="ftar-send")]
+        helpers = [] if self.pump is not None else [self.env.spawn(self._send_loop, name="ftar-send")]
         if self.out_shared:
             helpers.append(self.env.spawn(self._ack_loop, self.sched.num_sends, name="ftar-acks"))
         try:
             for step in self.sched.steps:
                 self._run_step(step.ops)
                 if self.telemetry: self.telemetry.ftar_step(step.partition, step.hop, step.ops[0].nbytes)
+            if self.pump is not None:
+                self.pump.flush(self.timeout)
         except (NetError, EnvTimeout) as e:
             self._fail(e)
         except (KernelError, ValueError) as e:
@@ -101,18 +110,21 @@ class RingRun:
         if isinstance(local, CopyFromSlot):  # socket, all-gather: receive straight into place
             self._wait_slot(recv.slot)
             target = self._region(local.offset, local.nbytes)
-            self.links.prev.recv_into(target, timeout=self.timeout)
+            self._recv_into(target)
             if self.telemetry: self.telemetry.ftar_recv(recv.nbytes)
             return target
         self._wait_slot(recv.slot)
-        self.links.prev.recv_into(self.staging[slot_off:slot_off + recv.nbytes], timeout=self.timeout)
+        self._recv_into(self.staging[slot_off:slot_off + recv.nbytes])
         if self.telemetry: self.telemetry.ftar_recv(recv.nbytes)
         if isinstance(local, Reduce):
             self._charge(self.k.reduce(self.staging, slot_off, self.data, local.offset, local.nbytes, self.dt))
-        else:
-            self._charge(self.k.reduce_copy(self.staging, slot_off, self.data, local.offset, self.data, local.offset,
-                                            local.nbytes, self.dt))
-        return self.staging[slot_off:slot_off + recv.nbytes]
+            return self.staging[slot_off:slot_off + recv.nbytes]
+        # ReduceCopy over a socket: data += slot puts the final sum in data in one pass (read 2, write 1,
+        # against read 2, write 2 for slot += data; data <- slot), and the send goes from data, as the
+        # all-gather's sends do. Same sums bitwise (a + b == b + a). Nothing writes this region again in
+        # this all-reduce: the all-gather receives the other segments.
+        self._charge(self.k.reduce(self.data, local.offset, self.staging, slot_off, local.nbytes, self.dt))
+        return self._region(local.offset, local.nbytes)
 
     def _compute_from(self, src: np.ndarray, src_off: int, recv, local):
         """The local op with its input in another rank's shared slot; result in our slot (or data)."""
@@ -137,9 +149,17 @@ class RingRun:
                 self._charge(self.k.copy(self.staging, slot_off, out, 0, send.nbytes))
             self.slot_free[send.slot].clear()
             self.sends.put((send.slot, {"s": send.seq, "slot": send.slot}))
+        elif self.pump is not None:
+            self.slot_ticket[send.slot] = self.pump.send(out)
         else:
             self.slot_free[send.slot].clear()
             self.sends.put((send.slot, out))
+
+    def _recv_into(self, target) -> None:
+        if self.pump is not None:
+            self.pump.recv_into(target, self.timeout)
+        else:
+            self.links.prev.recv_into(target, timeout=self.timeout)
 
     def _charge(self, seconds: float) -> None:
         """Wait out the device time a kernel models (shape-only kernels; real ones return 0.0)."""
@@ -150,6 +170,9 @@ class RingRun:
         return self.data[offset:offset + nbytes]
 
     def _wait_slot(self, slot: int) -> None:
+        if self.pump is not None:
+            self.pump.wait_sent(self.slot_ticket[slot], self.timeout)
+            return
         if not self.slot_free[slot].wait(timeout=self.timeout):
             raise EnvTimeout(f"slot {slot} was not released within {self.timeout}s")
         if self.error is not None:

@@ -18,6 +18,11 @@ import numpy as np
 from ftrun.env.real import RealEnv
 from ftrun.ftar.cpu_kernels import CpuKernels
 from ftrun.ftar.engine import FtarConfig, FtarEngine
+
+
+def io_config(transport: str) -> dict:
+    """FTAR_TRANSPORT: auto, socket, or socket+pump (socket links driven by one task)."""
+    return {"transport": "socket", "socket_io": "pump"} if transport == "socket+pump" else {"transport": transport}
 from ftrun.ftar.ring import FtarError
 
 
@@ -43,7 +48,7 @@ def main():
     kernels = DyingKernels()
     engine = FtarEngine(env=RealEnv(), kernels=kernels, token="job",
                         config=FtarConfig(chunk_bytes=1 << 20, num_chunks=4, timeout_s=30.0,
-                                            transport=os.environ.get("FTAR_TRANSPORT", "auto")))
+                                            **io_config(os.environ.get("FTAR_TRANSPORT", "auto"))))
     out(addr=engine.addr)
     for line in sys.stdin:
         cmd = json.loads(line)

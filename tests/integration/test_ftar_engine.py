@@ -38,12 +38,19 @@ def build(env, engs, epoch=1):
     assert errors == [None] * len(engs)
 
 
-@pytest.mark.parametrize("transport", ["auto", "socket"])
+TRANSPORTS = ["auto", "socket", "socket+pump"]  # socket+pump: socket links driven by one task (real_pump)
+
+
+def io_config(transport: str) -> dict:
+    return {"transport": "socket", "socket_io": "pump"} if transport == "socket+pump" else {"transport": transport}
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("n,count,dtype", [(2, 1000, "float32"), (3, 12_345, "float16"), (4, 100_003, "bfloat16"),
                                            (5, 7, "float32"), (3, 0, "float32"), (1, 50, "float32")])
 def test_sum_is_correct_and_bitwise_identical(n, count, dtype, transport):
     env = RealEnv()
-    engs = engines(env, n, FtarConfig(chunk_bytes=4096, num_chunks=2, timeout_s=5.0, transport=transport))
+    engs = engines(env, n, FtarConfig(chunk_bytes=4096, num_chunks=2, timeout_s=5.0, **io_config(transport)))
     build(env, engs)
     if n > 1:
         expected = "shared" if transport == "auto" else "socket"
@@ -70,11 +77,11 @@ def test_sum_is_correct_and_bitwise_identical(n, count, dtype, transport):
         e.close()
 
 
-@pytest.mark.parametrize("transport", ["auto", "socket"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_abort_travels_the_ring_and_survivors_reconfigure(transport):
     env = RealEnv()
     before = threading.active_count(), len(os.listdir("/proc/self/fd"))
-    engs = engines(env, 4, FtarConfig(chunk_bytes=1 << 16, num_chunks=2, timeout_s=30.0, transport=transport))
+    engs = engines(env, 4, FtarConfig(chunk_bytes=1 << 16, num_chunks=2, timeout_s=30.0, **io_config(transport)))
     build(env, engs)
     bufs = [np.ones(4 << 20, np.float32) for _ in engs]
     results = {}
@@ -153,7 +160,7 @@ class Worker:
         return json.loads(line)
 
 
-@pytest.mark.parametrize("transport", ["auto", "socket"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_sigkilled_peer_mid_all_reduce(transport):
     workers = [Worker(transport) for _ in range(4)]
     try:

@@ -1,0 +1,120 @@
+"""The ring link pump (ftrun/env/real_pump.py): one thread sends queued bulk frames while it receives,
+interoperates with plain send_bytes / recv_into, and fails like a RealConnection does."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from ftrun.env import wire
+from ftrun.env.base import NetTimeout, PeerClosed, ProtocolError
+from ftrun.env.real_net import RealNetwork
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.fixture
+def ring2():
+    """Two ranks' links: a.next -> b.prev and b.next -> a.prev (two TCP connections)."""
+    net = RealNetwork()
+    la, lb = net.listen("127.0.0.1:0"), net.listen("127.0.0.1:0")
+    a_next, b_next = net.connect(lb.addr, 5.0), net.connect(la.addr, 5.0)
+    b_prev, a_prev = lb.accept(5.0), la.accept(5.0)
+    conns = [a_next, a_prev, b_next, b_prev]
+    yield a_next, a_prev, b_next, b_prev
+    for c in conns:
+        c.close()
+    la.close()
+    lb.close()
+
+
+def test_two_pumps_exchange_many_frames_larger_than_the_socket_buffers(ring2):
+    a_next, a_prev, b_next, b_prev = ring2
+    frames = [np.random.default_rng(i).integers(0, 256, 3_000_001 + i, dtype=np.uint8) for i in range(6)]
+    got = {"a": [], "b": []}
+
+    def rank(name, nxt, prev):
+        pump = nxt.duplex(prev)
+        tickets = [pump.send(f) for f in frames]  # ~18 MB queued: only progress on both sides drains it
+        assert pump.num_sent < len(frames)
+        for f in frames:
+            buf = np.empty_like(f)
+            pump.recv_into(buf, 10.0)
+            got[name].append(buf)
+        pump.flush(10.0)
+        assert pump.num_sent == tickets[-1] == len(frames)
+
+    t = threading.Thread(target=rank, args=("b", b_next, b_prev))
+    t.start()
+    rank("a", a_next, a_prev)
+    t.join(10.0)
+    for name in "ab":
+        assert len(got[name]) == len(frames)
+        for want, have in zip(frames, got[name]):
+            np.testing.assert_array_equal(have, want)
+
+
+def test_pump_frames_are_ordinary_bulk_frames(ring2):
+    a_next, a_prev, b_next, b_prev = ring2
+    pump = a_next.duplex(a_prev)
+    pump.send(b"hello pump")
+    pump.flush(5.0)
+    buf = bytearray(10)
+    b_prev.recv_into(memoryview(buf), timeout=5.0)
+    assert bytes(buf) == b"hello pump"
+    b_next.send_bytes(b"back")
+    out = bytearray(4)
+    pump.recv_into(out, 5.0)
+    assert bytes(out) == b"back"
+
+
+def test_wait_sent_returns_once_the_frame_is_in_the_kernel(ring2):
+    a_next, a_prev, _, b_prev = ring2
+    pump = a_next.duplex(a_prev)
+    ticket = pump.send(b"x" * 1000)
+    pump.wait_sent(ticket, 5.0)
+    assert pump.num_sent == 1
+    buf = bytearray(1000)
+    b_prev.recv_into(memoryview(buf), timeout=5.0)
+    assert bytes(buf) == b"x" * 1000
+
+
+def test_peer_closing_mid_frame_is_peer_closed(ring2):
+    a_next, a_prev, b_next, _ = ring2
+    b_next.send_bytes(b"y" * 10)  # a 10-byte frame; a expects 20
+    raw = b_next._sock
+    raw.setblocking(True)
+    raw.sendall(wire.bulk_header(20) + b"z" * 5)
+    b_next.close()
+    pump = a_next.duplex(a_prev)
+    first = bytearray(10)
+    pump.recv_into(first, 5.0)
+    with pytest.raises(PeerClosed):
+        pump.recv_into(bytearray(20), 5.0)
+    assert a_prev.closed
+
+
+def test_a_frame_of_another_size_is_a_protocol_error(ring2):
+    a_next, a_prev, b_next, _ = ring2
+    b_next.send_bytes(b"1234")
+    with pytest.raises(ProtocolError, match="expected a bulk frame of 8 bytes, got 4"):
+        a_next.duplex(a_prev).recv_into(bytearray(8), 5.0)
+    assert a_prev.closed
+
+
+def test_silence_is_a_timeout_that_closes_both_links(ring2):
+    a_next, a_prev, _, _ = ring2
+    with pytest.raises(NetTimeout, match="no progress within 0.2s"):
+        a_next.duplex(a_prev).recv_into(bytearray(8), 0.2)
+    assert a_prev.closed and a_next.closed
+
+
+def test_a_local_close_wakes_a_waiting_pump(ring2):
+    a_next, a_prev, _, _ = ring2
+    closer = threading.Timer(0.1, a_prev.close)
+    closer.start()
+    with pytest.raises(PeerClosed, match="closed locally"):
+        a_next.duplex(a_prev).recv_into(bytearray(8), 10.0)
+    closer.join()
