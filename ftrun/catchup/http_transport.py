@@ -38,6 +38,7 @@ class HttpLink:
         self.source, self.token, self.config = source, token, config
         self._loop = asyncio.new_event_loop()
         self._conn: HttpConnection | None = None
+        self._aborted = False  # closed by another task while a request ran: the runner closes the loop
 
     def _get(self, path: str, pick: Any, wait_s: float, limit_s: float) -> Any:
         async def go() -> Any:
@@ -46,9 +47,19 @@ class HttpLink:
                                                        self.config.timeouts.connect_timeout_s)
             return await self._conn.get(path, pick, head_wait_s=wait_s, stall_s=self.config.stall_s)
 
-        if self._loop.is_closed():
+        if self._loop.is_closed() or self._aborted:
             raise SourceFailed(f"{self.source}: link closed")
-        return self._loop.run_until_complete(asyncio.wait_for(go(), max(limit_s, 0.001)))
+        try:
+            return self._loop.run_until_complete(asyncio.wait_for(go(), max(limit_s, 0.001)))
+        except asyncio.CancelledError:  # close() from another task aborted the request
+            raise SourceFailed(f"{self.source}: fetch aborted") from None
+        except RuntimeError:
+            if self._loop.is_closed():  # closed by another task just before the request started
+                raise SourceFailed(f"{self.source}: link closed") from None
+            raise
+        finally:
+            if self._aborted:
+                self._shutdown()
 
     def _status_error(self, head: ResponseHead, body: bytes) -> Exception:
         try:
@@ -126,12 +137,18 @@ class HttpLink:
         if loop.is_closed():
             return
         if loop.is_running():
+            self._aborted = True
             if conn is not None:
                 loop.call_soon_threadsafe(conn.close)
             return
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        if self._loop.is_closed():
+            return
         self._drop()
-        loop.run_until_complete(loop.shutdown_default_executor())
-        loop.close()
+        self._loop.run_until_complete(self._loop.shutdown_default_executor())
+        self._loop.close()
 
 
 class HttpTransport:
