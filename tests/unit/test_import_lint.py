@@ -16,7 +16,7 @@ FORBIDDEN = {"time", "threading", "socket", "selectors", "torch.cuda"}
 REAL_ENV = {ROOT / "ftrun/env/real.py", ROOT / "ftrun/env/real_net.py"}
 ASYNC = {"asyncio", "aiohttp"}
 REAL_TRANSPORTS = REAL_ENV | {ROOT / f"ftrun/{p}" for p in ("quorum/http.py", "catchup/server.py", "catchup/conn.py",
-                                                             "catchup/http_transport.py")}
+                                                             "catchup/http_guard.py", "catchup/http_transport.py")}
 
 
 def forbidden_imports(path: Path, forbidden: set[str] = FORBIDDEN) -> list[str]:
