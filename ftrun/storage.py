@@ -2,7 +2,9 @@
 
 `FileStorage` writes to a temporary file, fsyncs it, renames it over the target and fsyncs the folder,
 so a reader (or a restart after `kill -9`) sees either the old or the new content, never a torn one.
-The emulator provides a mock object store with modeled latency behind the same interface.
+The emulator provides a mock object store with modeled latency behind the same interface
+(mocks.storage.MockObjectStore); tests/unit/test_storage_contract.py runs one contract against all.
+`StorageAuditSink` keeps an audit log in any of them.
 """
 
 from __future__ import annotations
@@ -25,9 +27,7 @@ class FileStorage:
         self.root.mkdir(parents=True, exist_ok=True)
 
     def _path(self, key: str) -> Path:
-        if not key or key.startswith("/") or ".." in Path(key).parts:
-            raise ValueError(f"storage key {key!r} must be a relative path without '..'")
-        return self.root / key
+        return self.root / _checked(key)
 
     def write_atomic(self, key: str, data: bytes) -> None:
         path = self._path(key)
@@ -51,6 +51,21 @@ class FileStorage:
             return None
 
 
+class StorageAuditSink:
+    """An audit-log sink (ftrun.data.audit.AuditLog) over any Storage: the log is one blob at `key`,
+    rewritten whole, atomically, on every append, so a reader never sees a torn record and an object
+    store without appends can hold it. Meant for one writer (a replica incarnation's leader) and a log
+    of a run's steps, not millions of records."""
+
+    def __init__(self, storage: Storage, key: str) -> None:
+        self.storage, self.key = storage, key
+        self._data = bytearray(storage.read(key) or b"")
+
+    def __call__(self, data: bytes) -> None:
+        self._data += data
+        self.storage.write_atomic(self.key, bytes(self._data))
+
+
 class MemoryStorage:
     """Storage in a dict: for tests and in-process runs. Writes are atomic by construction."""
 
@@ -58,7 +73,14 @@ class MemoryStorage:
         self.blobs: dict[str, bytes] = {}
 
     def write_atomic(self, key: str, data: bytes) -> None:
-        self.blobs[key] = bytes(data)
+        self.blobs[_checked(key)] = bytes(data)
 
     def read(self, key: str) -> bytes | None:
-        return self.blobs.get(key)
+        return self.blobs.get(_checked(key))
+
+
+def _checked(key: str) -> str:
+    """The key rule every Storage follows: a relative path without '..' (ValueError otherwise)."""
+    if not key or key.startswith("/") or ".." in Path(key).parts:
+        raise ValueError(f"storage key {key!r} must be a relative path without '..'")
+    return key

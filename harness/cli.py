@@ -101,7 +101,7 @@ def execute(profile: Profile, options: JobOptions, *, progress: bool = False, ou
                        kills=[k.describe() for k in options.injected])
     f.update(wall_s=round(time.monotonic() - started, 3), cpu_s=round(time.process_time() - cpu0, 3),
              peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-             engine=job.world.stats(), shape_propagations=job.shapes.num_propagations)
+             engine=job.world.stats(), shape_propagations=job.shapes.num_propagations, **job.data_figures())
     if out is not None:
         from harness.report_files import write_all
 

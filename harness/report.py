@@ -164,11 +164,12 @@ def text(f: dict[str, Any]) -> str:
         f"ftrun emulate {f['profile']}: {f['replicas']} replicas x {f['ranks_per_replica']} ranks = "
         f"{f['ranks']} emulated ranks, {f['steps']} steps; {f['kills']} failure(s) injected"
         + (f" ({'; '.join(f['injected'])})" if f["injected"] else ""),
-        "  real for every rank: lighthouse quorum, Manager check-in / decision broadcast / 2PC commit vote "
-        f"over {f['replica_comm']} comm, failure detection, rejoin as behind",
+        "  real for every rank: the FaultTolerantTrainer (lighthouse quorum, Manager check-in / decision broadcast "
+        f"/ 2PC commit vote over {f['replica_comm']} comm, failure detection, rejoin as behind, catch-up fetch "
+        "protocol, data ledger and audit, checkpoint writer election, LR intervention)",
         f"  FTAR {f['ftar']}",
-        "  modeled: compute (meta-tensor shapes, profile step time), kernels (shape-only), catch-up bytes "
-        "(ShapeOnly frames), process start and host allocation (mock scheduler)",
+        "  modeled: compute (meta-tensor shapes, profile step time), kernels (shape-only), catch-up and "
+        "checkpoint bytes (ShapeOnly frames, mock object store), process start and host allocation (mock scheduler)",
         f"  steps committed: {f['steps_done']} of {f['steps']}; per replica {f['steps_committed']}",
         f"  participants per step: {f['participants_per_step']}",
         f"  get_quorum p50 {s(f['get_quorum_p50_ms'], ' ms')}, p99 {s(f['get_quorum_p99_ms'], ' ms')} "
@@ -182,6 +183,10 @@ def text(f: dict[str, Any]) -> str:
         f"  effective training time {100 * f['effective_training_time']:.1f}%; where the leaders' time went: "
         + ", ".join(f"{k} {100 * v:.1f}%" for k, v in f["time_split"].items()),
     ]
+    if "audit_batches" in f:
+        lines.append(f"  data: {f['audit_summary']}; {f['duplicate_batches']} duplicated, {f['skipped_batches']} "
+                     f"skipped; catch-up {f['catchup_bytes'] / 1e6:.1f} MB in {f['catchup_fetches']} fetch(es) from up "
+                     f"to {f['catchup_sources']} sources; {f['checkpoints_committed']} checkpoint(s) committed")
     if "wall_s" in f:
         lines.append(f"  modeled {f['modeled_s']:.2f} s in {f['wall_s']:.1f} s wall ({f.get('cpu_s', 0):.1f} s CPU), "
                      f"peak RSS {f['peak_rss_mb']:.0f} MB"

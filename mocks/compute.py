@@ -23,7 +23,8 @@ from typing import Any
 from mocks.config import DTYPE_BYTES, ModelConfig
 from mocks.shapes import ShapeOnly
 
-__all__ = ["LayoutShapes", "ShapeCache", "ShapeOnlyCompute", "ShapeOnlyGrads", "propagate_shapes"]
+__all__ = ["LayoutShapes", "ShapeCache", "ShapeOnlyCompute", "ShapeOnlyGrads", "ShapeOnlyState", "ShapeOnlyTrainCompute",
+           "propagate_shapes"]
 
 
 class ShapeOnlyGrads(ShapeOnly):
@@ -185,3 +186,73 @@ class ShapeOnlyCompute:
         self.env.clock.sleep(seconds)
         self.num_steps += 1
         return seconds
+
+
+class ShapeOnlyState:
+    """A rank's trainable state in shape-only mode (ftrun.train.state.TrainState): its parameter shard
+    and two fp32 Adam moments as meta tensors (sizes, no bytes). `load` checks that a peer's state has
+    the same names, dtypes and shapes (ValueError otherwise) and changes nothing else."""
+
+    def __init__(self, shapes: LayoutShapes) -> None:
+        import torch
+
+        n = shapes.params_per_rank
+        self._tensors = {"model.params": torch.empty(n, dtype=getattr(torch, shapes.dtype), device="meta"),
+                         "optim.exp_avg": torch.empty(n, dtype=torch.float32, device="meta"),
+                         "optim.exp_avg_sq": torch.empty(n, dtype=torch.float32, device="meta")}
+        self.num_loads = 0
+
+    def tensors(self) -> dict[str, Any]:
+        return dict(self._tensors)
+
+    def metadata(self) -> dict[str, Any]:
+        return {"shape_only": True}
+
+    def load(self, tensors: Any, metadata: Any) -> None:
+        mine = {k: (t.dtype, tuple(t.shape)) for k, t in self._tensors.items()}
+        theirs = {k: (t.dtype, tuple(t.shape)) for k, t in tensors.items()}
+        if mine != theirs:
+            raise ValueError(f"shape-only state does not fit: have {mine}, got {theirs}")
+        self.num_loads += 1
+
+
+class ShapeOnlyTrainCompute(ShapeOnlyCompute):
+    """The Compute seam (ftrun.train.compute) in shape-only mode: forward/backward waits out the modeled
+    step time (plus `extra_s(step)`, e.g. a straggler or the first step's warm-up), the gradient buffer
+    is a ShapeOnlyGrads, the state is a ShapeOnlyState, and `apply` records the LR factor it was given.
+    Losses are 0.0 (nothing is computed)."""
+
+    def __init__(self, *, extra_s: Any = None, state: ShapeOnlyState | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.grads = self.grad_buffer()
+        self.state = state if state is not None else ShapeOnlyState(self.shapes)  # shareable: it holds no values
+        self._extra_s = extra_s
+        self.lr_factor: float | None = None
+        self.num_applied = 0
+
+    def forward_backward(self, step: int = 0, samples: Any = None, seed: int | None = None) -> float:  # type: ignore[override]
+        extra = self._extra_s(step) if self._extra_s is not None else 0.0
+        super().forward_backward(extra_s=extra)
+        return 0.0
+
+    def zero_grads(self) -> None:
+        """Nothing to zero."""
+
+    def keep_grads(self) -> ShapeOnlyGrads:
+        return self.grads
+
+    def restore_grads(self, kept: Any) -> None:
+        if getattr(kept, "nbytes", None) != self.grads.nbytes:
+            raise ValueError(f"kept gradient of {getattr(kept, 'nbytes', None)} bytes, buffer {self.grads.nbytes}")
+
+    def scatter(self) -> None:
+        """No model gradients to fill."""
+
+    def apply(self, lr_factor: float) -> None:
+        if not lr_factor > 0:
+            raise ValueError(f"lr_factor must be > 0, got {lr_factor}")
+        self.lr_factor = lr_factor
+        self.num_applied += 1
+
+    def reset(self) -> None:
+        """No per-iteration state."""

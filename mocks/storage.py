@@ -63,6 +63,14 @@ class MockObjectStore:
         self.num_writes += 1
         self.bytes_written += len(blob)
 
+    def charge_write(self, nbytes: int) -> None:
+        """Model writing `nbytes` of bulk data (e.g. a shape-only checkpoint's shards) without keeping it."""
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        self._wait(self.write_latency_s, nbytes)
+        self.num_writes += 1
+        self.bytes_written += nbytes
+
     def read(self, key: str) -> bytes | None:
         _check_key(key)
         blob = self._blobs.get(key)
@@ -71,6 +79,11 @@ class MockObjectStore:
         if blob is not None:
             self.bytes_read += len(blob)
         return blob
+
+    def peek(self, key: str) -> bytes | None:
+        """The blob at `key` without a modeled read (for inspecting a store after an emulated run)."""
+        _check_key(key)
+        return self._blobs.get(key)
 
     def keys(self) -> list[str]:
         return sorted(self._blobs)

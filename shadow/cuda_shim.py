@@ -4,14 +4,18 @@ What training code commonly asks torch.cuda is answered: is_available / device_c
 set_device / device(i), synchronize, Stream / Event / stream(s) / current_stream, memory statistics
 (all zero; mem_get_info reports the modeled device as empty), get_device_properties / get_device_name,
 manual_seed(_all), is_initialized / init. Private names (`torch.cuda._...`, used by torch itself, e.g.
-`_is_in_bad_fork` from torch.manual_seed) fall through to the real module; any other public name raises
-AttributeError naming the shim, so a gap shows up as a clear error instead of a silent wrong answer.
+`_is_in_bad_fork` from torch.manual_seed) fall through to the real module, and so does any name torch's
+own modules look up (torch._dynamo's device tables bind torch.cuda.set_stream & co. at import: they are
+only called for CUDA tensors, which a shape-only run never has); any other public name raises
+AttributeError naming the shim, so a gap in what training code asks shows up as a clear error instead
+of a silent wrong answer.
 
 One shim per `shadow.active` context; its state (current device) lives on the shim object.
 """
 
 from __future__ import annotations
 
+import sys
 import types
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -114,30 +118,42 @@ def make_cuda_shim(*, device_count: int, real: Any = None, device_name: str = "E
         return _Properties(name=device_name, total_memory=total_memory, multi_processor_count=132,
                            major=9, minor=0, is_integrated=False)
 
-    zero = lambda device=None: 0  # noqa: E731  memory statistics: shape-only tensors allocate nothing
-    nothing = lambda *a, **k: None  # noqa: E731
+    # A distinct function object per name: torch._dynamo keys its rules by the functions it finds under
+    # torch.cuda, and one object under two names with different rules makes it refuse to import.
+    def zero() -> Any:  # memory statistics: shape-only tensors allocate nothing
+        return lambda device=None: 0
+
+    def nothing() -> Any:
+        return lambda *a, **k: None
+
     names = dict(
-        is_available=lambda: True, is_initialized=lambda: True, init=nothing,
+        is_available=lambda: True, is_initialized=lambda: True, init=nothing(),
         device_count=lambda: device_count, current_device=lambda: state["device"], set_device=set_device,
         device=device, synchronize=lambda device=None: None, Stream=Stream, Event=Event, stream=stream,
         current_stream=lambda device=None: default_stream, default_stream=lambda device=None: default_stream,
         get_device_name=lambda device=None: get_device_properties(device).name,
         get_device_properties=get_device_properties,
         get_device_capability=lambda device=None: (9, 0),
-        memory_allocated=zero, max_memory_allocated=zero, memory_reserved=zero, max_memory_reserved=zero,
-        reset_peak_memory_stats=nothing, empty_cache=nothing,
+        memory_allocated=zero(), max_memory_allocated=zero(), memory_reserved=zero(), max_memory_reserved=zero(),
+        reset_peak_memory_stats=nothing(), empty_cache=nothing(),
         memory_stats=lambda device=None: {"allocated_bytes.all.current": 0, "reserved_bytes.all.current": 0},
         mem_get_info=lambda device=None: (total_memory, total_memory),
-        manual_seed=nothing, manual_seed_all=nothing, seed=nothing, seed_all=nothing,
+        manual_seed=nothing(), manual_seed_all=nothing(), seed=nothing(), seed_all=nothing(),
     )
     shim.__dict__.update(names)
     shim.__all__ = sorted(names)
 
     def __getattr__(name: str) -> Any:
-        if name.startswith("_") and real is not None:
-            return getattr(real, name)  # torch's own internals (e.g. _is_in_bad_fork)
+        if real is not None and (name.startswith("_") or _called_from_torch()):
+            return getattr(real, name)  # torch's own internals (e.g. _is_in_bad_fork, dynamo's tables)
         raise AttributeError(f"torch.cuda.{name} is not provided by the shadow loader's torch.cuda shim "
                              f"(shadow/cuda_shim.py); add it there if training code needs it")
 
     shim.__getattr__ = __getattr__  # type: ignore[attr-defined]
     return shim
+
+
+def _called_from_torch() -> bool:
+    """Whether the attribute lookup comes from torch's own code (two frames up: the module __getattr__)."""
+    caller = sys._getframe(2).f_globals.get("__name__", "")
+    return caller == "torch" or caller.startswith("torch.")

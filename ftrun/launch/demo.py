@@ -1,6 +1,7 @@
 """`ftrun demo`: a lighthouse and R replicas x K ranks as real processes on 127.0.0.1.
 
-It runs a stepping loop, SIGKILLs one replica part way, restarts it, and reports per-step participants,
+Each rank runs the real trainer (ftrun.train.ft_worker: a tiny LM, catch-up, FTAR, 2PC, the data ledger;
+--step-time adds modeled compute per step). It SIGKILLs one replica part way, restarts it, and reports per-step participants,
 committed steps, how fast the failure was detected and how long the replica took to rejoin.
 """
 
@@ -46,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     run_dir = tempfile.mkdtemp(prefix="ftrun-demo-")
     replicas = [
         ReplicaProcesses(env=env, events=events, log_dir=run_dir,
-                         argv=["-m", "ftrun.launch.demo_worker", "--steps", "1000000",
+                         argv=["-m", "ftrun.train.ft_worker", "--steps", "1000000",
                                "--step-time", str(args.step_time)],
                          spec=WorkerSpec(replica_id=f"r{i}", replica_index=i, num_replicas=args.replicas, rank=0,
                                          ranks_per_replica=args.ranks_per_replica, incarnation=0,

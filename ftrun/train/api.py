@@ -253,15 +253,15 @@ class FTJob:
         try:
             while trainer.step < target():
                 r = trainer.train_step()
-                self.emit(step_event(r, trainer.model, self.env.clock.now(), rank=self.rank))
+                self.emit(step_event(r, trainer.compute.model, self.env.clock.now(), rank=self.rank))
                 if hooks.on_step is not None:
                     hooks.on_step(r)
         except ReplicaError as e:
             log.error("replica %s rank %d gives up: %s", self.replica_id, self.rank, e)
             self.emit({"event": "failed", "t": self.env.clock.now(), "step": trainer.step, "error": str(e), **who})
-            return TrainResult(False, trainer.step, param_hash(trainer.model), trainer.progress.state.to_dict(),
+            return TrainResult(False, trainer.step, param_hash(trainer.compute.model), trainer.progress.state.to_dict(),
                                str(e))
-        result = TrainResult(True, trainer.step, param_hash(trainer.model), trainer.progress.state.to_dict())
+        result = TrainResult(True, trainer.step, param_hash(trainer.compute.model), trainer.progress.state.to_dict())
         self.emit({"event": "final", "t": self.env.clock.now(), "step": result.step, "param_hash": result.param_hash,
                    "loader_state": result.loader_state, **who})
         return result

@@ -68,16 +68,12 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import numpy as np
-import torch
-
-from ftrun.catchup.client import FetchResult, fetch
 from ftrun.catchup.config import CatchupConfig
 from ftrun.catchup.errors import CatchupError
+from ftrun.catchup.fetcher import FetchResult
 from ftrun.catchup.heal import catchup_sources, should_publish
-from ftrun.catchup.server import CatchupServer
+from ftrun.catchup.transport import CatchupService
 from ftrun.catchup.wait import estimate_fetch_s, exchange_wait_s, should_wait, wait_outcome
-from ftrun.checkpoint.manifest import checkpoint_key
 from ftrun.checkpoint.policy import CheckpointConfig, checkpoint_writer, should_checkpoint
 from ftrun.config import ManagerConfig
 from ftrun.data.audit import AuditLog
@@ -90,19 +86,17 @@ from ftrun.quorum.client import LighthouseClient
 from ftrun.replica.comm import ReplicaComm
 from ftrun.replica.endpoints import encode_endpoints
 from ftrun.replica.manager import Manager, ReplicaError, StepQuorum
+from ftrun.train.checkpointer import Checkpointer
+from ftrun.train.compute import Compute, LossFn  # noqa: F401 (LossFn re-exported)
 from ftrun.train.exchange import GradientExchange
-from ftrun.train.grads import FlatGrads
-from ftrun.train.lr import LRConfig, apply_lr_factor, lr_factor
-from ftrun.train.resume import checkpoint_store, resume
-from ftrun.train.shard import reset_iteration
-from ftrun.train.state import ReplicaState, TrainState
+from ftrun.train.lr import LRConfig, lr_factor
 
 log = logging.getLogger("ftrun.train")
 
-LossFn = Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]  # (model, batch of samples) -> scalar loss
 EventFn = Callable[[dict], None]
 PhaseFn = Callable[[str, int], None]  # (phase, step): instrumentation and fault injection
-PHASES = ("quorum", "heal", "forward", "exchange", "before_commit", "after_commit")
+ProgressFn = Callable[..., DataProgress]
+PHASES = ("quorum", "heal", "started", "forward", "exchange", "before_commit", "after_commit")
 
 
 class ShardedComputeError(ReplicaError):
@@ -118,14 +112,14 @@ class UserCodeError(ReplicaError):
 class TrainerConfig:
     """replica_id/rank: who this is. rng_seed: reseed per step (see the module docstring); None leaves
     torch's RNG alone (then the model must not draw random numbers, or a healed replica diverges).
-    checkpoint_dir: persistent checkpoints (None: off). catchup: server/client settings and timeouts."""
+    checkpoint: cadence and retention (the trainer's checkpointer writes; none: off). catchup: the
+    wait limit and timeouts."""
 
     replica_id: str
     rank: int = 0
     rng_seed: int | None = 0
     lr: LRConfig = field(default_factory=LRConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    checkpoint_dir: str | None = None
     catchup: CatchupConfig = field(default_factory=CatchupConfig)
 
     def __post_init__(self) -> None:
@@ -158,35 +152,31 @@ class FaultTolerantTrainer:
     """Drives one rank's steps. Build with `build(...)`, which also makes the Manager (it needs this
     trainer's `heal` hook and endpoints).
 
-    state/grads: the rank's state and gradient buffer (default: ReplicaState/FlatGrads over the model's
-    tensors, i.e. its local shards when it is sharded with FSDP2).
+    compute: the rank's computation, gradient buffer and state (the Compute seam: a torch model, or
+    shape-only compute in the emulator). catchup: the rank's catch-up endpoint and client (the
+    CatchupService seam). checkpointer: writes persistent checkpoints when this rank is the elected
+    writer (None: off). loader_store/audit: the ledger's storage (the Storage seam underneath).
     checkpointed: (step, lineage) of a persistent checkpoint that exists, e.g. the one this replica
     resumed from, so the writer does not rewrite it (a rewrite first discards the complete one).
     on_event: structured events (catchup, checkpoint) from the leader. on_phase: called at every phase
     boundary of a step (PHASES), for instrumentation and fault injection.
     """
 
-    def __init__(self, *, config: TrainerConfig, env: Env, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 loss_fn: LossFn, dataset: torch.Tensor, progress: DataProgress, manager: Manager,
-                 exchange: GradientExchange, server: CatchupServer, token: str, loader_store: LoaderStateStore,
-                 audit: AuditLog, state: TrainState | None = None, grads: FlatGrads | None = None,
+    def __init__(self, *, config: TrainerConfig, env: Env, compute: Compute, progress: DataProgress,
+                 manager: Manager, exchange: GradientExchange, catchup: CatchupService,
+                 loader_store: LoaderStateStore, audit: AuditLog, checkpointer: Checkpointer | None = None,
                  checkpointed: tuple[int, str] | None = None, on_event: EventFn | None = None,
                  on_phase: PhaseFn | None = None) -> None:
-        if len(dataset) < progress.state.layout.dataset_size:
-            raise ValueError(f"dataset has {len(dataset)} samples, the layout {progress.state.layout.dataset_size}")
-        self.config, self.env, self.model, self.optimizer = config, env, model, optimizer
-        self.loss_fn, self.dataset, self.progress, self.manager = loss_fn, dataset, progress, manager
-        self.exchange, self.server, self._token = exchange, server, token
+        self.config, self.env, self.compute, self.progress, self.manager = config, env, compute, progress, manager
+        self.exchange, self.catchup, self.checkpointer = exchange, catchup, checkpointer
         self.loader_store, self.audit = loader_store, audit
-        self.state = state if state is not None else ReplicaState(model=model, optimizer=optimizer)
-        self.grads = grads if grads is not None else FlatGrads(model.parameters())
+        self.state = compute.state
         self._on_event, self._on_phase = on_event, on_phase
         self._leader = manager.comm.rank == 0
-        self._ckpt = checkpoint_store() if config.checkpoint_dir is not None else None
         self._published: tuple[int, str] | None = None  # (step, lineage) of the snapshot being served
         self._checkpointed = checkpointed  # (step, lineage) of a checkpoint that exists: never rewritten
         self.last_fetch: FetchResult | None = None
-        self._kept: tuple[tuple[int, str], float, np.ndarray] | None = None  # ((step, lineage), loss, gradient)
+        self._kept: tuple[tuple[int, str], float, Any] | None = None  # ((step, lineage), loss, gradient)
         self._compute_s: float | None = None  # the last forward/backward's seconds
         self._snapshot_bytes = 0  # the size of the last published catch-up snapshot
         self._compute_failures = 0  # forward/backward attempts in a row that raised
@@ -201,6 +191,7 @@ class FaultTolerantTrainer:
         """Run one FT-HSDP step (see the module docstring). Raises ReplicaError when the replica is broken."""
         self._phase("quorum", self.manager.step)
         q = self.manager.start_step()
+        self._phase("started", q.step)
         self._serve(q)
         attempt = self.progress.start(step=q.step, participants=q.participants)
         if attempt is not None and self._leader:
@@ -212,7 +203,7 @@ class FaultTolerantTrainer:
             self._apply(q)
         else:
             self.progress.abort()
-            self._drop_iteration(q)
+            self.compute.reset()
         return StepResult(q.step, q.quorum_id, tuple(p.replica_id for p in q.participants), committed,
                           loss, q.healed, self.progress.state.lineage)
 
@@ -225,11 +216,11 @@ class FaultTolerantTrainer:
             metadata = {"step": q.step, "loader_state": self.progress.state.to_dict(), "state": self.state.metadata(),
                         "compute_s": self._compute_s}  # how long the joiner should expect to wait for us
             tensors = self.state.tensors()
-            self.server.publish(q.step, tensors, metadata)
+            self.catchup.publish(q.step, tensors, metadata)
             self._snapshot_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
             self._published = key
         cfg = self.config
-        if (self._ckpt is not None and self._checkpointed != key and should_checkpoint(q.step, cfg.checkpoint)
+        if (self.checkpointer is not None and self._checkpointed != key and should_checkpoint(q.step, cfg.checkpoint)
                 and checkpoint_writer(q.participants) == cfg.replica_id and self._leader):
             self._checkpoint(q.step, key)
 
@@ -238,9 +229,7 @@ class FaultTolerantTrainer:
         only (readers skip a folder without a valid manifest): it is logged, not raised."""
         started = self.env.clock.now()
         try:
-            self._ckpt.save(self.config.checkpoint_dir, step=step, model=self.model, optimizer=self.optimizer,
-                            loader_state=self.progress.state, keep=self.config.checkpoint.keep,
-                            key=checkpoint_key(self._token))
+            self.checkpointer.save(step, self.progress.state)
         except Exception as e:  # storage trouble must not take the replica down; the next cadence retries
             log.error("replica %s: checkpoint of step %d failed: %s", self.config.replica_id, step, e)
             self._emit("checkpoint_failed", step=step, error=f"{type(e).__name__}: {e}")
@@ -256,28 +245,18 @@ class FaultTolerantTrainer:
             if trains:
                 loss = self._compute(q)
             else:
-                self.grads.zero()  # behind this step: contributes zeros, receives the contributors' mean
+                self.compute.zero_grads()  # behind this step: contributes zeros, receives the contributors' mean
         except Exception as e:
             if self.manager.comm.world_size > 1:  # no reset first: it may wait on a collective of the peer's
                 raise ShardedComputeError(f"replica {self.config.replica_id} rank {self.config.rank} step "
                                           f"{q.step}: {type(e).__name__}: {e}") from e
-            reset_iteration(self.model)
+            self.compute.reset()
             self._fail_fast_on_repeat(q, e)
             self.manager.report_error(e)  # vote no without entering the exchange; the step is retried
             return None
         self._compute_failures = 0
         self._exchange(q)
         return loss
-
-    def _drop_iteration(self, q: StepQuorum) -> None:
-        """Discard a failed attempt. A replica that healed this step ran no forward, so FSDP2 holds no
-        iteration state, and a new incarnation's has none to reset (reset_iter_state raises before the
-        first forward): a step it healed in can now fail, when it leaves fewer than min_replicas
-        contributors."""
-        if q.healed:
-            self.model.zero_grad(set_to_none=True)
-        else:
-            reset_iteration(self.model)
 
     def _fail_fast_on_repeat(self, q: StepQuorum, e: BaseException) -> None:
         """Raise UserCodeError when the compute failed on the retry too (module docstring, Failures)."""
@@ -293,14 +272,13 @@ class FaultTolerantTrainer:
         the same step on the same state that a joiner's wait limit aborted (module docstring)."""
         key = (q.step, self.progress.state.lineage)
         if self._kept is not None and self._kept[0] == key:
-            np.copyto(self.grads.buffer, self._kept[2])
+            self.compute.restore_grads(self._kept[2])
             return self._kept[1]
         self._phase("forward", q.step)
         started = self.env.clock.now()
         loss = self._forward_backward(q.step)
         self._compute_s = self.env.clock.now() - started
-        self.grads.gather()
-        self._kept = (key, loss, self.grads.buffer.copy()) if q.behind and not q.healed else None
+        self._kept = (key, loss, self.compute.keep_grads()) if q.behind and not q.healed else None
         return loss
 
     def _exchange(self, q: StepQuorum) -> None:
@@ -310,10 +288,10 @@ class FaultTolerantTrainer:
         setup_timeout = exchange_wait_s(num_behind=len(q.behind), healed=q.healed, wait_limit_s=limit)
         try:
             self._phase("exchange", q.step)
-            self.exchange.average(q, self.grads.buffer, setup_timeout_s=setup_timeout)
-            self.grads.scatter()
+            self.exchange.average(q, self.compute.grads, setup_timeout_s=setup_timeout)
+            self.compute.scatter()
         except Exception as e:  # a failed exchange: vote no, retry the step
-            self._drop_iteration(q)
+            self.compute.reset()
             self.manager.report_error(e, peer=isinstance(e, RecoverableError))  # a peer died or stalled
         if setup_timeout is not None:
             self._report_wait(q, limit)
@@ -331,29 +309,24 @@ class FaultTolerantTrainer:
                    stall_s=outcome.stall_s, wait_limit_s=limit, reason=outcome.reason, predicted=predicted)
 
     def _forward_backward(self, step: int) -> float:
+        seed = None
         if self.config.rng_seed is not None:
             index = self.progress.state.index(self.config.replica_id)
-            torch.manual_seed(step_seed(self.config.rng_seed, index, self.config.rank, step))
-        self.model.zero_grad(set_to_none=True)
-        batch = self.dataset[torch.from_numpy(self.progress.samples(self.config.rank))]
-        loss = self.loss_fn(self.model, batch)
-        loss.backward()
-        return float(loss.detach())
+            seed = step_seed(self.config.rng_seed, index, self.config.rank, step)
+        return self.compute.forward_backward(step, lambda: self.progress.samples(self.config.rank), seed)
 
     def _apply(self, q: StepQuorum) -> None:
         """Commit: the optimizer step with the LR intervention, then the ledger, audit and loader_state."""
         layout = self.progress.state.layout
-        apply_lr_factor(self.optimizer, lr_factor(self.config.lr.policy, num_healthy=q.num_contributors,
-                                                  num_total=layout.num_replicas))
-        self.optimizer.step()
-        self.model.zero_grad(set_to_none=True)
+        self.compute.apply(lr_factor(self.config.lr.policy, num_healthy=q.num_contributors,
+                                     num_total=layout.num_replicas))
         self._phase("after_commit", q.step)
         commit = self.progress.commit(writer=self.config.replica_id)
         if self._leader:
             self.audit.append(commit)
             if checkpoint_writer(q.participants) == self.config.replica_id:
                 self.loader_store.save(self.progress.state)
-        self.server.retire(q.step)  # a no-op unless this step was published
+        self.catchup.retire(q.step)  # a no-op unless this step was published
         self._published = None
         self._kept = None
 
@@ -365,8 +338,7 @@ class FaultTolerantTrainer:
         sources = catchup_sources(q)
         if not sources:
             raise CatchupError(f"step {q.step}: no healthy participant of quorum {q.quorum_id} serves catch-up")
-        cfg = self.config.catchup
-        result = fetch(q.step, sources, self._token, cfg.timeouts, config=cfg)
+        result = self.catchup.fetch(q.step, sources)
         self._phase("heal", q.step)
         self._load(q.step, result)
         self.last_fetch = result
@@ -387,7 +359,7 @@ class FaultTolerantTrainer:
             self.exchange.joiner_wait_s = self.exchange.engine.config.timeout_s + 2 * float(compute_s)
         self.state.load(result.tensors, meta.get("state") or {})
         self.progress.heal(ledger)
-        self.model.zero_grad(set_to_none=True)
+        self.compute.reset()
         self._kept = None
 
     # -- helpers ---------------------------------------------------------------------------------
@@ -405,22 +377,21 @@ class FaultTolerantTrainer:
         self.manager.close()
 
 
-def build(*, config: TrainerConfig, env: Env, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-          loss_fn: LossFn, dataset: torch.Tensor, layout: DataLayout, replica_ids: tuple[str, ...],
+def build(*, config: TrainerConfig, env: Env, compute: Compute, layout: DataLayout, replica_ids: tuple[str, ...],
           manager_config: ManagerConfig, comm: ReplicaComm, lighthouse: LighthouseClient | None,
-          exchange: GradientExchange, server: CatchupServer, token: str, loader_store: LoaderStateStore,
-          audit: AuditLog, on_event: EventFn | None = None, on_phase: PhaseFn | None = None) -> FaultTolerantTrainer:
-    """Resume (latest complete checkpoint, else step 0), make the Manager with this rank's endpoints
-    ({"ftar", "catchup"}) and the trainer's heal hook, and wire the trainer. `server` must be started.
-    Raises ValueError for a server that is not started, and whatever `resume` raises."""
-    if not server.url:
-        raise ValueError("start the CatchupServer before build(): its URL is this rank's catch-up endpoint")
-    if comm.world_size > 1 and config.checkpoint_dir is not None:
-        raise ValueError("persistent checkpoints of a sharded replica (more than one rank) are not supported "
-                         "yet: set checkpoint_dir=None")
-    step, ledger = resume(config.checkpoint_dir, model=model, optimizer=optimizer, layout=layout,
-                          replica_ids=replica_ids, key=checkpoint_key(token))
-    endpoints = encode_endpoints({"ftar": exchange.engine.addr, "catchup": server.url})
+          exchange: GradientExchange, catchup: CatchupService, loader_store: LoaderStateStore, audit: AuditLog,
+          checkpointer: Checkpointer | None = None, on_event: EventFn | None = None,
+          on_phase: PhaseFn | None = None, make_progress: ProgressFn = DataProgress) -> FaultTolerantTrainer:
+    """Resume (the checkpointer's latest complete checkpoint, else step 0), make the Manager with this
+    rank's endpoints ({"ftar", "catchup"}) and the trainer's heal hook, and wire the trainer. `catchup`
+    must be started. Raises ValueError for a catch-up service that is not started, and whatever the
+    checkpointer's `restore` raises. `make_progress(replica_id=, state=)` makes the rank's DataProgress
+    (the emulator shares the identical ledger transitions of a replica's ranks)."""
+    if not catchup.url:
+        raise ValueError("start the catch-up service before build(): its URL is this rank's catch-up endpoint")
+    start = checkpointer.restore(layout, replica_ids) if checkpointer is not None else None
+    step, ledger = start if start is not None else (0, LoaderState.initial(layout, replica_ids))
+    endpoints = encode_endpoints({"ftar": exchange.engine.addr, "catchup": catchup.url})
     if lighthouse is not None:  # a hung peer's notice ends this rank's blocked all-reduce at once
         lighthouse.on_peer_hung = exchange.abort_for_hung_peer
     trainer: FaultTolerantTrainer | None = None
@@ -433,8 +404,8 @@ def build(*, config: TrainerConfig, env: Env, model: torch.nn.Module, optimizer:
                       lighthouse=lighthouse, step=step, data_addr=endpoints, heal=heal,
                       on_event=on_event if comm.rank == 0 else None)
     trainer = FaultTolerantTrainer(
-        config=config, env=env, model=model, optimizer=optimizer, loss_fn=loss_fn, dataset=dataset,
-        progress=DataProgress(replica_id=config.replica_id, state=ledger), manager=manager, exchange=exchange,
-        server=server, token=token, loader_store=loader_store, audit=audit,
-        checkpointed=(step, ledger.lineage) if step > 0 else None, on_event=on_event, on_phase=on_phase)
+        config=config, env=env, compute=compute, progress=make_progress(replica_id=config.replica_id, state=ledger),
+        manager=manager, exchange=exchange, catchup=catchup, loader_store=loader_store, audit=audit,
+        checkpointer=checkpointer, checkpointed=(step, ledger.lineage) if step > 0 else None, on_event=on_event,
+        on_phase=on_phase)
     return trainer

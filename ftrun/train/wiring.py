@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from ftrun.catchup.config import CatchupConfig
-from ftrun.catchup.server import CatchupServer
+from ftrun.catchup.http_transport import HttpCatchup
+from ftrun.checkpoint.manifest import checkpoint_key
 from ftrun.checkpoint.policy import CheckpointConfig
 from ftrun.config import ManagerConfig
 from ftrun.data.audit import AuditLog, FileAuditSink
@@ -22,6 +23,8 @@ from ftrun.ftar.engine import FtarConfig, FtarEngine
 from ftrun.ftar.kernels import Kernels
 from ftrun.quorum.client import LighthouseClient
 from ftrun.storage import FileStorage
+from ftrun.train.checkpointer import DcpCheckpointer
+from ftrun.train.compute import TorchCompute
 from ftrun.train.exchange import GradientExchange
 from ftrun.train.trainer import FaultTolerantTrainer, LossFn, TrainerConfig, build
 
@@ -50,8 +53,7 @@ def build_trainer(*, job: "FTJob", model: torch.nn.Module, optimizer: torch.opti
         wait_limit = cfg.timeouts.ftar_timeout_s if cfg.catchup_wait_limit_s is None else cfg.catchup_wait_limit_s
         catchup = CatchupConfig(max_shard_bytes=_multiple_of(cfg.catchup_shard_bytes, 64), wait_limit_s=wait_limit,
                                 timeouts=cfg.timeouts)
-        server = CatchupServer(env=env, token=spec.token, config=catchup, fault=hooks.catchup_fault)
-        server.start()
+        server = HttpCatchup(env=env, token=spec.token, config=catchup, fault=hooks.catchup_fault)
         closers.append(server.stop)
         ftar = FtarConfig(chunk_bytes=_multiple_of(cfg.ftar_chunk_bytes, 16), num_chunks=cfg.ftar_num_chunks,
                           timeout_s=cfg.timeouts.ftar_timeout_s)
@@ -64,16 +66,23 @@ def build_trainer(*, job: "FTJob", model: torch.nn.Module, optimizer: torch.opti
             closers.append(sink.close)
         lighthouse = LighthouseClient(env=env, addr=spec.lighthouse, token=spec.token, replica_id=spec.replica_id,
                                       timeouts=cfg.timeouts) if leader else None
+        checkpoint = CheckpointConfig(every_steps=max(cfg.checkpoint_every, 1))
         config = TrainerConfig(replica_id=spec.replica_id, rank=spec.rank, rng_seed=cfg.seed, lr=cfg.lr,
-                               catchup=catchup, checkpoint=CheckpointConfig(every_steps=max(cfg.checkpoint_every, 1)),
-                               checkpoint_dir=str(Path(spec.run_dir) / "ckpt") if cfg.checkpoint_every > 0 else None)
+                               catchup=catchup, checkpoint=checkpoint)
+        if spec.ranks_per_replica > 1 and cfg.checkpoint_every > 0:
+            raise ValueError("persistent checkpoints of a sharded replica (more than one rank) are not supported "
+                             "yet: set checkpoint_every=0")
+        checkpointer = DcpCheckpointer(root=Path(spec.run_dir) / "ckpt", model=model, optimizer=optimizer,
+                                       keep=checkpoint.keep, key=checkpoint_key(spec.token)) \
+            if cfg.checkpoint_every > 0 else None
+        compute = TorchCompute(model=model, optimizer=optimizer, loss_fn=loss_fn, dataset=dataset,
+                               min_samples=layout.dataset_size)
         trainer = build(
-            config=config, env=env, model=model, optimizer=optimizer, loss_fn=loss_fn, dataset=dataset,
-            layout=layout, replica_ids=ids, manager_config=ManagerConfig(max_retries=cfg.max_retries,
-                                                                         timeouts=cfg.timeouts),
+            config=config, env=env, compute=compute, layout=layout, replica_ids=ids,
+            manager_config=ManagerConfig(max_retries=cfg.max_retries, timeouts=cfg.timeouts),
             comm=job.comm, lighthouse=lighthouse, exchange=GradientExchange(engine=engine, rank=spec.rank),
-            server=server, token=spec.token, loader_store=LoaderStateStore(storage=FileStorage(spec.run_dir)),
-            audit=AuditLog(sink), on_event=job.emit, on_phase=hooks.on_phase)
+            catchup=server, loader_store=LoaderStateStore(storage=FileStorage(spec.run_dir)),
+            audit=AuditLog(sink), checkpointer=checkpointer, on_event=job.emit, on_phase=hooks.on_phase)
     except BaseException:
         if lighthouse is not None:
             lighthouse.close()

@@ -26,7 +26,10 @@ import secrets
 from typing import Any, Callable
 
 import shadow
+from ftrun.catchup.config import CatchupConfig
+from ftrun.catchup.manifest import align_up, ceil_div
 from ftrun.config import LighthouseConfig, Timeouts
+from ftrun.data.sampler import DataLayout
 from ftrun.env.base import EnvTimeout
 from ftrun.ftar.engine import FtarConfig
 from ftrun.quorum.service import Lighthouse
@@ -34,12 +37,13 @@ from ftrun.replica.tree_comm import TreeComm
 from harness.engine import EmulatedWorld
 from harness.engine.net import EmuConnection
 from harness.profile import DTYPE_BYTES, Profile
-from harness.run.dataplane import Mirror
+from harness.run.fold import Mirror
 from harness.run.faults import CutBuilding, Kill, KillLighthouse, SlowFetch, SlowHost, check_faults
 from harness.run.options import JobOptions
 from harness.run.rank import rank_main
 from harness.run.record import Recorder
-from mocks.compute import ShapeCache
+from harness.run.ledger import audit_figures
+from mocks.compute import ShapeCache, ShapeOnlyState
 from mocks.scheduler import MockScheduler, NoCapacity
 from mocks.storage import MockObjectStore
 
@@ -77,6 +81,7 @@ class Incarnation:
             self.listeners = [env.net.listen("127.0.0.1:0") for env in self.envs]
             self.addrs = [ln.addr for ln in self.listeners]
         self.live = self.world_size
+        self.ledgers: dict = {}  # the ranks' shared ledger transitions (harness.run.seams.FoldedProgress)
         # a straggler among its hosts: (host index, factor, from step), or None
         self.straggler = job.straggler_on(hosts)
         self.alive = True  # False once killed or failed (its ranks may still be unwinding)
@@ -115,11 +120,23 @@ class EmulatedJob:
         self.shapes = ShapeCache()
         shapes = self.shapes.get(profile.model, profile.ranks_per_replica)
         self.state_bytes_per_rank = shapes.params_per_rank * (DTYPE_BYTES[profile.model.dtype] + ADAM_STATE_BYTES)
+        self.shape_state = ShapeOnlyState(shapes)  # shared by every rank: it holds no values
+        self.rng = random.Random(options.seed)
+        self.replica_ids = tuple(self.replica_id(r) for r in range(profile.replicas))
+        self.data_layout = DataLayout(dataset_size=profile.num_ranks * (options.steps + 1), num_replicas=profile.replicas,
+                                      ranks_per_replica=profile.ranks_per_replica, batch_size_per_rank=1,
+                                      seed=options.seed)
+        env = self.world.host_env(SUPERVISOR_HOST)  # the stores' calls wait on whichever task makes them
+        self.storage = MockObjectStore.local_disk(env)  # loader_state and audit logs: files next to the job
+        self.checkpoint_storage = MockObjectStore.remote(env)  # persistent checkpoints: an object store
         self.ftar_config = FtarConfig(chunk_bytes=max(16, profile.ftar.chunk_bytes // 16 * 16),
                                       num_chunks=profile.ftar.chunks_in_flight,
                                       timeout_s=self.timeouts.ftar_timeout_s, transport="socket")
         self.mirror_timeout_s = 10 * (self.timeouts.ftar_timeout_s + self.timeouts.catchup_timeout_s
                                       + profile.train.step_compute_s + profile.train.first_step_extra_s)
+        self.catchup_config = CatchupConfig(  # a rank's state in about 8 shards, as the fetch plan spreads them
+            max_shard_bytes=max(64, align_up(ceil_div(self.state_bytes_per_rank, 8))),
+            wait_limit_s=self.timeouts.ftar_timeout_s, timeouts=self.timeouts)
         self.finished = False
         self.max_step = 0
         self.lighthouse_addr = ""
@@ -324,17 +341,15 @@ class EmulatedJob:
         on_it = rank < self._num_leads if self._num_leads is not None else rank // self.profile.topology.gpus_per_host == s[0]
         return (s[1] - 1.0) * self.profile.train.step_compute_s if on_it else 0.0
 
-    def slowed_heal(self, inc: Incarnation, env: Any, heal: Callable[[Any], None]) -> Callable[[Any], None]:
-        """The heal hook, slowed by a slow fetch fault of the replica: F x the modeled transfer, plus D."""
+    def slow_fetch(self, inc: Incarnation) -> tuple[float, float] | None:
+        """(factor, delay_s) of a slow fetch fault of the replica: F x the modeled transfer, plus D."""
         slow = self._slow_fetch.get(inc.replica)
-        if slow is None:
-            return heal
+        return None if slow is None else (slow.factor, slow.delay_s)
 
-        def slowed(q: Any) -> None:
-            t0 = env.clock.now()
-            heal(q)
-            env.clock.sleep((slow.factor - 1.0) * (env.clock.now() - t0) + slow.delay_s)
-        return slowed
+    def data_figures(self) -> dict[str, Any]:
+        """The exactly-once audit over every leader's records, catch-up and checkpoint figures."""
+        return audit_figures(self.storage, self.checkpoint_storage, self.recorder.events,
+                             self.profile.ranks_per_replica)
 
     # -- called from rank tasks (never block) ----------------------------------------------------
     def committed(self, inc: Incarnation, step: int) -> None:

@@ -1,35 +1,39 @@
-"""One emulated rank: the same loop a real rank runs (compare ftrun/launch/demo_worker.py), on its host's Env.
+"""One emulated rank: the real FaultTolerantTrainer (ftrun.train.trainer), built with the emulator's seams.
 
-    q = manager.start_step()                  # leader: lighthouse round trip; all: decision over the tree
-    compute.forward_backward()                # shape-only (mocks.compute): the profile's step time
-    exchange.average(q, grads)                # real FTAR engine on ShapeOnly buffers
-    manager.should_commit()                   # 2PC vote over the tree
+    trainer = build(...)                      # the same build a real rank runs (ftrun.train.wiring)
+    while not done: trainer.train_step()      # quorum, catch-up, compute, FTAR, 2PC, ledger, audit, LR
 
-With folded FTAR, a rank that is not one of its replica's lead ranks (dataplane.py) replaces the middle
-two lines by one wait for its lead's outcome: same virtual time, same error, one resume instead of two.
-
-Everything here is the runtime's own code (Manager, TreeComm / FlatComm, LighthouseClient,
-FtarEngine, GradientExchange) except what the emulator must supply: the Env, the shape-only compute,
-buffers and kernels, the catch-up transfer model, and the folding of identical rings (dataplane.py).
+Everything is the runtime's own code (Manager, TreeComm / FlatComm, LighthouseClient, FtarEngine,
+GradientExchange, the catch-up fetch protocol and server over env.net, DataProgress, the audit log,
+checkpoint writer election, the LR intervention) except what the emulator supplies through seams:
+the Env (its host's), shape-only compute with the job's timing effects (harness.run.seams), shape-only
+catch-up payloads and snapshots, the mock object store for loader_state / audit / checkpoints, and the
+folding of identical rings (harness.run.fold). This module only wires and records.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ftrun.catchup.net_transport import NetCatchup
+from ftrun.checkpoint.policy import CheckpointConfig
 from ftrun.config import ManagerConfig
+from ftrun.data.audit import AuditLog
+from ftrun.data.loader_state import LoaderStateStore
 from ftrun.env.base import EnvTimeout, NetError, TaskKilled
 from ftrun.ftar.engine import FtarEngine
-from ftrun.ftar.ring import RecoverableError
 from ftrun.quorum.client import LighthouseClient, QuorumError
 from ftrun.quorum.decide import Decision
 from ftrun.replica.comm import ReplicaCommError
-from ftrun.replica.endpoints import encode_endpoints
-from ftrun.replica.manager import Manager, ReplicaError
+from ftrun.replica.manager import ReplicaError
 from ftrun.replica.tree_comm import FlatComm, TreeComm
+from ftrun.storage import StorageAuditSink
 from ftrun.train.exchange import GradientExchange
-from harness.run.dataplane import MirroredCall, ShapeCatchupServer, shape_only_heal
-from mocks.compute import ShapeOnlyCompute
+from ftrun.train.lr import LRConfig
+from ftrun.train.trainer import FaultTolerantTrainer, StepResult, TrainerConfig, build
+from harness.run.fold import LeadCatchup, LeadExchange, MirrorCatchup, MirrorExchange
+from harness.run.seams import (EmulatedCompute, FoldedProgress, ObjectStoreCheckpointer, ShapePayloads,
+                               ShapeSnapshotStore, TimedCatchup)
 
 if TYPE_CHECKING:
     from harness.run.job import EmulatedJob, Incarnation
@@ -92,88 +96,105 @@ def _comm(job: "EmulatedJob", inc: "Incarnation", rank: int, env: Any) -> TreeCo
         inc.listeners[rank] = None
 
 
-class _Rank:
-    """What one rank holds: its Manager, its slice of the data plane, its compute. Built by `_setup`."""
+class _Marks:
+    """When this rank passed the phases of its current step (virtual seconds)."""
 
-    def __init__(self, **parts: Any) -> None:
-        self.__dict__.update(parts)
+    __slots__ = ("quorum", "started", "exchange", "commit", "decided")
+
+    def __init__(self) -> None:
+        self.quorum = self.started = self.exchange = self.commit = self.decided = 0.0
 
 
-def _setup(job: "EmulatedJob", inc: "Incarnation", rank: int, env: Any, lead: bool) -> _Rank:
-    """Wire the rank as a real one would: replica comm, FTAR engine and catch-up server (leads only),
-    the leader's lighthouse client, the Manager with its heal hook, shape-only compute."""
-    leader, now, rec = rank == 0, env.clock.now, job.recorder
+def _compute(job: "EmulatedJob", inc: "Incarnation", rank: int, env: Any, lead: bool) -> EmulatedCompute:
+    p, train = job.profile, job.profile.train
+    restarted = inc.number > 0
+    extra_first = 0.0 if train.warmup_before_checkin else train.first_step_extra_s
+    return EmulatedCompute(
+        env=env, model=p.model, ranks_per_replica=p.ranks_per_replica, cache=job.shapes,
+        step_time_s=train.step_compute_s, rng=job.rng, state=job.shape_state, lead=lead,
+        extra_s=lambda step: job.jitter_s(inc.replica, step) + job.compute_extra_s(inc, rank, step),
+        first_extra_s=(extra_first + train.first_batch_s) if restarted else 0.0,
+        first_batch_s=train.first_batch_s if restarted else 0.0)
+
+
+def _data_plane(job: "EmulatedJob", inc: "Incarnation", rank: int, env: Any, lead: bool,
+                marks: _Marks) -> tuple[Any, Any]:
+    """(exchange, catch-up service): real FTAR and catch-up on leads, mirrors of them elsewhere."""
+    leader, mirror = rank == 0, inc.mirror
+
+    def fetched(t0: float, t1: float) -> None:
+        marks.decided = t0  # the decision has arrived; catching up is not part of get_quorum
+        if leader:
+            job.recorder.span(inc.replica_id, inc.number, "ftrun::catchup::heal", t0, t1)
+
+    if not lead:
+        exchange = MirrorExchange(mirror=mirror, rank=rank, ftar_config=job.ftar_config, timeout_s=job.mirror_timeout_s)
+        return exchange, TimedCatchup(MirrorCatchup(mirror=mirror, rank=rank, timeout_s=job.mirror_timeout_s), env,
+                                      on_fetch=fetched)
+    engine = FtarEngine(env=env, kernels=job.kernels(), token=job.token, config=job.ftar_config)
+    joiner_wait = job.timeouts.ftar_timeout_s + 2 * job.profile.train.step_compute_s  # others compute, then timeout
+    exchange: Any = GradientExchange(engine=engine, rank=rank, joiner_wait_s=joiner_wait)
+    net = NetCatchup(env=env, token=job.token, config=job.catchup_config, payloads=ShapePayloads(),
+                     store=lambda on_change: ShapeSnapshotStore(max_shard_bytes=job.catchup_config.max_shard_bytes,
+                                                                on_change=on_change))
+    catchup: Any = TimedCatchup(net, env, on_fetch=fetched, slow=job.slow_fetch(inc))
+    if mirror is not None:
+        exchange, catchup = LeadExchange(exchange, mirror, rank), LeadCatchup(catchup, mirror, rank)
+    return exchange, catchup
+
+
+def _build(job: "EmulatedJob", inc: "Incarnation", rank: int, env: Any, lead: bool,
+           marks: _Marks) -> FaultTolerantTrainer:
+    leader, p = rank == 0, job.profile
     comm = _comm(job, inc, rank, env)
-    engine = FtarEngine(env=env, kernels=job.kernels(), token=job.token, config=job.ftar_config) if lead else None
-    server = ShapeCatchupServer(env) if lead else None
-    endpoints = encode_endpoints({"ftar": engine.addr, "catchup": server.addr}) if engine and server else ""
     client = TimedLighthouseClient(job=job, env=env, addr=job.lighthouse_addr, token=job.token,
                                    replica_id=inc.replica_id, timeouts=job.timeouts) if leader else None
     if client is not None:
         client.connect()  # counted live from the start, so the first quorum waits for this replica
-    heal_call = MirroredCall(inc.mirror, rank, "heal", job.mirror_timeout_s)
-    heal_fn = job.slowed_heal(inc, env, shape_only_heal(env=env, rank=rank, state_bytes=job.state_bytes_per_rank,
-                                                        timeout_s=job.timeouts.catchup_timeout_s))
-    r = _Rank(leader=leader, lead=lead, decided_at=0.0)
+    exchange, catchup = _data_plane(job, inc, rank, env, lead, marks)
+    every = p.checkpoint.every_steps
+    checkpointer = (ObjectStoreCheckpointer(storage=job.checkpoint_storage, state_bytes=job.state_bytes_per_rank)
+                    if every > 0 and leader else None)
+    audit = AuditLog(StorageAuditSink(job.storage, f"audit/{inc.replica_id}-{inc.number}.jsonl") if leader
+                     else _no_audit)
 
-    def heal(q) -> None:
-        t0 = r.decided_at = now()  # the decision has arrived; catching up is not part of get_quorum
-        heal_call(heal_fn, q)
-        if leader:
-            rec.span(inc.replica_id, inc.number, "ftrun::catchup::heal", t0, now())
+    def on_phase(phase: str, step: int) -> None:
+        if phase in ("quorum", "started", "exchange"):
+            setattr(marks, phase, env.clock.now())
+        elif phase == "before_commit":
+            marks.commit = env.clock.now()
+        if phase == "exchange" and leader:
+            job.entering_ftar(inc, step)
 
-    p = job.profile
-    r.manager = Manager(config=ManagerConfig(timeouts=job.timeouts), env=env, comm=comm, replica_id=inc.replica_id,
-                        lighthouse=client, data_addr=endpoints, heal=heal,
-                        on_event=(lambda e: job.leader_event(inc, e)) if leader else None)
-    r.compute = ShapeOnlyCompute(env=env, model=p.model, ranks_per_replica=p.ranks_per_replica, cache=job.shapes,
-                                 step_time_s=p.train.step_compute_s)
-    r.grads = r.compute.grad_buffer()
-    joiner_wait = job.timeouts.ftar_timeout_s + 2 * p.train.step_compute_s  # the others compute, then the timeout
-    r.exchange = (GradientExchange(engine=engine, rank=rank, joiner_wait_s=joiner_wait)
-                  if engine is not None else None)
-    r.ftar_call = MirroredCall(inc.mirror, rank, "ftar", job.mirror_timeout_s)
-    return r
+    config = TrainerConfig(replica_id=inc.replica_id, rank=rank, rng_seed=None, lr=LRConfig(policy=p.train.lr_intervention),
+                           checkpoint=CheckpointConfig(every_steps=max(every, 1)), catchup=job.catchup_config)
+    return build(config=config, env=env, compute=_compute(job, inc, rank, env, lead), layout=job.data_layout,
+                 replica_ids=job.replica_ids, manager_config=ManagerConfig(timeouts=job.timeouts), comm=comm,
+                 lighthouse=client, exchange=exchange, catchup=catchup,
+                 loader_store=LoaderStateStore(storage=job.storage), audit=audit, checkpointer=checkpointer,
+                 on_event=(lambda e: job.leader_event(inc, e)) if leader else None, on_phase=on_phase,
+                 make_progress=lambda **kw: FoldedProgress(cache=inc.ledgers, **kw))
+
+
+def _no_audit(data: bytes) -> None:
+    """Ranks other than the leader write no audit records (the trainer appends on the leader only)."""
 
 
 def _train(job: "EmulatedJob", inc: "Incarnation", rank: int, env: Any, lead: bool) -> None:
-    r = _setup(job, inc, rank, env, lead)
-    train = job.profile.train
-    manager, now = r.manager, env.clock.now
-    extra_first = 0.0 if train.warmup_before_checkin else train.first_step_extra_s
-    first = True
-    while manager.step < job.options.steps and not job.finished:
-        t0 = now()
-        q = manager.start_step()
-        t1 = now()
-        job.recorder.rank_started_step(q.quorum_id, q.step, t0, r.decided_at if q.healed else t1)
-        restarted_first = first and inc.number > 0
-        first = False
-        if lead and q.healed:
-            # Caught up this step: it trains nothing and contributes a zero gradient (paper §4.3), entering
-            # the all-reduce at once, where it waits for the others. Its first batch loads meanwhile.
-            env.clock.sleep(train.first_batch_s if restarted_first else 0.0)
-        elif lead:
-            extra = (extra_first + train.first_batch_s) if restarted_first else 0.0  # the first-step effect
-            r.compute.forward_backward(extra_s=extra + job.jitter_s(inc.replica, q.step)
-                                       + job.compute_extra_s(inc, rank, q.step))
-        t2 = now()
-        if r.leader:
-            job.entering_ftar(inc, q.step)
-        try:  # a mirroring rank waits out its lead's compute and exchange in this one call
-            r.ftar_call(r.exchange.average if r.exchange is not None else None, q, r.grads)
-        except RecoverableError as e:
-            manager.report_error(e, peer=True)  # a peer died or stalled: not this replica's own failure
-        t3 = now()
-        committed = manager.should_commit()
-        if r.leader:
-            _leader_spans(job, inc, q.healed, (t0, t1, t2, t3, now()))
-            if committed:
-                job.committed(inc, manager.step)
+    marks = _Marks()
+    trainer = _build(job, inc, rank, env, lead, marks)
+    leader = rank == 0
+    while trainer.step < job.options.steps and not job.finished:
+        r = trainer.train_step()
+        job.recorder.rank_started_step(r.quorum_id, r.step, marks.quorum, marks.decided if r.healed else marks.started)
+        if leader:
+            _leader_spans(job, inc, r, (marks.quorum, marks.started, marks.exchange, marks.commit, env.clock.now()))
+            if r.committed:
+                job.committed(inc, trainer.step)
 
 
-def _leader_spans(job: "EmulatedJob", inc: "Incarnation", healed: bool, t: tuple[float, ...]) -> None:
-    work = "ftrun::catchup::zero_grad_step" if healed else "ftrun::train::forward_backward"
+def _leader_spans(job: "EmulatedJob", inc: "Incarnation", r: StepResult, t: tuple[float, ...]) -> None:
+    work = "ftrun::catchup::zero_grad_step" if r.healed else "ftrun::train::forward_backward"
     names = ("ftrun::replica::start_step", work, "ftrun::ftar::all_reduce", "ftrun::replica::should_commit")
     for name, a, b in zip(names, t, t[1:]):
         job.recorder.span(inc.replica_id, inc.number, name, a, b)

@@ -1,7 +1,9 @@
 """Layering rules enforced on the source tree.
 
 Only the real Env may touch the OS's clock, threads and sockets; everything else goes through the Env
-seam so it runs unchanged under the emulator.
+seam so it runs unchanged under the emulator. Likewise only the real transports (the HTTP catch-up
+server, client connection and links, the lighthouse status page) may run an asyncio/aiohttp loop: the
+protocols above them block on the Env.
 """
 
 from __future__ import annotations
@@ -12,9 +14,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 FORBIDDEN = {"time", "threading", "socket", "selectors", "torch.cuda"}
 REAL_ENV = set((ROOT / "ftrun/env").glob("real*.py"))  # the rule: ftrun/env/real*.py
+ASYNC = {"asyncio", "aiohttp"}
+REAL_TRANSPORTS = REAL_ENV | {ROOT / f"ftrun/{p}" for p in ("quorum/http.py", "catchup/server.py", "catchup/conn.py",
+                                                             "catchup/http_guard.py", "catchup/http_transport.py")}
 
 
-def forbidden_imports(path: Path) -> list[str]:
+def forbidden_imports(path: Path, forbidden: set[str] = FORBIDDEN) -> list[str]:
     tree = ast.parse(path.read_text(), filename=str(path))
     found = []
     for node in ast.walk(tree):
@@ -24,7 +29,7 @@ def forbidden_imports(path: Path) -> list[str]:
             names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
         else:
             continue
-        hits = [n for n in names if any(n == f or n.startswith(f + ".") for f in FORBIDDEN)]
+        hits = [n for n in names if any(n == f or n.startswith(f + ".") for f in forbidden)]
         if hits:
             found.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {hits[0]}")
     return found
@@ -37,6 +42,12 @@ def test_only_the_real_env_imports_os_concurrency_modules():
     assert offenders == []
 
 
+def test_only_the_real_transports_run_an_event_loop():
+    sources = [p for p in (ROOT / "ftrun").rglob("*.py") if p not in REAL_TRANSPORTS]
+    offenders = [hit for p in sources for hit in forbidden_imports(p, ASYNC)]
+    assert offenders == []
+
+
 def test_the_lint_catches_offenders(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("import time\nfrom threading import Thread\nfrom torch.cuda import Stream\nimport torch.cuda\nfrom torch import cuda\nimport torch\n")
@@ -44,5 +55,7 @@ def test_the_lint_catches_offenders(tmp_path):
     saved, ROOT = ROOT, tmp_path
     try:
         assert len(forbidden_imports(bad)) == 5
+        bad.write_text("import asyncio\nfrom aiohttp import web\nimport json\n")
+        assert len(forbidden_imports(bad, ASYNC)) == 2
     finally:
         ROOT = saved

@@ -173,3 +173,17 @@ def test_registry_rejects_malformed_entries(tmp_path):
     bad.write_text('[modules]\n"a.b" = "c.d"\n[extra]\n')
     with pytest.raises(ValueError, match="unknown table"):
         load_registry(bad)
+
+
+def test_the_shim_answers_torch_internals_but_not_training_code_for_names_it_lacks():
+    import torch
+
+    from shadow.cuda_shim import make_cuda_shim
+
+    shim = make_cuda_shim(device_count=2, real=torch.cuda)
+    with pytest.raises(AttributeError, match="shadow loader's torch.cuda shim"):
+        shim.set_stream  # noqa: B018  training code asking for something the shim does not model
+    internal = types.ModuleType("torch._fake_internal")
+    exec("def get(m):\n    return m.set_stream\n", internal.__dict__)
+    assert internal.get(shim) is torch.cuda.set_stream  # torch's own tables (e.g. dynamo's) get the real one
+    assert shim.synchronize is not shim.empty_cache and shim.manual_seed is not shim.seed  # one object per name

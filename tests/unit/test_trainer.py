@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ftrun.catchup.config import CatchupConfig
-from ftrun.catchup.server import CatchupServer
+from ftrun.catchup.http_transport import HttpCatchup
 from ftrun.config import LighthouseConfig, ManagerConfig, Timeouts
 from ftrun.data.audit import AuditLog, audit, read_log
 from ftrun.data.loader_state import LoaderState, LoaderStateError, LoaderStateStore
@@ -23,6 +23,7 @@ from ftrun.quorum.client import LighthouseClient
 from ftrun.quorum.service import Lighthouse
 from ftrun.replica.comm import LocalComm
 from ftrun.storage import FileStorage
+from ftrun.train.compute import TorchCompute
 from ftrun.train.exchange import GradientExchange
 from ftrun.train.ft_worker import Float32Kernels, param_hash
 from ftrun.train.grads import FlatGrads
@@ -156,16 +157,16 @@ class Rep:
         self.model = make_model(TOY)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
         catchup = CatchupConfig(max_shard_bytes=1024, timeouts=T)
-        self.server = CatchupServer(env=env, token=TOKEN, config=catchup)
-        self.server.start()
+        self.server = HttpCatchup(env=env, token=TOKEN, config=catchup)
         self.engine = FtarEngine(env=env, kernels=Float32Kernels(), token=TOKEN,
                                  config=FtarConfig(chunk_bytes=512, num_chunks=2, timeout_s=T.ftar_timeout_s))
         self.trainer = build(
-            config=TrainerConfig(replica_id=rid, catchup=catchup), env=env, model=self.model, optimizer=self.opt,
-            loss_fn=self.loss, dataset=DATA, layout=LAYOUT, replica_ids=IDS,
+            config=TrainerConfig(replica_id=rid, catchup=catchup), env=env,
+            compute=TorchCompute(model=self.model, optimizer=self.opt, loss_fn=self.loss, dataset=DATA),
+            layout=LAYOUT, replica_ids=IDS,
             manager_config=ManagerConfig(max_retries=3, timeouts=T), comm=LocalComm(),
             lighthouse=LighthouseClient(env=env, addr=lighthouse.addr, token=TOKEN, replica_id=rid, timeouts=T),
-            exchange=GradientExchange(engine=self.engine, rank=0), server=self.server, token=TOKEN,
+            exchange=GradientExchange(engine=self.engine, rank=0), catchup=self.server,
             loader_store=LoaderStateStore(storage=FileStorage(root / rid)), audit=AuditLog(self.records.append),
             on_event=self.events.append, on_phase=self.on_phase)
 

@@ -1,0 +1,194 @@
+"""Catch-up over HTTP: the CatchupTransport links of the aiohttp state server (ftrun.catchup.server).
+
+Each link is one keep-alive HttpConnection (ftrun.catchup.conn, bodies received straight into the
+destination slice) driven by the link's own private asyncio loop: the fetch protocol above it
+(ftrun.catchup.fetcher) blocks on the Env like every other part of ftrun, and a link is used by one
+task at a time. `HttpCatchup` is the CatchupService of a real rank: the started HTTP server and the
+shared fetch client over these links.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from ftrun.catchup.config import CatchupConfig
+from ftrun.catchup.conn import ConnectionLost, HttpConnection, SourceStalled
+from ftrun.catchup.errors import CatchupAuthError, CatchupPeerError, CatchupStepError, CatchupUsageError
+from ftrun.catchup.fetcher import FetchResult, fetch_with
+from ftrun.catchup.manifest import Layout, Manifest, ShardSpec, decode_manifest
+from ftrun.catchup.net_transport import BytePayloads
+from ftrun.catchup.server import CatchupServer, FaultHook
+from ftrun.catchup.transport import ShardFailed, SourceFailed
+from ftrun.catchup.wire import ResponseHead, split_url
+from ftrun.env.base import Env
+
+MAX_SMALL_BODY = 64 << 20  # manifests and error bodies
+
+
+class HttpLink:
+    def __init__(self, source: str, token: str, config: CatchupConfig) -> None:
+        try:
+            self.host, self.port = split_url(source)
+        except ValueError as e:
+            raise CatchupUsageError(str(e)) from None
+        self.source, self.token, self.config = source, token, config
+        self._loop = asyncio.new_event_loop()
+        self._conn: HttpConnection | None = None
+        self._aborted = False  # closed by another task while a request ran: the runner closes the loop
+
+    def _get(self, path: str, pick: Any, wait_s: float, limit_s: float) -> Any:
+        async def go() -> Any:
+            if self._conn is None or not self._conn.usable:
+                self._conn = await HttpConnection.open(self.host, self.port, self.token,
+                                                       self.config.timeouts.connect_timeout_s)
+            return await self._conn.get(path, pick, head_wait_s=wait_s, stall_s=self.config.stall_s)
+
+        if self._loop.is_closed() or self._aborted:
+            raise SourceFailed(f"{self.source}: link closed")
+        try:
+            return self._loop.run_until_complete(asyncio.wait_for(go(), max(limit_s, 0.001)))
+        except asyncio.CancelledError:  # close() from another task aborted the request
+            raise SourceFailed(f"{self.source}: fetch aborted") from None
+        except RuntimeError:
+            if self._loop.is_closed():  # closed by another task just before the request started
+                raise SourceFailed(f"{self.source}: link closed") from None
+            raise
+        finally:
+            if self._aborted:
+                self._shutdown()
+
+    def _status_error(self, head: ResponseHead, body: bytes) -> Exception:
+        try:
+            doc = json.loads(body)
+            message, have = str(doc.get("error")), doc.get("have")
+        except (ValueError, AttributeError):
+            message, have = body[:200].decode("latin-1"), None
+        text = f"{self.source} answered {head.status}: {message}"
+        if head.status == 401:
+            return CatchupAuthError(text)
+        if head.status in (404, 409, 410):
+            return CatchupStepError(text, status=head.status, have=have if type(have) is int else None)
+        return CatchupPeerError(text)
+
+    def _small(self, head: ResponseHead) -> memoryview:
+        if head.content_length > MAX_SMALL_BODY:
+            raise CatchupPeerError(f"{self.source} sent a {head.content_length}-byte body")
+        return memoryview(bytearray(head.content_length))
+
+    def manifest(self, step: int, wait_s: float, limit_s: float) -> Manifest:
+        try:
+            resp = self._get(f"/catchup/{step}/manifest?wait={wait_s:.3f}", self._small, wait_s, limit_s)
+        except (OSError, asyncio.TimeoutError, CatchupPeerError) as e:
+            self._drop()
+            raise SourceFailed(f"{type(e).__name__}: {e}") from None
+        if resp.head.status != 200:
+            raise self._status_error(resp.head, resp.body.tobytes())
+        return decode_manifest(resp.body.tobytes(), step=step)
+
+    def shard(self, step: int, shard: ShardSpec, into: Any, wait_s: float, limit_s: float) -> None:
+        def pick(head: ResponseHead) -> memoryview:
+            if head.status == 200:
+                if head.content_length != shard.nbytes:
+                    raise CatchupPeerError(f"shard {shard.index} is {head.content_length} bytes, "
+                                           f"the manifest says {shard.nbytes}")
+                return into
+            return self._small(head)
+
+        resp = self._request(f"/catchup/{step}/shard/{shard.index}?wait={wait_s:g}", pick, wait_s, limit_s)
+        if resp.head.status != 200:
+            error = self._status_error(resp.head, resp.body.tobytes())
+            if isinstance(error, CatchupAuthError):
+                raise error
+            raise (SourceFailed if isinstance(error, CatchupStepError) else ShardFailed)(str(error))
+
+    def _request(self, path: str, pick: Any, wait_s: float, limit_s: float) -> Any:
+        """One shard request; a reused connection the server closed while idle is reopened once."""
+        for attempt in (0, 1):
+            reused = self._conn is not None and self._conn.usable
+            try:
+                return self._get(path, pick, wait_s, limit_s)
+            except (OSError, asyncio.TimeoutError) as e:
+                self._drop()
+                raise SourceFailed(f"{self.source} cannot be reached: {type(e).__name__}: {e}") from None
+            except SourceStalled as e:
+                self._drop()
+                raise SourceFailed(str(e)) from None
+            except ConnectionLost as e:
+                self._drop()
+                if not (reused and e.got == 0 and attempt == 0):
+                    raise ShardFailed(str(e)) from None
+            except CatchupPeerError as e:
+                self._drop()
+                raise ShardFailed(str(e)) from None
+        raise AssertionError("unreachable")
+
+    def _drop(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def close(self) -> None:
+        """Idempotent; from another task while a request runs, it aborts that request."""
+        loop, conn = self._loop, self._conn
+        if loop.is_closed():
+            return
+        if loop.is_running():
+            self._aborted = True
+            if conn is not None:
+                loop.call_soon_threadsafe(conn.close)
+            return
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        if self._loop.is_closed():
+            return
+        self._drop()
+        self._loop.run_until_complete(self._loop.shutdown_default_executor())
+        self._loop.close()
+
+
+class HttpTransport:
+    """The CatchupTransport over HTTP sources ("http://host:port")."""
+
+    def __init__(self, *, token: str, config: CatchupConfig, payloads: Any = None) -> None:
+        self.token, self.config = token, config
+        self.payloads = payloads if payloads is not None else BytePayloads()
+
+    def open(self, source: str) -> HttpLink:
+        return HttpLink(source, self.token, self.config)
+
+    def destination(self, nbytes: int) -> Any:
+        return self.payloads.destination(nbytes)
+
+    def views(self, dest: Any, layout: Layout) -> dict[str, torch.Tensor]:
+        return self.payloads.views(dest, layout)
+
+    def crc32(self, buf: Any) -> int:
+        return self.payloads.crc32(buf)
+
+
+class HttpCatchup:
+    """The CatchupService over HTTP: the started aiohttp CatchupServer and the shared fetch client."""
+
+    def __init__(self, *, env: Env, token: str, config: CatchupConfig = CatchupConfig(),
+                 fault: FaultHook | None = None) -> None:
+        self.env, self.config = env, config
+        self.server = CatchupServer(env=env, token=token, config=config, fault=fault)
+        self.transport = HttpTransport(token=token, config=config)
+        self.url = self.server.start()
+
+    def publish(self, step: int, state: Mapping[str, torch.Tensor], metadata: dict[str, Any] | None = None) -> None:
+        self.server.publish(step, state, metadata)
+
+    def retire(self, step: int) -> None:
+        self.server.retire(step)
+
+    def fetch(self, step: int, sources: Sequence[str]) -> FetchResult:
+        return fetch_with(self.env, self.transport, step, sources, self.config)
+
+    def stop(self) -> None:
+        self.server.stop()

@@ -1,0 +1,288 @@
+"""Catch-up over `env.net`: framed request/response messages and bulk frames, server and client link.
+
+    request   {"op": "manifest"|"shard", "token": T, "step": S, "index": I, "wait": W}
+    response  {"status": 200, "manifest": <JSON bytes>}           manifest
+              {"status": 200, "nbytes": N} + one bulk frame of N   shard
+              {"status": 401|404|409|410|400, "error": ..., "have": newest}
+
+The same statuses and long-poll rules as the HTTP server (ftrun.catchup.server): a step not published
+yet is waited for up to `wait` (at most long_poll_s), a retired or superseded one answers 410 at once,
+a wrong token 401. It runs on any Env: with the real one it is TCP, with the emulator's it is the
+modeled network, and the published store may hold shape-only payloads (the `payloads` of the client and
+the store of the server decide that; nothing here looks at bytes beyond slicing them).
+Threading: publish/retire from the training task; one server task per connection.
+"""
+
+from __future__ import annotations
+
+import logging
+import zlib
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from ftrun.catchup.config import CatchupConfig
+from ftrun.catchup.errors import CatchupAuthError, CatchupPeerError, CatchupStepError
+from ftrun.catchup.fetcher import FetchResult, fetch_with
+from ftrun.catchup.manifest import Layout, Manifest, ShardSpec, decode_manifest
+from ftrun.catchup.server import Fault, FaultHook
+from ftrun.catchup.snapshot import SnapshotStore, tensor_views
+from ftrun.catchup.transport import ShardFailed, SourceFailed
+from ftrun.env.base import ConnectError, Env, EnvTimeout, NetError, NetTimeout, PeerClosed
+
+log = logging.getLogger("ftrun.heal")
+
+StoreFactory = Callable[[Callable[[], None]], Any]  # on_change -> a SnapshotStore-like store
+
+
+class BytePayloads:
+    """Real bytes: a flat uint8 buffer, typed tensor views, zlib CRC32.
+
+    buffer: a CPU uint8 tensor to receive into when it is large enough (reuse it across fetches so a
+    steady-state fetch allocates nothing); otherwise each fetch allocates its own.
+    """
+
+    def __init__(self, buffer: torch.Tensor | None = None) -> None:
+        self.buffer = buffer
+
+    def destination(self, nbytes: int) -> memoryview:
+        b = self.buffer
+        if b is not None and b.dtype == torch.uint8 and b.device.type == "cpu" and b.is_contiguous() \
+                and b.dim() == 1 and b.numel() >= nbytes:
+            return memoryview(b.numpy())[:nbytes]
+        return memoryview(np.empty(nbytes, np.uint8))
+
+    def views(self, dest: memoryview, layout: Layout) -> dict[str, torch.Tensor]:
+        flat = torch.frombuffer(dest, dtype=torch.uint8) if len(dest) else torch.empty(0, dtype=torch.uint8)
+        return tensor_views(flat, layout)
+
+    def crc32(self, buf: Any) -> int:
+        return zlib.crc32(buf)
+
+
+class NetCatchupServer:
+    """Serves the rank's published snapshot over env.net (see the module docstring)."""
+
+    def __init__(self, *, env: Env, token: str, config: CatchupConfig = CatchupConfig(),
+                 store: StoreFactory | None = None, fault: FaultHook | None = None) -> None:
+        if not token:
+            raise ValueError("NetCatchupServer needs a non-empty job token")
+        self.env, self.config, self._token, self._fault = env, config, token, fault
+        make = store or (lambda on_change: SnapshotStore(env=env, max_shard_bytes=config.max_shard_bytes,
+                                                         on_change=on_change))
+        self.store = make(self._wake)
+        self._changed = env.event()
+        self._listener: Any = None
+        self._conns: set[Any] = set()
+        self.url = ""
+
+    def start(self) -> str:
+        self._listener = self.env.net.listen(self.config.bind)
+        self.url = self._listener.addr
+        self.env.spawn(self._accept_loop, name="catchup-accept")
+        return self.url
+
+    def publish(self, step: int, state: Mapping[str, torch.Tensor], metadata: dict[str, Any] | None = None) -> None:
+        self.store.publish(step, state, metadata)
+
+    def retire(self, step: int) -> None:
+        self.store.retire(step)
+
+    def stop(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+        for conn in list(self._conns):
+            conn.close()
+        self.store.close()
+        self._wake()
+
+    def _wake(self) -> None:
+        old, self._changed = self._changed, self.env.event()
+        old.set()
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn = self._listener.accept()
+            except NetError:
+                return
+            self._conns.add(conn)
+            self.env.spawn(self._serve, conn, name="catchup-serve")
+
+    def _serve(self, conn: Any) -> None:
+        try:
+            while True:
+                self._answer(conn, conn.recv(timeout=None))
+        except (NetError, EnvTimeout):
+            pass
+        finally:
+            conn.close()
+            self._conns.discard(conn)
+
+    def _answer(self, conn: Any, req: Any) -> None:
+        if not isinstance(req, dict) or req.get("token") != self._token:
+            conn.send({"status": 401, "error": "missing or wrong job token", "have": None})
+            return
+        step, index, op = req.get("step"), req.get("index", 0), req.get("op")
+        if type(step) is not int or step < 0 or type(index) is not int or index < 0 or op not in ("manifest", "shard"):
+            conn.send({"status": 400, "error": f"bad request {op!r} step {step!r} index {index!r}", "have": None})
+            return
+        wait = req.get("wait")
+        wait = min(float(wait), self.config.long_poll_s) if isinstance(wait, (int, float)) and wait >= 0 else 0.0
+        published = self._await_step(conn, step, wait)
+        if published is None:
+            return
+        if op == "manifest":
+            conn.send({"status": 200, "manifest": published.manifest_json})
+            return
+        shards = published.manifest.layout.shards
+        if index >= len(shards):
+            conn.send({"status": 404, "error": f"step {step} has {len(shards)} shards, not {index}", "have": step})
+            return
+        self._send_shard(conn, published, shards[index])
+
+    def _await_step(self, conn: Any, step: int, wait: float) -> Any:
+        deadline = self.env.clock.now() + wait
+        while True:
+            changed = self._changed  # taken before the lookup, so a change in between is not missed
+            availability, published = self.store.lookup(step)
+            if availability.kind == "serve":
+                return published
+            remaining = deadline - self.env.clock.now()
+            if availability.kind == "gone" or remaining <= 0:
+                conn.send({"status": availability.status, "error": availability.reason, "have": self.store.newest})
+                return None
+            changed.wait(timeout=remaining)
+
+    def _send_shard(self, conn: Any, published: Any, shard: ShardSpec) -> None:
+        data = published.buffer.mem[shard.offset:shard.offset + shard.nbytes]
+        fault = self._fault(published.step, shard.index) if self._fault else None
+        conn.send({"status": 200, "nbytes": shard.nbytes})
+        if fault is None:
+            conn.send_bytes(data)
+            return
+        log.warning("catch-up: injecting %s into step %d shard %d", fault.kind, published.step, shard.index)
+        if fault.kind == "corrupt":
+            spoiled = bytearray(data)
+            spoiled[len(spoiled) // 2] ^= 0xFF
+            conn.send_bytes(spoiled)
+        else:
+            conn.close()  # "truncate": the frame never completes
+        if fault.then is not None:
+            fault.then()
+
+
+class NetLink:
+    """One source, over one connection (reopened after a failure)."""
+
+    def __init__(self, env: Env, source: str, token: str, config: CatchupConfig) -> None:
+        self.env, self.source, self.token, self.config = env, source, token, config
+        self._conn: Any = None
+
+    def _connection(self) -> Any:
+        if self._conn is None or self._conn.closed:
+            try:
+                self._conn = self.env.net.connect(self.source, timeout=self.config.timeouts.connect_timeout_s)
+            except (NetError, EnvTimeout, ValueError) as e:
+                raise SourceFailed(f"{self.source} cannot be reached: {type(e).__name__}: {e}") from None
+        return self._conn
+
+    def _ask(self, req: dict, wait_s: float, limit_s: float) -> dict:
+        conn = self._connection()
+        try:
+            conn.send({**req, "token": self.token, "wait": wait_s}, timeout=min(self.config.stall_s, limit_s))
+            resp = conn.recv(timeout=min(wait_s + self.config.stall_s, limit_s))
+        except NetTimeout as e:
+            self.close()
+            raise SourceFailed(f"{self.source} stalled: {e}") from None
+        except (PeerClosed, ConnectError, NetError) as e:
+            self.close()
+            raise SourceFailed(f"{self.source} closed the connection: {type(e).__name__}: {e}") from None
+        if not isinstance(resp, dict) or type(resp.get("status")) is not int:
+            self.close()
+            raise CatchupPeerError(f"{self.source} sent a malformed response")
+        status = resp["status"]
+        if status == 200:
+            return resp
+        text = f"{self.source} answered {status}: {resp.get('error')}"
+        if status == 401:
+            raise CatchupAuthError(text)
+        if status in (404, 409, 410):
+            have = resp.get("have")
+            raise CatchupStepError(text, status=status, have=have if type(have) is int else None)
+        raise CatchupPeerError(text)
+
+    def manifest(self, step: int, wait_s: float, limit_s: float) -> Manifest:
+        resp = self._ask({"op": "manifest", "step": step}, wait_s, limit_s)
+        body = resp.get("manifest")
+        if not isinstance(body, (bytes, bytearray)):
+            raise CatchupPeerError(f"{self.source} sent no manifest body")
+        return decode_manifest(body, step=step)
+
+    def shard(self, step: int, shard: ShardSpec, into: Any, wait_s: float, limit_s: float) -> None:
+        started = self.env.clock.now()
+        resp = self._ask({"op": "shard", "step": step, "index": shard.index}, wait_s, limit_s)
+        if resp.get("nbytes") != shard.nbytes:
+            self.close()
+            raise ShardFailed(f"shard {shard.index} is {resp.get('nbytes')} bytes, the manifest says {shard.nbytes}")
+        try:
+            left = limit_s - (self.env.clock.now() - started)
+            self._conn.recv_into(into, timeout=max(min(self.config.stall_s, left), 0.001))
+        except NetTimeout as e:
+            self.close()
+            raise SourceFailed(f"{self.source} stalled mid-shard: {e}") from None
+        except NetError as e:
+            self.close()
+            raise ShardFailed(f"connection lost mid-shard: {type(e).__name__}: {e}") from None
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+
+class NetTransport:
+    """The CatchupTransport over env.net; `payloads` makes destinations, views and checksums."""
+
+    def __init__(self, *, env: Env, token: str, config: CatchupConfig, payloads: Any = None) -> None:
+        self.env, self.token, self.config = env, token, config
+        self.payloads = payloads if payloads is not None else BytePayloads()
+
+    def open(self, source: str) -> NetLink:
+        return NetLink(self.env, source, self.token, self.config)
+
+    def destination(self, nbytes: int) -> Any:
+        return self.payloads.destination(nbytes)
+
+    def views(self, dest: Any, layout: Layout) -> dict[str, torch.Tensor]:
+        return self.payloads.views(dest, layout)
+
+    def crc32(self, buf: Any) -> int:
+        return self.payloads.crc32(buf)
+
+
+class NetCatchup:
+    """The CatchupService over env.net: a started NetCatchupServer and the shared fetch client."""
+
+    def __init__(self, *, env: Env, token: str, config: CatchupConfig = CatchupConfig(),
+                 store: StoreFactory | None = None, payloads: Any = None, fault: FaultHook | None = None) -> None:
+        self.server = NetCatchupServer(env=env, token=token, config=config, store=store, fault=fault)
+        self.transport = NetTransport(env=env, token=token, config=config, payloads=payloads)
+        self.env, self.config = env, config
+        self.url = self.server.start()
+
+    def publish(self, step: int, state: Mapping[str, torch.Tensor], metadata: dict[str, Any] | None = None) -> None:
+        self.server.publish(step, state, metadata)
+
+    def retire(self, step: int) -> None:
+        self.server.retire(step)
+
+    def fetch(self, step: int, sources: Sequence[str]) -> FetchResult:
+        return fetch_with(self.env, self.transport, step, sources, self.config)
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+__all__ = ["BytePayloads", "Fault", "NetCatchup", "NetCatchupServer", "NetLink", "NetTransport"]

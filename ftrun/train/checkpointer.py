@@ -1,0 +1,49 @@
+"""The checkpoint-writer seam: how the elected writer persists the state after a step commits.
+
+    checkpointer.restore(layout, replica_ids) -> (step, ledger) | None    at start: the latest complete one
+    checkpointer.save(step, loader_state)     model + optimizer + ledger of the state after `step`
+
+The trainer decides when and who (ftrun.checkpoint.policy: cadence and writer election); this only
+writes. Real: `DcpCheckpointer` (torch.distributed.checkpoint under a folder, atomic manifest with
+CRCs, ftrun.checkpoint.store). The emulator writes a manifest of the modeled bytes to its mock object
+store (harness.run.seams). A failed save raises; the trainer logs it and carries on.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Protocol
+
+import torch
+
+from ftrun.data.loader_state import LoaderState
+from ftrun.data.sampler import DataLayout
+from ftrun.train.resume import checkpoint_store, resume
+
+
+class Checkpointer(Protocol):
+    def save(self, step: int, loader_state: LoaderState) -> None:
+        """Persist the state after `step` commits, with its ledger. Raises on a failed write."""
+
+    def restore(self, layout: DataLayout, replica_ids: tuple[str, ...]) -> tuple[int, LoaderState] | None:
+        """Load the latest complete checkpoint into the rank's state: (step, ledger), or None if there
+        is none. Raises LoaderStateError for a checkpoint of another layout or job."""
+
+
+class DcpCheckpointer:
+    """Checkpoints of a torch model and optimizer under `root` (keeping the newest `keep`), their
+    manifests signed with `key` (ftrun.checkpoint.manifest.checkpoint_key of the job token) and only
+    checkpoints signed with it restored."""
+
+    def __init__(self, *, root: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 keep: int, key: bytes | None = None) -> None:
+        self.root, self.model, self.optimizer, self.keep, self.key = root, model, optimizer, keep, key
+
+    def restore(self, layout: DataLayout, replica_ids: tuple[str, ...]) -> tuple[int, LoaderState] | None:
+        step, ledger = resume(self.root, model=self.model, optimizer=self.optimizer, layout=layout,
+                              replica_ids=replica_ids, key=self.key)
+        return (step, ledger) if step > 0 else None
+
+    def save(self, step: int, loader_state: LoaderState) -> None:
+        checkpoint_store().save(self.root, step=step, model=self.model, optimizer=self.optimizer,
+                                loader_state=loader_state, keep=self.keep, key=self.key)

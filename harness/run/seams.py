@@ -1,0 +1,193 @@
+"""What the emulator plugs into the real trainer's seams besides the Env: shape-only catch-up payloads
+and snapshots, and a checkpoint writer to the mock object store.
+
+- `ShapePayloads`: the catch-up client's destination is a ShapeOnlyGrads of the state's size (no
+  bytes), its tensors meta tensors, its CRC32 0 (the shape store's manifest says 0 too): the real fetch
+  protocol (ftrun.catchup.fetcher over ftrun.catchup.net_transport) moves modeled bytes.
+- `ShapeSnapshotStore`: the serving side. `publish` lays the (meta) state out with the real
+  ftrun.catchup.manifest code and answers `lookup` with the same pure `availability` rule as the real
+  SnapshotStore; the published buffer is shape-only, so a shard goes out as a ShapeOnly bulk frame of
+  its real size and the modeled network charges it.
+- `ObjectStoreCheckpointer`: the elected writer's checkpoint: the modeled state bytes written to the
+  mock object store (latency + bandwidth) and then an atomic manifest with the ledger (the commit).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+
+from ftrun.catchup.manifest import DTYPES, Layout, Manifest, dtype_name, encode_manifest, layout_for
+from ftrun.catchup.snapshot import Availability, Published, availability
+from ftrun.data.loader_state import LoaderState
+from ftrun.data.progress import DataProgress
+from ftrun.data.sampler import DataLayout
+from mocks.compute import ShapeOnlyGrads, ShapeOnlyTrainCompute
+
+
+class ShapePayloads:
+    def destination(self, nbytes: int) -> ShapeOnlyGrads:
+        return ShapeOnlyGrads(nbytes)
+
+    def views(self, dest: Any, layout: Layout) -> dict[str, torch.Tensor]:
+        return {t.name: torch.empty(t.shape, dtype=DTYPES[t.dtype], device="meta") for t in layout.tensors}
+
+    def crc32(self, buf: Any) -> int:
+        return 0
+
+
+@dataclass(frozen=True)
+class _ShapeBuffer:
+    mem: ShapeOnlyGrads
+
+
+class ShapeSnapshotStore:
+    """A SnapshotStore for meta-tensor states (see the module docstring). Threading: as SnapshotStore."""
+
+    def __init__(self, *, max_shard_bytes: int, on_change: Callable[[], None] | None = None) -> None:
+        self._max_shard_bytes, self._on_change = max_shard_bytes, on_change
+        self._layouts: dict[tuple, Layout] = {}
+        self._ready: Published | None = None
+        self._newest: int | None = None
+        self._retired: int | None = None
+        self.generation = 0
+        self.num_published = 0
+
+    @property
+    def newest(self) -> int | None:
+        return self._newest
+
+    def publish(self, step: int, state: Mapping[str, torch.Tensor], metadata: dict[str, Any] | None = None) -> None:
+        entries = tuple(sorted((name, dtype_name(t.dtype), tuple(t.shape)) for name, t in state.items()))
+        layout = self._layouts.get(entries)
+        if layout is None:
+            layout = self._layouts[entries] = layout_for(entries, self._max_shard_bytes)
+        manifest = Manifest(step, layout, (0,) * len(layout.shards), json.loads(json.dumps(metadata or {})))
+        self.generation += 1
+        self._newest = step
+        self._ready = Published(step, self.generation, manifest, encode_manifest(manifest),
+                                _ShapeBuffer(ShapeOnlyGrads(layout.total_bytes)))  # type: ignore[arg-type]
+        self.num_published += 1
+        self._changed()
+
+    def retire(self, step: int) -> None:
+        if self._ready is None or self._ready.step != step:
+            return
+        self.generation += 1
+        self._ready, self._retired = None, step
+        self._changed()
+
+    def lookup(self, step: int) -> tuple[Availability, Published | None]:
+        ready = self._ready
+        a = availability(step, ready=ready.step if ready else None, pending=None, newest=self._newest,
+                         retired=self._retired)
+        return a, (ready if a.kind == "serve" else None)
+
+    def close(self) -> None:
+        self._ready = None
+        self._changed()
+
+    def _changed(self) -> None:
+        if self._on_change is not None:
+            self._on_change()
+
+
+class ObjectStoreCheckpointer:
+    """The Checkpointer seam (ftrun.train.checkpointer) over a mock object store: `state_bytes` of
+    modeled data, then `ckpt/step-N/manifest.json` (the commit point: a checkpoint without it is
+    incomplete). `restore` finds none (an emulated job starts fresh)."""
+
+    def __init__(self, *, storage: Any, state_bytes: int, prefix: str = "ckpt") -> None:
+        self.storage, self.state_bytes, self.prefix = storage, state_bytes, prefix
+        self.committed: list[int] = []
+
+    def restore(self, layout: DataLayout, replica_ids: tuple[str, ...]) -> tuple[int, LoaderState] | None:
+        return None
+
+    def save(self, step: int, loader_state: LoaderState) -> None:
+        self.storage.charge_write(self.state_bytes)  # the model and optimizer shards
+        manifest = {"step": step, "state_bytes": self.state_bytes, "loader_state": loader_state.to_dict()}
+        self.storage.write_atomic(f"{self.prefix}/step-{step:08d}/manifest.json", json.dumps(manifest).encode())
+        self.committed.append(step)
+
+
+class EmulatedCompute(ShapeOnlyTrainCompute):
+    """One emulated rank's shape-only compute with the job's timing effects: a restarted replica's
+    first-step effect and first batch (paper §5), step jitter and straggler hosts (`extra_s(step)`).
+    A mirroring rank (folded rings) computes in zero time: its lead's compute is inside the lead's
+    exchange it waits for. `first_extra_s`: added to the first forward (or, for a rank healing at its
+    first step, `first_batch_s` to its zero gradient)."""
+
+    def __init__(self, *, lead: bool, first_extra_s: float, first_batch_s: float, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._lead, self._first_extra_s, self._first_batch_s = lead, first_extra_s, first_batch_s
+        self._first = True
+
+    def forward_backward(self, step: int = 0, samples: Any = None, seed: int | None = None) -> float:
+        if not self._lead:
+            return 0.0
+        first, self._first = self._first, False
+        if first and self._first_extra_s:
+            self.env.clock.sleep(self._first_extra_s)
+        return super().forward_backward(step, samples, seed)
+
+    def zero_grads(self) -> None:
+        first, self._first = self._first, False
+        if self._lead and first and self._first_batch_s:
+            self.env.clock.sleep(self._first_batch_s)  # its first batch loads before it enters the all-reduce
+
+
+class TimedCatchup:
+    """A CatchupService that reports each fetch to the emulator: `on_fetch(t_start, t_end)` (the
+    decision arrived at t_start: catching up is not part of get_quorum), and slows it as a slow-fetch
+    fault says: (factor - 1) x the modeled fetch, plus delay_s."""
+
+    def __init__(self, service: Any, env: Any, *, on_fetch: Callable[[float, float], None],
+                 slow: tuple[float, float] | None = None) -> None:
+        self._s, self._env, self._on_fetch, self._slow = service, env, on_fetch, slow
+        self.url = service.url
+
+    def publish(self, *args: Any, **kwargs: Any) -> None:
+        self._s.publish(*args, **kwargs)
+
+    def retire(self, step: int) -> None:
+        self._s.retire(step)
+
+    def fetch(self, step: int, sources: Any) -> Any:
+        t0 = self._env.clock.now()
+        try:
+            result = self._s.fetch(step, sources)
+            if self._slow is not None:
+                factor, delay = self._slow
+                self._env.clock.sleep((factor - 1.0) * (self._env.clock.now() - t0) + delay)
+            return result
+        finally:
+            self._on_fetch(t0, self._env.clock.now())
+
+    def stop(self) -> None:
+        self._s.stop()
+
+
+class FoldedProgress(DataProgress):
+    """A rank's DataProgress whose commits are shared by the replica incarnation's ranks: they all
+    apply the same step with the same contributors to the same ledger (the trainer's contract), so
+    the first rank computes the next ledger and its commit record and the others take them from
+    `cache` (one dict per incarnation). Everything else is the real DataProgress."""
+
+    def __init__(self, *, replica_id: str, state: LoaderState, cache: dict) -> None:
+        super().__init__(replica_id=replica_id, state=state)
+        self._cache = cache
+
+    def commit(self, *, writer: str) -> Any:
+        key = (self.state.lineage, self._step, self._contributors, writer)
+        hit = self._cache.get(key)
+        if hit is None:
+            record = super().commit(writer=writer)
+            self._cache[key] = (self.state, record)
+            return record
+        self.state, record = hit
+        self._step = None
+        return record

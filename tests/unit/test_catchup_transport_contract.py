@@ -1,0 +1,155 @@
+"""The catch-up seam's contract: one fetch protocol (ftrun.catchup.fetcher) over every transport —
+HTTP (aiohttp server), framed messages over the real env.net, and the emulator's env.net carrying
+shape-only payloads. Each body runs as the env's main task, so timeouts hold in virtual time too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ftrun.catchup.config import CatchupConfig
+from ftrun.catchup.errors import CatchupAuthError, CatchupStepError
+from ftrun.catchup.http_transport import HttpCatchup
+from ftrun.catchup.net_transport import NetCatchup
+from ftrun.config import Timeouts
+from ftrun.env.real import RealEnv
+from harness.engine import EmulatedWorld
+from harness.run.seams import ShapePayloads, ShapeSnapshotStore
+
+pytestmark = pytest.mark.timeout(60)
+TOKEN = "tok"
+CONFIG = CatchupConfig(max_shard_bytes=256, timeouts=Timeouts(catchup_long_poll_s=0.3, catchup_stall_s=2.0,
+                                                              catchup_timeout_s=10.0, connect_timeout_s=2.0))
+
+
+def _state(device: str = "cpu") -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    real = {"model.w": torch.randn(40, 7, generator=g), "model.b": torch.arange(9, dtype=torch.int64),
+            "optim.m": torch.randn(300, generator=g).to(torch.bfloat16)}
+    return real if device == "cpu" else {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in real.items()}
+
+
+def _http(env, token=TOKEN):
+    return HttpCatchup(env=env, token=token, config=CONFIG)
+
+
+def _net(env, token=TOKEN):
+    return NetCatchup(env=env, token=token, config=CONFIG)
+
+
+def _net_shape(env, token=TOKEN):
+    return NetCatchup(env=env, token=token, config=CONFIG, payloads=ShapePayloads(),
+                      store=lambda on_change: ShapeSnapshotStore(max_shard_bytes=CONFIG.max_shard_bytes,
+                                                                 on_change=on_change))
+
+
+KINDS = {"http": (RealEnv, _http, "cpu"), "net": (RealEnv, _net, "cpu"),
+         "net_shape": (lambda: EmulatedWorld(seed=0).host_env("host-0"), _net_shape, "meta")}
+
+
+@pytest.fixture(params=sorted(KINDS))
+def kind(request):
+    return KINDS[request.param]
+
+
+def _run(kind, body):
+    make_env, make, device = kind
+    env = make_env()
+    return env.run(body, env, make, device)
+
+
+def _same(got: dict, want: dict, device: str) -> bool:
+    if sorted(got) != sorted(want):
+        return False
+    for k, t in want.items():
+        g = got[k]
+        if g.dtype != t.dtype or tuple(g.shape) != tuple(t.shape):
+            return False
+        if device == "cpu" and not torch.equal(g, t):
+            return False
+    return True
+
+
+def test_a_state_fetched_from_two_sources_arrives_whole(kind):
+    def body(env, make, device):
+        a, b, me = make(env), make(env), make(env)
+        try:
+            for s in (a, b):
+                s.publish(5, _state(device), {"step": 5})
+            r = me.fetch(5, [a.url, b.url])
+            return r, _same(r.tensors, _state(device), device)
+        finally:
+            for s in (a, b, me):
+                s.stop()
+
+    result, same = _run(kind, body)
+    assert same and result.metadata == {"step": 5} and result.failures == ()
+    assert sum(result.bytes_by_source.values()) == result.num_bytes
+    assert all(n > 0 for n in result.bytes_by_source.values())  # the plan spread the shards
+
+
+def test_a_step_published_during_the_long_poll_is_served(kind):
+    def body(env, make, device):
+        a, me = make(env), make(env)
+        try:
+            def late():
+                env.clock.sleep(0.1)
+                a.publish(3, _state(device), {})
+            env.spawn(late, name="late")
+            return me.fetch(3, [a.url]).step
+        finally:
+            a.stop()
+            me.stop()
+
+    assert _run(kind, body) == 3
+
+
+def test_a_step_nobody_has_raises_a_step_error_after_the_long_poll(kind):
+    def body(env, make, device):
+        a, me = make(env), make(env)
+        try:
+            a.publish(2, _state(device), {})
+            t0 = env.clock.now()
+            with pytest.raises(CatchupStepError):
+                me.fetch(4, [a.url])
+            waited = env.clock.now() - t0
+            a.retire(2)
+            with pytest.raises(CatchupStepError):
+                me.fetch(2, [a.url])  # retired: answered at once
+            return waited
+        finally:
+            a.stop()
+            me.stop()
+
+    assert _run(kind, body) >= CONFIG.long_poll_s * 0.9
+
+
+def test_a_dead_source_is_dropped_and_its_shards_replanned(kind):
+    def body(env, make, device):
+        a, dead, me = make(env), make(env), make(env)
+        try:
+            a.publish(1, _state(device), {})
+            dead_url = dead.url
+            dead.stop()
+            r = me.fetch(1, [a.url, dead_url])
+            return r, _same(r.tensors, _state(device), device)
+        finally:
+            a.stop()
+            me.stop()
+
+    result, same = _run(kind, body)
+    assert same and result.failures and sum(result.bytes_by_source.values()) == result.num_bytes
+
+
+def test_a_wrong_token_is_refused(kind):
+    def body(env, make, device):
+        a, me = make(env), make(env, "other-token")
+        try:
+            a.publish(1, _state(device), {})
+            with pytest.raises(CatchupAuthError):
+                me.fetch(1, [a.url])
+        finally:
+            a.stop()
+            me.stop()
+
+    _run(kind, body)
