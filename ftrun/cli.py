@@ -28,6 +28,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class UsageError(Exception):
+    """Bad command-line input (a flag's value, a profile name): `main` prints it and exits 2, no traceback.
+    The message names what was wrong."""
+
+
 def emit_json(figures: dict) -> None:
     """Print `figures` as one JSON object on the last line of the command's output."""
     sys.stdout.flush()
@@ -60,7 +65,12 @@ def main(argv: list[str] | None = None) -> int:
     module.add_arguments(parser)
     args = parser.parse_args(argv[1:])
     setup_logging(args.log_level)
-    return int(module.run(args) or 0)
+    try:
+        return int(module.run(args) or 0)
+    except UsageError as e:
+        parser.print_usage(sys.stderr)
+        print(f"ftrun {command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

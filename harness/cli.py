@@ -23,14 +23,15 @@ import resource
 import runpy
 import sys
 import time
+import tomllib
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
-from ftrun.cli import emit_json
+from ftrun.cli import UsageError, emit_json
 from harness import report
-from harness.profile import Profile, apply_overrides, load_profile
+from harness.profile import PROFILE_DIR, Profile, apply_overrides, load_profile
 from harness.run import EmulatedJob, JobOptions, check_faults, faults_from_profile, parse_inject, split_faults
 
 DEFAULT_PROFILE = "ci-small"
@@ -69,7 +70,14 @@ def build_profile(name: str | None, overrides: list[str], *, steps: int | None, 
         extra.append(f"train.steps={steps}")
     if cpu_charging is not None:
         extra.append(f"emulation.cpu_charging={'true' if cpu_charging == 'on' else 'false'}")
-    return apply_overrides(load_profile(name or DEFAULT_PROFILE), extra)
+    name = name or DEFAULT_PROFILE
+    try:
+        return apply_overrides(load_profile(name), extra)
+    except FileNotFoundError:
+        known = ", ".join(sorted(p.stem for p in PROFILE_DIR.glob("*.toml")))
+        raise UsageError(f"no scale profile {name!r} (known: {known}; or a path to a .toml file)") from None
+    except (ValueError, tomllib.TOMLDecodeError) as e:
+        raise UsageError(f"profile {name!r}: {e}") from None
 
 
 def job_options(profile: Profile, args: argparse.Namespace, *, kills: tuple | None = None) -> JobOptions:

@@ -65,7 +65,7 @@ class HttpLink:
         try:
             doc = json.loads(body)
             message, have = str(doc.get("error")), doc.get("have")
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError, RecursionError):  # a deeply nested body must not end the fetch
             message, have = body[:200].decode("latin-1"), None
         text = f"{self.source} answered {head.status}: {message}"
         if head.status == 401:
