@@ -20,7 +20,7 @@ from ftrun.catchup.conn import ConnectionLost, HttpConnection, SourceStalled
 from ftrun.catchup.errors import CatchupAuthError, CatchupPeerError, CatchupStepError, CatchupUsageError
 from ftrun.catchup.fetcher import FetchResult, fetch_with
 from ftrun.catchup.manifest import Layout, Manifest, ShardSpec, decode_manifest
-from ftrun.catchup.net_transport import BytePayloads
+from ftrun.catchup.net_transport import BytePayloads, PayloadTransport
 from ftrun.catchup.server import CatchupServer, FaultHook
 from ftrun.catchup.transport import ShardFailed, SourceFailed
 from ftrun.catchup.wire import ResponseHead, split_url
@@ -151,7 +151,7 @@ class HttpLink:
         self._loop.close()
 
 
-class HttpTransport:
+class HttpTransport(PayloadTransport):
     """The CatchupTransport over HTTP sources ("http://host:port")."""
 
     def __init__(self, *, token: str, config: CatchupConfig, payloads: Any = None) -> None:
@@ -160,15 +160,6 @@ class HttpTransport:
 
     def open(self, source: str) -> HttpLink:
         return HttpLink(source, self.token, self.config)
-
-    def destination(self, nbytes: int) -> Any:
-        return self.payloads.destination(nbytes)
-
-    def views(self, dest: Any, layout: Layout) -> dict[str, torch.Tensor]:
-        return self.payloads.views(dest, layout)
-
-    def crc32(self, buf: Any) -> int:
-        return self.payloads.crc32(buf)
 
 
 class HttpCatchup:

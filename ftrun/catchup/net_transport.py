@@ -61,6 +61,22 @@ class BytePayloads:
         return zlib.crc32(buf)
 
 
+class PayloadTransport:
+    """The payload half of a CatchupTransport, shared by every transport: destinations, tensor views and
+    checksums come from `self.payloads` (BytePayloads for real bytes, shape-only ones in emulation)."""
+
+    payloads: Any
+
+    def destination(self, nbytes: int) -> Any:
+        return self.payloads.destination(nbytes)
+
+    def views(self, dest: Any, layout: Layout) -> dict[str, torch.Tensor]:
+        return self.payloads.views(dest, layout)
+
+    def crc32(self, buf: Any) -> int:
+        return self.payloads.crc32(buf)
+
+
 class NetCatchupServer:
     """Serves the rank's published snapshot over env.net (see the module docstring)."""
 
@@ -242,7 +258,7 @@ class NetLink:
             self._conn = None
 
 
-class NetTransport:
+class NetTransport(PayloadTransport):
     """The CatchupTransport over env.net; `payloads` makes destinations, views and checksums."""
 
     def __init__(self, *, env: Env, token: str, config: CatchupConfig, payloads: Any = None) -> None:
@@ -251,15 +267,6 @@ class NetTransport:
 
     def open(self, source: str) -> NetLink:
         return NetLink(self.env, source, self.token, self.config)
-
-    def destination(self, nbytes: int) -> Any:
-        return self.payloads.destination(nbytes)
-
-    def views(self, dest: Any, layout: Layout) -> dict[str, torch.Tensor]:
-        return self.payloads.views(dest, layout)
-
-    def crc32(self, buf: Any) -> int:
-        return self.payloads.crc32(buf)
 
 
 class NetCatchup:
