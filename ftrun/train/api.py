@@ -163,8 +163,8 @@ def init_from_env(config: FTConfig | None = None, *, environ: Mapping[str, str] 
         torch.set_num_threads(config.num_threads)  # ranks share the host; torch's pool would fight FTAR's threads
     env = RealEnv()
     lighthouse = None
-    if "FTRUN_REPLICA_ID" in environ:
-        spec = WorkerSpec.from_environ(environ)
+    if any(k in environ for k in ("FTRUN_REPLICA_ID", "TORCHELASTIC_RUN_ID", "GROUP_RANK")):
+        spec = WorkerSpec.from_environ(environ)  # torchrun without ftrun's replica settings: a clear error
     else:
         from ftrun.quorum.service import Lighthouse
 
