@@ -11,7 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 FORBIDDEN = {"time", "threading", "socket", "selectors", "torch.cuda"}
-REAL_ENV = {ROOT / "ftrun/env/real.py", ROOT / "ftrun/env/real_net.py"}
+REAL_ENV = {ROOT / "ftrun/env/real.py", ROOT / "ftrun/env/real_net.py", ROOT / "ftrun/env/real_store.py"}
 
 
 def forbidden_imports(path: Path) -> list[str]:
