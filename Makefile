@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-scale test-fuzz kernels bench clean
+.PHONY: setup demo test test-scale test-fuzz test-netns kernels bench clean
 
 setup: $(STAMP)
 
@@ -28,6 +28,10 @@ test-scale: setup
 # Every on-disk/wire decoder, 100,000 hypothesis examples each (the default suite runs a few).
 test-fuzz: setup
 	HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -q -m fuzz -p no:randomly -o timeout=0 --hypothesis-show-statistics tests/unit/test_decoders_fuzz.py
+
+# Multi-host tests on one machine: Linux network namespaces as hosts (needs root; skips cleanly without).
+test-netns: setup
+	$(PY) -m pytest -q -m netns tests
 
 clean:
 	rm -rf $(VENV) build csrc/build

@@ -1,0 +1,152 @@
+"""A multi-host job on one machine: network namespaces as hosts (ftrun.launch.netns).
+
+Host 0 runs `ftrun lighthouse` (token from a 0600 file), hosts 1-3 run replicas r0-r2 of
+ftrun.train.ft_worker, each binding and advertising its host's only address; every byte between them
+crosses the bridge (with a rate cap, and netem delay where the kernel has it). The test supervises like
+`ftrun launch`: it restarts a replica whose process died, on the same host. Scenarios, in one job:
+- host kill: every process on r1's host is SIGKILLed; r1 restarts there and catches up across hosts;
+- host cut off: r2's link goes down for longer than the heartbeat timeout, r0 and r1 go on without it,
+  the link comes back and r2 heals from them across hosts (in place, or restarted after it gave up);
+- at the end: every committed step bitwise identical across replicas, and exactly-once data.
+Skips when namespaces cannot be created (needs root / CAP_NET_ADMIN and iproute2).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from ftrun.env.base import EnvTimeout
+from ftrun.env.real import RealEnv
+from ftrun.launch.netns import NetnsConfig, NetnsHosts, NetnsLauncher, available
+from ftrun.launch.supervisor import ReplicaProcesses
+from ftrun.launch.worker_env import WorkerSpec
+from ftrun.net import NetConfig, write_token_file
+from tests.integration.test_ft_training import check_bitwise, check_exactly_once
+
+pytestmark = [pytest.mark.netns, pytest.mark.timeout(170)]
+
+IDS = ("r0", "r1", "r2")
+PORT = 29510
+WORKER = ["-m", "ftrun.train.ft_worker", "--steps", "100000", "--step-time", "0.05", "--ftar-timeout", "3"]
+
+
+@pytest.fixture
+def hosts():
+    ok, why = available()
+    if not ok:
+        pytest.skip(f"network namespaces cannot be created here: {why}")
+    # 0.2 ms per link and direction (a "rack"); 1 Gbit/s per link
+    with NetnsHosts(NetnsConfig(num_hosts=4, delay_ms=0.2, rate_mbit=1000)) as made:
+        yield made
+
+
+class Job:
+    """The lighthouse on host 0, replica i on host i + 1; `pump` feeds events and restarts crashed replicas."""
+
+    def __init__(self, hosts: NetnsHosts, run_dir: Path) -> None:
+        self.env, self.hosts, self.run_dir = RealEnv(), hosts, run_dir
+        token_file = str(run_dir / "job.token")
+        write_token_file(token_file, "netns-job-token")
+        with open(run_dir / "lighthouse.log", "ab") as log:
+            self.lighthouse = hosts.popen(0, [sys.executable, "-m", "ftrun.cli", "lighthouse", "--bind",
+                                              f"{hosts[0].addr}:{PORT}", "--min-replicas", "2", "--join-timeout", "3"],
+                                          env={**os.environ, "FTRUN_TOKEN_FILE": token_file}, stdout=log, stderr=log)
+        self.events = self.env.queue()
+        argv = WORKER + ["--stop-file", str(run_dir / "stop")]
+        self.replicas = {rid: ReplicaProcesses(
+            env=self.env, events=self.events, log_dir=str(run_dir), argv=argv, launcher=NetnsLauncher(hosts, i + 1),
+            spec=WorkerSpec(replica_id=rid, replica_index=i, num_replicas=len(IDS), rank=0, ranks_per_replica=1,
+                            incarnation=0, lighthouse=f"{hosts[0].addr}:{PORT}", token="netns-job-token",
+                            store_addr="", store_port=0, run_dir=str(run_dir), net=NetConfig(bind_host=hosts[i + 1].addr)))
+            for i, rid in enumerate(IDS)}
+        self.log: list[dict] = []
+        self._by_kind: dict[str, list[dict]] = defaultdict(list)
+        self.exits: dict[tuple[str, int], int] = {}
+
+    def start(self) -> None:
+        for rep in self.replicas.values():
+            rep.start()
+
+    def pump(self, until: Callable[[], bool], timeout: float = 40.0) -> None:
+        deadline = self.env.clock.now() + timeout
+        while not until():
+            if self.env.clock.now() > deadline:
+                raise AssertionError(f"timed out; last events: {self.log[-6:]}\n{self.worker_logs()}")
+            for rid, rep in self.replicas.items():  # restart a crashed replica on its host, as ftrun launch does
+                code = rep.exited()[0]
+                if code is not None and (rid, rep.spec.incarnation) not in self.exits:
+                    self.exits[(rid, rep.spec.incarnation)] = code
+                    if code != 0:
+                        rep.restart()
+            try:
+                while True:
+                    ev = self.events.get(timeout=0.05)
+                    self.log.append(ev)
+                    self._by_kind[ev["event"]].append(ev)
+            except EnvTimeout:
+                pass
+
+    def of(self, kind: str, rid: str | None = None, incarnation: int | None = None) -> list[dict]:
+        return [e for e in self._by_kind[kind] if rid in (None, e["replica_id"]) and incarnation in (None, e["incarnation"])]
+
+    def commits(self, rid: str | None = None, incarnation: int | None = None) -> list[dict]:
+        return [e for e in self.of("step", rid, incarnation) if e["committed"]]
+
+    def max_step(self) -> int:
+        return max((e["step"] + 1 for e in self.commits()), default=0)
+
+    def worker_logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-1200:]}" for p in sorted(self.run_dir.glob("*.log")))
+
+    def finish(self) -> None:
+        (self.run_dir / ".stop").write_text(str(self.max_step() + 3))
+        os.replace(self.run_dir / ".stop", self.run_dir / "stop")
+        self.pump(lambda: all(self.exits.get((r, rep.spec.incarnation)) == 0 for r, rep in self.replicas.items()))
+
+    def close(self) -> None:
+        for rep in self.replicas.values():
+            rep.kill()
+        self.lighthouse.kill()
+        self.lighthouse.wait()
+
+
+def test_training_across_namespace_hosts_survives_a_host_kill_and_a_cut_link(hosts, tmp_path):
+    job = Job(hosts, tmp_path)
+    try:
+        job.start()
+        job.pump(lambda: all(job.commits(r) for r in IDS), timeout=60)
+
+        # host kill: every process on r1's host
+        killed = hosts.kill(2)
+        assert killed, "r1's host ran no process"
+        job.pump(lambda: bool(job.of("heal", "r1", 1)) and len(job.commits("r1", 1)) >= 3)
+        assert job.exits[("r1", 0)] == -9
+        heal = job.of("catchup", "r1", 1)[0]
+        assert heal["num_bytes"] > 0
+
+        # host cut off, longer than the heartbeat timeout (2 s): the others go on without it
+        cut_at, r2_before = job.max_step(), len(job.of("heal", "r2"))
+        hosts.cut(3)
+        job.pump(lambda: len({e["step"] for e in job.commits() if e["step"] >= cut_at}) >= 5
+                 and all(len([e for e in job.commits(r) if e["step"] >= cut_at]) >= 3 for r in ("r0", "r1")))
+        assert not [e for e in job.commits("r2") if e["step"] >= cut_at + 2], "r2 committed while cut off"
+        hosts.restore(3)
+        job.pump(lambda: len(job.of("heal", "r2")) > r2_before
+                 and len([e for e in job.commits("r2") if e["step"] > job.of("heal", "r2")[-1]["step"]]) >= 3)
+
+        job.finish()
+        steps = check_bitwise(job)
+        report, final = check_exactly_once(job, finished=True)
+        print(f"\n[netns] shaping: {hosts.shaping}; {steps} committed (step, lineage) pairs identical; "
+              f"{len(report.trained)} batches trained exactly once; r1 healed {heal['num_bytes']} bytes in "
+              f"{heal['seconds']:.3f}s across hosts; r2 after the cut: incarnations "
+              f"{sorted({i for (r, i) in job.exits if r == 'r2'})}, exits {job.exits}")
+    finally:
+        job.close()
