@@ -4,6 +4,9 @@ refused in URLs; the launcher's rendezvous store listens on loopback only."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 
@@ -80,3 +83,25 @@ def test_launch_store_listens_on_loopback_only():
         del store
     with pytest.raises(ValueError, match="cannot bind the rendezvous store on '203.0.113.1'"):
         bound_store("203.0.113.1", timeout_s=5)
+
+
+def test_lighthouse_cli_refuses_a_token_on_argv_and_never_prints_a_new_one(tmp_path):
+    cli = [sys.executable, "-m", "ftrun.cli", "lighthouse", "--bind", "127.0.0.1:0"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FTRUN_")}
+    done = subprocess.run([*cli, "--token", "T"], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--token is refused" in done.stderr
+    loose = tmp_path / "loose.token"
+    loose.write_text("x\n")
+    os.chmod(loose, 0o644)
+    done = subprocess.run(cli, env={**env, "FTRUN_TOKEN_FILE": str(loose)}, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "chmod 600" in done.stderr
+    fresh = tmp_path / "job.token"
+    proc = subprocess.Popen([*cli, "--token-file", str(fresh)], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    token = fresh.read_text().strip()
+    assert os.stat(fresh).st_mode & 0o777 == 0o600
+    assert f"new token written to {fresh}" in line and token not in line and line.startswith("lighthouse listening on 127.0.0.1:")
