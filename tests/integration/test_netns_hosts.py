@@ -8,12 +8,16 @@ crosses the bridge (with a rate cap, and netem delay where the kernel has it). T
 - host cut off: r2's link goes down for longer than the heartbeat timeout, r0 and r1 go on without it,
   the link comes back and r2 heals from them across hosts (in place, or restarted after it gave up);
 - at the end: every committed step bitwise identical across replicas, and exactly-once data.
+A second test runs the README's torchrun recipe across hosts: one `torchrun --nproc-per-node 2` per host
+(sharded replicas), r1's link cut and restored, r1 healing per rank from r0 across hosts.
 Skips when namespaces cannot be created (needs root / CAP_NET_ADMIN and iproute2).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
 from collections import defaultdict
@@ -22,6 +26,8 @@ from typing import Callable
 
 import pytest
 
+from ftrun.data.audit import audit, read_log
+from ftrun.data.loader_state import LoaderState
 from ftrun.env.base import EnvTimeout
 from ftrun.env.real import RealEnv
 from ftrun.launch.netns import NetnsConfig, NetnsHosts, NetnsLauncher, available
@@ -150,3 +156,80 @@ def test_training_across_namespace_hosts_survives_a_host_kill_and_a_cut_link(hos
               f"{sorted({i for (r, i) in job.exits if r == 'r2'})}, exits {job.exits}")
     finally:
         job.close()
+
+
+def _torchrun_events(path: Path) -> list[dict]:
+    out = []
+    for line in path.read_bytes().split(b"\n"):
+        if line.startswith(b"{"):
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass  # two ranks share torchrun's stdout: a line may be torn
+    return out
+
+
+def test_one_torchrun_per_host_with_sharded_replicas_heals_across_a_cut_link(hosts, tmp_path):
+    """r0 and r1 as `torchrun --standalone --nproc-per-node 2` on hosts 1 and 2 (torchrun's store and the
+    replica's gloo groups inside the host; FTAR and catch-up across hosts): r1's link is cut, r0 goes on,
+    the link comes back and r1 heals per rank from r0; identical shards and exactly-once data at the end."""
+    token_file = str(tmp_path / "job.token")
+    write_token_file(token_file, "netns-torchrun-token")
+    base = {**{k: v for k, v in os.environ.items() if not k.startswith("FTRUN_")}, "FTRUN_TOKEN_FILE": token_file,
+            "OMP_NUM_THREADS": "1"}
+    procs, outs = [], [tmp_path / "r0.out", tmp_path / "r1.out"]
+    with open(tmp_path / "lighthouse.log", "ab") as log:
+        procs.append(hosts.popen(0, [sys.executable, "-m", "ftrun.cli", "lighthouse", "--bind", f"{hosts[0].addr}:{PORT}",
+                                     "--min-replicas", "1", "--join-timeout", "3"], env=base, stdout=log, stderr=log,
+                                 start_new_session=True))
+    try:
+        for i in range(2):
+            env = {**base, "FTRUN_REPLICA_ID": f"r{i}", "FTRUN_NUM_REPLICAS": "2", "FTRUN_LIGHTHOUSE": f"{hosts[0].addr}:{PORT}",
+                   "FTRUN_BIND_HOST": hosts[i + 1].addr, "FTRUN_RUN_DIR": str(tmp_path)}
+            with open(outs[i], "wb") as out, open(tmp_path / f"r{i}.err", "wb") as err:
+                procs.append(hosts.popen(i + 1, [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                 "--nproc-per-node", "2", "--max-restarts", "2", *WORKER,
+                                                 "--stop-file", str(tmp_path / "stop")],
+                                         env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True))
+        events = lambda i: _torchrun_events(outs[i])  # noqa: E731
+        commits = lambda i: [e for e in events(i) if e["event"] == "step" and e["committed"]]  # noqa: E731
+
+        def wait(cond, what: str, timeout: float = 60.0) -> None:
+            env = RealEnv()
+            deadline = env.clock.now() + timeout
+            while not cond():
+                failed = [p.poll() for p in procs[1:] if p.poll() not in (None, 0)]
+                if env.clock.now() > deadline or failed:
+                    raise AssertionError(f"{what}: timed out or a torchrun failed {failed}\n"
+                                         f"{(tmp_path / 'r1.err').read_text()[-2000:]}")
+                env.clock.sleep(0.2)
+
+        wait(lambda: len({e["step"] for e in commits(1) if e["participants"] == ["r0", "r1"]}) >= 3, "both replicas train",
+             timeout=120)
+        cut_at, heals_before = max(e["step"] for e in commits(0)), len([e for e in events(1) if e["event"] == "catchup"])
+        hosts.cut(2)
+        wait(lambda: len({e["step"] for e in commits(0) if e["step"] > cut_at and e["participants"] == ["r0"]}) >= 5,
+             "r0 goes on alone")
+        hosts.restore(2)
+        wait(lambda: len([e for e in events(1) if e["event"] == "catchup"]) > heals_before, "r1 heals after the cut")
+        healed_at = max(e["step"] for e in events(1) if e["event"] == "catchup")
+        wait(lambda: len({e["step"] for e in commits(1) if e["step"] > healed_at}) >= 2, "r1 commits after healing")
+        stop = max(e["step"] for e in commits(0) + commits(1)) + 3
+        (tmp_path / ".stop").write_text(str(stop))
+        os.replace(tmp_path / ".stop", tmp_path / "stop")
+        assert [p.wait(timeout=60) for p in procs[1:]] == [0, 0]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    finals = {(i, e["rank"]): e for i in range(2) for e in events(i) if e["event"] == "final"}
+    assert sorted(finals) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(finals[(0, r)]["param_hash"] == finals[(1, r)]["param_hash"] for r in (0, 1)), "replicas diverged"
+    final = LoaderState.from_dict(finals[(0, 0)]["loader_state"])
+    assert final.step == stop and len({json.dumps(e["loader_state"], sort_keys=True) for e in finals.values()}) == 1
+    records = [r for path in sorted(tmp_path.glob("audit-*.jsonl")) for r in read_log(path.read_bytes())[0]]
+    report = audit(records, final=final)
+    assert report.ok, report.summary()
+    print(f"\n[netns torchrun] shaping: {hosts.shaping}; cut at step {cut_at}, r1 healed to step {healed_at}; "
+          f"{len(report.trained)} batches trained exactly once; final step {stop}")
