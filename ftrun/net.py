@@ -19,13 +19,13 @@ from dataclasses import dataclass
 from typing import Mapping
 
 LOOPBACK = "127.0.0.1"
-WILDCARDS = ("0.0.0.0", "::")
-_HOST = re.compile(r"^[A-Za-z0-9.\-_]+$|^\[[0-9A-Fa-f:.]+\]$|^::$")
+WILDCARDS = ("0.0.0.0",)
+_HOST = re.compile(r"^[A-Za-z0-9.\-_]+$")  # a host name or an IPv4 address (the real Env's sockets are IPv4)
 
 
 def _check_host(field: str, host: str) -> None:
     if not isinstance(host, str) or not _HOST.match(host):
-        raise ValueError(f"NetConfig.{field} must be a host name or IP address, got {host!r}")
+        raise ValueError(f"NetConfig.{field} must be a host name or IPv4 address, got {host!r}")
 
 
 @dataclass(frozen=True, kw_only=True)

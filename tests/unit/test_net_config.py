@@ -24,7 +24,7 @@ def test_advertise_keeps_the_port_and_swaps_the_host(net, listen, advertised):
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"bind_host": "0.0.0.0"}, "needs an advertise_host"),
-    ({"bind_host": "::"}, "needs an advertise_host"),
+    ({"bind_host": "::"}, "bind_host must be a host name or IPv4 address"),
     ({"bind_host": "10.0.0.1", "advertise_host": "0.0.0.0"}, "must be routable"),
     ({"bind_host": ""}, "bind_host must be a host name"),
     ({"bind_host": "a b"}, "bind_host must be a host name"),
