@@ -136,6 +136,8 @@ def test_training_across_namespace_hosts_survives_a_host_kill_and_a_cut_link(hos
         assert job.exits[("r1", 0)] == -9
         heal = job.of("catchup", "r1", 1)[0]
         assert heal["num_bytes"] > 0
+        # fetched over the bridge from the other replicas' hosts, at the addresses they advertised
+        assert {_host(url) for url, n in heal["bytes_by_source"].items() if n} <= {hosts[1].addr, hosts[3].addr}
 
         # host cut off, longer than the heartbeat timeout (2 s): the others go on without it
         cut_at, r2_before = job.max_step(), len(job.of("heal", "r2"))
@@ -156,6 +158,10 @@ def test_training_across_namespace_hosts_survives_a_host_kill_and_a_cut_link(hos
               f"{sorted({i for (r, i) in job.exits if r == 'r2'})}, exits {job.exits}")
     finally:
         job.close()
+
+
+def _host(url: str) -> str:
+    return url.rpartition("://")[2].rpartition(":")[0]
 
 
 def _torchrun_events(path: Path) -> list[dict]:
@@ -212,7 +218,9 @@ def test_one_torchrun_per_host_with_sharded_replicas_heals_across_a_cut_link(hos
              "r0 goes on alone")
         hosts.restore(2)
         wait(lambda: len([e for e in events(1) if e["event"] == "catchup"]) > heals_before, "r1 heals after the cut")
-        healed_at = max(e["step"] for e in events(1) if e["event"] == "catchup")
+        heal = [e for e in events(1) if e["event"] == "catchup"][-1]
+        healed_at = heal["step"]
+        assert heal["num_bytes"] > 0 and {_host(u) for u, n in heal["bytes_by_source"].items() if n} == {hosts[1].addr}
         wait(lambda: len({e["step"] for e in commits(1) if e["step"] > healed_at}) >= 2, "r1 commits after healing")
         stop = max(e["step"] for e in commits(0) + commits(1)) + 3
         (tmp_path / ".stop").write_text(str(stop))
