@@ -241,3 +241,30 @@ def test_one_torchrun_per_host_with_sharded_replicas_heals_across_a_cut_link(hos
     assert report.ok, report.summary()
     print(f"\n[netns torchrun] shaping: {hosts.shaping}; cut at step {cut_at}, r1 healed to step {healed_at}; "
           f"{len(report.trained)} batches trained exactly once; final step {stop}")
+
+
+RING_PROBE = """
+import sys, numpy as np
+from ftrun.env.real import RealEnv
+from ftrun.ftar.cpu_kernels import CpuKernels
+from ftrun.ftar.engine import FtarEngine
+me, ring = int(sys.argv[1]), sys.argv[2].split(",")
+engine = FtarEngine(env=RealEnv(), kernels=CpuKernels(), token="t", bind=ring[me])
+engine.reconfigure(epoch=1, ring=ring, index=me, timeout=30)
+buf = np.full(1 << 18, me + 1, np.float32)
+engine.all_reduce(buf)
+print(",".join(engine.transports), float(buf.min()), float(buf.max()), flush=True)
+engine.close()
+"""
+
+
+def test_ftar_between_namespace_hosts_goes_over_the_network_and_within_a_host_through_shared_memory(hosts):
+    """Namespaces share the machine's memory, but a ring link between two hosts must use the network
+    they were given (the one shaped and cut), while two ranks on one host still share memory."""
+    ring = [f"{hosts[1].addr}:4100", f"{hosts[1].addr}:4101", f"{hosts[2].addr}:4100"]
+    on_host = [1, 1, 2]
+    procs = [hosts.popen(on_host[i], [sys.executable, "-c", RING_PROBE, str(i), ",".join(ring)], stdout=subprocess.PIPE,
+                         text=True) for i in range(3)]
+    got = [p.communicate(timeout=60)[0].split() for p in procs]
+    assert [g[0] for g in got] == ["socket,shared", "shared,socket", "socket,socket"]  # (from previous, to next)
+    assert all(g[1:] == ["6.0", "6.0"] for g in got)
