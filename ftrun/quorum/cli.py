@@ -35,8 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http-bind", default=None, help="status page address host:port (default: the bind host, port 0)")
     p.add_argument("--min-replicas", type=int, default=1)
     p.add_argument("--state-dir", default=None, help="folder for the persisted quorum state")
-    p.add_argument("--token-file", default=None, help="job token file, mode 0600 (default: $FTRUN_TOKEN_FILE, "
-                   "else $FTRUN_TOKEN, else a new token written to a new 0600 file)")
+    p.add_argument("--token-file", default=None, help="job token file, mode 0600; created when missing (with "
+                   "$FTRUN_TOKEN, else a new token). Default: $FTRUN_TOKEN_FILE, else $FTRUN_TOKEN, else a new "
+                   "token in a new 0600 file")
     p.add_argument("--token", default=None, help=argparse.SUPPRESS)  # refused with a clear error, see run()
     d = Timeouts()
     p.add_argument("--heartbeat-timeout", type=float, default=d.heartbeat_timeout_s)
@@ -49,9 +50,10 @@ def resolve_token(args: argparse.Namespace, environ) -> tuple[str, str]:
         raise TokenError("--token is refused: a token on the command line is visible to every local user; "
                          "set FTRUN_TOKEN_FILE (or --token-file) to a 0600 file, or FTRUN_TOKEN")
     if args.token_file and not os.path.exists(args.token_file):
-        token = secrets.token_hex(16)
+        token = load_token({"FTRUN_TOKEN": environ["FTRUN_TOKEN"]} if "FTRUN_TOKEN" in environ else {})
+        token = token or secrets.token_hex(16)
         write_token_file(args.token_file, token)
-        return token, f"new token written to {args.token_file}"
+        return token, f"token written to {args.token_file}"
     token = load_token(environ, file=args.token_file)
     if token is not None:
         return token, "token from " + (args.token_file or environ.get("FTRUN_TOKEN_FILE") or "$FTRUN_TOKEN")
@@ -60,7 +62,7 @@ def resolve_token(args: argparse.Namespace, environ) -> tuple[str, str]:
     path = os.path.join(folder, f"token-{secrets.token_hex(4)}")
     token = secrets.token_hex(16)
     write_token_file(path, token)
-    return token, f"new token written to {path} (give replicas FTRUN_TOKEN_FILE={path})"
+    return token, f"token written to {path} (give replicas FTRUN_TOKEN_FILE={path})"
 
 
 def resolve_net(args: argparse.Namespace, environ) -> tuple[NetConfig, str, str]:

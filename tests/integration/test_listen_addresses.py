@@ -104,4 +104,4 @@ def test_lighthouse_cli_refuses_a_token_on_argv_and_never_prints_a_new_one(tmp_p
         proc.wait(timeout=30)
     token = fresh.read_text().strip()
     assert os.stat(fresh).st_mode & 0o777 == 0o600
-    assert f"new token written to {fresh}" in line and token not in line and line.startswith("lighthouse listening on 127.0.0.1:")
+    assert f"token written to {fresh}" in line and token not in line and line.startswith("lighthouse listening on 127.0.0.1:")

@@ -108,6 +108,9 @@ def test_lighthouse_token_from_env_file_or_a_new_private_file(tmp_path):
     fresh = str(tmp_path / "new.token")
     token, note = lighthouse_cli.resolve_token(_lighthouse_args(["--token-file", fresh]), {})
     assert read_token_file(fresh) == token and fresh in note and token not in note
+    given = str(tmp_path / "given.token")  # a missing file is created with $FTRUN_TOKEN when set
+    assert lighthouse_cli.resolve_token(_lighthouse_args(["--token-file", given]), {"FTRUN_TOKEN": "e"})[0] == "e"
+    assert read_token_file(given) == "e"
     state = tmp_path / "state"
     token, note = lighthouse_cli.resolve_token(_lighthouse_args(["--state-dir", str(state)]), {})
     [made] = list(state.iterdir())
