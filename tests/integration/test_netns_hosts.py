@@ -30,7 +30,7 @@ from ftrun.data.audit import audit, read_log
 from ftrun.data.loader_state import LoaderState
 from ftrun.env.base import EnvTimeout
 from ftrun.env.real import RealEnv
-from ftrun.launch.netns import NetnsConfig, NetnsHosts, NetnsLauncher, available
+from ftrun.launch.netns import NetnsHosts, NetnsLauncher
 from ftrun.launch.supervisor import ReplicaProcesses
 from ftrun.launch.worker_env import WorkerSpec
 from ftrun.net import NetConfig, write_token_file
@@ -44,13 +44,8 @@ WORKER = ["-m", "ftrun.train.ft_worker", "--steps", "100000", "--step-time", "0.
 
 
 @pytest.fixture
-def hosts():
-    ok, why = available()
-    if not ok:
-        pytest.skip(f"network namespaces cannot be created here: {why}")
-    # 0.2 ms per link and direction (a "rack"); 1 Gbit/s per link
-    with NetnsHosts(NetnsConfig(num_hosts=4, delay_ms=0.2, rate_mbit=1000)) as made:
-        yield made
+def hosts(netns_hosts):
+    return netns_hosts(4, delay_ms=0.2, rate_mbit=1000)  # 0.2 ms per link and direction (a "rack"); 1 Gbit/s
 
 
 class Job:
