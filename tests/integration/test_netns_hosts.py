@@ -125,6 +125,7 @@ def test_training_across_namespace_hosts_survives_a_host_kill_and_a_cut_link(hos
         job.pump(lambda: all(job.commits(r) for r in IDS), timeout=60)
 
         # host kill: every process on r1's host
+        kill_at = job.max_step()
         killed = hosts.kill(2)
         assert killed, "r1's host ran no process"
         job.pump(lambda: bool(job.of("heal", "r1", 1)) and len(job.commits("r1", 1)) >= 3)
@@ -150,9 +151,16 @@ def test_training_across_namespace_hosts_survives_a_host_kill_and_a_cut_link(hos
         print(f"\n[netns] shaping: {hosts.shaping}; {steps} committed (step, lineage) pairs identical; "
               f"{len(report.trained)} batches trained exactly once; r1 healed {heal['num_bytes']} bytes in "
               f"{heal['seconds']:.3f}s across hosts; r2 after the cut: incarnations "
-              f"{sorted({i for (r, i) in job.exits if r == 'r2'})}, exits {job.exits}")
+              f"{sorted({i for (r, i) in job.exits if r == 'r2'})}, exits {job.exits}; r0's longest gap between "
+              f"commits after the host kill {_stall(job, kill_at):.2f}s, after the cut {_stall(job, cut_at):.2f}s")
     finally:
         job.close()
+
+
+def _stall(job: Job, from_step: int, num_steps: int = 30) -> float:
+    """r0's longest time between two consecutive commits over the steps after `from_step` (a figure)."""
+    times = sorted(e["t"] for e in job.commits("r0") if from_step <= e["step"] < from_step + num_steps)
+    return max((b - a for a, b in zip(times, times[1:])), default=0.0)
 
 
 def _host(url: str) -> str:
