@@ -32,6 +32,7 @@ test-fuzz: setup
 # Multi-host tests on one machine (network namespaces as hosts: needs root, skips cleanly without) and
 # real torchrun jobs; about a minute each, so outside `make test`.
 test-multihost: setup
+	bash ci/ensure_iproute2.sh
 	$(PY) -m pytest -q -m 'netns or torchrun' tests
 
 clean:
