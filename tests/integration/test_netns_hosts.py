@@ -9,7 +9,8 @@ crosses the bridge (with a rate cap, and netem delay where the kernel has it). T
   the link comes back and r2 heals from them across hosts (in place, or restarted after it gave up);
 - at the end: every committed step bitwise identical across replicas, and exactly-once data.
 A second test runs the README's torchrun recipe across hosts: one `torchrun --nproc-per-node 2` per host
-(sharded replicas), r1's link cut and restored, r1 healing per rank from r0 across hosts.
+(sharded replicas), r1's link cut and restored, r1 healing per rank from r0 across hosts. A third runs one
+replica across two hosts (torchrun multi-node); a fourth checks that FTAR between hosts uses the network.
 Skips when namespaces cannot be created (needs root / CAP_NET_ADMIN and iproute2).
 """
 
@@ -271,3 +272,46 @@ def test_ftar_between_namespace_hosts_goes_over_the_network_and_within_a_host_th
     got = [p.communicate(timeout=60)[0].split() for p in procs]
     assert [g[0] for g in got] == ["socket,shared", "shared,socket", "socket,socket"]  # (from previous, to next)
     assert all(g[1:] == ["6.0", "6.0"] for g in got)
+
+
+def test_a_replica_spanning_two_hosts_trains_in_step_with_one_on_a_single_host(netns_hosts, tmp_path):
+    """r0's two ranks on hosts 1 and 2 (torchrun multi-node: its store on host 1, the replica's gloo
+    groups across the bridge: FTRUN_BIND_HOST for ftrun's control group, GLOO_SOCKET_IFNAME for FSDP's),
+    r1's two ranks on host 3: the same shard of both replicas ends bitwise identical."""
+    hosts = netns_hosts(4)
+    token_file = str(tmp_path / "job.token")
+    write_token_file(token_file, "netns-multinode-token")
+    base = {**{k: v for k, v in os.environ.items() if not k.startswith("FTRUN_")}, "FTRUN_TOKEN_FILE": token_file,
+            "OMP_NUM_THREADS": "1", "FTRUN_NUM_REPLICAS": "2", "FTRUN_LIGHTHOUSE": f"{hosts[0].addr}:{PORT}",
+            "FTRUN_RUN_DIR": str(tmp_path)}
+    worker, torchrun = ["-m", "ftrun.train.ft_worker", "--steps", "8"], [sys.executable, "-m", "torch.distributed.run"]
+    procs = [hosts.popen(0, [sys.executable, "-m", "ftrun.cli", "lighthouse", "--bind", f"{hosts[0].addr}:{PORT}",
+                             "--min-replicas", "2"], env=base, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         start_new_session=True)]
+    outs = {}
+    try:
+        for node, host in enumerate((1, 2)):
+            env = {**base, "FTRUN_REPLICA_ID": "r0", "FTRUN_BIND_HOST": hosts[host].addr,
+                   "GLOO_SOCKET_IFNAME": hosts.config.veth(host)[1]}
+            argv = [*torchrun, "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node), "--rdzv-backend", "c10d",
+                    "--rdzv-endpoint", f"{hosts[1].addr}:29400", "--rdzv-id", "r0", "--local-addr", hosts[host].addr,
+                    *(["--rdzv-conf", "is_host=1"] if node == 0 else []), *worker]
+            outs[("r0", node)] = tmp_path / f"r0.{node}.out"
+            with open(outs[("r0", node)], "wb") as out, open(tmp_path / f"r0.{node}.err", "wb") as err:
+                procs.append(hosts.popen(host, argv, env=env, stdout=out, stderr=err, start_new_session=True))
+        outs[("r1", 0)] = tmp_path / "r1.out"
+        with open(outs[("r1", 0)], "wb") as out, open(tmp_path / "r1.err", "wb") as err:
+            procs.append(hosts.popen(3, [*torchrun, "--standalone", "--nproc-per-node", "2", *worker],
+                                     env={**base, "FTRUN_REPLICA_ID": "r1", "FTRUN_BIND_HOST": hosts[3].addr},
+                                     stdout=out, stderr=err, start_new_session=True))
+        codes = [p.wait(timeout=150) for p in procs[1:]]
+        assert codes == [0, 0, 0], (tmp_path / "r0.1.err").read_text()[-2000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    finals = {(rid, e["rank"]): e for (rid, _), path in outs.items() for e in _torchrun_events(path) if e["event"] == "final"}
+    assert sorted(finals) == [("r0", 0), ("r0", 1), ("r1", 0), ("r1", 1)]
+    assert all(e["step"] == 8 for e in finals.values())
+    assert all(finals[("r0", r)]["param_hash"] == finals[("r1", r)]["param_hash"] for r in (0, 1)), "replicas diverged"
