@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-scale test-fuzz kernels bench clean
+.PHONY: setup demo test test-scale test-fuzz test-multihost kernels bench clean
 
 setup: $(STAMP)
 
@@ -28,6 +28,12 @@ test-scale: setup
 # Every on-disk/wire decoder, 100,000 hypothesis examples each (the default suite runs a few).
 test-fuzz: setup
 	HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -q -m fuzz -p no:randomly -o timeout=0 --hypothesis-show-statistics tests/unit/test_decoders_fuzz.py
+
+# Multi-host tests on one machine (network namespaces as hosts: needs root, skips cleanly without) and
+# real torchrun jobs; about a minute each, so outside `make test`.
+test-multihost: setup
+	bash ci/ensure_iproute2.sh
+	$(PY) -m pytest -q -m 'netns or torchrun' tests
 
 clean:
 	rm -rf $(VENV) build csrc/build

@@ -34,7 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=int, default=3, help="fetches per source count (best is reported)")
     p.add_argument("--shard-mb", type=int, default=32, help="max shard size in MiB")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object, last")
-    p.add_argument("--_source", nargs=4, metavar=("STATE_MB", "SHARD_MB", "TOKEN", "BASELINE"), help=argparse.SUPPRESS)
+    p.add_argument("--_source", nargs=3, metavar=("STATE_MB", "SHARD_MB", "BASELINE"),
+                   help=argparse.SUPPRESS)  # the token comes in $FTRUN_TOKEN, never on argv
 
 
 def make_state(state_mb: int, seed: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -79,8 +80,9 @@ def _serve_raw(listener, flat: torch.Tensor) -> None:
 
 def _start_sources(n: int, args: argparse.Namespace, token: str) -> tuple[list[subprocess.Popen], list[dict]]:
     procs = [subprocess.Popen([sys.executable, "-m", "ftrun.cli", "bench", "catchup", "--_source",
-                               str(args.state_mb), str(args.shard_mb), token, "1" if i == 0 else "0"],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=os.environ.copy())
+                               str(args.state_mb), str(args.shard_mb), "1" if i == 0 else "0"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "FTRUN_TOKEN": token})
              for i in range(n)]
     infos = []
     for p in procs:
@@ -117,8 +119,8 @@ def _baseline_gbps(env: RealEnv, addr: str, buffer: torch.Tensor, iters: int) ->
 
 def run(args: argparse.Namespace) -> int:
     if args._source:
-        state_mb, shard_mb, token, baseline = args._source
-        _source(int(state_mb), int(shard_mb), token, baseline == "1")
+        state_mb, shard_mb, baseline = args._source
+        _source(int(state_mb), int(shard_mb), os.environ["FTRUN_TOKEN"], baseline == "1")
         return 0
     counts = sorted({int(c) for c in args.sources.split(",")})
     if not counts or counts[0] < 1 or args.state_mb < 1 or args.iters < 1:

@@ -16,6 +16,7 @@ class CatchupConfig:
     max_shard_bytes: the state is cut into shards of at most this size (a multiple of 64); sources serve
         different shards in parallel, so smaller shards balance better and larger ones cost fewer requests.
     bind: where the state server listens ("host:port", port 0 picks a free one); loopback by default.
+    advertise_host: the host in the URL peers are given (default: bind's host; needed with 0.0.0.0).
     max_source_failures: bad shards (checksum, short body, server error) a source may send before it
         is dropped from the fetch; each bad shard is retried from another source.
     wait_limit_s: paper §6.1 — how long the healthy replicas may wait for a joiner whose fetch runs past
@@ -28,6 +29,7 @@ class CatchupConfig:
 
     max_shard_bytes: int = 32 << 20
     bind: str = "127.0.0.1:0"
+    advertise_host: str | None = None
     max_source_failures: int = 2
     wait_limit_s: float = 10.0
     timeouts: Timeouts = field(default_factory=Timeouts)

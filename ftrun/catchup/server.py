@@ -124,7 +124,7 @@ class CatchupServer:
         try:
             await GuardedSite(runner, host, int(port), guard=self.guard).start()
             host, port = runner.addresses[0][:2]
-            self.url, self._loop = f"http://{host}:{port}", loop
+            self.url, self._loop = f"http://{self.config.advertise_host or host}:{port}", loop
             ready.set()
             await self._stopping.wait()
             self._wake()
@@ -147,6 +147,8 @@ class CatchupServer:
     # -- handlers ------------------------------------------------------------------------------
     @web.middleware
     async def _auth(self, request: web.Request, handler):
+        if "token" in request.query:  # a URL ends up in logs and proxies: the token never goes there
+            return self.guard.reply(400, "the job token is refused in a URL; send Authorization: Bearer")
         if not hmac.compare_digest(bearer_token(request), self._token.encode()):
             return self.guard.reply(401, "missing or wrong job token")
         return await handler(request)

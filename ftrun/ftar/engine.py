@@ -65,12 +65,12 @@ class FtarEngine:
     telemetry = None  # this rank's ftrun.diagnose.telemetry.Recorder, when root-cause telemetry is on
 
     def __init__(self, *, env: Env, kernels: Kernels, token: str, config: FtarConfig = FtarConfig(),
-                 bind: str = "127.0.0.1:0") -> None:
+                 bind: str = "127.0.0.1:0", advertise_host: str | None = None) -> None:
         self.env, self.kernels, self.config, self._token = env, kernels, config, token
         warmup = getattr(kernels, "warmup", None)
         if warmup is not None:
             warmup()  # load compiled kernels now: a first all-reduce must not stall its ring for a second
-        self._listener = RingListener(env, token, bind)
+        self._listener = RingListener(env, token, bind, advertise_host)
         self.addr = self._listener.addr  # publish as this rank's "ftar" endpoint
         self._links: RingLinks | None = None
         self._ring: tuple[int, int] = (0, 0)  # (size, index)

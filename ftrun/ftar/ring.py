@@ -41,10 +41,14 @@ class RingLinks:
 class RingListener:
     """Accepts ring connections and sorts them by epoch. One accept task for the engine's life."""
 
-    def __init__(self, env: Env, token: str, bind: str) -> None:
+    def __init__(self, env: Env, token: str, bind: str, advertise_host: str | None = None) -> None:
+        """Listen on `bind` ("host:port"); `addr` is what peers connect to: the bound port on
+        `advertise_host` (default: the bound host)."""
         self.env, self._token = env, token
         self._listener = env.net.listen(bind)
         self.addr = self._listener.addr
+        if advertise_host is not None and not self.addr.startswith("unix:"):
+            self.addr = f"{advertise_host}:{self.addr.rpartition(':')[2]}"
         self._arrivals = env.queue()
         self._task = env.spawn(self._accept_loop, name="ftar-accept")
 

@@ -24,13 +24,19 @@ SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
 
 
 def host_identity() -> str:
-    """Equal for two processes exactly when they can share memory (same kernel boot)."""
+    """Equal for two processes exactly when they can share memory (same kernel boot) and are on the same
+    network host: processes in different network namespaces (containers, `ftrun.launch.netns` hosts)
+    are different hosts, so their ring links go over the network they were given."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
     except OSError:
         boot = "no-boot-id"
-    return f"{os.uname().nodename}/{boot}"
+    try:
+        netns = os.readlink("/proc/self/ns/net")
+    except OSError:
+        netns = "no-netns"
+    return f"{os.uname().nodename}/{boot}/{netns}"
 
 
 def _pid_of(name: str) -> int | None:

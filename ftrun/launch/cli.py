@@ -34,7 +34,6 @@ at once. Kill options that never fired are warnings in the report and the JSON.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import secrets
@@ -42,13 +41,13 @@ import sys
 import tempfile
 from typing import Callable
 
-import torch.distributed as dist
 from tqdm import tqdm
 
 from ftrun.cli import emit_json
 from ftrun.config import LighthouseConfig, Timeouts
 from ftrun.env.base import EnvTimeout
 from ftrun.env.real import RealEnv
+from ftrun.env.real_store import bound_store
 from ftrun.launch.checks import (duration, kill_at, non_negative_int, positive_duration, positive_int, problems,
                                  unfired_kills)
 from ftrun.launch.crashes import CrashLog, summarize_stderr
@@ -120,8 +119,7 @@ class _Job:
         self.lighthouse = Lighthouse(env=env, token=self.token, config=LighthouseConfig(
             min_replicas=self.min_up, timeouts=Timeouts()))
         self.lighthouse.start()
-        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                   timeout=datetime.timedelta(seconds=60))
+        self.store = bound_store("127.0.0.1", timeout_s=60)  # loopback only: the store has no authentication
         self.stats = RunStats(args.replicas)
         self.events = env.queue()
         os.makedirs(os.path.join(out, "logs"), exist_ok=True)

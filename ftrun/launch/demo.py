@@ -8,17 +8,15 @@ committed steps, how fast the failure was detected and how long the replica took
 from __future__ import annotations
 
 import argparse
-import datetime
 import secrets
 import tempfile
 from collections import defaultdict
-
-import torch.distributed as dist
 
 from ftrun.cli import emit_json
 from ftrun.config import LighthouseConfig, Timeouts
 from ftrun.env.base import EnvTimeout
 from ftrun.env.real import RealEnv
+from ftrun.env.real_store import bound_store
 from ftrun.launch.supervisor import ReplicaProcesses
 from ftrun.launch.worker_env import WorkerSpec
 from ftrun.quorum.service import Lighthouse
@@ -41,8 +39,7 @@ def run(args: argparse.Namespace) -> int:
     token = secrets.token_hex(16)
     lighthouse = Lighthouse(env=env, config=LighthouseConfig(min_replicas=2, timeouts=Timeouts()), token=token)
     lighthouse.start()
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=30))
+    store = bound_store("127.0.0.1", timeout_s=30)  # loopback only: the store has no authentication
     events = env.queue()
     run_dir = tempfile.mkdtemp(prefix="ftrun-demo-")
     replicas = [

@@ -1,16 +1,33 @@
-"""The contract between the supervisor and a rank process: environment variables, torchrun-compatible.
+"""The contract between a launcher and a rank process: environment variables, torchrun-compatible.
 
-torchrun's names (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT,
-TORCHELASTIC_RESTART_COUNT) keep their meaning: a "group" is one replica, MASTER_* is the store the
-replica's ranks rendezvous on. ftrun adds FTRUN_* for the lighthouse and the replica identity. Only
-entry points call `WorkerSpec.from_environ`.
+Two launchers set it:
+- `ftrun launch` sets torchrun's names for the whole job (RANK and WORLD_SIZE global, GROUP_RANK the
+  replica, LOCAL_RANK the rank inside it) plus FTRUN_REPLICA_INDEX / FTRUN_REPLICA_RANK /
+  FTRUN_RANKS_PER_REPLICA, which say the replica layout outright.
+- One `torchrun` per replica (plus `ftrun lighthouse`): torchrun's world is one replica, so RANK and
+  WORLD_SIZE are the rank inside the replica and the replica's size, and GROUP_RANK is the node inside
+  the replica (not the replica). The replica's identity comes from ftrun's settings: FTRUN_REPLICA_ID
+  ("r<i>"), FTRUN_NUM_REPLICAS, FTRUN_LIGHTHOUSE, the token (FTRUN_TOKEN or FTRUN_TOKEN_FILE). torchrun's
+  restarts (TORCHELASTIC_RESTART_COUNT) are the replica's incarnations; MASTER_ADDR/PORT is its store.
+The network identity (FTRUN_BIND_HOST, FTRUN_ADVERTISE_HOST) is ftrun.net.NetConfig. Only entry points
+call `WorkerSpec.from_environ`.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from typing import Mapping
+
+from ftrun.net import NetConfig, load_token
+
+TORCHRUN_HELP = (
+    "started by torchrun without ftrun's replica settings: run one torchrun per replica, each with "
+    "FTRUN_REPLICA_ID=r<i> (i = 0..N-1), FTRUN_NUM_REPLICAS=N, FTRUN_LIGHTHOUSE=host:port (from `ftrun "
+    "lighthouse`) and FTRUN_TOKEN_FILE=<0600 file> (or FTRUN_TOKEN); see README 'torchrun'"
+)
+_REPLICA_ID = re.compile(r"^r(0|[1-9][0-9]*)$")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -27,8 +44,10 @@ class WorkerSpec:
     store_port: int
     run_dir: str
     max_steps: int | None = None  # stop after this many committed steps (None: the script decides)
+    net: NetConfig = field(default_factory=NetConfig)
 
     def to_environ(self) -> dict[str, str]:
+        """What `ftrun launch` sets for this rank (torchrun's names for the whole job, plus ftrun's)."""
         return {
             "RANK": str(self.replica_index * self.ranks_per_replica + self.rank),
             "LOCAL_RANK": str(self.rank),
@@ -39,29 +58,74 @@ class WorkerSpec:
             "MASTER_PORT": str(self.store_port),
             "TORCHELASTIC_RESTART_COUNT": str(self.incarnation),
             "FTRUN_REPLICA_ID": self.replica_id,
+            "FTRUN_REPLICA_INDEX": str(self.replica_index),
+            "FTRUN_REPLICA_RANK": str(self.rank),
+            "FTRUN_RANKS_PER_REPLICA": str(self.ranks_per_replica),
             "FTRUN_NUM_REPLICAS": str(self.num_replicas),
             "FTRUN_LIGHTHOUSE": self.lighthouse,
             "FTRUN_TOKEN": self.token,
             "FTRUN_RUN_DIR": self.run_dir,
+            **self.net.to_environ(),
             **({"FTRUN_MAX_STEPS": str(self.max_steps)} if self.max_steps is not None else {}),
         }
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] = os.environ) -> "WorkerSpec":
-        try:
-            return cls(
-                replica_id=environ["FTRUN_REPLICA_ID"],
-                replica_index=int(environ["GROUP_RANK"]),
-                num_replicas=int(environ["FTRUN_NUM_REPLICAS"]),
-                rank=int(environ["LOCAL_RANK"]),
-                ranks_per_replica=int(environ["LOCAL_WORLD_SIZE"]),
-                incarnation=int(environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-                lighthouse=environ["FTRUN_LIGHTHOUSE"],
-                token=environ["FTRUN_TOKEN"],
-                store_addr=environ["MASTER_ADDR"],
-                store_port=int(environ["MASTER_PORT"]),
-                run_dir=environ.get("FTRUN_RUN_DIR", "."),
-                max_steps=int(environ["FTRUN_MAX_STEPS"]) if "FTRUN_MAX_STEPS" in environ else None,
-            )
-        except KeyError as e:
-            raise ValueError(f"rank process started without the {e.args[0]} environment variable") from None
+        """The spec `ftrun launch` or a per-replica torchrun describes (see the module docstring).
+        Raises ValueError naming the variable that is missing or wrong."""
+        if "FTRUN_REPLICA_ID" not in environ and ("TORCHELASTIC_RUN_ID" in environ or "GROUP_RANK" in environ):
+            raise ValueError(TORCHRUN_HELP)
+        replica_id = _need(environ, "FTRUN_REPLICA_ID")
+        num_replicas = _int(environ, "FTRUN_NUM_REPLICAS", minimum=1)
+        index = _int(environ, "FTRUN_REPLICA_INDEX") if "FTRUN_REPLICA_INDEX" in environ else _index(replica_id)
+        if index >= num_replicas:
+            raise ValueError(f"replica {replica_id} (index {index}) is outside FTRUN_NUM_REPLICAS={num_replicas}")
+        if "FTRUN_RANKS_PER_REPLICA" in environ:  # ftrun launch: the layout is explicit
+            size = _int(environ, "FTRUN_RANKS_PER_REPLICA", minimum=1)
+            rank = _int(environ, "FTRUN_REPLICA_RANK") if "FTRUN_REPLICA_RANK" in environ else _int(environ, "LOCAL_RANK")
+        else:  # one torchrun per replica (or a hand-started rank): torchrun's world is the replica
+            size = _int(environ, "WORLD_SIZE", minimum=1, default=1)
+            rank = _int(environ, "RANK", default=0)
+        if rank >= size:
+            raise ValueError(f"rank {rank} is outside a replica of {size} ranks (RANK/WORLD_SIZE)")
+        token = load_token(environ)
+        if token is None:
+            raise ValueError("rank process started without a job token: set FTRUN_TOKEN_FILE (a 0600 file) or FTRUN_TOKEN")
+        return cls(
+            replica_id=replica_id, replica_index=index, num_replicas=num_replicas, rank=rank, ranks_per_replica=size,
+            incarnation=_int(environ, "TORCHELASTIC_RESTART_COUNT", default=0),
+            lighthouse=_need(environ, "FTRUN_LIGHTHOUSE"), token=token,
+            store_addr=_need(environ, "MASTER_ADDR") if size > 1 else environ.get("MASTER_ADDR", ""),
+            store_port=_int(environ, "MASTER_PORT") if size > 1 else _int(environ, "MASTER_PORT", default=0),
+            run_dir=environ.get("FTRUN_RUN_DIR", "."),
+            max_steps=_int(environ, "FTRUN_MAX_STEPS") if "FTRUN_MAX_STEPS" in environ else None,
+            net=NetConfig.from_environ(environ),
+        )
+
+
+def _need(environ: Mapping[str, str], name: str) -> str:
+    value = environ.get(name)
+    if not value:
+        raise ValueError(f"rank process started without the {name} environment variable")
+    return value
+
+
+def _int(environ: Mapping[str, str], name: str, *, minimum: int = 0, default: int | None = None) -> int:
+    raw = environ.get(name)
+    if raw is None and default is not None:
+        return default
+    raw = _need(environ, name)
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer") from None
+    if value < minimum:
+        raise ValueError(f"{name}={value} must be >= {minimum}")
+    return value
+
+
+def _index(replica_id: str) -> int:
+    m = _REPLICA_ID.match(replica_id)
+    if m is None:
+        raise ValueError(f"FTRUN_REPLICA_ID={replica_id!r} must be r<i> (r0, r1, ...) or come with FTRUN_REPLICA_INDEX")
+    return int(m.group(1))

@@ -1,8 +1,9 @@
 """The lighthouse's HTTP face: a status page at `/`, JSON at `/status`, Prometheus text at `/metrics`.
 
 Runs aiohttp on its own event loop in one Env task. Every request must carry the job token, as
-`Authorization: Bearer TOKEN` or `?token=TOKEN`. Bounded like the catch-up server (`HttpLimits`:
-idle/header-read timeout, connection cap, 4xx and one rate-limited WARNING line for a malformed request).
+`Authorization: Bearer TOKEN` (a `?token=` in the URL is refused: URLs end up in logs and proxies).
+Bounded like the catch-up server (`HttpLimits`: idle/header-read timeout, connection cap, 4xx and one
+rate-limited WARNING line for a malformed request).
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ class _LighthouseCollector:
 
 class StatusServer:
     def __init__(self, *, env: Env, lighthouse: Lighthouse, token: str, bind: str = "127.0.0.1:0",
-                 limits: HttpLimits = HttpLimits(max_connections=64)) -> None:
-        self.env, self.lighthouse, self._token = env, lighthouse, token
+                 limits: HttpLimits = HttpLimits(max_connections=64), advertise_host: str | None = None) -> None:
+        self.env, self.lighthouse, self._token, self._advertise_host = env, lighthouse, token, advertise_host
         self.guard = ConnectionGuard(limits, log, name="lighthouse status server")
         host, _, port = bind.rpartition(":")
         self._host, self._port = host or "127.0.0.1", int(port)
@@ -77,15 +78,16 @@ class StatusServer:
         site = GuardedSite(runner, self._host, self._port, guard=self.guard)
         await site.start()
         host, port = runner.addresses[0][:2]
-        self.url = f"http://{host}:{port}"
+        self.url = f"http://{self._advertise_host or host}:{port}"
         ready.set()
         await self._stopping.wait()
         await runner.cleanup()
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
-        given = bearer_token(request) or request.query.get("token", "").encode("utf-8", "surrogateescape")
-        if not hmac.compare_digest(given, self._token.encode()):
+        if "token" in request.query:  # URLs end up in logs and proxies: the token never goes there
+            return self.guard.reply(400, "the job token is refused in a URL; send Authorization: Bearer")
+        if not hmac.compare_digest(bearer_token(request), self._token.encode()):
             return self.guard.reply(401, "missing or wrong job token")
         return await handler(request)
 

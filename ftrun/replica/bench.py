@@ -27,7 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replicas", type=int, default=3)
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--json", action="store_true")
-    p.add_argument("--_worker", nargs=3, metavar=("LIGHTHOUSE", "TOKEN", "REPLICA"), help=argparse.SUPPRESS)
+    p.add_argument("--_worker", nargs=2, metavar=("LIGHTHOUSE", "REPLICA"), help=argparse.SUPPRESS)  # token: $FTRUN_TOKEN
 
 
 def _worker(addr: str, token: str, rid: str, steps: int) -> None:
@@ -66,14 +66,14 @@ def _round_trip_s(env: RealEnv, n: int = 2000) -> float:
 
 def run(args: argparse.Namespace) -> int:
     if args._worker:
-        _worker(*args._worker, steps=args.steps)
+        _worker(args._worker[0], os.environ["FTRUN_TOKEN"], args._worker[1], steps=args.steps)
         return 0
     env, token = RealEnv(), secrets.token_hex(8)
     lh = Lighthouse(env=env, config=LighthouseConfig(min_replicas=args.replicas), token=token)
     lh.start()
     procs = [subprocess.Popen([sys.executable, "-m", "ftrun.cli", "bench", "overhead", "--steps", str(args.steps),
-                               "--_worker", lh.addr, token, f"r{i}"], stdout=subprocess.PIPE, text=True,
-                              env=os.environ.copy()) for i in range(args.replicas)]
+                               "--_worker", lh.addr, f"r{i}"], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "FTRUN_TOKEN": token}) for i in range(args.replicas)]
     try:
         per_step = [json.loads(p.communicate(timeout=600)[0].strip().splitlines()[-1])["per_step_s"] for p in procs]
     finally:

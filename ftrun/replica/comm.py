@@ -73,13 +73,21 @@ _OPS = {"min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX, "sum": dist.ReduceOp
 
 
 class GlooComm:
-    def __init__(self, *, store: dist.Store, prefix: str, rank: int, world_size: int, timeout_s: float) -> None:
+    def __init__(self, *, store: dist.Store, prefix: str, rank: int, world_size: int, timeout_s: float,
+                 bind_host: str | None = None) -> None:
+        """`bind_host`: the address gloo's pairs listen on and publish through the store (this host's
+        interface in a multi-host replica); None keeps gloo's default (the hostname's address)."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside a replica of {world_size} ranks")
         self.rank, self.world_size = rank, world_size
-        self._pg = dist.ProcessGroupGloo(
-            dist.PrefixStore(prefix, store), rank, world_size, datetime.timedelta(seconds=timeout_s)
-        )
+        prefixed = dist.PrefixStore(prefix, store)
+        if bind_host is None:
+            self._pg = dist.ProcessGroupGloo(prefixed, rank, world_size, datetime.timedelta(seconds=timeout_s))
+        else:
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = datetime.timedelta(seconds=timeout_s)
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
+            self._pg = dist.ProcessGroupGloo(prefixed, rank, world_size, opts)
 
     def _group(self) -> dist.ProcessGroup:
         if self._pg is None:

@@ -48,6 +48,7 @@ from ftrun.env.real import RealEnv
 from ftrun.ftar.cpu_kernels import CpuKernels
 from ftrun.ftar.kernels import DType, Kernels
 from ftrun.launch.worker_env import WorkerSpec
+from ftrun.net import WILDCARDS
 from ftrun.replica.comm import LocalComm, ReplicaComm
 from ftrun.replica.manager import ReplicaError
 from ftrun.train.lr import LRConfig
@@ -163,8 +164,8 @@ def init_from_env(config: FTConfig | None = None, *, environ: Mapping[str, str] 
         torch.set_num_threads(config.num_threads)  # ranks share the host; torch's pool would fight FTAR's threads
     env = RealEnv()
     lighthouse = None
-    if "FTRUN_REPLICA_ID" in environ:
-        spec = WorkerSpec.from_environ(environ)
+    if any(k in environ for k in ("FTRUN_REPLICA_ID", "TORCHELASTIC_RUN_ID", "GROUP_RANK")):
+        spec = WorkerSpec.from_environ(environ)  # torchrun without ftrun's replica settings: a clear error
     else:
         from ftrun.quorum.service import Lighthouse
 
@@ -313,8 +314,9 @@ def _join_replica(spec: WorkerSpec, timeouts: Timeouts):
 
     store = dist.TCPStore(spec.store_addr, spec.store_port, is_master=False,
                           timeout=datetime.timedelta(seconds=timeouts.connect_timeout_s))
+    gloo_host = spec.net.advertised if spec.net.bind_host in WILDCARDS else spec.net.bind_host
     comm = GlooComm(store=store, prefix=f"{spec.replica_id}/{spec.incarnation}/ctl/", rank=spec.rank,
-                    world_size=spec.ranks_per_replica, timeout_s=timeouts.replica_comm_s)
+                    world_size=spec.ranks_per_replica, timeout_s=timeouts.replica_comm_s, bind_host=gloo_host)
     mesh = init_replica_group(store=store, replica_id=spec.replica_id, incarnation=spec.incarnation, rank=spec.rank,
                               world_size=spec.ranks_per_replica, timeout_s=timeouts.commit_timeout_s)
     return comm, mesh

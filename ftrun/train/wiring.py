@@ -52,12 +52,13 @@ def build_trainer(*, job: "FTJob", model: torch.nn.Module, optimizer: torch.opti
     try:
         wait_limit = cfg.timeouts.ftar_timeout_s if cfg.catchup_wait_limit_s is None else cfg.catchup_wait_limit_s
         catchup = CatchupConfig(max_shard_bytes=_multiple_of(cfg.catchup_shard_bytes, 64), wait_limit_s=wait_limit,
-                                timeouts=cfg.timeouts)
+                                timeouts=cfg.timeouts, bind=spec.net.bind(), advertise_host=spec.net.advertised)
         server = HttpCatchup(env=env, token=spec.token, config=catchup, fault=hooks.catchup_fault)
         closers.append(server.stop)
         ftar = FtarConfig(chunk_bytes=_multiple_of(cfg.ftar_chunk_bytes, 16), num_chunks=cfg.ftar_num_chunks,
                           timeout_s=cfg.timeouts.ftar_timeout_s)
-        engine = FtarEngine(env=env, kernels=kernels, token=spec.token, config=ftar)
+        engine = FtarEngine(env=env, kernels=kernels, token=spec.token, config=ftar, bind=spec.net.bind(),
+                            advertise_host=spec.net.advertised)
         closers.insert(0, engine.close)
         leader = spec.rank == 0
         sink = FileAuditSink(Path(spec.run_dir) / f"audit-{spec.replica_id}-{spec.incarnation}.jsonl") if leader \

@@ -35,7 +35,10 @@ def test_status_metrics_and_token():
         metrics = get(url + "/metrics", "t0k")
         assert "ftrun_lighthouse_quorum_id 1.0" in metrics
         assert "ftrun_lighthouse_live_replicas 1.0" in metrics
-        assert "r0" in get(url + "/?token=t0k")
+        assert "r0" in get(url + "/", "t0k")
+        with pytest.raises(urllib.error.HTTPError) as e:  # never in a URL, even the right one
+            get(url + "/status?token=t0k")
+        assert e.value.code == 400 and b"refused in a URL" in e.value.read()
         with pytest.raises(urllib.error.HTTPError) as e:
             get(url + "/status", "wrong")
         assert e.value.code == 401

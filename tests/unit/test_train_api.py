@@ -45,8 +45,15 @@ def test_step_target():
 
 
 def test_incomplete_launcher_environment_is_refused():
-    with pytest.raises(ValueError, match="GROUP_RANK"):
+    with pytest.raises(ValueError, match="FTRUN_NUM_REPLICAS"):
         init_from_env(FTConfig(num_threads=None), environ={"FTRUN_REPLICA_ID": "r0"})
+
+
+def test_torchrun_without_replica_settings_is_refused_not_run_alone():
+    torchrun = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "GROUP_RANK": "0", "TORCHELASTIC_RUN_ID": "x",
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    with pytest.raises(ValueError, match="one torchrun per replica, each with FTRUN_REPLICA_ID"):
+        init_from_env(FTConfig(num_threads=None), environ=torchrun)
 
 
 def test_checkpoints_of_a_sharded_replica_are_refused_before_joining():

@@ -1,0 +1,27 @@
+"""Fixtures shared by the integration tests."""
+
+from __future__ import annotations
+
+import pytest
+
+from ftrun.launch.netns import NetnsConfig, NetnsHosts, available
+
+
+@pytest.fixture
+def netns_hosts():
+    """Factory: `netns_hosts(num_hosts, delay_ms=..., rate_mbit=...)` builds that many network-namespace
+    hosts (ftrun.launch.netns) and tears them down after the test, also when it fails. Skips the test
+    where namespaces cannot be created (no root / CAP_NET_ADMIN, no iproute2). Mark such tests `netns`."""
+    made: list[NetnsHosts] = []
+
+    def build(num_hosts: int, **shaping) -> NetnsHosts:
+        ok, why = available()
+        if not ok:
+            pytest.skip(f"network namespaces cannot be created here: {why}")
+        hosts = NetnsHosts(NetnsConfig(num_hosts=num_hosts, **shaping))
+        made.append(hosts)
+        return hosts.__enter__()
+
+    yield build
+    for hosts in reversed(made):
+        hosts.teardown()
