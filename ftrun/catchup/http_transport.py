@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, Mapping, Sequence
-
-import torch
+from typing import Any
 
 from ftrun.catchup.config import CatchupConfig
 from ftrun.catchup.conn import ConnectionLost, HttpConnection, SourceStalled
 from ftrun.catchup.errors import CatchupAuthError, CatchupPeerError, CatchupStepError, CatchupUsageError
-from ftrun.catchup.fetcher import FetchResult, fetch_with
 from ftrun.catchup.manifest import Layout, Manifest, ShardSpec, decode_manifest
-from ftrun.catchup.net_transport import BytePayloads, PayloadTransport
+from ftrun.catchup.net_transport import BytePayloads, PayloadTransport, ServedCatchup
 from ftrun.catchup.server import CatchupServer, FaultHook
 from ftrun.catchup.transport import ShardFailed, SourceFailed
 from ftrun.catchup.wire import ResponseHead, split_url
@@ -162,7 +159,7 @@ class HttpTransport(PayloadTransport):
         return HttpLink(source, self.token, self.config)
 
 
-class HttpCatchup:
+class HttpCatchup(ServedCatchup):
     """The CatchupService over HTTP: the started aiohttp CatchupServer and the shared fetch client."""
 
     def __init__(self, *, env: Env, token: str, config: CatchupConfig = CatchupConfig(),
@@ -171,15 +168,3 @@ class HttpCatchup:
         self.server = CatchupServer(env=env, token=token, config=config, fault=fault)
         self.transport = HttpTransport(token=token, config=config)
         self.url = self.server.start()
-
-    def publish(self, step: int, state: Mapping[str, torch.Tensor], metadata: dict[str, Any] | None = None) -> None:
-        self.server.publish(step, state, metadata)
-
-    def retire(self, step: int) -> None:
-        self.server.retire(step)
-
-    def fetch(self, step: int, sources: Sequence[str]) -> FetchResult:
-        return fetch_with(self.env, self.transport, step, sources, self.config)
-
-    def stop(self) -> None:
-        self.server.stop()

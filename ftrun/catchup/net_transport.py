@@ -77,6 +77,28 @@ class PayloadTransport:
         return self.payloads.crc32(buf)
 
 
+class ServedCatchup:
+    """A CatchupService's delegation, shared by every transport: publish/retire/stop go to `self.server`,
+    fetch runs the one fetch driver over `self.transport`."""
+
+    env: Env
+    config: CatchupConfig
+    server: Any
+    transport: Any
+
+    def publish(self, step: int, state: Mapping[str, torch.Tensor], metadata: dict[str, Any] | None = None) -> None:
+        self.server.publish(step, state, metadata)
+
+    def retire(self, step: int) -> None:
+        self.server.retire(step)
+
+    def fetch(self, step: int, sources: Sequence[str]) -> FetchResult:
+        return fetch_with(self.env, self.transport, step, sources, self.config)
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
 class NetCatchupServer:
     """Serves the rank's published snapshot over env.net (see the module docstring)."""
 
@@ -269,7 +291,7 @@ class NetTransport(PayloadTransport):
         return NetLink(self.env, source, self.token, self.config)
 
 
-class NetCatchup:
+class NetCatchup(ServedCatchup):
     """The CatchupService over env.net: a started NetCatchupServer and the shared fetch client."""
 
     def __init__(self, *, env: Env, token: str, config: CatchupConfig = CatchupConfig(),
@@ -278,18 +300,6 @@ class NetCatchup:
         self.transport = NetTransport(env=env, token=token, config=config, payloads=payloads)
         self.env, self.config = env, config
         self.url = self.server.start()
-
-    def publish(self, step: int, state: Mapping[str, torch.Tensor], metadata: dict[str, Any] | None = None) -> None:
-        self.server.publish(step, state, metadata)
-
-    def retire(self, step: int) -> None:
-        self.server.retire(step)
-
-    def fetch(self, step: int, sources: Sequence[str]) -> FetchResult:
-        return fetch_with(self.env, self.transport, step, sources, self.config)
-
-    def stop(self) -> None:
-        self.server.stop()
 
 
 __all__ = ["BytePayloads", "Fault", "NetCatchup", "NetCatchupServer", "NetLink", "NetTransport"]
