@@ -36,6 +36,7 @@ from ftrun.launch.supervisor import ReplicaProcesses
 from ftrun.launch.worker_env import WorkerSpec
 from ftrun.net import NetConfig, write_token_file
 from tests.integration.test_ft_training import check_bitwise, check_exactly_once
+from tests.integration.test_torchrun import _events
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(170)]
 
@@ -168,14 +169,6 @@ def _host(url: str) -> str:
     return url.rpartition("://")[2].rpartition(":")[0]
 
 
-def _torchrun_events(path: Path) -> list[dict]:
-    out = []
-    for line in path.read_bytes().split(b"\n"):
-        if line.startswith(b"{"):
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                pass  # two ranks share torchrun's stdout: a line may be torn
     return out
 
 
@@ -201,7 +194,7 @@ def test_one_torchrun_per_host_with_sharded_replicas_heals_across_a_cut_link(hos
                                                  "--nproc-per-node", "2", "--max-restarts", "2", *WORKER,
                                                  "--stop-file", str(tmp_path / "stop")],
                                          env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True))
-        events = lambda i: _torchrun_events(outs[i])  # noqa: E731
+        events = lambda i: _events(outs[i])  # noqa: E731
         commits = lambda i: [e for e in events(i) if e["event"] == "step" and e["committed"]]  # noqa: E731
 
         def wait(cond, what: str, timeout: float = 60.0) -> None:
@@ -311,7 +304,7 @@ def test_a_replica_spanning_two_hosts_trains_in_step_with_one_on_a_single_host(n
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
-    finals = {(rid, e["rank"]): e for (rid, _), path in outs.items() for e in _torchrun_events(path) if e["event"] == "final"}
+    finals = {(rid, e["rank"]): e for (rid, _), path in outs.items() for e in _events(path) if e["event"] == "final"}
     assert sorted(finals) == [("r0", 0), ("r0", 1), ("r1", 0), ("r1", 1)]
     assert all(e["step"] == 8 for e in finals.values())
     assert all(finals[("r0", r)]["param_hash"] == finals[("r1", r)]["param_hash"] for r in (0, 1)), "replicas diverged"

@@ -6,22 +6,17 @@ from __future__ import annotations
 import argparse
 import os
 
-from ftrun.data.audit import Attempt, Commit, encode_record
-from ftrun.data.loader_state import GENESIS, next_lineage
+from ftrun.data.audit import encode_record
 from ftrun.launch.report import JobResult, job_figures
 from ftrun.launch.stats import RunStats
+from tests.unit.test_launch_stats import _chain
 
 ARGS = argparse.Namespace(kill_every=None, kill_random_mean=None)
 
 
 def write_audit(run_dir, batches_by_step) -> None:
     """Two replicas' attempt and commit records for the given (position, batch id) pairs, step by step."""
-    records, parent = [], GENESIS
-    for step, ((p0, b0), (p1, b1)) in enumerate(batches_by_step):
-        records += [Attempt("r0", step, parent, p0, b0), Attempt("r1", step, parent, p1, b1)]
-        lineage = next_lineage(parent, step, [("r0", p0), ("r1", p1)])
-        records.append(Commit("r0", step, parent, lineage, ("r0", "r1"), (p0, p1)))
-        parent = lineage
+    records = _chain(batches_by_step)
     (run_dir / "audit-r0-0.jsonl").write_bytes(b"".join(encode_record(r) for r in records))
 
 
