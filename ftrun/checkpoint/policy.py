@@ -1,4 +1,5 @@
-"""Persistent-checkpoint decisions: cadence, which replica writes, what to prune. Pure.
+"""Persistent-checkpoint decisions: cadence, which replica writes, what to prune, whether a restarted
+job's layout can take a checkpoint's ledger. Pure.
 
 Model and optimizer state are replicated, so one replica writes them (paper §4.4). The writer of the
 checkpoint at step n is chosen from the quorum of step n, at its start: every participant that is not
@@ -9,10 +10,11 @@ rank of every participant computes the same answer without talking to anyone.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable
 
-from ftrun.data.loader_state import HasStep
+from ftrun.data.loader_state import HasStep, LoaderState, LoaderStateError
+from ftrun.data.sampler import DataLayout
 
 STEP_DIR = re.compile(r"^step-(\d{8,})$")
 
@@ -71,3 +73,19 @@ def prune_plan(complete: Iterable[int], incomplete: Iterable[int], keep: int) ->
     if newest is not None:
         drop += [s for s in set(incomplete) if s < newest]
     return sorted(drop)
+
+
+def ledger_for_layout(ledger: LoaderState, layout: DataLayout) -> LoaderState:
+    """A checkpoint's ledger for a job restarted with `layout`, or LoaderStateError if the data would
+    change. A replica's stream and its batch boundaries depend on (dataset_size, num_replicas, seed) and
+    the replica batch size, not on how the batch is split between its ranks: a job restarted with a
+    different number of ranks per replica and the same replica batch trains exactly the batches the
+    ledger says are next (same positions, same lineage)."""
+    old = ledger.layout
+    same = (old.dataset_size, old.num_replicas, old.seed, old.replica_batch_size) == \
+        (layout.dataset_size, layout.num_replicas, layout.seed, layout.replica_batch_size)
+    if not same:
+        raise LoaderStateError(
+            f"loader_state was written for {old}, the job has {layout}: a restart may change ranks_per_replica and "
+            "batch_size_per_rank only if their product (the replica batch) and every other field stay the same")
+    return ledger if old == layout else replace(ledger, layout=layout)

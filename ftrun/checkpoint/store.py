@@ -1,8 +1,8 @@
 """Persistent checkpoints with torch.distributed.checkpoint (DCP): save, find the latest complete, restore, prune.
 
-Layout: `root/step-{n:08d}/` holds DCP's files (`__0_0.distcp`, `.metadata`), the loader_state snapshot
+Layout: `root/step-{n:08d}/` holds DCP's files (`__{rank}_{n}.distcp` per rank, `.metadata`), the loader_state snapshot
 (`loader_state.bin`, the ledger after n committed steps) and, written last and atomically through the
-Storage seam, `manifest.json` with every file's size and CRC32. A folder without a manifest, or whose
+Storage seam, `manifest.json` with every file's size, CRC32 and SHA-256. A folder without a manifest, or whose
 files do not match it, is not a checkpoint: `latest_complete` skips it with a warning naming the file
 and falls back to the previous complete one.
 
@@ -12,11 +12,22 @@ checked before DCP reads (unpickles) anything. Without a key a checkpoint folder
 Forks: `save` refuses (CheckpointFork) to replace a complete checkpoint of another lineage at the same
 step, or to write below a complete checkpoint at a higher step.
 
-DCP use: `dcp.save(state_dict, storage_writer=FileSystemWriter(dir), no_dist=True)` and `dcp.load(...,
-storage_reader=FileSystemReader(dir), no_dist=True)` in one process (no process group), on the
-canonical state dicts of `torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)`
-(FQN-keyed optimizer state, loaded back with `set_state_dict`). `FileSystemWriter(sync_files=True)`
-fsyncs the data files before the manifest is written.
+DCP use: `dcp.save(state_dict, storage_writer=FileSystemWriter(dir))` and `dcp.load(...,
+storage_reader=FileSystemReader(dir))` on the canonical state dicts of
+`torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)` (FQN-keyed optimizer state,
+DTensor shards under FSDP2, loaded back with `set_state_dict`) plus the user's registered state as
+"user.<name>" entries. `FileSystemWriter(sync_files=True)` fsyncs the data files before the manifest.
+
+Sharded replicas. `save` and `restore` are collective over the writer's (or restoring) replica, given
+its ReplicaComm (the control path of check-in and the commit vote); a one-rank replica runs DCP without
+a process group (`no_dist`). Every rank writes its own shards (`__{rank}_{n}.distcp`) through DCP over
+the replica's default process group (its FSDP group, ftrun.train.shard), rank 0 also `.metadata` and
+the loader_state; each rank hashes its own files and sends the entries to the leader (`gather_bytes`,
+JSON, the vote); the leader commits the one manifest over all of them only if every rank wrote, then
+broadcasts the outcome, so every rank raises or none does. A rank that dies mid-write leaves no
+manifest: the previous checkpoint stays the latest complete one. `restore` loads into the restoring
+replica's own sharding, whatever the writer's number of ranks was (DCP reshards); every rank verifies
+the leader's pick before DCP unpickles anything.
 
 Threading: one writer per root at a time (the quorum's chosen replica); readers may run concurrently.
 """
@@ -24,6 +35,7 @@ Threading: one writer per root at a time (the quorum's chosen replica); readers 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -31,20 +43,24 @@ import stat
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
 
 from ftrun.checkpoint import manifest as mf
 from ftrun.checkpoint.policy import parse_step_dir, prune_plan, step_dir
 from ftrun.data import loader_state as ls
+from ftrun.replica.comm import LocalComm, ReplicaComm
 from ftrun.storage import FileStorage
 
 log = logging.getLogger("ftrun.checkpoint")
 
 LOADER_STATE_FILE = "loader_state.bin"
+USER_PREFIX = "user."  # a registered user state `name` is the checkpoint entry "user.<name>"
 
 
 class CheckpointError(Exception):
@@ -90,36 +106,102 @@ def _single_process():
 
 
 def save(root: str | os.PathLike, *, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-         loader_state: ls.LoaderState, keep: int = 3, key: bytes | None = None) -> CheckpointInfo:
+         loader_state: ls.LoaderState, keep: int = 3, key: bytes | None = None,
+         extra: Mapping[str, Stateful] | None = None, comm: ReplicaComm | None = None) -> CheckpointInfo | None:
     """Write the checkpoint of the state after `step` committed steps, commit its manifest, prune to `keep`.
 
-    key: sign the manifest (see the module docstring). Raises ValueError if `loader_state` is not at
-    `step`, CheckpointFork if a complete checkpoint of another lineage is at `step` or any complete one
-    above it. A crash anywhere before the manifest is written leaves a folder that readers ignore (and
-    a later prune removes).
+    Collective over the writer replica: every rank of `comm` (default: a one-rank replica) calls it with
+    the same arguments and writes its own shards (see "Sharded replicas" in the module docstring).
+    extra: user state saved as "user.<name>" entries. key: sign the manifest (module docstring).
+    Raises ValueError if `loader_state` is not at `step`, CheckpointFork if a complete checkpoint of
+    another lineage is at `step` or any complete one above it, CheckpointError if any rank's write
+    failed; every rank raises alike. Returns the checkpoint on the leader, None on the other ranks.
+    A crash anywhere before the manifest is written leaves a folder
+    that readers ignore (and a later prune removes).
     """
     if loader_state.step != step:
         raise ValueError(f"loader_state is at step {loader_state.step}, the checkpoint is of step {step}")
+    comm = comm or LocalComm()
     root, name = Path(root), step_dir(step)
-    storage, path = FileStorage(root), root / name
-    _refuse_fork(root, step, loader_state.lineage, key)
+    path, leader = root / name, comm.rank == 0
+    _agree(comm, lambda: _prepare(root, path, step, loader_state.lineage, key) if leader else None)
+    try:
+        sd = _state_dict(model, optimizer, extra)
+        with _single_process():
+            dcp.save(sd, storage_writer=dcp.FileSystemWriter(path, sync_files=True), no_dist=comm.world_size == 1)
+        if leader:
+            FileStorage(root).write_atomic(f"{name}/{LOADER_STATE_FILE}", ls.encode(loader_state))
+        report = {"files": [[e.name, e.size, e.crc32, e.sha256] for e in _own_files(path, comm.rank)]}
+    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+        report = {"error": f"rank {comm.rank}: {type(e).__name__}: {str(e)[:300]}"}
+    reports = comm.gather_bytes(json.dumps(report).encode())  # the vote: every rank's shard is written
+    manifest = None
+
+    def commit() -> None:
+        nonlocal manifest
+        manifest = _commit(root, path, step, loader_state.lineage, key, [json.loads(r) for r in reports or []])
+        log.info("checkpoint of step %d written to %s (%d files, %d ranks)", step, path, len(manifest.files),
+                 comm.world_size)
+        prune(root, keep=keep)
+
+    _agree(comm, commit if leader else lambda: None)
+    return CheckpointInfo(step, path, manifest) if manifest is not None else None
+
+
+def _agree(comm: ReplicaComm, act: Callable[[], None]) -> None:
+    """Run `act` (a no-op except on the leader), then share its outcome: every rank raises the leader's
+    error (as CheckpointError on the others) or none does. Keeps the ranks' collectives in step."""
+    error: BaseException | None = None
+    try:
+        act()
+    except (Exception, CheckpointException) as e:
+        error = e
+    verdict = comm.broadcast_bytes(
+        (f"{type(error).__name__}: {error}" if error is not None else "").encode() if comm.rank == 0 else None)
+    if error is not None:
+        if isinstance(error, CheckpointException):
+            raise CheckpointError(str(error)[:500]) from error
+        raise error
+    if verdict:
+        raise CheckpointError(f"the replica's leader: {verdict.decode(errors='replace')}")
+
+
+def _prepare(root: Path, path: Path, step: int, lineage: str, key: bytes | None) -> None:
+    _refuse_fork(root, step, lineage, key)
     _discard(path)  # a torn write of this step, or a complete one of the same lineage: never current
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    with _single_process():
-        dcp.save({"model": model_sd, "optim": optim_sd},
-                 storage_writer=dcp.FileSystemWriter(path, sync_files=True), no_dist=True)
-    storage.write_atomic(f"{name}/{LOADER_STATE_FILE}", ls.encode(loader_state))
-    files = tuple(
-        mf.FileEntry(p.name, p.stat().st_size, *mf.file_digests(p))
-        for p in sorted(path.iterdir()) if p.is_file() and p.name != mf.MANIFEST and ".tmp" not in p.name
-    )
-    manifest = mf.Manifest(step, files, LOADER_STATE_FILE, loader_state.lineage)
+
+
+def _own_files(path: Path, rank: int) -> list[mf.FileEntry]:
+    """The files rank `rank` wrote into the folder, with their digests: its DCP data files (DCP names
+    them `__{rank}_{n}.distcp`) and, on rank 0, DCP's `.metadata` and the loader_state snapshot."""
+    mine = sorted(path.glob(f"__{rank}_*.distcp"))
+    if rank == 0:
+        mine += [path / ".metadata", path / LOADER_STATE_FILE]
+    return [mf.FileEntry(p.name, p.stat().st_size, *mf.file_digests(p)) for p in mine]
+
+
+def _commit(root: Path, path: Path, step: int, lineage: str, key: bytes | None, reports: list[dict]) -> mf.Manifest:
+    """The leader, once every rank reported: the manifest over every rank's files, written last."""
+    errors = [r["error"] for r in reports if "error" in r]
+    if errors:
+        raise CheckpointError(f"checkpoint of step {step} not committed: {'; '.join(errors)}")
+    files = tuple(sorted((mf.FileEntry(*f) for r in reports for f in r["files"]), key=lambda f: f.name))
+    on_disk = {p.name for p in path.iterdir() if p.is_file() and p.name != mf.MANIFEST and ".tmp" not in p.name}
+    if missing := on_disk - {f.name for f in files}:
+        raise CheckpointError(f"checkpoint of step {step}: files no rank reported: {sorted(missing)}")
+    manifest = mf.Manifest(step, files, LOADER_STATE_FILE, lineage)
     if key is not None:
         manifest = mf.sign(manifest, key)
-    storage.write_atomic(f"{name}/{mf.MANIFEST}", mf.encode(manifest))  # last: now it is current
-    log.info("checkpoint of step %d written to %s (%d files)", step, path, len(files))
-    prune(root, keep=keep)
-    return CheckpointInfo(step, path, manifest)
+    FileStorage(root).write_atomic(f"{path.name}/{mf.MANIFEST}", mf.encode(manifest))  # last: now it is current
+    return manifest
+
+
+def _state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                extra: Mapping[str, Stateful] | None) -> dict[str, Any]:
+    """What a checkpoint holds: the canonical (FQN-keyed; DTensor shards under FSDP2) model and
+    optimizer state dicts, and each user state as "user.<name>" (DCP calls its state_dict/load_state_dict)."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd, **{f"{USER_PREFIX}{n}": obj for n, obj in (extra or {}).items()}}
 
 
 def _refuse_fork(root: Path, step: int, lineage: str, key: bytes | None) -> None:
@@ -203,35 +285,54 @@ def latest_complete(root: str | os.PathLike, *, key: bytes | None = None) -> Che
 
 
 def restore(root: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-            key: bytes | None = None) -> tuple[int, ls.LoaderState]:
-    """Load the latest complete checkpoint into `model` and `optimizer` (in place).
+            key: bytes | None = None, extra: Mapping[str, Stateful] | None = None,
+            comm: ReplicaComm | None = None) -> tuple[int, ls.LoaderState]:
+    """Load the latest complete checkpoint into `model`, `optimizer` and `extra` (in place).
 
-    key: accept only checkpoints signed under it, verified before DCP unpickles anything.
+    Collective over a replica: every rank of `comm` (default: a one-rank replica) calls it. The leader
+    picks the checkpoint; every rank verifies it (manifest MAC under `key`, every file's SHA-256) before
+    DCP unpickles anything, and loads the shards its own parameters need, whatever the saving replica's
+    number of ranks was (DCP reshards).
     Returns (step, loader_state): the number of committed steps it holds and the ledger at that step.
-    Raises NoCheckpoint if there is none, CheckpointCorrupt if DCP or the loader_state fails to load.
+    Raises NoCheckpoint if there is none, CheckpointCorrupt if a rank cannot verify or load it; every
+    rank raises alike.
     """
-    info = latest_complete(root, key=key)
-    if info is None:
+    comm = comm or LocalComm()
+    info = latest_complete(root, key=key) if comm.rank == 0 else None
+    chosen = comm.broadcast_bytes((info.path.name if info is not None else "").encode() if comm.rank == 0 else None)
+    if not chosen:
         raise NoCheckpoint(f"no complete checkpoint under {root}")
+    path = Path(root) / chosen.decode()
+    problem = ""
+    if info is None:  # not the leader: verify it here too, this process is about to unpickle its files
+        manifest, problems = verify(path, key=key)
+        info = CheckpointInfo(manifest.step, path, manifest) if manifest is not None and not problems else None
+        problem = "; ".join(problems)
+    if max(comm.all_reduce_int([int(info is None)], "max")) or info is None:
+        raise CheckpointCorrupt(f"{path}: a rank of the replica could not verify it: {problem or 'see its log'}")
+    return info.step, _load(Path(root), info, model, optimizer, extra, comm)
+
+
+def _load(root: Path, info: CheckpointInfo, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+          extra: Mapping[str, Stateful] | None, comm: ReplicaComm) -> ls.LoaderState:
     key = f"{info.path.name}/{info.manifest.loader_state}"
     try:
-        state = ls.decode(FileStorage(Path(root)).read(key) or b"", key=key)
+        state = ls.decode(FileStorage(root).read(key) or b"", key=key)
     except ls.LoaderStateCorrupt as e:
         raise CheckpointCorrupt(str(e)) from e
     if state.step != info.step:
         raise CheckpointCorrupt(f"{key} is at step {state.step}, the checkpoint is of step {info.step}")
     reader = dcp.FileSystemReader(info.path)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    sd = {"model": model_sd, "optim": optim_sd}
+    sd = _state_dict(model, optimizer, extra)
     try:
-        _add_saved_group_keys(optim_sd, reader)
+        _add_saved_group_keys(sd["optim"], reader)
         with _single_process():
-            dcp.load(sd, storage_reader=reader, no_dist=True)
+            dcp.load(sd, storage_reader=reader, no_dist=comm.world_size == 1)
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
         raise CheckpointCorrupt(f"{info.path}: DCP load failed: {str(e)[:500]}") from e
     set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-    log.info("restored step %d from %s", info.step, info.path)
-    return info.step, state
+    log.info("restored step %d from %s (rank %d of %d)", info.step, info.path, comm.rank, comm.world_size)
+    return state
 
 
 def _add_saved_group_keys(optim_sd: dict, reader: dcp.FileSystemReader) -> None:

@@ -64,8 +64,8 @@ OptimizerFn = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 @dataclass(frozen=True, kw_only=True)
 class FTConfig:
     """batch_size: samples per rank per step. seed: model init, data order and per-step RNG.
-    checkpoint_every: steps between persistent checkpoints under run_dir/ckpt (0: off; one-rank replicas
-    only for now). run_dir: audit and loader_state files (default: the launcher's, else a temp folder).
+    checkpoint_every: steps between persistent checkpoints under run_dir/ckpt (0: off; a sharded replica
+    writes one shard per rank, and a restart may change ranks per replica). run_dir: audit and loader_state files (default: the launcher's, else a temp folder).
     ftar_chunk_bytes/ftar_num_chunks: FTAR's S and C. catchup_shard_bytes: catch-up transfer unit.
     catchup_wait_limit_s: how long healthy replicas wait in a step's FTAR for a joiner still fetching
     before they retry the step with it one step later (paper §6.1; None: timeouts.ftar_timeout_s).
@@ -185,9 +185,6 @@ class FTJob:
     job. Threading: the training loop's thread only."""
 
     def __init__(self, *, config: FTConfig, spec: WorkerSpec, env: RealEnv, lighthouse=None) -> None:
-        if spec.ranks_per_replica > 1 and config.checkpoint_every > 0:
-            raise ValueError("FTConfig.checkpoint_every: persistent checkpoints of a sharded replica are not "
-                             "supported yet (use 0 with more than one rank per replica)")
         self.config, self.spec, self.env, self._lighthouse = config, spec, env, lighthouse
         self.comm: ReplicaComm = LocalComm()
         self.mesh = None

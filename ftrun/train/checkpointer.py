@@ -1,24 +1,31 @@
 """The checkpoint-writer seam: how the elected writer persists the state after a step commits.
 
     checkpointer.restore(layout, replica_ids) -> (step, ledger) | None    at start: the latest complete one
-    checkpointer.save(step, loader_state)     model + optimizer + ledger of the state after `step`
+    checkpointer.save(step, loader_state)     model + optimizer + user state + ledger after `step`
 
 The trainer decides when and who (ftrun.checkpoint.policy: cadence and writer election); this only
-writes. Real: `DcpCheckpointer` (torch.distributed.checkpoint under a folder, atomic manifest with
-CRCs, ftrun.checkpoint.store). The emulator writes a manifest of the modeled bytes to its mock object
+writes. Every rank of the writer replica calls `save`, every rank of every replica `restore` at start
+(collectives over the replica's control group). Real: `DcpCheckpointer` (torch.distributed.checkpoint
+under a folder, each rank writing its own shards, one signed manifest committed last by the leader
+once every rank has written; a sharded restore reshards into the restoring replica's ranks;
+ftrun.checkpoint.store). The emulator writes a manifest of the modeled bytes to its mock object
 store (harness.run.seams). A failed save raises; the trainer logs it and carries on.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Protocol
+from typing import TYPE_CHECKING, Mapping, Protocol
 
 import torch
 
 from ftrun.data.loader_state import LoaderState
 from ftrun.data.sampler import DataLayout
+from ftrun.replica.comm import ReplicaComm
 from ftrun.train.resume import checkpoint_store, resume
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.stateful import Stateful
 
 
 class Checkpointer(Protocol):
@@ -33,17 +40,23 @@ class Checkpointer(Protocol):
 class DcpCheckpointer:
     """Checkpoints of a torch model and optimizer under `root` (keeping the newest `keep`), their
     manifests signed with `key` (ftrun.checkpoint.manifest.checkpoint_key of the job token) and only
-    checkpoints signed with it restored."""
+    checkpoints signed with it restored. extra: the user's registered state (anything with
+    state_dict/load_state_dict), saved as "user.<name>" entries and restored in place. comm: the
+    replica's control group (None: a one-rank replica); with more than one rank the model is FSDP2-
+    sharded over the process's default group and every rank writes and reads its own shards."""
 
     def __init__(self, *, root: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 keep: int, key: bytes | None = None) -> None:
+                 keep: int, key: bytes | None = None, extra: Mapping[str, "Stateful"] | None = None,
+                 comm: ReplicaComm | None = None) -> None:
         self.root, self.model, self.optimizer, self.keep, self.key = root, model, optimizer, keep, key
+        self.extra, self.comm = dict(extra or {}), comm
 
     def restore(self, layout: DataLayout, replica_ids: tuple[str, ...]) -> tuple[int, LoaderState] | None:
         step, ledger = resume(self.root, model=self.model, optimizer=self.optimizer, layout=layout,
-                              replica_ids=replica_ids, key=self.key)
+                              replica_ids=replica_ids, key=self.key, extra=self.extra, comm=self.comm)
         return (step, ledger) if step > 0 else None
 
     def save(self, step: int, loader_state: LoaderState) -> None:
         checkpoint_store().save(self.root, step=step, model=self.model, optimizer=self.optimizer,
-                                loader_state=loader_state, keep=self.keep, key=self.key)
+                                loader_state=loader_state, keep=self.keep, key=self.key, extra=self.extra,
+                                comm=self.comm)

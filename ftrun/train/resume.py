@@ -16,13 +16,17 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable, Mapping
 
 import torch
 
-from ftrun.checkpoint.policy import parse_step_dir
+from ftrun.checkpoint.policy import ledger_for_layout, parse_step_dir
 from ftrun.data.loader_state import LoaderState, LoaderStateError
 from ftrun.data.sampler import DataLayout
+from ftrun.replica.comm import LocalComm, ReplicaComm
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.stateful import Stateful
 
 log = logging.getLogger("ftrun.checkpoint")
 
@@ -35,22 +39,31 @@ def checkpoint_store():
 
 
 def resume(checkpoint_dir: str | os.PathLike | None, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-           layout: DataLayout, replica_ids: Iterable[str], key: bytes | None = None) -> tuple[int, LoaderState]:
-    """(step, ledger) to start from; restores model and optimizer in place when a checkpoint is used.
+           layout: DataLayout, replica_ids: Iterable[str], key: bytes | None = None,
+           extra: Mapping[str, Stateful] | None = None, comm: ReplicaComm | None = None) -> tuple[int, LoaderState]:
+    """(step, ledger) to start from; restores model, optimizer and `extra` in place when a checkpoint is used.
     key: use only checkpoints signed under it (ftrun.checkpoint.manifest.checkpoint_key of the job token).
+    comm: the replica's control group; every rank calls this, the leader's view of the folder decides
+    for all (a sharded replica's ranks must agree to enter DCP's collectives together). The checkpoint
+    may come from replicas of another number of ranks (ftrun.checkpoint.policy.ledger_for_layout).
 
-    Raises LoaderStateError if the checkpoint's ledger was written for another data layout or job, and
-    CheckpointCorrupt if the newest complete checkpoint cannot be loaded.
+    Raises LoaderStateError if the checkpoint's ledger was written for a data layout this job cannot
+    continue or for another job, and CheckpointCorrupt if the newest complete checkpoint cannot be loaded.
     """
     ids = tuple(replica_ids)
+    comm = comm or LocalComm()
     root = Path(checkpoint_dir) if checkpoint_dir is not None else None
-    if root is None or not root.is_dir() or not any(parse_step_dir(p.name) is not None for p in root.iterdir()):
+    found = root is not None and root.is_dir() and any(parse_step_dir(p.name) is not None for p in root.iterdir())
+    if comm.world_size > 1:
+        found = comm.broadcast_bytes((b"1" if found else b"") if comm.rank == 0 else None) == b"1"
+    if not found:
         return 0, LoaderState.initial(layout, ids)
     store = checkpoint_store()
-    if store.latest_complete(root, key=key) is None:
+    try:
+        step, ledger = store.restore(root, model, optimizer, key=key, extra=extra, comm=comm)
+    except store.NoCheckpoint:
         return 0, LoaderState.initial(layout, ids)
-    step, ledger = store.restore(root, model, optimizer, key=key)
-    ledger.check_layout(layout)
+    ledger = ledger_for_layout(ledger, layout)
     if ledger.replica_ids != ids:
         raise LoaderStateError(f"checkpoint ledger has replicas {ledger.replica_ids}, the job has {ids}")
     log.info("resuming from the checkpoint of step %d (lineage %s)", step, ledger.lineage)

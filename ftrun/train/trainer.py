@@ -56,8 +56,8 @@ forward, would be the wrong one after the step anyway).
 Inside the replica: plain replication with one rank, or FSDP2 over K ranks (ftrun.train.shard). The
 default `ReplicaState` and `FlatGrads` cover each rank's local shards (whole tensors when unsharded);
 every rank runs a trainer and serves/fetches its own shards, which is why catch-up sources are the
-same rank of the healthy replicas. The leader (rank 0) writes audit, loader_state and checkpoints;
-persistent checkpoints of a sharded replica are not supported yet (build() refuses them).
+same rank of the healthy replicas. The leader (rank 0) writes audit and loader_state; every rank of the
+checkpoint writer's replica calls the checkpointer (each writes its own shards; ftrun.checkpoint.store).
 Threading: one task per trainer; `heal` runs in it, called by the Manager.
 """
 
@@ -221,7 +221,7 @@ class FaultTolerantTrainer:
             self._published = key
         cfg = self.config
         if (self.checkpointer is not None and self._checkpointed != key and should_checkpoint(q.step, cfg.checkpoint)
-                and checkpoint_writer(q.participants) == cfg.replica_id and self._leader):
+                and checkpoint_writer(q.participants) == cfg.replica_id):  # every rank: its own shards
             self._checkpoint(q.step, key)
 
     def _checkpoint(self, step: int, key: tuple[int, str]) -> None:

@@ -70,11 +70,8 @@ def build_trainer(*, job: "FTJob", model: torch.nn.Module, optimizer: torch.opti
         checkpoint = CheckpointConfig(every_steps=max(cfg.checkpoint_every, 1))
         config = TrainerConfig(replica_id=spec.replica_id, rank=spec.rank, rng_seed=cfg.seed, lr=cfg.lr,
                                catchup=catchup, checkpoint=checkpoint)
-        if spec.ranks_per_replica > 1 and cfg.checkpoint_every > 0:
-            raise ValueError("persistent checkpoints of a sharded replica (more than one rank) are not supported "
-                             "yet: set checkpoint_every=0")
         checkpointer = DcpCheckpointer(root=Path(spec.run_dir) / "ckpt", model=model, optimizer=optimizer,
-                                       keep=checkpoint.keep, key=checkpoint_key(spec.token)) \
+                                       keep=checkpoint.keep, key=checkpoint_key(spec.token), comm=job.comm) \
             if cfg.checkpoint_every > 0 else None
         compute = TorchCompute(model=model, optimizer=optimizer, loss_fn=loss_fn, dataset=dataset,
                                min_samples=layout.dataset_size)
