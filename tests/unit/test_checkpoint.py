@@ -12,9 +12,9 @@ import torch
 from ftrun.checkpoint import manifest as mf
 from ftrun.checkpoint import store
 from ftrun.checkpoint.policy import (
-    CheckpointConfig, checkpoint_writer, parse_step_dir, prune_plan, should_checkpoint, step_dir,
+    CheckpointConfig, checkpoint_writer, ledger_for_layout, parse_step_dir, prune_plan, should_checkpoint, step_dir,
 )
-from ftrun.data.loader_state import LoaderState
+from ftrun.data.loader_state import LoaderState, LoaderStateError
 from ftrun.data.sampler import DataLayout
 from ftrun.storage import FileStorage
 from ftrun.train.lr import BASE_LR_KEY, apply_lr_factor
@@ -81,6 +81,32 @@ def test_step_dir_names_round_trip():
 
 
 # -- manifest --------------------------------------------------------------------------------------
+RELAYOUT_CASES = [  # (name, changes to LAYOUT (2 replicas x 1 rank x 4), allowed)
+    ("unchanged", {}, True),
+    ("2 ranks of 2: the same replica batch", {"ranks_per_replica": 2, "batch_size_per_rank": 2}, True),
+    ("4 ranks of 1", {"ranks_per_replica": 4, "batch_size_per_rank": 1}, True),
+    ("a bigger replica batch", {"ranks_per_replica": 2, "batch_size_per_rank": 4}, False),
+    ("another number of replicas: other shards", {"num_replicas": 3}, False),
+    ("another seed: another order", {"seed": 1}, False),
+    ("another dataset", {"dataset_size": 65}, False),
+]
+
+
+@pytest.mark.parametrize(("name", "changes", "allowed"), RELAYOUT_CASES, ids=[c[0] for c in RELAYOUT_CASES])
+def test_ledger_for_layout(name, changes, allowed):
+    old = ledger(3)
+    new = DataLayout(**{**LAYOUT.to_dict(), **changes})
+    if not allowed:
+        with pytest.raises(LoaderStateError, match="replica batch"):
+            ledger_for_layout(old, new)
+        return
+    got = ledger_for_layout(old, new)
+    assert got.layout == new and (got.step, got.lineage, got.committed_batches) == (3, old.lineage,
+                                                                                  old.committed_batches)
+    for rid in ("r0", "r1"):  # the replica's next batch starts at the same sample of its stream
+        assert got.rank_positions()[rid][0] == old.rank_positions()[rid][0]
+
+
 def test_manifest_round_trip_and_checks():
     m = mf.Manifest(7, (mf.FileEntry("a.distcp", 10, 1), mf.FileEntry("loader_state.bin", 3, 2)),
                     "loader_state.bin", "abc")
@@ -144,6 +170,48 @@ def test_save_then_restore_round_trips_model_optimizer_and_loader_state(tmp_path
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
     bufs = [fresh_opt.state[p]["momentum_buffer"] for p in fresh.parameters()]
     assert all(torch.equal(a, opt.state[p]["momentum_buffer"]) for a, p in zip(bufs, model.parameters()))
+
+
+class Counter:
+    def __init__(self, n: int = 0) -> None:
+        self.n = n
+
+    def state_dict(self) -> dict:
+        return {"n": self.n, "name": f"counter-{self.n}"}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.n = sd["n"]
+
+
+def test_registered_user_state_round_trips_as_user_entries(tmp_path):
+    model, opt = make()
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    train(model, opt, 3)
+    for _ in range(3):
+        sched.step()
+    store.save(tmp_path, step=3, model=model, optimizer=opt, loader_state=ledger(3),
+               extra={"counter": Counter(7), "sched": sched})
+    fresh, fresh_opt = make(seed=9)
+    fresh_sched, counter = torch.optim.lr_scheduler.StepLR(fresh_opt, step_size=2, gamma=0.5), Counter()
+    store.restore(tmp_path, fresh, fresh_opt, extra={"counter": counter, "sched": fresh_sched})
+    assert counter.n == 7 and fresh_sched.last_epoch == 3 and fresh_sched.get_last_lr() == sched.get_last_lr()
+    keys = store.dcp.FileSystemReader(tmp_path / "step-00000003").read_metadata().state_dict_metadata
+    assert {"user.counter.n", "user.sched.last_epoch"} <= set(keys)
+
+
+def test_resume_into_another_number_of_ranks_per_replica(tmp_path):
+    from ftrun.train.resume import resume
+
+    model, opt = make()
+    train(model, opt, 2)
+    save_at(tmp_path, model, opt, 2)
+    wider = DataLayout(**{**LAYOUT.to_dict(), "ranks_per_replica": 2, "batch_size_per_rank": 2})
+    fresh, fresh_opt = make(seed=9)
+    step, state = resume(tmp_path, model=fresh, optimizer=fresh_opt, layout=wider, replica_ids=("r0", "r1"))
+    assert step == 2 and state.layout == wider and state.lineage == ledger(2).lineage
+    other = DataLayout(**{**LAYOUT.to_dict(), "batch_size_per_rank": 8})
+    with pytest.raises(LoaderStateError, match="replica batch"):
+        resume(tmp_path, model=fresh, optimizer=fresh_opt, layout=other, replica_ids=("r0", "r1"))
 
 
 def test_restore_brings_back_param_group_keys_a_fresh_optimizer_lacks(tmp_path):
