@@ -56,13 +56,6 @@ def test_torchrun_without_replica_settings_is_refused_not_run_alone():
         init_from_env(FTConfig(num_threads=None), environ=torchrun)
 
 
-def test_checkpoints_of_a_sharded_replica_are_refused_before_joining():
-    spec = WorkerSpec(replica_id="r0", replica_index=0, num_replicas=1, rank=0, ranks_per_replica=2, incarnation=0,
-                      lighthouse="127.0.0.1:1", token="t", store_addr="127.0.0.1", store_port=1, run_dir=".")
-    with pytest.raises(ValueError, match="sharded"):
-        FTJob(config=FTConfig(checkpoint_every=10), spec=spec, env=None)
-
-
 def test_shard_helpers_leave_plain_tensors_alone():
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ModuleList([torch.nn.Linear(2, 2)] * 2))
     p = model[0].weight
