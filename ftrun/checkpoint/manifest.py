@@ -191,3 +191,51 @@ def check_files(manifest: Manifest, size_of: Callable[[str], int | None],
             elif sha256 and not hmac.compare_digest(sha, f.sha256):
                 problems.append(f"{f.name}: SHA-256 does not match the signed manifest")
     return problems
+
+
+# -- the writer replica's vote ---------------------------------------------------------------------
+def encode_report(rank: int, files: list[FileEntry] | None = None, error: str | None = None) -> bytes:
+    """One rank's part of a sharded checkpoint, sent to the leader: the files it wrote, or its error."""
+    doc = {"rank": rank, "error": error} if error is not None else \
+        {"rank": rank, "files": [[f.name, f.size, f.crc32, f.sha256] for f in files or []]}
+    return json.dumps(doc).encode()
+
+
+@dataclass(frozen=True)
+class ShardVote:
+    files: tuple[FileEntry, ...]  # every rank's files, by name; () unless committed
+    reason: str  # one line: why the manifest may or may not be committed
+
+    @property
+    def commit(self) -> bool:
+        return bool(self.files)
+
+
+def shard_vote(reports: list[bytes], on_disk: set[str], world_size: int) -> ShardVote:
+    """Whether the leader may commit the manifest over the ranks' reports (rank order): only if every one
+    of `world_size` ranks reported its files, no name is claimed twice, and every file in the folder
+    (`on_disk`, less the manifest and temporaries) is claimed by some rank."""
+    files, errors = [], []
+    for i, raw in enumerate(reports):
+        try:
+            doc = json.loads(raw)
+            if "error" in doc:
+                errors.append(str(doc["error"])[:300])
+                continue
+            if doc["rank"] != i:
+                raise ValueError(f"it says rank {doc['rank']}")
+            files += [_file({"name": n, "size": size, "crc32": crc, "sha256": sha}) for n, size, crc, sha in doc["files"]]
+        except (ValueError, TypeError, KeyError) as e:  # ManifestError is a ValueError
+            errors.append(f"rank {i}: unreadable report: {str(e)[:100]}")
+    names = [f.name for f in files]
+    if errors:
+        return ShardVote((), "a rank failed its write: " + "; ".join(errors))
+    if len(reports) != world_size:
+        return ShardVote((), f"{len(reports)} of {world_size} ranks reported")
+    if len(set(names)) != len(names):
+        return ShardVote((), f"a file is claimed twice: {sorted(n for n in set(names) if names.count(n) > 1)[:3]}")
+    if not files:
+        return ShardVote((), "no rank wrote a file")
+    if missing := sorted(on_disk - set(names)):
+        return ShardVote((), f"files in the folder that no rank reported: {missing[:3]}")
+    return ShardVote(tuple(sorted(files, key=lambda f: f.name)), f"all {world_size} ranks wrote {len(files)} files")

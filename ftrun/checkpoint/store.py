@@ -35,7 +35,6 @@ Threading: one writer per root at a time (the quorum's chosen replica); readers 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import shutil
@@ -131,15 +130,15 @@ def save(root: str | os.PathLike, *, step: int, model: torch.nn.Module, optimize
             dcp.save(sd, storage_writer=dcp.FileSystemWriter(path, sync_files=True), no_dist=comm.world_size == 1)
         if leader:
             FileStorage(root).write_atomic(f"{name}/{LOADER_STATE_FILE}", ls.encode(loader_state))
-        report = {"files": [[e.name, e.size, e.crc32, e.sha256] for e in _own_files(path, comm.rank)]}
+        report = mf.encode_report(comm.rank, files=_own_files(path, comm.rank))
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
-        report = {"error": f"rank {comm.rank}: {type(e).__name__}: {str(e)[:300]}"}
-    reports = comm.gather_bytes(json.dumps(report).encode())  # the vote: every rank's shard is written
+        report = mf.encode_report(comm.rank, error=f"rank {comm.rank}: {type(e).__name__}: {str(e)[:300]}")
+    reports = comm.gather_bytes(report)  # the vote: every rank's shards are written
     manifest = None
 
     def commit() -> None:
         nonlocal manifest
-        manifest = _commit(root, path, step, loader_state.lineage, key, [json.loads(r) for r in reports or []])
+        manifest = _commit(root, path, step, loader_state.lineage, key, reports or [], comm.world_size)
         log.info("checkpoint of step %d written to %s (%d files, %d ranks)", step, path, len(manifest.files),
                  comm.world_size)
         prune(root, keep=keep)
@@ -180,16 +179,14 @@ def _own_files(path: Path, rank: int) -> list[mf.FileEntry]:
     return [mf.FileEntry(p.name, p.stat().st_size, *mf.file_digests(p)) for p in mine]
 
 
-def _commit(root: Path, path: Path, step: int, lineage: str, key: bytes | None, reports: list[dict]) -> mf.Manifest:
+def _commit(root: Path, path: Path, step: int, lineage: str, key: bytes | None, reports: list[bytes],
+            world_size: int) -> mf.Manifest:
     """The leader, once every rank reported: the manifest over every rank's files, written last."""
-    errors = [r["error"] for r in reports if "error" in r]
-    if errors:
-        raise CheckpointError(f"checkpoint of step {step} not committed: {'; '.join(errors)}")
-    files = tuple(sorted((mf.FileEntry(*f) for r in reports for f in r["files"]), key=lambda f: f.name))
     on_disk = {p.name for p in path.iterdir() if p.is_file() and p.name != mf.MANIFEST and ".tmp" not in p.name}
-    if missing := on_disk - {f.name for f in files}:
-        raise CheckpointError(f"checkpoint of step {step}: files no rank reported: {sorted(missing)}")
-    manifest = mf.Manifest(step, files, LOADER_STATE_FILE, lineage)
+    vote = mf.shard_vote(reports, on_disk, world_size)
+    if not vote.commit:
+        raise CheckpointError(f"checkpoint of step {step} not committed: {vote.reason}")
+    manifest = mf.Manifest(step, vote.files, LOADER_STATE_FILE, lineage)
     if key is not None:
         manifest = mf.sign(manifest, key)
     FileStorage(root).write_atomic(f"{path.name}/{mf.MANIFEST}", mf.encode(manifest))  # last: now it is current

@@ -305,3 +305,34 @@ def test_restore_without_a_checkpoint_and_save_misuse(tmp_path):
         store.restore(tmp_path / "none", model, opt)
     with pytest.raises(ValueError, match="loader_state is at step 3, the checkpoint is of step 4"):
         store.save(tmp_path, step=4, model=model, optimizer=opt, loader_state=ledger(3))
+
+
+# -- the sharded writer's vote (pure) -----------------------------------------------------------------
+def entry(name: str) -> mf.FileEntry:
+    return mf.FileEntry(name, 10, 7, "ab" * 32)
+
+
+R0 = mf.encode_report(0, files=[entry(".metadata"), entry("__0_0.distcp"), entry("loader_state.bin")])
+R1 = mf.encode_report(1, files=[entry("__1_0.distcp")])
+DISK = {".metadata", "__0_0.distcp", "__1_0.distcp", "loader_state.bin"}
+VOTE_CASES = [  # (name, reports, on disk, world size, commit, reason contains)
+    ("every rank wrote", [R0, R1], DISK, 2, True, "all 2 ranks wrote 4 files"),
+    ("a rank's write failed", [R0, mf.encode_report(1, error="rank 1: OSError: disk full")], DISK, 2, False,
+     "disk full"),
+    ("a rank missing", [R0], DISK, 2, False, "1 of 2 ranks reported"),
+    ("a file nobody claims (a dead rank's)", [R0, R1], DISK | {"__2_0.distcp"}, 2, False, "no rank reported"),
+    ("a name claimed twice", [R0, mf.encode_report(1, files=[entry("__0_0.distcp")])], DISK, 2, False, "twice"),
+    ("a report out of rank order", [R1, R0], DISK, 2, False, "says rank 1"),
+    ("garbage", [R0, b"\xff{"], DISK, 2, False, "rank 1: unreadable"),
+    ("a path instead of a name", [R0, mf.encode_report(1, files=[entry("../x")])], DISK, 2, False, "unreadable"),
+    ("one rank, nothing written", [mf.encode_report(0, files=[])], set(), 1, False, "no rank wrote"),
+]
+
+
+@pytest.mark.parametrize(("name", "reports", "disk", "world", "commit", "reason"), VOTE_CASES,
+                         ids=[c[0] for c in VOTE_CASES])
+def test_shard_vote(name, reports, disk, world, commit, reason):
+    vote = mf.shard_vote(reports, disk, world)
+    assert vote.commit == commit and reason in vote.reason, vote.reason
+    if commit:
+        assert [f.name for f in vote.files] == sorted(DISK)
