@@ -115,8 +115,8 @@ def save(root: str | os.PathLike, *, step: int, model: torch.nn.Module, optimize
     Raises ValueError if `loader_state` is not at `step`, CheckpointFork if a complete checkpoint of
     another lineage is at `step` or any complete one above it, CheckpointError if any rank's write
     failed; every rank raises alike. Returns the checkpoint on the leader, None on the other ranks.
-    A crash anywhere before the manifest is written leaves a folder
-    that readers ignore (and a later prune removes).
+    A crash anywhere before the manifest is written leaves a folder that readers ignore (and a later
+    prune removes).
     """
     if loader_state.step != step:
         raise ValueError(f"loader_state is at step {loader_state.step}, the checkpoint is of step {step}")
@@ -141,7 +141,10 @@ def save(root: str | os.PathLike, *, step: int, model: torch.nn.Module, optimize
         manifest = _commit(root, path, step, loader_state.lineage, key, reports or [], comm.world_size)
         log.info("checkpoint of step %d written to %s (%d files, %d ranks)", step, path, len(manifest.files),
                  comm.world_size)
-        prune(root, keep=keep)
+        try:
+            prune(root, keep=keep)
+        except OSError as e:  # the checkpoint is committed; old ones stay until the next prune
+            log.warning("pruning %s after the checkpoint of step %d failed: %s", root, step, e)
 
     _agree(comm, commit if leader else lambda: None)
     return CheckpointInfo(step, path, manifest) if manifest is not None else None
