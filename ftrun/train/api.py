@@ -64,8 +64,9 @@ OptimizerFn = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 @dataclass(frozen=True, kw_only=True)
 class FTConfig:
     """batch_size: samples per rank per step. seed: model init, data order and per-step RNG.
-    checkpoint_every: steps between persistent checkpoints under run_dir/ckpt (0: off; a sharded replica
-    writes one shard per rank, and a restart may change ranks per replica). run_dir: audit and loader_state files (default: the launcher's, else a temp folder).
+    checkpoint_every: steps between persistent checkpoints under run_dir/ckpt (0: off; each rank of a
+    sharded replica writes its shards). run_dir: audit and loader_state files (default: the launcher's,
+    else a temp folder).
     ftar_chunk_bytes/ftar_num_chunks: FTAR's S and C. catchup_shard_bytes: catch-up transfer unit.
     catchup_wait_limit_s: how long healthy replicas wait in a step's FTAR for a joiner still fetching
     before they retry the step with it one step later (paper §6.1; None: timeouts.ftar_timeout_s).
