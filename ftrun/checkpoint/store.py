@@ -26,8 +26,10 @@ the loader_state; each rank hashes its own files and sends the entries to the le
 JSON, the vote); the leader commits the one manifest over all of them only if every rank wrote, then
 broadcasts the outcome, so every rank raises or none does. A rank that dies mid-write leaves no
 manifest: the previous checkpoint stays the latest complete one. `restore` loads into the restoring
-replica's own sharding, whatever the writer's number of ranks was (DCP reshards); every rank verifies
-the leader's pick before DCP unpickles anything.
+replica's own sharding, whatever the writer's number of ranks was (DCP reshards). The leader picks
+and fully verifies it; every other rank checks the manifest, `.metadata` and the ledger before DCP
+unpickles anything and each data file before DCP reads from it, so it hashes only the files its
+shards come from.
 
 Threading: one writer per root at a time (the quorum's chosen replica); readers may run concurrently.
 """
@@ -40,9 +42,9 @@ import os
 import shutil
 import stat
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -226,9 +228,11 @@ def _discard(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def verify(path: str | os.PathLike, *, key: bytes | None = None) -> tuple[mf.Manifest | None, list[str]]:
+def verify(path: str | os.PathLike, *, key: bytes | None = None,
+           only: set[str] | None = None) -> tuple[mf.Manifest | None, list[str]]:
     """(manifest, problems) of one checkpoint folder; problems name the file and what is wrong with it.
-    key: also require the manifest's MAC under it, and every file's SHA-256 (checked before any file is read)."""
+    key: also require the manifest's MAC under it, and every file's SHA-256 (checked before any file is read).
+    only: check just these of the manifest's files (the rest: `check_files_of`, before they are read)."""
     path = Path(path)
     try:
         data = (path / mf.MANIFEST).read_bytes()
@@ -244,8 +248,15 @@ def verify(path: str | os.PathLike, *, key: bytes | None = None) -> tuple[mf.Man
         return manifest, [f"{mf.MANIFEST}: says step {manifest.step}, the folder is {path.name}"]
     if key is not None and (untrusted := mf.check_mac(manifest, key)) is not None:
         return manifest, [f"{mf.MANIFEST}: {untrusted}"]
+    return manifest, check_files_of(path, manifest, manifest.files if only is None else only, signed=key is not None)
 
-    signed = key is not None
+
+def check_files_of(path: Path, manifest: mf.Manifest, names: Iterable[str] | Iterable[mf.FileEntry], *,
+                   signed: bool) -> list[str]:
+    """Problems of some of a checkpoint's files against its (already trusted) manifest; a name the
+    manifest does not list is one. signed: compare SHA-256 too."""
+    wanted = {n.name if isinstance(n, mf.FileEntry) else n for n in names}
+    problems = [f"{n}: not listed in the manifest" for n in sorted(wanted - {f.name for f in manifest.files})]
 
     def size_of(name: str) -> int | None:
         try:
@@ -254,11 +265,28 @@ def verify(path: str | os.PathLike, *, key: bytes | None = None) -> tuple[mf.Man
             return None
         return st.st_size if stat.S_ISREG(st.st_mode) else None  # a folder, link or device is not a file
 
+    subset = replace(manifest, files=tuple(f for f in manifest.files if f.name in wanted))
     try:
-        return manifest, mf.check_files(manifest, size_of, lambda name: mf.file_digests(path / name, sha256=signed),
-                                        sha256=signed)
+        return problems + mf.check_files(subset, size_of, lambda name: mf.file_digests(path / name, sha256=signed),
+                                         sha256=signed)
     except OSError as e:  # e.g. replaced by a folder between the size and the CRC check
-        return manifest, [f"{e.filename}: cannot be read: {e.strerror or e}"]
+        return problems + [f"{e.filename}: cannot be read: {e.strerror or e}"]
+
+
+class _CheckingReader(dcp.FileSystemReader):
+    """DCP's reader that checks each data file against the trusted manifest before reading from it:
+    a rank of a sharded replica verifies the files its own shards come from, not the whole checkpoint."""
+
+    def __init__(self, path: Path, manifest: mf.Manifest, *, signed: bool, checked: set[str]) -> None:
+        super().__init__(path)
+        self._manifest, self._signed, self._checked = manifest, signed, set(checked)
+
+    def read_data(self, plan, planner):
+        names = {self.storage_data[item.storage_index].relative_path for item in plan.items} - self._checked
+        if problems := check_files_of(Path(self.path), self._manifest, names, signed=self._signed):
+            raise CheckpointCorrupt(f"{self.path}: " + "; ".join(problems))
+        self._checked |= names
+        return super().read_data(plan, planner)
 
 
 def _step_dirs(root: Path) -> list[tuple[int, Path]]:
@@ -290,9 +318,10 @@ def restore(root: str | os.PathLike, model: torch.nn.Module, optimizer: torch.op
     """Load the latest complete checkpoint into `model`, `optimizer` and `extra` (in place).
 
     Collective over a replica: every rank of `comm` (default: a one-rank replica) calls it. The leader
-    picks the checkpoint; every rank verifies it (manifest MAC under `key`, every file's SHA-256) before
-    DCP unpickles anything, and loads the shards its own parameters need, whatever the saving replica's
-    number of ranks was (DCP reshards).
+    picks the checkpoint (verifying every file); each other rank checks the manifest's MAC under `key`
+    and the SHA-256 of `.metadata` and the ledger before DCP unpickles anything, and of each data file
+    before DCP reads from it (only the files its own shards come from), and loads the shards its
+    parameters need, whatever the saving replica's number of ranks was (DCP reshards).
     Returns (step, loader_state): the number of committed steps it holds and the ledger at that step.
     Raises NoCheckpoint if there is none, CheckpointCorrupt if a rank cannot verify or load it; every
     rank raises alike.
@@ -305,16 +334,18 @@ def restore(root: str | os.PathLike, model: torch.nn.Module, optimizer: torch.op
     path = Path(root) / chosen.decode()
     problem = ""
     if info is None:  # not the leader: verify it here too, this process is about to unpickle its files
-        manifest, problems = verify(path, key=key)
+        manifest, problems = verify(path, key=key, only={".metadata", LOADER_STATE_FILE})
         info = CheckpointInfo(manifest.step, path, manifest) if manifest is not None and not problems else None
         problem = "; ".join(problems)
     if max(comm.all_reduce_int([int(info is None)], "max")) or info is None:
         raise CheckpointCorrupt(f"{path}: a rank of the replica could not verify it: {problem or 'see its log'}")
-    return info.step, _load(Path(root), info, model, optimizer, extra, comm)
+    checked = {f.name for f in info.manifest.files} if comm.rank == 0 else {".metadata", LOADER_STATE_FILE}
+    return info.step, _load(Path(root), info, model, optimizer, extra, comm,
+                            _CheckingReader(info.path, info.manifest, signed=key is not None, checked=checked))
 
 
 def _load(root: Path, info: CheckpointInfo, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-          extra: Mapping[str, Stateful] | None, comm: ReplicaComm) -> ls.LoaderState:
+          extra: Mapping[str, Stateful] | None, comm: ReplicaComm, reader: dcp.FileSystemReader) -> ls.LoaderState:
     key = f"{info.path.name}/{info.manifest.loader_state}"
     try:
         state = ls.decode(FileStorage(root).read(key) or b"", key=key)
@@ -322,7 +353,6 @@ def _load(root: Path, info: CheckpointInfo, model: torch.nn.Module, optimizer: t
         raise CheckpointCorrupt(str(e)) from e
     if state.step != info.step:
         raise CheckpointCorrupt(f"{key} is at step {state.step}, the checkpoint is of step {info.step}")
-    reader = dcp.FileSystemReader(info.path)
     sd = _state_dict(model, optimizer, extra)
     try:
         _add_saved_group_keys(sd["optim"], reader)

@@ -20,6 +20,7 @@ from ftrun.storage import FileStorage
 from ftrun.train.lr import BASE_LR_KEY, apply_lr_factor
 
 LAYOUT = DataLayout(dataset_size=64, num_replicas=2, ranks_per_replica=1, batch_size_per_rank=4)
+KEY = mf.checkpoint_key("job-token")
 
 
 @dataclass(frozen=True)
@@ -336,3 +337,23 @@ def test_shard_vote(name, reports, disk, world, commit, reason):
     assert vote.commit == commit and reason in vote.reason, vote.reason
     if commit:
         assert [f.name for f in vote.files] == sorted(DISK)
+
+
+def test_a_rank_checks_each_data_file_before_dcp_reads_it(tmp_path):
+    model, opt = make()
+    train(model, opt, 1)
+    info = store.save(tmp_path, step=1, model=model, optimizer=opt, loader_state=ledger(1), key=KEY)
+    data = next(info.path.glob("*.distcp"))
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    small = {".metadata", "loader_state.bin"}
+    assert store.verify(info.path, key=KEY, only=small) == (info.manifest, [])  # what a non-leader checks first
+    assert store.check_files_of(info.path, info.manifest, ["x.distcp"], signed=True) == \
+        ["x.distcp: not listed in the manifest"]
+    reader = store._CheckingReader(info.path, info.manifest, signed=True, checked=small)
+    fresh, fresh_opt = make(seed=9)
+    sd = store._state_dict(fresh, fresh_opt, None)
+    with pytest.raises((store.CheckpointCorrupt, store.CheckpointException), match=f"{data.name}: CRC32"):
+        with store._single_process():
+            store.dcp.load(sd, storage_reader=reader, no_dist=True)
