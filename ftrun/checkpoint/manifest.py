@@ -226,7 +226,7 @@ def shard_vote(reports: list[bytes], on_disk: set[str], world_size: int) -> Shar
                 raise ValueError(f"it says rank {doc['rank']}")
             files += [_file({"name": n, "size": size, "crc32": crc, "sha256": sha})
                       for n, size, crc, sha in doc["files"]]
-        except (ValueError, TypeError, KeyError) as e:  # ManifestError is a ValueError
+        except (ValueError, TypeError, KeyError, RecursionError) as e:  # ManifestError is a ValueError
             errors.append(f"rank {i}: unreadable report: {str(e)[:100]}")
     names = [f.name for f in files]
     if errors:

@@ -3,7 +3,7 @@
 Decoders: the checkpoint manifest (through `store.verify` on a real folder, so file names reach the
 filesystem), the catch-up manifest, the catch-up HTTP response head, the loader_state record (with a
 valid CRC, so the body's content is what is fuzzed), the loader_state a catch-up snapshot carries in
-its metadata (`LoaderState.from_dict`) and the audit log. Inputs are valid documents with
+its metadata (`LoaderState.from_dict`), the audit log and a sharded checkpoint's rank reports. Inputs are valid documents with
 one part replaced by an arbitrary value, hostile shapes (deep nesting, 1e400, 5,000-digit numbers, NUL
 and 300-character names, a name that is a folder) and raw bytes.
 
@@ -122,6 +122,22 @@ def test_checkpoint_manifest_verify_never_raises(ckpt_dir, data, key):
         return
     assert all(0 < len(f.name.encode("utf-8", "surrogatepass")) <= mf.MAX_NAME_BYTES for f in decoded.files)
     assert type(decoded.step) is int and 0 <= decoded.step < 2**63
+
+
+# -- a sharded checkpoint's rank reports (the writer replica's vote) --------------------------------------
+REPORT_VALID = json.loads(mf.encode_report(1, files=[mf.FileEntry("__1_0.distcp", 4, 7, "ab" * 32)]))
+
+
+@PROFILE
+@given(data=documents(REPORT_VALID))
+def test_shard_vote_never_raises_and_commits_only_valid_reports(data):
+    good = mf.encode_report(0, files=[mf.FileEntry(".metadata", 2, 1, "cd" * 32)])
+    vote = mf.shard_vote([good, data], {".metadata", "__1_0.distcp"}, 2)
+    if vote.commit:  # only a report that claims exactly the folder's other file, with sane fields
+        assert {f.name for f in vote.files} == {".metadata", "__1_0.distcp"}, vote.files
+        assert all(type(f.size) is int and 0 <= f.size < 2**63 and 0 <= f.crc32 <= 0xFFFFFFFF for f in vote.files)
+    else:
+        assert vote.reason and not vote.files
 
 
 # -- catch-up manifest -------------------------------------------------------------------------------
