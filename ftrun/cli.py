@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "lighthouse": ("ftrun.quorum.cli", "run the lighthouse (quorum) service"),
     "demo": ("ftrun.launch.demo", "real-process demo: lighthouse + 3 replicas x 2 ranks, one SIGKILLed and restarted"),
     "launch": ("ftrun.launch.cli", "supervise a lighthouse and R replicas x K ranks of a training script"),
+    "slurm": ("ftrun.launch.slurm", "submit a job to Slurm: one batch job per replica plus the lighthouse"),
     "emulate": ("harness.cli", "emulated dry run of the runtime from a scale profile"),
     "bench": ("ftrun.bench", "benchmarks that print ratios against a baseline measured in the same run"),
     "sim": ("harness.analysis.sim.cli", "availability analytics, SPARe Monte-Carlo and time-to-train simulation"),
