@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-scale test-fuzz test-multihost kernels bench clean
+.PHONY: setup demo test test-scale test-fuzz test-multihost test-slurm kernels bench clean
 
 setup: $(STAMP)
 
@@ -34,6 +34,12 @@ test-fuzz: setup
 test-multihost: setup
 	bash ci/ensure_iproute2.sh
 	$(PY) -m pytest -q -m 'netns or torchrun' tests
+
+# ftrun slurm against a real Slurm (Debian's slurmctld/slurmd/munge, private daemons in a temp dir; root
+# needed, skips cleanly without); a few minutes, so outside `make test`.
+test-slurm: setup
+	bash ci/install_slurm.sh
+	$(PY) -m pytest -q -m slurm -p no:randomly tests/integration/test_slurm.py
 
 clean:
 	rm -rf $(VENV) build csrc/build
