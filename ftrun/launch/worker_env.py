@@ -20,6 +20,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from ftrun.launch.slurm_plan import SLURM_HELP
 from ftrun.net import NetConfig, load_token
 
 TORCHRUN_HELP = (
@@ -75,6 +76,8 @@ class WorkerSpec:
         Raises ValueError naming the variable that is missing or wrong."""
         if "FTRUN_REPLICA_ID" not in environ and ("TORCHELASTIC_RUN_ID" in environ or "GROUP_RANK" in environ):
             raise ValueError(TORCHRUN_HELP)
+        if "FTRUN_REPLICA_ID" not in environ and "SLURM_PROCID" in environ:
+            raise ValueError(f"started by Slurm without ftrun's replica settings: {SLURM_HELP}")
         replica_id = _need(environ, "FTRUN_REPLICA_ID")
         num_replicas = _int(environ, "FTRUN_NUM_REPLICAS", minimum=1)
         index = _int(environ, "FTRUN_REPLICA_INDEX") if "FTRUN_REPLICA_INDEX" in environ else _index(replica_id)

@@ -207,3 +207,9 @@ def test_task_wrapper_without_slurm_names_what_to_set(monkeypatch, capsys):
             monkeypatch.delenv(k)
     assert slurm.run(argparse.Namespace(slurm_command="task", command=["--", "true"])) == 2
     assert "FTRUN_REPLICA_ID" in capsys.readouterr().err
+
+
+def test_a_rank_under_plain_srun_names_what_to_set():
+    with pytest.raises(ValueError, match="started by Slurm without ftrun's replica settings") as e:
+        WorkerSpec.from_environ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "7"})
+    assert SLURM_HELP in str(e.value)
