@@ -165,8 +165,8 @@ def submit(args: argparse.Namespace) -> int:
 
 # ---- the wrappers inside the jobs ------------------------------------------------------------------
 
-def _event(**fields) -> None:
-    print(json.dumps({"event": "slurm", **fields}, sort_keys=True), flush=True)
+def _event(env, **fields) -> None:
+    print(json.dumps({"event": "slurm", "t": env.clock.now(), **fields}, sort_keys=True), flush=True)
 
 
 def _write_atomic(path: str, text: str) -> None:
@@ -239,12 +239,12 @@ def run_replica(args: argparse.Namespace) -> int:
             return 2
         child = {**environ, "MASTER_ADDR": net.advertised, "MASTER_PORT": str(store.port),
                  "FTRUN_SLURM_ATTEMPT": str(attempt), "FTRUN_LIGHTHOUSE": lighthouse}
-        _event(replica=rid, attempt=attempt, incarnation=incarnation(restarts, attempt, max_restarts), phase="start",
+        _event(env, replica=rid, attempt=attempt, incarnation=incarnation(restarts, attempt, max_restarts), phase="start",
                lighthouse=lighthouse, job=environ.get("SLURM_JOB_ID"))
         current[:] = [subprocess.Popen(srun, env=child, stdin=subprocess.DEVNULL)]
         rc = current[0].wait()
         decision = step_decision(rc, attempt, max_restarts, stopping=stopping.is_set())
-        _event(replica=rid, attempt=attempt, phase="end", returncode=rc, decision=decision)
+        _event(env, replica=rid, attempt=attempt, phase="end", returncode=rc, decision=decision)
         if decision != "restart":
             break
         attempt += 1

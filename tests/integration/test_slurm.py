@@ -137,6 +137,25 @@ def cluster(tmp_path_factory):
         pytest.skip(f"the Slurm daemons could not start: {e}")
     yield c
     _stop(c, started)
+    assert not [pid for pid in started if _alive(pid)], "a Slurm daemon outlived the test"
+    left = lambda: _processes_mentioning(f"{d.parent}/")  # noqa: E731 (the cluster's and the job's folders)
+    deadline = time.monotonic() + 15
+    while left() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert left() == [], "a process of the test's cluster or job is left"
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and int(proc.name) != os.getpid():
+            try:
+                cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if text in cmd:
+                found.append(f"{proc.name}: {cmd}")
+    return found
 
 
 def _stop(c: Cluster, pids: list[int]) -> None:
@@ -226,3 +245,13 @@ def test_replicas_as_slurm_jobs_restart_and_requeue_as_incarnations(cluster, tmp
     records = [r for path in sorted(run.glob("audit-*.jsonl")) for r in read_log(path.read_bytes())[0]]
     report = audit(records, final=final)
     assert report.ok, report.summary()
+    print(f"slurm recovery (printed, not asserted): {_recovery(out['r1'], 1)} (step restart), "
+          f"{_recovery(out['r0'], inc)} (requeue, after StartTime=now)")
+
+
+def _recovery(out: Path, inc: int) -> str:
+    """Seconds from the wrapper starting incarnation `inc` to that incarnation's first committed step."""
+    evs = _events(out)
+    start = next(i for i, e in enumerate(evs) if e.get("event") == "slurm" and e.get("incarnation") == inc)
+    first = next(e for e in evs[start:] if e.get("event") == "step" and e.get("committed"))
+    return f"{first['t'] - evs[start]['t']:.1f}s to the first commit of incarnation {inc}"
