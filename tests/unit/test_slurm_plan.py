@@ -213,3 +213,15 @@ def test_a_rank_under_plain_srun_names_what_to_set():
     with pytest.raises(ValueError, match="started by Slurm without ftrun's replica settings") as e:
         WorkerSpec.from_environ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "7"})
     assert SLURM_HELP in str(e.value)
+
+
+def test_cli_bad_flags_exit_2_naming_the_flag(tmp_path, monkeypatch, capsys):
+    from ftrun.cli import main
+
+    monkeypatch.delenv("FTRUN_TOKEN_FILE", raising=False)
+    argv = ["slurm", "submit", "--replicas", "0", "--ranks-per-replica", "2", "--run-dir", str(tmp_path / "run"),
+            "--dry-run", "-m", "ftrun.train.ft_worker"]
+    assert main(argv) == 2
+    assert "--replicas must be >= 1" in capsys.readouterr().err
+    assert main([*argv[:3], "2", *argv[4:-2], str(tmp_path / "missing.py")]) == 2
+    assert "not found" in capsys.readouterr().err
