@@ -24,8 +24,8 @@ import signal
 import subprocess
 import sys
 
-from ftrun.launch.slurm_plan import (SlurmJobPlan, incarnation, lighthouse_script, replica_script, resolve_host,
-                                     srun_command, step_decision, task_environ)
+from ftrun.launch.slurm_plan import (SlurmJobPlan, StepAction, incarnation, lighthouse_script, replica_script,
+                                     resolve_host, srun_command, step_decision, task_environ)
 
 SBATCH = "sbatch"
 
@@ -198,57 +198,62 @@ def _wait_lighthouse(env, environ, limit_s: float) -> str:
         env.clock.sleep(0.5)
 
 
-def run_replica(args: argparse.Namespace) -> int:
-    """The replica's batch script: store + srun steps, restarted as new incarnations."""
-    from ftrun.env.real import RealEnv
-    from ftrun.env.real_store import bound_store
-    from ftrun.net import NetConfig
+class _Replica:
+    """The replica's batch script: hosts the store and runs srun steps, restarted as new incarnations."""
 
-    env, environ = RealEnv(), dict(os.environ)
-    command = _command(args)
-    rid = environ.get("FTRUN_REPLICA_ID", "?")
-    try:
+    def __init__(self, env, environ: dict[str, str], command: list[str]) -> None:
+        from ftrun.env.real_store import bound_store
+        from ftrun.net import NetConfig
+
         if not command:
             raise ValueError("no command to run after --")
-        max_restarts = int(environ.get("FTRUN_SLURM_MAX_RESTARTS", "0"))
-        restarts = int(environ.get("SLURM_RESTART_COUNT") or 0)
-        net = NetConfig(bind_host=resolve_host(environ.get("FTRUN_BIND_HOST") or "127.0.0.1", environ),
-                        advertise_host=environ.get("FTRUN_ADVERTISE_HOST") or None)
-        store = bound_store(net.bind_host)
+        self.env, self.environ, self.command = env, environ, command
+        self.rid = environ.get("FTRUN_REPLICA_ID", "?")
+        self.max_restarts = int(environ.get("FTRUN_SLURM_MAX_RESTARTS", "0"))
+        self.restarts = int(environ.get("SLURM_RESTART_COUNT") or 0)
+        self.net = NetConfig(bind_host=resolve_host(environ.get("FTRUN_BIND_HOST") or "127.0.0.1", environ),
+                             advertise_host=environ.get("FTRUN_ADVERTISE_HOST") or None)
+        self.store = bound_store(self.net.bind_host)
+        self.stopping = env.event()
+        self.current: subprocess.Popen | None = None
+
+    def stop(self, signum, _frame) -> None:
+        """scancel or a requeue: end the step and start no other (Slurm decides what comes next)."""
+        self.stopping.set()
+        if self.current is not None and self.current.poll() is None:
+            self.current.send_signal(signum)
+
+    def run_step(self, attempt: int, lighthouse_wait_s: float) -> int:
+        lighthouse = _wait_lighthouse(self.env, self.environ, lighthouse_wait_s)
+        srun = srun_command(self.environ, self.command, sys.executable)
+        child = {**self.environ, "MASTER_ADDR": self.net.advertised, "MASTER_PORT": str(self.store.port),
+                 "FTRUN_SLURM_ATTEMPT": str(attempt), "FTRUN_LIGHTHOUSE": lighthouse}
+        _event(self.env, replica=self.rid, attempt=attempt, phase="start", lighthouse=lighthouse,
+               incarnation=incarnation(self.restarts, attempt, self.max_restarts), job=self.environ.get("SLURM_JOB_ID"))
+        self.current = subprocess.Popen(srun, env=child, stdin=subprocess.DEVNULL)
+        return self.current.wait()
+
+
+def run_replica(args: argparse.Namespace) -> int:
+    from ftrun.env.real import RealEnv
+
+    try:
+        replica = _Replica(RealEnv(), dict(os.environ), _command(args))
+        signal.signal(signal.SIGTERM, replica.stop)
+        signal.signal(signal.SIGINT, replica.stop)
+        attempt = 0
+        while True:
+            rc = replica.run_step(attempt, args.lighthouse_wait)
+            decision = step_decision(rc, attempt, replica.max_restarts, stopping=replica.stopping.is_set())
+            _event(replica.env, replica=replica.rid, attempt=attempt, phase="end", returncode=rc,
+                   decision=decision.action.value, reason=decision.reason)
+            if decision.action is not StepAction.RESTART:
+                break
+            attempt += 1
     except ValueError as e:
         print(f"ftrun slurm replica: {e}", file=sys.stderr)
         return 2
-    stopping = env.event()
-    current: list[subprocess.Popen] = []
-
-    def _stop(signum, _frame) -> None:  # scancel or a requeue: end the step, do not start another
-        stopping.set()
-        for proc in current:
-            if proc.poll() is None:
-                proc.send_signal(signum)
-
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
-    attempt, rc = 0, 1
-    while True:
-        try:
-            lighthouse = _wait_lighthouse(env, environ, args.lighthouse_wait)
-            srun = srun_command(environ, command, sys.executable)
-        except ValueError as e:
-            print(f"ftrun slurm replica: {e}", file=sys.stderr)
-            return 2
-        child = {**environ, "MASTER_ADDR": net.advertised, "MASTER_PORT": str(store.port),
-                 "FTRUN_SLURM_ATTEMPT": str(attempt), "FTRUN_LIGHTHOUSE": lighthouse}
-        _event(env, replica=rid, attempt=attempt, incarnation=incarnation(restarts, attempt, max_restarts), phase="start",
-               lighthouse=lighthouse, job=environ.get("SLURM_JOB_ID"))
-        current[:] = [subprocess.Popen(srun, env=child, stdin=subprocess.DEVNULL)]
-        rc = current[0].wait()
-        decision = step_decision(rc, attempt, max_restarts, stopping=stopping.is_set())
-        _event(env, replica=rid, attempt=attempt, phase="end", returncode=rc, decision=decision)
-        if decision != "restart":
-            break
-        attempt += 1
-    if not stopping.is_set():  # finished for good (a requeued job runs again and decides then)
+    if not replica.stopping.is_set():  # finished for good (a requeued job runs again and decides then)
         _write_atomic(args.done_file, f"{rc}\n")
     return 0 if rc == 0 else 1
 

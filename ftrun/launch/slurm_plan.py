@@ -19,6 +19,7 @@ Nothing here does I/O.
 
 from __future__ import annotations
 
+import enum
 import re
 import shlex
 from dataclasses import dataclass, field
@@ -77,7 +78,8 @@ class SlurmJobPlan:
                 raise ValueError(f"{name} must be an absolute path, got {getattr(self, name)!r}")
         for name in ("run_dir", "workdir"):  # they go into #SBATCH lines, which end at whitespace
             if any(c.isspace() for c in getattr(self, name)):
-                raise ValueError(f"{name} {getattr(self, name)!r} contains whitespace: Slurm's #SBATCH lines cannot hold it")
+                raise ValueError(f"{name} {getattr(self, name)!r} contains whitespace, which #SBATCH lines "
+                                 "cannot hold")
 
     def slurm_dir(self) -> str:
         return f"{self.run_dir}/slurm"
@@ -152,14 +154,27 @@ def incarnation(restart_count: int, attempt: int, max_restarts: int) -> int:
     return restart_count * (max_restarts + 1) + attempt
 
 
-def step_decision(returncode: int, attempt: int, max_restarts: int, *, stopping: bool) -> str:
-    """After a replica's srun step ended: "done" (it succeeded), "restart" (run a new step), or "fail"
-    (restarts used up, or the job is being stopped or requeued by Slurm)."""
+class StepAction(str, enum.Enum):
+    DONE = "done"  # the step succeeded: the replica has finished
+    RESTART = "restart"  # run a new srun step in this allocation (the next incarnation)
+    FAIL = "fail"  # give up in this allocation (restarts used up, or Slurm is stopping/requeueing the job)
+
+
+@dataclass(frozen=True)
+class StepDecision:
+    action: StepAction
+    reason: str
+
+
+def step_decision(returncode: int, attempt: int, max_restarts: int, *, stopping: bool) -> StepDecision:
+    """What the replica wrapper does after its srun step `attempt` ended with `returncode`."""
     if returncode == 0:
-        return "done"
-    if stopping or attempt >= max_restarts:
-        return "fail"
-    return "restart"
+        return StepDecision(StepAction.DONE, "the step exited 0")
+    if stopping:
+        return StepDecision(StepAction.FAIL, f"the step exited {returncode} while Slurm stops or requeues the job")
+    if attempt >= max_restarts:
+        return StepDecision(StepAction.FAIL, f"the step exited {returncode}; all {max_restarts} restarts used")
+    return StepDecision(StepAction.RESTART, f"the step exited {returncode}; restart {attempt + 1} of {max_restarts}")
 
 
 def resolve_host(value: str, environ: Mapping[str, str]) -> str:

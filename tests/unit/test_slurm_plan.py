@@ -9,8 +9,8 @@ import shlex
 import pytest
 
 from ftrun.launch import slurm
-from ftrun.launch.slurm_plan import (SLURM_HELP, SlurmJobPlan, incarnation, lighthouse_script, replica_script,
-                                     resolve_host, srun_command, step_decision, task_environ)
+from ftrun.launch.slurm_plan import (SLURM_HELP, SlurmJobPlan, StepAction, incarnation, lighthouse_script,
+                                     replica_script, resolve_host, srun_command, step_decision, task_environ)
 from ftrun.launch.worker_env import WorkerSpec
 
 
@@ -100,13 +100,17 @@ def test_incarnations_grow_with_step_restarts_and_requeues_and_never_repeat():
             incarnation(*bad)
 
 
-def test_step_decision():
-    assert step_decision(0, 0, 3, stopping=False) == "done"
-    assert step_decision(0, 3, 3, stopping=True) == "done"
-    assert step_decision(137, 0, 3, stopping=False) == "restart"
-    assert step_decision(1, 2, 3, stopping=False) == "restart"
-    assert step_decision(1, 3, 3, stopping=False) == "fail"  # restarts used up
-    assert step_decision(143, 0, 3, stopping=True) == "fail"  # scancel / requeue: Slurm decides
+@pytest.mark.parametrize("returncode, attempt, stopping, action, reason", [
+    (0, 0, False, StepAction.DONE, "exited 0"),
+    (0, 3, True, StepAction.DONE, "exited 0"),
+    (137, 0, False, StepAction.RESTART, "restart 1 of 3"),
+    (1, 2, False, StepAction.RESTART, "restart 3 of 3"),
+    (1, 3, False, StepAction.FAIL, "all 3 restarts used"),
+    (143, 0, True, StepAction.FAIL, "stops or requeues"),  # scancel / requeue: Slurm decides
+])
+def test_step_decision(returncode, attempt, stopping, action, reason):
+    decision = step_decision(returncode, attempt, 3, stopping=stopping)
+    assert decision.action is action and reason in decision.reason
 
 
 SLURM_TASK = {"FTRUN_REPLICA_ID": "r1", "FTRUN_NUM_REPLICAS": "3", "FTRUN_TOKEN": "tok",
@@ -157,7 +161,8 @@ def test_bad_values_name_the_variable():
 
 
 def test_srun_runs_every_task_of_the_allocation_through_the_mapping():
-    cmd = srun_command({"SLURM_NTASKS": "8", "SLURM_JOB_NUM_NODES": "2"}, ["/venv/bin/python", "t.py"], "/venv/bin/python")
+    cmd = srun_command({"SLURM_NTASKS": "8", "SLURM_JOB_NUM_NODES": "2"}, ["/venv/bin/python", "t.py"],
+                       "/venv/bin/python")
     assert cmd == ["srun", "--kill-on-bad-exit=1", "--ntasks=8", "--nodes=2", "/venv/bin/python", "-m",
                    "ftrun.launch.slurm", "task", "--", "/venv/bin/python", "t.py"]
     with pytest.raises(ValueError, match="SLURM_NTASKS"):
