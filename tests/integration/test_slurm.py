@@ -5,7 +5,8 @@ free ports of 127.0.0.1, one node (localhost), proctrack/linuxproc, no accountin
 job plus 2 replica jobs of 2 ranks (srun tasks) each. r1's srun step is SIGKILLed with scancel: its
 wrapper starts a new step (incarnation 1) and r1 heals from r0. Then r0's job is requeued with
 `scontrol requeue` (released at once instead of after Slurm's requeue delay): it comes back as
-SLURM_RESTART_COUNT=1, incarnation 1 * (max_restarts + 1) = 4, and heals from r1. Every job completes,
+SLURM_RESTART_COUNT=1, incarnation 1 * (max_restarts + 1) = 4, and heals from r1. Then one process (r1's
+rank 1) is SIGKILLed: srun ends the step and r1 comes back as incarnation 2. Every job completes,
 the replicas are identical per rank and the exactly-once audit holds. Needs root and the packages; skips
 with the reason otherwise. Run with `make test-slurm`.
 """
@@ -185,6 +186,20 @@ def _events(out: Path) -> list[dict]:
     return events
 
 
+def _rank_pid(run: Path, rid: str, *, rank: int) -> int:
+    """The pid of the live rank process `rank` of replica `rid` of this job (found by its environment)."""
+    want = {b"FTRUN_REPLICA_ID=" + rid.encode(), b"RANK=%d" % rank, b"FTRUN_RUN_DIR=" + str(run).encode()}
+    for proc in Path("/proc").iterdir():
+        try:
+            environ = set((proc / "environ").read_bytes().split(b"\0")) if proc.name.isdigit() else set()
+            cmd = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if want <= environ and b"ftrun.train.ft_worker" in cmd and b"ftrun.launch.slurm" not in cmd:
+            return int(proc.name)
+    raise AssertionError(f"no live rank {rank} of {rid}")
+
+
 def _submit(c: Cluster, run: Path, *worker: str) -> dict[str, str]:
     cmd = [sys.executable, "-m", "ftrun.cli", "slurm", "submit", "--replicas", "2", "--ranks-per-replica", "2",
            "--run-dir", str(run), "--bind-host", "127.0.0.1", "--max-restarts", str(MAX_RESTARTS), "--json",
@@ -227,7 +242,13 @@ def test_replicas_as_slurm_jobs_restart_and_requeue_as_incarnations(cluster, tmp
     _wait(lambda: len(commits("r0", inc)) >= 2, 180, "r0 requeued, back and committing", cluster)
     assert (run / f"audit-r0-{inc}.jsonl").exists(), "a requeue counts as the next incarnations"
 
-    stop = max(commits("r0", inc) | commits("r1", 1)) + 3
+    # SIGKILL one task (r1's rank 1) from outside: srun --kill-on-bad-exit ends the step, step 2 starts
+    victim = _rank_pid(run, "r1", rank=1)
+    os.kill(victim, signal.SIGKILL)
+    _wait(lambda: len(commits("r1", 2)) >= 2, 150, "r1 back after one task was SIGKILLed", cluster)
+    assert (run / "audit-r1-2.jsonl").exists()
+
+    stop = max(commits("r0", inc) | commits("r1", 2)) + 3
     (run / ".stop").write_text(str(stop))
     os.replace(run / ".stop", run / "stop")
     _wait(lambda: not cluster.jobs(), 120, "every job (replicas and lighthouse) finished", cluster)
@@ -241,12 +262,12 @@ def test_replicas_as_slurm_jobs_restart_and_requeue_as_incarnations(cluster, tmp
     final = LoaderState.from_dict(finals[("r0", 0)]["loader_state"])
     assert final.step == stop and final.layout.num_replicas == 2 and final.layout.ranks_per_replica == 2
     assert {p.name for p in run.glob("audit-*.jsonl")} == {"audit-r0-0.jsonl", f"audit-r0-{inc}.jsonl",
-                                                           "audit-r1-0.jsonl", "audit-r1-1.jsonl"}
+                                                           "audit-r1-0.jsonl", "audit-r1-1.jsonl", "audit-r1-2.jsonl"}
     records = [r for path in sorted(run.glob("audit-*.jsonl")) for r in read_log(path.read_bytes())[0]]
     report = audit(records, final=final)
     assert report.ok, report.summary()
-    print(f"slurm recovery (printed, not asserted): {_recovery(out['r1'], 1)} (step restart), "
-          f"{_recovery(out['r0'], inc)} (requeue, after StartTime=now)")
+    print(f"slurm recovery (printed, not asserted): {_recovery(out['r1'], 1)} (scancel of the step), "
+          f"{_recovery(out['r0'], inc)} (requeue, after StartTime=now), {_recovery(out['r1'], 2)} (one task killed)")
 
 
 def _recovery(out: Path, inc: int) -> str:
