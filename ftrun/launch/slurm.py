@@ -8,7 +8,8 @@ FTRUN_TOKEN_FILE given), never on a command line. The scripts call three small w
 
 - `replica`: one per replica job, on its first node. Hosts the replica's rendezvous store (like torchrun's
   agent) and runs the ranks as an srun step; a failed step is replaced by a new one (the next
-  incarnation) up to FTRUN_SLURM_MAX_RESTARTS times. Writes --done-file when it finishes for good.
+  incarnation) up to FTRUN_SLURM_MAX_RESTARTS times, then the job requeues itself (a new allocation) up
+  to FTRUN_SLURM_MAX_REQUEUES times. Writes --done-file when it finishes for good.
 - `task`: every srun task; maps SLURM_* onto the worker variables and execs the rank's command.
 - `lighthouse`: runs `ftrun lighthouse` on a free port, publishes its address in --addr-file for the
   replica wrappers, and stops it once every replica's done file exists.
@@ -40,6 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--time", dest="time_limit", default=None, help="each job's time limit (sbatch --time)")
     s.add_argument("--max-restarts", type=int, default=3,
                    help="new srun steps for a replica whose step failed, per allocation (requeues come on top)")
+    s.add_argument("--max-requeues", type=int, default=1,
+                   help="then requeue the replica's job (a new allocation) up to this many times")
     s.add_argument("--min-replicas", type=int, default=None, help="lighthouse quorum size (default: --replicas)")
     s.add_argument("--run-dir", default="ftrun-slurm-run", help="a folder every node sees (token, logs, audit)")
     s.add_argument("--bind-host", default="@node",
@@ -102,7 +105,8 @@ def plan_from_args(args: argparse.Namespace, *, python: str = sys.executable) ->
     return SlurmJobPlan(replicas=args.replicas, ranks_per_replica=args.ranks_per_replica, command=command,
                         python=python, run_dir=run_dir, token_file=_token_file(run_dir), workdir=os.getcwd(),
                         nodes_per_replica=args.nodes_per_replica, partition=args.partition,
-                        time_limit=args.time_limit, max_restarts=args.max_restarts, min_replicas=args.min_replicas,
+                        time_limit=args.time_limit, max_restarts=args.max_restarts,
+                        max_requeues=args.max_requeues, min_replicas=args.min_replicas,
                         bind_host=args.bind_host, lighthouse=args.lighthouse, sbatch_args=tuple(args.sbatch_arg))
 
 
@@ -210,6 +214,7 @@ class _Replica:
         self.env, self.environ, self.command = env, environ, command
         self.rid = environ.get("FTRUN_REPLICA_ID", "?")
         self.max_restarts = int(environ.get("FTRUN_SLURM_MAX_RESTARTS", "0"))
+        self.max_requeues = int(environ.get("FTRUN_SLURM_MAX_REQUEUES", "0"))
         self.restarts = int(environ.get("SLURM_RESTART_COUNT") or 0)
         self.net = NetConfig(bind_host=resolve_host(environ.get("FTRUN_BIND_HOST") or "127.0.0.1", environ),
                              advertise_host=environ.get("FTRUN_ADVERTISE_HOST") or None)
@@ -222,6 +227,16 @@ class _Replica:
         self.stopping.set()
         if self.current is not None and self.current.poll() is None:
             self.current.send_signal(signum)
+
+    def requeue(self) -> bool:
+        """Ask Slurm to requeue this job, then wait for it to end this run. False when it refused."""
+        job = self.environ.get("SLURM_JOB_ID", "")
+        done = subprocess.run(["scontrol", "requeue", job], stdin=subprocess.DEVNULL, capture_output=True, text=True)
+        if done.returncode != 0:
+            print(f"ftrun slurm replica: scontrol requeue {job} failed: {done.stderr.strip()}", file=sys.stderr)
+            return False
+        self.stopping.wait(timeout=300.0)  # Slurm sends SIGTERM (then SIGKILL) to this batch script
+        return True
 
     def run_step(self, attempt: int, lighthouse_wait_s: float) -> int:
         lighthouse = _wait_lighthouse(self.env, self.environ, lighthouse_wait_s)
@@ -244,9 +259,12 @@ def run_replica(args: argparse.Namespace) -> int:
         attempt = 0
         while True:
             rc = replica.run_step(attempt, args.lighthouse_wait)
-            decision = step_decision(rc, attempt, replica.max_restarts, stopping=replica.stopping.is_set())
+            decision = step_decision(rc, attempt, replica.max_restarts, stopping=replica.stopping.is_set(),
+                                     requeues=replica.restarts, max_requeues=replica.max_requeues)
             _event(replica.env, replica=replica.rid, attempt=attempt, phase="end", returncode=rc,
                    decision=decision.action.value, reason=decision.reason)
+            if decision.action is StepAction.REQUEUE and replica.requeue():
+                return 1  # Slurm ends this run of the job and starts the next (no done file)
             if decision.action is not StepAction.RESTART:
                 break
             attempt += 1

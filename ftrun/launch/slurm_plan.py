@@ -48,6 +48,7 @@ class SlurmJobPlan:
     partition: str | None = None
     time_limit: str | None = None
     max_restarts: int = 3  # srun step restarts inside one allocation (requeues come on top)
+    max_requeues: int = 1  # times a replica whose restarts are used up requeues itself (a new allocation)
     min_replicas: int | None = None  # the lighthouse's quorum size (default: all replicas)
     bind_host: str = NODE_HOST
     lighthouse: str | None = None  # host:port of a lighthouse that already runs: no lighthouse job
@@ -62,6 +63,8 @@ class SlurmJobPlan:
                              f"{self.ranks_per_replica}: every node needs a rank")
         if self.max_restarts < 0:
             raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        if self.max_requeues < 0:
+            raise ValueError(f"--max-requeues must be >= 0, got {self.max_requeues}")
         if self.min_replicas is not None and not 1 <= self.min_replicas <= self.replicas:
             raise ValueError(f"--min-replicas must be in 1..{self.replicas}, got {self.min_replicas}")
         if self.partition is not None and not _PARTITION.match(self.partition):
@@ -114,6 +117,7 @@ def replica_script(plan: SlurmJobPlan, replica: int) -> str:
     rid = f"r{replica}"
     env = {"FTRUN_REPLICA_ID": rid, "FTRUN_NUM_REPLICAS": str(plan.replicas), "FTRUN_TOKEN_FILE": plan.token_file,
            "FTRUN_RUN_DIR": plan.run_dir, "FTRUN_SLURM_MAX_RESTARTS": str(plan.max_restarts),
+           "FTRUN_SLURM_MAX_REQUEUES": str(plan.max_requeues),
            "FTRUN_BIND_HOST": plan.bind_host}
     if plan.lighthouse:
         env["FTRUN_LIGHTHOUSE"] = plan.lighthouse
@@ -157,7 +161,8 @@ def incarnation(restart_count: int, attempt: int, max_restarts: int) -> int:
 class StepAction(str, enum.Enum):
     DONE = "done"  # the step succeeded: the replica has finished
     RESTART = "restart"  # run a new srun step in this allocation (the next incarnation)
-    FAIL = "fail"  # give up in this allocation (restarts used up, or Slurm is stopping/requeueing the job)
+    REQUEUE = "requeue"  # restarts used up here: requeue the job (a new allocation, maybe other nodes)
+    FAIL = "fail"  # give up (restarts and requeues used up, or Slurm is stopping/requeueing the job)
 
 
 @dataclass(frozen=True)
@@ -166,14 +171,20 @@ class StepDecision:
     reason: str
 
 
-def step_decision(returncode: int, attempt: int, max_restarts: int, *, stopping: bool) -> StepDecision:
-    """What the replica wrapper does after its srun step `attempt` ended with `returncode`."""
+def step_decision(returncode: int, attempt: int, max_restarts: int, *, stopping: bool, requeues: int = 0,
+                  max_requeues: int = 0) -> StepDecision:
+    """What the replica wrapper does after its srun step `attempt` ended with `returncode`; `requeues`
+    is the job's SLURM_RESTART_COUNT."""
     if returncode == 0:
         return StepDecision(StepAction.DONE, "the step exited 0")
     if stopping:
         return StepDecision(StepAction.FAIL, f"the step exited {returncode} while Slurm stops or requeues the job")
+    if attempt >= max_restarts and requeues < max_requeues:
+        return StepDecision(StepAction.REQUEUE, f"the step exited {returncode}; all {max_restarts} restarts used, "
+                            f"requeue {requeues + 1} of {max_requeues}")
     if attempt >= max_restarts:
-        return StepDecision(StepAction.FAIL, f"the step exited {returncode}; all {max_restarts} restarts used")
+        return StepDecision(StepAction.FAIL, f"the step exited {returncode}; all {max_restarts} restarts and "
+                            f"{max_requeues} requeues used")
     return StepDecision(StepAction.RESTART, f"the step exited {returncode}; restart {attempt + 1} of {max_restarts}")
 
 

@@ -200,10 +200,11 @@ def _rank_pid(run: Path, rid: str, *, rank: int) -> int:
     raise AssertionError(f"no live rank {rank} of {rid}")
 
 
-def _submit(c: Cluster, run: Path, *worker: str) -> dict[str, str]:
-    cmd = [sys.executable, "-m", "ftrun.cli", "slurm", "submit", "--replicas", "2", "--ranks-per-replica", "2",
-           "--run-dir", str(run), "--bind-host", "127.0.0.1", "--max-restarts", str(MAX_RESTARTS), "--json",
-           "-m", "ftrun.train.ft_worker", *worker]
+def _submit(c: Cluster, run: Path, *worker: str, replicas: int = 2, ranks: int = 2,
+            max_restarts: int = MAX_RESTARTS) -> dict[str, str]:
+    cmd = [sys.executable, "-m", "ftrun.cli", "slurm", "submit", "--replicas", str(replicas), "--ranks-per-replica",
+           str(ranks), "--run-dir", str(run), "--bind-host", "127.0.0.1", "--max-restarts", str(max_restarts),
+           "--max-requeues", "1", "--json", "-m", "ftrun.train.ft_worker", *worker]
     out = c.run(*cmd)
     return json.loads(out.strip().splitlines()[-1])["jobs"]
 
@@ -276,3 +277,31 @@ def _recovery(out: Path, inc: int) -> str:
     start = next(i for i, e in enumerate(evs) if e.get("event") == "slurm" and e.get("incarnation") == inc)
     first = next(e for e in evs[start:] if e.get("event") == "step" and e.get("committed"))
     return f"{first['t'] - evs[start]['t']:.1f}s to the first commit of incarnation {inc}"
+
+
+def test_a_replica_out_of_restarts_requeues_its_job(cluster, tmp_path):
+    """--max-restarts 0: r0's rank dies at step 2 of incarnation 0, so its wrapper requeues the job itself
+    (`scontrol requeue`); the next run (SLURM_RESTART_COUNT=1, incarnation 1) resumes and finishes."""
+    run = tmp_path / "run"
+    cluster.env["FTRUN_DIE_AT"] = "step=2,phase=backward,replica=r0,incarnation=0"
+    jobs = _submit(cluster, run, "--steps", "6", "--step-time", "0.05", replicas=1, ranks=1, max_restarts=0)
+    out = run / "slurm" / f"r0-{jobs['r0']}.out"
+    def requeued() -> list[dict]:
+        assert jobs["r0"] in cluster.jobs(), "r0's job ended instead of requeueing itself"
+        return [e for e in _events(out) if e.get("event") == "slurm" and e.get("decision") == "requeue"]
+
+    _wait(lambda: bool(requeued()) and cluster.jobs().get(jobs["r0"]) == "PENDING", 150, "r0 requeued itself", cluster)
+    assert "requeue 1 of 1" in requeued()[0]["reason"]
+    assert not (run / "slurm" / "r0.done").exists(), "a requeued replica has not finished"
+    cluster.run("scontrol", "update", f"JobId={jobs['r0']}", "StartTime=now")  # skip Slurm's requeue delay
+    _wait(lambda: not cluster.jobs(), 150, "r0's second run and the lighthouse finished", cluster)
+    assert (run / "slurm" / "r0.done").read_text().strip() == "0"
+    starts = [e["incarnation"] for e in _events(out) if e.get("event") == "slurm" and e.get("phase") == "start"]
+    assert starts == [0, 1]
+    finals = [e for e in _events(out) if e.get("event") == "final"]
+    assert [e["step"] for e in finals] == [6]
+    final = LoaderState.from_dict(finals[0]["loader_state"])
+    records = [r for path in sorted(run.glob("audit-*.jsonl")) for r in read_log(path.read_bytes())[0]]
+    assert {p.name for p in run.glob("audit-*.jsonl")} == {"audit-r0-0.jsonl", "audit-r0-1.jsonl"}
+    report = audit(records, final=final)
+    assert report.ok, report.summary()

@@ -44,7 +44,8 @@ def test_replica_script_is_one_requeueable_job_of_the_replicas_ranks():
         "--gpus-per-task=1"]
     assert _exports(script) == {
         "FTRUN_REPLICA_ID": "r2", "FTRUN_NUM_REPLICAS": "3", "FTRUN_TOKEN_FILE": "/shared/run/token",
-        "FTRUN_RUN_DIR": "/shared/run", "FTRUN_SLURM_MAX_RESTARTS": "3", "FTRUN_BIND_HOST": "@node",
+        "FTRUN_RUN_DIR": "/shared/run", "FTRUN_SLURM_MAX_RESTARTS": "3", "FTRUN_SLURM_MAX_REQUEUES": "1",
+        "FTRUN_BIND_HOST": "@node",
         "FTRUN_SLURM_LIGHTHOUSE_FILE": "/shared/run/slurm/lighthouse.addr"}
     assert "unset FTRUN_TOKEN\n" in script  # only the 0600 file carries the token
     last = shlex.split(script.strip().splitlines()[-1])
@@ -79,6 +80,7 @@ def test_arguments_with_shell_characters_stay_one_word():
 @pytest.mark.parametrize("kw, what", [
     (dict(replicas=0), "--replicas"), (dict(ranks_per_replica=0), "--ranks-per-replica"),
     (dict(nodes_per_replica=5), "every node needs a rank"), (dict(max_restarts=-1), "--max-restarts"),
+    (dict(max_requeues=-1), "--max-requeues"),
     (dict(min_replicas=4), "--min-replicas"), (dict(partition="gpu\n#SBATCH --x"), "--partition"),
     (dict(time_limit="1h"), "--time"), (dict(command=()), "no training script"),
     (dict(sbatch_args=("-N 2",)), "--sbatch-arg"), (dict(sbatch_args=("--a=1\n--b",)), "--sbatch-arg"),
@@ -100,17 +102,20 @@ def test_incarnations_grow_with_step_restarts_and_requeues_and_never_repeat():
             incarnation(*bad)
 
 
-@pytest.mark.parametrize("returncode, attempt, stopping, action, reason", [
-    (0, 0, False, StepAction.DONE, "exited 0"),
-    (0, 3, True, StepAction.DONE, "exited 0"),
-    (137, 0, False, StepAction.RESTART, "restart 1 of 3"),
-    (1, 2, False, StepAction.RESTART, "restart 3 of 3"),
-    (1, 3, False, StepAction.FAIL, "all 3 restarts used"),
-    (143, 0, True, StepAction.FAIL, "stops or requeues"),  # scancel / requeue: Slurm decides
+@pytest.mark.parametrize("returncode, attempt, stopping, requeues, action, reason", [
+    (0, 0, False, 0, StepAction.DONE, "exited 0"),
+    (0, 3, True, 0, StepAction.DONE, "exited 0"),
+    (137, 0, False, 0, StepAction.RESTART, "restart 1 of 3"),
+    (1, 2, False, 0, StepAction.RESTART, "restart 3 of 3"),
+    (1, 3, False, 0, StepAction.REQUEUE, "requeue 1 of 1"),  # restarts used up: a new allocation
+    (1, 3, False, 1, StepAction.FAIL, "all 3 restarts and 1 requeues used"),
+    (143, 0, True, 0, StepAction.FAIL, "stops or requeues"),  # scancel / requeue from outside: Slurm decides
+    (143, 3, True, 0, StepAction.FAIL, "stops or requeues"),
 ])
-def test_step_decision(returncode, attempt, stopping, action, reason):
-    decision = step_decision(returncode, attempt, 3, stopping=stopping)
+def test_step_decision(returncode, attempt, stopping, requeues, action, reason):
+    decision = step_decision(returncode, attempt, 3, stopping=stopping, requeues=requeues, max_requeues=1)
     assert decision.action is action and reason in decision.reason
+    assert step_decision(1, 3, 3, stopping=False).action is StepAction.FAIL  # no requeues by default
 
 
 SLURM_TASK = {"FTRUN_REPLICA_ID": "r1", "FTRUN_NUM_REPLICAS": "3", "FTRUN_TOKEN": "tok",
@@ -171,7 +176,7 @@ def test_srun_runs_every_task_of_the_allocation_through_the_mapping():
 
 def _submit_args(tmp_path, **kw) -> argparse.Namespace:
     base = dict(replicas=2, ranks_per_replica=2, nodes_per_replica=1, partition=None, time_limit=None, max_restarts=3,
-                min_replicas=None, run_dir=str(tmp_path / "run"), bind_host="@node", lighthouse=None, sbatch_arg=[],
+                max_requeues=1, min_replicas=None, run_dir=str(tmp_path / "run"), bind_host="@node", lighthouse=None, sbatch_arg=[],
                 dry_run=True, json=True, module=True, script="ftrun.train.ft_worker", script_args=["--steps", "5"],
                 slurm_command="submit")
     return argparse.Namespace(**{**base, **kw})
