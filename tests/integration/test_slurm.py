@@ -63,6 +63,7 @@ class Cluster:
     def __init__(self, d: Path) -> None:
         self.d = d
         self.env = {**os.environ, "SLURM_CONF": str(d / "slurm.conf"), "OMP_NUM_THREADS": "1"}
+        self.run_dir: Path | None = None  # the job's, for failure messages
         self.env.pop("FTRUN_TOKEN", None)
         self.env.pop("FTRUN_TOKEN_FILE", None)
 
@@ -83,7 +84,21 @@ class Cluster:
         return dict(line.split() for line in out.splitlines() if line.strip())
 
     def log_tail(self) -> str:
-        return "\n".join(f"{p.name}: {p.read_text()[-800:]}" for p in self.d.glob("*.log"))
+        logs = [f"{p.name}: {p.read_text()[-800:]}" for p in self.d.glob("*.log")]
+        for p in sorted(self.run_dir.glob("slurm/*.out")) if self.run_dir else []:
+            lines = p.read_text(errors="replace").splitlines()
+            keep = [ln for ln in lines if '"event": "slurm"' in ln or "Error" in ln or "error" in ln][-10:]
+            logs.append(f"{p.name}: " + "\n".join(keep + lines[-5:]))
+        return "\n".join(logs)
+
+    def release(self, job: str) -> None:
+        """Start a requeued job now instead of after Slurm's requeue delay (BeginTime): repeated while it
+        still waits, as the requeue may set its BeginTime after an early update."""
+        deadline = time.monotonic() + 60
+        while self.run("squeue", "-h", "-j", job, "-o", "%T %r", check=False).split() == ["PENDING", "BeginTime"]:
+            assert time.monotonic() < deadline, f"job {job} still held by its BeginTime"
+            self.run("scontrol", "update", f"JobId={job}", "StartTime=now")
+            time.sleep(2)
 
 
 def _alive(pid: int) -> bool:
@@ -210,7 +225,7 @@ def _submit(c: Cluster, run: Path, *worker: str, replicas: int = 2, ranks: int =
 
 
 def test_replicas_as_slurm_jobs_restart_and_requeue_as_incarnations(cluster, tmp_path):
-    run = tmp_path / "run"
+    run = cluster.run_dir = tmp_path / "run"
     jobs = _submit(cluster, run, "--steps", "100000", "--step-time", "0.05", "--ftar-timeout", "3",
                    "--stop-file", str(run / "stop"))
     assert sorted(jobs) == ["lighthouse", "r0", "r1"]
@@ -238,7 +253,7 @@ def test_replicas_as_slurm_jobs_restart_and_requeue_as_incarnations(cluster, tmp
     # requeue r0's whole job: Slurm runs it again with SLURM_RESTART_COUNT=1 = incarnation 4
     cluster.run("scontrol", "requeue", jobs["r0"])
     _wait(lambda: cluster.jobs().get(jobs["r0"]) == "PENDING", 60, "r0 requeued", cluster)
-    cluster.run("scontrol", "update", f"JobId={jobs['r0']}", "StartTime=now")  # skip Slurm's requeue delay
+    cluster.release(jobs["r0"])  # skip Slurm's requeue delay
     inc = 1 * (MAX_RESTARTS + 1)
     _wait(lambda: len(commits("r0", inc)) >= 2, 180, "r0 requeued, back and committing", cluster)
     assert (run / f"audit-r0-{inc}.jsonl").exists(), "a requeue counts as the next incarnations"
@@ -282,7 +297,7 @@ def _recovery(out: Path, inc: int) -> str:
 def test_a_replica_out_of_restarts_requeues_its_job(cluster, tmp_path):
     """--max-restarts 0: r0's rank dies at step 2 of incarnation 0, so its wrapper requeues the job itself
     (`scontrol requeue`); the next run (SLURM_RESTART_COUNT=1, incarnation 1) resumes and finishes."""
-    run = tmp_path / "run"
+    run = cluster.run_dir = tmp_path / "run"
     cluster.env["FTRUN_DIE_AT"] = "step=2,phase=backward,replica=r0,incarnation=0"
     jobs = _submit(cluster, run, "--steps", "6", "--step-time", "0.05", replicas=1, ranks=1, max_restarts=0)
     out = run / "slurm" / f"r0-{jobs['r0']}.out"
@@ -293,7 +308,7 @@ def test_a_replica_out_of_restarts_requeues_its_job(cluster, tmp_path):
     _wait(lambda: bool(requeued()) and cluster.jobs().get(jobs["r0"]) == "PENDING", 150, "r0 requeued itself", cluster)
     assert "requeue 1 of 1" in requeued()[0]["reason"]
     assert not (run / "slurm" / "r0.done").exists(), "a requeued replica has not finished"
-    cluster.run("scontrol", "update", f"JobId={jobs['r0']}", "StartTime=now")  # skip Slurm's requeue delay
+    cluster.release(jobs["r0"])  # skip Slurm's requeue delay
     _wait(lambda: not cluster.jobs(), 150, "r0's second run and the lighthouse finished", cluster)
     assert (run / "slurm" / "r0.done").read_text().strip() == "0"
     starts = [e["incarnation"] for e in _events(out) if e.get("event") == "slurm" and e.get("phase") == "start"]
