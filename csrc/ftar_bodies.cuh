@@ -33,7 +33,10 @@
 namespace ftar {
 
 constexpr int kVecBytes = 16;
-constexpr int kUnroll = 4;  // independent 16-byte loads per operand in flight per thread
+#ifndef FTAR_UNROLL_LOADS
+#define FTAR_UNROLL_LOADS 8  // with FTAR_MAX_THREADS 512 these stay in registers (ftar_kernels.h)
+#endif
+constexpr int kUnroll = FTAR_UNROLL_LOADS;  // independent 16-byte loads per operand in flight per thread
 
 enum class Op { kCopy, kReduce, kReduceCopy };
 

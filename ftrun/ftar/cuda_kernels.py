@@ -23,6 +23,7 @@ from ftrun.ftar.kernels import (
     KernelUnavailableError,
     WaitStatus,
     check_elements,
+    check_launch_shape,
     check_region,
 )
 
@@ -167,8 +168,7 @@ class CudaKernels:
 
     def __init__(self, *, stream: Any = None, blocks: int = DEFAULT_BLOCKS, threads: int = DEFAULT_THREADS,
                  library: str | Path | None = None, guard: Any = None) -> None:
-        if not (1 <= blocks <= 65535 and 1 <= threads <= 1024):
-            raise ValueError(f"blocks={blocks} must be 1..65535 and threads={threads} 1..1024")
+        check_launch_shape(blocks, threads)
         torch = _require_gpu()
         self._lib = load_library(library)
         if stream is None:

@@ -27,6 +27,16 @@ import enum
 from typing import Any, Protocol, runtime_checkable
 
 
+MAX_THREADS = 512  # csrc/ftar_kernels.h FTAR_MAX_THREADS (the kernels' __launch_bounds__)
+MAX_BLOCKS = 65535  # csrc/ftar_kernels.h FTAR_MAX_BLOCKS
+
+
+def check_launch_shape(blocks: int, threads: int) -> None:
+    """Raise ValueError unless (blocks, threads) is a launch shape the csrc/ kernels accept."""
+    if not (1 <= blocks <= MAX_BLOCKS and 1 <= threads <= MAX_THREADS):
+        raise ValueError(f"blocks={blocks} must be 1..{MAX_BLOCKS} and threads={threads} 1..{MAX_THREADS}")
+
+
 class KernelError(RuntimeError):
     """A kernel backend failed (launch error, device fault). `code` is the backend's error code."""
 
