@@ -1,13 +1,15 @@
 """`ftrun demo`: a lighthouse and R replicas x K ranks as real processes on 127.0.0.1.
 
 Each rank runs the real trainer (ftrun.train.ft_worker: a tiny LM, catch-up, FTAR, 2PC, the data ledger;
---step-time adds modeled compute per step). It SIGKILLs one replica part way, restarts it, and reports per-step participants,
+--step-time adds modeled compute per step), forked from the same zygote `ftrun launch` uses, so a restart
+costs a fork rather than a python + torch start (`--start-method spawn` measures the latter). It SIGKILLs one replica part way, restarts it, and reports per-step participants,
 committed steps, how fast the failure was detected and how long the replica took to rejoin.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import secrets
 import tempfile
 from collections import defaultdict
@@ -17,6 +19,7 @@ from ftrun.config import LighthouseConfig, Timeouts
 from ftrun.env.base import EnvTimeout
 from ftrun.env.real import RealEnv
 from ftrun.env.real_store import bound_store
+from ftrun.launch.procs import ForkServer, Launcher, SpawnLauncher
 from ftrun.launch.supervisor import ReplicaProcesses
 from ftrun.launch.worker_env import WorkerSpec
 from ftrun.quorum.service import Lighthouse
@@ -31,6 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kill-step", type=int, default=10, help="kill a replica once the job commits this step")
     p.add_argument("--restart-after", type=float, default=1.0, help="seconds between the kill and the restart")
     p.add_argument("--timeout", type=float, default=180.0, help="give up after this many seconds")
+    p.add_argument("--start-method", choices=("fork-server", "spawn"), default="fork-server",
+                   help="fork rank processes from a preloaded zygote (as ftrun launch does), or spawn fresh "
+                        "interpreters (default: %(default)s)")
     p.add_argument("--json", action="store_true")
 
 
@@ -42,6 +48,9 @@ def run(args: argparse.Namespace) -> int:
     store = bound_store("127.0.0.1", timeout_s=30)  # loopback only: the store has no authentication
     events = env.queue()
     run_dir = tempfile.mkdtemp(prefix="ftrun-demo-")
+    launcher: Launcher = SpawnLauncher() if args.start_method == "spawn" else ForkServer(
+        env=env, script="ftrun.train.ft_worker", module=True, cwd=os.getcwd(),
+        log_path=os.path.join(run_dir, "zygote.log"), run_dir=run_dir)
     replicas = [
         ReplicaProcesses(env=env, events=events, log_dir=run_dir,
                          argv=["-m", "ftrun.train.ft_worker", "--steps", "1000000",
@@ -49,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
                          spec=WorkerSpec(replica_id=f"r{i}", replica_index=i, num_replicas=args.replicas, rank=0,
                                          ranks_per_replica=args.ranks_per_replica, incarnation=0,
                                          lighthouse=lighthouse.addr, token=token, store_addr="127.0.0.1",
-                                         store_port=store.port, run_dir=run_dir))
+                                         store_port=store.port, run_dir=run_dir),
+                         launcher=launcher)
         for i in range(args.replicas)
     ]
     print(f"ftrun demo: lighthouse {lighthouse.addr}, {args.replicas} replicas x {args.ranks_per_replica} ranks, "
@@ -62,7 +72,9 @@ def run(args: argparse.Namespace) -> int:
         lighthouse.stop()  # first, so the replicas' exits are not reported as failures
         for r in replicas:
             r.kill()
+        launcher.close()
     figures = _report(args, log, marks, list(lighthouse.history))
+    figures["start_method"] = "spawn (fallback)" if getattr(launcher, "fallback_reason", None) else args.start_method
     if args.json:
         emit_json(figures)
     return 0 if figures["complete"] else 1

@@ -21,6 +21,6 @@ def test_demo_detects_the_kill_at_once_and_the_replica_rejoins():
     assert figures["complete"]
     assert figures["detection_s"] < 0.5, "a killed replica's connection loss is pushed, not waited for"
     assert figures["survivor_max_gap_s"] < 0.5 + figures["step_time_s"]
-    assert figures["healed_from_to"][0] == 0 and figures["healed_from_to"][1] > 5
+    assert figures["healed_from_to"][0] == 0 and figures["healed_from_to"][1] >= 5  # the job was past the kill step
     assert len(figures["quorum_ids"]) >= 3  # start, after the kill, after the rejoin
     assert "committed by" in out.stdout and "report" in out.stdout
