@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     except OSError as e:
         raise UsageError(f"--out {args.out}: cannot create it ({e.strerror})") from None
     from ftrun.chaos.driver import WORKER, ScheduleRun
-    from ftrun.chaos.invariants import check
+    from ftrun.chaos.invariants import Verdict, check
     from ftrun.env.real import RealEnv
     from ftrun.launch.procs import ForkServer
 
@@ -79,7 +79,10 @@ def run(args: argparse.Namespace) -> int:
                                 steps=args.steps)
             started = env.clock.now()
             driver = ScheduleRun(schedule, env=env, launcher=launcher, workdir=out, timeout_s=args.schedule_timeout)
-            verdict = check(driver.run())
+            try:
+                verdict = check(driver.run())
+            except Exception as e:  # noqa: BLE001 (the driver failed: report it with the schedule, go on)
+                verdict = Verdict(violations=[f"driver error: {type(e).__name__}: {e}"])
             totals["schedules"] += 1
             totals["faults_injected"] += driver.faults_injected
             totals["duplicate_batches"] += verdict.duplicate_batches
@@ -93,7 +96,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"ftrun chaos: schedule {i} ({n + 1}/{len(indices)}) {schedule.describe()}: "
                   f"{driver.faults_injected} faults, "
                   + ("ok" if verdict.ok else "VIOLATION: " + " | ".join(verdict.violations))
-                  + f" ({env.clock.now() - started:.1f}s; total {env.clock.now() - t0:.0f}s, "
+                  + f" ({env.clock.now() - started:.1f}s, goal at "
+                  f"{'-' if driver.t_goal is None else format(driver.t_goal, '.1f')}s; total {env.clock.now() - t0:.0f}s, "
                   f"{len(totals['violations'])} violating)", file=sys.stderr, flush=True)
     finally:
         launcher.close()

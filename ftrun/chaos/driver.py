@@ -27,7 +27,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 from typing import Callable
 
 from ftrun.chaos.invariants import Observation
@@ -46,7 +45,7 @@ from ftrun.train.inject import DieAt
 
 WORKER = "ftrun.train.ft_worker"
 RESTART_DELAY_S = 0.3
-FINISH_GRACE_S = 6.0  # longer than the longest stop (3 s): a resumed replica may still finish
+FINISH_GRACE_S = 2.0  # after the goal (or the last SIGCONT): how long the other replicas get to finish
 STEP_TIME_S = 0.02
 
 
@@ -69,13 +68,24 @@ class ScheduleRun:
         self._pids: set[int] = set()
         self._lighthouse_back_at: float | None = None
         self._goal_at: float | None = None
+        self._last_resume = 0.0
+        self.t_goal: float | None = None  # seconds from start to the job's last step (for progress lines)
 
     # -- setup and teardown -------------------------------------------------------------------------
     def _lighthouse(self, bind: str) -> Lighthouse:
-        lh = Lighthouse(env=self.env, token=self.token, storage=self.lh_storage, bind=bind, config=LighthouseConfig(
-            min_replicas=self.s.min_replicas, timeouts=Timeouts(heartbeat_timeout_s=1.0, join_timeout_s=1.0)))
-        lh.start()
-        return lh
+        """A lighthouse on `bind` over the schedule's state dir (a restart retries its address for 2 s)."""
+        for attempt in range(20):
+            lh = Lighthouse(env=self.env, token=self.token, storage=self.lh_storage, bind=bind,
+                            config=LighthouseConfig(min_replicas=self.s.min_replicas,
+                                                    timeouts=Timeouts(heartbeat_timeout_s=1.0, join_timeout_s=1.0)))
+            try:
+                lh.start()
+                return lh
+            except OSError:
+                if attempt == 19:
+                    raise
+                self.env.clock.sleep(0.1)
+        raise AssertionError("unreachable")
 
     def run(self) -> Observation:
         os.makedirs(self.run_dir)
@@ -99,19 +109,25 @@ class ScheduleRun:
                             run_dir=self.run_dir, max_steps=self.s.steps))
             for i in range(self.s.replicas)}
         self._started: set[str] = set()
+        self._t0 = self.env.clock.now()
         timed_out = False
         try:
             for rid, rep in self.replicas.items():
                 if self._joiner is None or rid != self._joiner.replica:
                     self._start(rid)
-            deadline = self.env.clock.now() + self.timeout_s
+            self._t0 = self.env.clock.now()
+            deadline = self._t0 + self.timeout_s
             while not self._finished():
                 if self.env.clock.now() > deadline:
                     timed_out = True
                     break
                 self._tick()
-        finally:
+        except BaseException:
             self._teardown()
+            if self.lighthouse is not None:
+                self.lighthouse.stop()
+            raise
+        self._teardown()
         obs = self._observe(timed_out)
         del store
         return obs
@@ -135,10 +151,13 @@ class ScheduleRun:
 
     # -- the supervision loop -----------------------------------------------------------------------
     def _finished(self) -> bool:
+        """The job reached its goal and every replica is done, or the stragglers had their grace: from the
+        goal, or from the last resumed stop, whichever is later."""
+        if self._goal_at is None:
+            return False
         running = [r for r in self._started if r not in self._done]
-        if self._goal_at is not None:
-            return not running or self.env.clock.now() - self._goal_at > FINISH_GRACE_S
-        return False
+        since = max(self._goal_at, self._last_resume)
+        return not running or (not self._resume and self.env.clock.now() - since > FINISH_GRACE_S)
 
     def _tick(self) -> None:
         self._pull(0.05)
@@ -146,6 +165,7 @@ class ScheduleRun:
         for when, pid in [r for r in self._resume if r[0] <= now]:
             _signal(pid, signal.SIGCONT)
             self._resume.remove((when, pid))
+            self._last_resume = now
         if self._lighthouse_back_at is not None and now >= self._lighthouse_back_at:
             self._lighthouse_back_at = None
             self.lighthouse = self._lighthouse(self.lh_addr)
@@ -188,6 +208,7 @@ class ScheduleRun:
             self._max_step = max(self._max_step, ev["step"] + 1)
             if self._max_step >= self.s.steps and self._goal_at is None:
                 self._goal_at = self.env.clock.now()
+                self.t_goal = self._goal_at - self._t0
         elif kind == "fault":
             self.faults_injected += 1
             if ev.get("action") == "stop":
@@ -271,8 +292,7 @@ class ScheduleRun:
             if lh is None:
                 raise OSError("not running")
             lh.status()
-            host, port = lh.addr.rsplit(":", 1)
-            socket.create_connection((host, int(port)), timeout=5.0).close()
+            self.env.net.connect(lh.addr, 5.0).close()  # it still accepts connections
         except Exception as e:  # noqa: BLE001 (any failure means the service is not up)
             down.append(f"lighthouse: {e}")
         finally:

@@ -25,7 +25,6 @@ import json
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -76,8 +75,9 @@ class Faults:
     in the same formats, so a test can script a sequence of faults into one running job.
     """
 
-    def __init__(self, spec: WorkerSpec, *, die_at: str, catchup: str, plan_file: str | None) -> None:
-        self.spec, self._plan_file, self._plan_mtime = spec, plan_file, None
+    def __init__(self, spec: WorkerSpec, *, die_at: str, catchup: str, plan_file: str | None,
+                 sleep: Callable[[float], None] = lambda s: None) -> None:
+        self.spec, self._plan_file, self._plan_mtime, self._sleep = spec, plan_file, None, sleep
         self.kernels = Float32Kernels()
         self._fired: set[DieAt] = set()
         self._step = 0
@@ -105,7 +105,7 @@ class Faults:
         elif plan.action == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
         else:
-            time.sleep(plan.seconds)
+            self._sleep(plan.seconds)
 
     def reload(self) -> None:
         try:
@@ -191,10 +191,13 @@ def main(argv: list[str] | None = None) -> int:
     steps = args.steps if args.steps is not None else spec.max_steps
     if steps is None:
         raise SystemExit("--steps is required when FTRUN_MAX_STEPS is not set")
-    faults = Faults(spec, die_at=os.environ.get("FTRUN_DIE_AT", ""), catchup=os.environ.get("FTRUN_CATCHUP_FAULT", ""),
-                    plan_file=args.fault_file)
+    die_at, catchup = os.environ.get("FTRUN_DIE_AT", ""), os.environ.get("FTRUN_CATCHUP_FAULT", "")
+    parse_die_at(die_at), parse_catchup_fault(catchup)  # a bad plan fails before the rank joins the job
     toy = ToyConfig(seed=args.seed)
     with init_from_env(config_from(args)) as ft:
+        faults = Faults(spec, die_at=die_at, catchup=catchup, plan_file=args.fault_file,
+                        sleep=ft.env.clock.sleep)  # a slow rank stalls on the job's clock
+
         def loss_fn(m: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
             ft.env.clock.sleep(args.step_time)  # stands in for the compute of a real model
             return lm_loss(m, batch)
