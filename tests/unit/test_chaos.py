@@ -155,3 +155,13 @@ def test_the_lineage_helper_matches_the_ledger():
 def test_schedule_json_round_trips_its_faults():
     s = Schedule(1, 2, 3, 1, 12, (Fault("lighthouse", 4, seconds=0.5),))
     assert s.as_json()["faults"][0]["kind"] == "lighthouse" and s.joiner is None
+
+
+@pytest.mark.parametrize("argv, flag", [(["--replicas", "1"], "--replicas"), (["--steps", "3"], "--steps"),
+                                        (["--ranks-per-replica", "9"], "--ranks-per-replica"),
+                                        (["--schedule-timeout", "0"], "--schedule-timeout")])
+def test_the_cli_refuses_bad_flags_naming_them_before_starting_anything(argv, flag, capsys):
+    from ftrun.cli import main
+
+    assert main(["chaos", *argv]) == 2
+    assert flag in capsys.readouterr().err
