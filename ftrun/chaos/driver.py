@@ -27,7 +27,6 @@ import json
 import os
 import secrets
 import signal
-from typing import Callable
 
 from ftrun.chaos.invariants import Observation
 from ftrun.chaos.schedule import PROCESS_KINDS, Fault, Schedule
@@ -47,13 +46,13 @@ WORKER = "ftrun.train.ft_worker"
 RESTART_DELAY_S = 0.3
 FINISH_GRACE_S = 2.0  # after the goal (or the last SIGCONT): how long the other replicas get to finish
 STEP_TIME_S = 0.02
+LIGHTHOUSE_BIND_TRIES = 20  # 0.1 s apart
 
 
 class ScheduleRun:
     def __init__(self, schedule: Schedule, *, env: RealEnv, launcher: Launcher, workdir: str,
-                 timeout_s: float = 120.0, step_time_s: float = STEP_TIME_S,
-                 say: Callable[[str], None] = lambda text: None) -> None:
-        self.s, self.env, self.launcher, self.timeout_s, self.say = schedule, env, launcher, timeout_s, say
+                 timeout_s: float = 120.0, step_time_s: float = STEP_TIME_S) -> None:
+        self.s, self.env, self.launcher, self.timeout_s = schedule, env, launcher, timeout_s
         self.run_dir = os.path.join(os.path.abspath(workdir), f"schedule-{schedule.seed}-{schedule.index}")
         self.step_time_s = step_time_s
         self.events: list[dict] = []
@@ -74,18 +73,18 @@ class ScheduleRun:
     # -- setup and teardown -------------------------------------------------------------------------
     def _lighthouse(self, bind: str) -> Lighthouse:
         """A lighthouse on `bind` over the schedule's state dir (a restart retries its address for 2 s)."""
-        for attempt in range(20):
-            lh = Lighthouse(env=self.env, token=self.token, storage=self.lh_storage, bind=bind,
-                            config=LighthouseConfig(min_replicas=self.s.min_replicas,
-                                                    timeouts=Timeouts(heartbeat_timeout_s=1.0, join_timeout_s=1.0)))
+        config = LighthouseConfig(min_replicas=self.s.min_replicas,
+                                  timeouts=Timeouts(heartbeat_timeout_s=1.0, join_timeout_s=1.0))
+        for attempt in range(LIGHTHOUSE_BIND_TRIES):
+            lh = Lighthouse(env=self.env, token=self.token, storage=self.lh_storage, bind=bind, config=config)
             try:
                 lh.start()
-                return lh
+                break
             except OSError:
-                if attempt == 19:
+                if attempt == LIGHTHOUSE_BIND_TRIES - 1:
                     raise
                 self.env.clock.sleep(0.1)
-        raise AssertionError("unreachable")
+        return lh
 
     def run(self) -> Observation:
         os.makedirs(self.run_dir)
@@ -112,10 +111,9 @@ class ScheduleRun:
         self._t0 = self.env.clock.now()
         timed_out = False
         try:
-            for rid, rep in self.replicas.items():
+            for rid in self.replicas:
                 if self._joiner is None or rid != self._joiner.replica:
                     self._start(rid)
-            self._t0 = self.env.clock.now()
             deadline = self._t0 + self.timeout_s
             while not self._finished():
                 if self.env.clock.now() > deadline:
@@ -134,7 +132,10 @@ class ScheduleRun:
 
     def _start(self, rid: str) -> None:
         rep = self.replicas[rid]
-        rep.start() if rid not in self._started else rep.restart()
+        if rid in self._started:
+            rep.restart()  # the next incarnation
+        else:
+            rep.start()
         self._started.add(rid)
         self._pids.update(p.pid for p in rep.procs)
 
