@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-scale test-fuzz test-multihost test-slurm kernels bench clean
+.PHONY: setup demo test test-scale test-fuzz test-multihost test-slurm chaos kernels bench clean
 
 setup: $(STAMP)
 
@@ -40,6 +40,13 @@ test-multihost: setup
 test-slurm: setup
 	bash ci/install_slurm.sh
 	$(PY) -m pytest -q -m slurm -p no:randomly tests/integration/test_slurm.py
+
+# Randomized fault schedules, Jepsen-style: 1,000 real small jobs (3 replicas x 1 rank, 12 steps) under seeded
+# random faults, each checked for forks, exactly-once data, identical state and leaks (about an hour).
+CHAOS_SCHEDULES ?= 1000
+CHAOS_SEED ?= 1
+chaos: setup
+	$(VENV)/bin/ftrun chaos --schedules $(CHAOS_SCHEDULES) --seed $(CHAOS_SEED) --json
 
 clean:
 	rm -rf $(VENV) build csrc/build

@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "emulate": ("harness.cli", "emulated dry run of the runtime from a scale profile"),
     "bench": ("ftrun.bench", "benchmarks that print ratios against a baseline measured in the same run"),
     "sim": ("harness.analysis.sim.cli", "availability analytics, SPARe Monte-Carlo and time-to-train simulation"),
+    "chaos": ("ftrun.chaos.cli", "real small jobs under seeded random fault schedules, checked for forks and losses"),
     "diagnose": ("ftrun.diagnose.cli", "root cause of a hung or slow job: the collector's current verdict"),
 }
 

@@ -13,8 +13,9 @@ with the ledger), failed. Audit records go to run_dir/audit-{replica}-{incarnati
 once it has committed --steps steps, or the step written in --stop-file (tests use it to end every
 replica at the same step).
 
-Fault injection for tests: FTRUN_DIE_AT and FTRUN_CATCHUP_FAULT (see ftrun.train.inject), or the same
-plans in a JSON --fault-file that is reloaded before every step.
+Fault injection for tests and `ftrun chaos`: FTRUN_DIE_AT and FTRUN_CATCHUP_FAULT (see ftrun.train.inject),
+or the same plans in a JSON --fault-file that is reloaded before every step. A planned fault prints
+{"event": "fault", "action", "phase", "step", "seconds", "rank"} before it acts (kill, stop or slow).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -33,7 +35,7 @@ from ftrun.config import Timeouts
 from ftrun.launch.worker_env import WorkerSpec
 from ftrun.train.api import FTConfig, Float32CpuKernels, Hooks, init_from_env
 from ftrun.train.api import param_hash  # noqa: F401 (re-exported: tests hash models with it)
-from ftrun.train.inject import parse_catchup_fault, parse_die_at, plan_for
+from ftrun.train.inject import DieAt, parse_catchup_fault, parse_die_at, plan_for
 from ftrun.train.toy import ToyConfig, lm_loss, make_model, make_tokens
 
 
@@ -42,17 +44,19 @@ def die() -> None:
 
 
 class Float32Kernels(Float32CpuKernels):
-    """The API's CPU FTAR kernels, able to die after a few reduces (mid-FTAR)."""
+    """The API's CPU FTAR kernels, able to die (or stop, or stall) after a few reduces (mid-FTAR)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.die_after: int | None = None  # reduces left before SIGKILL, when armed
+        self.die_after: int | None = None  # reduces left before the armed action, when armed
+        self.action: Callable[[], None] = die
 
     def _tick(self) -> None:
         if self.die_after is not None:
             self.die_after -= 1
             if self.die_after <= 0:
-                die()
+                self.die_after = None
+                self.action()
 
     def reduce(self, *args) -> float:
         self._tick()
@@ -71,23 +75,45 @@ class Faults:
     in the same formats, so a test can script a sequence of faults into one running job.
     """
 
-    def __init__(self, spec: WorkerSpec, *, die_at: str, catchup: str, plan_file: str | None) -> None:
-        self.spec, self._plan_file, self._plan_mtime = spec, plan_file, None
+    def __init__(self, spec: WorkerSpec, *, die_at: str, catchup: str, plan_file: str | None,
+                 sleep: Callable[[float], None] = lambda s: None) -> None:
+        self.spec, self._plan_file, self._plan_mtime, self._sleep = spec, plan_file, None, sleep
         self.kernels = Float32Kernels()
-        self._backward_armed = False
+        self._fired: set[DieAt] = set()
+        self._step = 0
         self._set(die_at, catchup)
 
     def _set(self, die_at: str, catchup: str) -> None:
-        self.die_at = plan_for(parse_die_at(die_at), self.spec.replica_id, self.spec.incarnation)
+        self.die_at = tuple(d for d in plan_for(parse_die_at(die_at), self.spec.replica_id, self.spec.incarnation)
+                            if d.for_rank(self.spec.rank))
         self.catchup = plan_for(parse_catchup_fault(catchup), self.spec.replica_id, self.spec.incarnation)
         self._spoiled = 0
+        self._backward_plan: DieAt | None = None
+
+    def _due(self, phase: str, step: int) -> DieAt | None:
+        """The first entry due here that has not fired in this process (an entry fires once)."""
+        return next((d for d in self.die_at if d.due(phase, step) and d not in self._fired), None)
+
+    def _act(self, plan: DieAt, phase: str, step: int) -> None:
+        """Carry out `plan` here: announce it on stdout (the supervisor counts it, and resumes a stop), then
+        SIGKILL, SIGSTOP or sleep."""
+        self._fired.add(plan)
+        print(json.dumps({"event": "fault", "action": plan.action, "phase": phase, "step": step,
+                          "seconds": plan.seconds, "rank": self.spec.rank}), flush=True)
+        if plan.action == "kill":
+            die()
+        elif plan.action == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        else:
+            self._sleep(plan.seconds)
 
     def reload(self) -> None:
         try:
-            mtime = os.stat(self._plan_file).st_mtime_ns if self._plan_file else None
+            st = os.stat(self._plan_file) if self._plan_file else None
+            mtime = (st.st_mtime_ns, st.st_ino) if st is not None else None
         except FileNotFoundError:
             mtime = None
-        if mtime is not None and mtime != self._plan_mtime:
+        if mtime is not None and mtime != self._plan_mtime:  # (mtime, inode): a replaced file is always new
             self._plan_mtime = mtime
             doc = json.loads(Path(self._plan_file).read_text() or "{}")
             self._set(doc.get("die_at", ""), doc.get("catchup", ""))
@@ -102,18 +128,22 @@ class Faults:
             output.register_hook(self._in_backward)
 
     def _in_backward(self, grad: torch.Tensor) -> None:
-        if self._backward_armed:
-            die()
+        if self._backward_plan is not None:
+            plan, self._backward_plan = self._backward_plan, None
+            self._act(plan, "backward", self._step)
 
     def on_phase(self, phase: str, step: int) -> None:
+        self._step = step
         if phase == "quorum":
             self.reload()
         if phase == "forward":
-            self._backward_armed = any(d.due("backward", step) for d in self.die_at)
-        elif phase == "exchange" and any(d.due("exchange", step) for d in self.die_at):
-            self.kernels.die_after = 3  # inside the all-reduce, after some chunks went around the ring
-        elif any(d.due(phase, step) for d in self.die_at):
-            die()
+            self._backward_plan = self._due("backward", step)
+        elif phase == "exchange" and (plan := self._due("exchange", step)) is not None:
+            self._fired.add(plan)  # armed: inside the all-reduce, after some chunks went around the ring
+            self.kernels.die_after = 3
+            self.kernels.action = lambda: self._act(plan, "exchange", step)
+        elif (plan := self._due(phase, step)) is not None:
+            self._act(plan, phase, step)
 
     def catchup_hook(self, step: int, index: int) -> Fault | None:
         """CatchupServer fault hook (on the server's loop): spoil the first shard responses as planned."""
@@ -161,10 +191,13 @@ def main(argv: list[str] | None = None) -> int:
     steps = args.steps if args.steps is not None else spec.max_steps
     if steps is None:
         raise SystemExit("--steps is required when FTRUN_MAX_STEPS is not set")
-    faults = Faults(spec, die_at=os.environ.get("FTRUN_DIE_AT", ""), catchup=os.environ.get("FTRUN_CATCHUP_FAULT", ""),
-                    plan_file=args.fault_file)
+    die_at, catchup = os.environ.get("FTRUN_DIE_AT", ""), os.environ.get("FTRUN_CATCHUP_FAULT", "")
+    parse_die_at(die_at), parse_catchup_fault(catchup)  # a bad plan fails before the rank joins the job
     toy = ToyConfig(seed=args.seed)
     with init_from_env(config_from(args)) as ft:
+        faults = Faults(spec, die_at=die_at, catchup=catchup, plan_file=args.fault_file,
+                        sleep=ft.env.clock.sleep)  # a slow rank stalls on the job's clock
+
         def loss_fn(m: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
             ft.env.clock.sleep(args.step_time)  # stands in for the compute of a real model
             return lm_loss(m, batch)

@@ -8,11 +8,15 @@ by ';', fields by ',':
         quorum (before asking), heal (catch-up fetched, not loaded), backward (inside autograd),
         exchange (inside the FTAR, after a few reduces), before_commit (FTAR done, before the vote),
         after_commit (optimizer stepped, ledger and audit not yet written).
+        `action` (default kill) says what happens there instead: kill (SIGKILL), stop (the process prints
+        a {"event": "fault"} line and SIGSTOPs itself; its supervisor sends SIGCONT after `seconds`) or
+        slow (sleep `seconds` there, once). Every entry fires at most once per process.
     FTRUN_CATCHUP_FAULT="kind=truncate,then=die,replica=r0,incarnation=0"
         spoil the first `count` (default 1) shard responses of this rank's catch-up server: kind=corrupt
         flips a byte (the client's CRC check catches it), kind=truncate sends half and closes; then=die
         SIGKILLs the process right after (a source dying mid-transfer).
-`replica` and `incarnation` restrict an entry to one replica / one incarnation (default: all).
+`replica` and `incarnation` restrict an entry to one replica / one incarnation (default: all); a DieAt
+entry's `rank` to one rank of the replica.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DIE_PHASES = ("quorum", "heal", "backward", "exchange", "before_commit", "after_commit")
+DIE_ACTIONS = ("kill", "stop", "slow")
 FAULT_KINDS = ("corrupt", "truncate")
 
 
@@ -29,15 +34,33 @@ class DieAt:
     step: int = 0
     replica: str | None = None
     incarnation: int | None = None
+    rank: int | None = None  # the rank inside the replica (default: every rank)
+    action: str = "kill"
+    seconds: float = 0.0  # how long a stop or slow action lasts
 
     def __post_init__(self) -> None:
         if self.phase not in DIE_PHASES:
             raise ValueError(f"DieAt.phase must be one of {DIE_PHASES}, got {self.phase!r}")
         if self.step < 0 or (self.incarnation is not None and self.incarnation < 0):
             raise ValueError(f"DieAt.step and incarnation must be >= 0, got {self.step}, {self.incarnation}")
+        if self.action not in DIE_ACTIONS:
+            raise ValueError(f"DieAt.action must be one of {DIE_ACTIONS}, got {self.action!r}")
+        if not 0.0 <= self.seconds <= 3600.0:
+            raise ValueError(f"DieAt.seconds must be in [0, 3600], got {self.seconds}")
+
+    def encode(self) -> str:
+        """The FTRUN_DIE_AT entry that parses back to this plan."""
+        fields = {"phase": self.phase, "step": self.step, "replica": self.replica, "incarnation": self.incarnation,
+                  "rank": self.rank}
+        if self.action != "kill":
+            fields.update(action=self.action, seconds=self.seconds)
+        return ",".join(f"{k}={v}" for k, v in fields.items() if v is not None)
 
     def applies_to(self, replica: str, incarnation: int) -> bool:
         return self.replica in (None, replica) and self.incarnation in (None, incarnation)
+
+    def for_rank(self, rank: int) -> bool:
+        return self.rank in (None, rank)
 
     def due(self, phase: str, step: int) -> bool:
         return phase == self.phase and step >= self.step
@@ -80,9 +103,17 @@ def _opt_int(value: str | None) -> int | None:
 
 def parse_die_at(text: str) -> tuple[DieAt, ...]:
     """Parse FTRUN_DIE_AT (see the module docstring). Raises ValueError naming the bad part."""
-    return tuple(DieAt(phase=f.get("phase", ""), step=int(f.get("step", "0")), replica=f.get("replica"),
-                       incarnation=_opt_int(f.get("incarnation")))
-                 for f in _entries(text, {"phase", "step", "replica", "incarnation"}))
+    plans = []
+    for f in _entries(text, {"phase", "step", "replica", "incarnation", "rank", "action", "seconds"}):
+        try:
+            seconds = float(f.get("seconds", "0"))
+        except ValueError:
+            raise ValueError(f"bad seconds={f['seconds']!r}: expected a number") from None
+        plans.append(DieAt(phase=f.get("phase", ""), step=int(f.get("step", "0")), replica=f.get("replica"),
+                           incarnation=_opt_int(f.get("incarnation")), rank=_opt_int(f.get("rank")),
+                           action=f.get("action", "kill"),
+                           seconds=seconds))
+    return tuple(plans)
 
 
 def parse_catchup_fault(text: str) -> tuple[CatchupFault, ...]:
