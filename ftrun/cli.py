@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sim": ("harness.analysis.sim.cli", "availability analytics, SPARe Monte-Carlo and time-to-train simulation"),
     "chaos": ("ftrun.chaos.cli", "real small jobs under seeded random fault schedules, checked for forks and losses"),
     "diagnose": ("ftrun.diagnose.cli", "root cause of a hung or slow job: the collector's current verdict"),
+    "calibrate": ("harness.calibrate", "measure this machine and write a calibrated scale profile"),
 }
 
 

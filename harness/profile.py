@@ -8,7 +8,8 @@ through the same loader, so they are validated the same way.
 
 Top-level keys: name, description, seed, replicas, ranks_per_replica. Tables: [topology] [network]
 [model] [train] [timeouts] [ftar] [checkpoint] [failures] (+ [[failures.events]]) [spares]
-[scheduler] [emulation]. Every table is optional and has defaults.
+[scheduler] [emulation] [calibration] (+ [[calibration.values]], written by `ftrun calibrate`: each
+says how and when a key's value was measured). Every table is optional and has defaults.
 """
 
 from __future__ import annotations
@@ -124,10 +125,13 @@ class TrainConfig:
     warmup_before_checkin: bool = True
     first_batch_s: float = 0.0  # loading the first batch: between check-in and the first FTAR (paper §5)
     step_jitter: float = 0.0  # uniform +-fraction of step_compute_s per step
+    # Per catch-up fetch, on top of the modeled network: the real client/server's per-request work
+    # (HTTP, manifest, CRC) that the emulated transport does not do (`ftrun calibrate` measures it).
+    catchup_fetch_extra_s: float = 0.0
 
     def __post_init__(self) -> None:
         _positive(self, "step_compute_s", "steps", "min_replicas")
-        _non_negative(self, "first_step_extra_s", "first_batch_s", "step_jitter")
+        _non_negative(self, "first_step_extra_s", "first_batch_s", "step_jitter", "catchup_fetch_extra_s")
         _one_of(self, "lr_intervention", ("none", "linear", "sqrt"))
         _check(self.step_jitter < 1, "step_jitter", "< 1", self.step_jitter)
 
@@ -149,9 +153,14 @@ class TimeoutConfig:
 class FtarConfig:
     chunk_mb: float = 8.0  # S
     chunks_in_flight: int = 4  # C
+    # Throughput of the FTAR kernels (GB/s of payload). 0: the modeled GPU kernels (mocks.ftar_kernels);
+    # set (e.g. by `ftrun calibrate`, from the CPU kernels a real run on this machine uses) to charge these.
+    kernel_reduce_gb_s: float = 0.0
+    kernel_copy_gb_s: float = 0.0
 
     def __post_init__(self) -> None:
         _positive(self, "chunk_mb", "chunks_in_flight")
+        _non_negative(self, "kernel_reduce_gb_s", "kernel_copy_gb_s")
 
     @property
     def chunk_bytes(self) -> int:
@@ -240,6 +249,50 @@ class EmulationConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class CalibratedValue:
+    """One measured figure of a calibrated profile: `key` is the profile key it sets (its value must be
+    the profile's, in the key's unit), or `measured.NAME` for a figure recorded but not used as a key."""
+
+    key: str
+    value: float
+    unit: str
+    method: str  # how it was measured, in words
+    measured_at: str  # UTC, ISO 8601
+    samples: int = 1
+
+    def __post_init__(self) -> None:
+        _check(bool(self.key), "key", "non-empty", self.key)
+        _check(bool(self.method), "method", "non-empty", self.method)
+        _check(math.isfinite(self.value), "value", "finite", self.value)
+        _positive(self, "samples")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CalibrationConfig:
+    """Provenance of a profile written by `ftrun calibrate`: where and when, and every measured value."""
+
+    measured_at: str
+    host: str = ""
+    command: str = ""
+    quick: bool = False
+    values: tuple[CalibratedValue, ...] = ()
+
+    def __post_init__(self) -> None:
+        keys = [v.key for v in self.values]
+        _check(len(keys) == len(set(keys)), "values", "one entry per key", sorted(k for k in keys if keys.count(k) > 1))
+
+
+def profile_value(profile: "Profile", key: str) -> Any:
+    """The value at a dotted key ("ftar.chunk_mb", "replicas"). Raises KeyError for an unknown key."""
+    node: Any = profile
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(node) or part not in {f.name for f in dataclasses.fields(node)}:
+            raise KeyError(key)
+        node = getattr(node, part)
+    return node
+
+
+@dataclass(frozen=True, kw_only=True)
 class Profile:
     name: str
     replicas: int
@@ -257,6 +310,7 @@ class Profile:
     spares: SpareConfig = field(default_factory=SpareConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     emulation: EmulationConfig = field(default_factory=EmulationConfig)
+    calibration: CalibrationConfig | None = None  # written by `ftrun calibrate`
 
     def __post_init__(self) -> None:
         _positive(self, "replicas", "ranks_per_replica")
@@ -267,6 +321,16 @@ class Profile:
         bad = [r for r in self.failures.protected_replicas if not 0 <= r < self.replicas]
         bad += [e.replica for e in self.failures.events if e.replica is not None and not 0 <= e.replica < self.replicas]
         _check(not bad, "failures", f"to name replicas in 0..{self.replicas - 1}", bad)
+        for v in self.calibration.values if self.calibration is not None else ():
+            if v.key.startswith("measured."):
+                continue
+            try:
+                actual = profile_value(self, v.key)
+            except KeyError:
+                raise ValueError(f"[calibration] value for unknown profile key {v.key!r}") from None
+            _check(isinstance(actual, (int, float)) and math.isclose(actual, v.value, rel_tol=1e-9, abs_tol=1e-12),
+                   f"[calibration] {v.key}", f"the profile's value {actual!r} (a calibrated key says what it set)",
+                   v.value)
 
     @property
     def num_ranks(self) -> int:
@@ -391,6 +455,9 @@ def apply_overrides(profile: Profile, overrides: list[str] | tuple[str, ...]) ->
         if leaf not in node:
             raise ValueError(f"unknown key '{key}' in override {item!r}")
         node[leaf] = _parse_value(raw.strip())
+        calibration = data.get("calibration")
+        if isinstance(calibration, dict):  # an overridden key was no longer measured
+            calibration["values"] = [v for v in calibration.get("values", []) if v.get("key") != key]
     return profile_from_dict(data)
 
 

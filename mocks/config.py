@@ -77,7 +77,12 @@ class SchedulerConfig:
     alloc_delay_warm_s: float = 30.0
     process_start_s: float = 30.0  # launch, imports, state init before a restarted replica checks in
     poll_interval_s: float = 5.0  # how often the supervisor looks for missing replicas
+    # Seconds from a crash to the supervisor noticing it (a process supervisor sees its child exit at
+    # once; `ftrun calibrate` measures it). None: at the supervisor's next poll_interval_s tick.
+    crash_detect_s: float | None = None
 
     def __post_init__(self) -> None:
         non_negative(self, "alloc_delay_cold_s", "alloc_delay_warm_s", "process_start_s")
         positive(self, "poll_interval_s")
+        require(self.crash_detect_s is None or self.crash_detect_s >= 0, "crash_detect_s", ">= 0",
+                self.crash_detect_s)

@@ -165,8 +165,16 @@ class EmulatedJob:
         return f"r{replica:0{len(str(self.profile.replicas - 1))}d}"
 
     def kernels(self) -> Any:
-        """FTAR kernels for one rank: the CUDA kernels as the shadow loader maps them."""
-        return self._cuda_kernels.CudaKernels()
+        """FTAR kernels for one rank: the CUDA kernels as the shadow loader maps them, charging the
+        profile's measured kernel throughput (ftar.kernel_*_gb_s) where it has one."""
+        kernels = self._cuda_kernels.CudaKernels()
+        ftar = self.profile.ftar
+        if ftar.kernel_reduce_gb_s > 0:
+            kernels.reduce_bw = ftar.kernel_reduce_gb_s * 1e9
+            kernels.reduce_copy_bw = 0.75 * kernels.reduce_bw
+        if ftar.kernel_copy_gb_s > 0:
+            kernels.copy_bw = ftar.kernel_copy_gb_s * 1e9
+        return kernels
 
     def jitter_s(self, replica: int, step: int) -> float:
         j = self.profile.train.step_jitter
@@ -260,9 +268,12 @@ class EmulatedJob:
 
     def _recover(self, inc: Incarnation, hosts_mode: str) -> None:
         env = self.world.host_env(SUPERVISOR_HOST)
-        poll = self.profile.scheduler.poll_interval_s
+        poll, detect = self.profile.scheduler.poll_interval_s, self.profile.scheduler.crash_detect_s
         now = env.clock.now()
-        env.clock.sleep(poll - now % poll if now % poll else poll)  # noticed at the supervisor's next poll
+        if detect is not None:  # a measured crash detection (the supervisor sees its child exit)
+            env.clock.sleep(detect)
+        else:
+            env.clock.sleep(poll - now % poll if now % poll else poll)  # noticed at the supervisor's next poll
         if self.finished:
             return
         self._record("noticed", inc)

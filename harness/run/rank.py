@@ -137,7 +137,8 @@ def _data_plane(job: "EmulatedJob", inc: "Incarnation", rank: int, env: Any, lea
     net = NetCatchup(env=env, token=job.token, config=job.catchup_config, payloads=ShapePayloads(),
                      store=lambda on_change: ShapeSnapshotStore(max_shard_bytes=job.catchup_config.max_shard_bytes,
                                                                 on_change=on_change))
-    catchup: Any = TimedCatchup(net, env, on_fetch=fetched, slow=job.slow_fetch(inc))
+    catchup: Any = TimedCatchup(net, env, on_fetch=fetched, slow=job.slow_fetch(inc),
+                                extra_s=job.profile.train.catchup_fetch_extra_s)
     if mirror is not None:
         exchange, catchup = LeadExchange(exchange, mirror, rank), LeadCatchup(catchup, mirror, rank)
     return exchange, catchup

@@ -1,0 +1,140 @@
+"""`ftrun calibrate [SCRIPT.py] [--profile P] --out PROFILE.toml [--quick] [--json]`: measure this machine
+and write a scale profile for it.
+
+Measures (harness.calibrate.measure, harness.calibrate.procs): the step compute time of the model (the toy
+LM `ftrun.train.ft_worker` trains; with SCRIPT.py, the median step of that script run by `ftrun launch`
+as one replica of one rank), 127.0.0.1 TCP and Unix socket one-way latency and bandwidth, shared-memory
+bandwidth, the real HTTP catch-up's cost per fetch and per byte, the CPU FTAR kernels' reduce and copy
+throughput, zygote-forked and spawned process start, and crash detection (SIGKILL to the launcher seeing
+the exit, and to a TCP peer seeing the reset).
+
+Writes --out: the --profile (default ci-small) with the measured keys set (harness.calibrate.provenance
+says which figure sets which key) and a [calibration] table where every value says how and when it was
+measured. `ftrun emulate --profile`-style loading (`ftrun emulate OUT.toml`) reads it back; the emulator
+charges the new keys (ftar.kernel_reduce_gb_s / kernel_copy_gb_s, train.catchup_fetch_extra_s,
+scheduler.crash_detect_s). `--quick` takes fewer samples (for tests, ~10-20 s on a busy 2-core box).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from ftrun.cli import UsageError, emit_json
+from harness.calibrate.measure import (Figure, catchup_costs, ftar_kernels, shm_bandwidth, step_compute,
+                                       stream_pair)
+from harness.calibrate.procs import process_figures
+from harness.calibrate.provenance import calibrated_document, to_toml
+
+DEFAULT_PROFILE = "ci-small"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("script", nargs="?", default=None,
+                   help="training script whose step to time (run by `ftrun launch` as 1 replica x 1 rank); "
+                        "default: the toy LM of ftrun.train.ft_worker, timed in this process")
+    p.add_argument("--profile", default=DEFAULT_PROFILE,
+                   help="profile whose layout, model and other keys the calibrated profile keeps (default %(default)s)")
+    p.add_argument("--out", required=True, metavar="PROFILE.toml", help="where to write the calibrated profile")
+    p.add_argument("--quick", action="store_true", help="fewer samples (seconds, for tests)")
+    p.add_argument("--script-steps", type=int, default=30, help="with SCRIPT.py: steps to run (default %(default)s)")
+    p.add_argument("--json", action="store_true")
+
+
+def _script_step(script: str, steps: int) -> Figure:
+    with tempfile.TemporaryDirectory(prefix="ftrun-calibrate-") as out:
+        cmd = [sys.executable, "-m", "ftrun.cli", "launch", "--replicas", "1", "--ranks-per-replica", "1",
+               "--min-replicas", "1", "--steps", str(steps), "--out", out, "--json", script]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        lines = proc.stdout.strip().splitlines()
+        try:
+            figures = json.loads(lines[-1])
+        except (IndexError, json.JSONDecodeError):
+            raise UsageError(f"SCRIPT {script}: `ftrun launch` printed no figures (exit {proc.returncode}): "
+                             f"{proc.stderr.strip()[-500:]}") from None
+    step = figures.get("median_step_s")
+    if not step:
+        raise UsageError(f"SCRIPT {script}: `ftrun launch` measured no step time (steps reached: "
+                         f"{figures.get('steps_reached')})")
+    return Figure("step_s", float(step), "s", f"median step wall time of {script} run by `{shlex.join(cmd[2:5])} "
+                  f"... --steps {steps}` (1 replica x 1 rank: its compute plus the runtime's per-step work)", steps)
+
+
+def measure_all(*, quick: bool, script: str | None, script_steps: int,
+                progress=lambda name: None) -> dict[str, Figure]:
+    """Every figure, by name. Order: cheap in-process ones first, processes last."""
+    figures: list[Figure] = []
+
+    def take(name: str, fn, *args, **kwargs) -> None:
+        progress(name)
+        out = fn(*args, **kwargs)
+        figures.extend(out if isinstance(out, (list, tuple)) else [out])
+
+    if script is not None:
+        take("step (script)", _script_step, script, script_steps)
+    else:
+        take("step", step_compute, reps=10 if quick else 50, warmup=3 if quick else 10)
+    mb = 16 << 20 if quick else 128 << 20
+    take("tcp", stream_pair, "tcp", pings=300 if quick else 3000, nbytes=mb, reps=3 if quick else 7)
+    take("unix", stream_pair, "unix", pings=300 if quick else 3000, nbytes=mb, reps=3 if quick else 7)
+    take("shm", shm_bandwidth, nbytes=mb, reps=3 if quick else 7)
+    take("ftar kernels", ftar_kernels, nbytes=4 << 20 if quick else 8 << 20, reps=5 if quick else 30)
+    take("catch-up", catchup_costs, sizes_mb=(0.0625, 2, 8) if quick else (0.0625, 4, 16, 32),
+         reps=2 if quick else 5, shard_mb=8)
+    take("processes", process_figures, zygote_reps=2 if quick else 7, spawn_reps=0 if quick else 2)
+    return {f.name: f for f in figures}
+
+
+def run(args: argparse.Namespace) -> int:
+    from harness.profile import _to_dict, load_profile
+
+    if args.script is not None and not Path(args.script).is_file():
+        raise UsageError(f"SCRIPT {args.script!r} is not a file")
+    if args.script_steps < 3:
+        raise UsageError(f"--script-steps must be >= 3, got {args.script_steps}")
+    out = Path(args.out)
+    if out.suffix != ".toml":
+        raise UsageError(f"--out {args.out!r} must name a .toml file")
+    if not out.parent.is_dir():
+        raise UsageError(f"--out {args.out!r}: no such directory {str(out.parent)!r}")
+    try:
+        base = load_profile(args.profile)
+    except FileNotFoundError:
+        raise UsageError(f"--profile {args.profile!r}: no such scale profile or file") from None
+    except ValueError as e:
+        raise UsageError(f"--profile {args.profile!r}: {e}") from None
+    started = time.monotonic()
+    measured_at = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+    figures = measure_all(quick=args.quick, script=args.script, script_steps=args.script_steps,
+                          progress=lambda name: print(f"ftrun calibrate: measuring {name} ...", file=sys.stderr,
+                                                      flush=True))
+    command = "ftrun calibrate " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["calibrate"] else sys.argv[1:])
+    doc = calibrated_document(_to_dict(base), figures, measured_at=measured_at, host=platform.node(),
+                              command=command, quick=args.quick)
+    header = (f"{doc['name']}: written by `{command}` at {measured_at} on {platform.node()} "
+              f"({os.cpu_count()} CPUs).\nEvery measured value is listed with its method under [[calibration.values]].")
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(to_toml(doc, header))
+    load_profile(tmp)  # it must load back as a valid profile before it replaces anything
+    os.replace(tmp, out)
+    wall = time.monotonic() - started
+    rows = [(f.name, f.value, f.unit) for f in figures.values()]
+    print(f"ftrun calibrate: {len(rows)} figures in {wall:.1f} s -> {out}")
+    for name, value, unit in rows:
+        print(f"  {name:<22} {value:12.6g} {unit}")
+    if args.json:
+        emit_json({"out": str(out), "profile": doc["name"], "wall_s": round(wall, 3), "quick": args.quick,
+                   "figures": {f.name: f.value for f in figures.values()},
+                   "units": {f.name: f.unit for f in figures.values()},
+                   "keys": {v["key"]: v["value"] for v in doc["calibration"]["values"]
+                            if not v["key"].startswith("measured.")}})
+    return 0

@@ -1,0 +1,248 @@
+"""In-process measurements of this machine for `ftrun calibrate`: each returns a `Figure` saying what it
+measured and how.
+
+- `step_compute`: forward + backward + AdamW step of the toy LM that `ftrun.train.ft_worker` trains
+  (the model `ftrun launch -m ftrun.train.ft_worker` and `ftrun fidelity` run for real), median step.
+- `stream_pair`: one-way latency (half the median round trip of a 1-byte ping-pong) and bandwidth (one
+  direction, MiB-sized sendall / recv_into) over a connected TCP (127.0.0.1) or Unix socket pair, the
+  peer a thread of this process (both ends release the GIL in the kernel calls).
+- `shm_bandwidth`: memcpy into and out of a shared-memory file under /dev/shm (what a same-host FTAR
+  transfer over SharedSlots costs per byte), one direction's bytes per second.
+- `catchup_costs`: the real catch-up client fetching the real CatchupServer's snapshot over HTTP on
+  127.0.0.1 (manifest, shards, CRC) for several state sizes; a least-squares line gives the cost per
+  fetch (intercept) and per byte (slope).
+- `ftar_kernels`: the CPU FTAR kernels a real run uses (ftrun.ftar.cpu_kernels, float32) on chunk-sized
+  buffers: reduce and copy throughput in GB/s of payload.
+
+Timing uses time.perf_counter; every figure is the median of its repetitions (robust to the other work
+on a shared machine), with the sample count.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One measured figure: `value` in `unit`, how it was measured, from how many samples."""
+
+    name: str
+    value: float
+    unit: str
+    method: str
+    samples: int
+
+
+def _median_time(fn: Callable[[], object], reps: int) -> tuple[float, int]:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), reps
+
+
+# -- compute ----------------------------------------------------------------------------------------
+
+def step_compute(*, reps: int = 30, warmup: int = 5, batch_size: int = 8) -> Figure:
+    import torch
+
+    from ftrun.train.toy import ToyConfig, lm_loss, make_model, make_tokens
+
+    cfg = ToyConfig()
+    model = make_model(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    tokens = make_tokens(cfg)
+    i = 0
+
+    def step() -> None:
+        nonlocal i
+        batch = tokens[(i * batch_size) % (len(tokens) - batch_size):][:batch_size]
+        i += 1
+        opt.zero_grad(set_to_none=False)
+        lm_loss(model, batch).backward()
+        opt.step()
+
+    for _ in range(warmup):
+        step()
+    t, n = _median_time(step, reps)
+    return Figure("step_s", t, "s", f"median wall time of forward + backward + AdamW step of ftrun.train.toy "
+                  f"TinyLM ({sum(p.numel() for p in model.parameters())} params, batch {batch_size}, "
+                  f"torch {torch.__version__}, {torch.get_num_threads()} threads) after {warmup} warm-up steps", n)
+
+
+# -- loopback transports ----------------------------------------------------------------------------
+
+def _pair(kind: str) -> tuple[socket.socket, socket.socket]:
+    if kind == "unix":
+        return socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener = socket.create_server(("127.0.0.1", 0))
+    try:
+        a = socket.create_connection(listener.getsockname())
+        b, _ = listener.accept()
+    finally:
+        listener.close()
+    for s in (a, b):
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return a, b
+
+
+def _recv_exact(s: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = s.recv_into(view[got:])
+        if not n:
+            raise ConnectionError("peer closed during calibration")
+        got += n
+
+
+def stream_pair(kind: str, *, pings: int = 2000, nbytes: int = 64 << 20, reps: int = 5) -> tuple[Figure, Figure]:
+    """(one-way latency in us, bandwidth in GB/s) over a `kind` ('tcp' | 'unix') socket pair."""
+    a, b = _pair(kind)
+    stop = threading.Event()
+    payload = bytearray(nbytes)
+
+    def echo() -> None:  # answers pings, then sinks bulk transfers and acks each one
+        one = bytearray(1)
+        for _ in range(pings):
+            _recv_exact(b, memoryview(one))
+            b.sendall(one)
+        sink = memoryview(bytearray(nbytes))
+        while not stop.is_set():
+            try:
+                _recv_exact(b, sink)
+            except (ConnectionError, OSError):
+                return
+            b.sendall(b"k")
+
+    t = threading.Thread(target=echo, daemon=True)
+    t.start()
+    try:
+        one = bytearray(1)
+        rtts = []
+        for _ in range(pings):
+            t0 = time.perf_counter()
+            a.sendall(one)
+            _recv_exact(a, memoryview(one))
+            rtts.append(time.perf_counter() - t0)
+        ack = memoryview(bytearray(1))
+        times = []
+        for _ in range(reps + 1):
+            t0 = time.perf_counter()
+            a.sendall(payload)
+            _recv_exact(a, ack)
+            times.append(time.perf_counter() - t0)
+        stop.set()
+    finally:
+        a.close()
+        t.join(timeout=10)
+        b.close()
+    where = "127.0.0.1 TCP (TCP_NODELAY)" if kind == "tcp" else "Unix stream socket pair"
+    bulk = statistics.median(times[1:])
+    return (Figure(f"{kind}_one_way_us", statistics.median(rtts) / 2 * 1e6, "us",
+                   f"half the median round trip of a 1-byte ping-pong over a {where}", pings),
+            Figure(f"{kind}_gb_s", nbytes / bulk / 1e9, "GB/s",
+                   f"{nbytes >> 20} MiB sendall + 1-byte ack over a {where}, median of {reps} after one warm-up",
+                   reps))
+
+
+def shm_bandwidth(*, nbytes: int = 64 << 20, reps: int = 5) -> Figure:
+    directory = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    with tempfile.NamedTemporaryFile(dir=directory, prefix="ftrun-calibrate-") as f:
+        f.truncate(nbytes)
+        mem = np.memmap(f.name, dtype=np.uint8, mode="r+", shape=(nbytes,))
+        src, dst = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
+
+        def through() -> None:
+            np.copyto(mem, src)  # the sender writes the staging area ...
+            np.copyto(dst, mem)  # ... the receiver copies it out
+
+        through()
+        t, n = _median_time(through, reps)
+        del mem
+    return Figure("shm_gb_s", nbytes / t / 1e9, "GB/s",
+                  f"{nbytes >> 20} MiB copied into and back out of a {directory or 'temp'} shared-memory file "
+                  f"(np.copyto both ways), median of {reps}", n)
+
+
+# -- catch-up ---------------------------------------------------------------------------------------
+
+def linear_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """(intercept, slope) of the least-squares line through the points. Pure."""
+    if len(xs) != len(ys) or len(set(xs)) < 2:
+        raise ValueError(f"need >= 2 distinct x values, got {xs}")
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return my - slope * mx, slope
+
+
+def catchup_costs(*, sizes_mb: tuple[float, ...] = (0.0625, 4, 16, 32), reps: int = 5,
+                  shard_mb: int = 8) -> tuple[Figure, Figure]:
+    """(seconds per fetch, ns per byte) of the real HTTP catch-up on 127.0.0.1."""
+    import secrets
+
+    import torch
+
+    from ftrun.catchup.client import fetch
+    from ftrun.catchup.config import CatchupConfig
+    from ftrun.catchup.server import CatchupServer
+    from ftrun.config import Timeouts
+    from ftrun.env.real import RealEnv
+
+    env, token = RealEnv(), secrets.token_hex(16)
+    config = CatchupConfig(max_shard_bytes=shard_mb << 20)
+    server = CatchupServer(env=env, token=token, config=config)
+    url = server.start()
+    xs, ys = [], []
+    try:
+        buffer = torch.zeros(int(max(sizes_mb) * (1 << 20)), dtype=torch.uint8)
+        for step, mb in enumerate(sizes_mb, start=1):
+            n = int(mb * (1 << 20)) // 4
+            state = {"w": torch.arange(n, dtype=torch.float32)}
+            server.publish(step, state, {"calibrate": True})
+            server.wait_ready(timeout=30.0)
+            timeouts = Timeouts(catchup_timeout_s=60.0)
+            fetch(step, [url], token, timeouts, config=config, buffer=buffer)  # warm the connection path
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                result = fetch(step, [url], token, timeouts, config=config, buffer=buffer)
+                ys.append(time.perf_counter() - t0)
+                xs.append(float(result.num_bytes))
+    finally:
+        server.stop()
+    per_fetch, per_byte = linear_fit(xs, ys)
+    sizes = ", ".join(f"{m:g}" for m in sizes_mb)
+    method = (f"least-squares line through {len(xs)} fetches ({reps} each of {sizes} MiB states, {shard_mb} MiB "
+              f"shards) by ftrun.catchup.client.fetch from a CatchupServer on 127.0.0.1 in this process")
+    return (Figure("catchup_per_fetch_s", max(per_fetch, 0.0), "s", "intercept of the " + method, len(xs)),
+            Figure("catchup_ns_per_byte", max(per_byte, 0.0) * 1e9, "ns/B", "slope of the " + method, len(xs)))
+
+
+# -- FTAR kernels -----------------------------------------------------------------------------------
+
+def ftar_kernels(*, nbytes: int = 8 << 20, reps: int = 20) -> tuple[Figure, Figure]:
+    """(reduce GB/s, copy GB/s) of the CPU FTAR kernels on float32 chunks."""
+    from ftrun.ftar.cpu_kernels import CpuKernels
+    from ftrun.ftar.kernels import DType
+
+    k = CpuKernels()
+    rng = np.random.default_rng(0)
+    dst = rng.standard_normal(nbytes // 4, dtype=np.float32).view(np.uint8)
+    src = rng.standard_normal(nbytes // 4, dtype=np.float32).view(np.uint8)
+    k.reduce(dst, 0, src, 0, nbytes, DType.FLOAT32)  # compile / page in
+    k.copy(dst, 0, src, 0, nbytes)
+    tr, n = _median_time(lambda: k.reduce(dst, 0, src, 0, nbytes, DType.FLOAT32), reps)
+    tc, _ = _median_time(lambda: k.copy(dst, 0, src, 0, nbytes), reps)
+    how = f"ftrun.ftar.cpu_kernels.CpuKernels on {nbytes >> 20} MiB float32 chunks, median of {reps}"
+    return (Figure("ftar_reduce_gb_s", nbytes / tr / 1e9, "GB/s", "reduce (dst += src) with " + how, n),
+            Figure("ftar_copy_gb_s", nbytes / tc / 1e9, "GB/s", "copy with " + how, n))

@@ -1,0 +1,151 @@
+"""From measured figures to a calibrated profile document, and that document to TOML. Pure: no I/O.
+
+    keys = profile_keys(figures)                       # profile key -> (value, unit, method, samples)
+    doc = calibrated_document(base, figures, measured_at=..., host=..., command=..., quick=...)
+    text = to_toml(doc)                                # load_profile reads it back (and checks it)
+
+Every key set from a measurement appears in `[[calibration.values]]` with its value, unit, how it was
+measured (or derived from which measurements) and when; every figure that sets no key is recorded there
+too, as `measured.NAME`. `harness.profile.Profile` checks on load that each calibrated key still holds the
+value its entry says (an override of a calibrated key drops that entry).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Any, Mapping
+
+from harness.calibrate.measure import Figure
+
+# On one machine every hop between emulated hosts is the same 127.0.0.1 path: no hop classes, no
+# oversubscription. These keys are set by that fact, not by a measurement (their method says so).
+ONE_MACHINE = {
+    "network.same_host_factor": 1.0,
+    "network.same_rack_factor": 1.0,
+    "network.other_rack_factor": 1.0,
+    "network.other_zone_factor": 1.0,
+    "network.other_building_factor": 1.0,
+    "network.cross_zone_oversubscription": 1.0,
+}
+# Round trips the emulated catch-up already charges per fetch on the modeled network (the manifest
+# request and the shard request): the measured per-fetch cost above them is the real client and server's
+# own work, which train.catchup_fetch_extra_s adds.
+CATCHUP_MODELED_ROUND_TRIPS = 2
+
+
+def profile_keys(figures: Mapping[str, Figure]) -> dict[str, tuple[float, str, str, int]]:
+    """Profile key -> (value in the key's unit, unit, method, samples), for the figures present."""
+    out: dict[str, tuple[float, str, str, int]] = {}
+
+    def direct(key: str, name: str, scale: float = 1.0, unit: str | None = None, note: str = "") -> None:
+        f = figures.get(name)
+        if f is not None:
+            out[key] = (f.value * scale, unit or f.unit, f.method + note, f.samples)
+
+    direct("train.step_compute_s", "step_s")
+    direct("network.base_latency_us", "tcp_one_way_us")
+    direct("network.host_nic_gbps", "tcp_gb_s", 8.0, "Gbit/s", " (x 8: GB/s to Gbit/s)")
+    direct("network.loopback_gbps", "tcp_gb_s", 8.0, "Gbit/s",
+           " (x 8: GB/s to Gbit/s; same-host ranks of `ftrun launch` talk over 127.0.0.1 TCP too)")
+    direct("ftar.kernel_reduce_gb_s", "ftar_reduce_gb_s")
+    direct("ftar.kernel_copy_gb_s", "ftar_copy_gb_s")
+    direct("scheduler.crash_detect_s", "crash_detect_s")
+    direct("scheduler.process_start_s", "zygote_start_s", note=" (a restarted replica's ranks are zygote children)")
+    fetch, lat = figures.get("catchup_per_fetch_s"), figures.get("tcp_one_way_us")
+    if fetch is not None and lat is not None:
+        modeled = CATCHUP_MODELED_ROUND_TRIPS * 2 * lat.value * 1e-6
+        out["train.catchup_fetch_extra_s"] = (
+            max(fetch.value - modeled, 0.0), "s",
+            f"measured.catchup_per_fetch_s ({fetch.value:.6g} s) minus the {CATCHUP_MODELED_ROUND_TRIPS} round trips "
+            f"the emulated fetch already pays on the modeled network (2 x 2 x {lat.value:.3g} us), floored at 0",
+            fetch.samples)
+    if "tcp_one_way_us" in figures:
+        for key, value in ONE_MACHINE.items():
+            out[key] = (value, "", "derived, not measured: on one machine every hop is 127.0.0.1", 1)
+    return out
+
+
+# Figures that set a key one to one are recorded under that key only.
+_ONE_TO_ONE = {"step_s", "ftar_reduce_gb_s", "ftar_copy_gb_s", "crash_detect_s", "tcp_one_way_us"}
+
+
+def calibrated_document(base: Mapping[str, Any], figures: Mapping[str, Figure], *, measured_at: str, host: str,
+                        command: str, quick: bool) -> dict[str, Any]:
+    """`base` (a profile as a dict, harness.profile._to_dict) with the measured keys set and a
+    [calibration] table. The name becomes "<base>-calibrated" unless the base is calibrated already."""
+    doc = json.loads(json.dumps(base))  # a deep copy of plain data
+    doc.pop("calibration", None)
+    if not str(doc.get("name", "")).endswith("-calibrated"):
+        doc["name"] = f"{doc.get('name', 'profile')}-calibrated"
+    doc["description"] = f"{base.get('description', '')} -- calibrated on {host} at {measured_at}".lstrip(" -")
+    values = []
+    for key, (value, unit, method, samples) in profile_keys(figures).items():
+        *parents, leaf = key.split(".")
+        node = doc
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+        values.append({"key": key, "value": float(value), "unit": unit, "method": method,
+                       "measured_at": measured_at, "samples": samples})
+    for name, f in figures.items():
+        if name not in _ONE_TO_ONE:
+            values.append({"key": f"measured.{name}", "value": float(f.value), "unit": f.unit, "method": f.method,
+                           "measured_at": measured_at, "samples": f.samples})
+    doc["calibration"] = {"measured_at": measured_at, "host": host, "command": command, "quick": quick,
+                          "values": values}
+    return doc
+
+
+# -- TOML ------------------------------------------------------------------------------------------
+
+_BARE = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def _key(k: str) -> str:
+    return k if _BARE.match(k) else json.dumps(k)
+
+
+def _scalar(v: Any, where: str) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            raise ValueError(f"{where}: TOML cannot hold {v!r}")
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v, ensure_ascii=False)
+    if isinstance(v, list) and not any(isinstance(x, dict) for x in v):
+        return "[" + ", ".join(_scalar(x, where) for x in v) + "]"
+    raise ValueError(f"{where}: cannot write {type(v).__name__} {v!r} as a TOML value")
+
+
+def _is_table_array(v: Any) -> bool:
+    return isinstance(v, list) and bool(v) and all(isinstance(x, dict) for x in v)
+
+
+def _emit(table: Mapping[str, Any], path: list[str], lines: list[str]) -> None:
+    for k, v in table.items():
+        if not isinstance(v, dict) and not _is_table_array(v):
+            lines.append(f"{_key(k)} = {_scalar(v, '.'.join(path + [k]))}")
+    for k, v in table.items():
+        sub = path + [k]
+        name = ".".join(_key(p) for p in sub)
+        if isinstance(v, dict):
+            lines.extend(["", f"[{name}]"])
+            _emit(v, sub, lines)
+        elif _is_table_array(v):
+            for item in v:
+                lines.extend(["", f"[[{name}]]"])
+                _emit(item, sub, lines)
+
+
+def to_toml(doc: Mapping[str, Any], header: str = "") -> str:
+    """`doc` (str/bool/int/float values, lists, nested dicts, lists of dicts) as TOML text.
+    Raises ValueError for a value TOML cannot hold (None, NaN, a mixed list)."""
+    lines = [f"# {line}" if line else "#" for line in header.splitlines()]
+    _emit(doc, [], lines)
+    return "\n".join(lines).lstrip("\n") + "\n"

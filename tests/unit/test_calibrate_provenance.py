@@ -1,0 +1,175 @@
+"""`ftrun calibrate`'s pure parts: figures -> profile keys with provenance, the TOML writer, the profile's
+check of a [calibration] table, and the emulator reading the calibrated keys."""
+
+from __future__ import annotations
+
+import math
+import tomllib
+
+import pytest
+
+from harness.calibrate.measure import Figure, linear_fit
+from harness.calibrate.provenance import ONE_MACHINE, calibrated_document, profile_keys, to_toml
+from harness.profile import _to_dict, apply_overrides, load_profile, profile_from_dict, profile_value
+
+AT = "2026-11-26T10:00:00Z"
+
+
+def fig(name: str, value: float, unit: str = "s") -> Figure:
+    return Figure(name, value, unit, f"measured {name} somehow", 3)
+
+
+FIGURES = {f.name: f for f in [
+    fig("step_s", 0.0006), fig("tcp_one_way_us", 40.0, "us"), fig("tcp_gb_s", 3.0, "GB/s"),
+    fig("unix_one_way_us", 7.0, "us"), fig("unix_gb_s", 6.0, "GB/s"), fig("shm_gb_s", 6.0, "GB/s"),
+    fig("catchup_per_fetch_s", 0.002), fig("catchup_ns_per_byte", 0.8, "ns/B"),
+    fig("ftar_reduce_gb_s", 14.0, "GB/s"), fig("ftar_copy_gb_s", 20.0, "GB/s"),
+    fig("zygote_start_s", 0.009), fig("crash_detect_s", 0.0035), fig("peer_reset_s", 0.0002),
+]}
+
+
+def document() -> dict:
+    return calibrated_document(_to_dict(load_profile("ci-small")), FIGURES, measured_at=AT, host="box",
+                               command="ftrun calibrate --out x.toml", quick=True)
+
+
+def test_profile_keys_map_figures_with_units():
+    keys = profile_keys(FIGURES)
+    assert keys["train.step_compute_s"][0] == 0.0006
+    assert keys["network.base_latency_us"][0] == 40.0
+    assert keys["network.host_nic_gbps"][:2] == (24.0, "Gbit/s")
+    assert keys["ftar.kernel_reduce_gb_s"][0] == 14.0 and keys["ftar.kernel_copy_gb_s"][0] == 20.0
+    assert keys["scheduler.crash_detect_s"][0] == 0.0035
+    assert keys["scheduler.process_start_s"][0] == 0.009
+    # per fetch minus the 2 round trips (4 one-way latencies) the modeled network already charges
+    assert math.isclose(keys["train.catchup_fetch_extra_s"][0], 0.002 - 4 * 40e-6)
+    for key in ONE_MACHINE:
+        assert keys[key][0] == 1.0 and "derived" in keys[key][2]
+
+
+def test_catchup_extra_floors_at_zero_and_missing_figures_set_nothing():
+    keys = profile_keys({"catchup_per_fetch_s": fig("catchup_per_fetch_s", 1e-5),
+                         "tcp_one_way_us": fig("tcp_one_way_us", 40.0, "us")})
+    assert keys["train.catchup_fetch_extra_s"][0] == 0.0
+    assert profile_keys({}) == {}
+
+
+def test_document_round_trips_through_toml_and_loads_as_a_profile(tmp_path):
+    doc = document()
+    text = to_toml(doc, "header line\nsecond")
+    assert text.startswith("# header line\n# second\n")
+    assert tomllib.loads(text) == doc
+    path = tmp_path / "calibrated.toml"
+    path.write_text(text)
+    p = load_profile(path)
+    assert p.name == "ci-small-calibrated" and p.replicas == 4 and p.ranks_per_replica == 8
+    assert p.train.step_compute_s == 0.0006 and p.ftar.kernel_reduce_gb_s == 14.0
+    assert p.scheduler.crash_detect_s == 0.0035 and p.failures.events  # the base's events are kept
+    cal = p.calibration
+    assert cal is not None and cal.measured_at == AT and cal.host == "box" and cal.quick
+    by_key = {v.key: v for v in cal.values}
+    # every profile key that was set says how and when; every other figure is kept as measured.NAME
+    for key in profile_keys(FIGURES):
+        v = by_key[key]
+        assert v.value == profile_value(p, key) and v.method and v.measured_at == AT
+    assert {"measured.unix_one_way_us", "measured.shm_gb_s", "measured.catchup_ns_per_byte",
+            "measured.peer_reset_s", "measured.tcp_gb_s"} <= set(by_key)
+    assert "measured.step_s" not in by_key  # recorded under train.step_compute_s only
+
+
+def test_a_calibrated_value_that_disagrees_with_the_profile_is_rejected():
+    doc = document()
+    doc["train"]["step_compute_s"] = 0.5
+    with pytest.raises(ValueError, match=r"calibration\] train.step_compute_s"):
+        profile_from_dict(doc)
+    doc = document()
+    doc["calibration"]["values"].append({"key": "train.nope", "value": 1.0, "unit": "s", "method": "m",
+                                         "measured_at": AT})
+    with pytest.raises(ValueError, match="unknown profile key 'train.nope'"):
+        profile_from_dict(doc)
+    doc = document()
+    doc["calibration"]["values"][0]["method"] = ""
+    with pytest.raises(ValueError, match="method"):
+        profile_from_dict(doc)
+
+
+def test_overriding_a_calibrated_key_drops_its_provenance():
+    p = profile_from_dict(document())
+    q = apply_overrides(p, ["train.step_compute_s=2", "train.steps=4"])
+    assert q.train.step_compute_s == 2.0
+    keys = {v.key for v in q.calibration.values}
+    assert "train.step_compute_s" not in keys and "ftar.kernel_reduce_gb_s" in keys
+
+
+def test_new_keys_validate():
+    with pytest.raises(ValueError, match="kernel_reduce_gb_s"):
+        apply_overrides(load_profile("ci-small"), ["ftar.kernel_reduce_gb_s=-1"])
+    with pytest.raises(ValueError, match="crash_detect_s"):
+        apply_overrides(load_profile("ci-small"), ["scheduler.crash_detect_s=-0.1"])
+    with pytest.raises(ValueError, match="catchup_fetch_extra_s"):
+        apply_overrides(load_profile("ci-small"), ["train.catchup_fetch_extra_s=-1"])
+
+
+def test_to_toml_rejects_what_toml_cannot_hold():
+    with pytest.raises(ValueError, match="x.y"):
+        to_toml({"x": {"y": float("nan")}})
+    with pytest.raises(ValueError, match="NoneType"):
+        to_toml({"x": None})
+    assert tomllib.loads(to_toml({"a b": {"c.d": [1, 2]}, "s": 'q"\n'})) == {"a b": {"c.d": [1, 2]}, "s": 'q"\n'}
+
+
+def test_linear_fit():
+    a, b = linear_fit([0.0, 1.0, 2.0, 3.0], [1.0, 3.0, 5.0, 7.0])
+    assert math.isclose(a, 1.0) and math.isclose(b, 2.0)
+    with pytest.raises(ValueError):
+        linear_fit([1.0, 1.0], [2.0, 3.0])
+
+
+# -- the emulator reads the calibrated keys ------------------------------------------------------------
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def now(self) -> float:
+        return self.t
+
+    def sleep(self, s: float) -> None:
+        self.t += s
+
+
+class _Env:
+    def __init__(self) -> None:
+        self.clock = _Clock()
+
+
+def test_timed_catchup_charges_the_per_fetch_extra():
+    from harness.run.seams import TimedCatchup
+
+    env = _Env()
+    spans = []
+
+    class Service:
+        url = "u"
+
+        def fetch(self, step, sources):
+            env.clock.sleep(0.01)  # the modeled transfer
+            return "ok"
+
+    c = TimedCatchup(Service(), env, on_fetch=lambda a, b: spans.append(b - a), extra_s=0.002)
+    assert c.fetch(3, ["x"]) == "ok"
+    assert spans == [pytest.approx(0.012)]
+
+
+def test_emulated_kernels_charge_the_calibrated_throughput():
+    import mocks.ftar_kernels
+    from harness.run import EmulatedJob, JobOptions
+
+    p = apply_overrides(load_profile("ci-small"), ["ftar.kernel_reduce_gb_s=10", "ftar.kernel_copy_gb_s=20"])
+    job = EmulatedJob(p, JobOptions(steps=1))
+    job._cuda_kernels = mocks.ftar_kernels
+    k = job.kernels()
+    assert k.reduce_bw == 10e9 and k.copy_bw == 20e9 and k.reduce_copy_bw == 7.5e9
+    default = EmulatedJob(load_profile("ci-small"), JobOptions(steps=1))
+    default._cuda_kernels = mocks.ftar_kernels
+    assert default.kernels().reduce_bw != 10e9  # 0: the modeled GPU kernels
