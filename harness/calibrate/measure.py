@@ -57,6 +57,17 @@ def _median_time(fn: Callable[[], object], reps: int) -> tuple[float, int]:
 def step_compute(*, reps: int = 30, warmup: int = 5, batch_size: int = 8) -> Figure:
     import torch
 
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in a rank of `ftrun launch` (its zygote and ranks run single-threaded)
+    try:
+        return _step_compute(reps=reps, warmup=warmup, batch_size=batch_size)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _step_compute(*, reps: int, warmup: int, batch_size: int) -> Figure:
+    import torch
+
     from ftrun.train.toy import ToyConfig, lm_loss, make_model, make_tokens
 
     cfg = ToyConfig()

@@ -27,7 +27,7 @@ import socket
 import sys
 import time
 
-import torch  # noqa: F401  (a spawned child pays the import; a zygote has it preloaded)
+{imports}
 
 t = time.monotonic()
 s = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
@@ -71,14 +71,18 @@ def _one(launcher, script: str, listener: socket.socket, workdir: str) -> tuple[
     return started, peer, detect
 
 
-def process_figures(*, zygote_reps: int = 5, spawn_reps: int = 2) -> list[Figure]:
-    """Zygote child start, spawned process start, crash detection (peer and supervisor), zygote preload."""
+def process_figures(*, zygote_reps: int = 5, spawn_reps: int = 2, import_torch: bool = True) -> list[Figure]:
+    """Zygote child start, spawned process start, crash detection (peer and supervisor), zygote preload.
+    import_torch=False (--quick): the child imports nothing heavy, so the zygote starts in a fraction of a
+    second instead of paying torch's import (the fork itself is then cheaper than a real rank's too)."""
     from ftrun.env.real import RealEnv
     from ftrun.launch.procs import ForkServer, SpawnLauncher
 
     with tempfile.TemporaryDirectory(prefix="ftrun-calibrate-") as workdir:
         script = str(Path(workdir) / "calibrate_child.py")
-        Path(script).write_text(CHILD)
+        imports = ("import torch  # noqa: F401  (a spawned child pays the import; a zygote has it preloaded)"
+                   if import_torch else "")
+        Path(script).write_text(CHILD.replace("{imports}", imports))
         listener = socket.create_server(("127.0.0.1", 0))
         try:
             server = ForkServer(env=RealEnv(), script=script, module=False, cwd=workdir,
@@ -96,10 +100,11 @@ def process_figures(*, zygote_reps: int = 5, spawn_reps: int = 2) -> list[Figure
         finally:
             listener.close()
     med = statistics.median
+    child = "import torch" if import_torch else "no heavy imports (--quick)"
     out = [
         Figure("zygote_start_s", med(z[0] for z in zyg), "s",
-               "median time from ForkServer.start() (ftrun launch's zygote) to a forked child's first line after "
-               "its imports (child: import torch, connect to 127.0.0.1, report time.monotonic())", zygote_reps),
+               f"median time from ForkServer.start() (ftrun launch's zygote) to a forked child's first line after "
+               f"its imports (child: {child}, connect to 127.0.0.1, report time.monotonic())", zygote_reps),
         Figure("crash_detect_s", med(z[2] for z in zyg), "s",
                "median time from SIGKILL (Handle.kill of a zygote child) until the launcher's Handle.poll() "
                "reports the exit, polled every 1 ms", zygote_reps),
@@ -113,5 +118,5 @@ def process_figures(*, zygote_reps: int = 5, spawn_reps: int = 2) -> list[Figure
     if spawned:
         out.append(Figure("spawn_start_s", med(s[0] for s in spawned), "s",
                           f"median time from SpawnLauncher.start() ({sys.executable}) to the child's first line "
-                          "after `import torch`", spawn_reps))
+                          f"after its imports ({child})", spawn_reps))
     return out
