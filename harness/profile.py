@@ -87,10 +87,13 @@ class NetworkConfig:
     frame_overhead_bytes: int = 64
     send_buffer_kib: int = 4096
     latency_jitter: float = 0.0  # uniform +-fraction of latency, from the world's seeded RNG
+    # A crashed process's connections are reset this long after the crash (the OS tearing the process
+    # down; `ftrun calibrate` measures SIGKILL -> the peer's EOF). 0: at once (one latency later).
+    crash_fin_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
         _positive(self, "base_latency_us", "host_nic_gbps", "loopback_gbps", "send_buffer_kib")
-        _non_negative(self, "same_host_factor", "frame_overhead_bytes", "latency_jitter")
+        _non_negative(self, "same_host_factor", "frame_overhead_bytes", "latency_jitter", "crash_fin_delay_s")
         _check(self.cross_zone_oversubscription >= 1, "cross_zone_oversubscription", ">= 1",
                self.cross_zone_oversubscription)
         _check(self.latency_jitter < 1, "latency_jitter", "< 1", self.latency_jitter)

@@ -79,6 +79,7 @@ class Fabric:
         self.num_frames = 0
         self.num_bytes = 0
         self.cuts: list[tuple[int, float, float]] = []  # (building, start, end): see the module docstring
+        self.crash_fin_delay_s = 0.0  # a crashed host's FINs leave this long after the crash (OS teardown)
 
     def held_until(self, route: Route, t: float) -> float:
         """When something leaving at t on `route` can cross: t, or the end of the cut that holds it."""
@@ -115,7 +116,7 @@ class Fabric:
         for listener in list(host.listeners.values()):
             listener.close()
         for conn in list(host.conns):
-            conn._shutdown(send_fin=not silent)
+            conn._shutdown(send_fin=not silent, fin_delay_s=self.crash_fin_delay_s)
 
 
 class EmuNetwork:
@@ -368,7 +369,7 @@ class EmuConnection:
     def close(self) -> None:
         self._shutdown(send_fin=True)
 
-    def _shutdown(self, send_fin: bool) -> None:
+    def _shutdown(self, send_fin: bool, fin_delay_s: float = 0.0) -> None:
         if self._closed:
             return
         self._closed = True
@@ -381,7 +382,7 @@ class EmuConnection:
         peer = self._peer
         if send_fin and not self._host.silent and not peer._closed:
             now = self._fab.held_until(self._route, sched.vnow()) if self._fab.cuts else sched.vnow()
-            fin_at = max(now + self._route.latency, self._last_arrival)  # after frames in flight
+            fin_at = max(now + fin_delay_s + self._route.latency, self._last_arrival)  # after frames in flight
             if fin_at < peer._fin_at:
                 peer._fin_at = fin_at
                 if peer._rx and not peer._inbox:

@@ -108,6 +108,7 @@ class EmulatedWorld:
         self.sched = Scheduler(cpu_charging=cpu_charging, cpu_scale=cpu_scale, cpu_clock=cpu_clock, trace=trace)
         self.clock = EmuClock(self.sched)
         self.fabric = Fabric(self.sched, LinkModel(self.network, self.topology, self.rng), self._host)
+        self.fabric.crash_fin_delay_s = self.network.crash_fin_delay_s
         self._cores = host_cpu_cores
         self._hosts: dict[str, Host] = {}
         self._envs: dict[str, EmulatedEnv] = {}

@@ -40,6 +40,7 @@ def test_profile_keys_map_figures_with_units():
     assert keys["network.host_nic_gbps"][:2] == (24.0, "Gbit/s")
     assert keys["ftar.kernel_reduce_gb_s"][0] == 14.0 and keys["ftar.kernel_copy_gb_s"][0] == 20.0
     assert keys["scheduler.crash_detect_s"][0] == 0.0035
+    assert keys["network.crash_fin_delay_s"][0] == 0.0002
     assert keys["scheduler.process_start_s"][0] == 0.009
     # per fetch minus the 2 round trips (4 one-way latencies) the modeled network already charges
     assert math.isclose(keys["train.catchup_fetch_extra_s"][0], 0.002 - 4 * 40e-6)
@@ -73,7 +74,7 @@ def test_document_round_trips_through_toml_and_loads_as_a_profile(tmp_path):
         v = by_key[key]
         assert v.value == profile_value(p, key) and v.method and v.measured_at == AT
     assert {"measured.unix_one_way_us", "measured.shm_gb_s", "measured.catchup_ns_per_byte",
-            "measured.peer_reset_s", "measured.tcp_gb_s"} <= set(by_key)
+            "measured.tcp_gb_s"} <= set(by_key)
     assert "measured.step_s" not in by_key  # recorded under train.step_compute_s only
 
 
@@ -173,3 +174,26 @@ def test_emulated_kernels_charge_the_calibrated_throughput():
     default = EmulatedJob(load_profile("ci-small"), JobOptions(steps=1))
     default._cuda_kernels = mocks.ftar_kernels
     assert default.kernels().reduce_bw != 10e9  # 0: the modeled GPU kernels
+
+
+def test_a_crashed_hosts_connections_reset_after_the_calibrated_teardown():
+    from ftrun.env.base import PeerClosed
+    from harness.engine import EmulatedWorld
+    from harness.profile import NetworkConfig
+
+    net = NetworkConfig(base_latency_us=10.0, crash_fin_delay_s=0.05)
+    w = EmulatedWorld(seed=0, network=net, cpu_charging=False)
+    victim, survivor = w.host_env("victim"), w.host_env("survivor")
+
+    def body():
+        listener = victim.net.listen("127.0.0.1:0")
+        client = survivor.net.connect(listener.addr, timeout=1.0)
+        listener.accept(timeout=1.0)
+        t_kill = survivor.clock.now()
+        w.kill_host(victim.host)
+        with pytest.raises(PeerClosed):
+            client.recv(timeout=10.0)
+        return survivor.clock.now() - t_kill
+
+    seen_after = survivor.run(body)
+    assert 0.05 < seen_after < 0.05 + 1e-3
