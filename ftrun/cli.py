@@ -28,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "chaos": ("ftrun.chaos.cli", "real small jobs under seeded random fault schedules, checked for forks and losses"),
     "diagnose": ("ftrun.diagnose.cli", "root cause of a hung or slow job: the collector's current verdict"),
     "calibrate": ("harness.calibrate", "measure this machine and write a calibrated scale profile"),
+    "fidelity": ("harness.calibrate.fidelity", "one small job run for real and emulated, figures side by side"),
 }
 
 

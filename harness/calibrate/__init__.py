@@ -46,14 +46,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="profile whose layout, model and other keys the calibrated profile keeps (default %(default)s)")
     p.add_argument("--out", required=True, metavar="PROFILE.toml", help="where to write the calibrated profile")
     p.add_argument("--quick", action="store_true", help="fewer samples (seconds, for tests)")
+    p.add_argument("-m", dest="module", action="store_true",
+                   help="SCRIPT is a module name (e.g. ftrun.train.ft_worker), as with `python -m`")
     p.add_argument("--script-steps", type=int, default=30, help="with SCRIPT.py: steps to run (default %(default)s)")
     p.add_argument("--json", action="store_true")
 
 
-def _script_step(script: str, steps: int) -> Figure:
+def _script_step(script: str, steps: int, module: bool = False) -> Figure:
     with tempfile.TemporaryDirectory(prefix="ftrun-calibrate-") as out:
         cmd = [sys.executable, "-m", "ftrun.cli", "launch", "--replicas", "1", "--ranks-per-replica", "1",
-               "--min-replicas", "1", "--steps", str(steps), "--out", out, "--json", script]
+               "--min-replicas", "1", "--steps", str(steps), "--out", out, "--no-progress", "--json"]
+        cmd += ["-m", script] if module else [script]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         lines = proc.stdout.strip().splitlines()
         try:
@@ -69,7 +72,7 @@ def _script_step(script: str, steps: int) -> Figure:
                   f"... --steps {steps}` (1 replica x 1 rank: its compute plus the runtime's per-step work)", steps)
 
 
-def measure_all(*, quick: bool, script: str | None, script_steps: int,
+def measure_all(*, quick: bool, script: str | None, script_steps: int, module: bool = False,
                 progress=lambda name: None) -> dict[str, Figure]:
     """Every figure, by name. Order: cheap in-process ones first, processes last."""
     figures: list[Figure] = []
@@ -80,7 +83,7 @@ def measure_all(*, quick: bool, script: str | None, script_steps: int,
         figures.extend(out if isinstance(out, (list, tuple)) else [out])
 
     if script is not None:
-        take("step (script)", _script_step, script, script_steps)
+        take("step (script)", _script_step, script, script_steps, module)
     else:
         take("step", step_compute, reps=10 if quick else 50, warmup=3 if quick else 10)
     mb = 16 << 20 if quick else 128 << 20
@@ -98,7 +101,9 @@ def measure_all(*, quick: bool, script: str | None, script_steps: int,
 def run(args: argparse.Namespace) -> int:
     from harness.profile import _to_dict, load_profile
 
-    if args.script is not None and not Path(args.script).is_file():
+    if args.module and args.script is None:
+        raise UsageError("-m needs a module name as SCRIPT")
+    if args.script is not None and not args.module and not Path(args.script).is_file():
         raise UsageError(f"SCRIPT {args.script!r} is not a file")
     if args.script_steps < 3:
         raise UsageError(f"--script-steps must be >= 3, got {args.script_steps}")
@@ -115,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--profile {args.profile!r}: {e}") from None
     started = time.monotonic()
     measured_at = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
-    figures = measure_all(quick=args.quick, script=args.script, script_steps=args.script_steps,
+    figures = measure_all(quick=args.quick, script=args.script, script_steps=args.script_steps, module=args.module,
                           progress=lambda name: print(f"ftrun calibrate: measuring {name} ...", file=sys.stderr,
                                                       flush=True))
     command = "ftrun calibrate " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["calibrate"] else sys.argv[1:])

@@ -1,0 +1,218 @@
+"""`ftrun fidelity [--replicas R --ranks-per-replica K] [--profile CALIBRATED.toml] [--json]`: one small job
+run for real (`ftrun launch` of ftrun.train.ft_worker on this machine) and emulated (`harness.run` with the
+calibrated profile, same layout, steps, kill and restart delay), the same figures from both event streams
+side by side with emulated/real.
+
+Faults, the same in both: replica r1 is SIGKILLed once the job has committed --kill-step steps (the real
+supervisor's `--kill-at`; the emulator's `Kill(1, at_step=...)`) and restarted after --restart-delay
+(real `--restart-delay`; emulated scheduler.alloc_delay_warm_s). Not done yet: the issue's slow fetch.
+
+Figures (`metrics`, pure, over either event stream: leader/rank-0 events with replica_id, incarnation, t):
+- step_s: median time between consecutive commits of one replica incarnation;
+- get_quorum_s: median, over (incarnation, step), from its commit of step s to its quorum event of step s+1;
+- detection_s: from the kill to the first abort or error event of a surviving replica or, where there is
+  none (the lighthouse dropped the replica before the next quorum), to the first quorum without it;
+- stall_per_failure_s: the longest commit-to-commit interval of a surviving replica containing the kill,
+  less step_s (harness.report's definition);
+- catchup_s: median catch-up fetch time (real: the trainer's catchup event; emulated: the heal span);
+- rejoin_stall_s: the same as the stall, for the interval containing the restarted replica's first quorum;
+- effective_training_time: committed non-healed replica-steps x step_s over replicas x (first quorum to
+  last commit).
+`max_abs_log_ratio` is the largest |ln(emulated/real)| over the figures both runs have (> 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from statistics import median
+from typing import Any, Iterable
+
+from ftrun.cli import UsageError, emit_json
+
+NAMES = ("step_s", "get_quorum_s", "detection_s", "stall_per_failure_s", "catchup_s", "rejoin_stall_s",
+         "effective_training_time")
+
+
+def normalize(events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Leader (rank 0) and supervisor events, time-ordered; a real run's "restart" becomes "start"."""
+    out = []
+    for e in events:
+        if e.get("rank", 0) != 0 or "t" not in e:
+            continue
+        if e.get("event") == "restart":
+            e = {**e, "event": "start"}
+        out.append(e)
+    return sorted(out, key=lambda e: e["t"])
+
+
+def metrics(events: Iterable[dict[str, Any]], *, num_replicas: int,
+            catchup_s: list[float] | None = None) -> dict[str, float | None]:
+    """The fidelity figures (module docstring) of one run. Pure."""
+    ev = normalize(events)
+    commits: dict[tuple[str, int], list[tuple[int, float]]] = defaultdict(list)
+    for e in ev:
+        if e["event"] == "commit":
+            commits[(e["replica_id"], e.get("incarnation", 0))].append((e["step"], e["t"]))
+    gaps = [b[1] - a[1] for cs in commits.values() for a, b in zip(cs, cs[1:])]
+    step = median(gaps) if gaps else None
+
+    def extension_at(t: float, exclude: str) -> float | None:
+        around = [b[1] - a[1] for (rid, _), cs in commits.items() if rid != exclude
+                  for a, b in zip(cs, cs[1:]) if a[1] <= t <= b[1]]
+        return max(around) - step if around and step is not None else None
+
+    quorums = defaultdict(dict)  # (rid, inc) -> step -> t
+    for e in ev:
+        if e["event"] == "quorum":
+            quorums[(e["replica_id"], e.get("incarnation", 0))].setdefault(e["step"], e["t"])
+    gq = [quorums[key][s] - t for key, cs in commits.items() for s, t in cs if s in quorums.get(key, {})]
+
+    kills = [e for e in ev if e["event"] == "kill"]
+    detections, stalls, rejoin_stalls = [], [], []
+    for k in kills:
+        rid = k["replica_id"]
+        noticed = [e["t"] for e in ev if e["t"] >= k["t"] and e.get("replica_id") != rid
+                   and (e["event"] in ("abort", "error")
+                        or (e["event"] == "quorum" and rid not in e.get("participants", [rid])))]
+        if noticed:
+            detections.append(min(noticed) - k["t"])
+        s = extension_at(k["t"], rid)
+        if s is not None:
+            stalls.append(s)
+    for st in (e for e in ev if e["event"] == "start" and e.get("incarnation", 0) > 0):
+        key = (st["replica_id"], st["incarnation"])
+        if quorums.get(key):
+            s = extension_at(min(quorums[key].values()), st["replica_id"])
+            if s is not None:
+                rejoin_stalls.append(s)
+
+    healed = {(e["replica_id"], e.get("incarnation", 0), e["to_step"]) for e in ev if e["event"] == "heal"}
+    contributing = sum(1 for (rid, inc), cs in commits.items() for s, _ in cs if (rid, inc, s) not in healed)
+    first_q = min((e["t"] for e in ev if e["event"] == "quorum"), default=None)
+    last_c = max((t for cs in commits.values() for _, t in cs), default=None)
+    effective = None
+    if step is not None and first_q is not None and last_c is not None and last_c > first_q:
+        effective = contributing * step / (num_replicas * (last_c - first_q))
+    if catchup_s is None:
+        catchup_s = [e["seconds"] for e in ev if e["event"] == "catchup" and "seconds" in e]
+
+    def med(xs: list[float]) -> float | None:
+        return median(xs) if xs else None
+
+    return {"step_s": step, "get_quorum_s": med(gq), "detection_s": med(detections),
+            "stall_per_failure_s": med(stalls), "catchup_s": med(catchup_s), "rejoin_stall_s": med(rejoin_stalls),
+            "effective_training_time": effective}
+
+
+def side_by_side(real: dict[str, float | None], emulated: dict[str, float | None]) -> dict[str, Any]:
+    """`--json`'s shape: metrics [{name, real, emulated, ratio}] and max_abs_log_ratio. Pure."""
+    rows, logs = [], []
+    for name in NAMES:
+        r, e = real.get(name), emulated.get(name)
+        ratio = e / r if r is not None and e is not None and r > 0 and e > 0 else None
+        if ratio is not None:
+            logs.append(abs(math.log(ratio)))
+        rows.append({"name": name, "real": r, "emulated": e, "ratio": ratio})
+    return {"metrics": rows, "max_abs_log_ratio": max(logs) if logs else None}
+
+
+# -- the two runs ------------------------------------------------------------------------------------
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--replicas", type=int, default=3)
+    p.add_argument("--ranks-per-replica", type=int, default=1)
+    p.add_argument("--steps", type=int, default=80)
+    p.add_argument("--kill-step", type=int, default=15, help="kill replica r1 once the job committed this step")
+    p.add_argument("--restart-delay", type=float, default=0.5, help="seconds before the killed replica restarts")
+    p.add_argument("--profile", default=None, metavar="CALIBRATED.toml",
+                   help="a profile from `ftrun calibrate` (default: calibrate now, --quick, plus the real "
+                        "per-step time of ftrun.train.ft_worker as 1 replica x 1 rank)")
+    p.add_argument("--cpu-charging", choices=("on", "off"), default="off",
+                   help="charge the emulator's real CPU time to emulated hosts (default off: deterministic)")
+    p.add_argument("--out", default=None, help="folder for the real run and the calibrated profile")
+    p.add_argument("--json", action="store_true")
+
+
+def _real(args: argparse.Namespace, out: str) -> tuple[dict, list[dict]]:
+    cmd = [sys.executable, "-m", "ftrun.cli", "launch", "--replicas", str(args.replicas), "--ranks-per-replica",
+           str(args.ranks_per_replica), "--steps", str(args.steps), "--min-replicas", "1",
+           "--kill-at", f"step={args.kill_step},replica=r1", "--restart-delay", f"{args.restart_delay}s",
+           "--out", out, "--no-progress", "--json", "-m", "ftrun.train.ft_worker"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    try:
+        figures = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        raise SystemExit(f"ftrun fidelity: the real run printed no figures (exit {proc.returncode}): "
+                         f"{proc.stderr.strip()[-800:]}") from None
+    with open(os.path.join(out, "events.jsonl")) as f:
+        events = [json.loads(line) for line in f if line.strip()]
+    return figures, events
+
+
+def _emulated(args: argparse.Namespace, profile_path: str) -> tuple[dict, list[dict], list[float]]:
+    from harness.cli import execute
+    from harness.profile import apply_overrides, load_profile
+    from harness.run import JobOptions, Kill
+
+    base = load_profile(profile_path)
+    k = args.ranks_per_replica
+    p = apply_overrides(base, [f"replicas={args.replicas}", f"ranks_per_replica={k}", f"topology.gpus_per_host={k}",
+                               f"train.steps={args.steps}", "train.min_replicas=1", "failures.mode=none",
+                               f"scheduler.alloc_delay_warm_s={args.restart_delay}",
+                               f"emulation.cpu_charging={'true' if args.cpu_charging == 'on' else 'false'}"])
+    f, job = execute(p, JobOptions(steps=args.steps, kills=(Kill(1, at_step=args.kill_step),)))
+    heals = [b - a for _, _, name, a, b in (job.recorder.spans or []) if name == "ftrun::catchup::heal"]
+    return f, job.recorder.events, heals
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.replicas < 2 or args.ranks_per_replica < 1:
+        raise UsageError(f"--replicas must be >= 2 and --ranks-per-replica >= 1, got {args.replicas}, "
+                         f"{args.ranks_per_replica}")
+    if not 1 <= args.kill_step < args.steps:
+        raise UsageError(f"--kill-step must be in 1..--steps-1, got {args.kill_step}")
+    if args.restart_delay < 0:
+        raise UsageError(f"--restart-delay must be >= 0, got {args.restart_delay}")
+    out = args.out or tempfile.mkdtemp(prefix="ftrun-fidelity-")
+    os.makedirs(out, exist_ok=True)
+    started = time.monotonic()
+    profile = args.profile
+    if profile is None:
+        profile = os.path.join(out, "calibrated.toml")
+        cmd = [sys.executable, "-m", "ftrun.cli", "calibrate", "--quick", "-m", "ftrun.train.ft_worker",
+               "--out", profile]
+        print(f"ftrun fidelity: calibrating ({' '.join(cmd[3:])}) ...", file=sys.stderr, flush=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        if proc.returncode != 0:
+            raise SystemExit(f"ftrun fidelity: calibration failed: {proc.stderr.strip()[-800:]}")
+    elif not os.path.isfile(profile):
+        raise UsageError(f"--profile {profile!r} is not a file")
+    print("ftrun fidelity: real run (ftrun launch) ...", file=sys.stderr, flush=True)
+    real_f, real_ev = _real(args, os.path.join(out, "real"))
+    print("ftrun fidelity: emulated run ...", file=sys.stderr, flush=True)
+    emu_f, emu_ev, heals = _emulated(args, profile)
+    real = metrics(real_ev, num_replicas=args.replicas)
+    emulated = metrics(emu_ev, num_replicas=args.replicas, catchup_s=heals)
+    table = side_by_side(real, emulated)
+    print(f"ftrun fidelity: {args.replicas} replicas x {args.ranks_per_replica} ranks, {args.steps} steps, r1 killed at "
+          f"step {args.kill_step}, restarted after {args.restart_delay} s; profile {profile}")
+    print(f"  {'metric':<24} {'real':>12} {'emulated':>12} {'emu/real':>9}")
+    for row in table["metrics"]:
+        cells = [("-" if row[k] is None else f"{row[k]:.4g}") for k in ("real", "emulated", "ratio")]
+        print(f"  {row['name']:<24} {cells[0]:>12} {cells[1]:>12} {cells[2]:>9}")
+    mx = table["max_abs_log_ratio"]
+    print(f"  max |ln(emulated/real)| = {'-' if mx is None else format(mx, '.3f')}; real complete: "
+          f"{real_f.get('complete')}, emulated complete: {emu_f.get('complete')}; wall {time.monotonic() - started:.1f} s")
+    if args.json:
+        emit_json({**table, "replicas": args.replicas, "ranks_per_replica": args.ranks_per_replica,
+                   "steps": args.steps, "profile": profile, "out": out, "real_complete": real_f.get("complete"),
+                   "emulated_complete": emu_f.get("complete"), "wall_s": round(time.monotonic() - started, 3)})
+    return 0 if real_f.get("complete") and emu_f.get("complete") else 1

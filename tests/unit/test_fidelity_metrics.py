@@ -1,0 +1,80 @@
+"""`ftrun fidelity`'s pure parts: the same figures from a real or an emulated event stream, and the table."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from harness.calibrate.fidelity import NAMES, metrics, normalize, side_by_side
+
+
+def job_events() -> list[dict]:
+    """3 replicas, 0.1 s steps; r1 killed at t=0.55, its quorum-mates abort at 0.6 and step 5 takes 0.3 s;
+    r1 restarts at 1.0, joins the quorum of step 9 (at 1.2, healed), which takes the others 0.15 s."""
+    ev: list[dict] = []
+    t_commit = {}
+    for rid in ("r0", "r1", "r2"):
+        t = 0.0
+        for step in range(12):
+            if rid == "r1" and step >= 5:
+                break
+            dur = 0.1 + (0.2 if step == 5 else 0.0) + (0.05 if step == 9 else 0.0)
+            ev.append({"event": "quorum", "t": t + 0.01, "replica_id": rid, "incarnation": 0, "step": step, "rank": 0,
+                       "participants": ["r0", "r1", "r2"] if step < 6 or step >= 9 else ["r0", "r2"]})
+            t += dur
+            ev.append({"event": "commit", "t": t, "replica_id": rid, "incarnation": 0, "step": step + 1, "rank": 0})
+            ev.append({"event": "commit", "t": t, "replica_id": rid, "incarnation": 0, "step": step + 1, "rank": 1})
+            t_commit[(rid, step + 1)] = t
+    ev.append({"event": "kill", "t": 0.55, "replica_id": "r1", "incarnation": 0})
+    ev.append({"event": "abort", "t": 0.6, "replica_id": "r0", "incarnation": 0, "rank": 0})
+    ev.append({"event": "restart", "t": 1.0, "replica_id": "r1", "incarnation": 1})
+    t = 1.2
+    for step in range(9, 12):
+        ev.append({"event": "quorum", "t": t, "replica_id": "r1", "incarnation": 1, "step": step, "rank": 0,
+                   "participants": ["r0", "r1", "r2"]})
+        if step == 9:
+            ev.append({"event": "heal", "t": t + 0.01, "replica_id": "r1", "incarnation": 1, "to_step": 10, "rank": 0})
+            ev.append({"event": "catchup", "t": t + 0.01, "replica_id": "r1", "incarnation": 1, "seconds": 0.02})
+        t = t_commit[("r0", step + 1)]
+        ev.append({"event": "commit", "t": t, "replica_id": "r1", "incarnation": 1, "step": step + 1, "rank": 0})
+    return ev
+
+
+def test_metrics_of_a_stream_with_a_kill_and_a_rejoin():
+    m = metrics(job_events(), num_replicas=3)
+    assert set(m) == set(NAMES)
+    assert m["step_s"] == pytest.approx(0.1)
+    assert m["get_quorum_s"] == pytest.approx(0.01)
+    assert m["detection_s"] == pytest.approx(0.05)
+    assert m["stall_per_failure_s"] == pytest.approx(0.2)
+    assert m["rejoin_stall_s"] == pytest.approx(0.05)
+    assert m["catchup_s"] == pytest.approx(0.02)
+    assert 0.5 < m["effective_training_time"] < 1.0
+
+
+def test_detection_falls_back_to_the_first_quorum_without_the_replica():
+    ev = [e for e in job_events() if e["event"] != "abort"]
+    # r0's quorum of step 6, the first without r1, is at its step-5 commit + 0.01
+    assert metrics(ev, num_replicas=3)["detection_s"] == pytest.approx(0.1 * 5 + 0.3 + 0.01 - 0.55)
+
+
+def test_normalize_keeps_leaders_and_renames_restart():
+    ev = normalize([{"event": "commit", "t": 2, "rank": 1}, {"event": "restart", "t": 1, "replica_id": "r1"},
+                    {"event": "x"}])
+    assert ev == [{"event": "start", "t": 1, "replica_id": "r1"}]
+
+
+def test_empty_stream_gives_no_figures():
+    assert all(v is None for v in metrics([], num_replicas=3).values())
+
+
+def test_side_by_side():
+    real = {n: 1.0 for n in NAMES} | {"catchup_s": None}
+    emu = {n: 2.0 for n in NAMES} | {"step_s": 0.5}
+    t = side_by_side(real, emu)
+    assert [r["name"] for r in t["metrics"]] == list(NAMES)
+    rows = {r["name"]: r for r in t["metrics"]}
+    assert rows["catchup_s"]["ratio"] is None and rows["get_quorum_s"]["ratio"] == 2.0
+    assert t["max_abs_log_ratio"] == pytest.approx(math.log(2))
+    assert side_by_side({}, {})["max_abs_log_ratio"] is None
