@@ -68,8 +68,9 @@ def _script_step(script: str, steps: int, module: bool = False) -> Figure:
     if not step:
         raise UsageError(f"SCRIPT {script}: `ftrun launch` measured no step time (steps reached: "
                          f"{figures.get('steps_reached')})")
-    return Figure("step_s", float(step), "s", f"median step wall time of {script} run by `{shlex.join(cmd[2:5])} "
-                  f"... --steps {steps}` (1 replica x 1 rank: its compute plus the runtime's per-step work)", steps)
+    return Figure("step_s", float(step), "s", f"median step wall time (commit to commit) of {script} run by "
+                  f"`ftrun launch --replicas 1 --ranks-per-replica 1 --steps {steps}` (its compute plus the runtime's "
+                  "per-step work on one replica)", steps)
 
 
 def measure_all(*, quick: bool, script: str | None, script_steps: int, module: bool = False,

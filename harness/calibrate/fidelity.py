@@ -133,8 +133,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kill-step", type=int, default=15, help="kill replica r1 once the job committed this step")
     p.add_argument("--restart-delay", type=float, default=0.5, help="seconds before the killed replica restarts")
     p.add_argument("--profile", default=None, metavar="CALIBRATED.toml",
-                   help="a profile from `ftrun calibrate` (default: calibrate now, --quick, plus the real "
-                        "per-step time of ftrun.train.ft_worker as 1 replica x 1 rank)")
+                   help="a profile from `ftrun calibrate` (default: calibrate now, with the real per-step time of "
+                        "ftrun.train.ft_worker as 1 replica x 1 rank)")
+    p.add_argument("--quick-calibration", action="store_true",
+                   help="calibrate with --quick (its crash figures then come from a child without torch, whose "
+                        "teardown is much faster than a rank's)")
     p.add_argument("--cpu-charging", choices=("on", "off"), default="off",
                    help="charge the emulator's real CPU time to emulated hosts (default off: deterministic)")
     p.add_argument("--out", default=None, help="folder for the real run and the calibrated profile")
@@ -187,8 +190,8 @@ def run(args: argparse.Namespace) -> int:
     profile = args.profile
     if profile is None:
         profile = os.path.join(out, "calibrated.toml")
-        cmd = [sys.executable, "-m", "ftrun.cli", "calibrate", "--quick", "-m", "ftrun.train.ft_worker",
-               "--out", profile]
+        cmd = [sys.executable, "-m", "ftrun.cli", "calibrate", "-m", "ftrun.train.ft_worker", "--out", profile]
+        cmd += ["--quick"] if args.quick_calibration else []
         print(f"ftrun fidelity: calibrating ({' '.join(cmd[3:])}) ...", file=sys.stderr, flush=True)
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         if proc.returncode != 0:
