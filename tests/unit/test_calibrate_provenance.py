@@ -197,3 +197,23 @@ def test_a_crashed_hosts_connections_reset_after_the_calibrated_teardown():
 
     seen_after = survivor.run(body)
     assert 0.05 < seen_after < 0.05 + 1e-3
+
+
+# -- bad input: exit 2 naming what was wrong, before measuring anything ----------------------------------
+
+@pytest.mark.parametrize("argv, message", [
+    (["calibrate", "--out", "x.json"], "must name a .toml file"),
+    (["calibrate", "--out", "/no/such/dir/x.toml"], "no such directory"),
+    (["calibrate", "no_such_script.py", "--out", "x.toml"], "is not a file"),
+    (["calibrate", "--profile", "nope", "--out", "x.toml"], "--profile 'nope'"),
+    (["calibrate", "-m", "--out", "x.toml"], "-m needs a module name"),
+    (["fidelity", "--replicas", "1"], "--replicas must be >= 2"),
+    (["fidelity", "--kill-step", "90", "--steps", "80"], "--kill-step"),
+    (["fidelity", "--profile", "/no/such.toml"], "is not a file"),
+])
+def test_bad_input_exits_2_naming_it(argv, message, capsys, tmp_path, monkeypatch):
+    from ftrun.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
