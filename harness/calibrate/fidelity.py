@@ -205,15 +205,16 @@ def run(args: argparse.Namespace) -> int:
     real = metrics(real_ev, num_replicas=args.replicas)
     emulated = metrics(emu_ev, num_replicas=args.replicas, catchup_s=heals)
     table = side_by_side(real, emulated)
-    print(f"ftrun fidelity: {args.replicas} replicas x {args.ranks_per_replica} ranks, {args.steps} steps, r1 killed at "
-          f"step {args.kill_step}, restarted after {args.restart_delay} s; profile {profile}")
+    print(f"ftrun fidelity: {args.replicas} replicas x {args.ranks_per_replica} ranks, {args.steps} steps, "
+          f"r1 killed at step {args.kill_step}, restarted after {args.restart_delay} s; profile {profile}")
     print(f"  {'metric':<24} {'real':>12} {'emulated':>12} {'emu/real':>9}")
     for row in table["metrics"]:
         cells = [("-" if row[k] is None else f"{row[k]:.4g}") for k in ("real", "emulated", "ratio")]
         print(f"  {row['name']:<24} {cells[0]:>12} {cells[1]:>12} {cells[2]:>9}")
     mx = table["max_abs_log_ratio"]
     print(f"  max |ln(emulated/real)| = {'-' if mx is None else format(mx, '.3f')}; real complete: "
-          f"{real_f.get('complete')}, emulated complete: {emu_f.get('complete')}; wall {time.monotonic() - started:.1f} s")
+          f"{real_f.get('complete')}, emulated complete: {emu_f.get('complete')}; "
+          f"wall {time.monotonic() - started:.1f} s")
     if args.json:
         emit_json({**table, "replicas": args.replicas, "ranks_per_replica": args.ranks_per_replica,
                    "steps": args.steps, "profile": profile, "out": out, "real_complete": real_f.get("complete"),

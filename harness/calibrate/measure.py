@@ -8,7 +8,8 @@ measured and how.
   peer a thread of this process (both ends release the GIL in the kernel calls).
 - `shm_bandwidth`: memcpy into and out of a shared-memory file under /dev/shm (what a same-host FTAR
   transfer over SharedSlots costs per byte), one direction's bytes per second.
-- `catchup_costs`: the real catch-up client fetching the real CatchupServer's snapshot over HTTP on
+- `catchup_costs`: the real catch-up client fetching the real CatchupServer's snapshot (served, unless --quick,
+  by another process that trains meanwhile, as a healthy replica does) over HTTP on
   127.0.0.1 (manifest, shards, CRC) for several state sizes; a least-squares line gives the cost per
   fetch (intercept) and per byte (slope).
 - `ftar_kernels`: the CPU FTAR kernels a real run uses (ftrun.ftar.cpu_kernels, float32) on chunk-sized
@@ -197,9 +198,42 @@ def linear_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return my - slope * mx, slope
 
 
+def busy_source_main() -> None:
+    """A catch-up source (a process `catchup_costs(busy_source=True)` starts) that trains while it serves, as
+    a healthy replica does. Token on stdin's first line; then "STEP NBYTES" lines publish a state of that
+    size ("ready" answers); it trains the toy LM in a thread until stdin closes."""
+    import sys
+
+    import torch
+
+    from ftrun.catchup.config import CatchupConfig
+    from ftrun.catchup.server import CatchupServer
+    from ftrun.env.real import RealEnv
+
+    torch.set_num_threads(1)
+    token = sys.stdin.readline().strip()
+    server = CatchupServer(env=RealEnv(), token=token, config=CatchupConfig(max_shard_bytes=8 << 20))
+    print(server.start(), flush=True)
+    stop = threading.Event()
+    t = threading.Thread(target=lambda: [step_compute(reps=1, warmup=0) for _ in iter(stop.is_set, True)],
+                         daemon=True)
+    t.start()
+    for line in sys.stdin:
+        step, nbytes = (int(x) for x in line.split())
+        server.publish(step, {"w": torch.arange(nbytes // 4, dtype=torch.float32)}, {"calibrate": True})
+        server.wait_ready(timeout=60.0)
+        print("ready", flush=True)
+    stop.set()
+    server.stop()
+
+
 def catchup_costs(*, sizes_mb: tuple[float, ...] = (0.0625, 4, 16, 32), reps: int = 5,
-                  shard_mb: int = 8) -> tuple[Figure, Figure]:
-    """(seconds per fetch, ns per byte) of the real HTTP catch-up on 127.0.0.1."""
+                  shard_mb: int = 8, busy_source: bool = False) -> tuple[Figure, Figure]:
+    """(seconds per fetch, ns per byte) of the real HTTP catch-up on 127.0.0.1. busy_source: the source is
+    another process training the toy LM meanwhile (a healthy replica serving a joiner); else a server
+    in this process, idle."""
+    if busy_source:
+        return _catchup_costs_busy(sizes_mb=sizes_mb, reps=reps)
     import secrets
 
     import torch
@@ -239,6 +273,57 @@ def catchup_costs(*, sizes_mb: tuple[float, ...] = (0.0625, 4, 16, 32), reps: in
             Figure("catchup_ns_per_byte", max(per_byte, 0.0) * 1e9, "ns/B", "slope of the " + method, len(xs)))
 
 
+def _catchup_costs_busy(*, sizes_mb: tuple[float, ...], reps: int) -> tuple[Figure, Figure]:
+    import secrets
+    import subprocess
+    import sys
+
+    import torch
+
+    from ftrun.catchup.client import fetch
+    from ftrun.catchup.config import CatchupConfig
+    from ftrun.config import Timeouts
+
+    token = secrets.token_hex(16)
+    source = "from harness.calibrate.measure import busy_source_main; busy_source_main()"
+    proc = subprocess.Popen([sys.executable, "-c", source],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    xs, ys = [], []
+    try:
+        proc.stdin.write(token + "\n")
+        proc.stdin.flush()
+        url = proc.stdout.readline().strip()
+        if not url.startswith("http://"):
+            raise RuntimeError(f"the busy catch-up source did not start (exit {proc.poll()})")
+        config = CatchupConfig(max_shard_bytes=8 << 20)
+        buffer = torch.zeros(int(max(sizes_mb) * (1 << 20)), dtype=torch.uint8)
+        for step, mb in enumerate(sizes_mb, start=1):
+            proc.stdin.write(f"{step} {int(mb * (1 << 20)) // 4 * 4}\n")
+            proc.stdin.flush()
+            if proc.stdout.readline().strip() != "ready":
+                raise RuntimeError("the busy catch-up source did not publish")
+            timeouts = Timeouts(catchup_timeout_s=60.0)
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                result = fetch(step, [url], token, timeouts, config=config, buffer=buffer)
+                ys.append(time.perf_counter() - t0)
+                xs.append(float(result.num_bytes))
+    finally:
+        proc.stdin.close()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    per_fetch, per_byte = linear_fit(xs, ys)
+    sizes = ", ".join(f"{m:g}" for m in sizes_mb)
+    method = (f"least-squares line through {len(xs)} cold fetches ({reps} each of {sizes} MiB states, 8 MiB shards) by "
+              "ftrun.catchup.client.fetch from a CatchupServer in another process that trains the toy LM meanwhile "
+              "(a healthy replica serving a joiner), on 127.0.0.1")
+    return (Figure("catchup_per_fetch_s", max(per_fetch, 0.0), "s", "intercept of the " + method, len(xs)),
+            Figure("catchup_ns_per_byte", max(per_byte, 0.0) * 1e9, "ns/B", "slope of the " + method, len(xs)))
+
+
 # -- FTAR kernels -----------------------------------------------------------------------------------
 
 def ftar_kernels(*, nbytes: int = 8 << 20, reps: int = 20) -> tuple[Figure, Figure]:
@@ -257,3 +342,4 @@ def ftar_kernels(*, nbytes: int = 8 << 20, reps: int = 20) -> tuple[Figure, Figu
     how = f"ftrun.ftar.cpu_kernels.CpuKernels on {nbytes >> 20} MiB float32 chunks, median of {reps}"
     return (Figure("ftar_reduce_gb_s", nbytes / tr / 1e9, "GB/s", "reduce (dst += src) with " + how, n),
             Figure("ftar_copy_gb_s", nbytes / tc / 1e9, "GB/s", "copy with " + how, n))
+
