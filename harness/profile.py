@@ -174,9 +174,12 @@ class FtarConfig:
 class CheckpointConfig:
     every_steps: int = 100  # 0 turns persistent checkpoints off
     loader_state_every_step: bool = True
+    # One atomic write (write, fsync, rename, fsync the folder) of a small file on the ranks' local disk:
+    # loader_state and audit records every step (`ftrun calibrate` measures ftrun.storage.FileStorage).
+    local_write_latency_s: float = 0.001
 
     def __post_init__(self) -> None:
-        _non_negative(self, "every_steps")
+        _non_negative(self, "every_steps", "local_write_latency_s")
 
 
 FAILURE_KINDS = ("kill_replica", "kill_host", "hang_host", "kill_lighthouse")

@@ -28,10 +28,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from statistics import median
 
 from ftrun.cli import UsageError, emit_json
 from harness.calibrate.measure import (Figure, catchup_costs, ftar_kernels, shm_bandwidth, step_compute,
-                                       stream_pair)
+                                       storage_write, stream_pair)
 from harness.calibrate.procs import process_figures
 from harness.calibrate.provenance import calibrated_document, to_toml
 
@@ -52,7 +53,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true")
 
 
-def _script_step(script: str, steps: int, module: bool = False) -> Figure:
+def quorum_to_commit_s(events: list[dict]) -> list[float]:
+    """Per step of each rank-0 incarnation: from its quorum event to its commit of that step (the step's
+    compute plus the single replica's all-reduce and commit; not the bookkeeping between a commit and the
+    next quorum, which the emulator models itself). Pure."""
+    quorum: dict[tuple, float] = {}
+    out = []
+    for e in sorted((e for e in events if e.get("rank", 0) == 0 and "t" in e), key=lambda e: e["t"]):
+        key = (e.get("replica_id"), e.get("incarnation", 0))
+        if e.get("event") == "quorum":
+            quorum[key + (e["step"],)] = e["t"]
+        elif e.get("event") == "commit" and key + (e["step"] - 1,) in quorum:
+            out.append(e["t"] - quorum[key + (e["step"] - 1,)])
+    return out
+
+
+def _script_step(script: str, steps: int, module: bool = False) -> list[Figure]:
     with tempfile.TemporaryDirectory(prefix="ftrun-calibrate-") as out:
         cmd = [sys.executable, "-m", "ftrun.cli", "launch", "--replicas", "1", "--ranks-per-replica", "1",
                "--min-replicas", "1", "--steps", str(steps), "--out", out, "--no-progress", "--json"]
@@ -61,16 +77,19 @@ def _script_step(script: str, steps: int, module: bool = False) -> Figure:
         lines = proc.stdout.strip().splitlines()
         try:
             figures = json.loads(lines[-1])
-        except (IndexError, json.JSONDecodeError):
+            with open(os.path.join(out, "events.jsonl")) as f:
+                spans = quorum_to_commit_s([json.loads(line) for line in f if line.strip()])
+        except (IndexError, json.JSONDecodeError, OSError):
             raise UsageError(f"SCRIPT {script}: `ftrun launch` printed no figures (exit {proc.returncode}): "
                              f"{proc.stderr.strip()[-500:]}") from None
-    step = figures.get("median_step_s")
-    if not step:
+    period = figures.get("median_step_s")
+    if not spans or not period:
         raise UsageError(f"SCRIPT {script}: `ftrun launch` measured no step time (steps reached: "
                          f"{figures.get('steps_reached')})")
-    return Figure("step_s", float(step), "s", f"median step wall time (commit to commit) of {script} run by "
-                  f"`ftrun launch --replicas 1 --ranks-per-replica 1 --steps {steps}` (its compute plus the runtime's "
-                  "per-step work on one replica)", steps)
+    how = (f"{script} run by `ftrun launch --replicas 1 --ranks-per-replica 1 --steps {steps}`")
+    return [Figure("step_s", median(spans), "s", f"median time from a step's quorum to its commit of {how} (the "
+                   "script's compute plus one replica's all-reduce and commit)", len(spans)),
+            Figure("script_step_period_s", float(period), "s", f"median commit-to-commit step time of {how}", steps)]
 
 
 def measure_all(*, quick: bool, script: str | None, script_steps: int, module: bool = False,
@@ -91,6 +110,7 @@ def measure_all(*, quick: bool, script: str | None, script_steps: int, module: b
     take("tcp", stream_pair, "tcp", pings=300 if quick else 3000, nbytes=mb, reps=3 if quick else 7)
     take("unix", stream_pair, "unix", pings=300 if quick else 3000, nbytes=mb, reps=3 if quick else 7)
     take("shm", shm_bandwidth, nbytes=mb, reps=3 if quick else 7)
+    take("storage", storage_write, reps=10 if quick else 30)
     take("ftar kernels", ftar_kernels, nbytes=4 << 20 if quick else 8 << 20, reps=5 if quick else 30)
     take("catch-up", catchup_costs, sizes_mb=(0.0625, 2, 8) if quick else (0.0625, 4, 16, 32),
          reps=2 if quick else 5, shard_mb=8, busy_source=not quick)

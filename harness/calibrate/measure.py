@@ -324,6 +324,24 @@ def _catchup_costs_busy(*, sizes_mb: tuple[float, ...], reps: int) -> tuple[Figu
             Figure("catchup_ns_per_byte", max(per_byte, 0.0) * 1e9, "ns/B", "slope of the " + method, len(xs)))
 
 
+def storage_write(*, reps: int = 30, nbytes: int = 1024) -> Figure:
+    """One ftrun.storage.FileStorage.write_atomic of a loader_state-sized file in the temp folder."""
+    from ftrun.storage import FileStorage
+
+    with tempfile.TemporaryDirectory(prefix="ftrun-calibrate-") as d:
+        storage, blob, i = FileStorage(d), b"x" * nbytes, 0
+
+        def write() -> None:
+            nonlocal i
+            storage.write_atomic(f"loader_state-{i % 3}.json", blob)
+            i += 1
+
+        write()
+        t, n = _median_time(write, reps)
+    return Figure("storage_write_s", t, "s", f"median ftrun.storage.FileStorage.write_atomic (write, fsync, rename, "
+                  f"fsync the folder) of a {nbytes} B file under {tempfile.gettempdir()}, {reps} writes", n)
+
+
 # -- FTAR kernels -----------------------------------------------------------------------------------
 
 def ftar_kernels(*, nbytes: int = 8 << 20, reps: int = 20) -> tuple[Figure, Figure]:

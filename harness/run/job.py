@@ -128,6 +128,7 @@ class EmulatedJob:
                                       seed=options.seed)
         env = self.world.host_env(SUPERVISOR_HOST)  # the stores' calls wait on whichever task makes them
         self.storage = MockObjectStore.local_disk(env)  # loader_state and audit logs: files next to the job
+        self.storage.write_latency_s = profile.checkpoint.local_write_latency_s
         self.checkpoint_storage = MockObjectStore.remote(env)  # persistent checkpoints: an object store
         self.ftar_config = FtarConfig(chunk_bytes=max(16, profile.ftar.chunk_bytes // 16 * 16),
                                       num_chunks=profile.ftar.chunks_in_flight,

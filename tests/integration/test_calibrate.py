@@ -25,7 +25,7 @@ def test_quick_calibration_writes_a_profile_the_emulator_runs(tmp_path):
     assert figures["out"] == str(out) and figures["quick"] is True
     for name in ("step_s", "tcp_one_way_us", "tcp_gb_s", "unix_one_way_us", "unix_gb_s", "shm_gb_s",
                  "catchup_per_fetch_s", "catchup_ns_per_byte", "ftar_reduce_gb_s", "ftar_copy_gb_s",
-                 "zygote_start_s", "crash_detect_s", "peer_reset_s"):
+                 "zygote_start_s", "crash_detect_s", "peer_reset_s", "storage_write_s"):
         assert figures["figures"][name] > 0, name
 
     p = load_profile(out)

@@ -25,6 +25,7 @@ FIGURES = {f.name: f for f in [
     fig("catchup_per_fetch_s", 0.002), fig("catchup_ns_per_byte", 0.8, "ns/B"),
     fig("ftar_reduce_gb_s", 14.0, "GB/s"), fig("ftar_copy_gb_s", 20.0, "GB/s"),
     fig("zygote_start_s", 0.009), fig("crash_detect_s", 0.0035), fig("peer_reset_s", 0.0002),
+    fig("storage_write_s", 0.004),
 ]}
 
 
@@ -41,6 +42,7 @@ def test_profile_keys_map_figures_with_units():
     assert keys["ftar.kernel_reduce_gb_s"][0] == 14.0 and keys["ftar.kernel_copy_gb_s"][0] == 20.0
     assert keys["scheduler.crash_detect_s"][0] == 0.0035
     assert keys["network.crash_fin_delay_s"][0] == 0.0002
+    assert keys["checkpoint.local_write_latency_s"][0] == 0.004
     assert keys["scheduler.process_start_s"][0] == 0.009
     # per fetch minus the 2 round trips (4 one-way latencies) the modeled network already charges
     assert math.isclose(keys["train.catchup_fetch_extra_s"][0], 0.002 - 4 * 40e-6)
@@ -217,3 +219,15 @@ def test_bad_input_exits_2_naming_it(argv, message, capsys, tmp_path, monkeypatc
     monkeypatch.chdir(tmp_path)
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_quorum_to_commit_spans_of_a_real_event_stream():
+    from harness.calibrate import quorum_to_commit_s
+
+    ev = [{"event": "quorum", "t": 1.0, "step": 0, "replica_id": "r0", "rank": 0},
+          {"event": "commit", "t": 1.5, "step": 1, "replica_id": "r0", "rank": 0},
+          {"event": "commit", "t": 1.6, "step": 1, "replica_id": "r0", "rank": 1},
+          {"event": "quorum", "t": 1.7, "step": 1, "replica_id": "r0", "rank": 0},
+          {"event": "commit", "t": 2.0, "step": 2, "replica_id": "r0", "rank": 0},
+          {"event": "commit", "t": 3.0, "step": 9, "replica_id": "r0", "rank": 0}]
+    assert quorum_to_commit_s(ev) == [pytest.approx(0.5), pytest.approx(0.3)]
