@@ -2,17 +2,20 @@
 and write a scale profile for it.
 
 Measures (harness.calibrate.measure, harness.calibrate.procs): the step compute time of the model (the toy
-LM `ftrun.train.ft_worker` trains; with SCRIPT.py, the median step of that script run by `ftrun launch`
-as one replica of one rank), 127.0.0.1 TCP and Unix socket one-way latency and bandwidth, shared-memory
-bandwidth, the real HTTP catch-up's cost per fetch and per byte, the CPU FTAR kernels' reduce and copy
-throughput, zygote-forked and spawned process start, and crash detection (SIGKILL to the launcher seeing
-the exit, and to a TCP peer seeing the reset).
+LM `ftrun.train.ft_worker` trains, in this process; with SCRIPT.py or `-m MODULE`, the median quorum-to-commit
+time of that script run by `ftrun launch` as one replica of one rank), 127.0.0.1 TCP and Unix socket
+one-way latency and bandwidth, shared-memory bandwidth, the real HTTP catch-up's cost per fetch and per
+byte (from a source process that trains meanwhile), a local atomic file write (loader_state, audit), the
+CPU FTAR kernels' reduce and copy throughput, zygote-forked and spawned process start, and crash
+detection (SIGKILL to the launcher seeing the exit, and to a TCP peer seeing the reset).
 
 Writes --out: the --profile (default ci-small) with the measured keys set (harness.calibrate.provenance
 says which figure sets which key) and a [calibration] table where every value says how and when it was
 measured. `ftrun emulate --profile`-style loading (`ftrun emulate OUT.toml`) reads it back; the emulator
 charges the new keys (ftar.kernel_reduce_gb_s / kernel_copy_gb_s, train.catchup_fetch_extra_s,
-scheduler.crash_detect_s). `--quick` takes fewer samples (for tests, ~10-20 s on a busy 2-core box).
+scheduler.crash_detect_s, network.crash_fin_delay_s, checkpoint.local_write_latency_s). `--quick` takes
+fewer samples, serves the catch-up from an idle in-process server and starts children without torch
+(for tests: ~15 s of CPU).
 """
 
 from __future__ import annotations
