@@ -1,10 +1,12 @@
-"""`ftrun bench catchup`: catch-up state transfer bandwidth per source count, vs a raw TCP stream.
+"""`ftrun bench catchup`: catch-up state transfer bandwidth per state size and source count, vs raw TCP.
 
-N source processes on 127.0.0.1 each publish the same state (--state-mb, float32 tensors of mixed sizes,
-same seed) on a CatchupServer. This process fetches the whole state from the first 1, 2, 4... of them
-(best of --iters, into one reused buffer, every shard CRC-checked) and prints GB/s per source count.
-Baseline, same run, same bytes: one plain single-stream transfer over ftrun's real net (a bulk frame
-from source 0, received with recv_into) — no HTTP, no checksum, no sharding.
+For each --state-mb, N source processes on 127.0.0.1 each publish the same state (float32 tensors of
+mixed sizes, same seed) on a CatchupServer. This process fetches the whole state from the first 1, 2...
+of them (into one reused buffer, every shard CRC-checked, one client whose connections persist across
+fetches as a replica's do) and reports the best of --iters. Baseline, same run, same bytes, interleaved
+with the fetches: one plain single-stream transfer over ftrun's real net (a bulk frame from source 0,
+received with recv_into) — no HTTP, no checksum, no sharding. Each row: state_mb, sources, gbps,
+raw_gbps and ratio = gbps / raw_gbps.
 """
 
 from __future__ import annotations
@@ -18,21 +20,24 @@ import sys
 
 import torch
 
-from ftrun.catchup.client import fetch
 from ftrun.catchup.config import CatchupConfig
+from ftrun.catchup.fetcher import fetch_with
+from ftrun.catchup.http_transport import HttpTransport
+from ftrun.catchup.net_transport import BytePayloads
 from ftrun.catchup.server import CatchupServer
 from ftrun.cli import emit_json
 from ftrun.config import Timeouts
+from ftrun.env.base import NetError
 from ftrun.env.real import RealEnv
 
 _TENSOR_BYTES = (32 << 20, 8 << 20, 1 << 20, 64 << 10, 4 << 10)  # a model's mix of large and small tensors
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--state-mb", type=int, default=500, help="state size in MiB")
-    p.add_argument("--sources", default="1,2,4", help="source counts, comma separated")
-    p.add_argument("--iters", type=int, default=3, help="fetches per source count (best is reported)")
-    p.add_argument("--shard-mb", type=int, default=32, help="max shard size in MiB")
+    p.add_argument("--state-mb", default="50,500", help="state sizes in MiB, comma separated")
+    p.add_argument("--sources", default="1,2", help="source counts, comma separated")
+    p.add_argument("--iters", type=int, default=5, help="fetches per row (best is reported)")
+    p.add_argument("--shard-mb", type=int, default=8, help="max shard size in MiB")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object, last")
     p.add_argument("--_source", nargs=3, metavar=("STATE_MB", "SHARD_MB", "BASELINE"),
                    help=argparse.SUPPRESS)  # the token comes in $FTRUN_TOKEN, never on argv
@@ -50,37 +55,44 @@ def make_state(state_mb: int, seed: int = 0) -> tuple[torch.Tensor, dict[str, to
     return flat, state
 
 
-def _source(state_mb: int, shard_mb: int, token: str, baseline: bool) -> None:
+def _source(sizes: list[int], shard_mb: int, token: str, baseline: bool) -> None:
+    """One source process: a CatchupServer per state size (started once: importing torch is slow on a
+    loaded machine), and with `baseline` a raw-stream listener per size."""
     env = RealEnv()
-    flat, state = make_state(state_mb)
-    server = CatchupServer(env=env, token=token, config=CatchupConfig(max_shard_bytes=shard_mb << 20))
-    url = server.start()
-    server.publish(1, state, {"bench": True})
-    server.wait_ready()
-    del state
-    addr = ""
-    if baseline:
-        listener = env.net.listen("127.0.0.1:0")
-        addr = listener.addr
-        env.spawn(_serve_raw, listener, flat, name="baseline")
-    else:
+    servers, urls, addrs = [], {}, {}
+    for mb in sizes:
+        flat, state = make_state(mb)
+        server = CatchupServer(env=env, token=token, config=CatchupConfig(max_shard_bytes=shard_mb << 20))
+        urls[mb] = server.start()
+        server.publish(1, state, {"bench": True})
+        server.wait_ready()
+        servers.append(server)
+        del state
+        if baseline:
+            listener = env.net.listen("127.0.0.1:0")
+            addrs[mb] = listener.addr
+            env.spawn(_serve_raw, listener, flat, name="baseline")
         del flat
-    print(json.dumps({"url": url, "baseline": addr}), flush=True)
+    print(json.dumps({"urls": urls, "baseline": addrs}), flush=True)
     sys.stdin.read()  # serve until the parent closes our stdin
-    server.stop()
+    for server in servers:
+        server.stop()
 
 
 def _serve_raw(listener, flat: torch.Tensor) -> None:
     conn = listener.accept(timeout=600.0)
     view = memoryview(flat.numpy()).cast("B")
-    while True:
-        conn.recv(timeout=None)
-        conn.send_bytes(view)
+    try:
+        while True:
+            conn.recv(timeout=None)
+            conn.send_bytes(view)
+    except NetError:  # the parent closed the connection: done
+        conn.close()
 
 
-def _start_sources(n: int, args: argparse.Namespace, token: str) -> tuple[list[subprocess.Popen], list[dict]]:
+def _start_sources(n: int, sizes: list[int], shard_mb: int, token: str) -> tuple[list[subprocess.Popen], list[dict]]:
     procs = [subprocess.Popen([sys.executable, "-m", "ftrun.cli", "bench", "catchup", "--_source",
-                               str(args.state_mb), str(args.shard_mb), "1" if i == 0 else "0"],
+                               ",".join(map(str, sizes)), str(shard_mb), "1" if i == 0 else "0"],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                               env={**os.environ, "FTRUN_TOKEN": token})
              for i in range(n)]
@@ -88,71 +100,100 @@ def _start_sources(n: int, args: argparse.Namespace, token: str) -> tuple[list[s
     for p in procs:
         line = p.stdout.readline()
         if not line:
+            _stop(procs)
             raise RuntimeError(f"catch-up source exited with {p.wait()}")
         infos.append(json.loads(line))
     return procs, infos
 
 
-def _best_fetch_gbps(urls: list[str], token: str, args: argparse.Namespace, buffer: torch.Tensor) -> float:
-    config = CatchupConfig(max_shard_bytes=args.shard_mb << 20)
-    best = 0.0
-    for _ in range(args.iters):
-        result = fetch(1, urls, token, Timeouts(catchup_timeout_s=300.0), config=config, buffer=buffer)
-        if result.failures or result.num_bytes != args.state_mb << 20:
-            raise RuntimeError(f"bench fetch went wrong: {result.num_bytes} bytes, {result.failures}")
-        best = max(best, result.gbps)
-    return best
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.stdin and not p.stdin.closed:
+            p.stdin.close()
+    for p in procs:
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+        if p.stdout:
+            p.stdout.close()
 
 
-def _baseline_gbps(env: RealEnv, addr: str, buffer: torch.Tensor, iters: int) -> float:
-    conn = env.net.connect(addr, timeout=10.0)
-    view = memoryview(buffer.numpy()).cast("B")
-    best = 0.0
-    for _ in range(iters):
-        t0 = env.clock.now()
-        conn.send({"go": 1})
-        conn.recv_into(view, timeout=300.0)
-        best = max(best, view.nbytes / (env.clock.now() - t0) / 1e9)
-    conn.close()
-    return best
+def _fetch_gbps(env: RealEnv, transport: HttpTransport, urls: list[str], state_mb: int,
+                config: CatchupConfig) -> float:
+    result = fetch_with(env, transport, 1, urls, config)
+    if result.failures or result.num_bytes != state_mb << 20:
+        raise RuntimeError(f"bench fetch went wrong: {result.num_bytes} bytes, {result.failures}")
+    return result.gbps
+
+
+def _raw_gbps(env: RealEnv, conn, view: memoryview) -> float:
+    t0 = env.clock.now()
+    conn.send({"go": 1})
+    conn.recv_into(view, timeout=300.0)
+    return view.nbytes / (env.clock.now() - t0) / 1e9
+
+
+def _measure(env: RealEnv, state_mb: int, counts: list[int], args: argparse.Namespace, infos: list[dict],
+             token: str) -> list[dict]:
+    """Rows of one state size: best fetch GB/s per source count and the best raw stream, interleaved."""
+    buffer = torch.zeros(state_mb << 20, dtype=torch.uint8)  # touched once, reused by every fetch
+    config = CatchupConfig(max_shard_bytes=args.shard_mb << 20, timeouts=Timeouts(catchup_timeout_s=300.0))
+    transport = HttpTransport(token=token, config=config, payloads=BytePayloads(buffer))
+    try:
+        urls = [info["urls"][str(state_mb)] for info in infos]
+        raw = env.net.connect(infos[0]["baseline"][str(state_mb)], timeout=10.0)
+        view = memoryview(buffer.numpy()).cast("B")
+        _fetch_gbps(env, transport, urls[:max(counts)], state_mb, config)  # warm-up: connections, page cache
+        _raw_gbps(env, raw, view)
+        best = {k: 0.0 for k in counts}
+        best_raw = 0.0
+        for _ in range(args.iters):
+            best_raw = max(best_raw, _raw_gbps(env, raw, view))
+            for k in counts:
+                best[k] = max(best[k], _fetch_gbps(env, transport, urls[:k], state_mb, config))
+        raw.close()
+    finally:
+        transport.close()
+    return [{"state_mb": state_mb, "sources": k, "gbps": best[k], "raw_gbps": best_raw, "ratio": best[k] / best_raw}
+            for k in counts]
+
+
+def _int_list(text: str, what: str) -> list[int]:
+    try:
+        values = sorted({int(c) for c in text.split(",") if c.strip()})
+    except ValueError:
+        raise SystemExit(f"{what} must be comma-separated integers, got {text!r}") from None
+    if not values or values[0] < 1:
+        raise SystemExit(f"{what} must list integers >= 1, got {text!r}")
+    return values
 
 
 def run(args: argparse.Namespace) -> int:
     if args._source:
-        state_mb, shard_mb, baseline = args._source
-        _source(int(state_mb), int(shard_mb), os.environ["FTRUN_TOKEN"], baseline == "1")
+        state_mbs, shard_mb, baseline = args._source
+        _source(_int_list(state_mbs, "--state-mb"), int(shard_mb), os.environ["FTRUN_TOKEN"], baseline == "1")
         return 0
-    counts = sorted({int(c) for c in args.sources.split(",")})
-    if not counts or counts[0] < 1 or args.state_mb < 1 or args.iters < 1:
-        raise SystemExit("need --sources >= 1, --state-mb >= 1, --iters >= 1")
+    sizes, counts = _int_list(args.state_mb, "--state-mb"), _int_list(args.sources, "--sources")
+    if args.iters < 1 or args.shard_mb < 1:
+        raise SystemExit("--iters and --shard-mb must be >= 1")
     env, token = RealEnv(), secrets.token_hex(16)
-    buffer = torch.zeros(args.state_mb << 20, dtype=torch.uint8)  # touched once, reused by every fetch
-    procs, infos = _start_sources(max(counts), args, token)
+    procs, infos = _start_sources(max(counts), sizes, args.shard_mb, token)
     try:
-        urls = [info["url"] for info in infos]
-        fetch(1, urls[:1], token, Timeouts(catchup_timeout_s=300.0), buffer=buffer)  # warm-up
-        gbps = {str(k): _best_fetch_gbps(urls[:k], token, args, buffer) for k in counts}
-        baseline = _baseline_gbps(env, infos[0]["baseline"], buffer, args.iters)
+        rows = [row for mb in sizes for row in _measure(env, mb, counts, args, infos, token)]
     finally:
-        for p in procs:
-            p.stdin.close()
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-    _report(args, gbps, baseline)
+        _stop(procs)
+    _report(args, rows)
     return 0
 
 
-def _report(args: argparse.Namespace, gbps: dict[str, float], baseline: float) -> None:
-    print(f"catch-up fetch of a {args.state_mb} MiB state ({args.shard_mb} MiB shards, best of {args.iters}); "
-          f"baseline: one raw TCP stream of the same bytes, {baseline:.2f} GB/s")
-    print(f"{'sources':>7} {'GB/s':>6} {'vs baseline':>11}")
-    for k, v in gbps.items():
-        print(f"{k:>7} {v:6.2f} {v / baseline:10.2f}x")
+def _report(args: argparse.Namespace, rows: list[dict]) -> None:
+    print(f"catch-up fetch ({args.shard_mb} MiB shards, best of {args.iters}) vs one raw TCP stream of the same "
+          f"bytes in the same run")
+    print(f"{'state MiB':>9} {'sources':>7} {'GB/s':>6} {'raw GB/s':>8} {'ratio':>6}")
+    for r in rows:
+        print(f"{r['state_mb']:>9} {r['sources']:>7} {r['gbps']:6.2f} {r['raw_gbps']:8.2f} {r['ratio']:6.2f}")
     if args.json:
-        emit_json({"results": [{"sources": int(k), "state_mb": args.state_mb, "gbps": v,
-                                "ratio_to_baseline": v / baseline} for k, v in gbps.items()],
-                   "state_mb": args.state_mb, "shard_mb": args.shard_mb, "gbps": gbps, "baseline_gbps": baseline,
-                   "ratio_to_baseline": {k: v / baseline for k, v in gbps.items()}})
+        emit_json({"results": rows, "shard_mb": args.shard_mb, "iters": args.iters,
+                   "min_ratio": min(r["ratio"] for r in rows)})

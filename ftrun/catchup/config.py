@@ -27,7 +27,7 @@ class CatchupConfig:
         published, catchup_stall_s how long a silent source is given before it counts as dead.
     """
 
-    max_shard_bytes: int = 32 << 20
+    max_shard_bytes: int = 8 << 20
     bind: str = "127.0.0.1:0"
     advertise_host: str | None = None
     max_source_failures: int = 2

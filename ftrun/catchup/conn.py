@@ -14,10 +14,10 @@ them the connection is closed.
 from __future__ import annotations
 
 import asyncio
-import zlib
 from dataclasses import dataclass
 from typing import Callable
 
+from ftrun.catchup.checksum import crc32
 from ftrun.catchup.errors import CatchupPeerError
 from ftrun.catchup.wire import HEAD_END, MAX_HEAD_BYTES, ResponseHead, encode_get, parse_head
 
@@ -159,7 +159,7 @@ class HttpConnection(asyncio.BufferedProtocol):
 
     def _take_body(self, nbytes: int) -> None:
         pos = self._pos
-        self._crc = zlib.crc32(self._body[pos:pos + nbytes], self._crc)
+        self._crc = crc32(self._body[pos:pos + nbytes], self._crc)
         self._pos = pos + nbytes
         if self._pos == self._body.nbytes:
             self._state = "idle" if self._response_head.keep_alive else "closing"

@@ -5,7 +5,9 @@
 The manifest comes from the first source that has the step (each asked in turn, long-polling up to
 long_poll_s for it to be published). The shards are then fetched concurrently, one task per source,
 per the pure fetch plan (ftrun.catchup.plan); each lands in its slice of one destination buffer and is
-checked against the manifest's CRC32. A bad shard is retried from another source; a source that
+checked against the manifest's CRC32 (once: the link's checksum of the bytes as they arrived, if it
+computed one). A source that runs out of shards steals the untouched tail of the busiest one's
+(plan.steal), so a slow source delays the fetch by one shard at most. A bad shard is retried from another source; a source that
 cannot be reached, stalls, no longer has the step, or sent max_source_failures bad shards is dropped
 and its unfinished shards re-planned onto the others. When no source is left: CatchupError naming what
 failed at each. A refused token raises CatchupAuthError at once; no source having the step raises
@@ -26,7 +28,7 @@ import torch
 from ftrun.catchup.config import CatchupConfig
 from ftrun.catchup.errors import CatchupAuthError, CatchupError, CatchupStepError, CatchupTimeout, CatchupUsageError
 from ftrun.catchup.manifest import Manifest
-from ftrun.catchup.plan import FetchPlan, plan_fetch, reassign, replan
+from ftrun.catchup.plan import FetchPlan, plan_fetch, reassign, replan, steal
 from ftrun.catchup.transport import CatchupTransport, ShardFailed, SourceFailed, SourceLink
 from ftrun.env.base import Env
 
@@ -165,6 +167,11 @@ class _Fetch:
         while self.fatal is None:
             with self.lock:
                 index = self._next_shard(source)
+                if index is None and source in self.plan.sources:
+                    stolen = steal(self.plan, source, self.done, self.inflight)
+                    if stolen is not None:  # this source is done with its own: take a slower one's
+                        self.plan = stolen
+                        index = self._next_shard(source)
                 if index is None:
                     if len(self.done) == len(shards) or source not in self.plan.sources:
                         return
@@ -181,8 +188,9 @@ class _Fetch:
         try:
             into = dest[shard.offset:shard.offset + shard.nbytes]
             left = self.remaining()
-            self._link(source).shard(self.step, shard, into, min(self.config.long_poll_s, left), left)
-            crc = self.transport.crc32(into)
+            crc = self._link(source).shard(self.step, shard, into, min(self.config.long_poll_s, left), left)
+            if crc is None:  # once per shard: a link that checksummed the bytes as they arrived says so
+                crc = self.transport.crc32(into)
             if crc != manifest.crcs[index]:
                 raise ShardFailed(f"fails its CRC32 ({crc:#010x}, manifest {manifest.crcs[index]:#010x})")
             with self.lock:

@@ -3,7 +3,9 @@
 Each link is one keep-alive HttpConnection (ftrun.catchup.conn, bodies received straight into the
 destination slice) driven by the link's own private asyncio loop: the fetch protocol above it
 (ftrun.catchup.fetcher) blocks on the Env like every other part of ftrun, and a link is used by one
-task at a time. `HttpCatchup` is the CatchupService of a real rank: the started HTTP server and the
+task at a time. The transport keeps one idle link per source between fetches (its event loop and
+keep-alive connection), so a second fetch from the same source pays for neither again; a link that
+failed or was aborted is never kept. `HttpCatchup` is the CatchupService of a real rank: the started HTTP server and the
 shared fetch client over these links.
 """
 
@@ -11,7 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
+import threading
+from typing import Any, Callable
 
 from ftrun.catchup.config import CatchupConfig
 from ftrun.catchup.conn import ConnectionLost, HttpConnection, SourceStalled
@@ -24,15 +27,17 @@ from ftrun.catchup.wire import ResponseHead, split_url
 from ftrun.env.base import Env
 
 MAX_SMALL_BODY = 64 << 20  # manifests and error bodies
+MAX_IDLE_LINKS = 16  # idle links an HttpTransport keeps between fetches (one per source)
 
 
 class HttpLink:
-    def __init__(self, source: str, token: str, config: CatchupConfig) -> None:
+    def __init__(self, source: str, token: str, config: CatchupConfig,
+                 keep: Callable[["HttpLink"], bool] | None = None) -> None:
         try:
             self.host, self.port = split_url(source)
         except ValueError as e:
             raise CatchupUsageError(str(e)) from None
-        self.source, self.token, self.config = source, token, config
+        self.source, self.token, self.config, self._keep = source, token, config, keep
         self._loop = asyncio.new_event_loop()
         self._conn: HttpConnection | None = None
         self._aborted = False  # closed by another task while a request ran: the runner closes the loop
@@ -86,7 +91,8 @@ class HttpLink:
             raise self._status_error(resp.head, resp.body.tobytes())
         return decode_manifest(resp.body.tobytes(), step=step)
 
-    def shard(self, step: int, shard: ShardSpec, into: Any, wait_s: float, limit_s: float) -> None:
+    def shard(self, step: int, shard: ShardSpec, into: Any, wait_s: float, limit_s: float) -> int:
+        """The shard's bytes into `into`; returns their CRC32, computed as they arrived."""
         def pick(head: ResponseHead) -> memoryview:
             if head.status == 200:
                 if head.content_length != shard.nbytes:
@@ -101,6 +107,7 @@ class HttpLink:
             if isinstance(error, CatchupAuthError):
                 raise error
             raise (SourceFailed if isinstance(error, CatchupStepError) else ShardFailed)(str(error))
+        return resp.crc32
 
     def _request(self, path: str, pick: Any, wait_s: float, limit_s: float) -> Any:
         """One shard request; a reused connection the server closed while idle is reopened once."""
@@ -128,8 +135,16 @@ class HttpLink:
             self._conn.close()
             self._conn = None
 
+    @property
+    def reusable(self) -> bool:
+        """Idle, with its connection open between responses: a later fetch may use it as it is."""
+        conn = self._conn
+        return not self._loop.is_closed() and not self._loop.is_running() and not self._aborted \
+            and conn is not None and conn.usable
+
     def close(self) -> None:
-        """Idempotent; from another task while a request runs, it aborts that request."""
+        """Idempotent; from another task while a request runs, it aborts that request. An idle, healthy
+        link goes back to its transport's pool instead of closing."""
         loop, conn = self._loop, self._conn
         if loop.is_closed():
             return
@@ -137,6 +152,8 @@ class HttpLink:
             self._aborted = True
             if conn is not None:
                 loop.call_soon_threadsafe(conn.close)
+            return
+        if self._keep is not None and self.reusable and self._keep(self):
             return
         self._shutdown()
 
@@ -154,9 +171,32 @@ class HttpTransport(PayloadTransport):
     def __init__(self, *, token: str, config: CatchupConfig, payloads: Any = None) -> None:
         self.token, self.config = token, config
         self.payloads = payloads if payloads is not None else BytePayloads()
+        self._idle: dict[str, HttpLink] = {}
+        self._lock = threading.Lock()
+        self._closed = False
 
     def open(self, source: str) -> HttpLink:
-        return HttpLink(source, self.token, self.config)
+        with self._lock:
+            link = self._idle.pop(source, None)
+        if link is not None and link.reusable:
+            return link
+        if link is not None:
+            link._shutdown()
+        return HttpLink(source, self.token, self.config, keep=self._keep)
+
+    def _keep(self, link: HttpLink) -> bool:
+        with self._lock:
+            if self._closed or link.source in self._idle or len(self._idle) >= MAX_IDLE_LINKS:
+                return False
+            self._idle[link.source] = link
+            return True
+
+    def close(self) -> None:
+        """Close the idle links; links still in use close as usual when their fetch ends."""
+        with self._lock:
+            self._closed, links, self._idle = True, list(self._idle.values()), {}
+        for link in links:
+            link._shutdown()
 
 
 class HttpCatchup(ServedCatchup):
@@ -168,3 +208,7 @@ class HttpCatchup(ServedCatchup):
         self.server = CatchupServer(env=env, token=token, config=config, fault=fault)
         self.transport = HttpTransport(token=token, config=config)
         self.url = self.server.start()
+
+    def stop(self) -> None:
+        self.transport.close()
+        super().stop()

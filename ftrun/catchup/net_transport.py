@@ -16,12 +16,12 @@ Threading: publish/retire from the training task; one server task per connection
 from __future__ import annotations
 
 import logging
-import zlib
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 
+from ftrun.catchup.checksum import crc32
 from ftrun.catchup.config import CatchupConfig
 from ftrun.catchup.errors import CatchupAuthError, CatchupPeerError, CatchupStepError
 from ftrun.catchup.fetcher import FetchResult, fetch_with
@@ -37,7 +37,7 @@ StoreFactory = Callable[[Callable[[], None]], Any]  # on_change -> a SnapshotSto
 
 
 class BytePayloads:
-    """Real bytes: a flat uint8 buffer, typed tensor views, zlib CRC32.
+    """Real bytes: a flat uint8 buffer, typed tensor views, CRC32 (ftrun.catchup.checksum).
 
     buffer: a CPU uint8 tensor to receive into when it is large enough (reuse it across fetches so a
     steady-state fetch allocates nothing); otherwise each fetch allocates its own.
@@ -58,7 +58,7 @@ class BytePayloads:
         return tensor_views(flat, layout)
 
     def crc32(self, buf: Any) -> int:
-        return zlib.crc32(buf)
+        return crc32(buf)
 
 
 class PayloadTransport:
@@ -259,6 +259,7 @@ class NetLink:
         return decode_manifest(body, step=step)
 
     def shard(self, step: int, shard: ShardSpec, into: Any, wait_s: float, limit_s: float) -> None:
+        """The shard's bytes into `into` (None: the fetcher checksums them)."""
         started = self.env.clock.now()
         resp = self._ask({"op": "shard", "step": step, "index": shard.index}, wait_s, limit_s)
         if resp.get("nbytes") != shard.nbytes:

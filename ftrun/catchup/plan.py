@@ -5,7 +5,10 @@ source with the fewest bytes so far), and caps each source at ceil(num_shards / 
 with equal shards every source serves the same number. While a fetch runs, `replan` moves the
 unfinished shards of a source that died onto the survivors (keeping what each survivor already has, so
 shards in flight stay where they are) and `reassign` moves one bad shard (checksum mismatch, short body)
-to another source. Every plan carries a one-line reason.
+to another source. `steal` is work stealing: a source that has finished its own shards takes about
+half of the untouched shards of the source with the most bytes left (from the end of its list, which
+that source fetches last), so a slow source holds up the fetch by at most the shard it has in flight.
+Every plan carries a one-line reason.
 """
 
 from __future__ import annotations
@@ -77,6 +80,41 @@ def reassign(plan: FetchPlan, shard: int, failed_source: str, done_shards: Colle
     assigned = {s: [i for i in sh if i != shard] for s, sh in plan.assignment}
     assigned[target].append(shard)
     return _plan(plan.sizes, assigned, f"shard {shard} failed on {failed_source}: retry from {target}")
+
+
+def steal(plan: FetchPlan, thief: str, done: Collection[int], inflight: Collection[int]) -> FetchPlan | None:
+    """`thief` has no shard left to start: give it the tail of the busiest other source's spare shards,
+    about half of that source's untouched bytes (shards neither done nor in flight), at least one shard.
+
+    A source with a shard in flight can spare all its untouched ones; one with none in flight (not
+    started yet, or between two shards) keeps its first, so every source of a plan does some work.
+    None when `thief` is not in the plan, still has a shard to start, or no other source has a spare
+    shard (what is left is in flight: stealing it would fetch it twice).
+    """
+    if thief not in plan.sources or any(i not in done and i not in inflight for i in plan.shards_of(thief)):
+        return None
+
+    def untouched(src: str) -> list[int]:
+        return [i for i in plan.shards_of(src) if i not in done and i not in inflight]
+
+    def spare(src: str) -> list[int]:
+        busy = any(i in inflight for i in plan.shards_of(src))
+        return untouched(src) if busy else untouched(src)[1:]
+
+    victims = [(sum(plan.sizes[i] for i in untouched(s)), len(untouched(s)), -k, s)
+               for k, s in enumerate(plan.sources) if s != thief and spare(s)]
+    if not victims:
+        return None
+    left, _, _, victim = max(victims)
+    taken: list[int] = []
+    for i in reversed(spare(victim)):
+        if taken and 2 * sum(plan.sizes[j] for j in taken) >= left:
+            break
+        taken.append(i)
+    assigned = {s: [i for i in sh if not (s == victim and i in taken)] for s, sh in plan.assignment}
+    assigned[thief] += taken
+    return _plan(plan.sizes, assigned, f"{thief} finished its shards and took {len(taken)} "
+                                       f"({sum(plan.sizes[i] for i in taken)} bytes) from {victim}")
 
 
 def _spread(sizes: Sequence[int], shards: Iterable[int], assigned: dict[str, list[int]], cap: int,

@@ -2,8 +2,8 @@
 
 `SnapshotStore.publish(step, state)` copies a flat dict name -> tensor into a preallocated buffer (the
 buffer and the per-tensor views into it are reused while the state's layout stays the same, so a
-steady-state publish allocates nothing), then checksums the shards in a background task: zlib.crc32
-releases the GIL, so the caller goes on (e.g. to its optimizer step) as soon as the copy is done. The
+steady-state publish allocates nothing), then checksums the shards in a background task: the CRC32
+(ftrun.catchup.checksum, ISA-L) releases the GIL, so the caller goes on (e.g. to its optimizer step) as soon as the copy is done. The
 snapshot becomes servable when the checksums are. The buffer lives in an anonymous in-memory file
 (memfd) so the server can send shards with sendfile, without copying them through Python. It is not
 page-locked: a GPU state's device-to-host copy goes through pageable memory (registering the mapping
@@ -20,12 +20,12 @@ import json
 import mmap
 import os
 import tempfile
-import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import torch
 
+from ftrun.catchup.checksum import crc32
 from ftrun.catchup.errors import CatchupUsageError
 from ftrun.catchup.manifest import DTYPES, Layout, Manifest, dtype_name, encode_manifest, layout_for
 from ftrun.env.base import Env
@@ -226,7 +226,7 @@ class SnapshotStore:
         for shard in layout.shards:
             if self._generation != generation:
                 return
-            crcs.append(zlib.crc32(buffer.mem[shard.offset:shard.offset + shard.nbytes]))
+            crcs.append(crc32(buffer.mem[shard.offset:shard.offset + shard.nbytes]))
         manifest = Manifest(step, layout, tuple(crcs), metadata)
         published = Published(step, generation, manifest, encode_manifest(manifest), buffer)
         with self._lock:

@@ -6,11 +6,12 @@ is one code path, ftrun.catchup.fetcher, blocking on the Env. It reaches sources
 
     link = transport.open(source)               # one source; used by one task at a time
     manifest = link.manifest(step, wait_s, limit_s)   # long-polls up to wait_s for the step's publication
-    link.shard(step, shard, into, wait_s, limit_s)    # the shard's bytes into `into` (shard.nbytes long)
+    crc = link.shard(step, shard, into, wait_s, limit_s)  # the shard's bytes into `into` (shard.nbytes
+                                                # long); their CRC32 if the link computed it on arrival
     link.close()
     dest = transport.destination(nbytes)        # where a fetch lands: dest[a:b] is a writable buffer
     transport.views(dest, layout)               # name -> tensor over dest
-    transport.crc32(buf)                        # checked against the manifest
+    transport.crc32(buf)                        # checked against the manifest (when the link gave none)
 
 Neither call takes longer than limit_s (what is left of the fetch's deadline). A link raises CatchupAuthError (token refused: the fetch stops), CatchupStepError (the source does not
 have the step), SourceFailed (unreachable, stalled, gone: drop it and re-plan) or ShardFailed (bad or
@@ -42,7 +43,7 @@ class ShardFailed(CatchupError):
 class SourceLink(Protocol):
     def manifest(self, step: int, wait_s: float, limit_s: float) -> Manifest: ...
 
-    def shard(self, step: int, shard: ShardSpec, into: Any, wait_s: float, limit_s: float) -> None: ...
+    def shard(self, step: int, shard: ShardSpec, into: Any, wait_s: float, limit_s: float) -> int | None: ...
 
     def close(self) -> None: ...
 

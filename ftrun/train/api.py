@@ -82,7 +82,7 @@ class FTConfig:
     max_retries: int = 10
     ftar_chunk_bytes: int = 256 << 10
     ftar_num_chunks: int = 2
-    catchup_shard_bytes: int = 4 << 20
+    catchup_shard_bytes: int = 8 << 20
     catchup_wait_limit_s: float | None = None
     reshard_after_forward: bool = True
     num_threads: int | None = 1

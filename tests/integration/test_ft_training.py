@@ -265,7 +265,9 @@ def test_catchup_source_killed_mid_transfer_is_replanned(job):
     assert len(catchup["bytes_by_source"]) == 2 and list(served.values()) == [catchup["num_bytes"]]
     dead = next(url for url in catchup["bytes_by_source"] if url not in served)
     assert any(f.startswith(f"{dead} shard") for f in catchup["failures"]), catchup["failures"]
-    assert any(f.startswith(f"dropped {dead}") for f in catchup["failures"]), catchup["failures"]
+    # a survivor may steal all of the dead source's shards and finish before it is dropped: if anything else
+    # failed, it was the dead source (every shard came from the live one, checked above)
+    assert all(f.startswith((f"{dead} shard", f"dropped {dead}")) for f in catchup["failures"]), catchup["failures"]
     check_bitwise(job)
     check_exactly_once(job, finished=False)
     figures(job, "r1", victim + 1, since)

@@ -11,7 +11,7 @@ import pytest
 from ftrun.catchup.errors import CatchupPeerError
 from ftrun.catchup.heal import catchup_sources, should_publish
 from ftrun.catchup.manifest import ALIGN, Manifest, decode_manifest, encode_manifest, layout_for
-from ftrun.catchup.plan import plan_fetch, reassign, replan
+from ftrun.catchup.plan import plan_fetch, reassign, replan, steal
 from ftrun.catchup.snapshot import availability
 from ftrun.catchup.wait import WaitAction, estimate_fetch_s, should_wait
 from ftrun.catchup.wire import encode_get, parse_head, split_url
@@ -98,6 +98,60 @@ def test_reassign_moves_a_bad_shard_to_the_least_loaded_other_source():
     assert new.source_of(0) == "b" and "retry from b" in new.reason
     same = reassign(plan_fetch([10], ["a"]), 0, "a", done_shards=set())
     assert same.source_of(0) == "a" and "only source" in same.reason
+
+
+
+def test_steal_takes_the_tail_half_of_the_busiest_source():
+    plan = plan_fetch([MB] * 8, ["a", "b"])
+    assert plan.shards_of("a") == (0, 2, 4, 6) and plan.shards_of("b") == (1, 3, 5, 7)
+    # b finished all four; a has 0 done and 2 in flight: 4 and 6 are untouched, b takes the tail one
+    stolen = steal(plan, "b", done={1, 3, 5, 7, 0}, inflight={2})
+    assert stolen.shards_of("a") == (0, 2, 4) and stolen.shards_of("b") == (1, 3, 5, 6, 7)
+    assert "b finished its shards and took 1" in stolen.reason and "from a" in stolen.reason
+
+
+def test_steal_refuses_when_there_is_nothing_to_take():
+    plan = plan_fetch([MB] * 4, ["a", "b"])
+    assert steal(plan, "b", done=set(), inflight=set()) is None  # b still has its own
+    assert steal(plan, "b", done={1, 3}, inflight={0, 2}) is None  # a's shards are all in flight
+    assert steal(plan, "c", done={0, 1, 2, 3}, inflight=set()) is None  # not a source of the plan
+    single = plan_fetch([MB] * 3, ["a"])
+    assert steal(single, "a", done=set(), inflight=set()) is None
+
+
+def test_steal_leaves_an_idle_victim_its_first_shard_and_takes_a_busy_ones_last():
+    plan = plan_fetch([MB] * 4, ["a", "b"])
+    stolen = steal(plan, "b", done={1, 3}, inflight=set())  # a has 0 and 2, none started: b takes 2
+    assert stolen.shards_of("a") == (0,) and stolen.shards_of("b") == (1, 2, 3)
+    assert steal(stolen, "b", done={1, 2, 3}, inflight=set()) is None  # a keeps 0 to start with
+    assert steal(stolen, "b", done={1, 2, 3}, inflight={0}) is None  # a's last shard is in flight
+    busy = steal(plan, "b", done={1, 3}, inflight={0})  # a is fetching 0: its lone untouched 2 goes
+    assert busy.shards_of("a") == (0,) and busy.shards_of("b") == (1, 2, 3)
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_steal_property_every_shard_once_and_a_fast_source_drains_a_slow_one(seed):
+    r = random.Random(seed)
+    sizes = [r.randint(1, 100) for _ in range(r.randint(1, 30))]
+    sources = [f"s{j}" for j in range(r.randint(2, 5))]
+    plan, done, inflight = plan_fetch(sizes, sources), set(), set()
+    slow = sources[0]
+    for _ in range(10 * len(sizes) + 10):  # only the fast sources finish shards; slow has one in flight
+        if not inflight and plan.shards_of(slow):
+            inflight.add(plan.shards_of(slow)[0])
+        for src in sources[1:]:
+            mine = [i for i in plan.shards_of(src) if i not in done and i not in inflight]
+            if mine:
+                done.add(mine[0])
+            else:
+                stolen = steal(plan, src, done, inflight)
+                if stolen is not None:
+                    before = {i for i in plan.shards_of(src)}
+                    assert set(stolen.shards_of(src)) > before  # it gained untouched shards only
+                    assert not (set(stolen.shards_of(src)) - before) & (done | inflight)
+                    plan = stolen
+        assert sorted(i for _, sh in plan.assignment for i in sh) == list(range(len(sizes)))
+    assert done | inflight == set(range(len(sizes)))  # the slow source kept only its shard in flight
 
 
 # -- wait limit (paper §6.1) ---------------------------------------------------------------------
