@@ -140,7 +140,7 @@ def _measure(env: RealEnv, state_mb: int, counts: list[int], args: argparse.Name
     """Rows of one state size: best fetch GB/s per source count and the best raw stream, interleaved."""
     buffer = torch.zeros(state_mb << 20, dtype=torch.uint8)  # touched once, reused by every fetch
     config = CatchupConfig(max_shard_bytes=args.shard_mb << 20, timeouts=Timeouts(catchup_timeout_s=300.0))
-    transport = HttpTransport(token=token, config=config, payloads=BytePayloads(buffer))
+    transport = HttpTransport(env=env, token=token, config=config, payloads=BytePayloads(buffer))
     try:
         urls = [info["urls"][str(state_mb)] for info in infos]
         raw = env.net.connect(infos[0]["baseline"][str(state_mb)], timeout=10.0)

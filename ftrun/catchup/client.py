@@ -59,5 +59,8 @@ def fetch(step: int, sources: Sequence[str], token: str, timeouts: Timeouts, *,
         from ftrun.env.real import RealEnv
 
         env = RealEnv()
-    transport = HttpTransport(token=token, config=config, payloads=BytePayloads(buffer))
-    return fetch_with(env, transport, step, sources, config)
+    transport = HttpTransport(env=env, token=token, config=config, payloads=BytePayloads(buffer))
+    try:
+        return fetch_with(env, transport, step, sources, config)
+    finally:
+        transport.close()  # a one-off client: nothing to keep its connections for

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 from typing import Any, Callable
 
 from ftrun.catchup.config import CatchupConfig
@@ -168,11 +167,11 @@ class HttpLink:
 class HttpTransport(PayloadTransport):
     """The CatchupTransport over HTTP sources ("http://host:port")."""
 
-    def __init__(self, *, token: str, config: CatchupConfig, payloads: Any = None) -> None:
+    def __init__(self, *, env: Env, token: str, config: CatchupConfig, payloads: Any = None) -> None:
         self.token, self.config = token, config
         self.payloads = payloads if payloads is not None else BytePayloads()
         self._idle: dict[str, HttpLink] = {}
-        self._lock = threading.Lock()
+        self._lock = env.lock()
         self._closed = False
 
     def open(self, source: str) -> HttpLink:
@@ -206,7 +205,7 @@ class HttpCatchup(ServedCatchup):
                  fault: FaultHook | None = None) -> None:
         self.env, self.config = env, config
         self.server = CatchupServer(env=env, token=token, config=config, fault=fault)
-        self.transport = HttpTransport(token=token, config=config)
+        self.transport = HttpTransport(env=env, token=token, config=config)
         self.url = self.server.start()
 
     def stop(self) -> None:

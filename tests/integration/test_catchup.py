@@ -19,7 +19,9 @@ import torch
 from ftrun.catchup.client import fetch, fetch_state
 from ftrun.catchup.config import CatchupConfig
 from ftrun.catchup.errors import CatchupAuthError, CatchupError, CatchupStepError, CatchupTimeout
+from ftrun.catchup.fetcher import fetch_with
 from ftrun.catchup.heal import make_heal
+from ftrun.catchup.http_transport import HttpTransport
 from ftrun.catchup.server import CatchupServer, Fault
 from ftrun.config import Timeouts
 from ftrun.env.real import RealEnv
@@ -118,6 +120,23 @@ def test_steady_state_publish_reuses_the_buffer_and_fetch_reuses_the_destination
     out = fetch_state(2, urls, TOKEN, TIMEOUTS, config=CONFIG, buffer=buffer)
     assert digest(out) == digest(make_state(5))
     assert out["embed"].untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+
+
+def test_a_transport_keeps_its_connections_between_fetches(servers):
+    srv, urls = servers(2)
+    publish_all(srv)
+    env = RealEnv()
+    transport = HttpTransport(env=env, token=TOKEN, config=CONFIG)
+    try:
+        first = fetch_with(env, transport, 7, urls, CONFIG)
+        assert set(transport._idle) == set(urls)  # one idle link per source, its connection open
+        conns = {u: link._conn for u, link in transport._idle.items()}
+        second = fetch_with(env, transport, 7, urls, CONFIG)
+        assert digest(first.tensors) == digest(second.tensors) == DIGEST and second.failures == ()
+        assert {u: link._conn for u, link in transport._idle.items()} == conns  # the same connections
+    finally:
+        transport.close()
+    assert transport._idle == {} and all(c.usable is False for c in conns.values())
 
 
 def test_corrupted_shard_is_caught_by_crc_and_fetched_from_another_source(servers):
