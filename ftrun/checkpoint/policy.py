@@ -75,17 +75,29 @@ def prune_plan(complete: Iterable[int], incomplete: Iterable[int], keep: int) ->
     return sorted(drop)
 
 
-def ledger_for_layout(ledger: LoaderState, layout: DataLayout) -> LoaderState:
-    """A checkpoint's ledger for a job restarted with `layout`, or LoaderStateError if the data would
-    change. A replica's stream and its batch boundaries depend on (dataset_size, num_replicas, seed) and
-    the replica batch size, not on how the batch is split between its ranks: a job restarted with a
-    different number of ranks per replica and the same replica batch trains exactly the batches the
-    ledger says are next (same positions, same lineage)."""
+def ledger_for_layout(ledger: LoaderState, layout: DataLayout,
+                      replica_ids: Iterable[str] | None = None) -> LoaderState:
+    """A checkpoint's ledger for a job restarted with `layout` (and `replica_ids`, needed to reshard).
+
+    Same replicas and replica batch: the same ledger. Batches are chunks of one global order
+    (ftrun.data.sampler) and do not depend on how a replica batch is split between its ranks, so a job
+    restarted with another number of ranks per replica and the same replica batch trains exactly the
+    batches the ledger says are next (same positions, same lineage).
+
+    Another replica count or replica batch (e.g. 3x2 -> 2x4 keeping the global batch): a new era
+    (LoaderState.resharded) that partitions what the checkpoint's lineage has not trained yet among the
+    new replicas, so every sample of the global order is still trained exactly once. Needs `replica_ids`.
+
+    Raises LoaderStateError if the data order would change (dataset size or seed) or if the replica
+    count or replica batch changes and `replica_ids` is not given.
+    """
     old = ledger.layout
     same = (old.dataset_size, old.num_replicas, old.seed, old.replica_batch_size) == \
         (layout.dataset_size, layout.num_replicas, layout.seed, layout.replica_batch_size)
-    if not same:
+    if same:  # the caller checks that the replica ids are the job's
+        return ledger if old == layout else replace(ledger, layout=layout)
+    if replica_ids is None or (old.dataset_size, old.seed) != (layout.dataset_size, layout.seed):
         raise LoaderStateError(
-            f"loader_state was written for {old}, the job has {layout}: a restart may change ranks_per_replica and "
-            "batch_size_per_rank only if their product (the replica batch) and every other field stay the same")
-    return ledger if old == layout else replace(ledger, layout=layout)
+            f"loader_state was written for {old}, the job has {layout}: a restart may change num_replicas or the "
+            "replica batch only with the job's replica ids (a new data era), and never dataset_size or seed")
+    return ledger.resharded(layout, tuple(replica_ids))

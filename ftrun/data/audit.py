@@ -15,6 +15,15 @@ it), takes each contributor's batch from that contributor's own Attempt record o
 (positions of a replica never trained below its last trained one or its final ledger position) and
 problems (missing or conflicting records, ledger and attempt disagreeing). Pure.
 
+Restarts into another layout. A job restarted with another replica count (or replica batch) starts
+a new era (LoaderState.resharded): the final ledger lists the finished eras, and the chain crosses
+each restart through its reshard lineage, which the audit recomputes. Then the checks above run per
+era (batch ids and positions belong to an era), and one more over the global order, the order that
+does not depend on the replica count: the global offsets of every trained batch must be disjoint
+(overlaps are duplicates), each era's origin must be exactly what the era before left untrained, and
+the trained offsets plus what the final era has not trained yet must cover the global order up to
+its untrained tail without a hole.
+
 I/O: `AuditLog` appends JSON lines to a sink (`append(bytes)`): `FileAuditSink` (one O_APPEND write
 per record, so concurrent writers do not interleave) or a list in tests and the emulator.
 """
@@ -27,7 +36,8 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterable, Union
 
-from ftrun.data.loader_state import GENESIS, DataError, LoaderState, next_lineage
+from ftrun.data.loader_state import GENESIS, DataError, Era, LoaderState, next_lineage, reshard_lineage
+from ftrun.data.sampler import Sampler, merge_ranges, remaining
 
 
 class AuditLogError(DataError):
@@ -155,6 +165,7 @@ class Trained:
     replica: str
     position: int
     batch_id: int
+    era: int = 0  # index into the final ledger's eras (its current era last); 0 for a job never resharded
 
 
 @dataclass(frozen=True)
@@ -194,11 +205,69 @@ def audit(records: Iterable[Record], *, final: LoaderState | None = None) -> Aud
         else:
             _add_commit(commits, rec, problems)
     tip = final.lineage if final is not None else _pick_tip(commits, problems)
-    chain = _chain(commits, tip, problems)
-    trained = [t for c in chain for t in _trained_in(c, attempts, problems)]
-    expected = dict(zip(final.replica_ids, final.committed_batches)) if final is not None else None
-    duplicates, gaps = _duplicates_and_gaps(trained, expected, problems)
+    eras = _eras(final)
+    links = _reshard_links(eras, problems)
+    chain = _chain(commits, tip, problems, links)
+    trained = [t for c in chain for t in _trained_in(c, attempts, problems, _era_of(eras, c.step))]
+    if final is None:
+        duplicates, gaps = _duplicates_and_gaps(trained, None, problems)
+    else:
+        duplicates, gaps = (), ()
+        for k, era in enumerate(eras):
+            d, g = _duplicates_and_gaps([t for t in trained if t.era == k],
+                                        dict(zip(era.replica_ids, era.committed_batches)), problems)
+            duplicates, gaps = duplicates + d, gaps + g
+        if len(eras) > 1:
+            duplicates += _global_order(trained, eras, problems)
     return AuditReport(tuple(trained), duplicates, gaps, tuple(problems), len(chain))
+
+
+def _eras(final: LoaderState | None) -> list[Era]:
+    """Every era of the final ledger, its current one last (as an Era ending at the final step)."""
+    if final is None:
+        return []
+    return list(final.eras) + [Era(final.layout, final.replica_ids, final.committed_batches, final.origin,
+                                   final.era_start, final.step, final.lineage)]
+
+
+def _era_of(eras: list[Era], step: int) -> int:
+    for k, era in enumerate(eras[:-1]):
+        if step < era.end_step:
+            return k
+    return max(len(eras) - 1, 0)
+
+
+def _reshard_links(eras: list[Era], problems: list[str]) -> dict[str, str]:
+    """Lineage that began era k+1 -> lineage at the end of era k; checks that each era's stream is what
+    the one before left untrained."""
+    links = {}
+    for old, new in zip(eras, eras[1:]):
+        if new.origin != remaining(old.layout, old.origin, old.committed_batches):
+            problems.append(f"the era from step {new.start_step} does not read what the era before left untrained")
+        links[reshard_lineage(old.lineage, old.end_step, new.layout, new.replica_ids, new.origin)] = old.lineage
+    return links
+
+
+def _global_order(trained: list[Trained], eras: list[Era], problems: list[str]) -> tuple:
+    """Duplicates (overlapping global offsets) and problems (holes) over the global order across eras."""
+    samplers = [Sampler(e.layout, e.origin) for e in eras]
+    spans = sorted((a, b, t) for t in trained
+                   for a, b in samplers[t.era].global_ranges(eras[t.era].replica_ids.index(t.replica), t.position))
+    duplicates, end, last = [], 0, None
+    for a, b, t in spans:
+        if last is not None and a < end:
+            duplicates.append((t.batch_id, (last.step, t.step)))
+            problems.append(f"global offsets [{a}, {min(b, end)}) trained at steps {last.step} and {t.step}")
+        if b > end:
+            end, last = b, t
+    left = remaining(eras[-1].layout, eras[-1].origin, eras[-1].committed_batches)
+    covered = merge_ranges([(a, b) for a, b, _ in spans] + list(left.prefix) + [(left.tail, left.tail + 1)])
+    if covered != [(0, left.tail + 1)]:
+        holes = [(b, a) for (_, b), (a, _) in zip(covered, covered[1:])]
+        if covered and covered[0][0] > 0:
+            holes.insert(0, (0, covered[0][0]))
+        problems.append(f"global offsets never trained nor left for later: {holes[:5]}")
+    return tuple(duplicates)
 
 
 def _add_commit(commits: dict[str, Commit], rec: Commit, problems: list[str]) -> None:
@@ -222,9 +291,13 @@ def _pick_tip(commits: dict[str, Commit], problems: list[str]) -> str:
     return heads[0]
 
 
-def _chain(commits: dict[str, Commit], tip: str, problems: list[str]) -> list[Commit]:
+def _chain(commits: dict[str, Commit], tip: str, problems: list[str],
+           links: dict[str, str] | None = None) -> list[Commit]:
     chain, lineage = [], tip
     while lineage != GENESIS:
+        if lineage in (links or {}) and lineage not in commits:
+            lineage = links[lineage]  # a restart into another layout: no commit, the chain goes on
+            continue
         c = commits.get(lineage)
         if c is None:
             problems.append(f"no commit record for lineage {lineage} (the chain breaks after "
@@ -241,7 +314,7 @@ def _chain(commits: dict[str, Commit], tip: str, problems: list[str]) -> list[Co
     return chain
 
 
-def _trained_in(c: Commit, attempts: dict, problems: list[str]) -> list[Trained]:
+def _trained_in(c: Commit, attempts: dict, problems: list[str], era: int = 0) -> list[Trained]:
     out = []
     for rid, claimed in zip(c.contributors, c.positions):
         seen = attempts.get((rid, c.step, c.parent), set())
@@ -253,7 +326,7 @@ def _trained_in(c: Commit, attempts: dict, problems: list[str]) -> list[Trained]
         position, batch_id = min(seen)
         if position != claimed:
             problems.append(f"step {c.step}: ledger says {rid} trained position {claimed}, it trained {position}")
-        out.append(Trained(c.step, rid, position, batch_id))
+        out.append(Trained(c.step, rid, position, batch_id, era))
     return out
 
 

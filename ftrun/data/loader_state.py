@@ -45,7 +45,7 @@ from typing import Collection, Iterable, Protocol
 import msgpack
 import numpy as np
 
-from ftrun.data.sampler import DataLayout, RankPosition, Sampler
+from ftrun.data.sampler import DataLayout, RankPosition, Sampler, StreamOrigin, remaining
 from ftrun.storage import Storage
 
 log = logging.getLogger("ftrun.data")
@@ -93,12 +93,50 @@ def next_lineage(parent: str, step: int, contributions: Iterable[tuple[str, int]
     return hashlib.blake2b(body.encode(), digest_size=8).hexdigest()
 
 
+def reshard_lineage(parent: str, step: int, layout: DataLayout, replica_ids: Iterable[str],
+                    origin: StreamOrigin) -> str:
+    """Content hash of a restart into another data layout (a new era) at `step` on top of `parent`."""
+    body = f"{parent}|{step}|reshard|{sorted(layout.to_dict().items())}|{','.join(replica_ids)}|{origin.to_list()}"
+    return hashlib.blake2b(body.encode(), digest_size=8).hexdigest()
+
+
+@dataclass(frozen=True)
+class Era:
+    """A finished era of a ledger's history: steps [start_step, end_step) read `layout` through `origin`
+    with these replicas, which had trained `committed_batches` when the job was restarted into a new
+    layout at lineage `lineage` (step end_step)."""
+
+    layout: DataLayout
+    replica_ids: tuple[str, ...]
+    committed_batches: tuple[int, ...]
+    origin: StreamOrigin
+    start_step: int
+    end_step: int
+    lineage: str
+
+    def to_dict(self) -> dict:
+        return {"layout": self.layout.to_dict(), "replica_ids": list(self.replica_ids),
+                "committed_batches": list(self.committed_batches), "origin": self.origin.to_list(),
+                "start_step": self.start_step, "end_step": self.end_step, "lineage": self.lineage}
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "Era":
+        if not isinstance(raw, dict):
+            raise TypeError("an era is a dict")
+        return cls(DataLayout(**raw["layout"]), tuple(_text(r) for r in raw["replica_ids"]),
+                   tuple(_int(c) for c in raw["committed_batches"]), StreamOrigin.from_list(raw["origin"]),
+                   _int(raw["start_step"]), _int(raw["end_step"]), _text(raw["lineage"]))
+
+
 @dataclass(frozen=True)
 class LoaderState:
     """The ledger after `step` committed steps. Immutable; `advance` returns the next one.
 
     replica_ids: the job's replicas in replica-index order (index = the sampler's replica number).
-    committed_batches: per replica, how many of its batches the lineage has trained (its data position).
+    committed_batches: per replica, how many of its batches the current era has trained (its data position).
+    origin: where the current era's stream comes from in the global order (see ftrun.data.sampler).
+    eras: the finished eras before the current one, oldest first (empty for a job never resharded); the
+    current era began at step `era_start`.
     """
 
     layout: DataLayout
@@ -106,6 +144,8 @@ class LoaderState:
     committed_batches: tuple[int, ...]
     step: int = 0
     lineage: str = GENESIS
+    origin: StreamOrigin = StreamOrigin()
+    eras: tuple[Era, ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.replica_ids) != self.layout.num_replicas:
@@ -123,6 +163,39 @@ class LoaderState:
                 or self.step >= MAX_SAMPLE_INDEX:
             raise LoaderStateError(f"loader_state beyond the int64 range of sample indices (layout fields {too_big}, "
                                    f"step {self.step}, committed_batches up to {max(self.committed_batches)})")
+        if self.origin.tail + (max(self.committed_batches) + 1) * self.layout.num_replicas \
+                * self.layout.replica_batch_size >= MAX_SAMPLE_INDEX:
+            raise LoaderStateError(f"loader_state beyond the int64 range of global offsets (tail {self.origin.tail})")
+        start = 0
+        for era in self.eras:
+            if era.start_step != start or era.end_step < start or era.end_step > self.step:
+                raise LoaderStateError(f"eras must cover consecutive steps up to step {self.step}; got an era of "
+                                       f"steps [{era.start_step}, {era.end_step}) after step {start}")
+            start = era.end_step
+
+    @property
+    def era_start(self) -> int:
+        """The step at which the current era began (0 unless the job was resharded)."""
+        return self.eras[-1].end_step if self.eras else 0
+
+    def sampler(self) -> Sampler:
+        """The current era's sampler."""
+        return Sampler(self.layout, self.origin)
+
+    def resharded(self, layout: DataLayout, replica_ids: Iterable[str]) -> "LoaderState":
+        """This ledger continued by a job restarted with `layout` and `replica_ids` (any replica count and
+        replica batch): a new era whose stream is what this one left untrained (sampler.remaining), every
+        position 0, and a lineage that chains the restart onto this one. The global order must stay:
+        the dataset size and seed must be the same."""
+        ids = tuple(replica_ids)
+        if (layout.dataset_size, layout.seed) != (self.layout.dataset_size, self.layout.seed):
+            raise LoaderStateError(f"loader_state was written for {self.layout}, the job has {layout}: a restart may "
+                                   "change the replicas and the batch split, not dataset_size or seed")
+        origin = remaining(self.layout, self.origin, self.committed_batches)
+        era = Era(self.layout, self.replica_ids, self.committed_batches, self.origin, self.era_start, self.step,
+                  self.lineage)
+        return LoaderState(layout, ids, (0,) * len(ids), self.step,
+                           reshard_lineage(self.lineage, self.step, layout, ids, origin), origin, self.eras + (era,))
 
     @classmethod
     def initial(cls, layout: DataLayout, replica_ids: Iterable[str]) -> "LoaderState":
@@ -154,7 +227,7 @@ class LoaderState:
 
     def rank_positions(self) -> dict[str, list[RankPosition]]:
         """Every rank's position (replica id -> per rank), derived from the replica positions."""
-        sampler = Sampler(self.layout)
+        sampler = self.sampler()
         return {rid: [sampler.rank_position(i, k, self.committed_batches[i])
                       for k in range(self.layout.ranks_per_replica)]
                 for i, rid in enumerate(self.replica_ids)}
@@ -162,14 +235,16 @@ class LoaderState:
     def to_dict(self) -> dict:
         """Compact JSON-able form (no per-rank table), e.g. for the catch-up snapshot's metadata."""
         return {"step": self.step, "lineage": self.lineage, "layout": self.layout.to_dict(),
-                "replica_ids": list(self.replica_ids), "committed_batches": list(self.committed_batches)}
+                "replica_ids": list(self.replica_ids), "committed_batches": list(self.committed_batches),
+                **_era_fields(self)}
 
     @classmethod
     def from_dict(cls, raw: dict) -> "LoaderState":
         """Inverse of `to_dict`. Raises LoaderStateError naming what is wrong."""
         try:
             return cls(DataLayout(**raw["layout"]), tuple(_text(r) for r in raw["replica_ids"]),
-                       tuple(_int(c) for c in raw["committed_batches"]), _int(raw["step"]), _text(raw["lineage"]))
+                       tuple(_int(c) for c in raw["committed_batches"]), _int(raw["step"]), _text(raw["lineage"]),
+                       *_parse_era_fields(raw))
         except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise LoaderStateError(f"malformed loader_state dict: {str(e)[:200]}") from e
 
@@ -179,28 +254,45 @@ class LoaderState:
             raise LoaderStateError(f"loader_state was written for {self.layout}, the job has {layout}")
 
 
+def _era_fields(state: LoaderState) -> dict:
+    """The era keys of the dict and record forms; none for a job never resharded (its bytes are unchanged)."""
+    if state.origin.is_global and not state.eras:
+        return {}
+    return {"origin": state.origin.to_list(), "eras": [e.to_dict() for e in state.eras]}
+
+
+def _parse_era_fields(raw: dict) -> tuple[StreamOrigin, tuple[Era, ...]]:
+    if "origin" not in raw and "eras" not in raw:
+        return StreamOrigin(), ()
+    eras = raw["eras"]
+    if not isinstance(eras, list):
+        raise TypeError("eras must be a list")
+    return StreamOrigin.from_list(raw["origin"]), tuple(Era.from_dict(e) for e in eras)
+
+
 # -- encoding --------------------------------------------------------------------------------------
 _COLUMNS = ("committed_batches", "epoch", "next_sample")
 
 
 def _rank_table(sampler: Sampler, index: int, committed: int) -> np.ndarray:
-    """(ranks, 3) int64 table of RankPosition fields for every rank of one replica (vectorized)."""
+    """(ranks, 3) int64 table of RankPosition fields for every rank of one replica (vectorized): the
+    global epoch and offset inside it of each rank's next sample."""
     layout = sampler.layout
-    element = committed * layout.replica_batch_size + \
+    element = (committed * layout.num_replicas + index) * layout.replica_batch_size + \
         np.arange(layout.ranks_per_replica, dtype=np.int64) * layout.batch_size_per_rank
-    epoch, offset = np.divmod(element, sampler.shard_size(index))
+    epoch, offset = np.divmod(sampler.origin.to_global(element), layout.dataset_size)
     return np.stack([np.full_like(element, committed), epoch, offset], axis=1)
 
 
 def encode(state: LoaderState) -> bytes:
     """Header (magic, version, CRC32, length) + msgpack body with every rank's position (columns per replica)."""
-    sampler = Sampler(state.layout)
+    sampler = state.sampler()
     replicas = []
     for i, rid in enumerate(state.replica_ids):
         table = _rank_table(sampler, i, state.committed_batches[i])
         replicas.append({"id": rid, **{name: table[:, c].tolist() for c, name in enumerate(_COLUMNS)}})
     body = msgpack.packb({"step": state.step, "lineage": state.lineage, "layout": state.layout.to_dict(),
-                          "replicas": replicas})
+                          "replicas": replicas, **_era_fields(state)})
     return _HEADER.pack(_MAGIC, _VERSION, zlib.crc32(body), len(body)) + body
 
 
@@ -223,11 +315,12 @@ def decode(data: bytes, *, key: str = "<bytes>") -> LoaderState:
         if any(t.shape != (layout.ranks_per_replica, len(_COLUMNS)) for t in tables):
             raise ValueError(f"every replica must list {layout.ranks_per_replica} rank positions")
         state = LoaderState(layout, tuple(_text(r["id"]) for r in raw["replicas"]),
-                            tuple(int(t[0, 0]) for t in tables), _int(raw["step"]), _text(raw["lineage"]))
+                            tuple(int(t[0, 0]) for t in tables), _int(raw["step"]), _text(raw["lineage"]),
+                            *_parse_era_fields(raw))
     except (KeyError, TypeError, ValueError, IndexError, OverflowError, LoaderStateError,
             msgpack.UnpackException) as e:
         raise LoaderStateCorrupt(key, f"malformed body: {str(e)[:200]}") from e
-    sampler = Sampler(layout)
+    sampler = state.sampler()
     for i, (rid, table) in enumerate(zip(state.replica_ids, tables)):
         expect = _rank_table(sampler, i, state.committed_batches[i])
         if not np.array_equal(table, expect):

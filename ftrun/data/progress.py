@@ -26,7 +26,6 @@ import numpy as np
 
 from ftrun.data.audit import Attempt, Commit
 from ftrun.data.loader_state import HasStep, LoaderState, LoaderStateError, contributors
-from ftrun.data.sampler import Sampler
 
 
 class DataProgress:
@@ -34,7 +33,7 @@ class DataProgress:
         state.index(replica_id)  # raises if the replica is not in the ledger
         self.replica_id = replica_id
         self.state = state
-        self.sampler = Sampler(state.layout)
+        self.sampler = state.sampler()
         self._step: int | None = None
         self._contributors: tuple[str, ...] = ()
 
@@ -58,6 +57,7 @@ class DataProgress:
             raise LoaderStateError(f"cannot heal from a loader_state at step {state.step} "
                                    f"to one at step {self.state.step}")
         self.state, self._step = state, None
+        self.sampler = state.sampler()  # the same era as ours in a healthy job; follow the ledger regardless
 
     def start(self, *, step: int, participants: Iterable[HasStep]) -> Attempt | None:
         """Begin training `step`. Returns this replica's Attempt, or None if it is behind this step."""

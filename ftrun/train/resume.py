@@ -45,7 +45,8 @@ def resume(checkpoint_dir: str | os.PathLike | None, *, model: torch.nn.Module, 
     key: use only checkpoints signed under it (ftrun.checkpoint.manifest.checkpoint_key of the job token).
     comm: the replica's control group; every rank calls this, the leader's view of the folder decides
     for all (a sharded replica's ranks must agree to enter DCP's collectives together). The checkpoint
-    may come from replicas of another number of ranks (ftrun.checkpoint.policy.ledger_for_layout).
+    may come from replicas of another number of ranks, or from another number of replicas, which starts
+    a new data era (ftrun.checkpoint.policy.ledger_for_layout).
 
     Raises LoaderStateError if the checkpoint's ledger was written for a data layout this job cannot
     continue or for another job, and CheckpointCorrupt if the newest complete checkpoint cannot be loaded.
@@ -63,7 +64,7 @@ def resume(checkpoint_dir: str | os.PathLike | None, *, model: torch.nn.Module, 
         step, ledger = store.restore(root, model, optimizer, key=key, extra=extra, comm=comm)
     except store.NoCheckpoint:
         return 0, LoaderState.initial(layout, ids)
-    ledger = ledger_for_layout(ledger, layout)
+    ledger = ledger_for_layout(ledger, layout, ids)
     if ledger.replica_ids != ids:
         raise LoaderStateError(f"checkpoint ledger has replicas {ledger.replica_ids}, the job has {ids}")
     log.info("resuming from the checkpoint of step %d (lineage %s)", step, ledger.lineage)

@@ -86,8 +86,9 @@ RELAYOUT_CASES = [  # (name, changes to LAYOUT (2 replicas x 1 rank x 4), allowe
     ("unchanged", {}, True),
     ("2 ranks of 2: the same replica batch", {"ranks_per_replica": 2, "batch_size_per_rank": 2}, True),
     ("4 ranks of 1", {"ranks_per_replica": 4, "batch_size_per_rank": 1}, True),
-    ("a bigger replica batch", {"ranks_per_replica": 2, "batch_size_per_rank": 4}, False),
-    ("another number of replicas: other shards", {"num_replicas": 3}, False),
+    ("a bigger replica batch: a new era, needs the replica ids", {"ranks_per_replica": 2, "batch_size_per_rank": 4},
+     False),
+    ("another number of replicas: a new era, needs the replica ids", {"num_replicas": 3}, False),
     ("another seed: another order", {"seed": 1}, False),
     ("another dataset", {"dataset_size": 65}, False),
 ]
@@ -100,6 +101,13 @@ def test_ledger_for_layout(name, changes, allowed):
     if not allowed:
         with pytest.raises(LoaderStateError, match="replica batch"):
             ledger_for_layout(old, new)
+        ids = tuple(f"r{i}" for i in range(new.num_replicas))
+        if (new.dataset_size, new.seed) == (LAYOUT.dataset_size, LAYOUT.seed):
+            got = ledger_for_layout(old, new, ids)
+            assert (got.layout, got.replica_ids, got.step, got.eras[-1].lineage) == (new, ids, 3, old.lineage)
+        else:
+            with pytest.raises(LoaderStateError, match="never dataset_size or seed"):
+                ledger_for_layout(old, new, ids)
         return
     got = ledger_for_layout(old, new)
     assert got.layout == new and (got.step, got.lineage, got.committed_batches) == (3, old.lineage,
@@ -210,9 +218,12 @@ def test_resume_into_another_number_of_ranks_per_replica(tmp_path):
     fresh, fresh_opt = make(seed=9)
     step, state = resume(tmp_path, model=fresh, optimizer=fresh_opt, layout=wider, replica_ids=("r0", "r1"))
     assert step == 2 and state.layout == wider and state.lineage == ledger(2).lineage
-    other = DataLayout(**{**LAYOUT.to_dict(), "batch_size_per_rank": 8})
-    with pytest.raises(LoaderStateError, match="replica batch"):
-        resume(tmp_path, model=fresh, optimizer=fresh_opt, layout=other, replica_ids=("r0", "r1"))
+    other = DataLayout(**{**LAYOUT.to_dict(), "batch_size_per_rank": 8})  # another replica batch: a new era
+    step, state = resume(tmp_path, model=fresh, optimizer=fresh_opt, layout=other, replica_ids=("r0", "r1"))
+    assert step == 2 and state == ledger(2).resharded(other, ("r0", "r1"))
+    with pytest.raises(LoaderStateError, match="dataset_size"):
+        resume(tmp_path, model=fresh, optimizer=fresh_opt, layout=DataLayout(**{**LAYOUT.to_dict(), "seed": 5}),
+               replica_ids=("r0", "r1"))
 
 
 def test_restore_brings_back_param_group_keys_a_fresh_optimizer_lacks(tmp_path):

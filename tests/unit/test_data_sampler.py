@@ -48,31 +48,27 @@ def test_layout_validation_names_the_field(field, value, message):
         layout(**{field: value})
 
 
-def test_shards_are_disjoint_and_cover_the_dataset():
-    s = Sampler(layout())
-    sizes = [s.shard_size(r) for r in range(3)]
-    assert sizes == [13, 12, 12] and sum(sizes) == 37
-    owners = {}
-    for r in range(3):
-        for p in range(s.shard_size(r)):  # enough batches for >= 1 epoch of each shard
-            for idx in s.replica_batch(r, p).ravel():
-                assert idx % 3 == r
-                owners.setdefault(int(idx), r)
-    assert sorted(owners) == list(range(37))
+def test_replicas_cut_one_global_order_into_disjoint_chunks():
+    s = Sampler(layout())  # 3 replicas x 4 samples: step p trains global offsets [12p, 12p + 12)
+    assert [s.shard_size(r) for r in range(3)] == [37] * 3  # one global order, no per-replica shard
+    for p in range(10):
+        step = np.concatenate([s.replica_batch(r, p).ravel() for r in range(3)])
+        assert np.array_equal(step, s.samples(np.arange(12 * p, 12 * p + 12)))
+        assert [s.global_ranges(r, p) for r in range(3)] == [[(12 * p + 4 * r, 12 * p + 4 * r + 4)] for r in range(3)]
 
 
-@pytest.mark.parametrize("replica", [0, 1, 2])
-def test_every_epoch_is_a_permutation_of_the_shard_and_epochs_differ(replica):
+def test_every_global_epoch_is_a_permutation_and_epochs_differ():
     s = Sampler(layout())
-    shard = s.shard_size(replica)
-    epochs = 4
-    stream = np.concatenate([s.replica_batch(replica, p).ravel()
-                             for p in range(epochs * shard // 4 + 1)])  # 4 samples per replica batch
-    chunks = [stream[e * shard:(e + 1) * shard] for e in range(epochs)]
-    expected = sorted(i for i in range(37) if i % 3 == replica)
-    for chunk in chunks:
-        assert sorted(chunk.tolist()) == expected
-    assert len({tuple(c.tolist()) for c in chunks}) == epochs  # reshuffled every epoch
+    epochs = [s.samples(np.arange(e * 37, (e + 1) * 37)).tolist() for e in range(4)]
+    assert all(sorted(e) == list(range(37)) for e in epochs)
+    assert len({tuple(e) for e in epochs}) == 4  # reshuffled every epoch
+
+
+def test_the_global_order_does_not_depend_on_the_replica_count():
+    a, b = Sampler(layout()), Sampler(layout(num_replicas=2, ranks_per_replica=2, batch_size_per_rank=3))
+    flat_a = np.concatenate([a.replica_batch(r, p).ravel() for p in range(4) for r in range(3)])
+    flat_b = np.concatenate([b.replica_batch(r, p).ravel() for p in range(4) for r in range(2)])
+    assert np.array_equal(flat_a, flat_b)  # the same global batch of 12: the same samples, step by step
 
 
 def test_ranks_split_the_replica_batch():
@@ -104,19 +100,19 @@ def test_batch_ids_are_unique_across_replicas_and_positions():
     assert len(set(ids)) == len(ids)
 
 
-def test_shard_smaller_than_a_batch_wraps_epochs_inside_a_batch():
-    s = Sampler(DataLayout(dataset_size=4, num_replicas=2, ranks_per_replica=2, batch_size_per_rank=3))
-    counts = Counter(s.replica_batch(0, 0).ravel().tolist())  # 6 samples from a shard of 2: 3 epochs
-    assert counts == Counter({0: 3, 2: 3})
+def test_dataset_smaller_than_a_batch_wraps_epochs_inside_a_batch():
+    s = Sampler(DataLayout(dataset_size=2, num_replicas=2, ranks_per_replica=2, batch_size_per_rank=3))
+    counts = Counter(s.replica_batch(0, 0).ravel().tolist())  # 6 samples from a dataset of 2: 3 epochs
+    assert counts == Counter({0: 3, 1: 3})
 
 
-# (committed_batches, rank, expected) for layout(): shard of replica 0 is 13, replica batch 4, rank slice 2
+# (committed_batches, rank, expected) for replica 0 of layout(): dataset 37, 3 replicas x 4, rank slice 2
 @pytest.mark.parametrize(("committed", "rank", "expected"), [
     (0, 0, RankPosition(0, 0, 0)),
     (0, 1, RankPosition(0, 0, 2)),
-    (3, 0, RankPosition(3, 0, 12)),
-    (3, 1, RankPosition(3, 1, 1)),
-    (10, 1, RankPosition(10, 3, 3)),
+    (3, 0, RankPosition(3, 0, 36)),  # global offset 36
+    (3, 1, RankPosition(3, 1, 1)),  # global offset 38
+    (10, 1, RankPosition(10, 3, 11)),  # global offset 122
 ])
 def test_rank_position(committed, rank, expected):
     assert Sampler(layout()).rank_position(0, rank, committed) == expected
