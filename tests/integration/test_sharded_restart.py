@@ -3,16 +3,26 @@
 3 replicas x 2 ranks of ftrun.train.ft_worker (FSDP2 inside each replica, real processes supervised by
 ReplicaProcesses as `ftrun launch` uses them) train 10 steps, checkpointing the state after step 6
 (every rank of the writer replica writes its shards); then every rank SIGKILLs itself before step 10.
-The killed run is the uninterrupted reference for steps 0-9. The job is restarted twice from copies of
-its run folder: as 3x2 (same shape) and as 3x1 with twice the per-rank batch (same replica batch, so
-the same data: ftrun.checkpoint.policy.ledger_for_layout). 2x4 would change the data sharding between
-replicas (exactly-once could not hold) and needs 8 processes on this 2-core machine.
+The killed run is the uninterrupted reference for steps 0-9. The job is restarted three times from
+copies of its run folder: as 3x2 (same shape), as 3x1 with twice the per-rank batch (same replica
+batch, so the same data: ftrun.checkpoint.policy.ledger_for_layout), and as 2x4 with 3 samples per
+rank: another replica count, so a new data era (LoaderState.resharded) in which the 2 replicas
+partition what the 3 left untrained, and the model and optimizer reshard from 2 DCP shards to 4.
 
-Checked: both restarts resume at the checkpoint's step and lineage; retraining steps 6-9 gives the
-reference's per-(step, replica) loss (mean over the replica's ranks): bit for bit, parameter hashes
-included, as 3x2; within 1e-5 relative as 3x1 (the gradient is the same mean, summed in another order
-by one rank instead of FSDP2's reduce-scatter over two); and the audit over both lives shows every
-batch of the final lineage trained exactly once.
+"Same loss curve" across a replica-count change. The rule: keep the global batch G constant (per-rank
+batch = G / (replicas x ranks); G = 24 here). Batches are chunks of one global order
+(ftrun.data.sampler), so when the replicas are in lockstep at the checkpoint, as here, every step after
+the restart trains exactly the same 24 samples as the uninterrupted run, and the step's global loss
+(the mean of the replicas' losses, replica batches being equal) matches the reference's within 1e-5
+relative: the gradient is the same mean, summed in another order. Per-replica losses are not
+comparable (the replicas hold other samples).
+
+Checked: each restart resumes at the checkpoint's step, on its lineage (3x2, 3x1) or on a new era
+chained to it (2x4); retraining steps 6-9 gives the reference's per-(step, replica) loss (mean over
+the replica's ranks) bit for bit, parameter hashes included, as 3x2; within 1e-5 relative as 3x1; the
+reference's global loss per step within 1e-5 relative as 2x4; and the audit over both lives shows
+every batch of the final lineage trained exactly once, across the era change for 2x4 (every global
+offset once).
 """
 
 from __future__ import annotations
@@ -49,11 +59,13 @@ pytestmark = pytest.mark.timeout(240)
 class Job:
     """R replicas x K ranks of ft_worker on one lighthouse (every quorum waits for all replicas)."""
 
-    def __init__(self, run_dir: Path, *, ranks: int, batch: int, steps: int, incarnation: int) -> None:
+    def __init__(self, run_dir: Path, *, ranks: int, batch: int, steps: int, incarnation: int,
+                 replicas: int = len(IDS)) -> None:
         self.env, self.run_dir = RealEnv(), run_dir
         token = TOKEN
+        self.ids = tuple(f"r{i}" for i in range(replicas))
         self.lighthouse = Lighthouse(env=self.env, token=token, config=LighthouseConfig(
-            min_replicas=len(IDS), timeouts=Timeouts(join_timeout_s=2.0)))
+            min_replicas=replicas, timeouts=Timeouts(join_timeout_s=2.0)))
         self.lighthouse.start()
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=60))
@@ -63,10 +75,10 @@ class Job:
                 "--batch-size", str(batch), "--ftar-timeout", "20", "--fault-file", str(fault_file)]
         self.replicas = [ReplicaProcesses(
             env=self.env, events=self.events, log_dir=str(run_dir), argv=argv,
-            spec=WorkerSpec(replica_id=rid, replica_index=i, num_replicas=len(IDS), rank=0, ranks_per_replica=ranks,
+            spec=WorkerSpec(replica_id=rid, replica_index=i, num_replicas=replicas, rank=0, ranks_per_replica=ranks,
                             incarnation=incarnation, lighthouse=self.lighthouse.addr, token=token,
                             store_addr="127.0.0.1", store_port=self.store.port, run_dir=str(run_dir)))
-            for i, rid in enumerate(IDS)]
+            for i, rid in enumerate(self.ids)]
         self.log: list[dict] = []
 
     def run(self, timeout: float = 200.0) -> list[list[int | None]]:
@@ -114,6 +126,14 @@ def losses(job: Job) -> dict[tuple[int, str], float]:
     return {k: sum(v) / len(v) for k, v in by.items()}
 
 
+def global_losses(job: Job) -> dict[int, float]:
+    """step -> the mean of its replicas' losses: the loss of the global batch (replica batches are equal)."""
+    by = defaultdict(list)
+    for (step, _), loss in losses(job).items():
+        by[step].append(loss)
+    return {step: sum(v) / len(v) for step, v in by.items()}
+
+
 def check_exactly_once(job: Job) -> LoaderState:
     finals = job.of("final")
     ledgers = {json.dumps(e["loader_state"], sort_keys=True) for e in finals}
@@ -126,7 +146,10 @@ def check_exactly_once(job: Job) -> LoaderState:
         records += got
     report = audit(records, final=final)
     assert report.ok, report.summary()
-    assert report.num_steps == STEPS and sum(final.committed_batches) == len(report.trained) == STEPS * len(IDS)
+    before = sum(sum(era.committed_batches) for era in final.eras)  # batches of earlier eras (a reshard)
+    trained = sum(len(era.replica_ids) * (era.end_step - era.start_step) for era in final.eras) + \
+        len(final.replica_ids) * (STEPS - final.era_start)
+    assert report.num_steps == STEPS and before + sum(final.committed_batches) == len(report.trained) == trained
     return final
 
 
@@ -170,3 +193,27 @@ def test_sharded_job_resumes_from_its_checkpoint_in_another_shape(killed, tmp_pa
     assert {(e["step"], e["lineage"]) for e in job.commits()} <= lineages, "the same data, step by step"
     final = check_exactly_once(job)
     assert final.layout.ranks_per_replica == ranks and final.layout.replica_batch_size == 8
+
+
+def test_sharded_job_resumes_with_another_replica_count(killed, tmp_path):
+    """3x2 -> 2x4, keeping the global batch of 24 (2 replicas x 4 ranks x 3 samples)."""
+    src, reference = killed
+    run_dir = tmp_path / "resumed"
+    shutil.copytree(src, run_dir)
+    (run_dir / "faults.json").write_text("{}")
+    job = Job(run_dir, replicas=2, ranks=4, batch=3, steps=STEPS, incarnation=1)
+    assert job.run() == [[0] * 4] * 2, job.worker_logs()
+
+    checkpoint = store.latest_complete(run_dir / "ckpt")
+    ready = {(e["step"], e["lineage"]) for e in job.of("ready")}
+    assert len(ready) == 1 and next(iter(ready))[0] == EVERY and next(iter(ready))[1] != checkpoint.manifest.lineage
+    want, got = global_losses(reference), global_losses(job)
+    assert set(got) == set(range(EVERY, STEPS)) and {k[1] for k in losses(job)} == {"r0", "r1"}
+    worst = max(abs(got[k] - want[k]) / abs(want[k]) for k in got)
+    print(f"\n[sharded restart 3x2 -> 2x4, global batch 24] steps {EVERY}-{STEPS - 1} retrained; "
+          f"worst relative global-loss difference to the reference {worst:.2e}")
+    assert all(math.isclose(got[k], want[k], rel_tol=LOSS_RTOL) for k in got), (got, want)
+    final = check_exactly_once(job)
+    assert final.layout.num_replicas == 2 and final.layout.replica_batch_size == 12
+    assert [(e.start_step, e.end_step, e.lineage) for e in final.eras] == [(0, EVERY, checkpoint.manifest.lineage)]
+    assert final.origin.prefix == () and final.origin.tail == EVERY * 24  # lockstep: no holes to hand over
