@@ -251,7 +251,7 @@ def _reshard_links(eras: list[Era], problems: list[str]) -> dict[str, str]:
 def _global_order(trained: list[Trained], eras: list[Era], problems: list[str]) -> tuple:
     """Duplicates (overlapping global offsets) and problems (holes) over the global order across eras."""
     samplers = [Sampler(e.layout, e.origin) for e in eras]
-    spans = sorted((a, b, t) for t in trained
+    spans = sorted((a, b, t) for t in trained if t.replica in eras[t.era].replica_ids  # others: a problem already
                    for a, b in samplers[t.era].global_ranges(eras[t.era].replica_ids.index(t.replica), t.position))
     duplicates, end, last = [], 0, None
     for a, b, t in spans:

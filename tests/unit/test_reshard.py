@@ -129,19 +129,29 @@ def test_resharded_ledger_round_trips_and_keeps_its_history():
                         ids(2))
 
 
-def test_decode_rejects_a_malformed_era():
+@pytest.mark.parametrize("corrupt", [
+    lambda body: body.__setitem__("origin", [3, [[5, 4]]]),  # a backwards range
+    lambda body: body["eras"][0].__setitem__("replica_ids", ["r0", "r0", "r1"]),
+    lambda body: body["eras"][0].__setitem__("committed_batches", [1, 2]),
+    lambda body: body["eras"][0].__setitem__("end_step", 99),  # beyond the ledger's step
+    lambda body: body["eras"][0].pop("lineage"),
+    lambda body: body.__setitem__("eras", {"not": "a list"}),
+])
+def test_decode_rejects_a_malformed_era(corrupt):
+    import struct
+    import zlib
+
     import msgpack
 
     new = run(LoaderState.initial(layout(3), ids(3)), 2, None).resharded(layout(2), ids(2))
-    data = encode(new)
-    body = msgpack.unpackb(data[17:])
-    body["origin"] = [3, [[5, 4]]]
+    body = msgpack.unpackb(encode(new)[17:])
+    corrupt(body)
     bad = msgpack.packb(body)
-    import struct
-    import zlib
     forged = struct.pack(">4sBIQ", b"FTLS", 1, zlib.crc32(bad), len(bad)) + bad
     with pytest.raises(LoaderStateCorrupt, match="malformed body"):
         decode(forged)
+    with pytest.raises(LoaderStateError):
+        LoaderState.from_dict({**new.to_dict(), **{k: body[k] for k in ("origin", "eras")}})
 
 
 # -- the audit across a restart -----------------------------------------------------------------------
