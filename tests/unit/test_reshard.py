@@ -190,3 +190,21 @@ def test_audit_flags_a_batch_missing_after_the_restore():
     del records[last]
     report = audit(records, final=final)
     assert not report.ok and any("no attempt record" in p for p in report.problems)
+
+
+def test_progress_trains_the_new_era_and_heals_across_it():
+    from types import SimpleNamespace
+
+    from ftrun.data.progress import DataProgress
+
+    start = run(LoaderState.initial(layout(3, 2), ids(3)), 4, random.Random(5)).resharded(layout(2, 4), ids(2))
+    ahead, behind = DataProgress(replica_id="r1", state=start), DataProgress(replica_id="r0", state=start)
+    quorum = [SimpleNamespace(replica_id=r, step=start.step) for r in ids(2)]
+    attempt = ahead.start(step=start.step, participants=quorum)
+    assert attempt is not None and attempt.batch_id == 1 and attempt.position == 0
+    s = Sampler(layout(2, 4), start.origin)
+    assert np.array_equal(ahead.samples(3), s.batch(1, 3, 0))
+    ahead.commit(writer="r1")
+    behind.heal(ahead.state)  # a replica catching up adopts the ledger, era included
+    assert behind.state == ahead.state and behind.sampler.origin == start.origin
+    assert np.array_equal(behind.sampler.batch(0, 0, 1), s.batch(0, 0, 1))
