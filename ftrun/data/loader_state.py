@@ -117,8 +117,8 @@ class Era:
     def __post_init__(self) -> None:
         if not len(self.replica_ids) == len(self.committed_batches) == self.layout.num_replicas \
                 or len(set(self.replica_ids)) != len(self.replica_ids) or min(self.committed_batches) < 0:
-            raise LoaderStateError(f"era of steps [{self.start_step}, {self.end_step}): replicas {self.replica_ids} and "
-                                   f"committed_batches {self.committed_batches} do not fit {self.layout}")
+            raise LoaderStateError(f"era of steps [{self.start_step}, {self.end_step}): replicas {self.replica_ids} "
+                                   f"and committed_batches {self.committed_batches} do not fit {self.layout}")
 
     def to_dict(self) -> dict:
         return {"layout": self.layout.to_dict(), "replica_ids": list(self.replica_ids),

@@ -41,7 +41,8 @@ def run(state: LoaderState, steps: int, rng: random.Random | None, records: list
     """Commit `steps` steps; with `rng`, each replica misses a step with probability 1/3 (it is behind: a
     mid-step cut leaves holes). Appends the records a replica leader would write."""
     for _ in range(steps):
-        contributors = tuple(r for r in state.replica_ids if rng is None or rng.random() > 1 / 3) or state.replica_ids[:1]
+        contributors = tuple(r for r in state.replica_ids if rng is None or rng.random() > 1 / 3) \
+            or state.replica_ids[:1]
         if records is not None:
             s = state.sampler()
             for rid in contributors:
