@@ -234,6 +234,9 @@ def remaining(layout: DataLayout, origin: StreamOrigin, committed_batches: Seque
     up to the maximum) and the era stream after the chunks of that maximum. The next era reads the
     holes first, in global order, then the rest: the remaining order, which the next era's replica
     count partitions afresh.
+
+    Size: one prefix range per run of adjacent hole chunks, so a replica k batches behind the fastest
+    adds up to k ranges (carried by every ledger record of the next era); a lockstep job adds none.
     """
     if len(committed_batches) != layout.num_replicas or min(committed_batches) < 0:
         raise ValueError(f"committed_batches {tuple(committed_batches)} do not fit {layout.num_replicas} replicas")
