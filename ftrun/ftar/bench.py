@@ -3,6 +3,11 @@
 For each process count, P processes on 127.0.0.1 rendezvous on a TCPStore, build both a gloo group and
 an FTAR ring, check that both give the same sums, then time each on float32 buffers of every size
 (best of --iters after a warm-up). Bandwidth is algorithm bandwidth: buffer bytes / seconds.
+
+`--netns`: each process on its own network namespace host (ftrun.launch.netns; needs root): the store
+inside host 0, every rank binding its host's address, so both FTAR and gloo cross the bridge (FTAR's
+shared-memory path is for ranks on one host only). `--netns-rate` caps each link (default: none).
+The JSON adds `hosts` (the largest process count's hosts; 1 without --netns) and `shaping`.
 """
 
 from __future__ import annotations
@@ -37,30 +42,67 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="auto: shared staging between same-host neighbours; socket: bulk frames over TCP only")
     p.add_argument("--socket-io", choices=["threads", "pump"], default="threads",
                    help="socket links: a sender thread per link, or one task pumping both directions")
+    p.add_argument("--netns", action="store_true", help="one network namespace per process (needs root)")
+    p.add_argument("--netns-rate", type=float, default=0.0, metavar="MBIT",
+                   help="with --netns: bandwidth cap per link and direction, 0 for none (default: %(default)s)")
     p.add_argument("--json", action="store_true")
 
 
 def run(args: argparse.Namespace) -> int:
     sizes = [parse_size(s) for s in args.sizes.split(",")]
-    rows = []
-    for procs in [int(p) for p in args.procs.split(",")]:
-        rows += _run_group(procs, sizes, args)
+    rows, counts, shaping = [], [int(p) for p in args.procs.split(",")], None
+    if args.netns:
+        from ftrun.launch.netns import available
+
+        ok, why = available()
+        if not ok:
+            print(f"ftrun bench ftar: error: --netns: network namespaces cannot be created here: {why}", file=sys.stderr)
+            return 2
+    for procs in counts:
+        if args.netns:
+            got, shaping = _run_netns_group(procs, sizes, args)
+            rows += got
+        else:
+            rows += _run_group(procs, sizes, args)
     print(f"{'procs':>5} {'size':>8} {'ftar GB/s':>10} {'gloo GB/s':>10} {'ratio':>6}")
     for r in rows:
         print(f"{r['procs']:5d} {r['size_mb']:6.0f}MB {r['ftar_gbps']:10.2f} {r['gloo_gbps']:10.2f} {r['ratio']:6.2f}")
     if args.json:
         emit_json({"results": rows, "min_ratio": min(r["ratio"] for r in rows), "transport": args.transport,
-                   "socket_io": args.socket_io})
+                   "socket_io": args.socket_io, "hosts": max(counts) if args.netns else 1, "shaping": shaping})
     return 0
+
+
+def _run_netns_group(procs: int, sizes: list[int], args: argparse.Namespace) -> tuple[list[dict], str]:
+    """procs ranks, rank r alone on host r (a namespace); the store inside host 0."""
+    from ftrun.launch.netns import NetnsConfig, NetnsHosts, in_netns
+
+    with NetnsHosts(NetnsConfig(num_hosts=procs, rate_mbit=args.netns_rate or None)) as hosts:
+        with in_netns(hosts[0].namespace):
+            store = dist.TCPStore(hosts[0].addr, 0, procs + 1, True, timeout=datetime.timedelta(seconds=120),
+                                  wait_for_workers=False)
+        rows = _run_workers(procs, sizes, args, store.port, lambda r: (
+            ["ip", "netns", "exec", hosts[r].namespace], [hosts[0].addr, hosts[r].addr],
+            {"GLOO_SOCKET_IFNAME": hosts.config.veth(r)[1]}))
+        del store
+        return [{**row, "hosts": procs} for row in rows], hosts.shaping
 
 
 def _run_group(procs: int, sizes: list[int], args: argparse.Namespace) -> list[dict]:
     store = dist.TCPStore("127.0.0.1", 0, procs + 1, True, timeout=datetime.timedelta(seconds=120),
                           wait_for_workers=False)
-    cmd = [sys.executable, "-m", "ftrun.ftar.bench_worker", str(store.port), str(procs), ",".join(map(str, sizes)),
+    return _run_workers(procs, sizes, args, store.port, lambda r: ([], [], {}))
+
+
+def _run_workers(procs: int, sizes: list[int], args: argparse.Namespace, port: int, where) -> list[dict]:
+    """where(rank) -> (command prefix, extra worker arguments, extra environment)."""
+    cmd = [sys.executable, "-m", "ftrun.ftar.bench_worker", str(port), str(procs), ",".join(map(str, sizes)),
            str(args.iters), str(args.chunk_kb << 10), str(args.chunks), args.transport, args.socket_io]
-    workers = [subprocess.Popen(cmd + [str(r)], stdout=subprocess.PIPE, text=True, env=os.environ.copy())
-               for r in range(procs)]
+    workers = []
+    for r in range(procs):
+        prefix, extra, env = where(r)
+        workers.append(subprocess.Popen([*prefix, *cmd, str(r), *extra], stdout=subprocess.PIPE, text=True,
+                                        env={**os.environ, **env}))
     try:
         outs = [w.communicate(timeout=900)[0] for w in workers]
     finally:

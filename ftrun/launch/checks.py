@@ -129,6 +129,8 @@ def incomplete_reasons(figures: dict, *, goal: int) -> list[str]:
         out.append(f"reached step {figures['steps_reached']} of {goal}")
     if not figures["replicas_identical"]:
         out.append(f"replicas diverged ({figures.get('num_divergences', '?')} param_hash mismatches)")
+    if figures.get("user_state_identical") is False:
+        out.append("registered user state diverged (user_state_hash mismatches)")
     for key, what in (("duplicate_batches", "duplicated"), ("skipped_batches", "skipped")):
         if figures.get(key):
             out.append(f"{figures[key]} batch(es) {what}")

@@ -48,11 +48,11 @@ from ftrun.config import LighthouseConfig, Timeouts
 from ftrun.env.base import EnvTimeout
 from ftrun.env.real import RealEnv
 from ftrun.env.real_store import bound_store
-from ftrun.launch.checks import (duration, kill_at, non_negative_int, positive_duration, positive_int, problems,
-                                 unfired_kills)
+from ftrun.launch.checks import problems, unfired_kills
 from ftrun.launch.crashes import CrashLog, summarize_stderr
 from ftrun.launch.faults import KillPlan
 from ftrun.launch.interrupts import Interrupts
+from ftrun.launch.options import add_arguments  # noqa: F401  (ftrun.cli finds the parser's options here)
 from ftrun.launch.procs import ForkServer, Launcher, SpawnLauncher
 from ftrun.launch.report import JobResult, job_figures, print_report
 from ftrun.launch.stats import RunStats
@@ -63,51 +63,6 @@ from ftrun.quorum.service import Lighthouse
 FINISH_GRACE_S = 5.0  # after the job's last step: how long replicas get to exit by themselves
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--replicas", type=positive_int, default=3, help="replicas (units of failure) (default: %(default)s)")
-    p.add_argument("--ranks-per-replica", type=positive_int, default=1,
-                   help="rank processes per replica (default: %(default)s)")
-    p.add_argument("--steps", type=positive_int, required=True,
-                   help="the job ends when it has committed this many steps (required)")
-    p.add_argument("--min-replicas", type=positive_int, default=None,
-                   help="smallest quorum, and the fewest healthy replicas a kill may leave (default: a majority)")
-    p.add_argument("--kill-every", type=positive_duration, default=None, metavar="DURATION",
-                   help="SIGKILL a random replica this often, e.g. 30s (default: never)")
-    p.add_argument("--kill-random-mean", type=positive_duration, default=None, metavar="DURATION",
-                   help="SIGKILL a random replica at exponential intervals of this mean (default: never)")
-    p.add_argument("--kill-at", type=kill_at, action="append", default=[], metavar="step=N[,replica=ID]",
-                   help="SIGKILL a replica (rI, default: a random one) once the job commits step N; repeatable "
-                        "(default: none)")
-    p.add_argument("--max-kills", type=non_negative_int, default=None,
-                   help="inject this many kills, then end the job (needs --stop-file) or let it run to --steps "
-                        "(default: no limit)")
-    p.add_argument("--stop-file", default=None, help="to end early, the supervisor writes the last step here "
-                   "(pass the same path to the script, e.g. ft_worker --stop-file) (default: none)")
-    p.add_argument("--restart-delay", type=duration, default=0.5, metavar="DURATION",
-                   help="wait before restarting a killed replica; doubles after each crash in a row "
-                        "(default: %(default)ss)")
-    p.add_argument("--max-startup-failures", type=positive_int, default=3, metavar="N",
-                   help="stop restarting a replica that crashed N times in a row with the same error, each time "
-                        "before its first commit or without the job getting further (a crash loop); the job ends if "
-                        "the others cannot make a quorum, and exits 1 either way (default: %(default)s)")
-    p.add_argument("--start-method", choices=("fork-server", "spawn"), default="fork-server",
-                   help="fork rank processes from a preloaded zygote, or spawn fresh interpreters "
-                        "(default: %(default)s)")
-    p.add_argument("--baseline", action="store_true", help="first run the same job without failures")
-    p.add_argument("--seed", type=int, default=0, help="seeds the choice of victims and kill times "
-                   "(default: %(default)s)")
-    p.add_argument("--timeout", type=positive_duration, default=None, metavar="DURATION",
-                   help="end the job after this long, e.g. 90s, 12h (default: no limit: a real job runs until "
-                        "--steps; crash loops end it through --max-startup-failures)")
-    p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
-    p.add_argument("--out", default=None, help="folder for events, metrics, report.png and rank logs "
-                   "(default: a new temporary folder)")
-    p.add_argument("--json", action="store_true", help="print one JSON object with all figures as the last line")
-    p.add_argument("-m", "--module", action="store_true", help="SCRIPT names a module to run as python -m")
-    p.add_argument("script", help="training script (or module, with -m)")
-    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed on to the script")
-
-
 class _Job:
     """One running job: lighthouse, replicas, the kill plan, restarts, the event log and its stats."""
 
@@ -116,22 +71,15 @@ class _Job:
         self.env, self.args, self.out, self.inject, self.say = env, args, out, inject, say
         self.min_up = args.min_replicas or args.replicas // 2 + 1
         self.token = secrets.token_hex(16)
-        self.lighthouse = Lighthouse(env=env, token=self.token, config=LighthouseConfig(
-            min_replicas=self.min_up, timeouts=Timeouts()))
-        self.lighthouse.start()
-        self.store = bound_store("127.0.0.1", timeout_s=60)  # loopback only: the store has no authentication
+        self.lighthouse = self.make_lighthouse()
         self.stats = RunStats(args.replicas)
         self.events = env.queue()
         os.makedirs(os.path.join(out, "logs"), exist_ok=True)
         self.event_log = open(os.path.join(out, "events.jsonl"), "w", buffering=1)  # line by line: tail -f works
         argv = (["-m", args.script] if args.module else [args.script]) + list(args.script_args)
         self.replicas = {f"r{i}": ReplicaProcesses(
-            env=env, events=self.events, log_dir=os.path.join(out, "logs"), argv=argv, launcher=launcher,
-            spec=WorkerSpec(replica_id=f"r{i}", replica_index=i, num_replicas=args.replicas, rank=0,
-                            ranks_per_replica=args.ranks_per_replica, incarnation=0, lighthouse=self.lighthouse.addr,
-                            token=self.token,
-                            store_addr="127.0.0.1", store_port=self.store.port, run_dir=out, max_steps=args.steps))
-            for i in range(args.replicas)}
+            env=env, events=self.events, log_dir=os.path.join(out, "logs"), argv=argv,
+            launcher=self.launcher_for(f"r{i}", launcher), spec=self.spec(i)) for i in range(args.replicas)}
         self.down_until: dict[str, float] = {}  # replica -> when to restart it
         self.done: set[str] = set()  # exited cleanly, or stopped at the end
         self.live: dict[str, int] = {rid: 0 for rid in self.replicas}  # replica -> incarnation running now
@@ -148,6 +96,30 @@ class _Job:
         self.too_few = False  # the replicas not given up cannot make a quorum: the job ends
         self.plan = KillPlan(every_s=args.kill_every, random_mean_s=args.kill_random_mean,
                              at_steps=list(args.kill_at), min_up=self.min_up, seed=args.seed) if inject else None
+
+    # -- what a subclass (netns_job.NetnsJob) places elsewhere ------------------------------------------
+    def make_lighthouse(self, bind: str = "127.0.0.1:0") -> Lighthouse:
+        lighthouse = Lighthouse(env=self.env, token=self.token, bind=bind, config=LighthouseConfig(
+            min_replicas=self.min_up, timeouts=Timeouts()))
+        lighthouse.start()
+        return lighthouse
+
+    def spec(self, i: int) -> WorkerSpec:
+        if not hasattr(self, "store"):
+            self.store = bound_store("127.0.0.1", timeout_s=60)  # loopback only: the store has no authentication
+        return WorkerSpec(replica_id=f"r{i}", replica_index=i, num_replicas=self.args.replicas, rank=0,
+                          ranks_per_replica=self.args.ranks_per_replica, incarnation=0, lighthouse=self.lighthouse.addr,
+                          token=self.token, store_addr="127.0.0.1", store_port=self.store.port, run_dir=self.out,
+                          max_steps=self.args.steps)
+
+    def launcher_for(self, rid: str, launcher: Launcher) -> Launcher:
+        return launcher
+
+    def inject_due(self, now: float, up: list[str]) -> None:
+        """Inject the failure due now, if any (up: replicas running, not done)."""
+        victim = self.plan.due(now, self.stats.max_step, up, self.healthy())
+        if victim is not None:
+            self.kill(victim, "injected")
 
     def start(self) -> None:
         if self.inject and self.args.stop_file and os.path.exists(self.args.stop_file):
@@ -246,10 +218,7 @@ class _Job:
         if self.args.max_kills is not None and self.stats.num_kills >= self.args.max_kills:
             self._end_early()
             return
-        up = [r for r in self.replicas if r not in self.down_until and r not in self.done]
-        victim = self.plan.due(now, self.stats.max_step, up, self.healthy())
-        if victim is not None:
-            self.kill(victim, "injected")
+        self.inject_due(now, [r for r in self.replicas if r not in self.down_until and r not in self.done])
 
     def _on_crash(self, rid: str, codes: list[int | None]) -> None:
         """A rank of `rid` exited with an error: stop the replica's other ranks and take in what they wrote,
@@ -308,6 +277,10 @@ class _Job:
                              random_mean_s=self.args.kill_random_mean, num_timed_kills=self.plan.num_timed_kills,
                              max_kills=self.args.max_kills, num_kills=self.stats.num_kills)
 
+    def host_figures(self) -> dict:
+        """Figures about where the job ran (NetnsJob: its hosts); none for a one-box job."""
+        return {}
+
     def running(self) -> bool:
         if len(self.done) == len(self.replicas) or self.too_few:
             return False
@@ -315,10 +288,10 @@ class _Job:
 
 
 def run_job(env: RealEnv, args: argparse.Namespace, out: str, launcher: Launcher, *, inject: bool,
-            label: str, stop: Interrupts) -> JobResult:
+            label: str, stop: Interrupts, make_job: Callable[..., _Job] = _Job) -> JobResult:
     bar = tqdm(total=args.steps, desc=label, unit="step", file=sys.stderr, dynamic_ncols=True,
                disable=args.no_progress)
-    job = _Job(env, args, out, launcher, inject=inject, say=lambda text: tqdm.write(text, file=sys.stderr))
+    job = make_job(env, args, out, launcher, inject=inject, say=lambda text: tqdm.write(text, file=sys.stderr))
     started = env.clock.now()
     deadline = started + args.timeout if args.timeout is not None else float("inf")
     try:
@@ -344,7 +317,8 @@ def run_job(env: RealEnv, args: argparse.Namespace, out: str, launcher: Launcher
         job.event_log.close()
     return JobResult(job.stats, env.clock.now() - started, out, job.goal, stop_signal=stop.signal,
                      timed_out=timed_out, gave_up=job.gave_up,
-                     errors=[e.as_json() for e in job.crash_log.errors.values()], warnings=job.kill_warnings())
+                     errors=[e.as_json() for e in job.crash_log.errors.values()], warnings=job.kill_warnings(),
+                     extra=job.host_figures())
 
 
 def _progress(bar: tqdm, job: _Job) -> None:
@@ -365,7 +339,9 @@ def make_launcher(env: RealEnv, args: argparse.Namespace, out: str) -> Launcher:
 
 
 def run(args: argparse.Namespace) -> int:
-    bad = problems(args)
+    from ftrun.launch.netns_job import netns_problems
+
+    bad = problems(args) + netns_problems(args)
     out = os.path.abspath(args.out) if args.out else None
     if not bad and out is not None and (why := unwritable(out)):
         bad.append(f"--out {args.out}: {why}")
@@ -400,15 +376,24 @@ def unwritable(out: str) -> str | None:
 
 def _launch(env: RealEnv, args: argparse.Namespace, out: str, stop: Interrupts) -> int:
     launcher = make_launcher(env, args, out)
-    base = result = None
+    base = result = hosts = None
+    make_job: Callable[..., _Job] = _Job
     try:
+        if args.netns_hosts is not None:  # a multi-host rehearsal: the job runs on namespaces (netns_job.py)
+            from ftrun.launch.netns_job import job_factory, open_hosts
+
+            hosts = open_hosts(args)
+            make_job = job_factory(hosts)
         if args.baseline:
             base = run_job(env, args, os.path.join(out, "baseline"), launcher, inject=False, label="baseline",
-                           stop=stop)
+                           stop=stop, make_job=make_job)
         if stop.signal is None or base is None:  # stopped before any job: an empty one writes the report
-            result = run_job(env, args, out, launcher, inject=True, label="ftrun launch", stop=stop)
+            result = run_job(env, args, out, launcher, inject=True, label="ftrun launch", stop=stop,
+                             make_job=make_job)
     finally:
         launcher.close()
+        if hosts is not None:
+            hosts.teardown()
     if result is None:  # stopped during the baseline: that run's partial report is the report
         result, base = base, None
     figures = job_figures(result, base, args=args,

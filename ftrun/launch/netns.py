@@ -16,6 +16,8 @@ building fails halfway. `build_commands`/`teardown_commands` are pure (table-tes
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import ipaddress
 import os
 import secrets
@@ -40,6 +42,8 @@ class NetnsConfig:
     subnet: str = "10.213.0.0/24"
     delay_ms: float = 0.0
     rate_mbit: float | None = None
+    buildings: int = 1  # hosts split into this many contiguous groups; between groups the delay is cross_delay_ms
+    cross_delay_ms: float | None = None  # (default: delay_ms)
     tag: str = field(default_factory=lambda: secrets.token_hex(2))
 
     def __post_init__(self) -> None:
@@ -50,8 +54,15 @@ class NetnsConfig:
             raise ValueError(f"NetnsConfig.num_hosts must be 1..{min(net.num_addresses - 2, 250)}, got {self.num_hosts}")
         if self.delay_ms < 0 or (self.rate_mbit is not None and self.rate_mbit <= 0):
             raise ValueError(f"NetnsConfig: delay_ms must be >= 0 and rate_mbit > 0, got {self.delay_ms}, {self.rate_mbit}")
+        if not 1 <= self.buildings <= self.num_hosts or (self.cross_delay_ms is not None and self.cross_delay_ms < 0):
+            raise ValueError(f"NetnsConfig: buildings must be 1..num_hosts and cross_delay_ms >= 0, got "
+                             f"{self.buildings}, {self.cross_delay_ms}")
         if not (self.tag.isalnum() and self.tag.isascii() and 1 <= len(self.tag) <= 6):
             raise ValueError(f"NetnsConfig.tag must be 1-6 ASCII letters or digits, got {self.tag!r}")
+
+    def building(self, i: int) -> int:
+        """Host i's building: hosts are split into `buildings` contiguous groups of (nearly) equal size."""
+        return i * self.buildings // self.num_hosts
 
     def namespace(self, i: int) -> str:
         return f"ftrun-{self.tag}-h{i}"
@@ -69,9 +80,13 @@ class NetnsConfig:
 
 
 def shaping_commands(cfg: NetnsConfig, i: int, *, netem: bool) -> list[list[str]]:
-    """tc commands that shape both directions of host i's link (none when nothing is asked)."""
-    if cfg.delay_ms == 0 and cfg.rate_mbit is None:
+    """tc commands that shape both directions of host i's link (none when nothing is asked). With netem
+    and more than one building, each direction gets a prio qdisc: band 1 (default) delays by delay_ms,
+    band 2 by cross_delay_ms, and u32 filters send traffic to (from) other buildings' hosts to band 2."""
+    if cfg.delay_ms == 0 and cfg.rate_mbit is None and not cfg.cross_delay_ms:
         return []
+    if netem and cfg.buildings > 1:
+        return _two_band_commands(cfg, i)
     if netem:
         qdisc = ["netem", "delay", f"{cfg.delay_ms}ms"] + (["rate", f"{cfg.rate_mbit}mbit"] if cfg.rate_mbit else [])
     elif cfg.rate_mbit:
@@ -81,6 +96,26 @@ def shaping_commands(cfg: NetnsConfig, i: int, *, netem: bool) -> list[list[str]
     outer, inner = cfg.veth(i)
     return [["tc", "qdisc", "add", "dev", outer, "root", *qdisc],
             ["ip", "netns", "exec", cfg.namespace(i), "tc", "qdisc", "add", "dev", inner, "root", *qdisc]]
+
+
+def _netem(delay_ms: float, rate_mbit: float | None) -> list[str]:
+    return ["netem", "delay", f"{delay_ms}ms"] + (["rate", f"{rate_mbit}mbit"] if rate_mbit else [])
+
+
+def _two_band_commands(cfg: NetnsConfig, i: int) -> list[list[str]]:
+    cross = cfg.delay_ms if cfg.cross_delay_ms is None else cfg.cross_delay_ms
+    far = [cfg.addr(j) for j in range(cfg.num_hosts) if cfg.building(j) != cfg.building(i)]
+    outer, inner = cfg.veth(i)
+    out = []
+    # the bridge's end sends to host i: match the sender; host i's end sends out: match the receiver
+    for prefix, dev, field in (([], outer, "src"), (["ip", "netns", "exec", cfg.namespace(i)], inner, "dst")):
+        tc = [*prefix, "tc"]
+        out += [[*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "prio", "bands", "2", "priomap", *["0"] * 16],
+                [*tc, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", *_netem(cfg.delay_ms, cfg.rate_mbit)],
+                [*tc, "qdisc", "add", "dev", dev, "parent", "1:2", "handle", "20:", *_netem(cross, cfg.rate_mbit)]]
+        out += [[*tc, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32", "match", "ip",
+                 field, f"{addr}/32", "flowid", "1:2"] for addr in far]
+    return out
 
 
 def build_commands(cfg: NetnsConfig, *, netem: bool) -> list[list[str]]:
@@ -178,6 +213,8 @@ class NetnsHosts:
             self.shaping = "none"
         elif netem:
             self.shaping = f"netem delay {cfg.delay_ms}ms" + (f" rate {cfg.rate_mbit}mbit" if cfg.rate_mbit else "")
+            if cfg.buildings > 1:
+                self.shaping += f", {cfg.cross_delay_ms}ms between {cfg.buildings} buildings"
         else:
             self.shaping = (f"tbf rate {cfg.rate_mbit}mbit" if cfg.rate_mbit else "none") + \
                 " (no netem in this kernel: delay not applied)"
@@ -206,8 +243,9 @@ class NetnsHosts:
         return [int(p) for p in done.stdout.split()] if done.returncode == 0 else []
 
     def kill(self, i: int) -> list[int]:
-        """SIGKILL every process on host i (a host failure); returns their pids."""
-        pids = self.pids(i)
+        """SIGKILL every process on host i (a host failure); returns their pids. Never this process (it
+        may have created sockets there from a thread, see in_netns)."""
+        pids = [p for p in self.pids(i) if p != os.getpid()]
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -234,6 +272,59 @@ class NetnsHosts:
                 self._run(cmd)
             except (OSError, subprocess.SubprocessError):
                 pass
+
+
+CLONE_NEWNET = 0x40000000
+
+
+def netns_path(namespace: str) -> str:
+    """The file `ip netns add` made for `namespace` (what setns opens)."""
+    for base in ("/run/netns", "/var/run/netns"):
+        if os.path.exists(os.path.join(base, namespace)):
+            return os.path.join(base, namespace)
+    raise NetnsError(f"no network namespace {namespace!r} (looked in /run/netns and /var/run/netns)")
+
+
+def setns(fd: int) -> None:
+    """Move the calling thread into the network namespace open at `fd` (setns(2))."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setns(fd, CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"setns: {os.strerror(err)}")
+
+
+@contextlib.contextmanager
+def in_netns(namespace: str):
+    """Run the block with the calling thread in `namespace`'s network: sockets it opens, and threads it
+    starts (they inherit the namespace and keep it), live there. The thread moves back on exit."""
+    home = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+    target = os.open(netns_path(namespace), os.O_RDONLY)
+    try:
+        setns(target)
+        try:
+            yield
+        finally:
+            setns(home)
+    finally:
+        os.close(target)
+        os.close(home)
+
+
+class HostLauncher:
+    """A procs.Launcher whose rank processes live on one host (namespace) of a NetnsHosts: forked by the
+    zygote, which setns's each child into it, or spawned with `ip netns exec`. `env` is added to each
+    rank's environment (e.g. GLOO_SOCKET_IFNAME, the host's interface). Closing it leaves `base` open."""
+
+    def __init__(self, base, namespace: str, env: dict[str, str] | None = None) -> None:
+        self.base, self.namespace, self.env = base, namespace, dict(env or {})
+
+    def start(self, argv: list[str], *, env: dict[str, str], cwd: str, stdout: str, stderr: str,
+              netns: str | None = None):
+        return self.base.start(argv, env={**env, **self.env}, cwd=cwd, stdout=stdout, stderr=stderr,
+                               netns=netns or self.namespace)
+
+    def close(self) -> None:
+        pass
 
 
 class NetnsLauncher:

@@ -37,7 +37,8 @@ class Handle(Protocol):
 
 
 class Launcher(Protocol):
-    def start(self, argv: list[str], *, env: dict[str, str], cwd: str, stdout: str, stderr: str) -> Handle: ...
+    def start(self, argv: list[str], *, env: dict[str, str], cwd: str, stdout: str, stderr: str,
+              netns: str | None = None) -> Handle: ...
     def close(self) -> None: ...
 
 
@@ -71,9 +72,12 @@ class _Spawned:
 class SpawnLauncher:
     """`python ARGV` as a new process per rank."""
 
-    def start(self, argv: list[str], *, env: dict[str, str], cwd: str, stdout: str, stderr: str) -> Handle:
+    def start(self, argv: list[str], *, env: dict[str, str], cwd: str, stdout: str, stderr: str,
+              netns: str | None = None) -> Handle:
+        """netns: run it in that network namespace (`ip netns exec` execs it: the pid is the program's)."""
+        prefix = ["ip", "netns", "exec", netns] if netns else []
         with open(stdout, "ab") as out, open(stderr, "ab") as err:
-            proc = subprocess.Popen([sys.executable, *argv], env=env, cwd=cwd, stdin=subprocess.DEVNULL,
+            proc = subprocess.Popen([*prefix, sys.executable, *argv], env=env, cwd=cwd, stdin=subprocess.DEVNULL,
                                     stdout=out, stderr=err, start_new_session=True)
         return _Spawned(proc)
 
@@ -155,14 +159,17 @@ class ForkServer:
             self.fallback_reason = reason
             log.warning("fork server unavailable (%s): starting rank processes with spawn", reason)
 
-    def start(self, argv: list[str], *, env: dict[str, str], cwd: str, stdout: str, stderr: str) -> Handle:
+    def start(self, argv: list[str], *, env: dict[str, str], cwd: str, stdout: str, stderr: str,
+              netns: str | None = None) -> Handle:
+        """netns: the forked child enters that network namespace (setns) before it runs the script."""
         with self._lock:
             if argv[:len(self._target)] != self._target:
                 pass  # not the script the zygote preloaded: spawn it
             elif self.fallback_reason is None and self.alive():
                 self._next_id += 1
                 child_argv = argv[1:] if self._target[0] == "-m" else argv  # sys.argv as `python ARGV` sets it
-                req = {"id": self._next_id, "argv": child_argv, "env": env, "cwd": cwd, "stdout": stdout, "stderr": stderr}
+                req = {"id": self._next_id, "argv": child_argv, "env": env, "cwd": cwd, "stdout": stdout, "stderr": stderr,
+                       **({"netns": netns} if netns else {})}
                 try:
                     self._proc.stdin.write((json.dumps(req) + "\n").encode())  # type: ignore[union-attr]
                     self._proc.stdin.flush()  # type: ignore[union-attr]
@@ -174,7 +181,7 @@ class ForkServer:
                 self._give_up(reply.get("reason", f"bad reply {reply}"))
             elif self.fallback_reason is None:
                 self._give_up("the zygote exited")
-        return self._spawn.start(argv, env=env, cwd=cwd, stdout=stdout, stderr=stderr)
+        return self._spawn.start(argv, env=env, cwd=cwd, stdout=stdout, stderr=stderr, netns=netns)
 
     def _shutdown(self) -> None:
         if self._proc.stdin and not self._proc.stdin.closed:

@@ -39,6 +39,7 @@ class JobResult:
     gave_up: list[dict] = field(default_factory=list)  # replicas in a crash loop, no longer restarted
     errors: list[dict] = field(default_factory=list)  # what crashed rank processes died of (CrashLog)
     warnings: list[str] = field(default_factory=list)  # kill options that never fired
+    extra: dict = field(default_factory=dict)  # a job's own figures (--netns-hosts: hosts, shaping, faults)
 
 
 def job_figures(result: JobResult, base: JobResult | None, *, args: argparse.Namespace, start_method: str) -> dict:
@@ -58,7 +59,10 @@ def job_figures(result: JobResult, base: JobResult | None, *, args: argparse.Nam
     figures.update(out=result.out, start_method=start_method, steps_goal=result.goal,
                    interrupted=result.stop_signal is not None, stop_signal=result.stop_signal,
                    timed_out=result.timed_out, gave_up=result.gave_up, errors=result.errors[:MAX_ERRORS_KEPT],
-                   warnings=result.warnings)
+                   warnings=result.warnings, hosts=1)
+    figures.update(result.extra)
+    if "faults" in result.extra:  # host faults: one per fault, however many replicas it took out
+        figures["failures_injected"] = sum(result.extra["faults"].values())
     figures["incomplete_reasons"] = incomplete_reasons(figures, goal=result.goal)
     figures["complete"] = not figures["incomplete_reasons"]
     return figures
@@ -131,6 +135,7 @@ def summarize(stats: RunStats, *, wall_s: float, kill_interval_s: float | None,
         "failed_commits": sum(r.aborts for r in stats.rows.values()),
         "failures_injected": stats.num_kills, "events_after_kill": stats.events_after_kill, "crashes": stats.num_crashes, "restarts": stats.num_restarts,
         "replicas_identical": stats.replicas_identical, "identity_checks": stats.identity_checks,
+        "user_state_identical": stats.user_state_identical, "user_state_checks": stats.user_state_checks,
         "divergences": [vars(d) for d in stats.divergences[:5]], "num_divergences": len(stats.divergences),
         "mean_downtime_s": mean_down, "stepping_downtime_s": stepping_down, "stall_s": stall_s,
         "stepping_kill_interval_s": stepping_interval,

@@ -68,6 +68,9 @@ class RunStats:
         self.last_t: float | None = None
         self.finals: list[dict] = []  # "final" events (clean exits)
         self._hashes: dict[tuple[int, int], tuple[str, int, str]] = {}
+        self._user_hashes: dict[tuple[int, int], tuple[str, int, str]] = {}  # (step, rank) -> the first seen
+        self.user_state_checks = 0  # user_state_hash comparisons made
+        self.user_state_divergences = 0
         self.events_after_kill = 0  # events a killed incarnation stamped after the kill (must stay 0)
         self._died: dict[tuple[str, int], float] = {}
         self._killed: dict[str, tuple[float, int]] = {}  # replica -> (kill time, incarnation killed)
@@ -75,6 +78,12 @@ class RunStats:
         self._last_commit: dict[tuple[str, int], float] = {}
         self._periods: list[float] = []  # gaps between consecutive commits of one incarnation
         self._num_committed = 0  # the highest committed step + 1
+
+    @property
+    def user_state_identical(self) -> bool | None:
+        """Every replica that committed a step showed the same user_state_hash (per rank); None when no
+        step event carried one (a script that registers no user state, or reports none)."""
+        return None if not self._user_hashes else self.user_state_divergences == 0
 
     @property
     def max_step(self) -> int:
@@ -138,6 +147,12 @@ class RunStats:
         self._num_committed = max(self._num_committed, step + 1)  # a committed "step" event
         if rank == 0 and ev.get("loss") is not None and not ev.get("healed"):
             self.row(step).losses.append(float(ev["loss"]))
+        user = ev.get("user_state_hash")  # the registered user state (the user's own loop), when reported
+        if user is not None:
+            first_user = self._user_hashes.setdefault((step, rank), (rid, inc, user))
+            if first_user[:2] != (rid, inc):
+                self.user_state_checks += 1
+                self.user_state_divergences += first_user[2] != user
         digest = ev.get("param_hash")
         if digest is None:
             return

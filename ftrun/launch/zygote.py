@@ -11,8 +11,9 @@ is the script as compiled at preload, so every restart runs the same version eve
 
     python -m ftrun.launch.zygote [--run-dir DIR] (-m MODULE | SCRIPT)
 
-Protocol, JSON lines: requests on stdin `{"id", "argv", "env", "cwd", "stdout", "stderr"}`
-(argv[0] is the module name for -m, else the script path; stdout/stderr are file paths, appended to);
+Protocol, JSON lines: requests on stdin `{"id", "argv", "env", "cwd", "stdout", "stderr"[, "netns"]}`
+(argv[0] is the module name for -m, else the script path; stdout/stderr are file paths, appended to;
+netns: a network namespace the child enters first, for `ftrun launch --netns-hosts`);
 replies on stdout: first `{"ready": bool, "reason", "threads", "seconds"}`, then `{"id", "pid"}` per
 request and `{"exit": pid, "code": returncode}` (negative: killed by that signal, as with Popen) when
 a child ends. `ready: false` means forking is unsafe (e.g. a library started a thread while
@@ -214,6 +215,12 @@ def _child(req: dict, target: "_Target", reply_fd: int, started_fd: int) -> None
     try:
         os.setsid()  # its own process group: the supervisor kills a rank with killpg, as for spawned ones
         os.close(started_fd)  # tells the zygote (which only then hands out the pid)
+        if req.get("netns"):  # a host of `ftrun launch --netns-hosts`: the rank lives in its network
+            from ftrun.launch.netns import netns_path, setns
+
+            fd = os.open(netns_path(req["netns"]), os.O_RDONLY)
+            setns(fd)
+            os.close(fd)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
         os.close(reply_fd)

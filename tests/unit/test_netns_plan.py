@@ -94,3 +94,24 @@ def test_without_netem_the_links_get_a_rate_cap_and_say_the_delay_is_missing():
         hosts.restore(1)
     assert "ip link set ftab12v1 down" in runner.calls and "ip link set ftab12v1 up" in runner.calls
     assert runner.calls[-5:] == [" ".join(c) for c in teardown_commands(CFG)]
+
+
+def test_buildings_split_hosts_and_netem_sends_far_traffic_to_the_slow_band():
+    cfg = NetnsConfig(num_hosts=4, delay_ms=0.2, cross_delay_ms=2.0, buildings=2, rate_mbit=100, tag="t")
+    assert [cfg.building(i) for i in range(4)] == [0, 0, 1, 1]
+    cmds = shaping_commands(cfg, 0, netem=True)
+    text = [" ".join(c) for c in cmds]
+    assert "tc qdisc add dev fttv0 parent 1:1 handle 10: netem delay 0.2ms rate 100mbit" in text
+    assert "tc qdisc add dev fttv0 parent 1:2 handle 20: netem delay 2.0ms rate 100mbit" in text
+    # into host 0 (the bridge's end) from the other building; out of host 0 (its own end) to it
+    far = [c for c in text if "u32" in c]
+    assert [c.split(" match ip ")[1] for c in far] == ["src 10.213.0.3/32 flowid 1:2", "src 10.213.0.4/32 flowid 1:2",
+                                                       "dst 10.213.0.3/32 flowid 1:2", "dst 10.213.0.4/32 flowid 1:2"]
+    assert all(c.startswith("ip netns exec ftrun-t-h0 tc") for c in far[2:])
+    # without netem: the rate cap only, the same on every link
+    assert [" ".join(c) for c in shaping_commands(cfg, 0, netem=False)][0].startswith("tc qdisc add dev fttv0 root tbf rate 100")
+
+
+def test_buildings_must_fit_the_hosts():
+    with pytest.raises(ValueError, match="buildings"):
+        NetnsConfig(num_hosts=2, buildings=3)
