@@ -109,3 +109,16 @@ def test_a_sigint_the_process_was_started_ignoring_stays_ignored():
         stop.restore()
     finally:
         signal.signal(signal.SIGINT, before)
+
+
+def test_netns_hosts_refuses_kill_at_and_bad_buildings():
+    from ftrun.launch.netns_job import netns_problems
+
+    parser = argparse.ArgumentParser()
+    launch_cli.add_arguments(parser)
+    args = parser.parse_args(["--netns-hosts", "3", "--steps", "5", "--kill-at", "step=2", "x.py"])
+    assert any("--kill-at with --netns-hosts" in p for p in netns_problems(args))
+    args = parser.parse_args(["--steps", "5", "x.py"])
+    assert netns_problems(args) == []
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--netns-hosts", "3", "--steps", "5", "--host-faults", "host_nap", "x.py"])
