@@ -70,7 +70,7 @@ class _Job:
                  say: Callable[[str], None]) -> None:
         self.env, self.args, self.out, self.inject, self.say = env, args, out, inject, say
         self.min_up = args.min_replicas or args.replicas // 2 + 1
-        self.token = secrets.token_hex(16)
+        self.token = self.job_token()
         self.lighthouse = self.make_lighthouse()
         self.stats = RunStats(args.replicas)
         self.events = env.queue()
@@ -98,6 +98,9 @@ class _Job:
                              at_steps=list(args.kill_at), min_up=self.min_up, seed=args.seed) if inject else None
 
     # -- what a subclass (netns_job.NetnsJob) places elsewhere ------------------------------------------
+    def job_token(self) -> str:
+        return secrets.token_hex(16)
+
     def make_lighthouse(self, bind: str = "127.0.0.1:0") -> Lighthouse:
         lighthouse = Lighthouse(env=self.env, token=self.token, bind=bind, config=LighthouseConfig(
             min_replicas=self.min_up, timeouts=Timeouts()))
@@ -339,9 +342,10 @@ def make_launcher(env: RealEnv, args: argparse.Namespace, out: str) -> Launcher:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ftrun.launch.multihost import hosts_problems, run_agent
     from ftrun.launch.netns_job import netns_problems
 
-    bad = problems(args) + netns_problems(args)
+    bad = problems(args) + netns_problems(args) + hosts_problems(args)
     out = os.path.abspath(args.out) if args.out else None
     if not bad and out is not None and (why := unwritable(out)):
         bad.append(f"--out {args.out}: {why}")
@@ -350,6 +354,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"ftrun launch: error: {text}", file=sys.stderr)
         return 2
     out = out or tempfile.mkdtemp(prefix="ftrun-launch-")
+    if args.hosts is not None and args.host_index != 0:
+        return run_agent(args, out)  # this host serves the launcher on host 0 (multihost.py)
     stop = Interrupts()
     stop.install()
     try:
@@ -378,7 +384,12 @@ def _launch(env: RealEnv, args: argparse.Namespace, out: str, stop: Interrupts) 
     launcher = make_launcher(env, args, out)
     base = result = hosts = None
     make_job: Callable[..., _Job] = _Job
+    remote_jobs: list = []
     try:
+        if args.hosts is not None:  # host 0 of a multi-host job: the others run agents (multihost.py)
+            from ftrun.launch.multihost import job_factory as hosts_job_factory, read_hosts
+
+            make_job = hosts_job_factory(read_hosts(args.hosts), remote_jobs)
         if args.netns_hosts is not None:  # a multi-host rehearsal: the job runs on namespaces (netns_job.py)
             from ftrun.launch.netns_job import job_factory, open_hosts
 
@@ -394,6 +405,10 @@ def _launch(env: RealEnv, args: argparse.Namespace, out: str, stop: Interrupts) 
         launcher.close()
         if hosts is not None:
             hosts.teardown()
+        if remote_jobs:
+            from ftrun.launch.multihost import say_bye
+
+            say_bye(remote_jobs)
     if result is None:  # stopped during the baseline: that run's partial report is the report
         result, base = base, None
     figures = job_figures(result, base, args=args,

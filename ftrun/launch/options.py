@@ -91,6 +91,14 @@ def add_host_arguments(p: argparse.ArgumentParser) -> None:
                    help="bandwidth cap per link and direction in Mbit/s, 0 for none (default: %(default)s)")
     g.add_argument("--host-faults", type=fault_kinds, default=KINDS, metavar="KINDS",
                    help=f"with --netns-hosts, what --kill-every/--kill-random-mean inject, drawn at random: "
-                        f"{','.join(KINDS)} (default: all)")
+                        f"{','.join(KINDS)} (default: all of them)")
+    m = p.add_argument_group("hosts: a job over several machines (multihost.py)")
+    m.add_argument("--hosts", default=None, metavar="FILE",
+                   help="one address per line; run this same command on every host, each with its --host-index: "
+                        "host 0 runs the job, the others an agent (default: none, this machine only)")
+    m.add_argument("--host-index", type=non_negative_int, default=None, metavar="I",
+                   help="this host's line in --hosts, from 0 (default: none)")
+    m.add_argument("--agent-port", type=positive_int, default=29511, metavar="PORT",
+                   help="the agents' port on hosts 1.. (default: %(default)s)")
     g.add_argument("--cut-for", type=positive_duration, default=4.0, metavar="DURATION",
                    help="how long a host_cut keeps a host's link down (default: %(default)ss)")

@@ -1,0 +1,222 @@
+"""The host agent of a multi-host `ftrun launch --hosts FILE`: starts, watches and kills rank processes on
+its host for the launcher, and hands back what they wrote.
+
+On every host but the first, `ftrun launch --hosts FILE --host-index I ...` (the same command line as on
+host 0) runs an agent bound at that host's address and `--agent-port` (default 29511); host 0 runs the
+job and talks to each agent over one connection (ftrun.env framed msgpack: no pickles). The first message
+must be {"type": "hello", "token"}: the job token, from FTRUN_TOKEN_FILE (a 0600 file) or FTRUN_TOKEN on
+every host; a wrong token closes the connection. Then one reply per request:
+
+    start {id, job, argv, env, stdout, stderr} -> {pid}    `python ARGV` in its own session; its stdout and
+                                                          stderr go to OUT/JOB/logs/NAME, FTRUN_RUN_DIR=OUT/JOB
+    poll {ids}              -> {codes: [code or None]}     exit codes (negative: killed by that signal)
+    kill {id}               -> {code}                      SIGKILL the process's session, wait for it
+    read {job, where, name, offset} -> {data, size}       bytes of OUT/JOB/logs/NAME (where=logs) or
+                                                          OUT/JOB/NAME (where=run) from offset (at most 1 MiB)
+    list {job, prefix}      -> {names}                     files in OUT/JOB whose name starts with prefix
+    store {}                -> {port}                      a TCPStore on this host's address (a replica's rendezvous)
+    bye {}                  -> {}                          kill every process, then the agent exits
+
+Every request is checked by `parse_request` (pure, unit-tested): a bad one gets {"error": why} and the
+connection stays usable. Names are plain file names (no path separators, no ".."), so a request can only
+reach files under the agent's --out folder.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import re
+from typing import Any
+
+from ftrun.env.base import Env, EnvTimeout, NetError, PeerClosed
+from ftrun.launch.procs import SpawnLauncher
+
+AGENT_PORT = 29511
+MAX_READ = 1 << 20
+_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}$")
+
+
+class BadRequest(ValueError):
+    """A request the agent refuses; the message says which field is wrong."""
+
+
+def check_name(value: Any, what: str) -> str:
+    if not isinstance(value, str) or not _NAME.match(value) or ".." in value:
+        raise BadRequest(f"{what} must be a plain file name (letters, digits, _ . -), got {value!r:.80}")
+    return value
+
+
+def _int(msg: dict, key: str, low: int = 0) -> int:
+    value = msg.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise BadRequest(f"{key} must be an integer >= {low}, got {value!r:.80}")
+    return value
+
+
+def _strings(value: Any, what: str) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise BadRequest(f"{what} must be a list of strings")
+    return value
+
+
+def parse_request(msg: Any) -> dict:
+    """The request `msg` checked and normalized; BadRequest naming what is wrong."""
+    if not isinstance(msg, dict):
+        raise BadRequest("a request must be a map")
+    kind = msg.get("type")
+    if kind == "start":
+        argv = _strings(msg.get("argv"), "argv")
+        env = msg.get("env")
+        if not argv:
+            raise BadRequest("argv must not be empty")
+        if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+            raise BadRequest("env must map strings to strings")
+        return {"type": kind, "id": _int(msg, "id"), "job": check_name(msg.get("job"), "job"), "argv": argv,
+                "env": env, "stdout": check_name(msg.get("stdout"), "stdout"),
+                "stderr": check_name(msg.get("stderr"), "stderr")}
+    if kind == "poll":
+        ids = msg.get("ids")
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise BadRequest("ids must be a list of integers")
+        return {"type": kind, "ids": ids}
+    if kind == "kill":
+        return {"type": kind, "id": _int(msg, "id")}
+    if kind == "read":
+        where = msg.get("where")
+        if where not in ("logs", "run"):
+            raise BadRequest(f"where must be 'logs' or 'run', got {where!r:.80}")
+        return {"type": kind, "job": check_name(msg.get("job"), "job"), "where": where,
+                "name": check_name(msg.get("name"), "name"), "offset": _int(msg, "offset")}
+    if kind == "list":
+        prefix = msg.get("prefix", "")
+        if prefix:
+            check_name(prefix, "prefix")
+        return {"type": kind, "job": check_name(msg.get("job"), "job"), "prefix": prefix}
+    if kind in ("store", "bye"):
+        return {"type": kind}
+    raise BadRequest(f"unknown request type {kind!r:.80}")
+
+
+def check_hello(msg: Any, token: str) -> None:
+    """BadRequest unless `msg` is a hello carrying `token` (compared in constant time)."""
+    if not isinstance(msg, dict) or msg.get("type") != "hello" or not isinstance(msg.get("token"), str):
+        raise BadRequest("the first message must be a hello with the job token")
+    if not hmac.compare_digest(msg["token"].encode(), token.encode()):
+        raise BadRequest("wrong job token")
+
+
+class Agent:
+    """Serves launchers at `bind` ("host:port") until a bye. Threading: a task per connection; the
+    process table is shared under a lock."""
+
+    def __init__(self, *, env: Env, token: str, bind: str, out: str) -> None:
+        self.env, self.token, self.out = env, token, os.path.abspath(out)
+        self.host = bind.rpartition(":")[0]
+        self._listener = env.net.listen(bind)
+        self.addr = self._listener.addr
+        self._launcher = SpawnLauncher()
+        self._procs: dict[int, Any] = {}
+        self._stores: list = []
+        self._lock = env.lock()
+        self._done = env.event()
+
+    def serve(self) -> None:
+        """Accept until a bye; then kill what runs and return."""
+        self.env.spawn(self._accept_loop, name="agent-accept")
+        self._done.wait()
+        self.shutdown()
+
+    def _accept_loop(self) -> None:
+        while not self._done.is_set():
+            try:
+                conn = self._listener.accept(timeout=0.5)
+            except EnvTimeout:
+                continue
+            except NetError:
+                return
+            self.env.spawn(self._serve_conn, conn, name="agent-conn")
+
+    def _serve_conn(self, conn) -> None:
+        try:
+            check_hello(conn.recv(timeout=30.0), self.token)
+            conn.send({"ok": True})
+            while True:
+                msg = conn.recv(timeout=None)
+                try:
+                    reply = self.handle(parse_request(msg))
+                except (BadRequest, OSError) as e:
+                    reply = {"error": str(e)}
+                conn.send(reply)
+                if msg.get("type") == "bye":
+                    self._done.set()
+                    return
+        except BadRequest as e:
+            try:
+                conn.send({"error": str(e)})
+            except NetError:
+                pass
+        except (PeerClosed, NetError, EnvTimeout):
+            pass
+        finally:
+            conn.close()
+
+    def _job_dir(self, job: str) -> str:
+        path = os.path.join(self.out, job)
+        os.makedirs(os.path.join(path, "logs"), exist_ok=True)
+        return path
+
+    def handle(self, req: dict) -> dict:
+        kind = req["type"]
+        if kind == "start":
+            run_dir = self._job_dir(req["job"])
+            env = {**req["env"], "FTRUN_RUN_DIR": run_dir}
+            handle = self._launcher.start(req["argv"], env=env, cwd=os.getcwd(),
+                                          stdout=os.path.join(run_dir, "logs", req["stdout"]),
+                                          stderr=os.path.join(run_dir, "logs", req["stderr"]))
+            with self._lock:
+                self._procs[req["id"]] = handle
+            return {"pid": handle.pid}
+        if kind == "poll":
+            with self._lock:
+                procs = [self._procs.get(i) for i in req["ids"]]
+            return {"codes": [None if p is None else p.poll() for p in procs]}
+        if kind == "kill":
+            with self._lock:
+                proc = self._procs.get(req["id"])
+            if proc is None:
+                return {"error": f"no process {req['id']}"}
+            proc.kill()
+            return {"code": proc.wait()}
+        if kind == "read":
+            base = self._job_dir(req["job"])
+            path = os.path.join(base, "logs", req["name"]) if req["where"] == "logs" else os.path.join(base, req["name"])
+            try:
+                with open(path, "rb") as f:
+                    f.seek(req["offset"])
+                    data = f.read(MAX_READ)
+                    size = os.fstat(f.fileno()).st_size
+            except FileNotFoundError:
+                data, size = b"", 0
+            return {"data": data, "size": size}
+        if kind == "list":
+            base = self._job_dir(req["job"])
+            return {"names": sorted(n for n in os.listdir(base) if n.startswith(req["prefix"])
+                                    and os.path.isfile(os.path.join(base, n)))}
+        if kind == "store":
+            from ftrun.env.real_store import bound_store
+
+            store = bound_store(self.host, timeout_s=60)
+            with self._lock:
+                self._stores.append(store)
+            return {"port": store.port}
+        return {}  # bye
+
+    def shutdown(self) -> None:
+        with self._lock:
+            procs = list(self._procs.values())
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait(5.0)
+        self._listener.close()
