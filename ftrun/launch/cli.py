@@ -20,6 +20,10 @@ param_hash, per rank) and, from run_dir/audit-*.jsonl, the exactly-once audit. `
 the same job (seed, steps, script arguments) without failures and compares the losses at the same number
 of batches trained. With --json the last stdout line is one JSON object with all figures.
 
+Where it runs: this machine by default; `--netns-hosts N` a rehearsal on N network namespaces as hosts
+(netns_job.py, with host faults from host_faults.py); `--hosts FILE --host-index I` a job over real
+hosts, an agent on each (multihost.py, agent.py, remote.py). Options are declared in options.py.
+
 When things go wrong: bad flags exit 2 with a message naming the flag (checks.py). A crashed rank's
 error, with its traceback from the rank's stderr, is shown once per job (crashes.py); a replica that
 crashes --max-startup-failures times in a row with the same error, each time before its first commit or
