@@ -1,0 +1,68 @@
+"""The host agent and its launcher-side client over loopback (no root needed): start a process on the
+"remote" host, copy its output and audit file back, kill, refuse a wrong token and a path outside the
+agent's folder, and exit on bye leaving nothing behind."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from ftrun.env.real import RealEnv
+from ftrun.launch.agent import Agent
+from ftrun.launch.remote import AgentClient, AgentError, RemoteLauncher
+
+pytestmark = pytest.mark.timeout(120)
+
+WRITE = ("import os, sys; print('{\"event\": \"hello\"}', flush=True); "
+         "open(os.path.join(os.environ['FTRUN_RUN_DIR'], 'audit-r0.jsonl'), 'w').write('x' * 3000000)")
+
+
+@pytest.fixture
+def agent(tmp_path):
+    env = RealEnv()
+    a = Agent(env=env, token="tok", bind="127.0.0.1:0", out=str(tmp_path / "agent"))
+    task = env.spawn(a.serve, name="agent")
+    yield env, a
+    if not task.join(3.0):  # a test that said no bye
+        AgentClient(env, a.addr, "tok").call({"type": "bye"})
+    assert task.join(10.0)
+
+
+def test_start_copy_back_kill_and_bye(agent, tmp_path):
+    env, a = agent
+    local = tmp_path / "launcher"
+    (local / "logs").mkdir(parents=True)
+    remote = RemoteLauncher(env, a.addr, "tok", job="job1", run_dir=str(local))
+    h = remote.start(["-c", WRITE], env={"PATH": "/usr/bin:/bin"}, cwd="/", stdout=str(local / "logs" / "r0.0.0.out"),
+                     stderr=str(local / "logs" / "r0.0.0.log"))
+    assert h.wait(60) == 0
+    assert (local / "logs" / "r0.0.0.out").read_text() == '{"event": "hello"}\n'  # there before the exit is seen
+    remote.close()  # one more copy: the audit file in full (several 1 MiB reads)
+    assert (local / "audit-r0.jsonl").read_text() == "x" * 3000000
+    assert (tmp_path / "agent" / "job1" / "logs" / "r0.0.0.out").exists()
+
+    remote = RemoteLauncher(env, a.addr, "tok", job="job1", run_dir=str(local))
+    h = remote.start(["-c", "import time; time.sleep(60)"], env={}, cwd="/", stdout=str(local / "logs" / "s.out"),
+                     stderr=str(local / "logs" / "s.log"))
+    h.kill()
+    assert h.wait(30) == -9
+    remote.bye()
+
+
+def test_wrong_token_and_paths_outside_are_refused(agent):
+    env, a = agent
+    with pytest.raises(AgentError, match="wrong job token"):
+        AgentClient(env, a.addr, "guess")
+    client = AgentClient(env, a.addr, "tok")
+    with pytest.raises(AgentError, match="name must be a plain file name"):
+        client.call({"type": "read", "job": "j", "where": "run", "name": "../../etc/passwd", "offset": 0})
+    with pytest.raises(AgentError, match="no process 42"):
+        client.call({"type": "kill", "id": 42})
+    assert client.call({"type": "poll", "ids": [42]}) == {"codes": [None]}  # still usable after errors
+    client.close()
+
+
+def test_no_agent_is_a_clear_error():
+    with pytest.raises(AgentError, match="no agent at 127.0.0.1:9 .*--host-index"):
+        AgentClient(RealEnv(), "127.0.0.1:9", "tok", connect_timeout_s=0.5)
