@@ -14,6 +14,7 @@ every host; a wrong token closes the connection. Then one reply per request:
     read {job, where, name, offset} -> {data, size}       bytes of OUT/JOB/logs/NAME (where=logs) or
                                                           OUT/JOB/NAME (where=run) from offset (at most 1 MiB)
     list {job, prefix}      -> {names}                     files in OUT/JOB whose name starts with prefix
+    prepare {argv}          -> {fork_server}               load the zygote for this script now (else: first start)
     store {}                -> {port}                      a TCPStore on this host's address (a replica's rendezvous)
     bye {}                  -> {}                          kill every process, then the agent exits
 
@@ -93,6 +94,11 @@ def parse_request(msg: Any) -> dict:
         if prefix:
             check_name(prefix, "prefix")
         return {"type": kind, "job": check_name(msg.get("job"), "job"), "prefix": prefix}
+    if kind == "prepare":
+        argv = _strings(msg.get("argv"), "argv")
+        if not argv:
+            raise BadRequest("argv must not be empty")
+        return {"type": kind, "argv": argv}
     if kind in ("store", "bye"):
         return {"type": kind}
     raise BadRequest(f"unknown request type {kind!r:.80}")
@@ -110,12 +116,13 @@ class Agent:
     """Serves launchers at `bind` ("host:port") until a bye. Threading: a task per connection; the
     process table is shared under a lock."""
 
-    def __init__(self, *, env: Env, token: str, bind: str, out: str) -> None:
+    def __init__(self, *, env: Env, token: str, bind: str, out: str, fork_server: bool = False) -> None:
         self.env, self.token, self.out = env, token, os.path.abspath(out)
         self.host = bind.rpartition(":")[0]
         self._listener = env.net.listen(bind)
         self.addr = self._listener.addr
-        self._launcher = SpawnLauncher()
+        self._fork_server = fork_server  # fork ranks from a zygote preloaded for the first script started
+        self._launcher: Any = SpawnLauncher()
         self._procs: dict[int, Any] = {}
         self._stores: list = []
         self._lock = env.lock()
@@ -171,7 +178,7 @@ class Agent:
         if kind == "start":
             run_dir = self._job_dir(req["job"])
             env = {**req["env"], "FTRUN_RUN_DIR": run_dir}
-            handle = self._launcher.start(req["argv"], env=env, cwd=os.getcwd(),
+            handle = self._launcher_for(req["argv"]).start(req["argv"], env=env, cwd=os.getcwd(),
                                           stdout=os.path.join(run_dir, "logs", req["stdout"]),
                                           stderr=os.path.join(run_dir, "logs", req["stderr"]))
             with self._lock:
@@ -203,6 +210,9 @@ class Agent:
             base = self._job_dir(req["job"])
             return {"names": sorted(n for n in os.listdir(base) if n.startswith(req["prefix"])
                                     and os.path.isfile(os.path.join(base, n)))}
+        if kind == "prepare":
+            launcher = self._launcher_for(req["argv"])
+            return {"fork_server": getattr(launcher, "fallback_reason", "spawn") is None}
         if kind == "store":
             from ftrun.env.real_store import bound_store
 
@@ -212,6 +222,16 @@ class Agent:
             return {"port": store.port}
         return {}  # bye
 
+    def _launcher_for(self, argv: list[str]):
+        """The zygote (made on the first start, for that script: later starts of it are forks), or spawn."""
+        if self._fork_server and isinstance(self._launcher, SpawnLauncher):
+            from ftrun.launch.procs import ForkServer
+
+            module = argv[0] == "-m" and len(argv) > 1
+            self._launcher = ForkServer(env=self.env, script=argv[1] if module else argv[0], module=module,
+                                        cwd=os.getcwd(), log_path=os.path.join(self.out, "zygote.log"), run_dir=self.out)
+        return self._launcher
+
     def shutdown(self) -> None:
         with self._lock:
             procs = list(self._procs.values())
@@ -219,4 +239,5 @@ class Agent:
             p.kill()
         for p in procs:
             p.wait(5.0)
+        self._launcher.close()
         self._listener.close()

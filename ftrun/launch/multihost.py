@@ -91,7 +91,7 @@ def run_agent(args: argparse.Namespace, out: str) -> int:
     """This host's agent (--host-index > 0): serve the launcher until it says bye."""
     hosts = read_hosts(args.hosts)
     agent = Agent(env=RealEnv(), token=load_token(os.environ), bind=f"{hosts[args.host_index]}:{args.agent_port}",
-                  out=out)
+                  out=out, fork_server=args.start_method == "fork-server")
     print(f"ftrun launch: host {args.host_index} agent at {agent.addr}, files in {out}", flush=True)
     agent.serve()
     return 0
@@ -106,6 +106,10 @@ class MultiHostJob(_Job):
         job = os.path.basename(os.path.normpath(out)) or "job"
         self.remotes = {i: RemoteLauncher(env, f"{hosts[i]}:{args.agent_port}", load_token(os.environ), job=job,
                                           run_dir=out) for i in sorted(set(self.placement.values())) if i != 0}
+        argv = (["-m", args.script] if args.module else [args.script]) + list(args.script_args)
+        ready = [env.spawn(remote.prepare, argv, name="agent-prepare") for remote in self.remotes.values()]
+        for task in ready:  # every host's zygote loads at once, before any replica starts
+            task.join(200.0)
         self.stores: dict[int, int] = {}
         super().__init__(env, args, out, launcher, inject=inject, say=say)
 

@@ -17,6 +17,7 @@ from typing import Any
 from ftrun.env.base import ConnectError, Env, NetError
 
 POLL_S = 0.1
+START_TIMEOUT_S = 180.0  # the agent's first start preloads its zygote (imports, warm-up)
 RUN_FILES = "audit-"  # the run-dir files gathered from every host (the exactly-once audit's logs)
 
 
@@ -105,10 +106,15 @@ class RemoteLauncher:
             for path in (stdout, stderr):
                 self._mirrors[("logs", os.path.basename(path))] = [path, 0]
         reply = self.client.call({"type": "start", "id": ident, "job": self.job, "argv": list(argv), "env": env,
-                                  "stdout": os.path.basename(stdout), "stderr": os.path.basename(stderr)})
+                                  "stdout": os.path.basename(stdout), "stderr": os.path.basename(stderr)},
+                                 timeout=START_TIMEOUT_S)
         with self._lock:
             self._running.append(ident)
         return RemoteHandle(self, ident, reply["pid"])
+
+    def prepare(self, argv: list[str]) -> None:
+        """Have the agent load its zygote for `argv`'s script now, so that starting ranks is quick."""
+        self.client.call({"type": "prepare", "argv": list(argv)}, timeout=START_TIMEOUT_S)
 
     def store_port(self) -> int:
         """A rendezvous store on the agent's host (for the replicas placed there)."""

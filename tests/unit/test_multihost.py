@@ -52,3 +52,9 @@ def test_hello_needs_the_token():
         check_hello({"type": "hello", "token": "guess"}, "s3cret")
     with pytest.raises(BadRequest, match="first message"):
         check_hello({"type": "start"}, "s3cret")
+
+
+def test_prepare_needs_an_argv():
+    assert parse_request({"type": "prepare", "argv": ["-m", "x"]}) == {"type": "prepare", "argv": ["-m", "x"]}
+    with pytest.raises(BadRequest, match="argv must not be empty"):
+        parse_request({"type": "prepare", "argv": []})
