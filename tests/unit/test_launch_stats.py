@@ -171,3 +171,16 @@ def test_fork_server_forgets_an_exit_code_when_its_pid_is_reused():
     server._read()
     assert server.exit_codes == {}  # pid 41 is the new child now, and it has not exited
     assert [server._replies.get(timeout=1)["id"] for _ in range(2)] == [1, 2]
+
+
+def test_user_state_identical_compares_user_state_hash_when_steps_report_one():
+    s = RunStats(2)
+    s.add(stepped("r0", 0))
+    s.add(stepped("r1", 0))
+    assert s.user_state_identical is None and s.user_state_checks == 0  # no step carried one
+    s.add({**stepped("r0", 1), "user_state_hash": "u1"})
+    s.add({**stepped("r1", 1), "user_state_hash": "u1"})
+    assert s.user_state_identical is True and s.user_state_checks == 1
+    s.add({**stepped("r0", 2), "user_state_hash": "u2"})
+    s.add({**stepped("r1", 2), "user_state_hash": "EMA drifted"})
+    assert s.user_state_identical is False and s.user_state_divergences == 1
