@@ -31,7 +31,7 @@ class AgentClient:
         deadline = env.clock.now() + connect_timeout_s
         while True:  # the agent may still be starting
             try:
-                self._conn = env.net.connect(addr, timeout=5.0)
+                self._conn = env.net.connect(addr, timeout=min(5.0, connect_timeout_s))
                 break
             except (ConnectError, NetError) as e:
                 if env.clock.now() > deadline:
