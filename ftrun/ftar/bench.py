@@ -56,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
 
         ok, why = available()
         if not ok:
-            print(f"ftrun bench ftar: error: --netns: network namespaces cannot be created here: {why}", file=sys.stderr)
+            print(f"ftrun bench ftar: error: --netns: network namespaces cannot be created here: {why}",
+                  file=sys.stderr)
             return 2
     for procs in counts:
         if args.netns:

@@ -197,7 +197,8 @@ class Agent:
             return {"code": proc.wait()}
         if kind == "read":
             base = self._job_dir(req["job"])
-            path = os.path.join(base, "logs", req["name"]) if req["where"] == "logs" else os.path.join(base, req["name"])
+            folder = os.path.join(base, "logs") if req["where"] == "logs" else base
+            path = os.path.join(folder, req["name"])
             try:
                 with open(path, "rb") as f:
                     f.seek(req["offset"])
@@ -229,7 +230,8 @@ class Agent:
 
             module = argv[0] == "-m" and len(argv) > 1
             self._launcher = ForkServer(env=self.env, script=argv[1] if module else argv[0], module=module,
-                                        cwd=os.getcwd(), log_path=os.path.join(self.out, "zygote.log"), run_dir=self.out)
+                                        cwd=os.getcwd(), log_path=os.path.join(self.out, "zygote.log"),
+                                        run_dir=self.out)
         return self._launcher
 
     def shutdown(self) -> None:

@@ -70,7 +70,8 @@ def hosts_problems(args: argparse.Namespace) -> list[str]:
     except (OSError, ValueError) as e:
         return [f"--hosts {args.hosts}: {getattr(e, 'strerror', None) or e}"]
     if args.host_index is None or not 0 <= args.host_index < len(hosts):
-        out.append(f"--host-index must be 0..{len(hosts) - 1} (this host's line in {args.hosts}), got {args.host_index}")
+        out.append(f"--host-index must be 0..{len(hosts) - 1} (this host's line in {args.hosts}), "
+                   f"got {args.host_index}")
     if args.netns_hosts is not None:
         out.append("--hosts and --netns-hosts: choose one")
     try:
@@ -144,7 +145,8 @@ class MultiHostJob(_Job):
     def host_figures(self) -> dict:
         return {"hosts": len(self.host_addrs), "host_layout": [
             {"index": i, "addr": addr, "lighthouse": i == self.lighthouse_host,
-             "replicas": sorted(r for r, h in self.placement.items() if h == i)} for i, addr in enumerate(self.host_addrs)]}
+             "replicas": sorted(r for r, h in self.placement.items() if h == i)}
+            for i, addr in enumerate(self.host_addrs)]}
 
 
 def job_factory(hosts: list[str], made: list[MultiHostJob]):

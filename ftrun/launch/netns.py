@@ -111,7 +111,8 @@ def _two_band_commands(cfg: NetnsConfig, i: int) -> list[list[str]]:
     for prefix, dev, field in (([], outer, "src"), (["ip", "netns", "exec", cfg.namespace(i)], inner, "dst")):
         tc = [*prefix, "tc"]
         out += [[*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "prio", "bands", "2", "priomap", *["0"] * 16],
-                [*tc, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", *_netem(cfg.delay_ms, cfg.rate_mbit)],
+                [*tc, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:",
+                 *_netem(cfg.delay_ms, cfg.rate_mbit)],
                 [*tc, "qdisc", "add", "dev", dev, "parent", "1:2", "handle", "20:", *_netem(cross, cfg.rate_mbit)]]
         out += [[*tc, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32", "match", "ip",
                  field, f"{addr}/32", "flowid", "1:2"] for addr in far]

@@ -36,7 +36,8 @@ from ftrun.quorum.service import Lighthouse
 def netns_config(args: argparse.Namespace) -> NetnsConfig:
     """The namespaces `args` asks for (ValueError naming what is wrong)."""
     return NetnsConfig(num_hosts=args.netns_hosts, delay_ms=args.netns_delay * 1e3, rate_mbit=args.netns_rate or None,
-                       buildings=min(args.netns_buildings, args.netns_hosts), cross_delay_ms=args.netns_cross_delay * 1e3)
+                       buildings=min(args.netns_buildings, args.netns_hosts),
+                       cross_delay_ms=args.netns_cross_delay * 1e3)
 
 
 def netns_problems(args: argparse.Namespace) -> list[str]:

@@ -12,7 +12,8 @@ from ftrun.launch.host_faults import KINDS, parse_kinds
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--replicas", type=positive_int, default=3, help="replicas (units of failure) (default: %(default)s)")
+    p.add_argument("--replicas", type=positive_int, default=3,
+                   help="replicas (units of failure) (default: %(default)s)")
     p.add_argument("--ranks-per-replica", type=positive_int, default=1,
                    help="rank processes per replica (default: %(default)s)")
     p.add_argument("--steps", type=positive_int, required=True,

@@ -35,8 +35,8 @@ def test_a_hosts_file_job_gathers_every_hosts_logs_and_audit(netns_hosts, tmp_pa
     try:
         for i in (1, 2):
             with open(tmp_path / f"agent{i}.log", "wb") as log:
-                procs.append(hosts.popen(i, [*cli, "--host-index", str(i), "--out", str(tmp_path / f"agent{i}"), *common],
-                                         env=env, stdout=log, stderr=log, cwd=ROOT, start_new_session=True))
+                argv = [*cli, "--host-index", str(i), "--out", str(tmp_path / f"agent{i}"), *common]
+                procs.append(hosts.popen(i, argv, env=env, stdout=log, stderr=log, cwd=ROOT, start_new_session=True))
         job = hosts.popen(0, [*cli, "--host-index", "0", "--out", str(tmp_path / "job"), "--json", *common], env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True)
         procs.append(job)
@@ -61,7 +61,7 @@ def test_a_hosts_file_job_gathers_every_hosts_logs_and_audit(netns_hosts, tmp_pa
         for p in written:
             assert (job_dir / "logs" / p.name).read_bytes() == p.read_bytes(), p.name
     audits = sorted(p.name for p in job_dir.glob("audit-*.jsonl"))
-    assert audits and {a for a in audits} == {p.name for i in (1, 2) for p in (tmp_path / f"agent{i}" / "job").glob("audit-*")}
+    assert audits and set(audits) == {p.name for i in (1, 2) for p in (tmp_path / f"agent{i}" / "job").glob("audit-*")}
     # the ranks ran on their hosts: the agents' folders hold their own replica's logs only
     assert {p.name.split(".")[0] for p in (tmp_path / "agent1" / "job" / "logs").iterdir()} == {"r0"}
     assert {p.name.split(".")[0] for p in (tmp_path / "agent2" / "job" / "logs").iterdir()} == {"r1"}

@@ -63,8 +63,8 @@ def test_launch_on_namespace_hosts_with_host_faults(tmp_path):
 
 
 def test_bench_ftar_across_namespaces_reports_hosts():
-    proc = subprocess.run([sys.executable, "-m", "ftrun.cli", "bench", "ftar", "--netns", "--procs", "2", "--sizes", "1M",
-                           "--iters", "1", "--json"], capture_output=True, text=True, timeout=200, cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "ftrun.cli", "bench", "ftar", "--netns", "--procs", "2",
+                           "--sizes", "1M", "--iters", "1", "--json"], capture_output=True, text=True, timeout=200, cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": ROOT})
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -26,7 +26,8 @@ def test_agent_requests_are_checked():
     ok = parse_request({"type": "start", "id": 1, "job": "run1", "argv": ["-m", "x"], "env": {"A": "1"},
                         "stdout": "r0.0.0.out", "stderr": "r0.0.0.log"})
     assert ok["argv"] == ["-m", "x"] and ok["job"] == "run1"
-    assert parse_request({"type": "read", "job": "j", "where": "run", "name": "audit-r0.jsonl", "offset": 5})["offset"] == 5
+    read = parse_request({"type": "read", "job": "j", "where": "run", "name": "audit-r0.jsonl", "offset": 5})
+    assert read["offset"] == 5
     assert parse_request({"type": "bye"}) == {"type": "bye"}
 
 
