@@ -67,12 +67,11 @@ def test_dead_replica_is_removed_at_once(env):
     clients = [client(env, lh, f"r{i}") for i in range(3)]
     ask_all(env, clients, [1, 1, 1])
     clients[2].close()  # the connection drops, as when the process is killed
-    t0 = env.clock.now()
     got = ask_all(env, clients[:2], [2, 2])
-    elapsed = env.clock.now() - t0
     assert got["r0"].replica_ids == ("r0", "r1") and got["r0"].quorum_id == 2
-    assert elapsed < TIMEOUTS.heartbeat_timeout_s, "survivors must not wait for a heartbeat timeout"
-    assert any(h["event"] == "member_lost" and h["replica_id"] == "r2" for h in lh.history)
+    # seen through the closed connection ("lost"), not a heartbeat timeout ("hung"); the time it takes is
+    # measured by benchmarks/detection.py (a wall-clock bound here would break under load)
+    assert [h["why"] for h in lh.history if h["event"] == "member_lost" and h["replica_id"] == "r2"] == ["lost"]
     for c in clients[:2]:
         c.close()
     lh.stop()
