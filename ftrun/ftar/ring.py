@@ -9,6 +9,11 @@ The listener also takes abort requests, `{token, abort: epoch}` (`abort_request`
 sends one to each of its ranks when the lighthouse says a participant of that epoch's quorum hung, so
 every rank of the replica, not just the leader, gives up on that ring within the heartbeat timeout.
 The token is checked; the connection is closed without a reply.
+
+And liveness pings, `{token, ping: n}` (`ping_request`): the leader's rank watch (ftrun.replica.rank_watch)
+keeps one connection to each other rank of its replica and expects `{pong: n}` for every ping, answered
+by the rank's greeter task. A rank frozen (SIGSTOP) or wedged stops answering; its leader then stops
+heartbeating, so the lighthouse evicts the replica and tells its peers, whose every rank gives up.
 """
 
 from __future__ import annotations
@@ -51,15 +56,20 @@ def abort_request(token: str, epoch: int) -> dict:
     return {"token": token, "abort": epoch}
 
 
+def ping_request(token: str, n: int) -> dict:
+    """A liveness ping (the first one on a connection is its greeting); the rank answers {"pong": n}."""
+    return {"token": token, "ping": n}
+
+
 def parse_greeting(msg: Any, token: str) -> tuple[str, int] | None:
-    """("ring", epoch) for a ring connection's hello, ("abort", epoch) for an abort request, None for
-    anything else (wrong token, malformed). Pure."""
+    """("ring", epoch) for a ring connection's hello, ("abort", epoch) for an abort request, ("ping", n)
+    for a liveness ping, None for anything else (wrong token, malformed). Pure."""
     if not isinstance(msg, dict):
         return None
     got = msg.get("token")
     if not isinstance(got, str) or not hmac.compare_digest(got.encode(), token.encode()):
         return None
-    for kind, key in (("abort", "abort"), ("ring", "epoch")):
+    for kind, key in (("abort", "abort"), ("ping", "ping"), ("ring", "epoch")):
         value = msg.get(key)
         if key in msg:
             if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_EPOCH:
@@ -99,12 +109,28 @@ class RingListener:
             conn.close()
             return
         greeting = parse_greeting(hello, self._token)
+        if greeting is not None and greeting[0] == "ping":
+            self._answer_pings(conn, greeting[1])
+            return
         if greeting is None or greeting[0] == "abort":
             conn.close()  # wrong job or malformed hello: nothing to say to it; an abort needs no reply
             if greeting is not None and self.on_abort is not None:
                 self.on_abort(greeting[1])
             return
         self._arrivals.put((greeting[1], conn))
+
+    def _answer_pings(self, conn: Connection, n: int) -> None:
+        """Answer the leader's liveness pings on this connection until it closes."""
+        try:
+            while True:
+                conn.send({"pong": n}, timeout=10.0)
+                greeting = parse_greeting(conn.recv(timeout=None), self._token)
+                if greeting is None or greeting[0] != "ping":
+                    break
+                n = greeting[1]
+        except NetError:
+            pass
+        conn.close()
 
     def wake(self, epoch: int) -> None:
         """Make a `take` waiting for `epoch` give up now (the epoch was aborted)."""

@@ -51,6 +51,9 @@ class LighthouseClient:
     lighthouse's heartbeat timeout instead of its own FTAR timeout."""
 
     telemetry = None  # this rank's ftrun.diagnose.telemetry.Recorder, when root-cause telemetry is on
+    # Whether the whole replica is alive (ftrun.replica.rank_watch); while it says no, no heartbeats go
+    # out, so the lighthouse declares the replica hung. None: the leader's own liveness is the replica's.
+    healthy: Callable[[], bool] | None = None
 
     def __init__(self, *, env: Env, addr: str, token: str, replica_id: str, timeouts: Timeouts,
                  on_peer_hung: PeerHungFn | None = None) -> None:
@@ -170,10 +173,20 @@ class LighthouseClient:
     def _heartbeat_loop(self, conn: Connection) -> None:
         while not conn.closed:
             try:
-                conn.send({"type": "heartbeat"}, timeout=self.timeouts.heartbeat_timeout_s)
+                if self._replica_healthy():
+                    conn.send({"type": "heartbeat"}, timeout=self.timeouts.heartbeat_timeout_s)
             except (NetError, PeerClosed):
                 return
             self.env.clock.sleep(self.timeouts.heartbeat_interval_s)
+
+    def _replica_healthy(self) -> bool:
+        if self.healthy is None:
+            return True
+        try:
+            return bool(self.healthy())
+        except Exception as e:  # the watch is an optimisation: never let it stop the heartbeats
+            log.warning("checking the replica's ranks failed: %r", e)
+            return True
 
     def _drop(self) -> None:
         if self._conn is not None:

@@ -3,7 +3,7 @@ real processes: 2 replicas x 2 ranks of ftrun.train.ft_worker; both ranks of r1 
 Each rank r of r0 is in a ring with rank r of r1 only, so the lighthouse's notice to r0's leader alone
 would end rank 0's all-reduce but leave rank 1 waiting out its FTAR timeout (and rank 0 with it, in the
 commit vote). The leader forwards the abort to its other ranks' FTAR listeners, so r0 commits alone
-after about the heartbeat timeout. The FTAR timeout is 30 s; the test checks the stall against half of
+after about the heartbeat timeout. Also with only r1's non-leader rank frozen (the leader's rank watch). The FTAR timeout is 30 s; the test checks the stall against half of
 it, a bound load cannot break (`benchmarks/detection.py` measures it precisely)."""
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ HEARTBEAT_TIMEOUT = 1.0
 IDS = ("r0", "r1")
 
 
-def run_hung_peer(tmp_path, *, ftar_timeout: float = FTAR_TIMEOUT) -> dict:
-    """Start the job, freeze both ranks of r1 after 3 steps, and wait until r0 commits without it on both
-    ranks. Returns {stall_s, errors (r0's, after the freeze), lost (the lighthouse's member_lost)}."""
+def run_hung_peer(tmp_path, *, ftar_timeout: float = FTAR_TIMEOUT, freeze: tuple[int, ...] = (0, 1)) -> dict:
+    """Start the job, freeze the ranks `freeze` of r1 after 3 steps, and wait until r0 commits without it
+    on both ranks. Returns {stall_s, errors (r0's, after the freeze), lost (the lighthouse's member_lost)}."""
     env = RealEnv()
     token = secrets.token_hex(8)
     lighthouse = Lighthouse(env=env, token=token, config=LighthouseConfig(min_replicas=1, timeouts=Timeouts(
@@ -66,8 +66,8 @@ def run_hung_peer(tmp_path, *, ftar_timeout: float = FTAR_TIMEOUT) -> dict:
         for rep in reps.values():
             rep.start()
         pump(lambda: all(len(commits(r, k)) >= 3 for r in IDS for k in (0, 1)))
-        for p in reps["r1"].procs:  # both ranks: every ring of r0 goes through a frozen rank
-            os.kill(p.pid, signal.SIGSTOP)
+        for rank in freeze:
+            os.kill(reps["r1"].procs[rank].pid, signal.SIGSTOP)
         frozen = env.clock.now()
         seen = {k: len(commits("r0", k)) for k in (0, 1)}
         pump(lambda: all(any(e["participants"] == ["r0"] for e in commits("r0", k)[seen[k]:]) for k in (0, 1)))
@@ -87,10 +87,14 @@ def run_hung_peer(tmp_path, *, ftar_timeout: float = FTAR_TIMEOUT) -> dict:
         lighthouse.stop()
 
 
-def test_both_ranks_of_a_frozen_replica_are_given_up_on_within_the_heartbeat_timeout(tmp_path):
-    got = run_hung_peer(tmp_path)
+@pytest.mark.parametrize("freeze", [(0, 1), (1,)], ids=["both-ranks", "non-leader-rank"])
+def test_a_frozen_replica_is_given_up_on_by_every_rank_within_the_heartbeat_timeout(tmp_path, freeze):
+    """both-ranks: the lighthouse sees r1's leader go silent. non-leader-rank: r1's leader runs on, but
+    its rank watch (ftrun.replica.rank_watch) sees rank 1 stop answering and stops the heartbeats, so the
+    lighthouse declares r1 hung as well (about two heartbeat timeouts in all)."""
+    got = run_hung_peer(tmp_path, freeze=freeze)
     assert got["lost"] and got["lost"][0]["why"] == "hung", got["lost"]
     assert got["stall_s"] < FTAR_TIMEOUT / 2, got  # not the FTAR timeout on rank 1
     assert not any("Timeout" in err or "within" in err for _, err in got["errors"]), got["errors"]
-    print(f"\n[hung peer, all ranks] r0 committed alone on both ranks {got['stall_s']:.2f}s after both ranks "
+    print(f"\n[hung peer, all ranks] r0 committed alone on both ranks {got['stall_s']:.2f}s after ranks {freeze} "
           f"of r1 were SIGSTOPped (heartbeat timeout {HEARTBEAT_TIMEOUT} s, FTAR timeout {FTAR_TIMEOUT} s)")
