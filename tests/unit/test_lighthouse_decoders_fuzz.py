@@ -8,7 +8,7 @@ valid ones with one part replaced by an arbitrary msgpack value (ints to 2^64 - 
 edges, floats, bytes, deep nesting), packed and decoded as the reader does; plus raw bytes.
 
 The default suite runs a few examples per decoder (the `decoders` profile); HYPOTHESIS_PROFILE=fuzz
-runs 100,000 examples per decoder:
+runs 100,000 examples per decoder (FUZZ_EXAMPLES=N for another count):
 
     HYPOTHESIS_PROFILE=fuzz .venv/bin/python -m pytest -q -m fuzz -p no:randomly -o timeout=0 \\
         --hypothesis-show-statistics tests/unit/test_lighthouse_decoders_fuzz.py
@@ -33,8 +33,8 @@ pytestmark = pytest.mark.fuzz
 
 settings.register_profile("decoders", max_examples=40, deadline=None, database=None, derandomize=True,
                           suppress_health_check=list(HealthCheck))
-settings.register_profile("fuzz", max_examples=100_000, deadline=None, database=None,
-                          suppress_health_check=list(HealthCheck))
+settings.register_profile("fuzz", max_examples=int(os.environ.get("FUZZ_EXAMPLES", "100000")), deadline=None,
+                          database=None, suppress_health_check=list(HealthCheck))
 PROFILE = settings(settings.get_profile("fuzz" if os.environ.get("HYPOTHESIS_PROFILE") == "fuzz" else "decoders"))
 
 EDGES = [0, -1, 2**52, 2**52 + 1, 2**53 - 1, 2**53, 2**63 - 1, 2**64 - 1, -2**63]
