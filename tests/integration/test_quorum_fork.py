@@ -26,7 +26,7 @@ IDS = ("r0", "r1", "r2")
 STEPS = 40
 
 
-def test_a_replica_frozen_while_the_others_finish_is_refused_instead_of_forking(tmp_path):
+def test_a_replica_frozen_while_the_others_finish_is_told_the_job_finished_instead_of_forking(tmp_path):
     env = RealEnv()
     lighthouse = Lighthouse(env=env, token=(token := secrets.token_hex(8)), storage=FileStorage(tmp_path / "lh"),
                             config=LighthouseConfig(min_replicas=1, timeouts=Timeouts(
