@@ -27,7 +27,7 @@ test-scale: setup
 
 # Every on-disk/wire decoder, 100,000 hypothesis examples each (the default suite runs a few).
 test-fuzz: setup
-	HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -q -m fuzz -p no:randomly -o timeout=0 --hypothesis-show-statistics tests/unit/test_decoders_fuzz.py
+	HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -q -m fuzz -p no:randomly -o timeout=0 --hypothesis-show-statistics tests/unit/test_decoders_fuzz.py tests/unit/test_lighthouse_decoders_fuzz.py
 
 # Multi-host tests on one machine (network namespaces as hosts: needs root, skips cleanly without) and
 # real torchrun jobs; about a minute each, so outside `make test`.

@@ -10,6 +10,13 @@ neighbours' operations at once (PeerClosed), and so on around the ring, so every
 within milliseconds instead of waiting out a timeout. Queued sends are dropped; the ring must be rebuilt
 with `reconfigure` before the next all-reduce; the data buffer holds partial sums and must be refilled.
 Bad arguments or a kernel failure raise FatalError.
+
+Abort. `abort(epoch)`, from another task or through the listener's abort request (ring.abort_request,
+sent by the replica's leader when the lighthouse says a participant of that quorum hung), ends this
+rank's use of ring `epoch` in every phase: a running all-reduce and a ring being built (connect, the
+previous rank's arrival, transport negotiation) fail at once with RecoverableError, and a later
+reconfigure or all-reduce of that epoch fails at once too (the abort may come before this rank reaches
+the exchange). Epochs are quorum ids: the next quorum, without the hung replica, has a higher one.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import numpy as np
 
 from ftrun.env.base import Env, NetError
 from ftrun.ftar.kernels import DType, Kernels
-from ftrun.ftar.ring import FatalError, RecoverableError, RingLinks, RingListener, connect_ring
+from ftrun.ftar.ring import FatalError, RecoverableError, RingLinks, RingListener, abort_request, connect_ring
 from ftrun.ftar.run import RingRun
 from ftrun.ftar.schedule import Schedule, schedule
 from ftrun.ftar.shm import SharedSlots, host_identity
@@ -70,9 +77,12 @@ class FtarEngine:
         warmup = getattr(kernels, "warmup", None)
         if warmup is not None:
             warmup()  # load compiled kernels now: a first all-reduce must not stall its ring for a second
-        self._listener = RingListener(env, token, bind, advertise_host)
-        self.addr = self._listener.addr  # publish as this rank's "ftar" endpoint
+        self._lock = env.lock()  # guards the abort state below against abort() from other tasks
+        self.aborted_epoch = -1  # the highest epoch aborted: its ring is never (re)used
+        self._building: tuple[int, list] | None = None  # (epoch, connections) of a ring being built
         self._links: RingLinks | None = None
+        self._listener = RingListener(env, token, bind, advertise_host, on_abort=self.abort)
+        self.addr = self._listener.addr  # publish as this rank's "ftar" endpoint
         self._ring: tuple[int, int] = (0, 0)  # (size, index)
         self._staging = np.empty(0, np.uint8)
         self._own_slots: SharedSlots | None = None  # our staging, mapped by the next rank
@@ -99,16 +109,35 @@ class FtarEngine:
         t = self.config.timeout_s if timeout is None else timeout
         if t <= 0:
             raise FatalError(f"reconfigure timeout must be > 0, got {t}")
-        links = connect_ring(self.env, self._listener, self._token, epoch=epoch, ring=ring, index=index, timeout=t)
-        if len(ring) > 1:
-            try:
-                self._negotiate(links, t, joining=joining)
-            except (NetError, ValueError, OSError, KeyError, TypeError) as e:
-                links.close()
-                self._drop_shared()
-                raise RecoverableError(f"ring epoch {epoch}: transport negotiation failed: {e}") from e
-        self._links = links
+        building: list = []
+        with self._lock:
+            self._check_not_aborted(epoch)
+            self._building = (epoch, building)
+        try:
+            links = connect_ring(self.env, self._listener, self._token, epoch=epoch, ring=ring, index=index,
+                                 timeout=t, building=building)
+            if len(ring) > 1:
+                try:
+                    self._negotiate(links, t, joining=joining)
+                except (NetError, ValueError, OSError, KeyError, TypeError) as e:
+                    links.close()
+                    self._drop_shared()
+                    raise RecoverableError(f"ring epoch {epoch}: transport negotiation failed: {e}") from e
+            with self._lock:
+                self._building = None
+                if epoch <= self.aborted_epoch:  # aborted between the last wait and here
+                    links.close()
+                    self._drop_shared()
+                    self._check_not_aborted(epoch)
+                self._links = links
+        finally:
+            with self._lock:
+                self._building = None
         self._ring = (len(ring), index)
+
+    def _check_not_aborted(self, epoch: int) -> None:
+        if epoch <= self.aborted_epoch:
+            raise RecoverableError(f"ring epoch {epoch} was aborted (a participant of its quorum hung)")
 
     def _negotiate(self, links: RingLinks, t: float, *, joining: bool) -> None:
         """Pick each link's transport: the next rank tells us its host (backward); if it is ours we share
@@ -154,6 +183,11 @@ class FtarEngine:
         links = self._links
         if links is None:
             raise FatalError("all_reduce before reconfigure (or after a failed one): rebuild the ring first")
+        if links.epoch <= self.aborted_epoch:
+            self._links = None
+            links.close()
+            self._drop_shared()
+            raise RecoverableError(f"ring epoch {links.epoch} was aborted (a participant of its quorum hung)")
         dt = DType.parse(dtype if dtype is not None else buf.dtype)
         if isinstance(buf, np.ndarray) and buf.flags.c_contiguous and buf.flags.writeable:
             data = buf.reshape(-1).view(np.uint8)
@@ -188,14 +222,37 @@ class FtarEngine:
         return self._staging
 
     def abort(self, epoch: int) -> bool:
-        """Close the ring of `epoch` from another task (a peer is known to hang): a blocked all_reduce
-        fails at once with RecoverableError instead of waiting out timeout_s. False if the ring is not
-        that epoch's (already rebuilt, or none)."""
-        links = self._links
-        if links is None or links.epoch != epoch:
+        """Give up on ring `epoch` from another task (a participant of that quorum hung): a blocked
+        all_reduce or reconfigure of it fails at once with RecoverableError instead of waiting out its
+        timeout, and so does any later use of it. True if a ring of that epoch was built or being built."""
+        with self._lock:
+            self.aborted_epoch = max(self.aborted_epoch, epoch)
+            links, building = self._links, self._building
+            hit = False
+            if building is not None and building[0] <= epoch:
+                for conn in list(building[1]):
+                    conn.close()
+                self._listener.wake(building[0])
+                hit = True
+            if links is not None and links.epoch <= epoch:
+                links.close()
+                hit = True
+        return hit
+
+    def send_abort(self, addr: str, epoch: int, timeout: float) -> bool:
+        """Ask the rank listening at `addr` (its "ftar" endpoint) to abort ring `epoch`. False if it could
+        not be reached (it may be gone: then its ring fails anyway)."""
+        try:
+            conn = self.env.net.connect(addr, timeout=timeout)
+        except NetError:
             return False
-        links.close()
-        return True
+        try:
+            conn.send(abort_request(self._token, epoch), timeout=timeout)
+            return True
+        except NetError:
+            return False
+        finally:
+            conn.close()
 
     def close(self) -> None:
         if self._links is not None:

@@ -117,7 +117,8 @@ def _report(args, log: list[dict], marks: dict[str, float], history: list[dict])
         quorum_of[e["step"] - 1] = e["quorum_id"]
     _print_participants(by_step, quorum_of)
     kill, restart = marks.get("kill"), marks.get("restart")
-    lost = [h["t"] for h in history if h["event"] == "member_lost" and kill and h["t"] >= kill]
+    lost_events = [h for h in history if h["event"] == "member_lost" and kill and h["t"] >= kill]
+    lost = [h["t"] for h in lost_events]
     detection = lost[0] - kill if lost else None
     survivors = [e["t"] for e in commits if e["replica_id"] != "r1" and kill and e["t"] > kill]
     next_commit = min(survivors) - kill if survivors else None
@@ -134,6 +135,7 @@ def _report(args, log: list[dict], marks: dict[str, float], history: list[dict])
         "complete": complete,
         "steps_committed": per_replica,
         "detection_s": detection,
+        "detected_by": lost_events[0].get("why") if lost_events else None,  # "lost": a closed connection
         "survivor_next_commit_s": next_commit,
         "survivor_max_gap_s": max(gaps) if gaps else None,
         "step_time_s": args.step_time,

@@ -32,6 +32,15 @@ class LighthouseRejected(QuorumError):
     """The lighthouse refused a message; the text is its reason (wrong token, malformed request...)."""
 
 
+class JobFinished(QuorumError):
+    """The job was reported finished at a later step than this replica's (ftrun.quorum.decide rule 0):
+    the replica is stale and exits (status 0) instead of training."""
+
+    def __init__(self, message: str, step: int) -> None:
+        super().__init__(message)
+        self.step = step
+
+
 PeerHungFn = Callable[[str, int], None]  # (replica_id, quorum_id): a participant of that quorum hung
 
 
@@ -42,6 +51,9 @@ class LighthouseClient:
     lighthouse's heartbeat timeout instead of its own FTAR timeout."""
 
     telemetry = None  # this rank's ftrun.diagnose.telemetry.Recorder, when root-cause telemetry is on
+    # Whether the whole replica is alive (ftrun.replica.rank_watch); while it says no, no heartbeats go
+    # out, so the lighthouse declares the replica hung. None: the leader's own liveness is the replica's.
+    healthy: Callable[[], bool] | None = None
 
     def __init__(self, *, env: Env, addr: str, token: str, replica_id: str, timeouts: Timeouts,
                  on_peer_hung: PeerHungFn | None = None) -> None:
@@ -96,7 +108,28 @@ class LighthouseClient:
             if self.telemetry: self.telemetry.quorum_got(decision.max_step, decision.quorum_id)
             return decision
 
+    def report_finished(self, step: int) -> bool:
+        """Tell the lighthouse this replica committed the job's final step (`step` steps), so a stale
+        replica asking later is told the job finished (rule 0). Waits for the acknowledgement up to
+        connect_timeout_s; False (logged) if it did not come: the job's outcome does not depend on it."""
+        timeout = self.timeouts.connect_timeout_s
+        try:
+            conn, replies = self._connected(timeout)
+            _drain(replies)
+            conn.send({"type": "finished", "step": step}, timeout=timeout)
+            reply = replies.get(timeout=timeout)
+        except (NetError, EnvTimeout, QuorumError) as e:
+            log.warning("could not report the job finished at step %d to the lighthouse: %s", step, e)
+            return False
+        if not reply or reply.get("type") != "finished_ack":
+            log.warning("the lighthouse answered %r to the job's finished report", reply)
+            return False
+        return True
+
     def _decision(self, reply: dict) -> Decision:
+        if reply.get("type") == "job_finished":
+            step = reply.get("step")
+            raise JobFinished(str(reply.get("error")), step if isinstance(step, int) else -1)
         if reply.get("type") == "error":
             raise LighthouseRejected(str(reply.get("error")))
         if reply.get("type") != "quorum":
@@ -140,10 +173,20 @@ class LighthouseClient:
     def _heartbeat_loop(self, conn: Connection) -> None:
         while not conn.closed:
             try:
-                conn.send({"type": "heartbeat"}, timeout=self.timeouts.heartbeat_timeout_s)
+                if self._replica_healthy():
+                    conn.send({"type": "heartbeat"}, timeout=self.timeouts.heartbeat_timeout_s)
             except (NetError, PeerClosed):
                 return
             self.env.clock.sleep(self.timeouts.heartbeat_interval_s)
+
+    def _replica_healthy(self) -> bool:
+        if self.healthy is None:
+            return True
+        try:
+            return bool(self.healthy())
+        except Exception as e:  # the watch is an optimisation: never let it stop the heartbeats
+            log.warning("checking the replica's ranks failed: %r", e)
+            return True
 
     def _drop(self) -> None:
         if self._conn is not None:

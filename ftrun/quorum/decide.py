@@ -1,6 +1,10 @@
 """The lighthouse's quorum decision: a pure function of (now, state, requests, config).
 
 Rules, checked in this order:
+0. Job finished: once a replica reported the job finished at step F (it committed its final step;
+   `LighthouseState.finished_step`, persisted), a request for a step below F gets `job_finished`: the
+   replica is stale (frozen, or restarted from an older checkpoint) and must exit, not train a fork of
+   a finished job. A request at F or later (the job was extended) goes on by the rules below.
 1. Liveness: a member is live while it is connected and heard from within heartbeat_timeout_s. Only
    requests from live members count.
 2. min_replicas: fewer requesters than min_replicas -> wait.
@@ -75,6 +79,7 @@ class LighthouseState:
     prev_participants: tuple[str, ...] = ()
     members: dict[str, Member] = field(default_factory=dict)
     max_step: int = 0  # the highest step handed out: no quorum forms below it (rule 8)
+    finished_step: int | None = None  # the job was reported finished at this step (rule 0)
 
 
 @dataclass(frozen=True)
@@ -97,6 +102,7 @@ class Decision:
     left_out: tuple[str, ...] = ()  # requesters that sit this quorum out and stay pending (rule 7)
     refused: tuple[str, ...] = ()  # requesters refused for good (rule 8): each gets an error
     rewind: bool = False  # a full restart below the highest step handed out (rule 8): the floor moves down
+    finished: tuple[str, ...] = ()  # requesters told the job finished (rule 0): each exits
 
     @functools.cached_property
     def replica_ids(self) -> tuple[str, ...]:
@@ -119,6 +125,11 @@ def decide(
     now: float, state: LighthouseState, requests: dict[str, QuorumRequest], config: LighthouseConfig
 ) -> Decision:
     """Decide whether a quorum forms now and who is in it. Pure: no I/O, no clock."""
+    if state.finished_step is not None:
+        stale = tuple(sorted(rid for rid, r in requests.items() if r.step < state.finished_step))
+        if stale:
+            return Decision(False, f"job_finished: the job finished at step {state.finished_step}; "
+                                   f"{', '.join(stale)} asked for an earlier step", finished=stale)
     live = live_members(now, state, config)
     asking = {rid: r for rid, r in requests.items() if rid in live}
     num_asking, num_live = len(asking), len(live)
@@ -208,4 +219,9 @@ def apply(state: LighthouseState, decision: Decision) -> LighthouseState:
     assert decision.ready, "only a formed quorum changes the lighthouse state"
     floor = decision.max_step if decision.rewind else max(state.max_step, decision.max_step)
     return LighthouseState(quorum_id=decision.quorum_id, prev_participants=decision.replica_ids,
-                           members=state.members, max_step=floor)
+                           members=state.members, max_step=floor, finished_step=state.finished_step)
+
+
+def finish(state: LighthouseState, step: int) -> LighthouseState:
+    """The state after a replica reported the job finished at `step` (rule 0): the highest report holds."""
+    return replace(state, finished_step=max(step, state.finished_step or 0))

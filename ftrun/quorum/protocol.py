@@ -1,8 +1,9 @@
 """Messages between a replica leader and the lighthouse, and their validation. Pure.
 
 Leader -> lighthouse: hello {token, replica_id}, heartbeat {}, quorum {step, commit_failed,
-last_quorum_id, data_addrs, own_failures?, fresh?}. Lighthouse -> leader: welcome {quorum_id}, quorum
-{decision}, error {error}, and unasked: hung {replica_id, quorum_id} (a participant of that quorum
+last_quorum_id, data_addrs, own_failures?, fresh?}, finished {step} (the replica committed the job's
+final step; answered by finished_ack). Lighthouse -> leader: welcome {quorum_id}, quorum {decision},
+error {error}, job_finished {step, error} (a stale request: ftrun.quorum.decide rule 0), and unasked: hung {replica_id, quorum_id} (a participant of that quorum
 stopped heartbeating). A malformed message gets an error reply naming what was wrong; the connection stays open.
 
 Every number and size is range-checked here, at decode time, so nothing a peer sends can make the
@@ -85,6 +86,11 @@ def parse_quorum_request(msg: Message) -> tuple[int, bool, int, tuple[str, ...],
         raise BadRequest(f"quorum message needs address strings of at most {MAX_ADDR_CHARS} characters "
                          "in 'data_addrs'")
     return step, commit_failed, last_quorum_id, tuple(addrs), own_failures, fresh
+
+
+def parse_finished(msg: Message) -> int:
+    """The step of a `finished` report: the replica committed the job's final step and exits."""
+    return _counter(msg, "step", MAX_REQUEST_COUNTER)
 
 
 def encode_decision(d: Decision) -> Message:

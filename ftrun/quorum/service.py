@@ -30,7 +30,7 @@ from ftrun.env import wire
 from ftrun.env.base import Connection, Env, EnvTimeout, NetError, NetTimeout, PeerClosed
 from ftrun.quorum import protocol
 from ftrun.quorum.decide import (Decision, LighthouseState, Member, QuorumRequest, apply, decide, expect_previous,
-                                 live_members)
+                                 finish, live_members)
 from ftrun.storage import Storage
 
 log = logging.getLogger("ftrun.quorum")
@@ -48,7 +48,7 @@ class LighthouseDown(RuntimeError):
 
 @dataclass(frozen=True)
 class _Event:
-    kind: str  # hello | heard | ask | lost | hung | stop
+    kind: str  # hello | heard | ask | finished | lost | hung | stop
     replica_id: str = ""
     conn: Connection | None = None
     msg: Any = None
@@ -69,9 +69,11 @@ def load_state(storage: Storage | None) -> LighthouseState:
         if not isinstance(participants, list):
             raise ValueError(f"'participants' must be a list, got {type(participants).__name__}")
         participants = [protocol.check_replica_id(p) for p in participants]
+        finished_step = None if doc.get("finished_step") is None else _persisted_counter(doc, "finished_step")
     except (ValueError, KeyError, TypeError, RecursionError) as e:
         raise LighthouseStateError(f"lighthouse state {STATE_KEY!r} is unreadable: {e}") from e
-    return LighthouseState(quorum_id=quorum_id, prev_participants=tuple(participants), max_step=max_step)
+    return LighthouseState(quorum_id=quorum_id, prev_participants=tuple(participants), max_step=max_step,
+                           finished_step=finished_step)
 
 
 def _persisted_counter(doc: dict, name: str) -> int:
@@ -167,8 +169,8 @@ class Lighthouse:
                 self._events.put(_Event("lost", replica_id, conn))
                 return
             kind = msg.get("type")
-            if kind in ("heartbeat", "quorum"):
-                self._events.put(_Event("heard" if kind == "heartbeat" else "ask", replica_id, conn, msg))
+            if kind in ("heartbeat", "quorum", "finished"):
+                self._events.put(_Event({"heartbeat": "heard", "quorum": "ask"}.get(kind, kind), replica_id, conn, msg))
             else:
                 self._reply(conn, {"type": "error", "error": f"unknown message type {kind!r}"})
 
@@ -247,6 +249,22 @@ class Lighthouse:
         self._set_member(Member(rid, now, True))
         if ev.kind == "ask":
             self._accept_request(rid, ev.conn, ev.msg, now)
+        elif ev.kind == "finished":
+            self._finished(rid, ev.conn, ev.msg)
+
+    def _finished(self, rid: str, conn: Connection, msg: dict) -> None:
+        """Rule 0: persist that the job finished at this step, then acknowledge (the replica exits)."""
+        try:
+            step = protocol.parse_finished(msg)
+        except protocol.BadRequest as e:
+            self._reply(conn, {"type": "error", "error": str(e)})
+            return
+        if self._state.finished_step is None or step > self._state.finished_step:
+            self._state = finish(self._state, step)
+            self._persist()
+            self._record("job_finished", replica_id=rid, step=step)
+            log.info("replica %s reports the job finished at step %d", rid, step)
+        self._reply(conn, {"type": "finished_ack", "step": self._state.finished_step})
 
     def _notify_hung(self, rid: str) -> None:
         """Tell the other participants of the current quorum that `rid` hung: whoever waits for it inside
@@ -281,6 +299,9 @@ class Lighthouse:
             if d.reason != (self._last_decision.reason if self._last_decision else None):
                 (log.warning if d.refused else log.info)("quorum: %s", d.reason)
             self._last_decision = d
+            if d.finished:
+                self._tell_finished(d.finished, d.reason)
+                continue
             if d.refused:
                 self._refuse(d.refused, d.reason)
                 continue
@@ -315,11 +336,19 @@ class Lighthouse:
             if rid in self._conns:
                 self._reply(self._conns[rid], {"type": "error", "error": why})
 
+    def _tell_finished(self, replica_ids: tuple[str, ...], why: str) -> None:
+        for rid in replica_ids:
+            self._requests.pop(rid, None)
+            self._record("told_finished", replica_id=rid)
+            if rid in self._conns:
+                self._reply(self._conns[rid], {"type": "job_finished", "step": self._state.finished_step,
+                                               "error": why})
+
     def _persist(self) -> None:
         if self._storage is None:
             return
         doc = {"quorum_id": self._state.quorum_id, "participants": list(self._state.prev_participants),
-               "max_step": self._state.max_step}
+               "max_step": self._state.max_step, "finished_step": self._state.finished_step}
         try:
             self._storage.write_atomic(STATE_KEY, json.dumps(doc).encode())
         except Exception as e:  # keep serving from memory; a restart would lose only this decision
@@ -340,6 +369,7 @@ class Lighthouse:
             "addr": self.addr,
             "quorum_id": state.quorum_id,
             "max_step": state.max_step,
+            "finished_step": state.finished_step,
             "participants": list(state.prev_participants),
             "live": sorted(live_members(now, state, self.config)),
             "members": {m.replica_id: {"connected": m.connected, "heard_s_ago": round(now - m.last_heard, 3)}

@@ -32,9 +32,10 @@ import msgpack
 from ftrun.config import ManagerConfig
 from ftrun.env.base import Env
 from ftrun.quorum import protocol
-from ftrun.quorum.client import LighthouseClient, QuorumError
+from ftrun.quorum.client import JobFinished as LighthouseJobFinished, LighthouseClient, QuorumError
 from ftrun.quorum.decide import Decision, Participant
 from ftrun.replica.comm import ReplicaComm
+from ftrun.replica.endpoints import decode_endpoints
 from ftrun.replica.lifecycle import Phase, transition
 from ftrun.replica.vote import FailureCounts, Vote, commit_outcome
 
@@ -54,6 +55,8 @@ def _decode_reply(payload: bytes) -> tuple[Decision, bytes]:
     same bytes (thousands of ranks in one emulator process), and a Decision is immutable."""
     reply = msgpack.unpackb(payload, raw=False)
     if not reply["ok"]:
+        if reply.get("finished") is not None:
+            raise JobFinished(f"the job already finished: {reply['error']}", int(reply["finished"]))
         raise ReplicaError(f"leader could not get a quorum: {reply['error']}")
     return protocol.decode_decision(reply["decision"]), reply["addrs"]
 
@@ -65,6 +68,15 @@ def _without_addrs(d: Decision) -> Decision:
 
 class ReplicaError(Exception):
     """Base of the manager's errors: the replica cannot go on and should be restarted."""
+
+
+class JobFinished(ReplicaError):
+    """The lighthouse says the job finished at `step`, past this replica's step (a stale replica, e.g.
+    frozen while the others finished): it must exit cleanly, not train (ftrun.quorum.decide rule 0)."""
+
+    def __init__(self, message: str, step: int) -> None:
+        super().__init__(message)
+        self.step = step
 
 
 class ReplicaGaveUp(ReplicaError):
@@ -163,8 +175,9 @@ class Manager:
                 payload = msgpack.packb({"ok": True, "decision": protocol.encode_decision(_without_addrs(d)),
                                          "addrs": _addrs_digest(d)})
                 self._report_commit_failure = False
-            except QuorumError as e:
-                payload = msgpack.packb({"ok": False, "error": str(e)})  # tell the others, then fail
+            except QuorumError as e:  # tell the others, then fail (or exit: the job finished)
+                finished = e.step if isinstance(e, LighthouseJobFinished) else None
+                payload = msgpack.packb({"ok": False, "error": str(e), "finished": finished})
         return _decode_reply(self.comm.broadcast_bytes(payload, root=0))
 
     def _receive_peer_addrs(self, d: Decision, addrs_digest: bytes) -> None:
@@ -249,6 +262,16 @@ class Manager:
             raise ReplicaGaveUp(outcome.reason)
         self._move("abort")
         return False
+
+    def rank_ftar_addrs(self) -> tuple[str, ...]:
+        """The leader's: every rank's "ftar" endpoint in this replica (from the check-in); () elsewhere."""
+        return tuple(decode_endpoints(a).get("ftar", "") for a in self._data_addrs)
+
+    def report_finished(self) -> None:
+        """This replica committed the job's final step: the leader tells the lighthouse (rule 0), so a
+        stale replica that asks later exits instead of training. Other ranks: nothing to do."""
+        if self._lighthouse is not None:
+            self._lighthouse.report_finished(self.step)
 
     # -- helpers -------------------------------------------------------------------------------
     def _move(self, event: str) -> None:

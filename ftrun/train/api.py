@@ -50,7 +50,7 @@ from ftrun.ftar.kernels import DType, Kernels
 from ftrun.launch.worker_env import WorkerSpec
 from ftrun.net import WILDCARDS
 from ftrun.replica.comm import LocalComm, ReplicaComm
-from ftrun.replica.manager import ReplicaError
+from ftrun.replica.manager import JobFinished, ReplicaError
 from ftrun.train.lr import LRConfig
 from ftrun.train.shard import ShardFn, close_replica_group, init_replica_group, local, shard_model
 from ftrun.train.trainer import LossFn, PhaseFn, StepResult
@@ -255,11 +255,18 @@ class FTJob:
                 self.emit(step_event(r, trainer.compute.model, self.env.clock.now(), rank=self.rank))
                 if hooks.on_step is not None:
                     hooks.on_step(r)
+        except JobFinished as e:  # stale (frozen while the others finished): exit cleanly, train nothing
+            log.warning("replica %s rank %d stops at step %d: %s", self.replica_id, self.rank, trainer.step, e)
+            self.emit({"event": "job_finished", "t": self.env.clock.now(), "step": trainer.step,
+                       "finished_step": e.step, "reason": str(e), **who})
+            return TrainResult(True, trainer.step, param_hash(trainer.compute.model),
+                               trainer.progress.state.to_dict(), str(e))
         except ReplicaError as e:
             log.error("replica %s rank %d gives up: %s", self.replica_id, self.rank, e)
             self.emit({"event": "failed", "t": self.env.clock.now(), "step": trainer.step, "error": str(e), **who})
             return TrainResult(False, trainer.step, param_hash(trainer.compute.model), trainer.progress.state.to_dict(),
                                str(e))
+        trainer.manager.report_finished()
         result = TrainResult(True, trainer.step, param_hash(trainer.compute.model), trainer.progress.state.to_dict())
         self.emit({"event": "final", "t": self.env.clock.now(), "step": result.step, "param_hash": result.param_hash,
                    "loader_state": result.loader_state, **who})

@@ -44,12 +44,19 @@ class GradientExchange:
         self.setup_s = 0.0  # seconds the last `average` spent building its ring (0.0: the ring was reused)
         self.setup_ok = True  # whether that build completed
 
-    def abort_for_hung_peer(self, replica_id: str, quorum_id: int) -> None:
+    def abort_for_hung_peer(self, replica_id: str, quorum_id: int, ranks: tuple[str, ...] = ()) -> None:
         """The lighthouse's notice that `replica_id`, a participant of quorum `quorum_id`, hung: fail a
         blocked exchange of that quorum now (a 'no' vote caused by a peer) instead of after the FTAR
-        timeout. Called from the lighthouse client's reader task."""
+        timeout, on this rank and on every rank whose FTAR listener is in `ranks` (the replica's other
+        ranks: each has its own ring through the hung replica). Called from the lighthouse client's
+        reader task, which must not block: the requests go out from a task of their own."""
         if self.engine.abort(quorum_id):
             log.warning("replica %s hung in quorum %d: aborting this rank's all-reduce", replica_id, quorum_id)
+        others = [a for a in ranks if a and a != self.engine.addr]
+        if others:
+            timeout = min(self.engine.config.timeout_s, 5.0)
+            self.engine.env.spawn(lambda: [self.engine.send_abort(a, quorum_id, timeout) for a in others],
+                                  name="ftar-abort-ranks")
 
     def ring_for(self, quorum: StepQuorum) -> list[str]:
         if len(quorum.peer_addrs) != len(quorum.participants):

@@ -392,8 +392,6 @@ def build(*, config: TrainerConfig, env: Env, compute: Compute, layout: DataLayo
     start = checkpointer.restore(layout, replica_ids) if checkpointer is not None else None
     step, ledger = start if start is not None else (0, LoaderState.initial(layout, replica_ids))
     endpoints = encode_endpoints({"ftar": exchange.engine.addr, "catchup": catchup.url})
-    if lighthouse is not None:  # a hung peer's notice ends this rank's blocked all-reduce at once
-        lighthouse.on_peer_hung = exchange.abort_for_hung_peer
     trainer: FaultTolerantTrainer | None = None
 
     def heal(q: StepQuorum) -> None:
@@ -403,6 +401,8 @@ def build(*, config: TrainerConfig, env: Env, compute: Compute, layout: DataLayo
     manager = Manager(config=manager_config, env=env, comm=comm, replica_id=config.replica_id,
                       lighthouse=lighthouse, step=step, data_addr=endpoints, heal=heal,
                       on_event=on_event if comm.rank == 0 else None)
+    if lighthouse is not None:  # a hung peer's notice ends every rank's blocked all-reduce at once
+        lighthouse.on_peer_hung = lambda rid, qid: exchange.abort_for_hung_peer(rid, qid, manager.rank_ftar_addrs())
     trainer = FaultTolerantTrainer(
         config=config, env=env, compute=compute, progress=make_progress(replica_id=config.replica_id, state=ledger),
         manager=manager, exchange=exchange, catchup=catchup, loader_store=loader_store, audit=audit,

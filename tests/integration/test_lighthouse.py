@@ -67,12 +67,11 @@ def test_dead_replica_is_removed_at_once(env):
     clients = [client(env, lh, f"r{i}") for i in range(3)]
     ask_all(env, clients, [1, 1, 1])
     clients[2].close()  # the connection drops, as when the process is killed
-    t0 = env.clock.now()
     got = ask_all(env, clients[:2], [2, 2])
-    elapsed = env.clock.now() - t0
     assert got["r0"].replica_ids == ("r0", "r1") and got["r0"].quorum_id == 2
-    assert elapsed < TIMEOUTS.heartbeat_timeout_s, "survivors must not wait for a heartbeat timeout"
-    assert any(h["event"] == "member_lost" and h["replica_id"] == "r2" for h in lh.history)
+    # seen through the closed connection ("lost"), not a heartbeat timeout ("hung"); the time it takes is
+    # measured by benchmarks/detection.py (a wall-clock bound here would break under load)
+    assert [h["why"] for h in lh.history if h["event"] == "member_lost" and h["replica_id"] == "r2"] == ["lost"]
     for c in clients[:2]:
         c.close()
     lh.stop()
@@ -134,3 +133,31 @@ def test_corrupt_state_is_a_clear_error(env, tmp_path):
     FileStorage(tmp_path).write_atomic(STATE_KEY, b'{"quorum_id": 3, "particip')
     with pytest.raises(LighthouseStateError, match="unreadable"):
         Lighthouse(env=env, config=LighthouseConfig(), token=TOKEN, storage=FileStorage(tmp_path))
+
+
+def test_a_replica_asking_after_the_job_finished_is_told_so_across_a_restart(env, tmp_path):
+    """Rule 0 (ftrun.quorum.decide): r0 reports the job finished at step 40; r1, stale at step 11, is told
+    `job_finished` (JobFinished, not a refusal), also by a lighthouse restarted on the same state; a
+    request at the finished step (the job extended) still gets a quorum; a malformed report is answered."""
+    from ftrun.quorum.client import JobFinished
+
+    lh = start(env, min_replicas=1, storage=FileStorage(tmp_path))
+    r0 = client(env, lh, "r0")
+    assert r0.report_finished(40)
+    r1 = client(env, lh, "r1")
+    with pytest.raises(JobFinished, match="job finished at step 40") as e:
+        r1.quorum(11)
+    assert e.value.step == 40 and lh.status()["finished_step"] == 40
+    assert any(h["event"] == "told_finished" and h["replica_id"] == "r1" for h in lh.history)
+    r0._conn.send({"type": "finished", "step": -1})
+    assert "non-negative integer" in r0._replies.get(timeout=5.0)["error"]
+    for c in (r0, r1):
+        c.close()
+    lh.stop()
+    lh = start(env, min_replicas=1, storage=FileStorage(tmp_path))
+    r1 = client(env, lh, "r1")
+    with pytest.raises(JobFinished):
+        r1.quorum(11)
+    assert r1.quorum(40).replica_ids == ("r1",)
+    r1.close()
+    lh.stop()

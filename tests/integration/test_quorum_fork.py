@@ -1,8 +1,9 @@
 """The fork of issue 12, item 1, with real processes: three ft_worker replicas under a lighthouse with
 min_replicas=1 and a state dir; r2 is frozen (SIGSTOP) at step 10 while r0 and r1 finish all their
 steps and exit; then r2 is resumed. Before the no-regress rule the lighthouse gave r2 a quorum of its
-own at step 11 and r2 trained a lineage of its own to the end. Now r2 is refused with a clear error
-and ends, and the run's loader_state keeps r0/r1's lineage."""
+own at step 11 and r2 trained a lineage of its own to the end. Now r0 and r1 report the job finished
+(ftrun.quorum.decide rule 0, persisted in the state dir), so r2 is told `job_finished` and exits 0 with
+a clear message, training nothing, and the run's loader_state keeps r0/r1's lineage."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from ftrun.env.base import EnvTimeout
 from ftrun.env.real import RealEnv
 from ftrun.launch.supervisor import ReplicaProcesses
 from ftrun.launch.worker_env import WorkerSpec
-from ftrun.quorum.service import Lighthouse
+from ftrun.quorum.service import Lighthouse, load_state
 from ftrun.storage import FileStorage
 
 pytestmark = pytest.mark.timeout(90)
@@ -25,7 +26,7 @@ IDS = ("r0", "r1", "r2")
 STEPS = 40
 
 
-def test_a_replica_frozen_while_the_others_finish_is_refused_instead_of_forking(tmp_path):
+def test_a_replica_frozen_while_the_others_finish_is_told_the_job_finished_instead_of_forking(tmp_path):
     env = RealEnv()
     lighthouse = Lighthouse(env=env, token=(token := secrets.token_hex(8)), storage=FileStorage(tmp_path / "lh"),
                             config=LighthouseConfig(min_replicas=1, timeouts=Timeouts(
@@ -70,12 +71,15 @@ def test_a_replica_frozen_while_the_others_finish_is_refused_instead_of_forking(
                 log.append(events.get(timeout=0.0))
             except EnvTimeout:
                 break
-        assert reps["r2"].exited()[0] != 0
+        assert reps["r2"].exited()[0] == 0
         assert len(commits("r2")) == before, "the stale replica trained on its own after its peers finished"
-        failed = [e for e in log if e["event"] == "failed" and e["replica_id"] == "r2"]
-        assert failed and "already handed out" in failed[0]["error"], failed
-        assert any(h["event"] == "refused" and h["replica_id"] == "r2" for h in lighthouse.history)
+        told = [e for e in log if e["event"] == "job_finished" and e["replica_id"] == "r2"]
+        assert told and told[0]["finished_step"] == STEPS and "job finished at step" in told[0]["reason"], told
+        assert not [e for e in log if e["event"] == "failed" and e["replica_id"] == "r2"]
+        assert any(h["event"] == "told_finished" and h["replica_id"] == "r2" for h in lighthouse.history)
         assert lighthouse.status()["max_step"] >= STEPS - 1 > frozen_at
+        assert lighthouse.status()["finished_step"] == STEPS
+        assert load_state(FileStorage(tmp_path / "lh")).finished_step == STEPS  # persisted for a restart
         final = [e for e in log if e["event"] == "final" and e["replica_id"] == "r0"]
         assert final, "r0 reports its final ledger"
     finally:

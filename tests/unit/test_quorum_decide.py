@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ftrun.config import LighthouseConfig, Timeouts
-from ftrun.quorum.decide import LighthouseState, Member, QuorumRequest, apply, decide, expect_previous
+from ftrun.quorum.decide import LighthouseState, Member, QuorumRequest, apply, decide, expect_previous, finish
 
 CFG = LighthouseConfig(min_replicas=2, timeouts=Timeouts(heartbeat_timeout_s=5.0, join_timeout_s=1.0))
 
@@ -167,6 +167,40 @@ def test_decide_safety_rules(case):
     assert reason in d.reason
     if ready:
         assert d.min_replicas == cfg.min_replicas and d.max_step >= state.max_step
+
+
+# Rule 0: (name, state, requests, finished, ready, reason fragment)
+FINISHED_CASES = [
+    ("a stale replica asking after the job finished is told so",
+     LighthouseState(quorum_id=9, prev_participants=("a", "b"), members=members("c"), max_step=39, finished_step=40),
+     reqs({"c": 11}), ("c",), False, "job_finished: the job finished at step 40; c asked for an earlier step"),
+    ("a fresh restart below the finished step is told so too (no rewind of a finished job)",
+     LighthouseState(quorum_id=9, members=members("a", "b"), max_step=39, finished_step=40),
+     {r: QuorumRequest(r, 20, 100.0, fresh=True) for r in ("a", "b")}, ("a", "b"), False, "job_finished"),
+    ("rule 0 comes before liveness: a dead requester is told too",
+     LighthouseState(members=members("c", connected=False), finished_step=5), reqs({"c": 4}), ("c",), False,
+     "job_finished"),
+    ("a request at the finished step (the job extended) goes on",
+     LighthouseState(quorum_id=9, members=members("a", "b"), max_step=39, finished_step=40),
+     reqs({"a": 40, "b": 40}), (), True, "all 2 live"),
+    ("no finished step: the rules as before",
+     LighthouseState(members=members("a", "b")), reqs({"a": 3, "b": 3}), (), True, "all 2 live"),
+]
+
+
+@pytest.mark.parametrize("case", FINISHED_CASES, ids=[c[0] for c in FINISHED_CASES])
+def test_decide_job_finished_rule(case):
+    _, state, requests, finished, ready, reason = case
+    d = decide(100.0, state, requests, ONE)
+    assert (d.finished, d.ready) == (finished, ready) and reason in d.reason
+    if ready:
+        assert apply(state, d).finished_step == state.finished_step
+
+
+def test_finish_keeps_the_highest_finished_step():
+    state = finish(LighthouseState(max_step=9), 10)
+    assert (state.finished_step, state.max_step) == (10, 9)
+    assert finish(state, 7).finished_step == 10 and finish(state, 12).finished_step == 12
 
 
 def test_apply_keeps_the_highest_step_handed_out():
