@@ -192,6 +192,8 @@ def print_report(f: dict) -> None:
               f"{f['realized_kill_interval_s']:.2f}s; nominal "
               f"{'-' if f['kill_interval_s'] is None else format(f['kill_interval_s'], '.2f') + 's'}), stalls "
               f"{f['stall_s']:.1f}s in all, t_step={f['median_step_s'] or 0:.3f}s")
+    if f.get("user_state_identical") is not None:
+        print(f"  identical registered state: {f['user_state_identical']} ({f['user_state_checks']} comparisons)")
     print(f"  identical state: {f['replicas_identical']} ({f['identity_checks']} param_hash comparisons); "
           f"audit: {f['audit']}; events after a kill: {f['events_after_kill']}")
     if f.get("final_loss") is not None:

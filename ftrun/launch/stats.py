@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from statistics import median
 
 SUPERVISOR_EVENTS = frozenset({"kill", "restart", "steady", "stop", "gave_up"})  # the supervisor's, not a rank's
+SKIP_METRIC_KEYS = frozenset({"event", "t", "step", "rank", "replica_id", "incarnation"})
 AFTER_KILL_SLACK_S = 0.1  # events carry the rank's monotonic clock, the supervisor's kill its own (same clock)
 
 
@@ -28,6 +29,7 @@ class StepRow:
     losses: list[float] = field(default_factory=list)  # per replica that trained a batch in it
     first_t: float | None = None  # first and last commit time
     last_t: float | None = None
+    user: dict[str, list[float]] = field(default_factory=dict)  # custom metrics (job.log_metrics), per replica
 
     @property
     def loss(self) -> float | None:
@@ -36,7 +38,12 @@ class StepRow:
     def as_json(self) -> dict:
         return {"step": self.step, "replicas_committed": sorted(self.committed), "failed_commits": self.aborts,
                 "loss": self.loss, "batches": len(self.losses), "t_first_commit": self.first_t,
-                "t_last_commit": self.last_t}
+                "t_last_commit": self.last_t,
+                **{k: sum(v) / len(v) for k, v in self.user.items() if k not in _ROW_KEYS}}
+
+
+_ROW_KEYS = frozenset({"step", "replicas_committed", "failed_commits", "loss", "batches", "t_first_commit",
+                       "t_last_commit"})
 
 
 @dataclass(frozen=True)
@@ -107,6 +114,8 @@ class RunStats:
             self._on_commit(rid, inc, ev["step"] - 1, ev["t"])
         elif kind == "step" and ev.get("committed"):
             self._on_step(ev, rid, inc)
+        elif kind == "metrics" and ev.get("rank", 0) == 0 and isinstance(ev.get("step"), int):
+            self._on_metrics(ev)
         elif kind == "abort" and ev.get("rank", 0) == 0:
             self.row(ev["step"]).aborts += 1
         elif kind == "kill":
@@ -154,13 +163,23 @@ class RunStats:
                 self.user_state_checks += 1
                 self.user_state_divergences += first_user[2] != user
         digest = ev.get("param_hash")
-        if digest is None:
+        if digest is not None:
+            first = self._hashes.setdefault((step, rank), (rid, inc, digest))
+            if first[:2] != (rid, inc):
+                self.identity_checks += 1
+                if first[2] != digest:
+                    self.divergences.append(Divergence(step, rank, first, (rid, inc, digest)))
+
+    def _on_metrics(self, ev: dict) -> None:
+        """A "metrics" event (job.log_metrics) of the step it names (1-based: the steps committed); its
+        numbers are averaged over the replicas into that step's metrics.jsonl row (0-based step - 1)."""
+        step = ev["step"] - 1
+        if step < 0:
             return
-        first = self._hashes.setdefault((step, rank), (rid, inc, digest))
-        if first[:2] != (rid, inc):
-            self.identity_checks += 1
-            if first[2] != digest:
-                self.divergences.append(Divergence(step, rank, first, (rid, inc, digest)))
+        row = self.row(step)
+        for key, value in ev.items():
+            if key not in SKIP_METRIC_KEYS and isinstance(value, (int, float)) and not isinstance(value, bool):
+                row.user.setdefault(key, []).append(float(value))
 
     # -- figures ----------------------------------------------------------------------------------
     def step_period_s(self) -> float | None:

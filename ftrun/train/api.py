@@ -52,8 +52,10 @@ from ftrun.net import WILDCARDS
 from ftrun.replica.comm import LocalComm, ReplicaComm
 from ftrun.replica.manager import JobFinished, ReplicaError
 from ftrun.train.lr import LRConfig
+from ftrun.train.own import FTOptimizer, FTSampler, OwnLoop
 from ftrun.train.shard import ShardFn, close_replica_group, init_replica_group, local, shard_model
 from ftrun.train.trainer import LossFn, PhaseFn, StepResult
+from ftrun.train.user_state import UserState
 
 log = logging.getLogger("ftrun.train")
 
@@ -161,6 +163,7 @@ def init_from_env(config: FTConfig | None = None, *, environ: Mapping[str, str] 
     config = config or FTConfig()
     environ = os.environ if environ is None else environ
     setup_logging(config.log_level)
+    torch.manual_seed(config.seed)  # a model the user's own loop builds next is the same in every replica
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)  # ranks share the host; torch's pool would fight FTAR's threads
     env = RealEnv()
@@ -190,6 +193,8 @@ class FTJob:
         self.comm: ReplicaComm = LocalComm()
         self.mesh = None
         self._trained = False
+        self._user = UserState()
+        self._own: OwnLoop | None = None  # the user's own loop (job.wrap), see ftrun.train.own
         if spec.ranks_per_replica > 1:
             self.comm, self.mesh = _join_replica(spec, config.timeouts)
 
@@ -205,6 +210,86 @@ class FTJob:
         if self.config.events:
             print_event(event)
 
+    # -- the user's own loop (ftrun.train.own) -----------------------------------------------------
+    def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+             shard_fn: ShardFn | None = None) -> tuple[torch.nn.Module, "FTOptimizer"]:
+        """The model, FSDP2-sharded over the replica's ranks when it has more than one (`shard_fn`
+        overrides the default units), and the optimizer as an FTOptimizer (ftrun.train.own). The
+        optimizer must not have stepped yet; under FSDP2 its param groups are pointed at the sharded
+        parameters (same hyperparameters). Build the model the same way in every replica (the job
+        seeds torch with FTConfig.seed in init_from_env). Once per job, instead of `train`."""
+        if self._trained or self._own is not None:
+            raise RuntimeError("FTJob.wrap runs once per job, and not together with FTJob.train")
+        if not isinstance(model, torch.nn.Module) or not isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(f"wrap(model, optimizer) takes a torch.nn.Module and a torch.optim.Optimizer, got "
+                             f"{type(model).__name__} and {type(optimizer).__name__}")
+        if len(optimizer.state):
+            raise ValueError("wrap: the optimizer has already stepped; wrap it before training")
+        fqn_of = {id(p): name for name, p in model.named_parameters()}
+        names = [[fqn_of.get(id(p)) for p in g["params"]] for g in optimizer.param_groups]
+        if any(n is None for group in names for n in group):
+            raise ValueError("wrap: the optimizer holds parameters that are not the model's")
+        model = self._make_model(lambda: model, shard_fn)
+        if self.mesh is not None:  # FSDP2 replaced the parameters: point the groups at the sharded ones
+            params = dict(model.named_parameters())
+            for group, group_names in zip(optimizer.param_groups, names):
+                group["params"] = [params[n] for n in group_names]
+        self._own = OwnLoop(job=self, model=model, optimizer=optimizer, user=self._user)
+        return model, FTOptimizer(self._own, optimizer)
+
+    def sampler(self, dataset: Any) -> "FTSampler":
+        """A torch Sampler over `dataset` (anything with len) in the job's exactly-once order; give it to
+        a DataLoader (num_workers=0) with batch_size = the micro-batch size."""
+        own = self._own_loop("sampler")
+        if own.trainer is not None:
+            raise RuntimeError("FTJob.sampler: make the sampler before the first step")
+        size = len(dataset)
+        if size < self.spec.num_replicas:
+            raise ValueError(f"FTJob.sampler: the dataset has {size} samples, fewer than the "
+                             f"{self.spec.num_replicas} replicas")
+        own.dataset_size = size
+        return FTSampler(own, size)
+
+    def register_state(self, name: str, obj: Any) -> None:
+        """Carry `obj` (state_dict/load_state_dict: tensors and JSON) in catch-up and persistent
+        checkpoints, e.g. an LR scheduler, an EMA, counters. Register before the first step."""
+        if self._own is not None and self._own.trainer is not None:
+            raise RuntimeError(f"FTJob.register_state({name!r}): register before the first step")
+        self._user.register(name, obj)
+
+    @property
+    def step(self) -> int:
+        """Steps this replica has committed (the user's loop: `while job.step < job.max_steps`)."""
+        return self._own_loop("step").step
+
+    @property
+    def max_steps(self) -> int | None:
+        """The launcher's --steps (None when it set none)."""
+        return self.spec.max_steps
+
+    def log_metrics(self, **metrics: Any) -> None:
+        """Custom metrics (JSON values) at the steps committed so far: a "metrics" event, which `ftrun
+        launch` folds into metrics.jsonl (the row of the step just committed). A "loss" right after a
+        commit also becomes that step's event loss (the launcher's loss curve)."""
+        own = self._own_loop("log_metrics")
+        step = own.step
+        try:
+            json.dumps(metrics)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"log_metrics: values must be JSON (call .item() on tensors): {e}") from None
+        pending = own.pending
+        if pending is not None and "loss" in metrics and not pending.get("healed"):
+            pending["loss"] = metrics["loss"]
+            step = pending["step"] + 1
+        elif pending is not None:
+            step = pending["step"] + 1
+        self.emit({"event": "metrics", "t": self.env.clock.now(), "step": step, "rank": self.rank, **metrics})
+
+    def _own_loop(self, what: str) -> OwnLoop:
+        if self._own is None:
+            raise RuntimeError(f"FTJob.{what}: call job.wrap(model, optimizer) first")
+        return self._own
+
     def train(self, *, model_fn: ModelFn, optimizer_fn: OptimizerFn, loss_fn: LossFn, dataset: Any,
               steps: int | Callable[[], int] | None = None, shard_fn: ShardFn | None = None,
               hooks: Hooks | None = None) -> TrainResult:
@@ -214,8 +299,9 @@ class FTJob:
         Returns the result; a replica failure is returned (ok=False, event "failed"), not raised."""
         from ftrun.train.wiring import build_trainer
 
-        if self._trained:
-            raise RuntimeError("FTJob.train runs once per process (the replica's groups are closed after it)")
+        if self._trained or self._own is not None:
+            raise RuntimeError("FTJob.train runs once per process (the replica's groups are closed after it), "
+                               "and not after FTJob.wrap")
         self._trained = True
         target = _target(steps, self.spec.max_steps)
         hooks = hooks or Hooks()
@@ -272,8 +358,15 @@ class FTJob:
                    "loader_state": result.loader_state, **who})
         return result
 
-    def close(self) -> None:
-        """Leave the job: the replica's groups (once train has not) and the standalone lighthouse."""
+    def close(self, *, clean: bool = True) -> None:
+        """Leave the job: the user's loop (its "final" event when `clean`), the replica's groups (once
+        train has not) and the standalone lighthouse."""
+        if self._own is not None:
+            own, self._own = self._own, None
+            started = own.trainer is not None
+            own.after_commit()
+            own.close(clean=clean)
+            self._trained = self._trained or started  # a trainer closes the replica's comm
         if not self._trained:
             self.comm.close()
         close_replica_group()
@@ -285,7 +378,7 @@ class FTJob:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.close()
+        self.close(clean=exc[0] is None)
 
 
 def step_event(r: StepResult, model: torch.nn.Module, now: float, *, rank: int) -> dict:

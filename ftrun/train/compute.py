@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ftrun.train.grads import FlatGrads
-from ftrun.train.lr import apply_lr_factor
+from ftrun.train.lr import scaled_lr
 from ftrun.train.shard import reset_iteration
 from ftrun.train.state import ReplicaState, TrainState
 
@@ -42,6 +42,9 @@ class Compute(Protocol):
     def zero_grads(self) -> None:
         """grads <- 0 (a rank behind this step contributes nothing)."""
 
+    def gather(self) -> None:
+        """grads <- the gradients a backward outside the compute left in the model (the user's own loop)."""
+
     def keep_grads(self) -> Any:
         """A copy of `grads` for `restore_grads`."""
 
@@ -52,7 +55,7 @@ class Compute(Protocol):
         """The model's gradients <- grads (after the exchange averaged it)."""
 
     def apply(self, lr_factor: float) -> None:
-        """The committed step: the optimizer step at `lr_factor` x the base LR, then gradients dropped."""
+        """The committed step: the optimizer step at `lr_factor` x each group's LR, then gradients dropped."""
 
     def reset(self) -> None:
         """Drop gradients and per-iteration state (a failed step, or a state just loaded)."""
@@ -62,13 +65,14 @@ class TorchCompute:
     """A torch model, its optimizer and loss over an in-memory dataset (whole model, or FSDP2 shards).
 
     state/grads: default ReplicaState/FlatGrads over the model's (local) tensors.
-    Raises ValueError if `dataset` has fewer than `min_samples` samples.
+    Raises ValueError if `dataset` has fewer than `min_samples` samples. The user's own loop
+    (ftrun.train.own) has no loss_fn or dataset: its backward runs outside, and `gather` collects it.
     """
 
-    def __init__(self, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn,
-                 dataset: torch.Tensor, min_samples: int = 0, state: TrainState | None = None,
+    def __init__(self, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn | None,
+                 dataset: torch.Tensor | None, min_samples: int = 0, state: TrainState | None = None,
                  flat: FlatGrads | None = None) -> None:
-        if len(dataset) < min_samples:
+        if dataset is not None and len(dataset) < min_samples:
             raise ValueError(f"dataset has {len(dataset)} samples, the layout {min_samples}")
         self.model, self.optimizer, self.loss_fn, self.dataset = model, optimizer, loss_fn, dataset
         self.state = state if state is not None else ReplicaState(model=model, optimizer=optimizer)
@@ -89,6 +93,10 @@ class TorchCompute:
     def zero_grads(self) -> None:
         self.flat.zero()
 
+    def gather(self) -> None:
+        self._in_step = True  # the user's forward ran: FSDP2 may hold per-iteration state
+        self.flat.gather()
+
     def keep_grads(self) -> np.ndarray:
         return self.grads.copy()
 
@@ -99,8 +107,8 @@ class TorchCompute:
         self.flat.scatter()
 
     def apply(self, lr_factor: float) -> None:
-        apply_lr_factor(self.optimizer, lr_factor)
-        self.optimizer.step()
+        with scaled_lr(self.optimizer, lr_factor):  # composed with the group's LR (a user's schedule), not set
+            self.optimizer.step()
         self.model.zero_grad(set_to_none=True)
         self._in_step = False
 

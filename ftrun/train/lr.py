@@ -8,7 +8,9 @@ num_healthy/num_total of the full one, num_total being the job's configured repl
     sqrt    factor sqrt(num_healthy / num_total)   (default: keeps the LR proportional to the gradient
             noise's standard deviation; the paper found it flattens the loss after failures best)
 
-`lr_factor` is pure. `apply_lr_factor` sets each param group's LR to base * factor, where the base is
+`lr_factor` is pure. `scaled_lr` is how the trainer applies it: a multiplier composed with whatever
+LR the group holds (the user's scheduler's), for the optimizer step only, and restored after it, so a
+torch scheduler (which reads and writes group["lr"]) is never overridden. `apply_lr_factor` sets each param group's LR to base * factor, where the base is
 remembered in the group under BASE_LR_KEY the first time (so it is saved with the optimizer state and
 restored with it), and calling it twice with the same factor changes nothing. With an LR schedule,
 pass the schedule's LRs for the step as `base_lrs` (torch's chainable schedulers read group["lr"], which
@@ -18,8 +20,9 @@ this helper overwrites, so compute the schedule from the step instead).
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -73,3 +76,30 @@ def apply_lr_factor(optimizer: torch.optim.Optimizer, factor: float, *,
             group["lr"] = lr
         lrs.append(lr)
     return lrs
+
+
+@contextmanager
+def scaled_lr(optimizer: torch.optim.Optimizer, factor: float) -> Iterator[list[float]]:
+    """Inside the block every param group's LR is its current LR times `factor`; after it (even on an
+    exception) the group's LR is exactly what it was. Yields the scaled LRs."""
+    if not factor > 0:
+        raise ValueError(f"factor must be > 0, got {factor}")
+    groups = optimizer.param_groups
+    saved = [float(g["lr"]) for g in groups]
+    if factor == 1.0:
+        yield saved
+        return
+    try:
+        for group, lr in zip(groups, saved):
+            _set_lr(group, lr * factor)
+        yield [lr * factor for lr in saved]
+    finally:
+        for group, lr in zip(groups, saved):
+            _set_lr(group, lr)
+
+
+def _set_lr(group: dict, lr: float) -> None:
+    if isinstance(group["lr"], torch.Tensor):
+        group["lr"].fill_(lr)  # tensor LRs (capturable/fused optimizers) stay the same tensor
+    else:
+        group["lr"] = lr

@@ -188,7 +188,16 @@ class FaultTolerantTrainer:
 
     # -- one step --------------------------------------------------------------------------------
     def train_step(self) -> StepResult:
-        """Run one FT-HSDP step (see the module docstring). Raises ReplicaError when the replica is broken."""
+        """Run one FT-HSDP step (see the module docstring). Raises ReplicaError when the replica is broken.
+        `ft.train()`'s loop; the user's own loop (ftrun.train.own) calls the same three parts itself."""
+        q = self.begin_step()
+        loss = self._compute_and_exchange(q, trains=self.progress.trains)
+        return self.finish_step(q, loss)
+
+    def begin_step(self) -> StepQuorum:
+        """The step's start: quorum (a behind replica heals inside it), the catch-up snapshot and
+        checkpoint of the state so far, the ledger's attempt (audited before any gradient is exchanged).
+        After it, `progress.trains` says whether this replica trains a batch in the step."""
         self._phase("quorum", self.manager.step)
         q = self.manager.start_step()
         self._phase("started", q.step)
@@ -196,7 +205,21 @@ class FaultTolerantTrainer:
         attempt = self.progress.start(step=q.step, participants=q.participants)
         if attempt is not None and self._leader:
             self.audit.append(attempt)  # before the gradient can enter the all-reduce
-        loss = self._compute_and_exchange(q, trains=attempt is not None)
+        return q
+
+    def exchange_user_grads(self, q: StepQuorum) -> None:
+        """The user's own loop: the gradient its backward left in the model's .grad (zeros when this
+        replica does not train the step) averaged across replicas by FTAR, back into .grad. A failed
+        exchange is a 'no' vote (gradients dropped), as in `train_step`."""
+        if self.progress.trains:
+            self.compute.gather()
+        else:
+            self.compute.zero_grads()  # behind this step: contributes zeros, receives the contributors' mean
+        self._exchange(q)
+
+    def finish_step(self, q: StepQuorum, loss: float | None) -> StepResult:
+        """The two-phase commit: apply (optimizer step with the LR intervention, ledger, audit) only if
+        every participant votes yes; else drop the step (the next begin_step retries it)."""
         self._phase("before_commit", q.step)
         committed = self.manager.should_commit()
         if committed:

@@ -27,7 +27,9 @@ from ftrun.storage import FileStorage
 from ftrun.train.checkpointer import DcpCheckpointer
 from ftrun.train.compute import TorchCompute
 from ftrun.train.exchange import GradientExchange
+from ftrun.train.state import ReplicaState
 from ftrun.train.trainer import FaultTolerantTrainer, LossFn, TrainerConfig, build
+from ftrun.train.user_state import UserState, WithUserState
 
 if TYPE_CHECKING:
     from ftrun.train.api import FTJob, Hooks
@@ -42,12 +44,39 @@ def build_trainer(*, job: "FTJob", model: torch.nn.Module, optimizer: torch.opti
                   dataset: Any, hooks: "Hooks", kernels: Kernels) -> tuple[FaultTolerantTrainer, list[Callable]]:
     """The trainer and what to close after it (engine, server, audit file), in that order.
     Raises ValueError for a dataset or spec that does not fit the job."""
+    layout = _layout(job, len(dataset))
+    compute = TorchCompute(model=model, optimizer=optimizer, loss_fn=loss_fn, dataset=dataset,
+                           min_samples=layout.dataset_size)
+    return _build(job=job, model=model, optimizer=optimizer, compute=compute, layout=layout, hooks=hooks,
+                  kernels=kernels)
+
+
+def build_own_trainer(*, job: "FTJob", model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                      dataset_size: int, user: UserState) -> tuple[FaultTolerantTrainer, list[Callable]]:
+    """The trainer of the user's own loop (ftrun.train.own): no loss or dataset (the user's code
+    computes the gradients), the registered state carried by catch-up and checkpoints."""
+    from ftrun.train.api import Float32CpuKernels, Hooks
+
+    layout = _layout(job, dataset_size)
+    state = WithUserState(ReplicaState(model=model, optimizer=optimizer), user)
+    compute = TorchCompute(model=model, optimizer=optimizer, loss_fn=None, dataset=None, state=state)
+    return _build(job=job, model=model, optimizer=optimizer, compute=compute, layout=layout, hooks=Hooks(),
+                  kernels=Float32CpuKernels(), extra=user.objects)
+
+
+def _layout(job: "FTJob", dataset_size: int) -> DataLayout:
+    spec, cfg = job.spec, job.config
+    return DataLayout(dataset_size=dataset_size, num_replicas=spec.num_replicas,
+                      ranks_per_replica=spec.ranks_per_replica, batch_size_per_rank=cfg.batch_size, seed=cfg.seed)
+
+
+def _build(*, job: "FTJob", model: torch.nn.Module, optimizer: torch.optim.Optimizer, compute: TorchCompute,
+           layout: DataLayout, hooks: "Hooks", kernels: Kernels,
+           extra: dict | None = None) -> tuple[FaultTolerantTrainer, list[Callable]]:
     spec, cfg, env = job.spec, job.config, job.env
     ids = replica_ids(spec.num_replicas)
     if ids[spec.replica_index] != spec.replica_id:
         raise ValueError(f"replica {spec.replica_id} at index {spec.replica_index}: expected ids {ids}")
-    layout = DataLayout(dataset_size=len(dataset), num_replicas=spec.num_replicas,
-                        ranks_per_replica=spec.ranks_per_replica, batch_size_per_rank=cfg.batch_size, seed=cfg.seed)
     closers: list[Callable] = []
     lighthouse = None
     try:
@@ -72,10 +101,8 @@ def build_trainer(*, job: "FTJob", model: torch.nn.Module, optimizer: torch.opti
         config = TrainerConfig(replica_id=spec.replica_id, rank=spec.rank, rng_seed=cfg.seed, lr=cfg.lr,
                                catchup=catchup, checkpoint=checkpoint)
         checkpointer = DcpCheckpointer(root=Path(spec.run_dir) / "ckpt", model=model, optimizer=optimizer,
-                                       keep=checkpoint.keep, key=checkpoint_key(spec.token), comm=job.comm) \
-            if cfg.checkpoint_every > 0 else None
-        compute = TorchCompute(model=model, optimizer=optimizer, loss_fn=loss_fn, dataset=dataset,
-                               min_samples=layout.dataset_size)
+                                       keep=checkpoint.keep, key=checkpoint_key(spec.token), comm=job.comm,
+                                       extra=extra) if cfg.checkpoint_every > 0 else None
         trainer = build(
             config=config, env=env, compute=compute, layout=layout, replica_ids=ids,
             manager_config=ManagerConfig(max_retries=cfg.max_retries, timeouts=cfg.timeouts),

@@ -1,0 +1,150 @@
+"""The loop of examples/own_loop_plain.py on ftrun: fault tolerant, with the same code.
+
+    ftrun launch --replicas 3 --steps 120 examples/own_loop.py
+    ftrun launch --replicas 2 --ranks-per-replica 2 --steps 60 examples/own_loop.py   # FSDP2 inside
+    python examples/own_loop.py --steps 100                 # standalone: one replica of one rank
+
+`diff examples/own_loop_plain.py examples/own_loop.py` is the whole port (at most 20 lines, kept so by
+tests/unit/test_own_loop_port.py): `job.wrap` (FSDP2 inside the replica, FTAR across), the sampler
+(the job's exactly-once order), the scheduler and EMA registered (catch-up and checkpoints carry
+them), `opt.clip_grad_norm_` (one norm across shards and replicas), `if not opt.step(): continue`
+(the step commits or is retried; the scheduler and EMA advance only on commit) and `job.log_metrics`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+import ftrun.train
+
+MICRO, ACCUM, EVAL_EVERY, WARMUP, DIM = 8, 2, 20, 10, 16
+
+
+class Regression(Dataset):
+    """A synthetic regression task: y = tanh(x @ w) + noise, from a seed."""
+
+    def __init__(self, size: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        w = torch.randn(DIM, 1, generator=torch.Generator().manual_seed(0))
+        self.x = torch.randn(size, DIM, generator=g)
+        self.y = torch.tanh(self.x @ w) + 0.05 * torch.randn(size, 1, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i], self.y[i]
+
+
+class Net(nn.Module):
+    def __init__(self, hidden: int = 64, depth: int = 2) -> None:
+        super().__init__()
+        self.inp = nn.Linear(DIM, hidden)
+        self.layers = nn.ModuleList(nn.Sequential(nn.GELU(), nn.Dropout(0.1), nn.Linear(hidden, hidden))
+                                    for _ in range(depth))
+        self.out = nn.Linear(hidden, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for layer in self.layers:
+            h = h + layer(h)
+        return self.out(h)
+
+
+class EMA:
+    """An exponential moving average of the model's parameters."""
+
+    def __init__(self, model: nn.Module, decay: float) -> None:
+        self.decay = decay
+        self.shadow = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    @torch.no_grad()
+    def update(self, model: nn.Module) -> None:
+        for n, p in model.named_parameters():
+            self.shadow[n].lerp_(p.detach(), 1 - self.decay)
+
+    def state_dict(self) -> dict:
+        return {"decay": self.decay, "shadow": self.shadow}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        self.decay = state["decay"]
+        for n, t in state["shadow"].items():
+            self.shadow[n].copy_(t)
+
+
+def warmup_cosine(warmup: int, total: int):
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
+    return factor
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader: DataLoader) -> float:
+    model.eval()
+    losses = [F.mse_loss(model(x), y).item() for x, y in loader]
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def forever(loader: DataLoader):
+    while True:
+        yield from loader
+
+
+def train(args: argparse.Namespace, job: ftrun.train.FTJob) -> None:
+    train_set, val_set = Regression(4096, seed=1), Regression(256, seed=2)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    model, opt = job.wrap(model, opt)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(WARMUP, args.steps))
+    ema = EMA(model, decay=0.9)
+    job.register_state("sched", sched)
+    job.register_state("ema", ema)
+    loader = DataLoader(train_set, batch_size=MICRO, sampler=job.sampler(train_set), drop_last=True)
+    val_loader = DataLoader(val_set, batch_size=64)
+    batches = forever(loader)
+    step = job.step
+    while step < args.steps:
+        opt.zero_grad()
+        total = 0.0
+        for _ in range(ACCUM):
+            x, y = next(batches)
+            loss = F.mse_loss(model(x), y) / ACCUM
+            loss.backward()
+            total += loss.item()
+        opt.clip_grad_norm_(1.0)
+        if not opt.step():
+            continue
+        sched.step()
+        ema.update(model)
+        step = job.step
+        job.log_metrics(loss=total, lr=sched.get_last_lr()[0])
+        if step % EVAL_EVERY == 0:
+            job.log_metrics(val_loss=evaluate(model, val_loader))
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=100)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    torch.manual_seed(0)
+    with ftrun.train.init_from_env(ftrun.train.FTConfig(batch_size=MICRO * ACCUM)) as job:
+        args = parse_args(argv)
+        args.steps = job.max_steps or args.steps  # ftrun launch --steps
+        train(args, job)
+
+
+if __name__ == "__main__":
+    main()
