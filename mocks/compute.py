@@ -238,6 +238,9 @@ class ShapeOnlyTrainCompute(ShapeOnlyCompute):
     def zero_grads(self) -> None:
         """Nothing to zero."""
 
+    def gather(self) -> None:
+        """Nothing to gather (the user's own loop is not emulated)."""
+
     def keep_grads(self) -> ShapeOnlyGrads:
         return self.grads
 

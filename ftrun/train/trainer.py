@@ -180,6 +180,7 @@ class FaultTolerantTrainer:
         self._compute_s: float | None = None  # the last forward/backward's seconds
         self._snapshot_bytes = 0  # the size of the last published catch-up snapshot
         self._compute_failures = 0  # forward/backward attempts in a row that raised
+        self._begun_at = 0.0  # when the started step's begin_step ended (the own loop's compute time)
 
     @property
     def step(self) -> int:
@@ -205,6 +206,7 @@ class FaultTolerantTrainer:
         attempt = self.progress.start(step=q.step, participants=q.participants)
         if attempt is not None and self._leader:
             self.audit.append(attempt)  # before the gradient can enter the all-reduce
+        self._begun_at = self.env.clock.now()
         return q
 
     def exchange_user_grads(self, q: StepQuorum) -> None:
@@ -212,6 +214,7 @@ class FaultTolerantTrainer:
         replica does not train the step) averaged across replicas by FTAR, back into .grad. A failed
         exchange is a 'no' vote (gradients dropped), as in `train_step`."""
         if self.progress.trains:
+            self._compute_s = self.env.clock.now() - self._begun_at  # the user's forward/backward (and data)
             self.compute.gather()
         else:
             self.compute.zero_grads()  # behind this step: contributes zeros, receives the contributors' mean
