@@ -31,7 +31,6 @@ One job per process: `init_from_env` makes the replica's ranks the process's def
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 import logging
 import os
@@ -51,9 +50,10 @@ from ftrun.launch.worker_env import WorkerSpec
 from ftrun.net import WILDCARDS
 from ftrun.replica.comm import LocalComm, ReplicaComm
 from ftrun.replica.manager import JobFinished, ReplicaError
+from ftrun.train.events import param_hash, print_event, step_event  # noqa: F401 (re-exported)
 from ftrun.train.lr import LRConfig
 from ftrun.train.own import FTOptimizer, FTSampler, OwnLoop
-from ftrun.train.shard import ShardFn, close_replica_group, init_replica_group, local, shard_model
+from ftrun.train.shard import ShardFn, close_replica_group, init_replica_group, shard_model
 from ftrun.train.trainer import LossFn, PhaseFn, StepResult
 from ftrun.train.user_state import UserState
 
@@ -141,18 +141,6 @@ class Float32CpuKernels(CpuKernels):
         self.reduce_copy(a, 0, a.copy(), 0, a, 8, 8, DType.FLOAT32)
 
 
-def param_hash(model: torch.nn.Module) -> str:
-    """sha256 of this rank's parameter bytes (its local shards under FSDP2), in named_parameters order."""
-    h = hashlib.sha256()
-    for _, p in model.named_parameters():
-        h.update(local(p).detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
-def print_event(event: dict) -> None:
-    print(json.dumps(event), flush=True)
-
-
 def init_from_env(config: FTConfig | None = None, *, environ: Mapping[str, str] | None = None) -> "FTJob":
     """Join the job this process was started for: read the launcher's environment (WorkerSpec), or,
     without one, start a one-replica job with an in-process lighthouse. With more than one rank per
@@ -234,7 +222,7 @@ class FTJob:
             params = dict(model.named_parameters())
             for group, group_names in zip(optimizer.param_groups, names):
                 group["params"] = [params[n] for n in group_names]
-        self._own = OwnLoop(job=self, model=model, optimizer=optimizer, user=self._user)
+        self._own = OwnLoop(job=self, model=model, optimizer=optimizer, user=self._user, build=self._build_own)
         return model, FTOptimizer(self._own, optimizer)
 
     def sampler(self, dataset: Any) -> "FTSampler":
@@ -284,6 +272,13 @@ class FTJob:
         elif pending is not None:
             step = pending["step"] + 1
         self.emit({"event": "metrics", "t": self.env.clock.now(), "step": step, "rank": self.rank, **metrics})
+
+    def _build_own(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, dataset_size: int,
+                   user: UserState):
+        from ftrun.train.wiring import build_own_trainer
+
+        return build_own_trainer(job=self, model=model, optimizer=optimizer, dataset_size=dataset_size, user=user,
+                                 hooks=Hooks(), kernels=Float32CpuKernels())
 
     def _own_loop(self, what: str) -> OwnLoop:
         if self._own is None:
@@ -379,14 +374,6 @@ class FTJob:
 
     def __exit__(self, *exc) -> None:
         self.close(clean=exc[0] is None)
-
-
-def step_event(r: StepResult, model: torch.nn.Module, now: float, *, rank: int) -> dict:
-    event = {"event": "step", "t": now, "step": r.step, "quorum_id": r.quorum_id, "participants": list(r.participants),
-             "committed": r.committed, "loss": r.loss, "healed": r.healed, "lineage": r.lineage, "rank": rank}
-    if r.committed:
-        event["param_hash"] = param_hash(model)
-    return event
 
 
 def _target(steps: int | Callable[[], int] | None, launcher_steps: int | None) -> Callable[[], int]:

@@ -50,30 +50,42 @@ from __future__ import annotations
 
 import math
 import struct
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Protocol
 
 import numpy as np
 import torch
 
 from ftrun.data.loader_state import LoaderState
 from ftrun.replica.manager import ReplicaError, StepQuorum
+from ftrun.train.events import param_hash, step_event
 from ftrun.train.shard import local
-from ftrun.train.trainer import FaultTolerantTrainer, StepResult, step_seed
+from ftrun.train.trainer import FaultTolerantTrainer, step_seed
 from ftrun.train.user_state import UserState
 
-if TYPE_CHECKING:
-    from ftrun.train.api import FTJob
 
-StepFn = Callable[[StepResult], None]
+class Job(Protocol):
+    """What the loop uses of ftrun.train.api.FTJob (named structurally: api imports this module)."""
+
+    spec: Any  # WorkerSpec
+    env: Any  # RealEnv
+    comm: Any  # ReplicaComm
+
+    @property
+    def rank(self) -> int: ...
+
+    def emit(self, event: dict) -> None: ...
+
+BuildFn = Callable[[torch.nn.Module, torch.optim.Optimizer, int, UserState],
+                   tuple[FaultTolerantTrainer, list[Callable]]]  # (model, optimizer, dataset size, user) -> trainer
 
 
 class OwnLoop:
     """The job's side of the user's loop: builds the trainer at the first step (after the user has
     wrapped, made the sampler and registered state) and tracks the started step."""
 
-    def __init__(self, *, job: "FTJob", model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 user: UserState) -> None:
-        self.job, self.model, self.optimizer, self.user = job, model, optimizer, user
+    def __init__(self, *, job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 user: UserState, build: BuildFn) -> None:
+        self.job, self.model, self.optimizer, self.user, self._build = job, model, optimizer, user, build
         self.dataset_size: int | None = None
         self.trainer: FaultTolerantTrainer | None = None
         self._closers: list[Callable] = []
@@ -83,18 +95,14 @@ class OwnLoop:
         self.consumed: tuple[int, int, int] | None = None  # (attempt, consumed, batch size) from the sampler
         self.failed = False
         self.pending: dict | None = None  # the committed step's event, until the user updated its state
-        self.on_step: StepFn | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> FaultTolerantTrainer:
         """Build the trainer (resuming from the latest checkpoint, model/optimizer/registered state
         included) once; emits "ready"."""
         if self.trainer is None:
-            from ftrun.train.wiring import build_own_trainer
-
             size = self.dataset_size if self.dataset_size is not None else self.job.spec.num_replicas
-            self.trainer, self._closers = build_own_trainer(job=self.job, model=self.model, optimizer=self.optimizer,
-                                                            dataset_size=size, user=self.user)
+            self.trainer, self._closers = self._build(self.model, self.optimizer, size, self.user)
             self.job.emit({"event": "ready", "t": self.job.env.clock.now(), "step": self.trainer.step,
                            "lineage": self.trainer.progress.state.lineage, "rank": self.job.rank})
         return self.trainer
@@ -104,8 +112,6 @@ class OwnLoop:
             return
         t = self.trainer
         if clean and not self.failed:
-            from ftrun.train.api import param_hash
-
             self.job.emit({"event": "final", "t": self.job.env.clock.now(), "step": t.step,
                            "param_hash": param_hash(self.model), "user_state_hash": self.user.hash(),
                            "loader_state": t.progress.state.to_dict(), "rank": self.job.rank})
@@ -155,13 +161,11 @@ class OwnLoop:
             result = self._guard(lambda: trainer.finish_step(q, loss))
         finally:
             self.q = None
-        event = step_event_of(result, self.model, self.job.env.clock.now(), rank=self.job.rank)
+        event = step_event(result, self.model, self.job.env.clock.now(), rank=self.job.rank)
         if result.committed:
             self.pending = event  # emitted by `after_commit`, once the user's state advanced
         else:
             self.job.emit(event)
-        if self.on_step is not None:
-            self.on_step(result)
         return result.committed
 
     def after_commit(self) -> None:
@@ -189,12 +193,6 @@ class OwnLoop:
             self.job.emit({"event": "failed", "t": self.job.env.clock.now(), "step": self.trainer.step,
                            "error": str(e), "rank": self.job.rank})
             raise
-
-
-def step_event_of(r: StepResult, model: torch.nn.Module, now: float, *, rank: int) -> dict:
-    from ftrun.train.api import step_event
-
-    return step_event(r, model, now, rank=rank)
 
 
 class FTOptimizer(torch.optim.Optimizer):

@@ -52,16 +52,15 @@ def build_trainer(*, job: "FTJob", model: torch.nn.Module, optimizer: torch.opti
 
 
 def build_own_trainer(*, job: "FTJob", model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                      dataset_size: int, user: UserState) -> tuple[FaultTolerantTrainer, list[Callable]]:
+                      dataset_size: int, user: UserState, hooks: "Hooks",
+                      kernels: Kernels) -> tuple[FaultTolerantTrainer, list[Callable]]:
     """The trainer of the user's own loop (ftrun.train.own): no loss or dataset (the user's code
     computes the gradients), the registered state carried by catch-up and checkpoints."""
-    from ftrun.train.api import Float32CpuKernels, Hooks
-
     layout = _layout(job, dataset_size)
     state = WithUserState(ReplicaState(model=model, optimizer=optimizer), user)
     compute = TorchCompute(model=model, optimizer=optimizer, loss_fn=None, dataset=None, state=state)
-    return _build(job=job, model=model, optimizer=optimizer, compute=compute, layout=layout, hooks=Hooks(),
-                  kernels=Float32CpuKernels(), extra=user.objects)
+    return _build(job=job, model=model, optimizer=optimizer, compute=compute, layout=layout, hooks=hooks,
+                  kernels=kernels, extra=user.objects)
 
 
 def _layout(job: "FTJob", dataset_size: int) -> DataLayout:
