@@ -30,6 +30,7 @@ One job per process: `init_from_env` makes the replica's ranks the process's def
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
@@ -37,7 +38,7 @@ import os
 import secrets
 import tempfile
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -52,7 +53,7 @@ from ftrun.replica.comm import LocalComm, ReplicaComm
 from ftrun.replica.manager import JobFinished, ReplicaError
 from ftrun.train.events import param_hash, print_event, step_event  # noqa: F401 (re-exported)
 from ftrun.train.lr import LRConfig
-from ftrun.train.own import FTOptimizer, FTSampler, OwnLoop
+from ftrun.train.own import FTOptimizer, FTSampler, OwnLoop, StepOutcome
 from ftrun.train.shard import ShardFn, close_replica_group, init_replica_group, shard_model
 from ftrun.train.trainer import LossFn, PhaseFn, StepResult
 from ftrun.train.user_state import UserState
@@ -223,7 +224,21 @@ class FTJob:
             for group, group_names in zip(optimizer.param_groups, names):
                 group["params"] = [params[n] for n in group_names]
         self._own = OwnLoop(job=self, model=model, optimizer=optimizer, user=self._user, build=self._build_own)
-        return model, FTOptimizer(self._own, optimizer)
+        self._own.ft_optimizer = FTOptimizer(self._own, optimizer)
+        return model, self._own.ft_optimizer
+
+    @contextlib.contextmanager
+    def training_step(self) -> Iterator[StepOutcome]:
+        """The step as a block, instead of explicit calls: entering it begins the step and zeroes the
+        gradients (opt.zero_grad()); leaving it normally runs opt.step() (the exchange, unless
+        clip_grad_norm_ ran, and the two-phase commit), and `outcome.committed` says whether it
+        committed. An exception leaves the step uncommitted and propagates (end the process: the
+        replica restarts and catches up)."""
+        own = self._own_loop("training_step")
+        own.ft_optimizer.zero_grad()
+        outcome = StepOutcome()
+        yield outcome
+        outcome.committed = own.ft_optimizer.step()
 
     def sampler(self, dataset: Any) -> "FTSampler":
         """A torch Sampler over `dataset` (anything with len) in the job's exactly-once order; give it to

@@ -35,6 +35,8 @@ ftrun.train.trainer, with its own compute in between):
   inner optimizer's step only if the step commits, with the LR intervention as a multiplier of the
   group's LR for that one step (ftrun.train.lr.scaled_lr: the user's scheduler is never overridden).
   Returns True if committed: the user advances its scheduler/EMA/counters only then.
+- `with job.training_step() as outcome:` is the same step as a block: zero_grad on entry, step() on
+  a normal exit, `outcome.committed` after it.
 - `job.register_state(name, obj)`: anything with state_dict/load_state_dict (tensors and JSON),
   carried by catch-up and persistent checkpoints (DcpCheckpointer extra, "user.<name>"). The step
   event carries `user_state_hash` (ftrun.train.user_state) so `ftrun launch` reports
@@ -50,6 +52,7 @@ from __future__ import annotations
 
 import math
 import struct
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Protocol
 
 import numpy as np
@@ -95,6 +98,7 @@ class OwnLoop:
         self.consumed: tuple[int, int, int] | None = None  # (attempt, consumed, batch size) from the sampler
         self.failed = False
         self.pending: dict | None = None  # the committed step's event, until the user updated its state
+        self.ft_optimizer: FTOptimizer | None = None  # the wrapper job.wrap returned
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> FaultTolerantTrainer:
@@ -193,6 +197,13 @@ class OwnLoop:
             self.job.emit({"event": "failed", "t": self.job.env.clock.now(), "step": self.trainer.step,
                            "error": str(e), "rank": self.job.rank})
             raise
+
+
+@dataclass
+class StepOutcome:
+    """What `with job.training_step() as outcome:` reports after the block: whether the step committed."""
+
+    committed: bool | None = None  # None inside the block
 
 
 class FTOptimizer(torch.optim.Optimizer):

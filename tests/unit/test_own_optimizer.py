@@ -219,3 +219,21 @@ def test_misuse_gives_clear_errors(tmp_path):
             job.wrap(model, opt)
         with pytest.raises(ValueError, match="not the model's"):
             job.wrap(torch.nn.Linear(5, 1), torch.optim.SGD(torch.nn.Linear(5, 1).parameters(), lr=0.1))
+
+
+@pytest.mark.timeout(120)
+def test_the_step_as_a_with_block(tmp_path):
+    data = Pairs()
+    with job_for(tmp_path) as job:
+        model, opt = job.wrap(*parts())
+        batches = iter(DataLoader(data, batch_size=MICRO, sampler=job.sampler(data)))
+        outcomes = []
+        while job.step < 3:
+            with job.training_step() as outcome:
+                assert outcome.committed is None
+                for _ in range(ACCUM):
+                    x, y = next(batches)
+                    F.mse_loss(model(x), y).backward()
+                opt.clip_grad_norm_(1.0)
+            outcomes.append(outcome.committed)
+        assert outcomes == [True, True, True] and len(data.seen) == 3 * MICRO * ACCUM
