@@ -6,7 +6,8 @@ after catching up, exactly-once data (the audit over every replica's ledger reco
 itself refuses a commit whose batch was not wholly consumed), and the custom metrics in
 metrics.jsonl. One case is 3 replicas x 1 rank with two kills, one 2 replicas x 2 ranks (FSDP2
 inside each replica) with a kill. The example runs through own_loop_worker.py, which only slows the
-steps while a replica is missing, so that every victim is back before the job ends.
+steps while a replica is missing, so that every victim is back before the job ends. The timeouts are
+generous: on a loaded machine the launcher's start (zygote) and report (plots) dominate.
 """
 
 from __future__ import annotations
@@ -44,19 +45,19 @@ def check_identical_and_exactly_once(f: dict, out, *, kills: int, victims: set[s
     assert all("lr" in r for r in rows[1:]) and any("val_loss" in r for r in rows)  # job.log_metrics
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(300)
 def test_own_loop_three_replicas_two_kills(tmp_path):
-    f = launch(tmp_path, "--replicas", "3", "--steps", "120", "--kill-at", "step=20,replica=r1",
-               "--kill-at", "step=70,replica=r2", "--restart-delay", "0.2s", "--timeout", "120s",
-               WORKER, timeout=140)
+    f = launch(tmp_path, "--replicas", "3", "--steps", "90", "--kill-at", "step=15,replica=r1",
+               "--kill-at", "step=50,replica=r2", "--restart-delay", "0.2s", "--timeout", "200s",
+               WORKER, timeout=280)
     check_identical_and_exactly_once(f, tmp_path, kills=2, victims={"r1", "r2"})
-    assert f["steps_reached"] >= 120 and f["batches_trained"] > 120
+    assert f["steps_reached"] >= 90 and f["batches_trained"] > 90
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(300)
 def test_own_loop_fsdp2_two_by_two_with_a_kill(tmp_path):
     f = launch(tmp_path, "--replicas", "2", "--ranks-per-replica", "2", "--min-replicas", "1", "--steps", "40",
-               "--kill-at", "step=10,replica=r1", "--restart-delay", "0.2s", "--timeout", "120s",
-               WORKER, timeout=140)
+               "--kill-at", "step=10,replica=r1", "--restart-delay", "0.2s", "--timeout", "200s",
+               WORKER, timeout=280)
     check_identical_and_exactly_once(f, tmp_path, kills=1, victims={"r1"})
     assert f["identity_checks"] >= 2  # both ranks' shards compared
