@@ -43,7 +43,9 @@ ftrun.train.trainer, with its own compute in between):
   `user_state_identical`.
 
 A ReplicaError (no quorum, failed heal, too many failed commits) is raised into the user's loop
-after a "failed" event: the process should end (the launcher restarts it; it catches up). An
+after a "failed" event: the process should end (the launcher restarts it; it catches up). A stale
+replica told that the job finished without it (JobFinished) emits "job_finished" and exits 0
+(SystemExit), as `ft.train()` returns. An
 exception in the user's forward/backward ends the process too; the restarted replica heals.
 Threading: the training loop's thread only.
 """
@@ -59,7 +61,7 @@ import numpy as np
 import torch
 
 from ftrun.data.loader_state import LoaderState
-from ftrun.replica.manager import ReplicaError, StepQuorum
+from ftrun.replica.manager import JobFinished, ReplicaError, StepQuorum
 from ftrun.train.events import param_hash, step_event
 from ftrun.train.shard import local
 from ftrun.train.trainer import FaultTolerantTrainer, step_seed
@@ -192,6 +194,11 @@ class OwnLoop:
     def _guard(self, fn: Callable[[], Any]) -> Any:
         try:
             return fn()
+        except JobFinished as e:  # stale (frozen while the others finished): exit cleanly, train nothing
+            self.failed = True
+            self.job.emit({"event": "job_finished", "t": self.job.env.clock.now(), "step": self.trainer.step,
+                           "finished_step": e.step, "reason": str(e), "rank": self.job.rank})
+            raise SystemExit(0) from e
         except ReplicaError as e:
             self.failed = True
             self.job.emit({"event": "failed", "t": self.job.env.clock.now(), "step": self.trainer.step,
