@@ -25,7 +25,7 @@ import os
 from ftrun.env.real import RealEnv
 from ftrun.env.real_store import bound_store
 from ftrun.launch.agent import Agent
-from ftrun.launch.cli import _Job
+from ftrun.launch.job import Job
 from ftrun.launch.host_faults import place_replicas
 from ftrun.launch.procs import Launcher
 from ftrun.launch.remote import RemoteLauncher
@@ -98,8 +98,8 @@ def run_agent(args: argparse.Namespace, out: str) -> int:
     return 0
 
 
-class MultiHostJob(_Job):
-    """_Job with the lighthouse on host 0's address and each replica's ranks on its host, through agents."""
+class MultiHostJob(Job):
+    """Job with the lighthouse on host 0's address and each replica's ranks on its host, through agents."""
 
     def __init__(self, env, args, out, launcher, *, inject, say, hosts: list[str]) -> None:
         self.host_addrs = hosts

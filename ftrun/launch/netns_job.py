@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 
 from ftrun.env.real_store import bound_store
-from ftrun.launch.cli import _Job
+from ftrun.launch.job import Job
 from ftrun.launch.host_faults import HostFaultPlan, place_replicas
 from ftrun.launch.netns import HostLauncher, NetnsConfig, NetnsHosts, available, in_netns
 from ftrun.launch.procs import Launcher
@@ -58,8 +58,8 @@ def netns_problems(args: argparse.Namespace) -> list[str]:
     return out
 
 
-class NetnsJob(_Job):
-    """_Job with the lighthouse, stores and ranks placed on namespace hosts, and host faults."""
+class NetnsJob(Job):
+    """Job with the lighthouse, stores and ranks placed on namespace hosts, and host faults."""
 
     def __init__(self, env, args, out, launcher, *, inject, say, hosts: NetnsHosts) -> None:
         self.hosts = hosts

@@ -1,0 +1,300 @@
+"""One `ftrun launch` job on this machine: the lighthouse, replicas, the kill plan, restarts, the event log and
+its stats (`Job`), and the loop that drives it with a progress bar (`run_job`). netns_job.NetnsJob and
+multihost's job place parts of it elsewhere by overriding its placement hooks."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import sys
+from typing import Callable
+from tqdm import tqdm
+from ftrun.config import LighthouseConfig, Timeouts
+from ftrun.env.base import EnvTimeout
+from ftrun.env.real import RealEnv
+from ftrun.env.real_store import bound_store
+from ftrun.launch.checks import unfired_kills
+from ftrun.launch.crashes import CrashLog, summarize_stderr
+from ftrun.launch.faults import KillPlan
+from ftrun.launch.interrupts import Interrupts
+from ftrun.launch.procs import Launcher
+from ftrun.launch.report import JobResult
+from ftrun.launch.stats import RunStats
+from ftrun.launch.supervisor import ReplicaProcesses
+from ftrun.launch.worker_env import WorkerSpec
+from ftrun.quorum.service import Lighthouse
+
+FINISH_GRACE_S = 5.0  # after the job's last step: how long replicas get to exit by themselves
+
+
+class Job:
+    """One running job: lighthouse, replicas, the kill plan, restarts, the event log and its stats."""
+
+    def __init__(self, env: RealEnv, args: argparse.Namespace, out: str, launcher: Launcher, *, inject: bool,
+                 say: Callable[[str], None]) -> None:
+        self.env, self.args, self.out, self.inject, self.say = env, args, out, inject, say
+        self.min_up = args.min_replicas or args.replicas // 2 + 1
+        self.token = self.job_token()
+        self.lighthouse = self.make_lighthouse()
+        self.stats = RunStats(args.replicas)
+        self.events = env.queue()
+        os.makedirs(os.path.join(out, "logs"), exist_ok=True)
+        self.event_log = open(os.path.join(out, "events.jsonl"), "w", buffering=1)  # line by line: tail -f works
+        argv = (["-m", args.script] if args.module else [args.script]) + list(args.script_args)
+        self.replicas = {f"r{i}": ReplicaProcesses(
+            env=env, events=self.events, log_dir=os.path.join(out, "logs"), argv=argv,
+            launcher=self.launcher_for(f"r{i}", launcher), spec=self.spec(i)) for i in range(args.replicas)}
+        self.down_until: dict[str, float] = {}  # replica -> when to restart it
+        self.done: set[str] = set()  # exited cleanly, or stopped at the end
+        self.live: dict[str, int] = {rid: 0 for rid in self.replicas}  # replica -> incarnation running now
+        self.last_commit: dict[str, int] = {}  # replica -> step count after its live incarnation's last commit
+        self.crashes_in_a_row: dict[str, int] = {}  # replica -> crashes since it last committed
+        self.quorum_of: dict[str, list[str]] = {}  # replica -> participants of its latest quorum
+        self.finished_at: float | None = None
+        self.stopping = False
+        self.goal = args.steps  # the step the job ends at (earlier with --max-kills and --stop-file)
+        self.steady = False  # every replica has committed a step
+        self.closed = False
+        self.crash_log = CrashLog(args.max_startup_failures)
+        self.gave_up: list[dict] = []  # replicas in a crash loop, no longer restarted
+        self.too_few = False  # the replicas not given up cannot make a quorum: the job ends
+        self.plan = KillPlan(every_s=args.kill_every, random_mean_s=args.kill_random_mean,
+                             at_steps=list(args.kill_at), min_up=self.min_up, seed=args.seed) if inject else None
+
+    # -- what a subclass (netns_job.NetnsJob) places elsewhere ------------------------------------------
+    def job_token(self) -> str:
+        return secrets.token_hex(16)
+
+    def make_lighthouse(self, bind: str = "127.0.0.1:0") -> Lighthouse:
+        lighthouse = Lighthouse(env=self.env, token=self.token, bind=bind, config=LighthouseConfig(
+            min_replicas=self.min_up, timeouts=Timeouts()))
+        lighthouse.start()
+        return lighthouse
+
+    def spec(self, i: int) -> WorkerSpec:
+        if not hasattr(self, "store"):
+            self.store = bound_store("127.0.0.1", timeout_s=60)  # loopback only: the store has no authentication
+        return WorkerSpec(replica_id=f"r{i}", replica_index=i, num_replicas=self.args.replicas, rank=0,
+                          ranks_per_replica=self.args.ranks_per_replica, incarnation=0, lighthouse=self.lighthouse.addr,
+                          token=self.token, store_addr="127.0.0.1", store_port=self.store.port, run_dir=self.out,
+                          max_steps=self.args.steps)
+
+    def launcher_for(self, rid: str, launcher: Launcher) -> Launcher:
+        return launcher
+
+    def inject_due(self, now: float, up: list[str]) -> None:
+        """Inject the failure due now, if any (up: replicas running, not done)."""
+        victim = self.plan.due(now, self.stats.max_step, up, self.healthy())
+        if victim is not None:
+            self.kill(victim, "injected")
+
+    def start(self) -> None:
+        if self.inject and self.args.stop_file and os.path.exists(self.args.stop_file):
+            os.remove(self.args.stop_file)  # a previous run's: it would stop the new one at once
+        for rep in self.replicas.values():
+            rep.start()
+
+    def close(self) -> None:
+        """Stop the lighthouse and every rank (idempotent); the event log stays open until the stats are in."""
+        if not self.closed:
+            self.closed = True
+            self.lighthouse.stop()
+        for rep in self.replicas.values():
+            rep.kill()
+
+    def record(self, ev: dict) -> None:
+        self.event_log.write(json.dumps(ev) + "\n")
+        self.stats.add(ev)
+        rid, kind = ev.get("replica_id"), ev.get("event")
+        current = rid in self.live and ev.get("incarnation") == self.live[rid]  # not a killed incarnation's late line
+        if kind == "quorum" and current:
+            self.quorum_of[rid] = list(ev.get("participants", []))
+        elif kind == "commit" and current and ev.get("rank", 0) == 0:
+            self.last_commit[rid] = ev["step"]
+            self.crashes_in_a_row.pop(rid, None)
+            self.crash_log.committed(rid, self.stats.max_step)
+            if ev["step"] >= self.goal and self.finished_at is None:
+                self._finish(rid)
+        if not self.steady and self.stats.steady_step is not None:
+            self.steady = True
+            if self.plan is not None:
+                self.plan.start(self.env.clock.now())  # kill clocks start once every replica has joined
+            self.record({"event": "steady", "t": self.env.clock.now(), "step": self.stats.steady_step})
+
+    def healthy(self) -> list[str]:
+        """Replicas holding the job's state: their running incarnation committed the job's last step (or the
+        one before: the others may be a step ahead). Fresh or healing replicas are not, whatever they say."""
+        return [r for r, step in self.last_commit.items() if step >= self.stats.max_step - 1]
+
+    def _finish(self, rid: str) -> None:
+        """The job committed its last step: stop replicas that were not in that step's quorum.
+
+        They cannot finish (the others exit) and must not go on alone from an older state."""
+        self.finished_at = self.env.clock.now()
+        final_quorum = set(self.quorum_of.get(rid, self.replicas))
+        for other in self.replicas:
+            if other not in final_quorum and other not in self.done:
+                self.replicas[other].kill()
+                self.done.add(other)
+                self.down_until.pop(other, None)
+
+    def _end_early(self) -> None:
+        """After --max-kills: once every replica is back, tell the script to stop a few steps later."""
+        if self.args.stop_file is None or self.stopping or len(self.healthy()) < len(self.replicas):
+            return
+        self.stopping = True
+        self.goal = min(self.stats.max_step + 3, self.args.steps)
+        tmp = self.args.stop_file + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(str(self.goal))
+        os.replace(tmp, self.args.stop_file)  # the script reads the whole number or nothing
+        self.record({"event": "stop", "t": self.env.clock.now(), "step": self.goal})
+
+    def kill(self, rid: str, why: str, **extra: object) -> None:
+        now, rep = self.env.clock.now(), self.replicas[rid]
+        rep.kill()
+        self.live.pop(rid, None)
+        self.last_commit.pop(rid, None)
+        backoff = 2 ** min(self.crashes_in_a_row.get(rid, 0), 6)  # a replica that keeps crashing waits longer
+        self.down_until[rid] = now + self.args.restart_delay * backoff
+        self.record({"event": "kill", "replica_id": rid, "incarnation": rep.spec.incarnation, "t": now, "why": why,
+                     "step": self.stats.max_step, **extra})
+
+    def tick(self) -> None:
+        now = self.env.clock.now()
+        for rid, at in list(self.down_until.items()):
+            if now >= at:
+                del self.down_until[rid]
+                self.replicas[rid].restart()
+                self.live[rid] = self.replicas[rid].spec.incarnation
+                self.record({"event": "restart", "replica_id": rid, "t": now,
+                             "incarnation": self.replicas[rid].spec.incarnation})
+        for rid, rep in self.replicas.items():
+            codes = rep.exited()
+            if rid in self.down_until or rid in self.done or all(c is None for c in codes):
+                continue
+            crashed = any(c not in (None, 0) for c in codes)
+            if self.finished_at is not None or (not crashed and all(c == 0 for c in codes)):
+                self.done.add(rid)
+            elif crashed:
+                self._on_crash(rid, codes)
+                if self.too_few:
+                    return  # the job ends
+        if self.plan is None or self.finished_at is not None or self.too_few:
+            return  # the job reached its goal: no more injected failures
+        if self.args.max_kills is not None and self.stats.num_kills >= self.args.max_kills:
+            self._end_early()
+            return
+        self.inject_due(now, [r for r in self.replicas if r not in self.down_until and r not in self.done])
+
+    def _on_crash(self, rid: str, codes: list[int | None]) -> None:
+        """A rank of `rid` exited with an error: stop the replica's other ranks and take in what they wrote,
+        show what it died of (the first time the job sees that error), then restart the whole replica, or end
+        the job if the replica is in a crash loop."""
+        rep = self.replicas[rid]
+        rep.kill()
+        rep.drain()
+        self.pull_events()  # its last commits, if any, decide whether it had started
+        started = rid in self.last_commit
+        failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+        summaries = {r: summarize_stderr(rep.stderr_tail(r), codes[r]) for r in failed}
+        rank = next((r for r in failed if "Traceback" in summaries[r].detail), failed[0])
+        summary, inc = summaries[rank], rep.spec.incarnation
+        verdict = self.crash_log.crashed(rid, rank=rank, incarnation=inc, exit_code=codes[rank], summary=summary,
+                                         started=started, job_step=self.stats.max_step)
+        if verdict.show:
+            self.say(f"ftrun launch: {rid} rank {rank} (incarnation {inc}) exited with {codes[rank]}"
+                     f"{'' if started else ' before its first commit'}: {summary.error}"
+                     + "".join(f"\n  | {line}" for line in summary.detail.splitlines()
+                               if summary.detail.strip() != summary.error))
+        if verdict.give_up:
+            self._give_up(rid, inc, verdict.futile, summary.error)
+            return
+        self.crashes_in_a_row[rid] = self.crashes_in_a_row.get(rid, 0) + 1
+        self.kill(rid, f"rank exited with {codes}", error=summary.error)  # a crash: the whole replica restarts
+
+    def _give_up(self, rid: str, inc: int, count: int, error: str) -> None:
+        """Stop restarting a replica in a crash loop; end the job if the others cannot make a quorum."""
+        self.gave_up.append({"replica_id": rid, "incarnation": inc, "count": count, "error": error,
+                             "step": self.stats.max_step})
+        self.done.add(rid)
+        self.last_commit.pop(rid, None)
+        self.record({"event": "gave_up", "t": self.env.clock.now(), **self.gave_up[-1]})
+        left = len(self.replicas) - len(self.gave_up)
+        self.too_few = left < self.min_up
+        self.say(f"ftrun launch: {rid} crashed {count} times in a row with the same error ({error}), each time "
+                 f"before its first commit or with the job still at step {self.stats.max_step}: a crash loop. Not "
+                 f"restarting it (--max-startup-failures {self.args.max_startup_failures}); "
+                 + (f"stopping the job ({left} replica(s) left, fewer than {self.min_up})." if self.too_few else
+                    f"the job goes on with {left} replica(s) and will not count as complete.")
+                 + f" Rank logs: {self.out}/logs")
+
+    def pull_events(self) -> None:
+        """Record every event already delivered."""
+        while True:
+            try:
+                self.record(self.events.get(timeout=0.0))
+            except EnvTimeout:
+                return
+
+    def kill_warnings(self) -> list[str]:
+        if self.plan is None:
+            return []
+        return unfired_kills(pending=self.plan.pending, every_s=self.args.kill_every,
+                             random_mean_s=self.args.kill_random_mean, num_timed_kills=self.plan.num_timed_kills,
+                             max_kills=self.args.max_kills, num_kills=self.stats.num_kills)
+
+    def host_figures(self) -> dict:
+        """Figures about where the job ran (NetnsJob: its hosts); none for a one-box job."""
+        return {}
+
+    def running(self) -> bool:
+        if len(self.done) == len(self.replicas) or self.too_few:
+            return False
+        return self.finished_at is None or self.env.clock.now() - self.finished_at < FINISH_GRACE_S
+
+
+def run_job(env: RealEnv, args: argparse.Namespace, out: str, launcher: Launcher, *, inject: bool,
+            label: str, stop: Interrupts, make_job: Callable[..., Job] = Job) -> JobResult:
+    bar = tqdm(total=args.steps, desc=label, unit="step", file=sys.stderr, dynamic_ncols=True,
+               disable=args.no_progress)
+    job = make_job(env, args, out, launcher, inject=inject, say=lambda text: tqdm.write(text, file=sys.stderr))
+    started = env.clock.now()
+    deadline = started + args.timeout if args.timeout is not None else float("inf")
+    try:
+        if stop.signal is None:
+            job.start()
+        while job.running() and stop.signal is None and env.clock.now() < deadline:
+            job.tick()
+            try:
+                ev = job.events.get(timeout=0.05)
+            except EnvTimeout:
+                continue
+            job.record(ev)
+            if ev.get("event") in ("commit", "step"):
+                _progress(bar, job)
+        timed_out = job.running() and stop.signal is None
+        job.close()  # then take in what the ranks wrote before they exited ("final" events)
+        for rep in job.replicas.values():
+            rep.drain()
+        job.pull_events()
+    finally:
+        bar.close()
+        job.close()
+        job.event_log.close()
+    return JobResult(job.stats, env.clock.now() - started, out, job.goal, stop_signal=stop.signal,
+                     timed_out=timed_out, gave_up=job.gave_up,
+                     errors=[e.as_json() for e in job.crash_log.errors.values()], warnings=job.kill_warnings(),
+                     extra=job.host_figures())
+
+
+def _progress(bar: tqdm, job: Job) -> None:
+    s = job.stats
+    if s.max_step > bar.n:
+        bar.update(min(s.max_step, bar.total) - bar.n)
+    row = s.rows.get(s.max_step - 1)
+    committed, total = s.efficiency()
+    bar.set_postfix(replicas=len(row.committed) if row else 0, committed=f"{100 * committed / max(total, 1):.1f}%",
+                    loss=f"{row.loss:.3f}" if row and row.loss is not None else "-", kills=s.num_kills, refresh=False)
