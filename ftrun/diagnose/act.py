@@ -6,11 +6,20 @@ snapshot cannot evict anyone). Never evicted: a slow rank, host or link whose la
 limit (the step still completes); a candidate pair (sender and receiver cannot be told apart, the
 timeout decides); a verdict naming more than `max_fraction` of the live replicas (that is a partition
 or a fault on the observer's side, not a culprit). The driver remembers when a verdict was first seen.
+
+`silent_culprits`: on real processes the driver also says which ranks did not answer the collector
+(stopped, wedged or dead processes). The silent culprits are the verdict's ranks that did not answer,
+and the silent ranks of a replica whose named culprit answers: that one is alive and waits inside its
+replica (an FSDP or gloo collective the telemetry does not see into) on its silent rank. Only their
+replicas are evicted once confirmed: a culprit that answers, with no silent rank beside it, is alive,
+maybe only slow, and its replica is evicted only when the hang outlasts the wait limit (the FTAR timeout
+would cut it off then anyway), so a slow-but-alive replica is never evicted early.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from ftrun.diagnose.model import CANDIDATES, HANG, NO_HANG, Verdict
 
@@ -35,11 +44,24 @@ class Eviction:
 
 
 def same_culprits(a: Verdict | None, b: Verdict | None) -> bool:
-    return a is not None and b is not None and (a.kind, a.ranks) == (b.kind, b.ranks)
+    """The same hang seen twice: same kind and culprit ranks, or the same culprit replicas (a hang's
+    culprit ranks change as its peers give up; its replicas do not)."""
+    return a is not None and b is not None and a.kind == b.kind and \
+        (a.ranks == b.ranks or (bool(a.replicas) and a.replicas == b.replicas))
+
+
+def silent_culprits(verdict: Verdict, answered: Sequence[bool], replica_of: Sequence[int]) -> tuple[int, ...]:
+    """The silent culprits (see the module docstring); `answered[r]` and `replica_of[r]` per rank."""
+    alive_in = {int(replica_of[r]) for r in verdict.ranks if answered[r]}
+    beside = (r for r in range(len(answered)) if not answered[r] and int(replica_of[r]) in alive_in)
+    return tuple(sorted({r for r in verdict.ranks if not answered[r]} | set(beside)))
 
 
 def decide_eviction(now: float, verdict: Verdict, first_seen: float | None, num_live_replicas: int,
-                    config: EvictionConfig = EvictionConfig()) -> Eviction:
+                    config: EvictionConfig = EvictionConfig(), *, silent: tuple[int, ...] | None = None,
+                    replica_of: Sequence[int] | None = None) -> Eviction:
+    """`silent` (with `replica_of[r]`, each rank's replica): the culprits that did not answer; None when
+    the driver cannot tell (every culprit counts as silent)."""
     if num_live_replicas < 1:
         raise ValueError(f"num_live_replicas must be >= 1, got {num_live_replicas}")
     if verdict.kind == NO_HANG:
@@ -62,4 +84,10 @@ def decide_eviction(now: float, verdict: Verdict, first_seen: float | None, num_
         since = now if first_seen is None else first_seen
         return Eviction((), f"hang in replicas {list(verdict.replicas)}: confirming until {since + config.confirm_s:g}",
                         retry_at=since + config.confirm_s)
+    if silent is not None and replica_of is not None and now - first_seen < config.wait_limit_s:
+        quiet = tuple(sorted({int(replica_of[r]) for r in silent}))
+        if not quiet:
+            return Eviction((), f"hang culprits answer the collector (alive, maybe slow): not evicted before the "
+                                f"wait limit {config.wait_limit_s:g}s", retry_at=first_seen + config.wait_limit_s)
+        return Eviction(quiet, f"confirmed hang for {now - first_seen:.2f}s, culprit silent: {verdict.reason}")
     return Eviction(verdict.replicas, f"confirmed hang for {now - first_seen:.2f}s: {verdict.reason}")

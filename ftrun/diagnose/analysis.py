@@ -105,9 +105,11 @@ def _ftar_hang(snap: Snapshot, layout: Layout, cfg: AnalysisConfig) -> Verdict |
 def _edges(sub: np.ndarray, st: np.ndarray, s: np.ndarray) -> np.ndarray:
     """Offset (-1: waits on the previous ring rank, +1: on the next, 0: leaf) of every ring cell.
 
-    A running rank holding a received chunk it has not used yet is working (a leaf if it is stalled);
-    one that has read everything its previous rank sent waits on it; one whose send is stuck waits on
-    the next; a previous rank that did not answer or never joined is waited on."""
+    A running rank holding a received chunk it has not used yet is working (a leaf if it is stalled),
+    unless a send of its is stuck: then it waits for that slot back (the shared-memory transport frees a
+    slot when the next rank acks it) on the next rank; one that has read everything its previous rank
+    sent waits on it; one whose send is stuck waits on the next; a previous rank that did not answer or
+    never joined is waited on."""
     r = np.maximum(sub, 0)
     prev = np.roll(r, 1, axis=1)
     prev_st = np.roll(st, 1, axis=1)
@@ -117,7 +119,7 @@ def _edges(sub: np.ndarray, st: np.ndarray, s: np.ndarray) -> np.ndarray:
     prev_blocks = (prev_st == _UNKNOWN) | (prev_st == _ABSENT) | ((prev_st == _RUN) & nothing_to_read)
     stuck_send = s["f_sends"][r] > s["f_sent"][r]
     off = np.zeros(st.shape, np.int64)
-    off[run & ~working & stuck_send & ~prev_blocks] = 1
+    off[run & stuck_send & (working | ~prev_blocks)] = 1  # working with a stuck send: waits for its slot back
     off[run & ~working & prev_blocks] = -1
     return off
 

@@ -1,6 +1,8 @@
 """`ftrun diagnose`: print the current root-cause verdict of a live job, or run its collector.
 
-  ftrun diagnose --collector HOST:PORT [--json]      ask the collector for a verdict now
+  ftrun diagnose --lighthouse HOST:PORT [--json]     ask a live job's lighthouse (its diagnosis monitor)
+                                                     for a verdict now (`ftrun launch` writes OUT/lighthouse)
+  ftrun diagnose --collector HOST:PORT [--json]      ask a collector for a verdict now
   ftrun diagnose --serve [--bind 127.0.0.1:29511]    run the collector (ranks register with it)
 
 The job token comes from $FTRUN_TOKEN or --token-file (a file only its owner can read), never argv.
@@ -20,6 +22,8 @@ from ftrun.env.real import RealEnv
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--lighthouse", help="a live job's lighthouse address (host:port; ftrun launch writes it "
+                       "to OUT/lighthouse)")
     where.add_argument("--collector", help="the diagnosis collector's address (host:port)")
     where.add_argument("--serve", action="store_true", help="run the collector until interrupted")
     p.add_argument("--bind", default="127.0.0.1:29511", help="--serve: the collector's address")
@@ -47,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     if args.serve:
         return _serve(env, token, args)
     try:
-        reply = request(env, args.collector, {"type": "verdict", "token": token}, args.timeout)
+        reply = request(env, args.lighthouse or args.collector, {"type": "verdict", "token": token}, args.timeout)
     except DiagnoseError as e:
         print(f"ftrun diagnose: {e}", file=sys.stderr)
         return 2
@@ -65,6 +69,8 @@ def format_verdict(v: dict) -> str:
              f"  reason: {v['reason']}"]
     if v.get("rank_names"):
         lines.append(f"  ranks: {', '.join(v['rank_names'])}")
+    if v.get("silent"):
+        lines.append(f"  silent (did not answer): {', '.join(v['silent'])}")
     if v.get("hosts"):
         lines.append(f"  hosts: {', '.join(v['hosts'])}")
     if v.get("collectives"):

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ftrun.diagnose.act import EvictionConfig, decide_eviction, same_culprits
+from ftrun.diagnose.act import EvictionConfig, decide_eviction, same_culprits, silent_culprits
 from ftrun.diagnose.analysis import analyze
 from ftrun.diagnose.model import AnalysisConfig, Layout, Snapshot, Verdict
 from ftrun.diagnose.summary import HIST, HIST_LEN, SUMMARY, empty_hist, empty_summary, summarize
@@ -44,6 +44,7 @@ class RankInfo:
     replica: int  # replica index
     rank: int  # group rank within the replica (its FTAR ring)
     host: str
+    incarnation: int = 0  # the replica's incarnation the rank belongs to (a restart registers anew)
 
 
 def _check_token(msg: dict, token: str) -> None:
@@ -125,9 +126,11 @@ class TelemetryServer(_Service):
     def __init__(self, *, env: Env, token: str, ranks: dict[RankInfo, Recorder], bind: str = "127.0.0.1:0") -> None:
         super().__init__(env, token, bind, "telemetry")
         self.ranks = ranks
+        self.serve_s = 0.0  # time spent answering pulls (summarizing), the collection's cost on this process
 
     def register(self, collector: str, timeout: float = 5.0) -> None:
-        ranks = [{"key": i.key, "replica": i.replica, "rank": i.rank, "host": i.host} for i in self.ranks]
+        ranks = [{"key": i.key, "replica": i.replica, "rank": i.rank, "host": i.host, "incarnation": i.incarnation}
+                 for i in self.ranks]
         request(self.env, collector, {"type": "register", "token": self._token, "addr": self.addr, "ranks": ranks},
                 timeout)
 
@@ -138,8 +141,9 @@ class TelemetryServer(_Service):
         out = []
         for info, rec in self.ranks.items():
             s, h = summarize(rec.records(), now)
-            out.append({"key": info.key, "summary": s.tobytes(), "hist": h.tobytes()})
-        return {"type": "telemetry", "now": now, "ranks": out}
+            out.append({"key": info.key, "summary": s.tobytes(), "hist": h.tobytes(), "written": rec.written})
+        self.serve_s += self.env.clock.now() - now
+        return {"type": "telemetry", "now": now, "ranks": out, "serve_s": self.serve_s}
 
 
 def parse_rank(row: dict) -> tuple[str, np.ndarray, np.ndarray]:
@@ -208,6 +212,8 @@ class Collector(_Service):
         self._lock, self._diagnosing = env.lock(), env.lock()  # the rank table; one diagnosis at a time
         self._last: tuple[Verdict, float] | None = None  # (verdict, first seen)
         self.latest: dict | None = None
+        self.last_input: tuple[Snapshot, Layout] | None = None  # the latest analysis input
+        self.cost: dict[str, dict] = {}  # server address -> {"serve_s", "written"} as last reported
 
     def answer(self, msg: dict) -> dict:
         kind = msg.get("type")
@@ -215,7 +221,8 @@ class Collector(_Service):
             addr = str(msg["addr"])
             with self._lock:
                 for r in msg["ranks"]:
-                    info = RankInfo(str(r["key"]), int(r["replica"]), int(r["rank"]), str(r["host"]))
+                    info = RankInfo(str(r["key"]), int(r["replica"]), int(r["rank"]), str(r["host"]),
+                                    int(r.get("incarnation", 0)))
                     self._known[info.key] = _Known(info, addr)
             return {"type": "ok"}
         if kind == "verdict":
@@ -236,11 +243,23 @@ class Collector(_Service):
         verdict = analyze(snap, layout, self.config.analysis)
         first = self._last[1] if self._last and same_culprits(self._last[0], verdict) else now
         self._last = (verdict, first)
+        self.last_input = (snap, layout)
         live = len({k.info.replica for k in known})
-        eviction = decide_eviction(now, verdict, first, max(live, 1), self.config.eviction)
+        silent = silent_culprits(verdict, snap.answered, layout.replica)
+        eviction = decide_eviction(now, verdict, first, max(live, 1), self.config.eviction, silent=silent,
+                                   replica_of=layout.replica)
         out = verdict_dict(verdict, layout, [k.info.key for k in known])
-        out.update(eviction={"replicas": list(eviction.replicas), "reason": eviction.reason},
-                   num_ranks=len(known), num_answered=len(answered))
+        incarnation: dict[int, int] = {}  # the silent culprits' (else the culprits') oldest incarnation:
+        replica_id: dict[int, str] = {}  # a dead incarnation's restart is never the one evicted
+        for r in silent or verdict.ranks:
+            info = known[r].info
+            incarnation[info.replica] = min(incarnation.get(info.replica, info.incarnation), info.incarnation)
+            replica_id[info.replica] = info.key.rsplit("/", 1)[0]
+        out.update(silent=[known[r].info.key for r in silent],
+                   eviction={"replicas": list(eviction.replicas), "reason": eviction.reason,
+                             "incarnations": [incarnation.get(r, -1) for r in eviction.replicas],
+                             "replica_ids": [replica_id.get(r, f"r{r}") for r in eviction.replicas]},
+                   num_ranks=len(known), num_answered=len(answered), t=now)
         return out
 
     def run_every(self, interval_s: float, stop) -> None:
@@ -267,7 +286,9 @@ class Collector(_Service):
             t.join(timeout=timeout + 1.0)
         answered: set[str] = set()
         arrived = self.env.clock.now()
-        for reply in list(results.values()):
+        for addr, reply in list(results.items()):
+            written = sum(int(row.get("written", 0)) for row in reply.get("ranks", []) if isinstance(row, dict))
+            self.cost[addr] = {"serve_s": float(reply.get("serve_s", 0.0)), "written": written}
             offset = arrived - float(reply.get("now", arrived))
             for row in reply.get("ranks", []):
                 try:

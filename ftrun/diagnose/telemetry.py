@@ -3,9 +3,10 @@
 A `Recorder` belongs to one rank (the emulator hosts many ranks per process, so nothing here is global).
 The runtime calls it from one-line hooks: the FTAR engine and its ring run (one record per chunk
 received, per chunk step completed and per chunk sent, plus enter/done/fail per all-reduce), the
-replica tree (entered, sent up, done) and the lighthouse client (asked, answered); `catchup_start` and
-`catchup_end` wait for the catch-up fetch's caller to pass the recorder (not hooked yet). Each record is packed with one `struct.pack_into` into a preallocated
-bytearray that numpy views as the structured array `RECORD`; the oldest records are overwritten.
+replica tree or gloo group (entered, sent up, done), the lighthouse client (asked, answered) and the
+trainer's catch-up fetch (`catchup_start`, `catchup_end`). Each record is packed with one
+`struct.pack_into` into a preallocated bytearray that numpy views as the structured array `RECORD`;
+the oldest records are overwritten.
 
 Record fields: `t` (env.clock), the collective id (`qid`: ring epoch or quorum id; `cid`: all-reduce
 number within the epoch, tree collective number, or the step asked/fetched), `step` (the training step

@@ -189,12 +189,12 @@ class RingRun:
                 return
             slot, payload = item
             try:
-                if isinstance(payload, dict):
+                if isinstance(payload, dict):  # shared slot: sent once the next rank acks it (_ack_loop)
                     self.links.next.send(payload, timeout=self.timeout)
                 else:
                     self.links.next.send_bytes(payload, timeout=self.timeout)
                     self.slot_free[slot].set()
-                if self.telemetry: self.telemetry.ftar_sent(self.sched.next_rank, getattr(payload, "nbytes", 0))
+                    if self.telemetry: self.telemetry.ftar_sent(self.sched.next_rank, getattr(payload, "nbytes", 0))
             except NetError as e:
                 return self._helper_failed(e, slot)
 
@@ -203,6 +203,7 @@ class RingRun:
             try:
                 msg = self.links.next.recv(timeout=self.timeout)
                 self.slot_free[int(msg["ack"])].set()
+                if self.telemetry: self.telemetry.ftar_sent(self.sched.next_rank, self.sched.slot_bytes)
             except (NetError, KeyError, ValueError, TypeError, IndexError) as e:
                 return self._helper_failed(e, None)
 

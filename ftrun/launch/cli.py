@@ -33,11 +33,19 @@ is 0 only for a complete job: it reached its steps with identical replicas, no d
 batch, and was neither interrupted nor given up on (`incomplete_reasons` in the JSON says why not).
 Ctrl-C or SIGTERM stops the job and writes the partial report (exit 128 + signal); a second one quits
 at once. Kill options that never fired are warnings in the report and the JSON.
+
+Diagnosis (unless --no-diagnose): a monitor beside the lighthouse (ftrun.diagnose.monitor) pulls every
+rank's collective telemetry and names the culprit of a hang; a confirmed culprit's replica is evicted at
+once (killed, `why: evicted`, and restarted) instead of its peers waiting out the FTAR timeout. Its
+verdicts are "verdict" events, its evictions "evict" events; --out gets lighthouse (the address for
+`ftrun diagnose --lighthouse`), token (mode 0600, for --token-file) and report.json (the figures and
+the diagnosis: verdicts, evictions).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -133,9 +141,23 @@ def _launch(env: RealEnv, args: argparse.Namespace, out: str, stop: Interrupts) 
     figures = job_figures(result, base, args=args,
                           start_method="spawn (fallback)" if getattr(launcher, "fallback_reason", None)
                           else args.start_method)
+    figures["diagnosis"] = _diagnosis_figures(result.diagnosis)
+    with open(os.path.join(result.out, "report.json"), "w") as f:
+        json.dump({**figures, "diagnosis_report": result.diagnosis}, f, default=str)
     print_report(figures)
     if args.json:
         emit_json(figures)
     if stop.signal is not None:
         return stop.exit_code
     return 0 if figures["complete"] else 1
+
+
+def _diagnosis_figures(report: dict | None) -> dict | None:
+    """The diagnosis in the JSON figures: the evictions acted on, the monitor's notices (a notice for an
+    incarnation already gone is not acted on), the last verdicts; report.json has it all."""
+    if report is None:
+        return None
+    return {"rounds": report["rounds"], "evictions": report["evicted"], "eviction_notices": len(report["evictions"]),
+            "verdicts": [{k: v[k] for k in ("t", "kind", "ranks", "silent", "reason")}
+                         for v in report["verdicts"][-20:]],
+            "telemetry_records": report["records"], "telemetry_serve_s": report["serve_s"]}

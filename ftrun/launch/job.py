@@ -9,10 +9,12 @@ import json
 import os
 import secrets
 import sys
+from dataclasses import replace
 from typing import Callable
 from tqdm import tqdm
 from ftrun.config import LighthouseConfig, Timeouts
-from ftrun.env.base import EnvTimeout
+from ftrun.diagnose.monitor import Monitor
+from ftrun.env.base import EnvTimeout, NetError
 from ftrun.env.real import RealEnv
 from ftrun.env.real_store import bound_store
 from ftrun.launch.checks import unfired_kills
@@ -38,14 +40,19 @@ class Job:
         self.min_up = args.min_replicas or args.replicas // 2 + 1
         self.token = self.job_token()
         self.lighthouse = self.make_lighthouse()
+        os.makedirs(os.path.join(out, "logs"), exist_ok=True)
+        _write_private(os.path.join(out, "token"), self.token)
+        with open(os.path.join(out, "lighthouse"), "w") as f:
+            f.write(self.lighthouse.addr + "\n")
         self.stats = RunStats(args.replicas)
         self.events = env.queue()
-        os.makedirs(os.path.join(out, "logs"), exist_ok=True)
+        self.monitor = self.make_monitor()
         self.event_log = open(os.path.join(out, "events.jsonl"), "w", buffering=1)  # line by line: tail -f works
         argv = (["-m", args.script] if args.module else [args.script]) + list(args.script_args)
         self.replicas = {f"r{i}": ReplicaProcesses(
             env=env, events=self.events, log_dir=os.path.join(out, "logs"), argv=argv,
-            launcher=self.launcher_for(f"r{i}", launcher), spec=self.spec(i)) for i in range(args.replicas)}
+            launcher=self.launcher_for(f"r{i}", launcher), spec=self._diagnosed(self.spec(i)))
+            for i in range(args.replicas)}
         self.down_until: dict[str, float] = {}  # replica -> when to restart it
         self.done: set[str] = set()  # exited cleanly, or stopped at the end
         self.live: dict[str, int] = {rid: 0 for rid in self.replicas}  # replica -> incarnation running now
@@ -58,6 +65,8 @@ class Job:
         self.steady = False  # every replica has committed a step
         self.closed = False
         self.crash_log = CrashLog(args.max_startup_failures)
+        self.diagnosis: dict | None = None  # the monitor's report, once the job ended
+        self.evicted: list[dict] = []  # the evictions acted on (the monitor's notices for running incarnations)
         self.gave_up: list[dict] = []  # replicas in a crash loop, no longer restarted
         self.too_few = False  # the replicas not given up cannot make a quorum: the job ends
         self.plan = KillPlan(every_s=args.kill_every, random_mean_s=args.kill_random_mean,
@@ -84,6 +93,25 @@ class Job:
     def launcher_for(self, rid: str, launcher: Launcher) -> Launcher:
         return launcher
 
+    def make_monitor(self) -> Monitor | None:
+        """The diagnosis monitor beside the lighthouse, on its host; None with --no-diagnose, or where that
+        address cannot be listened on from here (a lighthouse inside a namespace host)."""
+        if getattr(self.args, "no_diagnose", False):
+            return None
+        host = self.lighthouse.addr.rpartition(":")[0]
+        monitor = Monitor(env=self.env, token=self.token, lighthouse=self.lighthouse, bind=f"{host}:0",
+                          on_evict=self._on_evict_notice,
+                          on_verdict=lambda v: self.events.put({"event": "verdict", **v}))
+        try:
+            monitor.start()
+        except (OSError, NetError) as e:
+            self.say(f"ftrun launch: no diagnosis: cannot listen beside the lighthouse on {host}: {e}")
+            return None
+        return monitor
+
+    def _diagnosed(self, spec: WorkerSpec) -> WorkerSpec:
+        return spec if self.monitor is None else replace(spec, diagnose=self.monitor.addr)
+
     def inject_due(self, now: float, up: list[str]) -> None:
         """Inject the failure due now, if any (up: replicas running, not done)."""
         victim = self.plan.due(now, self.stats.max_step, up, self.healthy())
@@ -100,6 +128,8 @@ class Job:
         """Stop the lighthouse and every rank (idempotent); the event log stays open until the stats are in."""
         if not self.closed:
             self.closed = True
+            if self.monitor is not None:
+                self.monitor.stop()
             self.lighthouse.stop()
         for rep in self.replicas.values():
             rep.kill()
@@ -109,7 +139,9 @@ class Job:
         self.stats.add(ev)
         rid, kind = ev.get("replica_id"), ev.get("event")
         current = rid in self.live and ev.get("incarnation") == self.live[rid]  # not a killed incarnation's late line
-        if kind == "quorum" and current:
+        if kind == "evict_notice":
+            self._evict(ev)
+        elif kind == "quorum" and current:
             self.quorum_of[rid] = list(ev.get("participants", []))
         elif kind == "commit" and current and ev.get("rank", 0) == 0:
             self.last_commit[rid] = ev["step"]
@@ -122,6 +154,24 @@ class Job:
             if self.plan is not None:
                 self.plan.start(self.env.clock.now())  # kill clocks start once every replica has joined
             self.record({"event": "steady", "t": self.env.clock.now(), "step": self.stats.steady_step})
+
+    def _on_evict_notice(self, entry: dict) -> None:
+        """The monitor's eviction (its own task): handed to the main loop through the event queue."""
+        self.events.put({"event": "evict_notice", **entry})
+
+    def _evict(self, ev: dict) -> None:
+        """Kill the evicted incarnation (a restart follows), unless it is already gone or the job is over."""
+        rid, inc = ev.get("replica_id"), ev.get("incarnation")
+        if self.live.get(rid) != inc or rid in self.down_until or self.finished_at is not None or rid in self.done:
+            self.record({"event": "evict_ignored", "replica_id": rid, "incarnation": inc, "t": self.env.clock.now(),
+                         "why": "not the running incarnation"})
+            return
+        self.evicted.append({"replica_id": rid, "incarnation": inc, "t": self.env.clock.now(),
+                             "noticed_t": ev.get("t"), "reason": ev.get("reason"), "ranks": ev.get("ranks"),
+                             "silent": ev.get("silent")})
+        self.record({"event": "evict", **self.evicted[-1]})
+        self.lighthouse.evict((rid,), str(ev.get("reason")))  # its peers' next quorum does not wait for it
+        self.kill(rid, "evicted", verdict=ev.get("verdict"))
 
     def healthy(self) -> list[str]:
         """Replicas holding the job's state: their running incarnation committed the job's last step (or the
@@ -284,10 +334,12 @@ def run_job(env: RealEnv, args: argparse.Namespace, out: str, launcher: Launcher
         bar.close()
         job.close()
         job.event_log.close()
+    if job.monitor is not None:
+        job.diagnosis = {**job.monitor.report(), "evicted": job.evicted}
     return JobResult(job.stats, env.clock.now() - started, out, job.goal, stop_signal=stop.signal,
                      timed_out=timed_out, gave_up=job.gave_up,
                      errors=[e.as_json() for e in job.crash_log.errors.values()], warnings=job.kill_warnings(),
-                     extra=job.host_figures())
+                     extra=job.host_figures(), diagnosis=job.diagnosis)
 
 
 def _progress(bar: tqdm, job: Job) -> None:
@@ -298,3 +350,10 @@ def _progress(bar: tqdm, job: Job) -> None:
     committed, total = s.efficiency()
     bar.set_postfix(replicas=len(row.committed) if row else 0, committed=f"{100 * committed / max(total, 1):.1f}%",
                     loss=f"{row.loss:.3f}" if row and row.loss is not None else "-", kills=s.num_kills, refresh=False)
+
+
+def _write_private(path: str, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # an older file of the same name keeps its mode otherwise
+    with os.fdopen(fd, "w") as f:
+        f.write(text + "\n")

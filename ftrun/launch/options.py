@@ -53,6 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(default: a new temporary folder)")
     add_host_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object with all figures as the last line")
+    p.add_argument("--no-diagnose", action="store_true", help="no root-cause monitor: a hung rank is found by "
+                   "the FTAR and heartbeat timeouts only")
     p.add_argument("-m", "--module", action="store_true", help="SCRIPT names a module to run as python -m")
     p.add_argument("script", help="training script (or module, with -m)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed on to the script")

@@ -40,6 +40,7 @@ class JobResult:
     errors: list[dict] = field(default_factory=list)  # what crashed rank processes died of (CrashLog)
     warnings: list[str] = field(default_factory=list)  # kill options that never fired
     extra: dict = field(default_factory=dict)  # a job's own figures (--netns-hosts: hosts, shaping, faults)
+    diagnosis: dict | None = None  # the diagnosis monitor's report (None: --no-diagnose)
 
 
 def job_figures(result: JobResult, base: JobResult | None, *, args: argparse.Namespace, start_method: str) -> dict:

@@ -45,6 +45,7 @@ class WorkerSpec:
     store_port: int
     run_dir: str
     max_steps: int | None = None  # stop after this many committed steps (None: the script decides)
+    diagnose: str | None = None  # the diagnosis collector to serve telemetry to (FTRUN_DIAGNOSE; None: off)
     net: NetConfig = field(default_factory=NetConfig)
 
     def to_environ(self) -> dict[str, str]:
@@ -68,6 +69,7 @@ class WorkerSpec:
             "FTRUN_RUN_DIR": self.run_dir,
             **self.net.to_environ(),
             **({"FTRUN_MAX_STEPS": str(self.max_steps)} if self.max_steps is not None else {}),
+            **({"FTRUN_DIAGNOSE": self.diagnose} if self.diagnose else {}),
         }
 
     @classmethod
@@ -102,7 +104,7 @@ class WorkerSpec:
             store_port=_int(environ, "MASTER_PORT") if size > 1 else _int(environ, "MASTER_PORT", default=0),
             run_dir=environ.get("FTRUN_RUN_DIR", "."),
             max_steps=_int(environ, "FTRUN_MAX_STEPS") if "FTRUN_MAX_STEPS" in environ else None,
-            net=NetConfig.from_environ(environ),
+            net=NetConfig.from_environ(environ), diagnose=environ.get("FTRUN_DIAGNOSE") or None,
         )
 
 

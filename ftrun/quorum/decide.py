@@ -38,6 +38,12 @@ Two more rules apply to a quorum about to form:
    quorum, resumed from the job's durable state: its latest checkpoint, else step 0), the job rewinds
    to that step on purpose, and the floor moves down with it. A replica that trained on in memory
    across the others' progress is never fresh.
+
+One rule applies outside a round, `evict`:
+9. Eviction: a replica the diagnosis confirmed as the culprit of a hang (ftrun.diagnose.act) stops
+   counting at once: it is no longer live (rule 1), so the survivors' next quorum forms as soon as they
+   have all asked (rule 5) instead of after its heartbeat timeout; the quorum id moves on, since the
+   membership changed. Its next incarnation joins again with a hello like any restarted replica.
 """
 
 from __future__ import annotations
@@ -225,3 +231,13 @@ def apply(state: LighthouseState, decision: Decision) -> LighthouseState:
 def finish(state: LighthouseState, step: int) -> LighthouseState:
     """The state after a replica reported the job finished at `step` (rule 0): the highest report holds."""
     return replace(state, finished_step=max(step, state.finished_step or 0))
+
+
+def evict(now: float, state: LighthouseState, replica_ids: tuple[str, ...]) -> tuple[LighthouseState, tuple[str, ...]]:
+    """Rule 9: the state with the evicted replicas no longer live, and the replicas actually evicted
+    (live members only: evicting one twice, or an unknown one, is a no-op)."""
+    hit = tuple(sorted(r for r in set(replica_ids) if r in state.members and
+                       (state.members[r].connected or state.members[r].expected)))
+    if not hit:
+        return state, ()
+    return replace(state, members={**state.members, **{r: Member(r, now, connected=False) for r in hit}}), hit

@@ -29,8 +29,8 @@ from ftrun.config import LighthouseConfig
 from ftrun.env import wire
 from ftrun.env.base import Connection, Env, EnvTimeout, NetError, NetTimeout, PeerClosed
 from ftrun.quorum import protocol
-from ftrun.quorum.decide import (Decision, LighthouseState, Member, QuorumRequest, apply, decide, expect_previous,
-                                 finish, live_members)
+from ftrun.quorum.decide import (Decision, LighthouseState, Member, QuorumRequest, apply, decide, evict,
+                                 expect_previous, finish, live_members)
 from ftrun.storage import Storage
 
 log = logging.getLogger("ftrun.quorum")
@@ -48,7 +48,7 @@ class LighthouseDown(RuntimeError):
 
 @dataclass(frozen=True)
 class _Event:
-    kind: str  # hello | heard | ask | finished | lost | hung | stop
+    kind: str  # hello | heard | ask | finished | lost | hung | evict | stop
     replica_id: str = ""
     conn: Connection | None = None
     msg: Any = None
@@ -102,6 +102,7 @@ class Lighthouse:
         self._pending_view: tuple[str, ...] = ()
         self.failed: str | None = None  # why the main task died (None while it runs)
         self._stopping = False
+        self.diagnosis: Any = None  # () -> the diagnosis verdict dict (ftrun.diagnose.monitor), when one runs
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> str:
@@ -148,10 +149,18 @@ class Lighthouse:
             failing_since = None
             self.env.spawn(self._reader, conn, name="lighthouse-reader")
 
+    def evict(self, replica_ids: tuple[str, ...], why: str) -> None:
+        """Evict replicas the diagnosis names (decide rule 9); safe from any task."""
+        self._events.put(_Event("evict", ",".join(replica_ids), msg=why))
+
     def _reader(self, conn: Connection) -> None:
         timeouts = self.config.timeouts
         try:
-            token, replica_id = protocol.parse_hello(conn.recv(timeout=timeouts.connect_timeout_s))
+            first = conn.recv(timeout=timeouts.connect_timeout_s)
+            if isinstance(first, dict) and first.get("type") == "verdict":  # `ftrun diagnose --lighthouse`
+                self._answer_verdict(conn, first)
+                return
+            token, replica_id = protocol.parse_hello(first)
             if not hmac.compare_digest(token.encode(), self._token.encode()):
                 raise protocol.BadRequest("wrong job token")
         except (protocol.BadRequest, NetError) as e:
@@ -173,6 +182,19 @@ class Lighthouse:
                 self._events.put(_Event({"heartbeat": "heard", "quorum": "ask"}.get(kind, kind), replica_id, conn, msg))
             else:
                 self._reply(conn, {"type": "error", "error": f"unknown message type {kind!r}"})
+
+    def _answer_verdict(self, conn: Connection, msg: dict) -> None:
+        token = msg.get("token")
+        if not isinstance(token, str) or not hmac.compare_digest(token.encode(), self._token.encode()):
+            self._reject(conn, "wrong job token")
+            return
+        try:
+            reply = {"type": "verdict", **self.diagnosis()} if self.diagnosis is not None else \
+                {"type": "error", "error": "no diagnosis runs beside this lighthouse (ftrun launch --no-diagnose?)"}
+        except Exception as e:  # a failed analysis is answered, never fatal to the lighthouse
+            reply = {"type": "error", "error": f"diagnosis failed: {e!r}"}
+        self._reply(conn, reply)
+        conn.close()
 
     def _reject(self, conn: Connection, why: str) -> None:
         log.warning("rejecting connection from %s: %s", conn.peer_addr, why)
@@ -225,6 +247,16 @@ class Lighthouse:
 
     def _apply_event(self, ev: _Event) -> None:
         now, rid = self.env.clock.now(), ev.replica_id
+        if ev.kind == "evict":
+            self._state, hit = evict(now, self._state, tuple(rid.split(",")))
+            for r in hit:
+                self._requests.pop(r, None)
+                conn = self._conns.pop(r, None)
+                if conn is not None:
+                    conn.close()
+                self._record("member_evicted", replica_id=r, why=ev.msg)
+                log.warning("replica %s evicted: %s", r, ev.msg)
+            return
         if ev.kind == "hello":
             old = self._conns.get(rid)
             if old is not None and old is not ev.conn:

@@ -73,6 +73,8 @@ _OPS = {"min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX, "sum": dist.ReduceOp
 
 
 class GlooComm:
+    telemetry = None  # this rank's ftrun.diagnose.telemetry.Recorder, when root-cause telemetry is on
+
     def __init__(self, *, store: dist.Store, prefix: str, rank: int, world_size: int, timeout_s: float,
                  bind_host: str | None = None) -> None:
         """`bind_host`: the address gloo's pairs listen on and publish through the store (this host's
@@ -80,6 +82,7 @@ class GlooComm:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside a replica of {world_size} ranks")
         self.rank, self.world_size = rank, world_size
+        self._seq = 0  # collectives issued: the telemetry's collective id
         prefixed = dist.PrefixStore(prefix, store)
         if bind_host is None:
             self._pg = dist.ProcessGroupGloo(prefixed, rank, world_size, datetime.timedelta(seconds=timeout_s))
@@ -95,10 +98,15 @@ class GlooComm:
         return self._pg
 
     def _wait(self, work, what: str) -> None:
+        """Telemetry: gloo has no tree of ours, so a collective is entered and our part sent when issued."""
+        rec, self._seq = self.telemetry, self._seq + 1
+        if rec: rec.tree_enter(self._seq)
+        if rec: rec.tree_sent(self._seq)
         try:
             work.wait()
         except RuntimeError as e:  # gloo reports peer loss and timeouts as RuntimeError
             raise ReplicaCommError(f"{what} inside the replica failed: {e}") from e
+        if rec: rec.tree_done(self._seq)
 
     def all_reduce_int(self, values: list[int], op: ReduceOp) -> list[int]:
         t = torch.tensor(values, dtype=torch.int64)

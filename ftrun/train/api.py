@@ -343,7 +343,7 @@ class FTJob:
 
     def _loop(self, trainer, target: Callable[[], int], hooks: Hooks) -> TrainResult:
         who = {"rank": self.rank}
-        self.emit({"event": "ready", "t": self.env.clock.now(), "step": trainer.step,
+        self.emit({"event": "ready", "t": self.env.clock.now(), "step": trainer.step, "pid": os.getpid(),
                    "lineage": trainer.progress.state.lineage, **who})
         try:
             while trainer.step < target():

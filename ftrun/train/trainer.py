@@ -162,6 +162,8 @@ class FaultTolerantTrainer:
     boundary of a step (PHASES), for instrumentation and fault injection.
     """
 
+    telemetry = None  # this rank's ftrun.diagnose.telemetry.Recorder (records the catch-up fetches), or None
+
     def __init__(self, *, config: TrainerConfig, env: Env, compute: Compute, progress: DataProgress,
                  manager: Manager, exchange: GradientExchange, catchup: CatchupService,
                  loader_store: LoaderStateStore, audit: AuditLog, checkpointer: Checkpointer | None = None,
@@ -364,7 +366,13 @@ class FaultTolerantTrainer:
         sources = catchup_sources(q)
         if not sources:
             raise CatchupError(f"step {q.step}: no healthy participant of quorum {q.quorum_id} serves catch-up")
-        result = self.catchup.fetch(q.step, sources)
+        if self.telemetry: self.telemetry.catchup_start(q.step, len(sources))
+        try:
+            result = self.catchup.fetch(q.step, sources)
+        except BaseException:
+            if self.telemetry: self.telemetry.catchup_end(q.step, 0, False)
+            raise
+        if self.telemetry: self.telemetry.catchup_end(q.step, result.num_bytes, True)
         self._phase("heal", q.step)
         self._load(q.step, result)
         self.last_fetch = result

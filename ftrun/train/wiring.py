@@ -114,6 +114,8 @@ def _build(*, job: "FTJob", model: torch.nn.Module, optimizer: torch.optim.Optim
                               timeout_s=t.heartbeat_timeout_s)
             lighthouse.healthy = lambda: watch.healthy(trainer.manager.rank_ftar_addrs())
             closers.insert(0, watch.close)
+        if spec.diagnose:  # root-cause telemetry, served to the collector beside the lighthouse
+            closers.append(_serve_telemetry(job, engine=engine, lighthouse=lighthouse, trainer=trainer).stop)
     except BaseException:
         if lighthouse is not None:
             lighthouse.close()
@@ -121,6 +123,17 @@ def _build(*, job: "FTJob", model: torch.nn.Module, optimizer: torch.optim.Optim
             close()
         raise
     return trainer, closers
+
+
+def _serve_telemetry(job: "FTJob", **parts: Any):
+    from ftrun.diagnose.attach import serve_rank
+    from ftrun.diagnose.collect import RankInfo
+
+    spec = job.spec
+    info = RankInfo(f"{spec.replica_id}/{spec.rank}", spec.replica_index, spec.rank, spec.net.advertised,
+                    spec.incarnation)
+    return serve_rank(job.env, token=spec.token, info=info, collector=spec.diagnose, bind=spec.net.bind(),
+                      advertise=spec.net.advertise, comm=job.comm, **parts)[1]
 
 
 def _no_audit(data: bytes) -> None:

@@ -58,7 +58,8 @@ def _spec(**kw):
 
 
 @pytest.mark.parametrize("spec", [_spec(), _spec(net=NetConfig(bind_host="0.0.0.0", advertise_host="10.3.0.4")),
-                                  _spec(rank=0, ranks_per_replica=1, replica_index=0, replica_id="r0", max_steps=None)])
+                                  _spec(rank=0, ranks_per_replica=1, replica_index=0, replica_id="r0", max_steps=None),
+                                  _spec(diagnose="127.0.0.1:29511")])
 def test_ftrun_launch_environment_round_trips(spec):
     environ = spec.to_environ()
     assert environ["RANK"] == str(spec.replica_index * spec.ranks_per_replica + spec.rank)  # job-wide, as torchrun
