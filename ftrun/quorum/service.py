@@ -256,6 +256,7 @@ class Lighthouse:
                     conn.close()
                 self._record("member_evicted", replica_id=r, why=ev.msg)
                 log.warning("replica %s evicted: %s", r, ev.msg)
+                self._notify_hung(r)  # whoever waits for it (in a ring, or to connect one) gives up now
             return
         if ev.kind == "hello":
             old = self._conns.get(rid)
