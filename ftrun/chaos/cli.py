@@ -9,7 +9,8 @@ processes by ftrun.chaos.driver and checked by ftrun.chaos.invariants (no fork, 
 identical state among the replicas that finished, services up, nothing leaked). One progress line per
 schedule on stderr; a schedule with a violation keeps its folder (rank logs, events) under --out.
 With --json the last stdout line is one object: schedules, faults_injected, violations (each with its
-seed, index and schedule), duplicate_batches, forks, and more. Exit 0 when no schedule violated anything.
+seed, index and schedule), duplicate_batches, forks, rewinds (the lighthouse's deliberate full restarts,
+after which the steps are retrained on a new lineage: not forks), and more. Exit 0 when no schedule violated anything.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     launcher = ForkServer(env=env, script=WORKER, module=True, cwd=os.getcwd(),
                           log_path=os.path.join(out, "zygote.log"), run_dir=out)
     totals = {"schedules": 0, "faults_injected": 0, "violations": [], "duplicate_batches": 0, "forks": 0,
-              "skipped_batches": 0, "seed": args.seed, "replicas": args.replicas,
+              "skipped_batches": 0, "rewinds": 0, "seed": args.seed, "replicas": args.replicas,
               "ranks_per_replica": args.ranks_per_replica, "steps": args.steps, "out": out}
     t0 = env.clock.now()
     try:
@@ -79,10 +80,13 @@ def run(args: argparse.Namespace) -> int:
                                 steps=args.steps)
             started = env.clock.now()
             driver = ScheduleRun(schedule, env=env, launcher=launcher, workdir=out, timeout_s=args.schedule_timeout)
+            rewinds = 0
             try:
-                verdict = check(driver.run())
+                obs = driver.run()
+                verdict, rewinds = check(obs), len(obs.rewinds)
             except Exception as e:  # noqa: BLE001 (the driver failed: report it with the schedule, go on)
                 verdict = Verdict(violations=[f"driver error: {type(e).__name__}: {e}"])
+            totals["rewinds"] += rewinds
             totals["schedules"] += 1
             totals["faults_injected"] += driver.faults_injected
             totals["duplicate_batches"] += verdict.duplicate_batches
@@ -94,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
             elif not args.keep:
                 shutil.rmtree(driver.run_dir, ignore_errors=True)
             print(f"ftrun chaos: schedule {i} ({n + 1}/{len(indices)}) {schedule.describe()}: "
-                  f"{driver.faults_injected} faults, "
+                  f"{driver.faults_injected} faults, " + (f"{rewinds} full restart(s), " if rewinds else "")
                   + ("ok" if verdict.ok else "VIOLATION: " + " | ".join(verdict.violations))
                   + f" ({env.clock.now() - started:.1f}s, goal at "
                   f"{'-' if driver.t_goal is None else format(driver.t_goal, '.1f')}s; total {env.clock.now() - t0:.0f}s, "
@@ -104,7 +108,8 @@ def run(args: argparse.Namespace) -> int:
     totals["wall_s"] = round(env.clock.now() - t0, 1)
     print(f"ftrun chaos: {totals['schedules']} schedules, {totals['faults_injected']} faults injected, "
           f"{len(totals['violations'])} with violations, {totals['forks']} forks, "
-          f"{totals['duplicate_batches']} duplicate batches, {totals['skipped_batches']} skipped ({totals['wall_s']}s)")
+          f"{totals['duplicate_batches']} duplicate batches, {totals['skipped_batches']} skipped; {totals['rewinds']} "
+          f"full restarts (every replica holding the state died: the job rewound on purpose) ({totals['wall_s']}s)")
     for v in totals["violations"][:10]:
         print(f"  seed {v['seed']} schedule {v['index']} ({v['schedule']['describe']}): "
               + " | ".join(v["violations"]) + f"\n    replay: ftrun chaos --seed {v['seed']} --seed-of {v['index']}"

@@ -67,6 +67,7 @@ class ScheduleRun:
         self._pids: set[int] = set()
         self._lighthouse_back_at: float | None = None
         self._goal_at: float | None = None
+        self._lighthouses: list[Lighthouse] = []  # every incarnation of it: their histories hold the rewinds
         self._last_resume = 0.0
         self.t_goal: float | None = None  # seconds from start to the job's last step (for progress lines)
 
@@ -79,6 +80,7 @@ class ScheduleRun:
             lh = Lighthouse(env=self.env, token=self.token, storage=self.lh_storage, bind=bind, config=config)
             try:
                 lh.start()
+                self._lighthouses.append(lh)
                 break
             except OSError:
                 if attempt == LIGHTHOUSE_BIND_TRIES - 1:
@@ -302,7 +304,9 @@ class ScheduleRun:
         return Observation(steps=self.s.steps, events=self.events, audit_records=records, audit_problems=problems,
                            disk_ledger=(disk.step, disk.lineage) if disk is not None else None,
                            services_down=down, leaked_processes=leaked_processes(self.run_dir),
-                           leaked_shm=leaked_shm(self._pids), timed_out=timed_out)
+                           leaked_shm=leaked_shm(self._pids), timed_out=timed_out,
+                           rewinds=sorted({h["quorum_id"] for lh in self._lighthouses for h in lh.history
+                                           if h["event"] == "quorum" and h.get("rewind")}))
 
 
 def _signal(pid: int, sig: int) -> None:

@@ -6,7 +6,11 @@ disk, whether the services still answer, and the processes and /dev/shm files of
 after it was torn down. `check` turns it into a Verdict:
 
 - no fork: one lineage per step. Every committed step (per the ranks' step events and the audit's commit
-  records) has one lineage, and every rank position one param_hash for it;
+  records) has one lineage, and every rank position one param_hash for it. The one allowed exception is
+  the lighthouse's full restart (decide rule 8: every replica holding the job's state died, the fresh
+  ones rewind the job to its durable state, here step 0 or a checkpoint): the steps after it are
+  retrained on a new lineage. So the check runs per epoch, an epoch starting at each quorum the
+  lighthouse marked `rewind`, and the rewinds are counted;
 - exactly-once data: the audit of the final ledger's lineage finds no duplicated or skipped batch and
   no problem;
 - the job finished: it reached its steps within the time limit, and every replica that ended there holds
@@ -35,6 +39,7 @@ class Observation:
     leaked_processes: list[str] = field(default_factory=list)
     leaked_shm: list[str] = field(default_factory=list)
     timed_out: bool = False
+    rewinds: list[int] = field(default_factory=list)  # quorum ids of the lighthouse's full restarts
 
 
 @dataclass
@@ -49,26 +54,40 @@ class Verdict:
         return not self.violations
 
 
-def fork_steps(events: list[dict], records: list[Record]) -> dict[int, str]:
-    """step -> what forked there: more than one lineage, or more than one param_hash for a rank."""
-    lineages: dict[int, set[str]] = defaultdict(set)
-    hashes: dict[tuple[int, int], set[str]] = defaultdict(set)
+def fork_steps(events: list[dict], records: list[Record], rewinds: list[int] = ()) -> dict[tuple[int, int], str]:
+    """(epoch, step) -> what forked there: more than one lineage, or more than one param_hash for a rank.
+
+    Epoch e holds the quorums from the e-th rewind on (quorum ids in `rewinds`). An audit commit record
+    carries no quorum id: it counts in the epoch of a step event with its lineage, or in epoch 0 when
+    there was no rewind (else it is left out: its writer died before saying which quorum it was in)."""
+    starts = sorted(set(rewinds))
+
+    def epoch(quorum_id: int) -> int:
+        return sum(1 for q in starts if q <= quorum_id)
+
+    lineages: dict[tuple[int, int], set[str]] = defaultdict(set)
+    hashes: dict[tuple[int, int, int], set[str]] = defaultdict(set)
+    epoch_of: dict[str, int] = {}
     for ev in events:
         if ev.get("event") == "step" and ev.get("committed"):
+            e = epoch(ev.get("quorum_id", 0))
             if ev.get("lineage") is not None:
-                lineages[ev["step"]].add(ev["lineage"])
+                lineages[(e, ev["step"])].add(ev["lineage"])
+                epoch_of[ev["lineage"]] = e
             if ev.get("param_hash") is not None:
-                hashes[(ev["step"], ev.get("rank", 0))].add(ev["param_hash"])
+                hashes[(e, ev["step"], ev.get("rank", 0))].add(ev["param_hash"])
     for rec in records:
         if isinstance(rec, Commit):
-            lineages[rec.step].add(rec.lineage)
-    out: dict[int, str] = {}
-    for step, seen in lineages.items():
+            e = epoch_of.get(rec.lineage, None if starts else 0)
+            if e is not None:
+                lineages[(e, rec.step)].add(rec.lineage)
+    out: dict[tuple[int, int], str] = {}
+    for (e, step), seen in lineages.items():
         if len(seen) > 1:
-            out[step] = f"step {step} committed under {len(seen)} lineages ({', '.join(sorted(seen))})"
-    for (step, rank), seen in sorted(hashes.items()):
-        if len(seen) > 1 and step not in out:
-            out[step] = f"step {step} rank {rank} has {len(seen)} different param_hashes"
+            out[(e, step)] = f"step {step} committed under {len(seen)} lineages ({', '.join(sorted(seen))})"
+    for (e, step, rank), seen in sorted(hashes.items()):
+        if len(seen) > 1 and (e, step) not in out:
+            out[(e, step)] = f"step {step} rank {rank} has {len(seen)} different param_hashes"
     return out
 
 
@@ -78,7 +97,7 @@ def finals_at_goal(events: list[dict], steps: int) -> list[dict]:
 
 def check(obs: Observation) -> Verdict:
     v = Verdict()
-    forks = fork_steps(obs.events, obs.audit_records)
+    forks = fork_steps(obs.events, obs.audit_records, obs.rewinds)
     v.forks = len(forks)
     v.violations += [f"fork: {why}" for _, why in sorted(forks.items())]
 

@@ -355,7 +355,7 @@ class Lighthouse:
         self._state = apply(self._state, d)
         self._persist()
         self._record("quorum", quorum_id=d.quorum_id, participants=list(d.replica_ids), max_step=d.max_step,
-                     behind=list(d.behind), left_out=list(d.left_out), reason=d.reason)
+                     behind=list(d.behind), left_out=list(d.left_out), reason=d.reason, rewind=d.rewind)
         for rid in d.left_out:  # it sits this quorum out only: it joins the next one (decide rule 7)
             self._requests[rid] = replace(self._requests[rid], own_failures=0)
         for rid in d.replica_ids:

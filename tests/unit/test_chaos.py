@@ -165,3 +165,19 @@ def test_the_cli_refuses_bad_flags_naming_them_before_starting_anything(argv, fl
 
     assert main(["chaos", *argv]) == 2
     assert flag in capsys.readouterr().err
+
+
+def test_a_full_restart_retrains_on_a_new_lineage_without_a_fork_but_a_stale_lineage_after_it_is_one():
+    def ev(step, lineage, quorum_id, rid="r0"):
+        return {"event": "step", "step": step, "committed": True, "lineage": lineage, "param_hash": lineage,
+                "quorum_id": quorum_id, "replica_id": rid, "rank": 0}
+
+    before = [ev(s, f"old{s}", 1) for s in range(4)]
+    after = [ev(s, f"new{s}", 3) for s in range(6)]
+    assert len(fork_steps(before + after, [])) == 4  # no rewind known: steps 0-3 have two lineages
+    assert fork_steps(before + after, [], rewinds=[3]) == {}  # the lighthouse rewound at quorum 3
+    stale = ev(3, "old3", 4, rid="r1")  # the old lineage's step 3 committed again after the rewind
+    assert list(fork_steps(before + after + [stale], [], rewinds=[3])) == [(1, 3)]
+    obs = healthy()
+    obs.rewinds = [7]
+    assert check(obs).ok
