@@ -43,25 +43,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ftrun.chaos.schedule import check_shape, generate
-
-    try:
-        check_shape(args.replicas, args.ranks_per_replica, args.steps)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    if not args.schedule_timeout > 0:
-        raise UsageError(f"--schedule-timeout must be > 0, got {args.schedule_timeout}")
-    if args.seed_of is not None:
-        indices = [args.seed_of]
-    else:
-        indices = list(range(args.schedules))
+    _check(args)
     out = os.path.abspath(args.out) if args.out else tempfile.mkdtemp(prefix="ftrun-chaos-")
     try:
         os.makedirs(out, exist_ok=True)
     except OSError as e:
         raise UsageError(f"--out {args.out}: cannot create it ({e.strerror})") from None
-    from ftrun.chaos.driver import WORKER, ScheduleRun
-    from ftrun.chaos.invariants import Verdict, check
+    from ftrun.chaos.driver import WORKER
     from ftrun.env.real import RealEnv
     from ftrun.launch.procs import ForkServer
 
@@ -73,39 +61,70 @@ def run(args: argparse.Namespace) -> int:
     totals = {"schedules": 0, "faults_injected": 0, "violations": [], "duplicate_batches": 0, "forks": 0,
               "skipped_batches": 0, "rewinds": 0, "seed": args.seed, "replicas": args.replicas,
               "ranks_per_replica": args.ranks_per_replica, "steps": args.steps, "out": out}
+    indices = [args.seed_of] if args.seed_of is not None else list(range(args.schedules))
     t0 = env.clock.now()
     try:
         for n, i in enumerate(indices):
-            schedule = generate(args.seed, i, replicas=args.replicas, ranks_per_replica=args.ranks_per_replica,
-                                steps=args.steps)
-            started = env.clock.now()
-            driver = ScheduleRun(schedule, env=env, launcher=launcher, workdir=out, timeout_s=args.schedule_timeout)
-            rewinds = 0
-            try:
-                obs = driver.run()
-                verdict, rewinds = check(obs), len(obs.rewinds)
-            except Exception as e:  # noqa: BLE001 (the driver failed: report it with the schedule, go on)
-                verdict = Verdict(violations=[f"driver error: {type(e).__name__}: {e}"])
-            totals["rewinds"] += rewinds
-            totals["schedules"] += 1
-            totals["faults_injected"] += driver.faults_injected
-            totals["duplicate_batches"] += verdict.duplicate_batches
-            totals["skipped_batches"] += verdict.skipped_batches
-            totals["forks"] += verdict.forks
-            if verdict.violations:
-                totals["violations"].append({"seed": args.seed, "index": i, "schedule": schedule.as_json(),
-                                             "violations": verdict.violations, "run_dir": driver.run_dir})
-            elif not args.keep:
-                shutil.rmtree(driver.run_dir, ignore_errors=True)
-            print(f"ftrun chaos: schedule {i} ({n + 1}/{len(indices)}) {schedule.describe()}: "
-                  f"{driver.faults_injected} faults, " + (f"{rewinds} full restart(s), " if rewinds else "")
-                  + ("ok" if verdict.ok else "VIOLATION: " + " | ".join(verdict.violations))
-                  + f" ({env.clock.now() - started:.1f}s, goal at "
-                  f"{'-' if driver.t_goal is None else format(driver.t_goal, '.1f')}s; total {env.clock.now() - t0:.0f}s, "
+            line = _run_one(args, i, env=env, launcher=launcher, out=out, totals=totals)
+            print(f"ftrun chaos: schedule {i} ({n + 1}/{len(indices)}) {line}; total {env.clock.now() - t0:.0f}s, "
                   f"{len(totals['violations'])} violating)", file=sys.stderr, flush=True)
     finally:
         launcher.close()
     totals["wall_s"] = round(env.clock.now() - t0, 1)
+    _print_summary(totals)
+    if args.json:
+        emit_json(totals)
+    if not totals["violations"] and not args.out:
+        shutil.rmtree(out, ignore_errors=True)
+    return 1 if totals["violations"] else 0
+
+
+def _check(args: argparse.Namespace) -> None:
+    from ftrun.chaos.schedule import check_shape
+
+    try:
+        check_shape(args.replicas, args.ranks_per_replica, args.steps)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if not args.schedule_timeout > 0:
+        raise UsageError(f"--schedule-timeout must be > 0, got {args.schedule_timeout}")
+
+
+def _run_one(args: argparse.Namespace, index: int, *, env, launcher, out: str, totals: dict) -> str:
+    """Run and check schedule `index`, add it to `totals`; returns its progress line (without the total)."""
+    from ftrun.chaos.driver import ScheduleRun
+    from ftrun.chaos.invariants import Verdict, check
+    from ftrun.chaos.schedule import generate
+
+    schedule = generate(args.seed, index, replicas=args.replicas, ranks_per_replica=args.ranks_per_replica,
+                        steps=args.steps)
+    started = env.clock.now()
+    driver = ScheduleRun(schedule, env=env, launcher=launcher, workdir=out, timeout_s=args.schedule_timeout)
+    rewinds = 0
+    try:
+        obs = driver.run()
+        verdict, rewinds = check(obs), len(obs.rewinds)
+    except Exception as e:  # noqa: BLE001 (the driver failed: report it with the schedule, go on)
+        verdict = Verdict(violations=[f"driver error: {type(e).__name__}: {e}"])
+    totals["schedules"] += 1
+    totals["rewinds"] += rewinds
+    totals["faults_injected"] += driver.faults_injected
+    totals["duplicate_batches"] += verdict.duplicate_batches
+    totals["skipped_batches"] += verdict.skipped_batches
+    totals["forks"] += verdict.forks
+    if verdict.violations:
+        totals["violations"].append({"seed": args.seed, "index": index, "schedule": schedule.as_json(),
+                                     "violations": verdict.violations, "run_dir": driver.run_dir})
+    elif not args.keep:
+        shutil.rmtree(driver.run_dir, ignore_errors=True)
+    goal = "-" if driver.t_goal is None else f"{driver.t_goal:.1f}"
+    return (f"{schedule.describe()}: {driver.faults_injected} faults, "
+            + (f"{rewinds} full restart(s), " if rewinds else "")
+            + ("ok" if verdict.ok else "VIOLATION: " + " | ".join(verdict.violations))
+            + f" ({env.clock.now() - started:.1f}s, goal at {goal}s")
+
+
+def _print_summary(totals: dict) -> None:
     print(f"ftrun chaos: {totals['schedules']} schedules, {totals['faults_injected']} faults injected, "
           f"{len(totals['violations'])} with violations, {totals['forks']} forks, "
           f"{totals['duplicate_batches']} duplicate batches, {totals['skipped_batches']} skipped; {totals['rewinds']} "
@@ -114,8 +133,3 @@ def run(args: argparse.Namespace) -> int:
         print(f"  seed {v['seed']} schedule {v['index']} ({v['schedule']['describe']}): "
               + " | ".join(v["violations"]) + f"\n    replay: ftrun chaos --seed {v['seed']} --seed-of {v['index']}"
               f"  (folder {v['run_dir']})")
-    if args.json:
-        emit_json(totals)
-    if not totals["violations"] and not args.out:
-        shutil.rmtree(out, ignore_errors=True)
-    return 1 if totals["violations"] else 0
