@@ -288,7 +288,10 @@ class ScheduleRun:
                 recs, probs = [], [str(e)]
             records += recs
             problems += probs
-        disk = LoaderStateStore(storage=FileStorage(self.run_dir)).load()
+        try:
+            disk, disk_error = LoaderStateStore(storage=FileStorage(self.run_dir)).load(), None
+        except DataError as e:  # no slot readable: a finding of the loader_state check, not a driver error
+            disk, disk_error = None, str(e)
         down = []
         lh = self.lighthouse
         try:
@@ -302,7 +305,7 @@ class ScheduleRun:
             if lh is not None:
                 lh.stop()
         return Observation(steps=self.s.steps, events=self.events, audit_records=records, audit_problems=problems,
-                           disk_ledger=(disk.step, disk.lineage) if disk is not None else None,
+                           disk_ledger=(disk.step, disk.lineage) if disk is not None else None, disk_error=disk_error,
                            services_down=down, leaked_processes=leaked_processes(self.run_dir),
                            leaked_shm=leaked_shm(self._pids), timed_out=timed_out,
                            rewinds=sorted({h["quorum_id"] for lh in self._lighthouses for h in lh.history

@@ -35,6 +35,7 @@ class Observation:
     audit_records: list[Record] = field(default_factory=list)
     audit_problems: list[str] = field(default_factory=list)  # unreadable audit files
     disk_ledger: tuple[int, str] | None = None  # (step, lineage) of the newest readable loader_state slot
+    disk_error: str | None = None  # why no slot could be read
     services_down: list[str] = field(default_factory=list)  # "lighthouse: why"
     leaked_processes: list[str] = field(default_factory=list)
     leaked_shm: list[str] = field(default_factory=list)
@@ -133,7 +134,8 @@ def check(obs: Observation) -> Verdict:
                                     + "".join(f"; {p}" for p in obs.audit_problems[:3]))
             if obs.disk_ledger != (final.step, final.lineage):
                 v.violations.append(f"loader_state: on disk {obs.disk_ledger}, final ledger "
-                                    f"{(final.step, final.lineage)}")
+                                    f"{(final.step, final.lineage)}"
+                                    + (f" ({obs.disk_error})" if obs.disk_error else ""))
 
     v.violations += [f"service down: {s}" for s in obs.services_down]
     v.violations += [f"leaked process: {p}" for p in obs.leaked_processes]

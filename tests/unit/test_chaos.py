@@ -181,3 +181,9 @@ def test_a_full_restart_retrains_on_a_new_lineage_without_a_fork_but_a_stale_lin
     obs = healthy()
     obs.rewinds = [7]
     assert check(obs).ok
+
+
+def test_an_unreadable_loader_state_is_named_in_the_violation():
+    obs = healthy()
+    obs.disk_ledger, obs.disk_error = None, "loader_state 'loader_state/slot-0' is corrupt: bad CRC"
+    assert [s for s in check(obs).violations if "bad CRC" in s and s.startswith("loader_state")]
