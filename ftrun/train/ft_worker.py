@@ -15,7 +15,7 @@ replica at the same step).
 
 Fault injection for tests and `ftrun chaos`: FTRUN_DIE_AT and FTRUN_CATCHUP_FAULT (see ftrun.train.inject),
 or the same plans in a JSON --fault-file that is reloaded before every step. A planned fault prints
-{"event": "fault", "action", "phase", "step", "seconds", "rank"} before it acts (kill, stop or slow).
+{"event": "fault", "t", "action", "phase", "step", "seconds", "rank"} before it acts (kill, stop or slow).
 """
 
 from __future__ import annotations
@@ -76,8 +76,8 @@ class Faults:
     """
 
     def __init__(self, spec: WorkerSpec, *, die_at: str, catchup: str, plan_file: str | None,
-                 sleep: Callable[[float], None] = lambda s: None) -> None:
-        self.spec, self._plan_file, self._plan_mtime, self._sleep = spec, plan_file, None, sleep
+                 sleep: Callable[[float], None] = lambda s: None, now: Callable[[], float] = lambda: 0.0) -> None:
+        self.spec, self._plan_file, self._plan_mtime, self._sleep, self._now = spec, plan_file, None, sleep, now
         self.kernels = Float32Kernels()
         self._fired: set[DieAt] = set()
         self._step = 0
@@ -98,7 +98,7 @@ class Faults:
         """Carry out `plan` here: announce it on stdout (the supervisor counts it, and resumes a stop), then
         SIGKILL, SIGSTOP or sleep."""
         self._fired.add(plan)
-        print(json.dumps({"event": "fault", "action": plan.action, "phase": phase, "step": step,
+        print(json.dumps({"event": "fault", "t": self._now(), "action": plan.action, "phase": phase, "step": step,
                           "seconds": plan.seconds, "rank": self.spec.rank}), flush=True)
         if plan.action == "kill":
             die()
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     toy = ToyConfig(seed=args.seed)
     with init_from_env(config_from(args)) as ft:
         faults = Faults(spec, die_at=die_at, catchup=catchup, plan_file=args.fault_file,
-                        sleep=ft.env.clock.sleep)  # a slow rank stalls on the job's clock
+                        sleep=ft.env.clock.sleep, now=ft.env.clock.now)  # a slow rank stalls on the job's clock
 
         def loss_fn(m: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
             ft.env.clock.sleep(args.step_time)  # stands in for the compute of a real model

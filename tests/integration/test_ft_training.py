@@ -29,7 +29,7 @@ from typing import Callable
 import pytest
 
 from ftrun.config import LighthouseConfig, Timeouts
-from ftrun.data.audit import audit, read_log
+from ftrun.data.audit import Commit, audit, read_log
 from ftrun.data.loader_state import LoaderState
 from ftrun.env.base import EnvTimeout
 from ftrun.env.real import RealEnv
@@ -175,12 +175,20 @@ def check_bitwise(job: Job) -> int:
 def check_exactly_once(job: Job, *, finished: bool):
     """The audit over every replica's records: for the final ledger once the job ended, else for the
     newest commit so far (records of the step in flight are not on the chain yet)."""
-    records = []
-    for path in sorted(job.run_dir.glob("audit-*.jsonl")):
-        got, problems = read_log(path.read_bytes(), name=path.name)
-        records += got
-        _, rid, incarnation = path.stem.split("-")
-        assert not problems or not finished or job.exits[(rid, int(incarnation))] != 0, problems
+    def read_all() -> list:
+        records = []
+        for path in sorted(job.run_dir.glob("audit-*.jsonl")):
+            got, problems = read_log(path.read_bytes(), name=path.name)
+            records += got
+            _, rid, incarnation = path.stem.split("-")
+            assert not problems or not finished or job.exits[(rid, int(incarnation))] != 0, problems
+        return records
+
+    # While the job runs, the files are read one after another: take the commits from a first pass and the
+    # attempts from a second, so every commit's contributors' attempts (written before their gradients entered
+    # the all-reduce) are there even if a replica committed between reading one file and the next.
+    commits = [r for r in read_all() if isinstance(r, Commit)]
+    records = commits + [r for r in read_all() if not isinstance(r, Commit)]
     final = None
     if finished:
         finals = job.of("final")
