@@ -23,6 +23,14 @@ def parse_duration(text: str) -> float:
     return float(m.group(1)) * scale
 
 
+def next_fault_at(now: float, every_s: float | None, random_mean_s: float | None, rng: random.Random) -> float | None:
+    """When the next timed fault is due: every `every_s`, or after an exponential wait of mean `random_mean_s`."""
+    if every_s is not None:
+        return now + every_s
+    if random_mean_s is not None:
+        return now + rng.expovariate(1.0 / random_mean_s)
+    return None
+
 @dataclass(frozen=True)
 class KillAt:
     step: int
@@ -64,11 +72,7 @@ class KillPlan:
         self._next_at = self._after(now)
 
     def _after(self, now: float) -> float | None:
-        if self.every_s is not None:
-            return now + self.every_s
-        if self.random_mean_s is not None:
-            return now + self._rng.expovariate(1.0 / self.random_mean_s)
-        return None
+        return next_fault_at(now, self.every_s, self.random_mean_s, self._rng)
 
     def due(self, now: float, step: int, up: list[str], healthy: list[str] | None = None) -> str | None:
         """The replica to kill now, if any.

@@ -17,6 +17,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+from ftrun.launch.faults import next_fault_at
+
 KINDS = ("replica_kill", "host_kill", "host_cut")
 
 
@@ -63,11 +65,7 @@ class HostFaultPlan:
         self._next_at = self._after(now)
 
     def _after(self, now: float) -> float | None:
-        if self.every_s is not None:
-            return now + self.every_s
-        if self.random_mean_s is not None:
-            return now + self._rng.expovariate(1.0 / self.random_mean_s)
-        return None
+        return next_fault_at(now, self.every_s, self.random_mean_s, self._rng)
 
     def candidates(self, up: list[str], healthy: list[str]) -> dict[str, list[Fault]]:
         """Per kind, the faults that would leave at least min_up healthy replicas."""
