@@ -23,6 +23,15 @@ def parse_duration(text: str) -> float:
     return float(m.group(1)) * scale
 
 
+def check_fault_timing(owner: str, every_s: float | None, random_mean_s: float | None) -> None:
+    """Raise ValueError unless at most one of the two timers is set, and that one is > 0."""
+    if every_s is not None and random_mean_s is not None:
+        raise ValueError("choose one of --kill-every and --kill-random-mean")
+    for name, value in (("every_s", every_s), ("random_mean_s", random_mean_s)):
+        if value is not None and value <= 0:
+            raise ValueError(f"{owner}.{name} must be > 0, got {value}")
+
+
 def next_fault_at(now: float, every_s: float | None, random_mean_s: float | None, rng: random.Random) -> float | None:
     """When the next timed fault is due: every `every_s`, or after an exponential wait of mean `random_mean_s`."""
     if every_s is not None:
@@ -57,12 +66,7 @@ class KillPlan:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.every_s is not None and self.random_mean_s is not None:
-            raise ValueError("choose one of --kill-every and --kill-random-mean")
-        for name in ("every_s", "random_mean_s"):
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ValueError(f"KillPlan.{name} must be > 0, got {value}")
+        check_fault_timing("KillPlan", self.every_s, self.random_mean_s)
         self._rng = random.Random(self.seed)
         self._next_at: float | None = None
         self._pending_steps = sorted(self.at_steps, key=lambda k: k.step)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from ftrun.launch.faults import next_fault_at
+from ftrun.launch.faults import check_fault_timing, next_fault_at
 
 KINDS = ("replica_kill", "host_kill", "host_cut")
 
@@ -51,12 +51,7 @@ class HostFaultPlan:
     pending: list = field(default_factory=list)  # at-step kills: none here (the name KillPlan's readers use)
 
     def __post_init__(self) -> None:
-        if self.every_s is not None and self.random_mean_s is not None:
-            raise ValueError("choose one of --kill-every and --kill-random-mean")
-        for name in ("every_s", "random_mean_s"):
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ValueError(f"HostFaultPlan.{name} must be > 0, got {value}")
+        check_fault_timing("HostFaultPlan", self.every_s, self.random_mean_s)
         parse_kinds(",".join(self.kinds))
         self._rng = random.Random(self.seed)
         self._next_at: float | None = None
