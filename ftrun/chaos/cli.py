@@ -8,6 +8,10 @@ phases, lighthouse kill/restart, a joiner arriving mid-job, a corrupted loader_s
 processes by ftrun.chaos.driver and checked by ftrun.chaos.invariants (no fork, exactly-once data,
 identical state among the replicas that finished, services up, nothing leaked). One progress line per
 schedule on stderr; a schedule with a violation keeps its folder (rank logs, events) under --out.
+Where network namespaces can be built (root, iproute2: netns.available) and --partitions is not off,
+each replica runs on its own namespace host and the lighthouse on another, and partition faults (a
+replica's host link cut for a few seconds) are drawn too; elsewhere partitions are off, the run is as
+without them, and the run says why (stderr, and the JSON's `partitions`).
 With --json the last stdout line is one object: schedules, faults_injected, violations (each with its
 seed, index and schedule), duplicate_batches, forks, rewinds (the lighthouse's deliberate full restarts,
 after which the steps are retrained on a new lineage: not forks), and more. Exit 0 when no schedule violated anything.
@@ -39,6 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="folder for the schedules' run dirs (default: a temporary one; "
                    "kept only for schedules with violations)")
     p.add_argument("--keep", action="store_true", help="keep every schedule's folder, not only failing ones")
+    p.add_argument("--partitions", choices=("auto", "off"), default="auto",
+                   help="auto: namespace hosts and partition faults where namespaces can be built (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
 
@@ -56,20 +62,30 @@ def run(args: argparse.Namespace) -> int:
     if args.log_level.upper() == "WARNING":  # the in-process lighthouse warns at every injected fault
         logging.getLogger("ftrun.quorum").setLevel(logging.ERROR)
     env = RealEnv()
+    hosts, partitions = _hosts(args)
+    print(f"ftrun chaos: partitions {partitions}", file=sys.stderr, flush=True)
     launcher = ForkServer(env=env, script=WORKER, module=True, cwd=os.getcwd(),
                           log_path=os.path.join(out, "zygote.log"), run_dir=out)
     totals = {"schedules": 0, "faults_injected": 0, "violations": [], "duplicate_batches": 0, "forks": 0,
               "skipped_batches": 0, "rewinds": 0, "seed": args.seed, "replicas": args.replicas,
-              "ranks_per_replica": args.ranks_per_replica, "steps": args.steps, "out": out}
+              "ranks_per_replica": args.ranks_per_replica, "steps": args.steps, "out": out,
+              "partitions": partitions}
     indices = [args.seed_of] if args.seed_of is not None else list(range(args.schedules))
     t0 = env.clock.now()
     try:
         for n, i in enumerate(indices):
-            line = _run_one(args, i, env=env, launcher=launcher, out=out, totals=totals)
+            line = _run_one(args, i, env=env, launcher=launcher, out=out, totals=totals, hosts=hosts)
             print(f"ftrun chaos: schedule {i} ({n + 1}/{len(indices)}) {line}; total {env.clock.now() - t0:.0f}s, "
                   f"{len(totals['violations'])} violating)", file=sys.stderr, flush=True)
     finally:
         launcher.close()
+        if hosts is not None:
+            hosts.teardown()
+    if hosts is not None:
+        left = _namespaces_left(hosts)
+        if left:
+            totals["violations"].append({"seed": args.seed, "index": None, "schedule": {"describe": "after all"}, "run_dir": out,
+                                         "violations": [f"namespaces left after teardown: {left}"]})
     totals["wall_s"] = round(env.clock.now() - t0, 1)
     _print_summary(totals)
     if args.json:
@@ -90,16 +106,41 @@ def _check(args: argparse.Namespace) -> None:
         raise UsageError(f"--schedule-timeout must be > 0, got {args.schedule_timeout}")
 
 
-def _run_one(args: argparse.Namespace, index: int, *, env, launcher, out: str, totals: dict) -> str:
+def _hosts(args: argparse.Namespace):
+    """(NetnsHosts of replicas + 1 hosts, or None; "on" or "off (why)")."""
+    if args.partitions == "off":
+        return None, "off (--partitions off)"
+    from ftrun.launch.netns import NetnsConfig, NetnsError, NetnsHosts, available
+
+    ok, why = available()
+    if not ok:
+        return None, f"off (network namespaces cannot be created here: {why})"
+    hosts = NetnsHosts(NetnsConfig(num_hosts=args.replicas + 1))
+    try:
+        hosts.__enter__()
+    except NetnsError as e:
+        return None, f"off (building the namespace hosts failed: {e})"
+    return hosts, "on"
+
+
+def _namespaces_left(hosts) -> list[str]:
+    import subprocess
+
+    done = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30)
+    return [h.namespace for h in hosts.hosts if h.namespace in done.stdout.split()]
+
+
+def _run_one(args: argparse.Namespace, index: int, *, env, launcher, out: str, totals: dict, hosts=None) -> str:
     """Run and check schedule `index`, add it to `totals`; returns its progress line (without the total)."""
     from ftrun.chaos.driver import ScheduleRun
     from ftrun.chaos.invariants import Verdict, check
     from ftrun.chaos.schedule import generate
 
     schedule = generate(args.seed, index, replicas=args.replicas, ranks_per_replica=args.ranks_per_replica,
-                        steps=args.steps)
+                        steps=args.steps, partitions=hosts is not None)
     started = env.clock.now()
-    driver = ScheduleRun(schedule, env=env, launcher=launcher, workdir=out, timeout_s=args.schedule_timeout)
+    driver = ScheduleRun(schedule, env=env, launcher=launcher, workdir=out, timeout_s=args.schedule_timeout,
+                         hosts=hosts)
     rewinds = 0
     try:
         obs = driver.run()

@@ -15,6 +15,10 @@ after FINISH_GRACE_S are stopped) and injects the schedule's faults as the job r
   and state dir.
 - joiner: that replica starts once the job reaches the step.
 - corrupt: a byte of the loader_state slot is flipped in place.
+- partition (only with `hosts`, a netns.NetnsHosts of replicas + 1 hosts): the lighthouse lives on host 0
+  (its sockets and threads made inside host 0's namespace, as netns_job does), replica ri's ranks on host
+  i + 1 (netns.HostLauncher, binding and advertising the host's address, with a rendezvous store on that
+  host); the fault takes the replica's host link down and brings it up `seconds` later.
 
 Afterwards it tears everything down and looks for what was left behind: processes whose environment
 names this schedule's run dir, /dev/shm files named after one of its rank processes.
@@ -22,11 +26,13 @@ names this schedule's run dir, /dev/shm files named after one of its rank proces
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
 import secrets
 import signal
+from contextlib import nullcontext
 
 from ftrun.chaos.invariants import Observation
 from ftrun.chaos.schedule import PROCESS_KINDS, Fault, Schedule
@@ -35,9 +41,11 @@ from ftrun.data.audit import read_log
 from ftrun.data.loader_state import DataError, LoaderStateStore
 from ftrun.env.base import EnvTimeout
 from ftrun.env.real import RealEnv
+from ftrun.launch.netns import HostLauncher, NetnsHosts, in_netns
 from ftrun.launch.procs import Launcher
 from ftrun.launch.supervisor import ReplicaProcesses
 from ftrun.launch.worker_env import WorkerSpec
+from ftrun.net import NetConfig
 from ftrun.quorum.service import Lighthouse
 from ftrun.storage import FileStorage
 from ftrun.train.inject import DieAt
@@ -51,8 +59,14 @@ LIGHTHOUSE_BIND_TRIES = 20  # 0.1 s apart
 
 class ScheduleRun:
     def __init__(self, schedule: Schedule, *, env: RealEnv, launcher: Launcher, workdir: str,
-                 timeout_s: float = 120.0, step_time_s: float = STEP_TIME_S) -> None:
+                 timeout_s: float = 120.0, step_time_s: float = STEP_TIME_S, hosts: NetnsHosts | None = None) -> None:
         self.s, self.env, self.launcher, self.timeout_s = schedule, env, launcher, timeout_s
+        if hosts is not None and len(hosts) < schedule.replicas + 1:
+            raise ValueError(f"ScheduleRun needs {schedule.replicas + 1} namespace hosts, got {len(hosts)}")
+        if hosts is None and any(f.kind == "partition" for f in schedule.faults):
+            raise ValueError("a schedule with partition faults needs namespace hosts (hosts=)")
+        self.hosts = hosts
+        self._cut_until: dict[int, float] = {}  # host -> when its link comes back
         self.run_dir = os.path.join(os.path.abspath(workdir), f"schedule-{schedule.seed}-{schedule.index}")
         self.step_time_s = step_time_s
         self.events: list[dict] = []
@@ -79,7 +93,8 @@ class ScheduleRun:
         for attempt in range(LIGHTHOUSE_BIND_TRIES):
             lh = Lighthouse(env=self.env, token=self.token, storage=self.lh_storage, bind=bind, config=config)
             try:
-                lh.start()
+                with self._on_host(0):  # with hosts: its listener and threads live in host 0's network
+                    lh.start()
                 self._lighthouses.append(lh)
                 break
             except OSError:
@@ -88,27 +103,46 @@ class ScheduleRun:
                 self.env.clock.sleep(0.1)
         return lh
 
+    def _on_host(self, i: int):
+        return in_netns(self.hosts[i].namespace) if self.hosts is not None else nullcontext()
+
+    def _replica(self, i: int, argv: list[str], store) -> ReplicaProcesses:
+        """Replica ri: on the machine's loopback, or (with hosts) on host i + 1 with its own store there."""
+        spec = WorkerSpec(replica_id=f"r{i}", replica_index=i, num_replicas=self.s.replicas, rank=0,
+                          ranks_per_replica=self.s.ranks_per_replica, incarnation=0, lighthouse=self.lh_addr,
+                          token=self.token, store_addr="127.0.0.1", store_port=store.port if store else 0,
+                          run_dir=self.run_dir, max_steps=self.s.steps)
+        launcher = self.launcher
+        if self.hosts is not None:
+            h = self.hosts[i + 1]
+            port = 0
+            if self.s.ranks_per_replica > 1:
+                from ftrun.env.real_store import bound_store
+                with in_netns(h.namespace):  # the replica's rendezvous store, reachable only on its host
+                    self._stores.append(bound_store(h.addr, timeout_s=60))
+                port = self._stores[-1].port
+            spec = dataclasses.replace(spec, store_addr=h.addr, store_port=port, net=NetConfig(bind_host=h.addr))
+            launcher = HostLauncher(self.launcher, h.namespace, {"GLOO_SOCKET_IFNAME": self.hosts.config.veth(i + 1)[1]})
+        return ReplicaProcesses(env=self.env, events=self.queue, log_dir=self.run_dir, argv=argv, launcher=launcher,
+                                spec=spec)
+
     def run(self) -> Observation:
         os.makedirs(self.run_dir)
         self.token = secrets.token_hex(16)
         self.lh_storage = FileStorage(os.path.join(self.run_dir, "lighthouse"))
-        self.lighthouse: Lighthouse | None = self._lighthouse("127.0.0.1:0")
+        bind = f"{self.hosts[0].addr}:0" if self.hosts is not None else "127.0.0.1:0"
+        self.lighthouse: Lighthouse | None = self._lighthouse(bind)
         self.lh_addr = self.lighthouse.addr
         store = None
-        if self.s.ranks_per_replica > 1:
+        self._stores: list = []
+        if self.s.ranks_per_replica > 1 and self.hosts is None:
             from ftrun.env.real_store import bound_store
             store = bound_store("127.0.0.1", timeout_s=60)
         self.queue = self.env.queue()
         self.fault_file = os.path.join(self.run_dir, "faults.json")
         argv = ["-m", WORKER, "--step-time", str(self.step_time_s), "--ftar-timeout", "2",
                 "--fault-file", self.fault_file]
-        self.replicas = {f"r{i}": ReplicaProcesses(
-            env=self.env, events=self.queue, log_dir=self.run_dir, argv=argv, launcher=self.launcher,
-            spec=WorkerSpec(replica_id=f"r{i}", replica_index=i, num_replicas=self.s.replicas, rank=0,
-                            ranks_per_replica=self.s.ranks_per_replica, incarnation=0, lighthouse=self.lh_addr,
-                            token=self.token, store_addr="127.0.0.1", store_port=store.port if store else 0,
-                            run_dir=self.run_dir, max_steps=self.s.steps))
-            for i in range(self.s.replicas)}
+        self.replicas = {f"r{i}": self._replica(i, argv, store) for i in range(self.s.replicas)}
         self._started: set[str] = set()
         self._t0 = self.env.clock.now()
         timed_out = False
@@ -130,6 +164,7 @@ class ScheduleRun:
         self._teardown()
         obs = self._observe(timed_out)
         del store
+        self._stores.clear()
         return obs
 
     def _start(self, rid: str) -> None:
@@ -141,7 +176,19 @@ class ScheduleRun:
         self._started.add(rid)
         self._pids.update(p.pid for p in rep.procs)
 
+    def _restore_links(self, now: float | None = None) -> None:
+        """Bring back every cut link (those due by `now`; all when None)."""
+        for host, at in list(self._cut_until.items()):
+            if now is None or now >= at:
+                del self._cut_until[host]
+                assert self.hosts is not None
+                self.hosts.restore(host)
+                self._last_resume = self.env.clock.now()  # the replica gets its grace from here
+                self.events.append({"event": "chaos_end", "fault": f"partition of host {host} healed",
+                                    "t": self.env.clock.now(), "step": self._max_step})
+
     def _teardown(self) -> None:
+        self._restore_links()
         for _, pid in self._resume:
             _signal(pid, signal.SIGCONT)
         for rep in self.replicas.values():
@@ -160,7 +207,8 @@ class ScheduleRun:
             return False
         running = [r for r in self._started if r not in self._done]
         since = max(self._goal_at, self._last_resume)
-        return not running or (not self._resume and self.env.clock.now() - since > FINISH_GRACE_S)
+        return not running or (not self._resume and not self._cut_until
+                               and self.env.clock.now() - since > FINISH_GRACE_S)
 
     def _tick(self) -> None:
         self._pull(0.05)
@@ -169,6 +217,7 @@ class ScheduleRun:
             _signal(pid, signal.SIGCONT)
             self._resume.remove((when, pid))
             self._last_resume = now
+        self._restore_links(now)
         if self._lighthouse_back_at is not None and now >= self._lighthouse_back_at:
             self._lighthouse_back_at = None
             self.lighthouse = self._lighthouse(self.lh_addr)
@@ -239,6 +288,8 @@ class ScheduleRun:
                     self._lighthouse_back_at = now + f.seconds
                 elif f.kind == "corrupt":
                     self._corrupt(f)
+                elif f.kind == "partition":
+                    self._partition(f, now)
 
     def _arm(self, f: Fault) -> None:
         rid = f.replica
@@ -261,6 +312,15 @@ class ScheduleRun:
         self.faults_injected += 1
         self.events.append({"event": "chaos", "fault": what or f.describe(), "t": self.env.clock.now(),
                             "step": self._max_step})
+
+    def _partition(self, f: Fault, now: float) -> None:
+        assert self.hosts is not None and f.replica is not None
+        host = int(f.replica[1:]) + 1
+        if f.replica not in self._started or host in self._cut_until:
+            return  # a joiner not there yet, or already cut: the fault never happens
+        self._driver_fault(f)
+        self.hosts.cut(host)
+        self._cut_until[host] = now + f.seconds
 
     def _corrupt(self, f: Fault) -> None:
         path = os.path.join(self.run_dir, "loader_state", f"slot-{f.rank}")
@@ -298,7 +358,8 @@ class ScheduleRun:
             if lh is None:
                 raise OSError("not running")
             lh.status()
-            self.env.net.connect(lh.addr, 5.0).close()  # it still accepts connections
+            with self._on_host(0):
+                self.env.net.connect(lh.addr, 5.0).close()  # it still accepts connections
         except Exception as e:  # noqa: BLE001 (any failure means the service is not up)
             down.append(f"lighthouse: {e}")
         finally:

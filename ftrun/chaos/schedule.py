@@ -14,7 +14,8 @@ Fault kinds:
   same address from its state dir.
 - joiner: the replica does not start with the others; it arrives once the job reaches `step`.
 - corrupt: one byte of a loader_state slot (slot `rank`) is flipped at `step`.
-Partitions (needing network namespaces) are not drawn.
+- partition: the replica's host (a network namespace) loses its link for `seconds`, then gets it back.
+  Drawn only with `partitions=True` (the driver has namespace hosts); without it every draw is as before.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from dataclasses import asdict, dataclass, field
 from ftrun.train.inject import DIE_PHASES
 
 PROCESS_KINDS = ("kill", "stop", "slow")
-KINDS = PROCESS_KINDS + ("lighthouse", "joiner", "corrupt")
+KINDS = PROCESS_KINDS + ("lighthouse", "joiner", "corrupt", "partition")
+WEIGHTS = (4, 3, 2, 1, 1, 1)  # of KINDS without partition
+PARTITION_WEIGHT = 3
 # the issue's phase names -> the worker's (ftrun.train.inject)
 PHASES = {"quorum": ("quorum",), "compute": ("backward",), "all-reduce": ("exchange",),
           "commit": ("before_commit", "after_commit"), "catch-up": ("heal",)}
@@ -36,16 +39,18 @@ MAX_FAULTS = 3
 class Fault:
     kind: str
     step: int  # armed once the job has committed step - 1 (steps counted from 0)
-    replica: str | None = None  # process faults and joiner
+    replica: str | None = None  # process faults, joiner and partition
     rank: int = 0  # process faults: the rank; corrupt: the loader_state slot
     phase: str | None = None  # process faults: a phase of ftrun.train.inject.DIE_PHASES
-    seconds: float = 0.0  # stop, slow: how long; lighthouse: how long it is down
+    seconds: float = 0.0  # stop, slow: how long; lighthouse: how long it is down; partition: how long cut
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"Fault.kind must be one of {KINDS}, got {self.kind!r}")
         if self.kind in PROCESS_KINDS and (self.phase not in DIE_PHASES or self.replica is None):
             raise ValueError(f"a {self.kind} fault needs a replica and a phase of {DIE_PHASES}, got {self}")
+        if self.kind == "partition" and self.replica is None:
+            raise ValueError(f"a partition fault needs a replica, got {self}")
         if self.step < 0 or self.rank < 0 or self.seconds < 0:
             raise ValueError(f"Fault step, rank and seconds must be >= 0, got {self}")
 
@@ -57,6 +62,8 @@ class Fault:
             return f"lighthouse@{self.step} down {self.seconds:.2f}s"
         if self.kind == "joiner":
             return f"joiner {self.replica}@{self.step}"
+        if self.kind == "partition":
+            return f"partition {self.replica}@{self.step} cut {self.seconds:.2f}s"
         return f"corrupt loader_state slot-{self.rank}@{self.step}"
 
 
@@ -97,9 +104,11 @@ def check_shape(replicas: int, ranks_per_replica: int, steps: int) -> None:
         raise ValueError(f"--steps must be in [6, 10000], got {steps}")
 
 
-def generate(seed: int, index: int, *, replicas: int = 3, ranks_per_replica: int = 1, steps: int = 12) -> Schedule:
+def generate(seed: int, index: int, *, replicas: int = 3, ranks_per_replica: int = 1, steps: int = 12,
+             partitions: bool = False) -> Schedule:
     """Schedule `index` of run `seed`: 1 to MAX_FAULTS faults at steps in [1, steps - 4], leaving the
-    last steps for the job to recover and finish."""
+    last steps for the job to recover and finish. `partitions`: also draw partition faults (the draws
+    of a run without them are unchanged)."""
     check_shape(replicas, ranks_per_replica, steps)
     if index < 0:
         raise ValueError(f"schedule index must be >= 0, got {index}")
@@ -108,7 +117,10 @@ def generate(seed: int, index: int, *, replicas: int = 3, ranks_per_replica: int
     last = steps - 4
     faults: list[Fault] = []
     for _ in range(rng.randint(1, MAX_FAULTS)):
-        kind = rng.choices(KINDS, weights=(4, 3, 2, 1, 1, 1))[0]
+        if partitions:
+            kind = rng.choices(KINDS, weights=WEIGHTS + (PARTITION_WEIGHT,))[0]
+        else:
+            kind = rng.choices(KINDS[:len(WEIGHTS)], weights=WEIGHTS)[0]
         step = rng.randint(1, last)
         if kind in PROCESS_KINDS:
             phase = rng.choice(PHASES[rng.choice(sorted(PHASES))])
@@ -121,6 +133,8 @@ def generate(seed: int, index: int, *, replicas: int = 3, ranks_per_replica: int
             if any(f.kind == "joiner" for f in faults):
                 continue
             faults.append(Fault(kind, rng.randint(1, last), ids[-1]))
+        elif kind == "partition":
+            faults.append(Fault(kind, step, rng.choice(ids), seconds=round(rng.uniform(0.5, 3.0), 2)))
         else:
             faults.append(Fault(kind, step, rank=rng.randrange(2)))
     faults.sort(key=lambda f: (f.step, KINDS.index(f.kind)))

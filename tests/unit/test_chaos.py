@@ -38,7 +38,26 @@ def test_schedules_draw_every_kind_within_the_job():
                 assert f.replica in {"r0", "r1", "r2", "r3"} and 0 <= f.rank < 2 and f.phase in DIE_PHASES
                 assert (f.seconds == 0) == (f.kind == "kill")
         assert s.as_json()["describe"] == s.describe()
-    assert kinds == set(KINDS) and phases == set(DIE_PHASES)
+    assert kinds == set(KINDS) - {"partition"} and phases == set(DIE_PHASES)
+
+
+def test_partitions_are_drawn_only_when_asked_and_leave_other_runs_unchanged():
+    assert all("partition" not in generate(3, i).describe() for i in range(200))
+    assert [generate(1, i).describe() for i in range(2)] == [  # as drawn before partitions existed
+        "slow r1.0@4/after_commit 0.90s; joiner r2@4",
+        "kill r0.0@2/backward; lighthouse@5 down 0.85s; stop r2.0@7/quorum 1.52s"]
+    cut = []
+    for i in range(200):
+        plain, with_p = generate(3, i), generate(3, i, partitions=True)
+        assert with_p == generate(3, i, partitions=True)  # still (seed, index) only
+        assert "partition" not in plain.describe()
+        cut += [f for f in with_p.faults if f.kind == "partition"]
+    assert len(cut) > 20
+    for f in cut:
+        assert f.replica in {"r0", "r1", "r2"} and 0.5 <= f.seconds <= 3.0 and 1 <= f.step <= 8
+        assert f.describe() == f"partition {f.replica}@{f.step} cut {f.seconds:.2f}s"
+    with pytest.raises(ValueError, match="partition"):
+        Fault("partition", 3)
 
 
 @pytest.mark.parametrize("shape, flag", [((1, 1, 12), "--replicas"), ((3, 0, 12), "--ranks-per-replica"),
