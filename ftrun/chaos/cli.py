@@ -12,7 +12,8 @@ Where network namespaces can be built (root, iproute2: netns.available) and --pa
 each replica runs on its own namespace host and the lighthouse on another, and partition faults (a
 replica's host link cut for a few seconds) are drawn too; elsewhere partitions are off, the run is as
 without them, and the run says why (stderr, and the JSON's `partitions`).
-With --json the last stdout line is one object: schedules, faults_injected, violations (each with its
+With --json the last stdout line is one object: schedules, faults_injected (partitions_injected of them
+partitions), partitions ("on" or "off (why)"), violations (each with its
 seed, index and schedule), duplicate_batches, forks, rewinds (the lighthouse's deliberate full restarts,
 after which the steps are retrained on a new lineage: not forks), and more. Exit 0 when no schedule violated anything.
 """
@@ -69,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     totals = {"schedules": 0, "faults_injected": 0, "violations": [], "duplicate_batches": 0, "forks": 0,
               "skipped_batches": 0, "rewinds": 0, "seed": args.seed, "replicas": args.replicas,
               "ranks_per_replica": args.ranks_per_replica, "steps": args.steps, "out": out,
-              "partitions": partitions}
+              "partitions": partitions, "partitions_injected": 0}
     indices = [args.seed_of] if args.seed_of is not None else list(range(args.schedules))
     t0 = env.clock.now()
     try:
@@ -150,6 +151,7 @@ def _run_one(args: argparse.Namespace, index: int, *, env, launcher, out: str, t
     totals["schedules"] += 1
     totals["rewinds"] += rewinds
     totals["faults_injected"] += driver.faults_injected
+    totals["partitions_injected"] += driver.partitions_injected
     totals["duplicate_batches"] += verdict.duplicate_batches
     totals["skipped_batches"] += verdict.skipped_batches
     totals["forks"] += verdict.forks
@@ -166,7 +168,8 @@ def _run_one(args: argparse.Namespace, index: int, *, env, launcher, out: str, t
 
 
 def _print_summary(totals: dict) -> None:
-    print(f"ftrun chaos: {totals['schedules']} schedules, {totals['faults_injected']} faults injected, "
+    print(f"ftrun chaos: {totals['schedules']} schedules, {totals['faults_injected']} faults injected "
+          f"({totals['partitions_injected']} partitions; partitions {totals['partitions']}), "
           f"{len(totals['violations'])} with violations, {totals['forks']} forks, "
           f"{totals['duplicate_batches']} duplicate batches, {totals['skipped_batches']} skipped; {totals['rewinds']} "
           f"full restarts (every replica holding the state died: the job rewound on purpose) ({totals['wall_s']}s)")

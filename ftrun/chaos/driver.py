@@ -71,6 +71,7 @@ class ScheduleRun:
         self.step_time_s = step_time_s
         self.events: list[dict] = []
         self.faults_injected = 0
+        self.partitions_injected = 0
         self._armed: list[str] = []  # fault-file entries
         self._pending = [f for f in schedule.faults if f.kind != "joiner"]
         self._joiner = schedule.joiner
@@ -319,6 +320,7 @@ class ScheduleRun:
         if f.replica not in self._started or host in self._cut_until:
             return  # a joiner not there yet, or already cut: the fault never happens
         self._driver_fault(f)
+        self.partitions_injected += 1
         self.hosts.cut(host)
         self._cut_until[host] = now + f.seconds
 
