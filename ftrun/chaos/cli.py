@@ -45,7 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "kept only for schedules with violations)")
     p.add_argument("--keep", action="store_true", help="keep every schedule's folder, not only failing ones")
     p.add_argument("--partitions", choices=("auto", "off"), default="auto",
-                   help="auto: namespace hosts and partition faults where namespaces can be built (default: %(default)s)")
+                   help="auto: namespace hosts and partition faults where namespaces can be built "
+                   "(default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
 
@@ -63,10 +64,14 @@ def run(args: argparse.Namespace) -> int:
     if args.log_level.upper() == "WARNING":  # the in-process lighthouse warns at every injected fault
         logging.getLogger("ftrun.quorum").setLevel(logging.ERROR)
     env = RealEnv()
-    hosts, partitions = _hosts(args)
-    print(f"ftrun chaos: partitions {partitions}", file=sys.stderr, flush=True)
     launcher = ForkServer(env=env, script=WORKER, module=True, cwd=os.getcwd(),
                           log_path=os.path.join(out, "zygote.log"), run_dir=out)
+    try:
+        hosts, partitions = _hosts(args)
+    except BaseException:
+        launcher.close()
+        raise
+    print(f"ftrun chaos: partitions {partitions}", file=sys.stderr, flush=True)
     totals = {"schedules": 0, "faults_injected": 0, "violations": [], "duplicate_batches": 0, "forks": 0,
               "skipped_batches": 0, "rewinds": 0, "seed": args.seed, "replicas": args.replicas,
               "ranks_per_replica": args.ranks_per_replica, "steps": args.steps, "out": out,
@@ -85,8 +90,8 @@ def run(args: argparse.Namespace) -> int:
     if hosts is not None:
         left = _namespaces_left(hosts)
         if left:
-            totals["violations"].append({"seed": args.seed, "index": None, "schedule": {"describe": "after all"}, "run_dir": out,
-                                         "violations": [f"namespaces left after teardown: {left}"]})
+            totals["violations"].append({"seed": args.seed, "index": None, "schedule": {"describe": "after all"},
+                                         "run_dir": out, "violations": [f"namespaces left after teardown: {left}"]})
     totals["wall_s"] = round(env.clock.now() - t0, 1)
     _print_summary(totals)
     if args.json:

@@ -123,7 +123,8 @@ class ScheduleRun:
                     self._stores.append(bound_store(h.addr, timeout_s=60))
                 port = self._stores[-1].port
             spec = dataclasses.replace(spec, store_addr=h.addr, store_port=port, net=NetConfig(bind_host=h.addr))
-            launcher = HostLauncher(self.launcher, h.namespace, {"GLOO_SOCKET_IFNAME": self.hosts.config.veth(i + 1)[1]})
+            ifname = self.hosts.config.veth(i + 1)[1]  # FSDP's gloo group: the host's link
+            launcher = HostLauncher(self.launcher, h.namespace, {"GLOO_SOCKET_IFNAME": ifname})
         return ReplicaProcesses(env=self.env, events=self.queue, log_dir=self.run_dir, argv=argv, launcher=launcher,
                                 spec=spec)
 

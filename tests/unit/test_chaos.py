@@ -206,3 +206,24 @@ def test_an_unreadable_loader_state_is_named_in_the_violation():
     obs = healthy()
     obs.disk_ledger, obs.disk_error = None, "loader_state 'loader_state/slot-0' is corrupt: bad CRC"
     assert [s for s in check(obs).violations if "bad CRC" in s and s.startswith("loader_state")]
+
+
+def test_without_namespaces_partitions_are_off_and_say_why(monkeypatch):
+    import argparse
+
+    from ftrun.chaos import cli as chaos_cli
+    from ftrun.launch import netns
+
+    monkeypatch.setattr(netns, "available", lambda: (False, "not root"))
+    hosts, state = chaos_cli._hosts(argparse.Namespace(partitions="auto", replicas=3))
+    assert hosts is None and state == "off (network namespaces cannot be created here: not root)"
+    assert chaos_cli._hosts(argparse.Namespace(partitions="off", replicas=3)) == (None, "off (--partitions off)")
+
+
+def test_a_schedule_with_partitions_needs_namespace_hosts(tmp_path):
+    from ftrun.chaos.driver import ScheduleRun
+
+    s = Schedule(seed=0, index=0, replicas=3, ranks_per_replica=1, steps=12,
+                 faults=(Fault("partition", 3, "r1", seconds=1.0),))
+    with pytest.raises(ValueError, match="namespace hosts"):
+        ScheduleRun(s, env=None, launcher=None, workdir=str(tmp_path))
