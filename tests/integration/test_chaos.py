@@ -25,6 +25,7 @@ pytestmark = pytest.mark.timeout(240)
 def test_seeded_schedules_through_the_cli_hold_every_invariant(tmp_path):
     out = tmp_path / "chaos"
     proc = subprocess.run([sys.executable, "-m", "ftrun.cli", "chaos", "--schedules", "2", "--seed", "5", "--json",
+                           "--partitions", "off",  # namespaces belong to the netns suite (test_chaos_partitions.py)
                            "--out", str(out)], capture_output=True, text=True, timeout=220)
     figures = json.loads(proc.stdout.strip().splitlines()[-1])
     assert proc.returncode == 0, (figures["violations"], proc.stderr[-3000:])
