@@ -256,13 +256,8 @@ def catchup_costs(*, sizes_mb: tuple[float, ...] = (0.0625, 4, 16, 32), reps: in
             state = {"w": torch.arange(n, dtype=torch.float32)}
             server.publish(step, state, {"calibrate": True})
             server.wait_ready(timeout=30.0)
-            timeouts = Timeouts(catchup_timeout_s=60.0)
-            fetch(step, [url], token, timeouts, config=config, buffer=buffer)  # warm the connection path
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                result = fetch(step, [url], token, timeouts, config=config, buffer=buffer)
-                ys.append(time.perf_counter() - t0)
-                xs.append(float(result.num_bytes))
+            fetch(step, [url], token, Timeouts(catchup_timeout_s=60.0), config=config, buffer=buffer)  # warm up
+            _time_fetches(step, url, token, config, buffer, reps, xs, ys)
     finally:
         server.stop()
     per_fetch, per_byte = linear_fit(xs, ys)
@@ -280,9 +275,7 @@ def _catchup_costs_busy(*, sizes_mb: tuple[float, ...], reps: int) -> tuple[Figu
 
     import torch
 
-    from ftrun.catchup.client import fetch
     from ftrun.catchup.config import CatchupConfig
-    from ftrun.config import Timeouts
 
     token = secrets.token_hex(16)
     source = "from harness.calibrate.measure import busy_source_main; busy_source_main()"
@@ -302,12 +295,7 @@ def _catchup_costs_busy(*, sizes_mb: tuple[float, ...], reps: int) -> tuple[Figu
             proc.stdin.flush()
             if proc.stdout.readline().strip() != "ready":
                 raise RuntimeError("the busy catch-up source did not publish")
-            timeouts = Timeouts(catchup_timeout_s=60.0)
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                result = fetch(step, [url], token, timeouts, config=config, buffer=buffer)
-                ys.append(time.perf_counter() - t0)
-                xs.append(float(result.num_bytes))
+            _time_fetches(step, url, token, config, buffer, reps, xs, ys)
     finally:
         proc.stdin.close()
         try:
@@ -361,3 +349,15 @@ def ftar_kernels(*, nbytes: int = 8 << 20, reps: int = 20) -> tuple[Figure, Figu
     return (Figure("ftar_reduce_gb_s", nbytes / tr / 1e9, "GB/s", "reduce (dst += src) with " + how, n),
             Figure("ftar_copy_gb_s", nbytes / tc / 1e9, "GB/s", "copy with " + how, n))
 
+
+def _time_fetches(step: int, url: str, token: str, config, buffer, reps: int, xs: list, ys: list) -> None:
+    """`reps` timed catch-up fetches of `step` from `url`: bytes into xs, seconds into ys."""
+    from ftrun.catchup.client import fetch
+    from ftrun.config import Timeouts
+
+    timeouts = Timeouts(catchup_timeout_s=60.0)
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        result = fetch(step, [url], token, timeouts, config=config, buffer=buffer)
+        ys.append(time.perf_counter() - t0)
+        xs.append(float(result.num_bytes))
