@@ -108,6 +108,7 @@ class Job:
             code = rep.exited()[0]
             if code is None or (rid, rep.spec.incarnation) in self.exits:
                 continue
+            rep.drain()  # its last events (a clean exit's "final") are on the queue before the exit is recorded
             self.exits[(rid, rep.spec.incarnation)] = code
             if code != 0:  # a crash: restart the replica, as `ftrun launch` does
                 rep.restart()

@@ -85,6 +85,7 @@ class Job:
             for rid, rep in self.replicas.items():  # restart a crashed replica on its host, as ftrun launch does
                 code = rep.exited()[0]
                 if code is not None and (rid, rep.spec.incarnation) not in self.exits:
+                    rep.drain()  # its last events (a clean exit's "final") are queued before the exit is recorded
                     self.exits[(rid, rep.spec.incarnation)] = code
                     if code != 0:
                         rep.restart()
