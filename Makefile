@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-scale test-fuzz test-multihost test-slurm chaos kernels bench clean
+.PHONY: setup demo test test-slow test-scale test-fuzz test-multihost test-slurm chaos kernels bench clean
 
 setup: $(STAMP)
 
@@ -21,6 +21,10 @@ demo: setup
 test: setup
 	bash ci/build_kernels.sh
 	$(PY) -m pytest -n 2 -q tests
+
+# Longer end-to-end variants of default-suite scenarios (other layouts, reshards, parity runs): ~10 minutes.
+test-slow: setup
+	$(PY) -m pytest -n 2 -q -m slow tests
 
 test-scale: setup
 	$(PY) -m pytest -q -m scale tests/scale
