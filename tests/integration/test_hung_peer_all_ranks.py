@@ -87,7 +87,7 @@ def run_hung_peer(tmp_path, *, ftar_timeout: float = FTAR_TIMEOUT, freeze: tuple
         lighthouse.stop()
 
 
-@pytest.mark.parametrize("freeze", [(0, 1), (1,)], ids=["both-ranks", "non-leader-rank"])
+@pytest.mark.parametrize("freeze", [pytest.param((0, 1), marks=pytest.mark.slow), (1,)], ids=["both-ranks", "non-leader-rank"])
 def test_a_frozen_replica_is_given_up_on_by_every_rank_within_the_heartbeat_timeout(tmp_path, freeze):
     """both-ranks: the lighthouse sees r1's leader go silent. non-leader-rank: r1's leader runs on, but
     its rank watch (ftrun.replica.rank_watch) sees rank 1 stop answering and stops the heartbeats, so the

@@ -65,6 +65,7 @@ def test_launch_kills_at_a_step_restarts_and_reports(tmp_path):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_launch_two_ranks_per_replica_with_kill_every(tmp_path):
     """3 replicas x 2 ranks (gloo inside each replica), a kill every 4 s: efficiency near its theory."""
     f = launch(tmp_path, "--replicas", "3", "--ranks-per-replica", "2", "--steps", "150", "--kill-every", "4s",
@@ -77,6 +78,7 @@ def test_launch_two_ranks_per_replica_with_kill_every(tmp_path):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_launch_ft_worker_checks_state_and_data_with_spawn(tmp_path):
     """The real FT-HSDP worker under the spawn launcher: identical state and exactly-once data after kills."""
     f = launch(tmp_path, "--replicas", "3", "--steps", "120", "--kill-at", "step=30,replica=r0", "--kill-at",

@@ -27,6 +27,7 @@ STEPS = 400
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_loss_with_frequent_failures_matches_the_no_failure_baseline(tmp_path):
     f = launch(tmp_path, "--replicas", "3", "--steps", str(STEPS), "--kill-every", "1s", "--restart-delay", "0.2s",
                "--baseline", "--timeout", "100s", "-m", "ftrun.train.ft_worker", "--step-time", "0.02", timeout=115)

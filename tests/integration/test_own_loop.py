@@ -55,6 +55,7 @@ def test_own_loop_three_replicas_two_kills(tmp_path):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_own_loop_fsdp2_two_by_two_with_a_kill(tmp_path):
     f = launch(tmp_path, "--replicas", "2", "--ranks-per-replica", "2", "--min-replicas", "1", "--steps", "40",
                "--kill-at", "step=10,replica=r1", "--restart-delay", "0.2s", "--timeout", "200s",

@@ -80,7 +80,7 @@ def test_a_rank_failing_mid_write_leaves_the_previous_checkpoint_latest(saved, f
     assert store.latest_complete(root, key=KEY).step == 2
 
 
-@pytest.mark.parametrize("world", [1, 4])
+@pytest.mark.parametrize("world", [1, pytest.param(4, marks=pytest.mark.slow)])
 def test_restores_into_another_number_of_ranks(saved, world):
     root, ranks = saved["die"]
     before = ranks[0][1]

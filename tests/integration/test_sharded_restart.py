@@ -167,7 +167,7 @@ def killed(tmp_path_factory) -> tuple[Path, Job]:
     return run_dir, job
 
 
-@pytest.mark.parametrize(("ranks", "batch"), [(2, 4), (1, 8)])
+@pytest.mark.parametrize(("ranks", "batch"), [pytest.param(2, 4, marks=pytest.mark.slow), (1, 8)])
 def test_sharded_job_resumes_from_its_checkpoint_in_another_shape(killed, tmp_path, ranks, batch):
     src, reference = killed
     run_dir = tmp_path / "resumed"

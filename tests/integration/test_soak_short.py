@@ -19,6 +19,7 @@ KILLS = 25
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_short_soak_keeps_data_exactly_once_and_replicas_identical(tmp_path):
     stop = str(tmp_path / "stop")
     f = launch(tmp_path, "--replicas", "4", "--min-replicas", "2", "--steps", "100000", "--max-kills", str(KILLS),
