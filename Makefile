@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-slow test-scale test-fuzz test-multihost test-slurm chaos kernels bench clean
+.PHONY: setup demo test test-slow test-scale test-fuzz test-multihost test-slurm test-browser chaos kernels bench clean
 
 setup: $(STAMP)
 
@@ -44,6 +44,11 @@ test-multihost: setup
 test-slurm: setup
 	bash ci/install_slurm.sh
 	$(PY) -m pytest -q -m slurm -p no:randomly tests/integration/test_slurm.py
+
+# The lighthouse status page in headless Chromium (Debian's package, installed as root; skips cleanly without).
+test-browser: setup
+	bash ci/install_chromium.sh
+	$(PY) -m pytest -q -m browser -p no:randomly tests/integration/test_status_page_browser.py
 
 # Randomized fault schedules, Jepsen-style: 1,000 real small jobs (3 replicas x 1 rank, 12 steps) under seeded
 # random faults, each checked for forks, exactly-once data, identical state and leaks (about an hour).

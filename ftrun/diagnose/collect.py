@@ -187,7 +187,21 @@ def verdict_dict(v: Verdict, layout: Layout, keys: list[str]) -> dict:
     return {"kind": v.kind, "reason": v.reason, "ranks": [keys[r] for r in v.ranks],
             "rank_names": [layout.rank_name(r) for r in v.ranks[:16]],
             "hosts": [layout.host_name(x) for x in v.hosts], "replicas": list(v.replicas),
-            "collectives": list(v.collectives), "lag_s": v.lag_s}
+            "collectives": list(v.collectives), "lag_s": v.lag_s, "edges": display_edges(v, layout)}
+
+
+def display_edges(v: Verdict, layout: Layout, limit: int = 16) -> list[list[str]]:
+    """The verdict's collective wait-for edges, and from the blocked collective each culprit is in (its FTAR
+    ring, else its replica's tree collective, else every blocked collective) to the culprit's rank name:
+    the graph the status page and the reports draw (ftrun.diagnose.graph)."""
+    edges = [[a, b] for a, b in v.edges]
+    for r in v.ranks[:limit]:
+        name = layout.rank_name(r)
+        ring = f"ftar ring {int(layout.group[r])}"
+        tree = [c for c in v.collectives if c.startswith("tree collective") and
+                c.endswith(f" of replica {int(layout.replica[r])}")]
+        edges += [[c, name] for c in ([ring] if ring in v.collectives else tree or list(v.collectives))]
+    return edges
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -105,6 +105,7 @@ class Monitor:
         self._task = self.env.spawn(self._loop, name="diagnose-monitor")
         if self.lighthouse is not None:
             self.lighthouse.diagnosis = self.verdict
+            self.lighthouse.diagnosis_report = self.report
         return self.addr
 
     def stop(self) -> None:
@@ -148,6 +149,7 @@ class Monitor:
         last = self.verdicts[-1] if self.verdicts else None
         if last is None or (last["kind"], last["ranks"], last["silent"]) != (v["kind"], v["ranks"], v["silent"]):
             entry = {k: v[k] for k in ("t", "kind", "reason", "ranks", "silent", "hosts", "replicas", "collectives")}
+            entry.update({k: v[k] for k in ("rank_names", "edges") if k in v})  # for the graph in the reports
             self.verdicts.append(entry)
             if self.on_verdict is not None:
                 self.on_verdict(entry)

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import html
-import json
 import logging
 
 from aiohttp import web
@@ -20,9 +18,11 @@ from prometheus_client.core import GaugeMetricFamily
 
 from ftrun.catchup.http_guard import ConnectionGuard, GuardedSite, HttpLimits, bearer_token
 from ftrun.env.base import Env
+from ftrun.quorum import page
 from ftrun.quorum.service import Lighthouse
 
 log = logging.getLogger("ftrun.quorum")
+PAGE_HISTORY = 2000  # the recent events the page reads (its quorum history and replica phases)
 
 
 class _LighthouseCollector:
@@ -98,18 +98,8 @@ class StatusServer:
         return web.Response(body=generate_latest(self.registry), content_type="text/plain")
 
     async def _page(self, request: web.Request) -> web.Response:
-        s = self.lighthouse.status()
-        rows = "".join(
-            f"<tr><td>{html.escape(rid)}</td><td>{'yes' if m['connected'] else 'no'}</td>"
-            f"<td>{m['heard_s_ago']}</td><td>{'yes' if rid in s['participants'] else ''}</td></tr>"
-            for rid, m in sorted(s["members"].items())
-        )
-        recent = "\n".join(json.dumps(h) for h in list(self.lighthouse.history)[-20:])
-        body = (
-            "<!doctype html><title>ftrun lighthouse</title><h1>ftrun lighthouse</h1>"
-            f"<p>quorum_id <b>{s['quorum_id']}</b>, {len(s['live'])} live, min_replicas {s['min_replicas']}, "
-            f"last decision: {html.escape(str(s['last_reason']))}</p>"
-            "<table border=1><tr><th>replica</th><th>connected</th><th>heard (s ago)</th><th>in quorum</th></tr>"
-            f"{rows}</table><h2>recent events</h2><pre>{html.escape(recent)}</pre>"
-        )
+        lh = self.lighthouse
+        s = lh.status()
+        report = lh.diagnosis_report() if lh.diagnosis_report is not None else None
+        body = page.render(s, list(lh.history)[-PAGE_HISTORY:], report, lh.env.clock.now())
         return web.Response(text=body, content_type="text/html")

@@ -103,6 +103,8 @@ class Lighthouse:
         self.failed: str | None = None  # why the main task died (None while it runs)
         self._stopping = False
         self.diagnosis: Any = None  # () -> the diagnosis verdict dict (ftrun.diagnose.monitor), when one runs
+        self.diagnosis_report: Any = None  # () -> the monitor's report without a pull (the status page)
+        self._asks_view: dict[str, int] = {}  # replica -> the step it asks a quorum for
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> str:
@@ -237,6 +239,7 @@ class Lighthouse:
                         self._reply(ev.conn, {"type": "error", "error": f"lighthouse could not handle it: {e!r}"})
             self._maybe_form()
             self._pending_view = tuple(sorted(self._requests))  # what status() may read concurrently
+            self._asks_view = {r: q.step for r, q in self._requests.items()}
 
     def _wait_time(self) -> float:
         hb = self.config.timeouts.heartbeat_timeout_s
@@ -408,6 +411,7 @@ class Lighthouse:
             "members": {m.replica_id: {"connected": m.connected, "heard_s_ago": round(now - m.last_heard, 3)}
                         for m in state.members.values()},
             "pending": list(self._pending_view),
+            "asks": dict(self._asks_view),
             "last_reason": last.reason if last else None,
             "min_replicas": self.config.min_replicas,
         }
