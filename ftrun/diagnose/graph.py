@@ -191,3 +191,38 @@ def as_json(verdict: dict | None) -> dict:
     g, p = graph_of(verdict)
     return {"nodes": [{"id": n.id, "kind": n.kind, "x": p.pos[n.id][0], "y": p.pos[n.id][1]} for n in g.nodes],
             "edges": [list(e) for e in g.edges]}
+
+
+def shown_verdict(report: dict | None) -> dict | None:
+    """The verdict a report draws from a monitor's report: the last one that named something (a hang, a
+    slow rank or link: what the job was waiting on), else the latest."""
+    if not report:
+        return None
+    named = [v for v in report.get("verdicts") or [] if v.get("kind") not in (None, "no_hang")]
+    return named[-1] if named else report.get("latest")
+
+
+def draw(ax, verdict: dict | None) -> None:
+    """The wait-for graph on a matplotlib Axes (the launch report's PNG), placed as on the status page."""
+    from matplotlib.patches import FancyBboxPatch
+
+    g, p = graph_of(verdict)
+    ax.set_axis_off()
+    if not g.nodes:
+        ax.text(0.5, 0.5, "no wait-for graph: " + (str(verdict.get("reason", "")) if verdict else "no verdict"),
+                ha="center", va="center", transform=ax.transAxes, fontsize=9)
+        return
+    ax.set_xlim(0, p.width)
+    ax.set_ylim(p.height, 0)
+    for a, b in g.edges:
+        (xa, ya), (xb, yb) = p.pos[a], p.pos[b]
+        x1 = xa + NODE_W if xb > xa else xa
+        ax.annotate("", xy=(xb, yb + NODE_H / 2), xytext=(x1, ya + NODE_H / 2),
+                    arrowprops={"arrowstyle": "->", "color": "#555"})
+    for n in g.nodes:
+        x, y = p.pos[n.id]
+        ax.add_patch(FancyBboxPatch((x, y), NODE_W, NODE_H, boxstyle="round,pad=0,rounding_size=5",
+                                    facecolor=fill(n), edgecolor="#333"))
+        ax.text(x + 8, y + NODE_H / 2, _short(n.id), va="center", fontsize=7,
+                color="white" if n.kind == "culprit" else "black")
+

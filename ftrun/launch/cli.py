@@ -52,6 +52,8 @@ import tempfile
 from typing import Callable
 
 from ftrun.cli import emit_json
+from ftrun.diagnose.graph import as_json as graph_json
+from ftrun.diagnose.graph import shown_verdict
 from ftrun.env.real import RealEnv
 from ftrun.launch.checks import problems
 from ftrun.launch.interrupts import Interrupts
@@ -160,4 +162,9 @@ def _diagnosis_figures(report: dict | None) -> dict | None:
     return {"rounds": report["rounds"], "evictions": report["evicted"], "eviction_notices": len(report["evictions"]),
             "verdicts": [{k: v[k] for k in ("t", "kind", "ranks", "silent", "reason")}
                          for v in report["verdicts"][-20:]],
-            "telemetry_records": report["records"], "telemetry_serve_s": report["serve_s"]}
+            "telemetry_records": report["records"], "telemetry_serve_s": report["serve_s"],
+            "graph": {"verdict": _brief(shown_verdict(report)), **graph_json(shown_verdict(report))}}
+
+
+def _brief(v: dict | None) -> dict | None:
+    return None if v is None else {k: v.get(k) for k in ("t", "kind", "reason", "ranks")}

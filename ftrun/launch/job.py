@@ -26,6 +26,7 @@ from ftrun.launch.report import JobResult
 from ftrun.launch.stats import RunStats
 from ftrun.launch.supervisor import ReplicaProcesses
 from ftrun.launch.worker_env import WorkerSpec
+from ftrun.quorum.http import StatusServer
 from ftrun.quorum.service import Lighthouse
 
 FINISH_GRACE_S = 5.0  # after the job's last step: how long replicas get to exit by themselves
@@ -47,6 +48,7 @@ class Job:
         self.stats = RunStats(args.replicas)
         self.events = env.queue()
         self.monitor = self.make_monitor()
+        self.status_server = self.make_status_server()
         self.event_log = open(os.path.join(out, "events.jsonl"), "w", buffering=1)  # line by line: tail -f works
         argv = (["-m", args.script] if args.module else [args.script]) + list(args.script_args)
         self.replicas = {f"r{i}": ReplicaProcesses(
@@ -109,6 +111,20 @@ class Job:
             return None
         return monitor
 
+    def make_status_server(self) -> StatusServer | None:
+        """The lighthouse's status page beside it (OUT/status holds its URL; the token is in OUT/token); None
+        where that address cannot be listened on from here (a lighthouse inside a namespace host)."""
+        host = self.lighthouse.addr.rpartition(":")[0]
+        server = StatusServer(env=self.env, lighthouse=self.lighthouse, token=self.token, bind=f"{host}:0")
+        try:
+            url = server.start()
+        except (OSError, RuntimeError) as e:
+            self.say(f"ftrun launch: no status page: cannot listen beside the lighthouse on {host}: {e}")
+            return None
+        with open(os.path.join(self.out, "status"), "w") as f:
+            f.write(url + "/\n")
+        return server
+
     def _diagnosed(self, spec: WorkerSpec) -> WorkerSpec:
         return spec if self.monitor is None else replace(spec, diagnose=self.monitor.addr)
 
@@ -130,6 +146,8 @@ class Job:
             self.closed = True
             if self.monitor is not None:
                 self.monitor.stop()
+            if self.status_server is not None:
+                self.status_server.stop()
             self.lighthouse.stop()
         for rep in self.replicas.values():
             rep.kill()

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 from ftrun.data.audit import AuditReport, audit, read_log
 from ftrun.data.loader_state import DataError, LoaderState
+from ftrun.diagnose.graph import draw as draw_graph
+from ftrun.diagnose.graph import shown_verdict
 from ftrun.launch.checks import incomplete_reasons
 from ftrun.launch.stats import RunStats, loss_at, loss_curve
 from ftrun.launch.theory import FORMULA, realized_interval, theoretical_efficiency
@@ -53,7 +55,8 @@ def job_figures(result: JobResult, base: JobResult | None, *, args: argparse.Nam
                         baseline=base.stats if base else None, baseline_report=base_report)
     write_metrics(result.stats, os.path.join(result.out, "metrics.jsonl"))
     figures["report_png"] = write_plots(result.stats, os.path.join(result.out, "report.png"), report=report,
-                                        baseline=base.stats if base else None, baseline_report=base_report)
+                                        baseline=base.stats if base else None, baseline_report=base_report,
+                                        diagnosis=result.diagnosis)
     if base is not None:
         figures["baseline_steps_reached"] = base.stats.max_step
         figures["baseline_replicas_identical"] = base.stats.replicas_identical
@@ -215,8 +218,11 @@ def print_report(f: dict) -> None:
 
 
 def write_plots(stats: RunStats, path: str, *, report: AuditReport | None = None,
-                baseline: RunStats | None = None, baseline_report: AuditReport | None = None) -> str:
-    """Participants per step, committed vs failed replica-steps, loss vs batches (with the baseline)."""
+                baseline: RunStats | None = None, baseline_report: AuditReport | None = None,
+                diagnosis: dict | None = None) -> str:
+    """Participants per step, committed vs failed replica-steps, loss vs batches (with the baseline); with a
+    diagnosis monitor's report, a fourth panel: the verdict it last named something in, with its wait-for
+    graph (ftrun.diagnose.graph, as on the status page)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -224,7 +230,8 @@ def write_plots(stats: RunStats, path: str, *, report: AuditReport | None = None
 
     steps = sorted(stats.rows)
     committed = [len(stats.rows[s].committed) for s in steps]
-    fig, axes = plt.subplots(3, 1, figsize=(9, 9))
+    rows = 3 if diagnosis is None else 4
+    fig, axes = plt.subplots(rows, 1, figsize=(9, 3 * rows), gridspec_kw={"height_ratios": [1] * rows})
     axes[0].step(steps, committed, where="post")
     axes[0].set(title="replicas committing each step", xlabel="step", ylabel="replicas",
                 ylim=(0, stats.num_replicas + 0.5))
@@ -244,6 +251,12 @@ def write_plots(stats: RunStats, path: str, *, report: AuditReport | None = None
         axes[2].text(0.5, 0.5, "the script reported no loss", ha="center", va="center", transform=axes[2].transAxes)
     axes[2].set(title="loss vs data trained", xlabel="batches trained (tokens = batches x tokens per batch)",
                 ylabel="loss")
+    if diagnosis is not None:
+        verdict = shown_verdict(diagnosis)
+        draw_graph(axes[3], verdict)
+        title = "diagnosis: no verdict" if not verdict else \
+            f"diagnosis at t={verdict.get('t', 0):.1f}s: {verdict.get('kind')}: {str(verdict.get('reason', ''))[:90]}"
+        axes[3].set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)

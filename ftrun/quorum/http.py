@@ -54,10 +54,14 @@ class StatusServer:
         self.url = ""
 
     def start(self) -> str:
+        """Serve; the URL. Raises OSError when the address cannot be listened on."""
         ready = self.env.event()
+        self._failed: BaseException | None = None
         self._task = self.env.spawn(self._serve, ready, name="lighthouse-http")
         if not ready.wait(timeout=10.0):
             raise RuntimeError("lighthouse status server did not start")
+        if self._failed is not None:
+            raise self._failed
         return self.url
 
     def stop(self) -> None:
@@ -66,8 +70,13 @@ class StatusServer:
 
     def _serve(self, ready) -> None:
         self._loop = asyncio.new_event_loop()
-        self._loop.run_until_complete(self._run(ready))
-        self._loop.close()
+        try:
+            self._loop.run_until_complete(self._run(ready))
+        except OSError as e:  # cannot listen there: start() raises it
+            self._failed = e
+            ready.set()
+        finally:
+            self._loop.close()
 
     async def _run(self, ready) -> None:
         self._stopping = asyncio.Event()

@@ -65,6 +65,8 @@ def test_a_sigstopped_rank_is_named_evicted_and_the_survivors_go_on(tmp_path):
         assert healthy.returncode == 0, healthy.stderr
         v = json.loads(healthy.stdout.strip().splitlines()[-1])
         assert v["num_ranks"] == 6 and v["eviction"]["replicas"] == [], v
+        page = status_page(out)  # the lighthouse's status page beside it, behind the job token
+        assert all(f"<td>r{i}</td>" in page for i in range(3)) and (out / "token").read_text() not in page
         victim = next(e["pid"] for e in events(out) if e["event"] == "ready" and e["replica_id"] == "r1"
                       and e["rank"] == 1 and e["incarnation"] == 0)
         os.kill(victim, signal.SIGSTOP)
@@ -91,6 +93,19 @@ def test_a_sigstopped_rank_is_named_evicted_and_the_survivors_go_on(tmp_path):
     assert any(e["event"] == "commit" and e["replica_id"] == "r1" and e["incarnation"] == 1 for e in events(out))
     report = json.load(open(out / "report.json"))
     assert report["diagnosis_report"]["evictions"][0]["incarnation"] == 0
+    drawn = report["diagnosis"]["graph"]  # the verdict's wait-for graph, as the status page draws it
+    assert drawn["verdict"]["kind"] == "hang" and any(
+        n["kind"] == "culprit" and "of replica 1" in n["id"] for n in drawn["nodes"]), drawn
+
+
+def status_page(out) -> str:
+    import urllib.request
+
+    url = (out / "status").read_text().strip()
+    token = (out / "token").read_text().strip()
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return r.read().decode()
 
 
 @pytest.mark.timeout(30)

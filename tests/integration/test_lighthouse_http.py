@@ -35,7 +35,8 @@ def test_status_metrics_and_token():
         metrics = get(url + "/metrics", "t0k")
         assert "ftrun_lighthouse_quorum_id 1.0" in metrics
         assert "ftrun_lighthouse_live_replicas 1.0" in metrics
-        assert "r0" in get(url + "/", "t0k")
+        page = get(url + "/", "t0k")
+        assert "<td>r0</td>" in page and "t0k" not in page and "training" in page
         with pytest.raises(urllib.error.HTTPError) as e:  # never in a URL, even the right one
             get(url + "/status?token=t0k")
         assert e.value.code == 400 and b"refused in a URL" in e.value.read()
@@ -46,3 +47,10 @@ def test_status_metrics_and_token():
     finally:
         http.stop()
         lh.stop()
+
+
+def test_an_address_that_cannot_be_listened_on_is_an_error_at_once():
+    env = RealEnv()
+    lh = Lighthouse(env=env, config=LighthouseConfig(min_replicas=1), token="t0k")
+    with pytest.raises(OSError):
+        StatusServer(env=env, lighthouse=lh, token="t0k", bind="192.0.2.1:0").start()  # TEST-NET: not ours

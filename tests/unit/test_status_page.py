@@ -188,3 +188,34 @@ def test_page_without_a_monitor_or_a_verdict_says_so():
     assert "no verdict yet" in page.render(_status(), HISTORY, {"rounds": 0, "latest": None}, now=1.0)
     done = page.render(_status(finished_step=50), HISTORY, None, now=1.0)
     assert "job finished at step 50" in done
+
+
+# -- the launch report --------------------------------------------------------------------------------
+def test_the_report_draws_the_last_verdict_that_named_something():
+    no = {"kind": "no_hang", "reason": "fine", "ranks": []}
+    assert graph.shown_verdict({"verdicts": [no, HANG_VERDICT, no], "latest": no}) is HANG_VERDICT
+    assert graph.shown_verdict({"verdicts": [no], "latest": no}) is no
+    assert graph.shown_verdict(None) is None
+    data = graph.as_json(HANG_VERDICT)
+    assert ["ftar ring 1", "rank 1 of replica 2 (h2)"] in data["edges"]
+    assert {n["kind"] for n in data["nodes"]} == {"quorum", "tree", "ring", "culprit"}
+
+
+def test_report_png_has_the_graph_panel_with_the_culprit_in_red(tmp_path):
+    from PIL import Image
+
+    from ftrun.launch.report import write_plots
+    from ftrun.launch.stats import RunStats
+
+    stats = RunStats(2)
+    for step in range(3):
+        for rid in ("r0", "r1"):
+            stats.add({"event": "commit", "replica_id": rid, "incarnation": 0, "rank": 0, "step": step + 1,
+                       "t": float(step)})
+    diagnosis = {"rounds": 3, "latest": {"kind": "no_hang"}, "verdicts": [HANG_VERDICT], "evictions": []}
+    path = write_plots(stats, str(tmp_path / "report.png"), diagnosis=diagnosis)
+    px = np.asarray(Image.open(path).convert("RGB")).astype(np.int16)
+    red = np.array([0xE0, 0x30, 0x1E])
+    assert (np.abs(px - red).sum(axis=2) <= 12).sum() > 200
+    plain = np.asarray(Image.open(write_plots(stats, str(tmp_path / "plain.png"))).convert("RGB")).astype(np.int16)
+    assert (np.abs(plain - red).sum(axis=2) <= 12).sum() == 0 and plain.shape[0] < px.shape[0]
