@@ -357,7 +357,8 @@ def run_job(env: RealEnv, args: argparse.Namespace, out: str, launcher: Launcher
     return JobResult(job.stats, env.clock.now() - started, out, job.goal, stop_signal=stop.signal,
                      timed_out=timed_out, gave_up=job.gave_up,
                      errors=[e.as_json() for e in job.crash_log.errors.values()], warnings=job.kill_warnings(),
-                     extra=job.host_figures(), diagnosis=job.diagnosis)
+                     extra=job.host_figures(), diagnosis=job.diagnosis,
+                     lighthouse_history=list(job.lighthouse.history))
 
 
 def _progress(bar: tqdm, job: Job) -> None:

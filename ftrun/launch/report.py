@@ -24,6 +24,7 @@ from ftrun.diagnose.graph import shown_verdict
 from ftrun.launch.checks import incomplete_reasons
 from ftrun.launch.stats import RunStats, loss_at, loss_curve
 from ftrun.launch.theory import FORMULA, realized_interval, theoretical_efficiency
+from ftrun.launch.trace import write_trace
 
 LOSS_WINDOW_STEPS = 20  # the final loss is the mean over this many steps' worth of batches
 MAX_ERRORS_SHOWN = 5  # distinct crash errors in the printed report (the JSON has up to MAX_ERRORS_KEPT)
@@ -43,6 +44,7 @@ class JobResult:
     warnings: list[str] = field(default_factory=list)  # kill options that never fired
     extra: dict = field(default_factory=dict)  # a job's own figures (--netns-hosts: hosts, shaping, faults)
     diagnosis: dict | None = None  # the diagnosis monitor's report (None: --no-diagnose)
+    lighthouse_history: list[dict] = field(default_factory=list)  # its quorums and membership changes (trace.json)
 
 
 def job_figures(result: JobResult, base: JobResult | None, *, args: argparse.Namespace, start_method: str) -> dict:
@@ -57,6 +59,7 @@ def job_figures(result: JobResult, base: JobResult | None, *, args: argparse.Nam
     figures["report_png"] = write_plots(result.stats, os.path.join(result.out, "report.png"), report=report,
                                         baseline=base.stats if base else None, baseline_report=base_report,
                                         diagnosis=result.diagnosis)
+    figures["trace"] = write_trace(result.out, result.lighthouse_history, result.diagnosis)
     if base is not None:
         figures["baseline_steps_reached"] = base.stats.max_step
         figures["baseline_replicas_identical"] = base.stats.replicas_identical
@@ -213,7 +216,8 @@ def print_report(f: dict) -> None:
               f"{e['rank']}.log)")
     for text in f.get("warnings", []):
         print(f"  warning: {text}")
-    print(f"  per-step metrics: {f['out']}/metrics.jsonl; events: {f['out']}/events.jsonl; plots: {f['report_png']}")
+    print(f"  per-step metrics: {f['out']}/metrics.jsonl; events: {f['out']}/events.jsonl; plots: {f['report_png']}"
+          + (f"; trace (ui.perfetto.dev): {f['trace']}" if f.get("trace") else ""))
     print("  complete" if f["complete"] else f"  INCOMPLETE: {'; '.join(f['incomplete_reasons'])}")
 
 

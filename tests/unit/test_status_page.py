@@ -219,3 +219,23 @@ def test_report_png_has_the_graph_panel_with_the_culprit_in_red(tmp_path):
     assert (np.abs(px - red).sum(axis=2) <= 12).sum() > 200
     plain = np.asarray(Image.open(write_plots(stats, str(tmp_path / "plain.png"))).convert("RGB")).astype(np.int16)
     assert (np.abs(plain - red).sum(axis=2) <= 12).sum() == 0 and plain.shape[0] < px.shape[0]
+
+
+def test_launch_trace_has_quorums_verdicts_with_their_graph_steps_and_evictions(tmp_path):
+    from ftrun.launch.trace import launch_trace, read_events
+
+    events = [{"event": "commit", "replica_id": "r0", "incarnation": 0, "rank": 0, "step": s, "t": 100.0 + s}
+              for s in (1, 2, 3)] + [{"event": "kill", "replica_id": "r2", "incarnation": 0, "why": "evicted",
+                                      "t": 104.0}, {"event": "verdict", "kind": "hang", "t": 103.0}]
+    diagnosis = {"verdicts": [dict(HANG_VERDICT, t=102.5), {"kind": "no_hang", "ranks": [], "t": 105.0}],
+                 "evictions": [{"t": 103.5, "replica_id": "r2", "incarnation": 0, "reason": "culprit silent"}]}
+    trace = launch_trace(events, HISTORY[4:5], diagnosis)["traceEvents"]
+    by_name = {e["name"]: e for e in trace}
+    assert by_name["quorum 1 (step 0)"]["pid"] == 0 and by_name["quorum 1 (step 0)"]["ts"] == 0.0  # t0: first event
+    hang = by_name["verdict: hang"]
+    assert hang["args"]["graph"]["edges"] and hang["args"]["ranks"] == ["r2/1"]
+    assert by_name["hang: r2/1"]["dur"] == 2.5e6 and "evict r2" in by_name and "kill" in by_name
+    assert [e["name"] for e in trace if e.get("cat") == "step"] == ["step 1", "step 2"]
+    (tmp_path / "events.jsonl").write_text('{"event": "x", "t": 1}\n{torn\n[1]\n')
+    assert read_events(str(tmp_path / "events.jsonl")) == [{"event": "x", "t": 1}]
+    assert launch_trace([], [], None)["traceEvents"][0]["name"] == "process_name"
