@@ -212,8 +212,9 @@ def draw(ax, verdict: dict | None) -> None:
         ax.text(0.5, 0.5, "no wait-for graph: " + (str(verdict.get("reason", "")) if verdict else "no verdict"),
                 ha="center", va="center", transform=ax.transAxes, fontsize=9)
         return
-    ax.set_xlim(0, p.width)
-    ax.set_ylim(p.height, 0)
+    ax.set_xlim(0, max(p.width, 4 * (NODE_W + GAP_X)))  # boxes keep their shape in a wide panel
+    ax.set_ylim(max(p.height, 3 * (NODE_H + GAP_Y)), 0)
+    ax.set_aspect("equal", adjustable="box", anchor="W")
     for a, b in g.edges:
         (xa, ya), (xb, yb) = p.pos[a], p.pos[b]
         x1 = xa + NODE_W if xb > xa else xa

@@ -258,8 +258,10 @@ def write_plots(stats: RunStats, path: str, *, report: AuditReport | None = None
     if diagnosis is not None:
         verdict = shown_verdict(diagnosis)
         draw_graph(axes[3], verdict)
+        reason = str((verdict or {}).get("reason", ""))
         title = "diagnosis: no verdict" if not verdict else \
-            f"diagnosis at t={verdict.get('t', 0):.1f}s: {verdict.get('kind')}: {str(verdict.get('reason', ''))[:90]}"
+            f"diagnosis, last verdict naming something: {verdict.get('kind')}: " + \
+            (reason if len(reason) <= 70 else reason[:69] + "\u2026")
         axes[3].set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=90)

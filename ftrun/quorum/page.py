@@ -77,18 +77,27 @@ def replica_rows(status: dict, history: Iterable[dict], verdict: dict | None = N
 
 
 def quorum_rows(history: Iterable[dict], limit: int = QUORUMS_SHOWN) -> list[dict[str, Any]]:
-    """The last `limit` quorums, newest first: id, step, participants, joiners and leavers (against the
-    quorum before it), replicas behind (healed) and left out."""
-    rows, prev = [], None
+    """The last `limit` quorums, newest first: id, steps, participants, joiners and leavers (against the
+    quorum before it), replicas behind (healed) and left out. The fast path hands out the same quorum id
+    step after step: consecutive hand-outs of one id and membership are one row (`step`: its first,
+    `last_step`: its latest; `behind`: any replica healed in it)."""
+    rows: list[dict[str, Any]] = []
+    prev = None
     for h in history:
         if h.get("event") != "quorum":
             continue
         parts = [str(p) for p in h.get("participants", [])]
-        joined = [p for p in parts if prev is not None and p not in prev]
-        left = [p for p in (prev or []) if p not in parts]
+        behind = [str(b) for b in h.get("behind", [])]
+        top = rows[-1] if rows else None
+        if top is not None and top["quorum_id"] == h.get("quorum_id") and top["participants"] == parts \
+                and not h.get("rewind"):
+            top.update(t=h.get("t"), last_step=h.get("max_step"), hand_outs=top["hand_outs"] + 1)
+            top["behind"] += [b for b in behind if b not in top["behind"]]
+            continue
         rows.append({"t": h.get("t"), "quorum_id": h.get("quorum_id"), "step": h.get("max_step"),
-                     "participants": parts, "joiners": joined, "left": left,
-                     "behind": [str(b) for b in h.get("behind", [])],
+                     "last_step": h.get("max_step"), "hand_outs": 1, "participants": parts,
+                     "joiners": [p for p in parts if prev is not None and p not in prev],
+                     "left": [p for p in (prev or []) if p not in parts], "behind": behind,
                      "left_out": [str(b) for b in h.get("left_out", [])], "rewind": bool(h.get("rewind"))})
         prev = parts
     return rows[::-1][:limit]
@@ -118,15 +127,19 @@ def _replicas_html(rows: list[dict]) -> str:
             f"<th>in quorum</th><th>diagnosis</th></tr>{body}</table>")
 
 
+def _steps(q: dict) -> str:
+    return str(q["step"]) if q["last_step"] == q["step"] else f"{q['step']}\u2013{q['last_step']}"
+
+
 def _quorums_html(rows: list[dict], now: float) -> str:
     if not rows:
         return '<p class="muted">no quorum yet</p>'
     body = "".join(
-        f'<tr><td>{_e(q["quorum_id"])}</td><td>{_e(q["step"])}{" (rewind)" if q["rewind"] else ""}</td>'
+        f'<tr><td>{_e(q["quorum_id"])}</td><td>{_e(_steps(q))}{" (rewind)" if q["rewind"] else ""}</td>'
         f'<td>{_names(q["participants"])}</td><td>{_names(q["joiners"])}</td><td>{_names(q["left"])}</td>'
         f'<td>{_names(q["behind"])}</td><td>{_e(_ago(now, q["t"]))}</td></tr>' for q in rows)
-    return ("<table id=quorums><tr><th>quorum</th><th>step</th><th>participants</th><th>joined</th>"
-            f"<th>left</th><th>behind (healed)</th><th>when</th></tr>{body}</table>")
+    return ("<table id=quorums><tr><th>quorum</th><th>steps</th><th>participants</th><th>joined</th>"
+            f"<th>left</th><th>behind (healed)</th><th>last handed out</th></tr>{body}</table>")
 
 
 def _diagnosis_html(diagnosis: dict | None, now: float) -> str:
@@ -145,7 +158,11 @@ def _diagnosis_html(diagnosis: dict | None, now: float) -> str:
     if named:
         out.append(f"<p>culprit ranks: {_names([str(x) for x in named])}; hosts: "
                    f"{_names([str(x) for x in v.get('hosts') or []])}</p>")
-    g, placement = graph.graph_of(v)
+    shown = graph.shown_verdict(diagnosis)
+    if shown is not None and shown is not v and shown.get("t") != v.get("t"):  # over now: what it was
+        out.append(f'<p id=last-named>last named ({_e(_ago(now, shown.get("t")))}): <b>{_e(shown.get("kind"))}'
+                   f'</b> {_e(shown.get("reason", ""))}</p>')
+    g, placement = graph.graph_of(v if v.get("kind") != "no_hang" else shown)
     if g.nodes:
         out.append("<h3>wait-for graph <span class=muted>(waiter &rarr; waited on)</span></h3>")
         out.append(graph.svg(g, placement))

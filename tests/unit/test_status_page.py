@@ -128,6 +128,13 @@ def test_quorum_history_newest_first_with_joiners_and_leavers():
     assert rows[1]["left"] == ["r2"] and rows[1]["joiners"] == []
     assert rows[2]["joiners"] == []  # the first quorum: nobody "joins" a previous one
     assert len(page.quorum_rows(HISTORY * 10, limit=4)) == 4
+    fast = [{"t": 7.0 + i, "event": "quorum", "quorum_id": 3, "participants": ["r0", "r1", "r3"], "max_step": 42 + i,
+             "behind": []} for i in range(5)]
+    rows = page.quorum_rows(HISTORY + fast)  # the fast path: one row per quorum id and membership
+    assert [(q["quorum_id"], q["step"], q["last_step"], q["hand_outs"]) for q in rows] == [
+        (3, 41, 46, 6), (2, 7, 7, 1), (1, 0, 0, 1)]
+    assert rows[0]["behind"] == ["r3"] and rows[0]["t"] == 11.0
+    assert "41\u201346" in page.render(_status(), HISTORY + fast, None, now=12.0)
 
 
 def _report(verdict):
@@ -239,3 +246,13 @@ def test_launch_trace_has_quorums_verdicts_with_their_graph_steps_and_evictions(
     (tmp_path / "events.jsonl").write_text('{"event": "x", "t": 1}\n{torn\n[1]\n')
     assert read_events(str(tmp_path / "events.jsonl")) == [{"event": "x", "t": 1}]
     assert launch_trace([], [], None)["traceEvents"][0]["name"] == "process_name"
+
+
+def test_after_a_hang_the_page_still_draws_the_last_named_verdict():
+    report = {"rounds": 9, "latest": {"kind": "no_hang", "reason": "fine", "ranks": [], "t": 11.0},
+              "verdicts": [dict(HANG_VERDICT), {"kind": "no_hang", "reason": "fine", "ranks": [], "t": 11.0}]}
+    html = page.render(_status(), HISTORY, report, now=12.0)
+    assert "last named (2.0s ago)" in html and 'class="node culprit"' in html
+    quiet = {"rounds": 1, "latest": report["latest"], "verdicts": [report["latest"]]}
+    html = page.render(_status(), HISTORY, quiet, now=12.0)
+    assert "last named" not in html and "<svg" not in html
