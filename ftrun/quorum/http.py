@@ -1,7 +1,9 @@
 """The lighthouse's HTTP face: a status page at `/`, JSON at `/status`, Prometheus text at `/metrics`.
 
 Runs aiohttp on its own event loop in one Env task. Every request must carry the job token, as
-`Authorization: Bearer TOKEN` (a `?token=` in the URL is refused: URLs end up in logs and proxies).
+`Authorization: Bearer TOKEN` (a `?token=` in the URL is refused: URLs end up in logs and proxies), or, for a
+person with a browser, the session cookie that the token typed once into the page's login form sets
+(POST /login; the cookie is an HMAC of the token, HttpOnly and SameSite=Strict).
 Bounded like the catch-up server (`HttpLimits`: idle/header-read timeout, connection cap, 4xx and one
 rate-limited WARNING line for a malformed request).
 """
@@ -9,6 +11,7 @@ rate-limited WARNING line for a malformed request).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import logging
 
@@ -22,6 +25,7 @@ from ftrun.quorum import page
 from ftrun.quorum.service import Lighthouse
 
 log = logging.getLogger("ftrun.quorum")
+SESSION_COOKIE = "ftrun_status"
 PAGE_HISTORY = 2000  # the recent events the page reads (its quorum history and replica phases)
 
 
@@ -42,6 +46,11 @@ class _LighthouseCollector:
         yield GaugeMetricFamily("ftrun_lighthouse_members_lost", "Replica failures seen", value=lost)
 
 
+def session_value(token: str) -> str:
+    """The status page's session cookie: derived from the job token, which it does not reveal."""
+    return hmac.new(token.encode(), b"ftrun lighthouse status page session", hashlib.sha256).hexdigest()
+
+
 class StatusServer:
     def __init__(self, *, env: Env, lighthouse: Lighthouse, token: str, bind: str = "127.0.0.1:0",
                  limits: HttpLimits = HttpLimits(max_connections=64), advertise_host: str | None = None) -> None:
@@ -52,6 +61,8 @@ class StatusServer:
         self.registry = CollectorRegistry()
         self.registry.register(_LighthouseCollector(lighthouse))
         self.url = ""
+        self._session = session_value(token)
+        self.cookie_name = SESSION_COOKIE  # + its port once listening: cookies do not tell ports apart
 
     def start(self) -> str:
         """Serve; the URL. Raises OSError when the address cannot be listened on."""
@@ -81,12 +92,14 @@ class StatusServer:
     async def _run(self, ready) -> None:
         self._stopping = asyncio.Event()
         app = web.Application(middlewares=[self.guard.middleware, self._auth])
-        app.add_routes([web.get("/", self._page), web.get("/status", self._status), web.get("/metrics", self._metrics)])
+        app.add_routes([web.get("/", self._page), web.get("/status", self._status), web.get("/metrics", self._metrics),
+                        web.post("/login", self._login)])
         runner = web.AppRunner(app, **self.guard.runner_kwargs())
         await runner.setup()
         site = GuardedSite(runner, self._host, self._port, guard=self.guard)
         await site.start()
         host, port = runner.addresses[0][:2]
+        self.cookie_name = f"{SESSION_COOKIE}_{port}"
         self.url = f"http://{self._advertise_host or host}:{port}"
         ready.set()
         await self._stopping.wait()
@@ -96,9 +109,31 @@ class StatusServer:
     async def _auth(self, request: web.Request, handler):
         if "token" in request.query:  # URLs end up in logs and proxies: the token never goes there
             return self.guard.reply(400, "the job token is refused in a URL; send Authorization: Bearer")
-        if not hmac.compare_digest(bearer_token(request), self._token.encode()):
-            return self.guard.reply(401, "missing or wrong job token")
-        return await handler(request)
+        if request.path == "/login" and request.method == "POST":
+            return await handler(request)
+        cookie = request.cookies.get(self.cookie_name, "").encode("utf-8", "surrogateescape")
+        if hmac.compare_digest(bearer_token(request), self._token.encode()) or \
+                hmac.compare_digest(cookie, self._session.encode()):
+            return await handler(request)
+        if request.path == "/" and request.method == "GET" and "Authorization" not in request.headers:
+            return self._login_form(401, "")  # a person with a browser: the token goes in a form, once
+        return self.guard.reply(401, "missing or wrong job token")
+
+    async def _login(self, request: web.Request) -> web.Response:
+        """The form's POST: the right token sets the session cookie (HMAC of the token, HttpOnly, SameSite
+        Strict: the token itself is never stored in the browser) and goes to the page."""
+        form = await request.post()
+        given = form.get("token")
+        if not isinstance(given, str) or not hmac.compare_digest(given.strip().encode("utf-8", "surrogateescape"),
+                                                                 self._token.encode()):
+            self.guard.warn("401 wrong job token in the status page's login form")
+            return self._login_form(401, "wrong job token")
+        reply = web.Response(status=303, headers={"Location": "/"})
+        reply.set_cookie(self.cookie_name, self._session, httponly=True, samesite="Strict", path="/")
+        return reply
+
+    def _login_form(self, status: int, error: str) -> web.Response:
+        return web.Response(text=page.login_form(error), status=status, content_type="text/html")
 
     async def _status(self, request: web.Request) -> web.Response:
         return web.json_response(self.lighthouse.status())

@@ -203,3 +203,14 @@ def render(status: dict, history: list[dict], diagnosis: dict | None, now: float
             f"<h2>diagnosis</h2>{_diagnosis_html(diagnosis, now)}"
             f"<h2>recent quorums</h2>{_quorums_html(quorum_rows(history), now)}"
             f'<p class=muted>refreshes every {int(refresh_s)} s</p></body></html>')
+
+
+def login_form(error: str = "") -> str:
+    """What a browser without the session cookie gets: a form that POSTs the job token (never in a URL)."""
+    note = f'<p class=phase-lost id=error>{_e(error)}</p>' if error else ""
+    return ("<!doctype html><html><head><meta charset=utf-8><title>ftrun lighthouse: job token</title>"
+            f"<style>{CSS}</style></head><body><h1>ftrun lighthouse</h1>{note}"
+            "<p>The status page needs the job token (the launcher's OUT/token, or the lighthouse's --token-file).</p>"
+            '<form method=post action="/login"><input type=password name=token autocomplete=off size=40 autofocus> '
+            "<button type=submit>open</button></form></body></html>")
+

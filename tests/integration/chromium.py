@@ -1,10 +1,11 @@
 """Headless Chromium driven over the DevTools protocol (aiohttp's websocket client; no other dependency).
 
     shot = load_page(url, headers={"Authorization": "Bearer TOKEN"}, out_png=path)  # -> Shot(png, dom)
+    shot = load_page(url, login_token="TOKEN")  # through the page's login form (a session cookie)
 
 Why the protocol and not `chromium --headless --screenshot URL`: the status page wants the job token in
-an Authorization header (never in the URL), and only the protocol sets request headers
-(Network.setExtraHTTPHeaders). The browser runs with a private profile in a temp dir, on a DevTools port it
+an Authorization header or typed into its login form (never in the URL); only the protocol sets request
+headers (Network.setExtraHTTPHeaders) or fills a form. The browser runs with a private profile in a temp dir, on a DevTools port it
 picks itself (--remote-debugging-port=0, read back from DevToolsActivePort), and its process group is
 killed on the way out. `find_chromium()` says why there is none (the test skips with that).
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import os
 import shutil
 import signal
@@ -94,7 +96,12 @@ class _Cdp:
             self.events.append(e)
 
 
-async def _drive(port: int, url: str, headers: dict[str, str], width: int, height: int) -> Shot:
+_LOGIN_JS = ("(() => {{ const f = document.querySelector('form[action=\"/login\"]'); if (!f) return false; "
+             "f.querySelector('input[name=token]').value = {token}; f.submit(); return true; }})()")
+
+
+async def _drive(port: int, url: str, headers: dict[str, str], width: int, height: int,
+                 login_token: str | None) -> Shot:
     async with aiohttp.ClientSession() as http:
         async with http.get(f"http://127.0.0.1:{port}/json/version") as r:
             ws_url = (await r.json())["webSocketDebuggerUrl"]
@@ -111,15 +118,22 @@ async def _drive(port: int, url: str, headers: dict[str, str], width: int, heigh
             if nav.get("errorText"):
                 raise RuntimeError(f"navigating to {url}: {nav['errorText']}")
             await cdp.wait_event("Page.loadEventFired")
+            if login_token is not None:  # type the token into the page's login form, as a person would
+                typed = await cdp.call("Runtime.evaluate", session, returnByValue=True,
+                                       expression=_LOGIN_JS.format(token=json.dumps(login_token)))
+                if not typed["result"].get("value"):
+                    raise RuntimeError(f"{url} showed no login form")
+                await cdp.wait_event("Page.loadEventFired")
             png = base64.b64decode((await cdp.call("Page.captureScreenshot", session, format="png"))["data"])
             dom = (await cdp.call("Runtime.evaluate", session, expression="document.documentElement.outerHTML",
                                   returnByValue=True))["result"]["value"]
             return Shot(png, dom)
 
 
-def load_page(url: str, *, headers: dict[str, str], out_png: str | None = None, width: int = 1280,
-              height: int = 1100, timeout_s: float = 60.0) -> Shot:
-    """Load `url` with `headers` in a fresh headless Chromium; its screenshot and DOM once it loaded."""
+def load_page(url: str, *, headers: dict[str, str] | None = None, login_token: str | None = None,
+              out_png: str | None = None, width: int = 1280, height: int = 1100, timeout_s: float = 60.0) -> Shot:
+    """Load `url` with `headers` in a fresh headless Chromium, logging in through its form with `login_token`
+    when given; its screenshot and DOM once it loaded."""
     exe, why = find_chromium()
     if exe is None:
         raise RuntimeError(why)
@@ -128,7 +142,7 @@ def load_page(url: str, *, headers: dict[str, str], out_png: str | None = None, 
                             stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         port = _devtools_port(profile, proc, timeout_s)
-        shot = asyncio.run(asyncio.wait_for(_drive(port, url, headers, width, height), timeout_s))
+        shot = asyncio.run(asyncio.wait_for(_drive(port, url, headers or {}, width, height, login_token), timeout_s))
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # the browser and its helper processes

@@ -54,3 +54,44 @@ def test_an_address_that_cannot_be_listened_on_is_an_error_at_once():
     lh = Lighthouse(env=env, config=LighthouseConfig(min_replicas=1), token="t0k")
     with pytest.raises(OSError):
         StatusServer(env=env, lighthouse=lh, token="t0k", bind="192.0.2.1:0").start()  # TEST-NET: not ours
+
+
+def test_a_browser_logs_in_once_with_a_form_and_gets_a_cookie_that_is_not_the_token():
+    import urllib.parse
+    from http.cookiejar import CookieJar
+
+    env = RealEnv()
+    lh = Lighthouse(env=env, config=LighthouseConfig(min_replicas=1), token="t0k-long-enough")
+    lh.start()
+    server = StatusServer(env=env, lighthouse=lh, token="t0k-long-enough")
+    url = server.start()
+    jar = CookieJar()
+    browser = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(jar))
+    try:
+        with pytest.raises(urllib.error.HTTPError) as e:  # no token: the login form, nothing of the job
+            browser.open(url + "/", timeout=5)
+        form = e.value.read().decode()
+        assert e.value.code == 401 and '<form method=post action="/login">' in form and "quorum" not in form
+        with pytest.raises(urllib.error.HTTPError) as e:
+            browser.open(url + "/login", data=urllib.parse.urlencode({"token": "wrong"}).encode(), timeout=5)
+        assert e.value.code == 401 and "wrong job token" in e.value.read().decode() and not list(jar)
+        with browser.open(url + "/login", data=urllib.parse.urlencode({"token": "t0k-long-enough"}).encode(),
+                          timeout=5) as r:  # 303 to the page, which the cookie now opens
+            body = r.read().decode()
+        assert r.url == url + "/" and "recent quorums" in body and "t0k-long-enough" not in body
+        (cookie,) = list(jar)
+        assert cookie.name == server.cookie_name and "t0k" not in cookie.value and cookie.has_nonstandard_attr("HttpOnly")
+        with browser.open(url + "/status", timeout=5) as r:
+            assert json.loads(r.read())["quorum_id"] == 0
+        with pytest.raises(urllib.error.HTTPError) as e:  # a forged cookie opens nothing
+            get_with_cookie(url + "/", server.cookie_name, "0" * 64)
+        assert e.value.code == 401
+    finally:
+        server.stop()
+        lh.stop()
+
+
+def get_with_cookie(url, name, value):
+    req = urllib.request.Request(url, headers={"Cookie": f"{name}={value}", "Authorization": "Bearer x"})
+    with urllib.request.urlopen(req, timeout=5) as r:
+        return r.read().decode()

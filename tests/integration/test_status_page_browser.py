@@ -108,7 +108,7 @@ def test_status_page_in_headless_chromium(live_job, tmp_path):
         pytest.skip(why)
     env, lh, url, monitor = live_job
     out = os.environ.get("STATUS_PAGE_PNG") or str(tmp_path / "status_page.png")
-    shot = load_page(url + "/", headers={"Authorization": f"Bearer {TOKEN}"}, out_png=out)
+    shot = load_page(url + "/", login_token=TOKEN, out_png=out)  # a person: the token typed into the form once
 
     dom = shot.dom
     assert TOKEN not in dom
@@ -125,3 +125,13 @@ def test_status_page_in_headless_chromium(live_job, tmp_path):
     red = np.array([int(graph.CULPRIT_FILL[i:i + 2], 16) for i in (1, 3, 5)])
     culprit = (np.abs(px - red).sum(axis=2) <= 12).sum()
     assert culprit >= 0.5 * graph.NODE_W * graph.NODE_H, f"the culprit's node: {culprit} red pixels"
+
+
+def test_the_page_with_the_token_in_a_header_and_without_any(live_job):
+    exe, why = find_chromium()
+    if exe is None:
+        pytest.skip(why)
+    env, lh, url, monitor = live_job
+    assert "<td>r1</td>" in load_page(url + "/", headers={"Authorization": f"Bearer {TOKEN}"}).dom
+    refused = load_page(url + "/").dom  # no token: the login form, nothing of the job
+    assert 'action="/login"' in refused and "<td>r1</td>" not in refused and "never joined" not in refused
