@@ -6,6 +6,7 @@ trace draw the same graph from the same functions.
     wait_graph(verdict_dict) -> WaitGraph     nodes (kind: quorum, tree, ring, replica, culprit) and edges
     place(graph) -> Placement                 left to right: a waiter left of what it waits on
     svg(graph, placement) -> str              self-contained <svg>, every label escaped
+    draw(ax, verdict) / trace_events(...)     the same graph on a matplotlib Axes / in a Perfetto trace
 
 An edge points from the waiter to what it waits on (a quorum ask -> a replica's tree collective -> the FTAR
 ring it is stuck in -> the culprit ranks), so the culprits are the sinks, drawn rightmost in red
@@ -226,4 +227,23 @@ def draw(ax, verdict: dict | None) -> None:
                                     facecolor=fill(n), edgecolor="#333"))
         ax.text(x + 8, y + NODE_H / 2, _short(n.id), va="center", fontsize=7,
                 color="white" if n.kind == "culprit" else "black")
+
+
+def trace_events(verdicts: list[dict], *, pid: int, t0: float, t_end: float) -> list[dict]:
+    """Chrome trace events (Perfetto) of a monitor's verdict changes: an instant per verdict whose args hold
+    its reason, ranks and drawn graph (thread 0), and a span for as long as one names something (thread 1).
+    `t0`: the trace's zero; `t_end`: where the last span ends."""
+    out = []
+    for i, v in enumerate(verdicts):
+        t = float(v["t"])
+        args = {k: v.get(k) for k in ("kind", "reason", "ranks", "silent", "hosts", "collectives")}
+        args["graph"] = as_json(v)
+        out.append({"name": f"verdict: {v.get('kind')}", "cat": "diagnosis", "ph": "i", "s": "p", "pid": pid,
+                    "tid": 0, "ts": round((t - t0) * 1e6, 3), "args": args})
+        if v.get("kind") != "no_hang":
+            end = float(verdicts[i + 1]["t"]) if i + 1 < len(verdicts) else t_end
+            out.append({"name": f"{v.get('kind')}: {', '.join(map(str, v.get('ranks') or []))[:80]}",
+                        "cat": "diagnosis", "ph": "X", "pid": pid, "tid": 1, "ts": round((t - t0) * 1e6, 3),
+                        "dur": round(max(end - t, 0.0) * 1e6, 3), "args": {"reason": v.get("reason")}})
+    return out
 

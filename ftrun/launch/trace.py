@@ -43,16 +43,7 @@ def launch_trace(events: Iterable[dict], history: Iterable[dict], diagnosis: dic
             f"{h.get('event')} {h.get('replica_id', '')}".strip()
         out.append({"name": name, "cat": "quorum", "ph": "i", "s": "p", "pid": 0, "tid": 0, "ts": ts(h["t"]),
                     "args": {k: v for k, v in h.items() if k not in _SKIP_ARGS}})
-    for i, v in enumerate(verdicts):
-        args = {k: v.get(k) for k in ("kind", "reason", "ranks", "silent", "hosts", "collectives")}
-        args["graph"] = graph.as_json(v)
-        out.append({"name": f"verdict: {v.get('kind')}", "cat": "diagnosis", "ph": "i", "s": "p", "pid": 1,
-                    "tid": 0, "ts": ts(v["t"]), "args": args})
-        if v.get("kind") != "no_hang":
-            end = verdicts[i + 1]["t"] if i + 1 < len(verdicts) else max(times, default=v["t"])
-            out.append({"name": f"{v.get('kind')}: {', '.join(map(str, v.get('ranks') or []))[:80]}",
-                        "cat": "diagnosis", "ph": "X", "pid": 1, "tid": 1, "ts": ts(v["t"]),
-                        "dur": round(max(end - v["t"], 0.0) * _US, 3), "args": {"reason": v.get("reason")}})
+    out += graph.trace_events(verdicts, pid=1, t0=t0, t_end=max(times, default=t0))
     for x in evictions:
         out.append({"name": f"evict {x.get('replica_id')}", "cat": "diagnosis", "ph": "i", "s": "p", "pid": 1,
                     "tid": 0, "ts": ts(x["t"]), "args": {k: v for k, v in x.items() if k not in _SKIP_ARGS}})
