@@ -5,9 +5,9 @@
 
 Why the protocol and not `chromium --headless --screenshot URL`: the status page wants the job token in
 an Authorization header or typed into its login form (never in the URL); only the protocol sets request
-headers (Network.setExtraHTTPHeaders) or fills a form. The browser runs with a private profile in a temp dir, on a DevTools port it
-picks itself (--remote-debugging-port=0, read back from DevToolsActivePort), and its process group is
-killed on the way out. `find_chromium()` says why there is none (the test skips with that).
+headers (Network.setExtraHTTPHeaders) or fills a form. The browser runs with a private profile in a temp
+dir, on a DevTools port it picks itself (--remote-debugging-port=0, read back from DevToolsActivePort), and
+its process group is killed on the way out. `find_chromium()` says why there is none (the test skips with that).
 """
 
 from __future__ import annotations

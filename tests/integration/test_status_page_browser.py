@@ -72,8 +72,9 @@ def live_job():
             server.start()
             server.register(monitor.addr)
             servers.append(server)
-        ring = [env.spawn(lambda k=k, e=e: e.reconfigure(epoch=1, ring=[engines[(r, k[1])].addr for r in range(REPLICAS)],
-                                                           index=k[0]), name="reconf") for k, e in engines.items()]
+        ring = [env.spawn(lambda k=k, e=e: e.reconfigure(
+            epoch=1, ring=[engines[(r, k[1])].addr for r in range(REPLICAS)], index=k[0]), name="reconf")
+            for k, e in engines.items()]
         assert all(t.join(20.0) for t in ring)
         done = [env.spawn(lambda e=e: e.all_reduce(np.ones(20_000, np.float32)), name="ar") for e in engines.values()]
         assert all(t.join(20.0) for t in done)

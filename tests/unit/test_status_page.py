@@ -17,8 +17,9 @@ HANG_VERDICT = {
     "kind": "hang", "reason": "rank 1 of replica 2 (h2) did not answer", "ranks": ["r2/1"],
     "rank_names": ["rank 1 of replica 2 (h2)"], "hosts": ["h2"], "replicas": [2], "silent": ["r2/1"],
     "collectives": ["ftar ring 1"], "t": 10.0, "num_ranks": 6, "num_answered": 5,
-    "edges": [["quorum for step 9", "tree collective 4 of replica 0"], ["tree collective 4 of replica 0", "ftar ring 1"],
-              ["tree collective 4 of replica 1", "ftar ring 1"], ["ftar ring 1", "rank 1 of replica 2 (h2)"]],
+    "edges": [["quorum for step 9", "tree collective 4 of replica 0"],
+              ["tree collective 4 of replica 0", "ftar ring 1"], ["tree collective 4 of replica 1", "ftar ring 1"],
+              ["ftar ring 1", "rank 1 of replica 2 (h2)"]],
 }
 
 
@@ -29,7 +30,8 @@ def test_graph_of_a_hang_puts_waiters_left_and_the_culprit_rightmost_in_red():
                      "tree collective 4 of replica 1": "tree", "ftar ring 1": "ring",
                      "rank 1 of replica 2 (h2)": "culprit"}
     x = {k: p.pos[k][0] for k in kinds}
-    assert x["quorum for step 9"] < x["tree collective 4 of replica 0"] < x["ftar ring 1"] < x["rank 1 of replica 2 (h2)"]
+    assert x["quorum for step 9"] < x["tree collective 4 of replica 0"] < x["ftar ring 1"] \
+        < x["rank 1 of replica 2 (h2)"]
     assert x["tree collective 4 of replica 1"] == x["tree collective 4 of replica 0"]
     assert len(set(p.pos.values())) == len(kinds)  # no two boxes on one spot
     for k, (bx, by) in p.pos.items():
@@ -49,7 +51,8 @@ def test_a_verdict_without_edges_links_each_blocked_collective_to_each_culprit()
 
 def test_a_wide_column_folds_into_a_more_node_and_a_cycle_terminates():
     v = {"kind": "hang", "ranks": ["r0/0"], "rank_names": ["culprit"], "collectives": ["ftar ring 0"],
-         "edges": [[f"tree collective 1 of replica {i}", "ftar ring 0"] for i in range(25)] + [["ftar ring 0", "culprit"]]}
+         "edges": [[f"tree collective 1 of replica {i}", "ftar ring 0"] for i in range(25)]
+         + [["ftar ring 0", "culprit"]]}
     g, p = graph.graph_of(v)
     trees = [n for n in g.nodes if n.kind == "tree"]
     more = [n for n in g.nodes if n.kind == "more"]
@@ -186,7 +189,8 @@ def test_page_escapes_every_replica_id_and_never_holds_the_token():
     html = page.render(status, history, _report(verdict), now=3.0)
     assert "<img" not in html and "&lt;img" in html
     assert not any(t == "img" for t, _ in _parse(html).tags)
-    for args in [(_status(), HISTORY, _report(HANG_VERDICT)), (_status(), [], None), (_status(members={}), [], {"latest": None})]:
+    for args in [(_status(), HISTORY, _report(HANG_VERDICT)), (_status(), [], None),
+                 (_status(members={}), [], {"latest": None})]:
         assert TOKEN not in page.render(*args, now=0.0)
 
 
