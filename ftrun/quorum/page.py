@@ -30,7 +30,7 @@ table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #bbb;paddin
 th{background:#f0f0f0}tr.suspect td{background:#fde0dc}.muted{color:#777}
 .badge{display:inline-block;padding:2px 10px;border-radius:10px;color:#fff;font-weight:bold}
 .phase-training{color:#2a7a2a}.phase-lost,.phase-evicted{color:#b00;font-weight:bold}
-.phase-waiting{color:#8a6d00}.summary span{margin-right:18px}"""
+.phase-waiting,.phase-healing{color:#8a6d00}.summary span{margin-right:18px}"""
 
 
 def _culprit_replicas(verdict: dict | None) -> set[str]:
@@ -42,13 +42,16 @@ def _culprit_replicas(verdict: dict | None) -> set[str]:
 
 
 def replica_rows(status: dict, history: Iterable[dict], verdict: dict | None = None) -> list[dict[str, Any]]:
-    """One row per replica the lighthouse knows: its phase (training, waiting for a quorum, joining, lost,
-    evicted, finished), whether it is connected, when it was last heard, the step it asks for, and whether
+    """One row per replica the lighthouse knows: its phase (training, healing: catching up in the latest
+    quorum, waiting for a quorum, joining, lost, evicted, finished), whether it is connected, when it was last heard, the step it asks for, and whether
     the latest verdict names it."""
     last: dict[str, dict] = {}
+    behind: set[str] = set()  # healed (caught up from a peer) in the latest quorum
     for h in history:
         if h.get("event") in _MEMBER_EVENTS and "replica_id" in h:
             last[h["replica_id"]] = h
+        elif h.get("event") == "quorum":
+            behind = {str(b) for b in h.get("behind", [])}
     asks = status.get("asks", {})
     pending = set(status.get("pending", []))
     participants = set(status.get("participants", []))
@@ -65,11 +68,12 @@ def replica_rows(status: dict, history: Iterable[dict], verdict: dict | None = N
         elif rid in pending:
             phase = "waiting"
         elif rid in participants:
-            phase = "training"
+            phase = "healing" if rid in behind else "training"
         else:
             phase = "joining"
         detail = {"waiting": f"waiting for a quorum (step {asks[rid]})" if rid in asks else "waiting for a quorum",
-                  "training": "training", "joining": "joining", "finished": "finished"}.get(phase)
+                  "training": "training", "joining": "joining", "finished": "finished",
+                  "healing": f"catching up to step {status.get('max_step')} from a peer"}.get(phase)
         rows.append({"replica_id": rid, "phase": phase, "detail": detail or phase_detail,
                      "connected": bool(m.get("connected")), "heard_s_ago": m.get("heard_s_ago"),
                      "in_quorum": rid in participants, "asks_step": asks.get(rid), "suspect": rid in suspects})
