@@ -16,7 +16,7 @@ import os
 import numpy as np
 import pytest
 
-from ftrun.config import LighthouseConfig
+from ftrun.config import LighthouseConfig, Timeouts
 from ftrun.diagnose import graph
 from ftrun.diagnose.analysis import AnalysisConfig
 from ftrun.diagnose.collect import CollectorConfig, RankInfo, TelemetryServer
@@ -43,11 +43,12 @@ def _wait(env, pred, timeout_s: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def live_job():
     """Lighthouse + status server + monitor holding a hang verdict (replica 1's rank 0 never joins)."""
     env = RealEnv()
-    lh = Lighthouse(env=env, config=LighthouseConfig(min_replicas=3), token=TOKEN)
+    lh = Lighthouse(env=env, token=TOKEN, config=LighthouseConfig(  # the raw ask below sends no heartbeats
+        min_replicas=3, timeouts=Timeouts(heartbeat_timeout_s=600.0)))
     lh.start()
     http = StatusServer(env=env, lighthouse=lh, token=TOKEN)
     url = http.start()
@@ -56,7 +57,7 @@ def live_job():
                       collector=CollectorConfig(pull_timeout_s=1.0, analysis=AnalysisConfig(stall_s=0.3)))
     monitor.start()
     clients = [LighthouseClient(env=env, addr=lh.addr, token=TOKEN, replica_id=f"r{i}", timeouts=lh.config.timeouts)
-               for i in range(REPLICAS + 1)]
+               for i in range(REPLICAS)]
     engines = {(r, g): FtarEngine(env=env, kernels=CpuKernels(), token=TOKEN,
                                   config=FtarConfig(chunk_bytes=4096, num_chunks=2, timeout_s=30.0))
                for r in range(REPLICAS) for g in range(RANKS)}
@@ -80,7 +81,12 @@ def live_job():
         assert all(t.join(20.0) for t in done)
         tasks = [env.spawn(lambda e=e: e.all_reduce(np.ones(20_000, np.float32)), name="ar")  # ring 0 hangs
                  for k, e in engines.items() if k != (1, 0)]
-        tasks.append(env.spawn(lambda: clients[REPLICAS].quorum(8), name="late-ask"))  # r3 waits for a quorum
+        late = env.net.connect(lh.addr, timeout=5.0)  # r3 asks for step 8's quorum and waits (a raw ask: closing
+        late.send({"type": "hello", "token": TOKEN, "replica_id": f"r{REPLICAS}"}, timeout=5.0)  # it ends it)
+        assert late.recv(timeout=5.0)["type"] == "welcome"
+        late.send({"type": "quorum", "step": 8, "commit_failed": False, "own_failures": 0, "fresh": False,
+                   "last_quorum_id": 1, "data_addrs": []}, timeout=5.0)
+        clients.append(late)
         _wait(env, lambda: (monitor.latest or {}).get("kind") == "hang", 30.0, "the monitor's hang verdict")
         yield env, lh, url, monitor
     finally:
@@ -91,10 +97,10 @@ def live_job():
             e.close()
         for c in clients:
             c.close()
-        for t in tasks:
-            t.join(10.0)
         http.stop()
         lh.stop()
+        for t in tasks:
+            t.join(10.0)
 
 
 def _pixels(png: bytes) -> np.ndarray:
@@ -103,7 +109,7 @@ def _pixels(png: bytes) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(png)).convert("RGB")).astype(np.int16)
 
 
-def test_status_page_in_headless_chromium(live_job, tmp_path):
+def test_status_page_in_headless_chromium(live_job, tmp_path):  # the job is read only: one for the module
     exe, why = find_chromium()
     if exe is None:
         pytest.skip(why)
