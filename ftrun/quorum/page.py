@@ -30,7 +30,7 @@ table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #bbb;paddin
 th{background:#f0f0f0}tr.suspect td{background:#fde0dc}.muted{color:#777}
 .badge{display:inline-block;padding:2px 10px;border-radius:10px;color:#fff;font-weight:bold}
 .phase-training{color:#2a7a2a}.phase-lost,.phase-evicted{color:#b00;font-weight:bold}
-.phase-waiting,.phase-healing{color:#8a6d00}.summary span{margin-right:18px}"""
+.phase-waiting,.phase-healing,.phase-reconnecting{color:#8a6d00}.summary span{margin-right:18px}"""
 
 
 def _culprit_replicas(verdict: dict | None) -> set[str]:
@@ -43,7 +43,8 @@ def _culprit_replicas(verdict: dict | None) -> set[str]:
 
 def replica_rows(status: dict, history: Iterable[dict], verdict: dict | None = None) -> list[dict[str, Any]]:
     """One row per replica the lighthouse knows: its phase (training, healing: catching up in the latest
-    quorum, waiting for a quorum, joining, lost, evicted, finished), whether it is connected, when it was last heard, the step it asks for, and whether
+    quorum, waiting for a quorum, joining, reconnecting: expected back by a restarted lighthouse, lost,
+    evicted, finished), whether it is connected, when it was last heard, the step it asks for, and whether
     the latest verdict names it."""
     last: dict[str, dict] = {}
     behind: set[str] = set()  # healed (caught up from a peer) in the latest quorum
@@ -61,6 +62,8 @@ def replica_rows(status: dict, history: Iterable[dict], verdict: dict | None = N
         event, phase_detail = last.get(rid, {}), ""
         if event.get("event") == "told_finished":
             phase = "finished"
+        elif m.get("expected") and not m.get("connected"):
+            phase = "reconnecting"
         elif not m.get("connected"):
             phase = "evicted" if event.get("event") == "member_evicted" else "lost"
             why = event.get("why")
@@ -73,6 +76,7 @@ def replica_rows(status: dict, history: Iterable[dict], verdict: dict | None = N
             phase = "joining"
         detail = {"waiting": f"waiting for a quorum (step {asks[rid]})" if rid in asks else "waiting for a quorum",
                   "training": "training", "joining": "joining", "finished": "finished",
+                  "reconnecting": "expected back (the lighthouse restarted)",
                   "healing": f"catching up to step {status.get('max_step')} from a peer"}.get(phase)
         rows.append({"replica_id": rid, "phase": phase, "detail": detail or phase_detail,
                      "connected": bool(m.get("connected")), "heard_s_ago": m.get("heard_s_ago"),

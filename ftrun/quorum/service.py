@@ -408,8 +408,8 @@ class Lighthouse:
             "finished_step": state.finished_step,
             "participants": list(state.prev_participants),
             "live": sorted(live_members(now, state, self.config)),
-            "members": {m.replica_id: {"connected": m.connected, "heard_s_ago": round(now - m.last_heard, 3)}
-                        for m in state.members.values()},
+            "members": {m.replica_id: {"connected": m.connected, "heard_s_ago": round(now - m.last_heard, 3),
+                                       "expected": m.expected} for m in state.members.values()},
             "pending": list(self._pending_view),
             "asks": dict(self._asks_view),
             "last_reason": last.reason if last else None,

@@ -118,6 +118,9 @@ def test_replica_phases():
     assert rows["r1"]["phase"] == "waiting" and rows["r1"]["detail"] == "waiting for a quorum (step 42)"
     assert rows["r2"]["phase"] == "lost" and rows["r2"]["detail"] == "lost (lost)"
     assert rows["r3"]["phase"] == "joining"
+    back = _status()
+    back["members"]["r2"]["expected"] = True
+    assert {r["replica_id"]: r["phase"] for r in page.replica_rows(back, [])}["r2"] == "reconnecting"
     rows = {r["replica_id"]: r for r in page.replica_rows(_status(participants=["r0", "r1", "r3"]), HISTORY)}
     assert rows["r3"]["phase"] == "healing" and rows["r3"]["detail"] == "catching up to step 41 from a peer"
     assert rows["r4"]["phase"] == "evicted" and "diagnosis: silent" in rows["r4"]["detail"]
