@@ -30,7 +30,8 @@ from ftrun.quorum.http import StatusServer
 from ftrun.quorum.service import Lighthouse
 from tests.integration.chromium import find_chromium, load_page
 
-pytestmark = [pytest.mark.browser, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.browser, pytest.mark.timeout(180),
+              pytest.mark.skipif(find_chromium()[0] is None, reason=find_chromium()[1])]
 TOKEN = "browser-test-token-5f1e"
 REPLICAS, RANKS = 3, 2
 
@@ -110,9 +111,6 @@ def _pixels(png: bytes) -> np.ndarray:
 
 
 def test_status_page_in_headless_chromium(live_job, tmp_path):  # the job is read only: one for the module
-    exe, why = find_chromium()
-    if exe is None:
-        pytest.skip(why)
     env, lh, url, monitor = live_job
     out = os.environ.get("STATUS_PAGE_PNG") or str(tmp_path / "status_page.png")
     shot = load_page(url + "/", login_token=TOKEN, out_png=out)  # a person: the token typed into the form once
@@ -135,9 +133,6 @@ def test_status_page_in_headless_chromium(live_job, tmp_path):  # the job is rea
 
 
 def test_the_page_with_the_token_in_a_header_and_without_any(live_job):
-    exe, why = find_chromium()
-    if exe is None:
-        pytest.skip(why)
     env, lh, url, monitor = live_job
     assert "<td>r1</td>" in load_page(url + "/", headers={"Authorization": f"Bearer {TOKEN}"}).dom
     refused = load_page(url + "/").dom  # no token: the login form, nothing of the job
