@@ -1,4 +1,5 @@
-"""The lighthouse's HTTP face: a status page at `/`, JSON at `/status`, Prometheus text at `/metrics`.
+"""The lighthouse's HTTP face: a status page at `/`, JSON at `/status` (and the diagnosis monitor's report with
+its drawn graph at `/diagnosis`), Prometheus text at `/metrics`.
 
 Runs aiohttp on its own event loop in one Env task. Every request must carry the job token, as
 `Authorization: Bearer TOKEN` (a `?token=` in the URL is refused: URLs end up in logs and proxies), or, for a
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import json
 import logging
 
 from aiohttp import web
@@ -20,6 +22,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 from ftrun.catchup.http_guard import ConnectionGuard, GuardedSite, HttpLimits, bearer_token
+from ftrun.diagnose import graph
 from ftrun.env.base import Env
 from ftrun.quorum import page
 from ftrun.quorum.service import Lighthouse
@@ -93,7 +96,7 @@ class StatusServer:
         self._stopping = asyncio.Event()
         app = web.Application(middlewares=[self.guard.middleware, self._auth])
         app.add_routes([web.get("/", self._page), web.get("/status", self._status), web.get("/metrics", self._metrics),
-                        web.post("/login", self._login)])
+                        web.get("/diagnosis", self._diagnosis), web.post("/login", self._login)])
         runner = web.AppRunner(app, **self.guard.runner_kwargs())
         await runner.setup()
         site = GuardedSite(runner, self._host, self._port, guard=self.guard)
@@ -137,6 +140,15 @@ class StatusServer:
 
     async def _status(self, request: web.Request) -> web.Response:
         return web.json_response(self.lighthouse.status())
+
+    async def _diagnosis(self, request: web.Request) -> web.Response:
+        """The monitor's report as JSON, with the graph the page draws (404 without a monitor)."""
+        report = self.lighthouse.diagnosis_report() if self.lighthouse.diagnosis_report is not None else None
+        if report is None:
+            return web.json_response({"error": "no diagnosis monitor runs beside this lighthouse"}, status=404)
+        shown = graph.shown_verdict(report)
+        return web.json_response({**report, "shown": shown, "graph": graph.as_json(shown)},
+                                 dumps=lambda x: json.dumps(x, default=str))
 
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.registry), content_type="text/plain")

@@ -37,6 +37,14 @@ def test_status_metrics_and_token():
         assert "ftrun_lighthouse_live_replicas 1.0" in metrics
         page = get(url + "/", "t0k")
         assert "<td>r0</td>" in page and "t0k" not in page and "training" in page
+        with pytest.raises(urllib.error.HTTPError) as e:
+            get(url + "/diagnosis", "t0k")
+        assert e.value.code == 404 and b"no diagnosis monitor" in e.value.read()
+        hang = {"kind": "hang", "reason": "stuck", "ranks": ["r0/1"], "rank_names": ["rank 1 of replica 0 (h)"],
+                "collectives": ["ftar ring 1"], "t": 1.0}
+        lh.diagnosis_report = lambda: {"rounds": 1, "latest": hang, "verdicts": [hang], "evictions": []}
+        diagnosis = json.loads(get(url + "/diagnosis", "t0k"))
+        assert diagnosis["shown"] == hang and ["ftar ring 1", "rank 1 of replica 0 (h)"] in diagnosis["graph"]["edges"]
         with pytest.raises(urllib.error.HTTPError) as e:  # never in a URL, even the right one
             get(url + "/status?token=t0k")
         assert e.value.code == 400 and b"refused in a URL" in e.value.read()
