@@ -93,9 +93,9 @@ def test_a_sigstopped_rank_is_named_evicted_and_the_survivors_go_on(tmp_path):
     assert any(e["event"] == "commit" and e["replica_id"] == "r1" and e["incarnation"] == 1 for e in events(out))
     report = json.load(open(out / "report.json"))
     assert report["diagnosis_report"]["evictions"][0]["incarnation"] == 0
-    drawn = report["diagnosis"]["graph"]  # the verdict's wait-for graph, as the status page draws it
-    assert drawn["verdict"]["kind"] == "hang" and any(
-        n["kind"] == "culprit" and "of replica 1" in n["id"] for n in drawn["nodes"]), drawn
+    drawn = report["diagnosis"]["graph"]  # the last naming verdict's wait-for graph, as the status page draws it
+    assert drawn["verdict"]["kind"] != "no_hang" and any(n["kind"] in ("culprit", "candidate")
+                                                         for n in drawn["nodes"]), drawn
     trace = json.load(open(out / "trace.json"))["traceEvents"]  # and in the Perfetto trace
     hung = [e for e in trace if e["name"] == "verdict: hang" and "r1/1" in e["args"]["ranks"] + e["args"]["silent"]]
     assert hung and any(n["kind"] == "culprit" for n in hung[0]["args"]["graph"]["nodes"]), hung
