@@ -74,7 +74,9 @@ class FTConfig:
     catchup_wait_limit_s: how long healthy replicas wait in a step's FTAR for a joiner still fetching
     before they retry the step with it one step later (paper §6.1; None: timeouts.ftar_timeout_s).
     reshard_after_forward: FSDP2's (False trades memory for one all-gather less per step).
-    num_threads: torch intra-op threads per rank (None: torch's default). events: JSON lines on stdout."""
+    num_threads: torch intra-op threads per rank (None: torch's default). events: JSON lines on stdout.
+    overlap_bucket_bytes: exchange gradients in buckets of about this many bytes during backward
+    (ftrun.train.overlap; one rank per replica, `train` only); None: one exchange after backward."""
 
     batch_size: int = 8
     seed: int = 0
@@ -91,6 +93,7 @@ class FTConfig:
     num_threads: int | None = 1
     events: bool = True
     log_level: str = "WARNING"
+    overlap_bucket_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "ftar_chunk_bytes", "ftar_num_chunks", "catchup_shard_bytes"):
@@ -101,6 +104,9 @@ class FTConfig:
                              f"{self.seed}, {self.checkpoint_every}, {self.max_retries}")
         if self.catchup_wait_limit_s is not None and self.catchup_wait_limit_s < 0:
             raise ValueError(f"FTConfig.catchup_wait_limit_s must be >= 0 or None, got {self.catchup_wait_limit_s}")
+        b = self.overlap_bucket_bytes
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
+            raise ValueError(f"FTConfig.overlap_bucket_bytes must be an int >= 1 or None, got {b!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"FTConfig.num_threads must be >= 1 or None, got {self.num_threads}")
 

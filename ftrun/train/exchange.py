@@ -77,8 +77,14 @@ class GradientExchange:
         Raises RecoverableError (the caller votes no), FatalError (bad arguments, a local fault)."""
         if quorum.healed:
             grads.fill(0)  # caught up this step: contributes nothing, receives everyone's mean
-            if setup_timeout_s is None:
-                setup_timeout_s = self.joiner_wait_s
+        self.prepare(quorum, setup_timeout_s=setup_timeout_s)
+        self.reduce(quorum, grads, dtype=dtype)
+
+    def prepare(self, quorum: StepQuorum, *, setup_timeout_s: float | None = None) -> None:
+        """The ring of `quorum`: built unless this quorum's ring is built already (`average`'s first half;
+        the overlapped exchange calls it before the first bucket). Raises as `average`."""
+        if quorum.healed and setup_timeout_s is None:
+            setup_timeout_s = self.joiner_wait_s
         self.setup_s, self.setup_ok = 0.0, True
         if self._epoch != quorum.quorum_id:
             self._epoch = None
@@ -91,6 +97,10 @@ class GradientExchange:
             finally:
                 self.setup_s = clock.now() - started
             self._epoch = quorum.quorum_id
+
+    def reduce(self, quorum: StepQuorum, grads: np.ndarray, *, dtype: str | None = None) -> None:
+        """`grads` (all of the buffer, or one bucket of it) <- its mean over the contributors, on the ring
+        `prepare` built (`average`'s second half). Raises as `average`."""
         try:
             self.engine.all_reduce(grads, dtype)
         except RecoverableError:
@@ -98,3 +108,8 @@ class GradientExchange:
             raise
         if quorum.num_contributors > 1:
             np.divide(grads, quorum.num_contributors, out=grads, casting="unsafe")
+
+    def forget_ring(self) -> None:
+        """The ring is in an unknown place of its sequence (an overlapped exchange given up mid-way):
+        the next exchange rebuilds it."""
+        self._epoch = None

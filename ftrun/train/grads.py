@@ -9,12 +9,17 @@ every replica, so optimizers that skip parameters without a gradient skip the sa
 A sharded replica (FSDP2) uses the same class: a DTensor parameter contributes its rank's local shard
 (of its gradient; FSDP2's reduce-scatter already averaged it over the replica's ranks), so the buffer is
 this rank's part of the replica's gradients and FTAR reduces it in the ring of the same rank.
-Threading: one task per instance.
+
+Overlap (ftrun.train.overlap): `arm(on_ready)` makes the next backward copy each parameter's gradient into
+its slice as soon as autograd has accumulated it (a post-accumulate-grad hook) and call on_ready(i); the
+`gather` after that backward fills only the parameters whose hook did not fire (no gradient: zeros) and
+disarms. Threading: one task per instance; the hooks run on autograd's thread (the caller's on CPU).
 """
 
 from __future__ import annotations
 
-from typing import Iterable
+from functools import partial
+from typing import Callable, Iterable
 
 import numpy as np
 import torch
@@ -32,19 +37,56 @@ class FlatGrads:
         flat = torch.from_numpy(self.buffer)
         offsets = np.cumsum([0] + sizes)
         self._views = [flat[a:b].view(local(p).shape) for p, a, b in zip(self.params, offsets[:-1], offsets[1:])]
+        self._hooks: list | None = None  # post-accumulate-grad hook handles, made by the first arm()
+        self._sink: Callable[[int], None] | None = None  # armed: called with each parameter's index when copied
+        self._fired: list[bool] = []
+
+    @property
+    def numels(self) -> list[int]:
+        """Each parameter's element count in the buffer (model order)."""
+        return [v.numel() for v in self._views]
+
+    def arm(self, on_ready: Callable[[int], None]) -> None:
+        """Until the next gather() or disarm(): copy each gradient into the buffer as backward accumulates
+        it, then call on_ready(index). A parameter accumulated twice raises (from inside backward)."""
+        if self._hooks is None:
+            self._hooks = [p.register_post_accumulate_grad_hook(partial(self._on_grad, i))
+                           for i, p in enumerate(self.params)]
+        self._fired = [False] * len(self.params)
+        self._sink = on_ready
+
+    def disarm(self) -> None:
+        self._sink = None
+
+    def _on_grad(self, i: int, p: torch.Tensor) -> None:
+        sink = self._sink
+        if sink is None:
+            return
+        if self._fired[i]:
+            raise RuntimeError(f"parameter {i}'s gradient was accumulated twice in one overlapped backward")
+        with torch.no_grad():
+            self._views[i].copy_(local(p.grad))
+        self._fired[i] = True
+        sink(i)
 
     @property
     def nbytes(self) -> int:
         return self.buffer.nbytes
 
     def gather(self) -> None:
-        """Buffer <- gradients (cast to float32)."""
+        """Buffer <- gradients (cast to float32). Armed: only the parameters not copied by their hook,
+        each then reported to on_ready; disarms."""
+        sink, self._sink = self._sink, None
         with torch.no_grad():
-            for p, view in zip(self.params, self._views):
+            for i, (p, view) in enumerate(zip(self.params, self._views)):
+                if sink is not None and self._fired[i]:
+                    continue
                 if p.grad is None:
                     view.zero_()
                 else:
                     view.copy_(local(p.grad))
+                if sink is not None:
+                    sink(i)
 
     def scatter(self) -> None:
         """Gradients <- buffer (cast to each parameter's dtype)."""

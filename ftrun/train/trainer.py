@@ -58,6 +58,10 @@ default `ReplicaState` and `FlatGrads` cover each rank's local shards (whole ten
 every rank runs a trainer and serves/fetches its own shards, which is why catch-up sources are the
 same rank of the healthy replicas. The leader (rank 0) writes audit and loader_state; every rank of the
 checkpoint writer's replica calls the checkpointer (each writes its own shards; ftrun.checkpoint.store).
+Overlap (ftrun.train.overlap, `overlap=` in build): in a plain training step (nobody behind, no kept
+gradient) the exchange runs bucket by bucket during backward instead of after it; the vote, retries and
+the joiner paths are the ones above. The "exchange" phase is then called after backward, while the
+last buckets are still being reduced.
 Threading: one task per trainer; `heal` runs in it, called by the Manager.
 """
 
@@ -90,6 +94,7 @@ from ftrun.train.checkpointer import Checkpointer
 from ftrun.train.compute import Compute, LossFn  # noqa: F401 (LossFn re-exported)
 from ftrun.train.exchange import GradientExchange
 from ftrun.train.lr import LRConfig, lr_factor
+from ftrun.train.overlap import OverlapExchange, may_overlap
 
 log = logging.getLogger("ftrun.train")
 
@@ -168,7 +173,7 @@ class FaultTolerantTrainer:
                  manager: Manager, exchange: GradientExchange, catchup: CatchupService,
                  loader_store: LoaderStateStore, audit: AuditLog, checkpointer: Checkpointer | None = None,
                  checkpointed: tuple[int, str] | None = None, on_event: EventFn | None = None,
-                 on_phase: PhaseFn | None = None) -> None:
+                 on_phase: PhaseFn | None = None, overlap: OverlapExchange | None = None) -> None:
         self.config, self.env, self.compute, self.progress, self.manager = config, env, compute, progress, manager
         self.exchange, self.catchup, self.checkpointer = exchange, catchup, checkpointer
         self.loader_store, self.audit = loader_store, audit
@@ -183,6 +188,7 @@ class FaultTolerantTrainer:
         self._snapshot_bytes = 0  # the size of the last published catch-up snapshot
         self._compute_failures = 0  # forward/backward attempts in a row that raised
         self._begun_at = 0.0  # when the started step's begin_step ended (the own loop's compute time)
+        self.overlap = overlap  # the exchange overlapped with backward (None: always after it)
 
     @property
     def step(self) -> int:
@@ -269,12 +275,17 @@ class FaultTolerantTrainer:
         """Forward/backward (unless behind) and the FTAR mean into .grad; a failure is a 'no' vote
         (in a sharded replica, a compute failure raises ShardedComputeError: see the module docstring)."""
         loss = None
+        overlapped = self._start_overlap(q, trains)
         try:
             if trains:
                 loss = self._compute(q)
             else:
                 self.compute.zero_grads()  # behind this step: contributes zeros, receives the contributors' mean
-        except Exception as e:
+        except BaseException as e:
+            if overlapped:
+                self.overlap.cancel()  # the ring is given up: peers fail their exchange at once
+            if not isinstance(e, Exception):
+                raise
             if self.manager.comm.world_size > 1:  # no reset first: it may wait on a collective of the peer's
                 raise ShardedComputeError(f"replica {self.config.replica_id} rank {self.config.rank} step "
                                           f"{q.step}: {type(e).__name__}: {e}") from e
@@ -283,8 +294,35 @@ class FaultTolerantTrainer:
             self.manager.report_error(e)  # vote no without entering the exchange; the step is retried
             return None
         self._compute_failures = 0
-        self._exchange(q)
+        if overlapped:
+            self._finish_overlap(q)
+        else:
+            self._exchange(q)
         return loss
+
+    def _start_overlap(self, q: StepQuorum, trains: bool) -> bool:
+        """Start the exchange overlapped with backward when this step may (ftrun.train.overlap.may_overlap)."""
+        if self.overlap is None:
+            return False
+        kept = self._kept is not None and self._kept[0] == (q.step, self.progress.state.lineage)
+        if not may_overlap(trains=trains, healed=q.healed, num_behind=len(q.behind), kept=kept):
+            return False
+        self.overlap.start(q)
+        return True
+
+    def _finish_overlap(self, q: StepQuorum) -> None:
+        """The overlapped exchange's end: the last buckets' mean, into .grad; a failure is a 'no' vote,
+        as in `_exchange`."""
+        try:
+            self._phase("exchange", q.step)
+            self.overlap.finish()
+            self.compute.scatter()
+        except BaseException as e:
+            self.overlap.cancel()  # a no-op once finish() ran
+            if not isinstance(e, Exception):
+                raise
+            self.compute.reset()
+            self.manager.report_error(e, peer=isinstance(e, RecoverableError))  # a peer died or stalled
 
     def _fail_fast_on_repeat(self, q: StepQuorum, e: BaseException) -> None:
         """Raise UserCodeError when the compute failed on the retry too (module docstring, Failures)."""
@@ -415,7 +453,8 @@ def build(*, config: TrainerConfig, env: Env, compute: Compute, layout: DataLayo
           manager_config: ManagerConfig, comm: ReplicaComm, lighthouse: LighthouseClient | None,
           exchange: GradientExchange, catchup: CatchupService, loader_store: LoaderStateStore, audit: AuditLog,
           checkpointer: Checkpointer | None = None, on_event: EventFn | None = None,
-          on_phase: PhaseFn | None = None, make_progress: ProgressFn = DataProgress) -> FaultTolerantTrainer:
+          on_phase: PhaseFn | None = None, make_progress: ProgressFn = DataProgress,
+          overlap: OverlapExchange | None = None) -> FaultTolerantTrainer:
     """Resume (the checkpointer's latest complete checkpoint, else step 0), make the Manager with this
     rank's endpoints ({"ftar", "catchup"}) and the trainer's heal hook, and wire the trainer. `catchup`
     must be started. Raises ValueError for a catch-up service that is not started, and whatever the
@@ -441,5 +480,5 @@ def build(*, config: TrainerConfig, env: Env, compute: Compute, layout: DataLayo
         config=config, env=env, compute=compute, progress=make_progress(replica_id=config.replica_id, state=ledger),
         manager=manager, exchange=exchange, catchup=catchup, loader_store=loader_store, audit=audit,
         checkpointer=checkpointer, checkpointed=(step, ledger.lineage) if step > 0 else None, on_event=on_event,
-        on_phase=on_phase)
+        on_phase=on_phase, overlap=overlap)
     return trainer

@@ -27,6 +27,7 @@ from ftrun.storage import FileStorage
 from ftrun.train.checkpointer import DcpCheckpointer
 from ftrun.train.compute import TorchCompute
 from ftrun.train.exchange import GradientExchange
+from ftrun.train.overlap import OverlapExchange
 from ftrun.train.state import ReplicaState
 from ftrun.train.trainer import FaultTolerantTrainer, LossFn, TrainerConfig, build
 from ftrun.train.user_state import UserState, WithUserState
@@ -48,7 +49,8 @@ def build_trainer(*, job: "FTJob", model: torch.nn.Module, optimizer: torch.opti
     compute = TorchCompute(model=model, optimizer=optimizer, loss_fn=loss_fn, dataset=dataset,
                            min_samples=layout.dataset_size)
     return _build(job=job, model=model, optimizer=optimizer, compute=compute, layout=layout, hooks=hooks,
-                  kernels=kernels)
+                  kernels=kernels,
+                  overlap=job.config.overlap_bucket_bytes if job.spec.ranks_per_replica == 1 else None)
 
 
 def build_own_trainer(*, job: "FTJob", model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -71,7 +73,9 @@ def _layout(job: "FTJob", dataset_size: int) -> DataLayout:
 
 def _build(*, job: "FTJob", model: torch.nn.Module, optimizer: torch.optim.Optimizer, compute: TorchCompute,
            layout: DataLayout, hooks: "Hooks", kernels: Kernels,
-           extra: dict | None = None) -> tuple[FaultTolerantTrainer, list[Callable]]:
+           extra: dict | None = None, overlap: int | None = None) -> tuple[FaultTolerantTrainer, list[Callable]]:
+    """`overlap`: bucket bytes of the exchange overlapped with backward (None: after backward; an
+    unsharded replica's own compute only: FSDP2 sets its shards' gradients without autograd's hooks)."""
     spec, cfg, env = job.spec, job.config, job.env
     ids = replica_ids(spec.num_replicas)
     if ids[spec.replica_index] != spec.replica_id:
@@ -102,12 +106,16 @@ def _build(*, job: "FTJob", model: torch.nn.Module, optimizer: torch.optim.Optim
         checkpointer = DcpCheckpointer(root=Path(spec.run_dir) / "ckpt", model=model, optimizer=optimizer,
                                        keep=checkpoint.keep, key=checkpoint_key(spec.token), comm=job.comm,
                                        extra=extra) if cfg.checkpoint_every > 0 else None
+        exchange = GradientExchange(engine=engine, rank=spec.rank)
+        overlapped = OverlapExchange(env=env, exchange=exchange, flat=compute.flat, bucket_bytes=overlap) \
+            if overlap is not None else None
         trainer = build(
             config=config, env=env, compute=compute, layout=layout, replica_ids=ids,
             manager_config=ManagerConfig(max_retries=cfg.max_retries, timeouts=cfg.timeouts),
-            comm=job.comm, lighthouse=lighthouse, exchange=GradientExchange(engine=engine, rank=spec.rank),
+            comm=job.comm, lighthouse=lighthouse, exchange=exchange,
             catchup=server, loader_store=LoaderStateStore(storage=FileStorage(spec.run_dir)),
-            audit=AuditLog(sink), checkpointer=checkpointer, on_event=job.emit, on_phase=hooks.on_phase)
+            audit=AuditLog(sink), checkpointer=checkpointer, on_event=job.emit, on_phase=hooks.on_phase,
+            overlap=overlapped)
         if lighthouse is not None and spec.ranks_per_replica > 1:  # a frozen rank stops the leader's heartbeats
             t = cfg.timeouts
             watch = RankWatch(env=env, token=spec.token, own=engine.addr, interval_s=t.heartbeat_interval_s,
