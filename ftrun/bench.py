@@ -12,6 +12,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "ftar": ("ftrun.ftar.bench", "FTAR vs torch.distributed gloo all_reduce on loopback"),
     "overhead": ("ftrun.replica.bench", "FT overhead per step (quorum + commit) with real replicas"),
     "catchup": ("ftrun.catchup.bench", "catch-up state transfer bandwidth per source count"),
+    "overlap": ("ftrun.train.overlap_bench", "training steps with the exchange overlapped with backward vs after it"),
 }
 
 
