@@ -168,6 +168,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--chunk-bytes", type=int, default=2048, help="FTAR chunk size S")
     p.add_argument("--shard-bytes", type=int, default=8192, help="catch-up shard size")
     p.add_argument("--log-level", default="WARNING")
+    p.add_argument("--overlap-bucket-bytes", type=int, default=None,
+                   help="exchange gradients in buckets of this size during backward (default: after backward)")
     return p.parse_args(argv)
 
 
@@ -182,7 +184,8 @@ def stop_step(args: argparse.Namespace, steps: int) -> int:
 def config_from(args: argparse.Namespace) -> FTConfig:
     return FTConfig(batch_size=args.batch_size, seed=args.seed, checkpoint_every=args.checkpoint_every,
                     timeouts=Timeouts(ftar_timeout_s=args.ftar_timeout), ftar_chunk_bytes=args.chunk_bytes,
-                    catchup_shard_bytes=args.shard_bytes, log_level=args.log_level)
+                    catchup_shard_bytes=args.shard_bytes, log_level=args.log_level,
+                    overlap_bucket_bytes=args.overlap_bucket_bytes)
 
 
 def main(argv: list[str] | None = None) -> int:

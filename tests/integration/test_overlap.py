@@ -149,3 +149,27 @@ def test_a_fault_mid_backward_ends_in_a_clean_retry(tmp_path):
         failed = [r.step for r in steps[rid] if not r.committed]
         assert failed == [2, 4], (rid, failed)
     assert hashes[0] == hashes[1] == serial[0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_launch_with_overlap_survives_a_replica_killed_inside_backward(tmp_path):
+    """`ftrun launch` of 3 real ft_worker replicas with the overlapped exchange: r1 SIGKILLs itself inside
+    autograd at step 10 while its peers' buckets are in flight; the survivors retry, r1 restarts and
+    heals, and every committed step's parameters are identical in every replica, the data exactly once."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run(
+        [sys.executable, "-m", "ftrun.cli", "launch", "--out", str(tmp_path), "--json", "--no-progress",
+         "--replicas", "3", "--steps", "40", "--timeout", "150s", "-m", "ftrun.train.ft_worker",
+         "--overlap-bucket-bytes", "256"],
+        capture_output=True, text=True, timeout=170, cwd=root,
+        env={**os.environ, "PYTHONPATH": root, "FTRUN_DIE_AT": "step=10,phase=backward,replica=r1,incarnation=0"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    f = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert f["complete"] and f["restarts"] == 1 and f["replicas_identical"], f
+    assert (f["duplicate_batches"], f["skipped_batches"], f["audit_problems"]) == (0, 0, 0)
