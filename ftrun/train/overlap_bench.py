@@ -1,10 +1,11 @@
 """`ftrun bench overlap`: training steps with the gradient exchange overlapped with backward vs after it.
 
 R replica processes x 1 rank (torch.set_num_threads(1) each) train the same MLP (same initial weights,
-same batches) on one FTAR ring, in alternating blocks of steps: serial (forward/backward, then
+same batches) on one FTAR ring, alternating the two modes step by step (so both see the same load from
+whatever else runs on the machine): serial (forward/backward, then
 GradientExchange.average of the whole buffer, the trainer's path without overlap) and overlapped
 (ftrun.train.overlap: buckets all-reduced during backward). A step is forward, backward, exchange,
-scatter and the optimizer step; the figures are medians over the blocks of rank 0's per-step seconds:
+scatter and the optimizer step; the figures are medians of rank 0's per-step seconds:
 
     step_s_serial, step_s_overlap, ratio = overlap / serial (< 1: overlap helps),
     exchange_fraction = the serial step's exchange seconds / its step seconds,
@@ -39,8 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--width", type=int, default=512, help="MLP width (default: %(default)s)")
     p.add_argument("--layers", type=int, default=8, help="MLP layers of width x width (default: %(default)s)")
     p.add_argument("--batch", type=int, default=64, help="samples per step (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=8, help="steps per block (default: %(default)s)")
-    p.add_argument("--blocks", type=int, default=3, help="blocks per mode, alternating (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per mode per block (default: %(default)s)")
+    p.add_argument("--blocks", type=int, default=3, help="blocks, each after a barrier (default: %(default)s)")
     p.add_argument("--bucket-kb", type=int, default=1024, help="overlap bucket size (default: %(default)s)")
     p.add_argument("--chunk-kb", type=int, default=256, help="FTAR chunk size S (default: %(default)s)")
     p.add_argument("--chunks", type=int, default=4, help="FTAR chunks in flight C (default: %(default)s)")
@@ -63,11 +64,11 @@ def check_args(args: argparse.Namespace) -> str | None:
 
 
 def summarize(rows: list[dict]) -> dict:
-    """Rank 0's blocks -> the figures (medians over blocks). Pure."""
+    """Rank 0's per-step rows -> the figures (medians per mode). Pure."""
     serial = [r for r in rows if r["mode"] == "serial"]
     overlap = [r for r in rows if r["mode"] == "overlap"]
     if not serial or not overlap:
-        raise ValueError("summarize needs blocks of both modes")
+        raise ValueError("summarize needs steps of both modes")
     step_s = statistics.median(r["step_s"] for r in serial)
     step_o = statistics.median(r["step_s"] for r in overlap)
     exch = statistics.median(r["exchange_s"] for r in serial)
@@ -92,9 +93,9 @@ def run(args: argparse.Namespace) -> int:
         out, shaping = _run_netns(args)
     else:
         out, shaping = _run_loopback(args), "none (loopback)"
-    figures = {**summarize(out["blocks"]), "identical": out["identical"], "replicas": args.replicas,
+    figures = {**summarize(out["steps"]), "identical": out["identical"], "replicas": args.replicas,
                "grad_mb": out["grad_bytes"] / 2**20, "num_buckets": out["num_buckets"], "shaping": shaping,
-               "bucket_kb": args.bucket_kb, "blocks": out["blocks"]}
+               "bucket_kb": args.bucket_kb, "steps": len(out["steps"]) // 2}
     print(f"replicas {args.replicas}, gradients {figures['grad_mb']:.1f} MB in {out['num_buckets']} buckets, "
           f"links: {shaping}")
     print(f"serial step {figures['step_s_serial'] * 1e3:.1f} ms (exchange {figures['exchange_s_serial'] * 1e3:.1f} "

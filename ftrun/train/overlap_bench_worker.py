@@ -1,6 +1,6 @@
 """One replica process of `ftrun bench overlap` (see ftrun/train/overlap_bench.py).
 
-argv: store_port config_json rank store_host bind_host. Rank 0 prints one JSON line: its blocks
+argv: store_port config_json rank store_host bind_host. Rank 0 prints one JSON line: its steps
 ({"mode", "step_s", "exchange_s", "compute_s"}), whether both modes' parameters ended bitwise equal,
 the gradient bytes and the bucket count."""
 
@@ -94,18 +94,17 @@ class Bench:
             self.barrier(f"warm-{mode}")
             for _ in range(WARMUP):
                 self.step(mode)
-        blocks = []
+        rows = []  # one per step; the modes alternate step by step, so both see the same load on the machine
         for b in range(self.cfg["blocks"]):
-            for mode in (("serial", "overlap") if b % 2 == 0 else ("overlap", "serial")):
-                self.barrier(f"{b}-{mode}")
-                took = [self.step(mode) for _ in range(self.cfg["steps"])]
-                k = len(took)
-                blocks.append({"mode": mode, "step_s": sum(t[0] for t in took) / k,
-                               "exchange_s": sum(t[1] for t in took) / k, "compute_s": sum(t[2] for t in took) / k})
+            self.barrier(f"block-{b}")
+            for i in range(self.cfg["steps"]):
+                for mode in (("serial", "overlap") if (b + i) % 2 == 0 else ("overlap", "serial")):
+                    step_s, exchange_s, compute_s = self.step(mode)
+                    rows.append({"mode": mode, "step_s": step_s, "exchange_s": exchange_s, "compute_s": compute_s})
         self.barrier("end")
         serial, overlap = (list(self.models[m].parameters()) for m in ("serial", "overlap"))
         identical = all(torch.equal(a, b) for a, b in zip(serial, overlap))
-        return {"blocks": blocks, "identical": identical, "grad_bytes": self.flats["serial"].nbytes,
+        return {"steps": rows, "identical": identical, "grad_bytes": self.flats["serial"].nbytes,
                 "num_buckets": len(self.overlap.plan)}
 
 

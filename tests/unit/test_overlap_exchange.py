@@ -156,7 +156,7 @@ def test_bench_arguments_are_checked():
     assert "--netns-rate" in check_args(bench_args(netns_rate=-1))
 
 
-def test_bench_summary_is_medians_of_blocks():
+def test_bench_summary_is_medians_per_mode():
     rows = [{"mode": "serial", "step_s": s, "exchange_s": e, "compute_s": 0.1} for s, e in ((1.0, 0.4), (2.0, 0.5),
                                                                                             (1.2, 0.6))]
     rows += [{"mode": "overlap", "step_s": s, "exchange_s": 0.1, "compute_s": 0.1} for s in (0.9, 0.6)]
