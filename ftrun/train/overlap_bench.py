@@ -9,6 +9,7 @@ scatter and the optimizer step; the figures are medians of rank 0's per-step sec
 
     step_s_serial, step_s_overlap, ratio = overlap / serial (< 1: overlap helps),
     exchange_fraction = the serial step's exchange seconds / its step seconds,
+    compute_s_* (forward, backward, gather), tail_s_overlap (the wait for the last buckets after backward),
     identical: with 2 replicas, the two modes' parameters are bitwise equal at the end (a + b sums).
 
 The quorum machinery (lighthouse, vote) is left out: it costs the same in both modes.
@@ -74,7 +75,9 @@ def summarize(rows: list[dict]) -> dict:
     exch = statistics.median(r["exchange_s"] for r in serial)
     return {"step_s_serial": step_s, "step_s_overlap": step_o, "ratio": step_o / step_s,
             "exchange_s_serial": exch, "exchange_fraction": exch / step_s,
-            "compute_s_serial": statistics.median(r["compute_s"] for r in serial)}
+            "compute_s_serial": statistics.median(r["compute_s"] for r in serial),
+            "compute_s_overlap": statistics.median(r["compute_s"] for r in overlap),
+            "tail_s_overlap": statistics.median(r["exchange_s"] for r in overlap)}
 
 
 def run(args: argparse.Namespace) -> int:
