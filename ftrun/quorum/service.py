@@ -2,12 +2,17 @@
 
 Tasks:
 - accept: takes connections and starts a reader per connection.
-- reader (one per replica leader): checks the hello and token, then turns every frame into an event.
-  A dropped connection becomes a `lost` event at once (failure detection is pushed, not polled); a
-  connection silent for heartbeat_timeout_s becomes a `hung` event.
-- main: the only task that touches state. It applies events, calls `decide`, hands a formed quorum to
-  its participants and persists (quorum_id, participants, max_step) atomically, so `kill -9` and a
-  restart keep quorum ids monotonic, never hand out a lower step, and keep the job alive.
+- reader (one per replica leader): checks the hello and token, then turns every frame into an event and
+  handles it itself, under the state lock: it applies the event, calls `decide`, hands a formed quorum
+  to its participants and persists (quorum_id, participants, max_step) atomically, so `kill -9` and a
+  restart keep quorum ids monotonic, never hand out a lower step, and keep the job alive. A dropped
+  connection becomes a `lost` event at once (failure detection is pushed, not polled); a connection
+  silent for heartbeat_timeout_s becomes a `hung` event. Handling an event on the task that read it,
+  rather than handing it to another task, saves one thread wake-up per request on the step's critical
+  path (`ftrun bench overhead`).
+- main: the timer. It decides again when a deadline passes (a member's heartbeat timeout, a round's
+  join timeout) and handles the events other tasks queue (evict, stop). Every change of state happens
+  under the one lock, so the tasks see one sequence of events as before.
 
 Nothing a replica sends can stop the main task: requests are range-checked at decode time
 (ftrun.quorum.protocol), a decision too large for one frame is refused to the requester with the largest
@@ -48,7 +53,7 @@ class LighthouseDown(RuntimeError):
 
 @dataclass(frozen=True)
 class _Event:
-    kind: str  # hello | heard | ask | finished | lost | hung | evict | stop
+    kind: str  # hello | heard | ask | finished | lost | hung | evict | stop | kick
     replica_id: str = ""
     conn: Connection | None = None
     msg: Any = None
@@ -91,7 +96,9 @@ class Lighthouse:
         storage: Storage | None = None, bind: str = "127.0.0.1:0",
     ) -> None:
         self.env, self.config, self._token, self._storage, self._bind = env, config, token, storage, bind
-        self._events = env.queue()
+        self._events = env.queue()  # for the main task: evict, stop, and kicks when a deadline moved earlier
+        self._lock = env.lock()  # held while the state changes: by a reader handling its event, or by main
+        self._wake_at: float | None = None  # when the main task plans to decide again (None: not planned)
         self._state = expect_previous(load_state(storage), env.clock.now())
         self._requests: dict[str, QuorumRequest] = {}
         self._conns: dict[str, Connection] = {}
@@ -168,20 +175,20 @@ class Lighthouse:
         except (protocol.BadRequest, NetError) as e:
             self._reject(conn, str(e))
             return
-        self._events.put(_Event("hello", replica_id, conn))
+        self._handle(_Event("hello", replica_id, conn))
         while True:
             try:
                 msg = conn.recv(timeout=timeouts.heartbeat_timeout_s)
             except NetTimeout:
-                self._events.put(_Event("hung", replica_id, conn))
+                self._handle(_Event("hung", replica_id, conn))
                 conn.close()
                 return
             except NetError:
-                self._events.put(_Event("lost", replica_id, conn))
+                self._handle(_Event("lost", replica_id, conn))
                 return
             kind = msg.get("type")
             if kind in ("heartbeat", "quorum", "finished"):
-                self._events.put(_Event({"heartbeat": "heard", "quorum": "ask"}.get(kind, kind), replica_id, conn, msg))
+                self._handle(_Event({"heartbeat": "heard", "quorum": "ask"}.get(kind, kind), replica_id, conn, msg))
             else:
                 self._reply(conn, {"type": "error", "error": f"unknown message type {kind!r}"})
 
@@ -209,37 +216,60 @@ class Lighthouse:
         except NetError:
             pass  # its reader sees the loss and reports it
 
-    # -- the one task that owns state ----------------------------------------------------------
+    # -- state changes: one at a time, under the lock ---------------------------------------------
     def _main_loop(self) -> None:
+        """The timer: decides again at the next deadline, and handles the events queued for it."""
         try:
-            self._serve_events()
-        except BaseException as e:  # never silently: status() raises, replicas see every connection close
-            self.failed = f"{type(e).__name__}: {e}"
-            log.critical("lighthouse main task died: %s", self.failed, exc_info=True)
-            self._listener.close()
-            for conn in list(self._conns.values()):
-                conn.close()
+            while True:
+                with self._lock:
+                    wait = self._wait_time()
+                    self._wake_at = self.env.clock.now() + wait
+                try:
+                    ev = self._events.get(timeout=wait)
+                except EnvTimeout:
+                    ev = None
+                if ev is not None and ev.kind == "stop":
+                    return
+                if ev is None or ev.kind != "kick":
+                    self._handle(ev)
+        except BaseException as e:
+            self._die(e)
             raise
 
-    def _serve_events(self) -> None:
-        while True:
-            try:
-                ev = self._events.get(timeout=self._wait_time())
-            except EnvTimeout:
-                ev = None
-            if ev is not None and ev.kind == "stop":
+    def _handle(self, ev: _Event | None) -> None:
+        """Apply one event (None: a deadline passed) and decide; called by the task that has the event.
+        A bug reached by one replica's input is answered to that replica; any other error kills the
+        lighthouse, never silently (status() raises, replicas see every connection close)."""
+        with self._lock:
+            if self.failed is not None or self._stopping:
                 return
-            if ev is not None:
-                try:
-                    self._apply_event(ev)
-                except Exception as e:  # a bug reached by one replica's input: answer it, keep serving
-                    log.error("lighthouse: event %s from %r failed: %r", ev.kind, ev.replica_id, e, exc_info=True)
-                    self._requests.pop(ev.replica_id, None)
-                    if ev.conn is not None:
-                        self._reply(ev.conn, {"type": "error", "error": f"lighthouse could not handle it: {e!r}"})
-            self._maybe_form()
-            self._pending_view = tuple(sorted(self._requests))  # what status() may read concurrently
-            self._asks_view = {r: q.step for r, q in self._requests.items()}
+            try:
+                if ev is not None:
+                    try:
+                        self._apply_event(ev)
+                    except Exception as e:  # a bug reached by one replica's input: answer it, keep serving
+                        log.error("lighthouse: event %s from %r failed: %r", ev.kind, ev.replica_id, e, exc_info=True)
+                        self._requests.pop(ev.replica_id, None)
+                        if ev.conn is not None:
+                            self._reply(ev.conn, {"type": "error", "error": f"lighthouse could not handle it: {e!r}"})
+                self._maybe_form()
+                self._pending_view = tuple(sorted(self._requests))  # what status() may read concurrently
+                self._asks_view = {r: q.step for r, q in self._requests.items()}
+                kick = self._wake_at is not None and self.env.clock.now() + self._wait_time() < self._wake_at
+            except Exception as e:
+                self._die(e)
+                return
+        if kick:  # a deadline moved earlier than the main task's plan (e.g. a round's join timeout)
+            self._events.put(_Event("kick"))
+
+    def _die(self, e: BaseException) -> None:
+        if self.failed is not None:
+            return
+        self.failed = f"{type(e).__name__}: {e}"
+        log.critical("lighthouse died: %s", self.failed, exc_info=True)
+        self._listener.close()
+        for conn in list(self._conns.values()):
+            conn.close()
 
     def _wait_time(self) -> float:
         hb = self.config.timeouts.heartbeat_timeout_s
