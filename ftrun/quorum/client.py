@@ -1,9 +1,14 @@
 """The replica leader's side of the lighthouse protocol.
 
 `LighthouseClient.quorum()` asks for the next quorum and blocks until the lighthouse decides. A
-heartbeat task keeps the leader alive in the lighthouse's eyes; a reader task takes the lighthouse's
-replies and its notices that a participant of the current quorum hung. If the lighthouse goes away (crash,
+heartbeat task keeps the leader alive in the lighthouse's eyes. If the lighthouse goes away (crash,
 restart) the client reconnects and asks again until quorum_timeout_s passes.
+
+Who receives: the task that asked reads its reply off the connection itself (one thread wake-up per
+request, not two: no reader task hands the reply over; `ftrun bench overhead`). Between requests the
+heartbeat task takes the lighthouse's unasked notices (a participant of the current quorum hung) at
+each heartbeat, so a notice reaches `on_peer_hung` at most heartbeat_interval_s after it arrives. A
+receive lock makes sure only one task reads at a time.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import logging
 from typing import Callable
 
 from ftrun.config import Timeouts
-from ftrun.env.base import Connection, Env, EnvTimeout, NetError, NetTimeout, PeerClosed, Queue, Task
+from ftrun.env.base import Connection, Env, EnvTimeout, NetError, NetTimeout, PeerClosed, Task
 from ftrun.quorum import protocol
 from ftrun.quorum.decide import Decision
 
@@ -45,10 +50,10 @@ PeerHungFn = Callable[[str, int], None]  # (replica_id, quorum_id): a participan
 
 
 class LighthouseClient:
-    """Threading: `quorum` from one task at a time. A reader task per connection routes the lighthouse's
-    replies to `quorum` and its `hung` notices to `on_peer_hung` (called on the reader task: it must
-    not block), so a replica stuck inside an all-reduce with a hung peer hears of it within the
-    lighthouse's heartbeat timeout instead of its own FTAR timeout."""
+    """Threading: `quorum` and `report_finished` from one task at a time. The lighthouse's `hung` notices
+    go to `on_peer_hung` (called on the heartbeat task, or on the asking one: it must not block), so a
+    replica stuck inside an all-reduce with a hung peer hears of it within the lighthouse's heartbeat
+    timeout (plus at most one heartbeat interval) instead of its own FTAR timeout."""
 
     telemetry = None  # this rank's ftrun.diagnose.telemetry.Recorder, when root-cause telemetry is on
     # Whether the whole replica is alive (ftrun.replica.rank_watch); while it says no, no heartbeats go
@@ -61,7 +66,7 @@ class LighthouseClient:
         self.on_peer_hung = on_peer_hung
         self._token = token
         self._conn: Connection | None = None
-        self._replies: Queue | None = None
+        self._receiving = env.lock()  # held by the one task reading the connection
         self._tasks: list[Task] = []
         self.last_quorum_id = 0
 
@@ -90,12 +95,8 @@ class LighthouseClient:
             if remaining <= 0:
                 raise QuorumTimeout(f"no quorum for step {step} within {self.timeouts.quorum_timeout_s}s")
             try:
-                conn, replies = self._connected(remaining)
-                _drain(replies)  # a reply that came after an earlier call gave up
-                conn.send(request, timeout=remaining)
-                reply = replies.get(timeout=max(deadline - self.env.clock.now(), 1e-3))
-                if reply is None:
-                    raise PeerClosed("the lighthouse closed the connection")
+                conn = self._connected(remaining)
+                reply = self._ask(conn, request, deadline)
             except (NetTimeout, EnvTimeout):
                 continue  # the deadline check above raises QuorumTimeout
             except NetError as e:
@@ -114,10 +115,8 @@ class LighthouseClient:
         connect_timeout_s; False (logged) if it did not come: the job's outcome does not depend on it."""
         timeout = self.timeouts.connect_timeout_s
         try:
-            conn, replies = self._connected(timeout)
-            _drain(replies)
-            conn.send({"type": "finished", "step": step}, timeout=timeout)
-            reply = replies.get(timeout=timeout)
+            conn = self._connected(timeout)
+            reply = self._ask(conn, {"type": "finished", "step": step}, self.env.clock.now() + timeout)
         except (NetError, EnvTimeout, QuorumError) as e:
             log.warning("could not report the job finished at step %d to the lighthouse: %s", step, e)
             return False
@@ -136,9 +135,46 @@ class LighthouseClient:
             raise LighthouseRejected(f"unexpected reply {reply.get('type')!r} to a quorum request")
         return protocol.decode_decision(reply)
 
-    def _connected(self, timeout: float) -> tuple[Connection, Queue]:
-        if self._conn is not None and not self._conn.closed and self._replies is not None:
-            return self._conn, self._replies
+    def _ask(self, conn: Connection, request: dict, deadline: float) -> dict:
+        """Send `request` and read its reply on this task (notices that come first go to their callback).
+        Raises NetError (NetTimeout at the deadline), EnvTimeout if the receive lock stays busy."""
+        if not self._receiving.acquire(timeout=max(deadline - self.env.clock.now(), 0.0)):
+            raise EnvTimeout("the lighthouse connection's receive lock stayed busy")
+        try:
+            self._take_unasked(conn, stale_ok=True)  # a reply that came after an earlier call gave up
+            conn.send(request, timeout=max(deadline - self.env.clock.now(), 1e-3))
+            while True:
+                msg = conn.recv(timeout=max(deadline - self.env.clock.now(), 1e-3))
+                if msg.get("type") != "hung":
+                    return msg
+                self._notice(msg)
+        finally:
+            self._receiving.release()
+
+    def _take_unasked(self, conn: Connection, *, stale_ok: bool) -> None:
+        """Read what has already arrived, without waiting: notices go to their callback, anything else
+        is a reply nobody waits for any more (dropped). The caller holds the receive lock."""
+        while True:
+            try:
+                msg = conn.recv(timeout=0)
+            except NetTimeout:
+                return
+            if msg.get("type") == "hung":
+                self._notice(msg)
+            elif not stale_ok:
+                log.warning("dropping the lighthouse's unasked %r message", msg.get("type"))
+
+    def _notice(self, msg: dict) -> None:
+        if self.on_peer_hung is None:
+            return
+        try:
+            self.on_peer_hung(str(msg.get("replica_id")), int(msg.get("quorum_id", -1)))
+        except Exception as e:  # the notice is an optimisation; the FTAR timeout still holds
+            log.warning("handling the lighthouse's notice %s failed: %r", msg, e)
+
+    def _connected(self, timeout: float) -> Connection:
+        if self._conn is not None and not self._conn.closed:
+            return self._conn
         conn = self.env.net.connect(self.addr, timeout=min(timeout, self.timeouts.connect_timeout_s))
         conn.send({"type": "hello", "token": self._token, "replica_id": self.replica_id})
         welcome = conn.recv(timeout=min(timeout, self.timeouts.connect_timeout_s))
@@ -146,35 +182,24 @@ class LighthouseClient:
             conn.close()
             raise LighthouseRejected(str(welcome.get("error", welcome)))
         self.last_quorum_id = max(self.last_quorum_id, int(welcome.get("quorum_id", 0)))
-        self._conn, self._replies = conn, self.env.queue()
+        self._conn = conn
         self._tasks = [t for t in self._tasks if t.join(0) is False]  # forget finished ones
-        self._tasks += [self.env.spawn(self._heartbeat_loop, conn, name=f"heartbeat-{self.replica_id}"),
-                        self.env.spawn(self._read_loop, conn, self._replies, name=f"lighthouse-{self.replica_id}")]
-        return conn, self._replies
-
-    def _read_loop(self, conn: Connection, replies: Queue) -> None:
-        """Replies to `replies`; None once the connection is gone. Notices go to their callback."""
-        while True:
-            try:
-                msg = conn.recv(timeout=self.timeouts.heartbeat_timeout_s)
-            except NetTimeout:
-                continue  # the lighthouse speaks only to answer or to warn; silence is fine
-            except NetError:
-                replies.put(None)
-                return
-            if msg.get("type") != "hung":
-                replies.put(msg)
-            elif self.on_peer_hung is not None:
-                try:
-                    self.on_peer_hung(str(msg.get("replica_id")), int(msg.get("quorum_id", -1)))
-                except Exception as e:  # the notice is an optimisation; the FTAR timeout still holds
-                    log.warning("handling the lighthouse's notice %s failed: %r", msg, e)
+        self._tasks.append(self.env.spawn(self._heartbeat_loop, conn, name=f"heartbeat-{self.replica_id}"))
+        return conn
 
     def _heartbeat_loop(self, conn: Connection) -> None:
+        """A heartbeat per interval, and the notices that arrived since the last one (unless a request
+        is being answered: its task reads them). A connection that is gone ends the loop; the next
+        request reconnects."""
         while not conn.closed:
             try:
                 if self._replica_healthy():
                     conn.send({"type": "heartbeat"}, timeout=self.timeouts.heartbeat_timeout_s)
+                if self._receiving.acquire(timeout=0):
+                    try:
+                        self._take_unasked(conn, stale_ok=False)
+                    finally:
+                        self._receiving.release()
             except (NetError, PeerClosed):
                 return
             self.env.clock.sleep(self.timeouts.heartbeat_interval_s)
@@ -191,7 +216,7 @@ class LighthouseClient:
     def _drop(self) -> None:
         if self._conn is not None:
             self._conn.close()
-        self._conn, self._replies = None, None
+        self._conn = None
 
     def close(self) -> None:
         self._drop()
@@ -199,7 +224,3 @@ class LighthouseClient:
             task.join(timeout=1.0)
         self._tasks = []
 
-
-def _drain(queue: Queue) -> None:
-    while queue.qsize():
-        queue.get(timeout=0)

@@ -149,8 +149,9 @@ def test_a_replica_asking_after_the_job_finished_is_told_so_across_a_restart(env
         r1.quorum(11)
     assert e.value.step == 40 and lh.status()["finished_step"] == 40
     assert any(h["event"] == "told_finished" and h["replica_id"] == "r1" for h in lh.history)
-    r0._conn.send({"type": "finished", "step": -1})
-    assert "non-negative integer" in r0._replies.get(timeout=5.0)["error"]
+    with r0._receiving:  # read the answer here, not the heartbeat task
+        r0._conn.send({"type": "finished", "step": -1})
+        assert "non-negative integer" in r0._conn.recv(timeout=5.0)["error"]
     for c in (r0, r1):
         c.close()
     lh.stop()
