@@ -172,9 +172,11 @@ class Manager:
                                             own_failures=self._failures.own, fresh=self.quorum is None,
                                             data_addrs=self._data_addrs)
                 self._leader_decision = d
+                self._report_commit_failure = False
+                if self.comm.world_size == 1:  # a replica of one rank: no one to tell, nothing to encode
+                    return _without_addrs(d), _addrs_digest(d)
                 payload = msgpack.packb({"ok": True, "decision": protocol.encode_decision(_without_addrs(d)),
                                          "addrs": _addrs_digest(d)})
-                self._report_commit_failure = False
             except QuorumError as e:  # tell the others, then fail (or exit: the job finished)
                 finished = e.step if isinstance(e, LighthouseJobFinished) else None
                 payload = msgpack.packb({"ok": False, "error": str(e), "finished": finished})

@@ -162,3 +162,63 @@ def test_a_replica_asking_after_the_job_finished_is_told_so_across_a_restart(env
     assert r1.quorum(40).replica_ids == ("r1",)
     r1.close()
     lh.stop()
+
+
+def test_a_round_with_a_silent_member_forms_at_the_join_timeout(env):
+    """Readers handle requests; the timer (main task) forms a round whose join timeout passed."""
+    lh = start(env, min_replicas=2)
+    clients = [client(env, lh, rid) for rid in ("r0", "r1", "r2")]  # r2 heartbeats but never asks
+    out = ask_all(env, clients[:2], [3, 3])
+    assert {d.replica_ids for d in out.values()} == {("r0", "r1")}
+    assert any(h["event"] == "quorum" and "join timeout" in h["reason"] for h in lh.history)
+    for c in clients:
+        c.close()
+    lh.stop()
+
+
+def _fake_lighthouse(env, script):
+    """A listener that welcomes one client, then runs script(conn); returns (address, task)."""
+    listener = env.net.listen("127.0.0.1:0")
+
+    def serve():
+        conn = listener.accept(timeout=10.0)
+        assert conn.recv(timeout=10.0)["type"] == "hello"
+        conn.send({"type": "welcome", "quorum_id": 0})
+        script(conn)
+        conn.recv(timeout=10.0)  # until the client goes away (or a heartbeat)
+
+    return listener, env.spawn(serve, name="fake-lighthouse")
+
+
+def test_a_notice_between_requests_reaches_the_callback(env):
+    """No request is waiting: the heartbeat task takes the notice."""
+    got, heard = [], env.event()
+    listener, task = _fake_lighthouse(env, lambda conn: conn.send({"type": "hung", "replica_id": "r7", "quorum_id": 3}))
+    c = LighthouseClient(env=env, addr=listener.addr, token=TOKEN, replica_id="r0", timeouts=TIMEOUTS,
+                         on_peer_hung=lambda rid, qid: (got.append((rid, qid)), heard.set()))
+    c.connect()
+    assert heard.wait(timeout=10.0) and got == [("r7", 3)]
+    c.close()
+    task.join(timeout=10.0)
+    listener.close()
+
+
+def test_a_notice_before_the_reply_goes_to_the_callback_and_the_reply_to_the_request(env):
+    """The asking task reads its own reply; a notice that comes first is handed on, not taken as the reply."""
+    got = []
+
+    def script(conn):
+        while (msg := conn.recv(timeout=10.0))["type"] != "quorum":
+            pass  # heartbeats
+        conn.send({"type": "hung", "replica_id": "r7", "quorum_id": 3})
+        conn.send({"type": "quorum", "quorum_id": 4, "max_step": msg["step"], "reason": "fake", "behind": [],
+                   "participants": [["r0", msg["step"], []]]})
+
+    listener, task = _fake_lighthouse(env, script)
+    c = LighthouseClient(env=env, addr=listener.addr, token=TOKEN, replica_id="r0", timeouts=TIMEOUTS,
+                         on_peer_hung=lambda rid, qid: got.append((rid, qid)))
+    d = c.quorum(5)
+    assert (d.quorum_id, d.max_step, d.replica_ids) == (4, 5, ("r0",)) and got == [("r7", 3)]
+    c.close()
+    task.join(timeout=10.0)
+    listener.close()
