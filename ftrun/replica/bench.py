@@ -37,6 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--json", action="store_true")
     p.add_argument("--_worker", nargs=2, metavar=("LIGHTHOUSE", "REPLICA"), help=argparse.SUPPRESS)  # token: $FTRUN_TOKEN
+    p.add_argument("--_echo", action="store_true", help=argparse.SUPPRESS)  # the other process of a round trip
 
 
 def _worker(addr: str, token: str, rid: str, steps: int) -> None:
@@ -63,23 +64,46 @@ def _wakeups() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
 
 
-def _round_trip_s(env: RealEnv, n: int = 2000) -> float:
-    listener = env.net.listen("127.0.0.1:0")
+ROUND_TRIPS = 2000
 
-    def echo():
-        conn = listener.accept(timeout=10.0)
-        for _ in range(n):
-            conn.send(conn.recv(timeout=10.0))
 
-    env.spawn(echo, name="echo")
-    conn = env.net.connect(listener.addr, timeout=10.0)
+def _echo(env: RealEnv, listener, n: int = ROUND_TRIPS) -> None:
+    conn = listener.accept(timeout=30.0)
+    for _ in range(n):
+        conn.send(conn.recv(timeout=30.0))
+    conn.close()
+
+
+def _time_round_trips(env: RealEnv, addr: str, n: int = ROUND_TRIPS) -> float:
+    conn = env.net.connect(addr, timeout=30.0)
     t0 = env.clock.now()
     for i in range(n):
         conn.send({"i": i})
-        conn.recv(timeout=10.0)
+        conn.recv(timeout=30.0)
     took = (env.clock.now() - t0) / n
     conn.close()
+    return took
+
+
+def _round_trip_s(env: RealEnv) -> float:
+    """A control message's round trip between two threads of this process (the baseline since the start)."""
+    listener = env.net.listen("127.0.0.1:0")
+    task = env.spawn(_echo, env, listener, name="echo")
+    took = _time_round_trips(env, listener.addr)
+    task.join(timeout=30.0)
     listener.close()
+    return took
+
+
+def _process_round_trip_s(env: RealEnv) -> float:
+    """The same round trip between two processes, as every message of a step travels."""
+    echo = subprocess.Popen([sys.executable, "-m", "ftrun.cli", "bench", "overhead", "--_echo"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        took = _time_round_trips(env, echo.stdout.readline().strip())
+        echo.wait(timeout=30.0)
+    finally:
+        echo.kill()
     return took
 
 
@@ -87,6 +111,14 @@ def run(args: argparse.Namespace) -> int:
     if args._worker:
         _worker(args._worker[0], os.environ["FTRUN_TOKEN"], args._worker[1], steps=args.steps)
         return 0
+    if args._echo:
+        env = RealEnv()
+        listener = env.net.listen("127.0.0.1:0")
+        print(listener.addr, flush=True)
+        _echo(env, listener)
+        return 0
+    if args.replicas < 1 or args.steps < 1:
+        raise SystemExit(f"--replicas and --steps must be >= 1, got {args.replicas} and {args.steps}")
     env, token = RealEnv(), secrets.token_hex(8)
     lh = Lighthouse(env=env, config=LighthouseConfig(min_replicas=args.replicas), token=token)
     lh.start()
@@ -104,16 +136,19 @@ def run(args: argparse.Namespace) -> int:
     lh_wakes = (_wakeups() - lh_wakes0) / (args.steps + 20)  # the workers' warm-up steps included
     # The baseline before and after the steps: the machine's load drifts, the mean follows it.
     rtt = (rtt_before + _round_trip_s(env)) / 2
+    process_rtt = _process_round_trip_s(env)
     overhead = max(r["per_step_s"] for r in results)
     median = max(r["median_step_s"] for r in results)
     replica_wakes = max(r["wakeups_per_step"] for r in results)
     print(f"FT overhead per step (quorum + 2PC), {args.replicas} replicas, {args.steps} steps: "
           f"{overhead * 1e3:.3f} ms (median {median * 1e3:.3f} ms); loopback message round trip {rtt * 1e3:.3f} ms; "
-          f"ratio {overhead / rtt:.1f}x (median {median / rtt:.1f}x); thread wake-ups per step: "
+          f"ratio {overhead / rtt:.1f}x (median {median / rtt:.1f}x); between two processes {process_rtt * 1e3:.3f} ms, "
+          f"ratio {overhead / process_rtt:.1f}x; thread wake-ups per step: "
           f"lighthouse {lh_wakes:.2f}, replica {replica_wakes:.2f}")
     if args.json:
         emit_json({"replicas": args.replicas, "steps": args.steps, "overhead_ms": overhead * 1e3,
                    "median_step_ms": median * 1e3, "round_trip_ms": rtt * 1e3,
                    "ratio_to_round_trip": overhead / rtt, "median_ratio_to_round_trip": median / rtt,
+                   "process_round_trip_ms": process_rtt * 1e3, "ratio_to_process_round_trip": overhead / process_rtt,
                    "lighthouse_wakeups_per_step": lh_wakes, "replica_wakeups_per_step": replica_wakes})
     return 0
