@@ -1,0 +1,32 @@
+"""`ftrun bench overhead` runs end to end and prints its figures (no timing is asserted)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = str(Path(__file__).resolve().parents[2])
+
+
+@pytest.mark.timeout(150)
+def test_bench_overhead_smoke():
+    out = subprocess.run([sys.executable, "-m", "ftrun.cli", "bench", "overhead", "--replicas", "2", "--steps", "30",
+                          "--json"], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                         env={**os.environ, "PYTHONPATH": ROOT})
+    assert out.returncode == 0, out.stderr
+    f = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (f["replicas"], f["steps"]) == (2, 30)
+    assert f["overhead_ms"] > 0 and f["round_trip_ms"] > 0 and f["process_round_trip_ms"] > 0
+    assert f["ratio_to_round_trip"] == pytest.approx(f["overhead_ms"] / f["round_trip_ms"])
+    assert f["lighthouse_wakeups_per_step"] > 0 and f["replica_wakeups_per_step"] > 0
+
+
+def test_bench_overhead_refuses_no_steps():
+    out = subprocess.run([sys.executable, "-m", "ftrun.cli", "bench", "overhead", "--steps", "0"], capture_output=True,
+                         text=True, cwd=ROOT, timeout=60, env={**os.environ, "PYTHONPATH": ROOT})
+    assert out.returncode != 0 and "--steps must be >= 1" in out.stderr
