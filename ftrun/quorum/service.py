@@ -14,10 +14,10 @@ Tasks:
   join timeout) and handles the events other tasks queue (evict, stop). Every change of state happens
   under the one lock, so the tasks see one sequence of events as before.
 
-Nothing a replica sends can stop the main task: requests are range-checked at decode time
+Nothing a replica sends can stop the lighthouse: requests are range-checked at decode time
 (ftrun.quorum.protocol), a decision too large for one frame is refused to the requester with the largest
-address list, and an unexpected error while handling one event is answered to that replica only. If the
-main task dies anyway, `failed` says why, `status()` raises (the status page stops answering 200) and
+address list, and an unexpected error while applying one event is answered to that replica only. If an
+error escapes anyway (deciding, handing out), `failed` says why, `status()` raises (the status page stops answering 200) and
 every connection is closed, so replicas see the loss and `ftrun lighthouse` exits non-zero.
 """
 
@@ -48,7 +48,7 @@ class LighthouseStateError(ValueError):
 
 
 class LighthouseDown(RuntimeError):
-    """The lighthouse's main task died; `status()` raises this instead of answering."""
+    """The lighthouse died (an error while changing its state); `status()` raises this instead of answering."""
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,7 @@ class Lighthouse:
         self.addr = ""
         self._tasks: list = []
         self._pending_view: tuple[str, ...] = ()
-        self.failed: str | None = None  # why the main task died (None while it runs)
+        self.failed: str | None = None  # why the lighthouse died (None while it runs)
         self._stopping = False
         self.diagnosis: Any = None  # () -> the diagnosis verdict dict (ftrun.diagnose.monitor), when one runs
         self.diagnosis_report: Any = None  # () -> the monitor's report without a pull (the status page)
@@ -426,9 +426,9 @@ class Lighthouse:
     # -- observation ---------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
         """A snapshot for the status page; safe to call from another task (reads immutable values).
-        Raises LighthouseDown once the main task has died."""
+        Raises LighthouseDown once the lighthouse has died."""
         if self.failed is not None:
-            raise LighthouseDown(f"lighthouse main task died: {self.failed}")
+            raise LighthouseDown(f"lighthouse died: {self.failed}")
         state, now = self._state, self.env.clock.now()
         last = self._last_decision
         return {

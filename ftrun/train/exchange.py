@@ -49,7 +49,7 @@ class GradientExchange:
         blocked exchange of that quorum now (a 'no' vote caused by a peer) instead of after the FTAR
         timeout, on this rank and on every rank whose FTAR listener is in `ranks` (the replica's other
         ranks: each has its own ring through the hung replica). Called from the lighthouse client's
-        reader task, which must not block: the requests go out from a task of their own."""
+        heartbeat task, which must not block: the requests go out from a task of their own."""
         if self.engine.abort(quorum_id):
             log.warning("replica %s hung in quorum %d: aborting this rank's all-reduce", replica_id, quorum_id)
         others = [a for a in ranks if a and a != self.engine.addr]
