@@ -4,9 +4,12 @@ R replica processes (one rank each) run steps with no compute against a real lig
 time per step is the whole FT overhead. Baseline measured in the same run: one control-message round
 trip over the same loopback network, so the ratio says how many round trips a step costs.
 
-Also printed, because they do not move with the machine's load: the thread wake-ups per step (voluntary
-context switches) of the lighthouse process and of each replica process. A step's critical path is one
-request: the leader sends it, the lighthouse's reader for that connection wakes and handles it (the last
+The baseline is measured before and after the steps (the machine's load drifts; the mean follows it), and
+also between two processes (`ratio_to_process_round_trip`), as every message of a step travels. Also
+printed, because they move little with the machine's load: the thread wake-ups per step (voluntary
+context switches) and the CPU time per step of the lighthouse process and of each replica process.
+
+A step's critical path is one request: the leader sends it, the lighthouse's reader for that connection wakes and handles it (the last
 of the R requests forms the quorum and answers all R), the leader wakes on its reply. The commit vote of
 a one-rank replica is local, and the next request tells the lighthouse the commit's outcome, so the
 commit costs no message. Ideal: 1 wake-up per replica per step, R in the lighthouse.
@@ -48,20 +51,26 @@ def _worker(addr: str, token: str, rid: str, steps: int) -> None:
     times = []
     for i in range(steps + warmup):
         if i == warmup:
-            t0, wakes0 = env.clock.now(), _wakeups()
+            t0, wakes0, cpu0 = env.clock.now(), _wakeups(), _cpu_s()
         started = env.clock.now()
         m.start_step()
         m.should_commit()
         times.append(env.clock.now() - started)
-    took, wakes = env.clock.now() - t0, _wakeups() - wakes0
+    took, wakes, cpu = env.clock.now() - t0, _wakeups() - wakes0, _cpu_s() - cpu0
     print(json.dumps({"per_step_s": took / steps, "median_step_s": statistics.median(times[warmup:]),
-                      "wakeups_per_step": wakes / steps}), flush=True)
+                      "wakeups_per_step": wakes / steps, "cpu_s_per_step": cpu / steps}), flush=True)
     m.close()
 
 
 def _wakeups() -> int:
     """Voluntary context switches of this process so far (every thread): each is a wait that ended."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
+
+
+def _cpu_s() -> float:
+    """CPU seconds of this process so far (every thread, user and kernel)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 ROUND_TRIPS = 2000
@@ -123,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     lh = Lighthouse(env=env, config=LighthouseConfig(min_replicas=args.replicas), token=token)
     lh.start()
     rtt_before = _round_trip_s(env)
-    lh_wakes0 = _wakeups()
+    lh_wakes0, lh_cpu0 = _wakeups(), _cpu_s()
     procs = [subprocess.Popen([sys.executable, "-m", "ftrun.cli", "bench", "overhead", "--steps", str(args.steps),
                                "--_worker", lh.addr, f"r{i}"], stdout=subprocess.PIPE, text=True,
                               env={**os.environ, "FTRUN_TOKEN": token}) for i in range(args.replicas)]
@@ -134,21 +143,25 @@ def run(args: argparse.Namespace) -> int:
             p.kill()
         lh.stop()
     lh_wakes = (_wakeups() - lh_wakes0) / (args.steps + 20)  # the workers' warm-up steps included
+    lh_cpu = (_cpu_s() - lh_cpu0) / (args.steps + 20)
     # The baseline before and after the steps: the machine's load drifts, the mean follows it.
     rtt = (rtt_before + _round_trip_s(env)) / 2
     process_rtt = _process_round_trip_s(env)
     overhead = max(r["per_step_s"] for r in results)
     median = max(r["median_step_s"] for r in results)
     replica_wakes = max(r["wakeups_per_step"] for r in results)
+    replica_cpu = max(r["cpu_s_per_step"] for r in results)
     print(f"FT overhead per step (quorum + 2PC), {args.replicas} replicas, {args.steps} steps: "
           f"{overhead * 1e3:.3f} ms (median {median * 1e3:.3f} ms); loopback message round trip {rtt * 1e3:.3f} ms; "
           f"ratio {overhead / rtt:.1f}x (median {median / rtt:.1f}x); between two processes {process_rtt * 1e3:.3f} ms, "
           f"ratio {overhead / process_rtt:.1f}x; thread wake-ups per step: "
-          f"lighthouse {lh_wakes:.2f}, replica {replica_wakes:.2f}")
+          f"lighthouse {lh_wakes:.2f}, replica {replica_wakes:.2f}; CPU per step: lighthouse {lh_cpu * 1e6:.0f} us, "
+          f"replica {replica_cpu * 1e6:.0f} us")
     if args.json:
         emit_json({"replicas": args.replicas, "steps": args.steps, "overhead_ms": overhead * 1e3,
                    "median_step_ms": median * 1e3, "round_trip_ms": rtt * 1e3,
                    "ratio_to_round_trip": overhead / rtt, "median_ratio_to_round_trip": median / rtt,
                    "process_round_trip_ms": process_rtt * 1e3, "ratio_to_process_round_trip": overhead / process_rtt,
-                   "lighthouse_wakeups_per_step": lh_wakes, "replica_wakeups_per_step": replica_wakes})
+                   "lighthouse_wakeups_per_step": lh_wakes, "replica_wakeups_per_step": replica_wakes,
+                   "lighthouse_cpu_us_per_step": lh_cpu * 1e6, "replica_cpu_us_per_step": replica_cpu * 1e6})
     return 0

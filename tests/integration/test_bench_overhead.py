@@ -24,6 +24,7 @@ def test_bench_overhead_smoke():
     assert f["overhead_ms"] > 0 and f["round_trip_ms"] > 0 and f["process_round_trip_ms"] > 0
     assert f["ratio_to_round_trip"] == pytest.approx(f["overhead_ms"] / f["round_trip_ms"])
     assert f["lighthouse_wakeups_per_step"] > 0 and f["replica_wakeups_per_step"] > 0
+    assert f["lighthouse_cpu_us_per_step"] > 0 and f["replica_cpu_us_per_step"] > 0
 
 
 def test_bench_overhead_refuses_no_steps():
