@@ -70,6 +70,7 @@ class LocalComm:
 
 
 _OPS = {"min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX, "sum": dist.ReduceOp.SUM}
+BROADCAST_INLINE = 4096  # bytes of GlooComm's first broadcast collective: an 8-byte length, then the payload
 
 
 class GlooComm:
@@ -116,14 +117,24 @@ class GlooComm:
         return t.tolist()
 
     def broadcast_bytes(self, data: bytes | None, root: int = 0) -> bytes:
-        n = torch.tensor([len(data) if self.rank == root and data is not None else 0], dtype=torch.int64)
-        self._broadcast(n, root)
-        buf = torch.empty(int(n.item()), dtype=torch.uint8)
-        if buf.numel():
-            if self.rank == root:
-                buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-            self._broadcast(buf, root)
-        return buf.numpy().tobytes()
+        """One collective (length and bytes together) for up to BROADCAST_INLINE - 8 bytes, as the step's
+        decision is; a longer payload's rest follows in a second one."""
+        inline = BROADCAST_INLINE - 8
+        data = bytes(data) if self.rank == root and data is not None else b""
+        head = torch.zeros(BROADCAST_INLINE, dtype=torch.uint8)
+        if self.rank == root:
+            head[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+            if data:
+                head[8:8 + min(len(data), inline)] = torch.frombuffer(bytearray(data[:inline]), dtype=torch.uint8)
+        self._broadcast(head, root)
+        n = int(head[:8].view(torch.int64).item())
+        if n <= inline:
+            return head[8:8 + n].numpy().tobytes()
+        rest = torch.empty(n - inline, dtype=torch.uint8)
+        if self.rank == root:
+            rest.copy_(torch.frombuffer(bytearray(data[inline:]), dtype=torch.uint8))
+        self._broadcast(rest, root)
+        return head[8:].numpy().tobytes() + rest.numpy().tobytes()
 
     def _broadcast(self, t: torch.Tensor, root: int) -> None:
         opts = dist.BroadcastOptions()

@@ -23,7 +23,10 @@ out = [comm.all_reduce_int([rank, -rank], "max"), comm.all_reduce_int([rank + 1]
        [b.decode() for b in comm.all_gather_bytes(f"addr-{rank}".encode() * (rank + 1))],
        comm.broadcast_bytes(b"").decode(),
        comm.gather_bytes(str(rank).encode()) is None if rank else [b.decode() for b in comm.gather_bytes(b"0")],
-       comm.scatter_bytes([b"zero", b"one"] if rank == 0 else None).decode()]
+       comm.scatter_bytes([b"zero", b"one"] if rank == 0 else None).decode(),
+       [len(comm.broadcast_bytes(bytes(range(256)) * (n // 256) + b"z" * (n % 256) if rank == 0 else None))
+        for n in (4087, 4088, 4089, 70_000)],
+       comm.broadcast_bytes(b"ab" * 3000 if rank == 0 else None) == b"ab" * 3000]
 comm.close()
 print(json.dumps(out))
 """
@@ -42,4 +45,5 @@ def test_gloo_collectives_round_trip():
     results = [json.loads(out.strip().splitlines()[-1]) for out in outs]
     assert [p.returncode for p in procs] == [0, 0]
     common = [[1, 0], [1], "decision", ["addr-0", "addr-1addr-1"], ""]
-    assert results == [common + [["0", "1"], "zero"], common + [True, "one"]]
+    long = [[4087, 4088, 4089, 70_000], True]  # within one collective, at its edge, and past it (two)
+    assert results == [common + [["0", "1"], "zero"] + long, common + [True, "one"] + long]
