@@ -13,6 +13,7 @@ import pytest
 ROOT = str(Path(__file__).resolve().parents[2])
 
 
+@pytest.mark.slow  # real replica processes: about a minute on 2 cores
 @pytest.mark.timeout(150)
 def test_bench_overhead_smoke():
     out = subprocess.run([sys.executable, "-m", "ftrun.cli", "bench", "overhead", "--replicas", "2", "--steps", "30",
