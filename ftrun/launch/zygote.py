@@ -9,7 +9,10 @@ child sets its own session, stdio, working directory, environment and argv and r
 `__main__`, exactly like `python [-m] SCRIPT ARGS` would, only without the start-up cost. The code it runs
 is the script as compiled at preload, so every restart runs the same version even if the file changes.
 
-    python -m ftrun.launch.zygote [--run-dir DIR] (-m MODULE | SCRIPT)
+    python -m ftrun.launch.zygote [--run-dir DIR] [--sharded] (-m MODULE | SCRIPT)
+
+--sharded (the job's replicas have more than one rank): also warm FSDP2 (ftrun.train.warm), whose
+first shard, optimizer step and state load otherwise cost a restarted rank ~1 s of CPU on its rejoin.
 
 Protocol, JSON lines: requests on stdin `{"id", "argv", "env", "cwd", "stdout", "stderr"[, "netns"]}`
 (argv[0] is the module name for -m, else the script path; stdout/stderr are file paths, appended to;
@@ -41,6 +44,9 @@ import traceback
 import types
 
 REQUEST_FD = 0
+# Modules a preloaded module imports on first use (inside a function): a forked rank would import them
+# after the fork, on a restart's critical path, so the zygote imports them with the script's imports.
+LAZY_IMPORTS = {"ftrun.train.api": ("ftrun.train.wiring",)}
 
 
 def source_of(target: str, *, module: bool) -> str | None:
@@ -72,7 +78,7 @@ def top_level_imports(source: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def preload(target: str, *, module: bool) -> tuple[types.CodeType | None, str | None, list[str]]:
+def preload(target: str, *, module: bool, sharded: bool = False) -> tuple[types.CodeType | None, str | None, list[str]]:
     """Import the target's top-level imports and warm lazily loaded parts.
 
     Returns the target's compiled code (None without a readable source), its path, and the imports that
@@ -81,7 +87,7 @@ def preload(target: str, *, module: bool) -> tuple[types.CodeType | None, str | 
     failed = []
     path = source_of(target, module=module)
     if path is None:
-        _warm()
+        _warm(sharded)
         return None, None, failed
     with open(path, encoding="utf-8") as f:
         source = f.read()
@@ -91,12 +97,17 @@ def preload(target: str, *, module: bool) -> tuple[types.CodeType | None, str | 
             importlib.import_module(name)
         except Exception:  # the script would fail the same way in the child: report it there
             failed.append(name)
-    _warm()
+    for loaded, names in LAZY_IMPORTS.items():
+        if loaded in sys.modules:
+            for name in names:
+                importlib.import_module(name)
+    _warm(sharded)
     return code, path, failed
 
 
-def _warm() -> None:
-    """Run what each child would otherwise pay for on its first step (all of it single-threaded)."""
+def _warm(sharded: bool = False) -> None:
+    """Run what each child would otherwise pay for on its first step (all of it single-threaded).
+    sharded: FSDP2's first use too (a fake process group: no threads, destroyed before any fork)."""
     if "torch" in sys.modules:
         import torch
 
@@ -115,6 +126,10 @@ def _warm() -> None:
         kernels = CpuKernels()
         kernels.reduce(a, 0, a.copy(), 0, 8, DType.FLOAT32)  # numba compiles on the first call
         kernels.reduce_copy(a, 0, a.copy(), 0, a, 8, 8, DType.FLOAT32)
+    if sharded and "torch" in sys.modules:
+        from ftrun.train.warm import warm_sharding
+
+        warm_sharding()
 
 
 def num_threads() -> int:
@@ -270,13 +285,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="ftrun.launch.zygote", description=__doc__.splitlines()[0])
     p.add_argument("--run-dir", default=None, help="the job's folder (only so that ps shows whose zygote it is)")
     p.add_argument("-m", "--module", action="store_true")
+    p.add_argument("--sharded", action="store_true", help="also warm FSDP2 (replicas of more than one rank)")
     p.add_argument("target")
     args = p.parse_args(argv)
     reply_fd = os.dup(1)
     os.dup2(2, 1)  # anything the preloaded libraries print must not corrupt the reply stream
     sys.path.insert(0, os.getcwd() if args.module else os.path.dirname(os.path.abspath(args.target)))
     started = _now()
-    code, path, failed = preload(args.target, module=args.module)
+    code, path, failed = preload(args.target, module=args.module, sharded=args.sharded)
     gc.collect()
     gc.freeze()  # keep the preloaded objects' pages shared with the children (no refcount/GC writes)
     threads = num_threads()
