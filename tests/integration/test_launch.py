@@ -47,12 +47,12 @@ def launch(out, *args: str, timeout: float = 100.0) -> dict:
 @pytest.mark.timeout(120)
 def test_launch_kills_at_a_step_restarts_and_reports(tmp_path):
     f = launch(tmp_path, "--replicas", "3", "--ranks-per-replica", "1", "--steps", "60", "--kill-at",
-               "step=8,replica=r1", "--min-replicas", "2", "--timeout", "90s", "-m", "ftrun.launch.demo_worker",
+               "step=8,replica=r1", "--min-replicas", "2", "--timeout", "90s", "-m", "ftrun.train.ft_worker",
                "--step-time", "0.1")
     assert f["complete"] and f["steps_reached"] >= 60 and f["start_method"] == "fork-server"
     assert f["failures_injected"] == 1 and f["restarts"] == 1 and f["crashes"] == 0
     assert 0.8 < f["step_efficiency"] < 1
-    assert f["duplicate_batches"] is None  # demo_worker writes no audit files
+    assert (f["duplicate_batches"], f["skipped_batches"]) == (0, 0)  # the one trainer's exactly-once audit
     assert os.path.getsize(tmp_path / "report.png") > 10_000
     events = [json.loads(line) for line in open(tmp_path / "events.jsonl")]
     kill = next(e for e in events if e["event"] == "kill")
@@ -69,7 +69,7 @@ def test_launch_kills_at_a_step_restarts_and_reports(tmp_path):
 def test_launch_two_ranks_per_replica_with_kill_every(tmp_path):
     """3 replicas x 2 ranks (gloo inside each replica), a kill every 4 s: efficiency near its theory."""
     f = launch(tmp_path, "--replicas", "3", "--ranks-per-replica", "2", "--steps", "150", "--kill-every", "4s",
-               "--restart-delay", "0.2s", "--timeout", "100s", "-m", "ftrun.launch.demo_worker", "--step-time", "0.05")
+               "--restart-delay", "0.2s", "--timeout", "100s", "-m", "ftrun.train.ft_worker", "--step-time", "0.05")
     assert f["complete"] and f["failures_injected"] >= 2 and f["crashes"] == 0
     assert f["theoretical_efficiency"] is not None
     assert abs(f["step_efficiency"] - f["theoretical_efficiency"]) < 0.08, f

@@ -14,7 +14,7 @@ from ftrun.cli import main
 from ftrun.launch import cli as launch_cli
 from ftrun.launch.interrupts import Interrupts
 
-SCRIPT = ["-m", "ftrun.launch.demo_worker"]
+SCRIPT = ["-m", "ftrun.train.ft_worker"]
 
 
 def exit_status(argv: list[str]) -> int:
