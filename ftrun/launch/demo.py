@@ -141,6 +141,7 @@ def _report(args, log: list[dict], marks: dict[str, float], history: list[dict])
         "step_time_s": args.step_time,
         "rejoin_s": first_commit - restart if first_commit and restart else None,
         "restart_to_ready_s": ready - restart if ready and restart else None,
+        "rejoin_breakdown": rejoin_breakdown(restart, rejoin) if restart else None,
         "healed_from_to": [healed["from_step"], healed["to_step"]] if healed else None,
         "quorum_ids": sorted({e["quorum_id"] for e in commits}),
         "failed_commits": sum(1 for e in log if e["event"] == "abort"),
@@ -152,9 +153,47 @@ def _report(args, log: list[dict], marks: dict[str, float], history: list[dict])
           f"commits around the kill was {_ms(figures['survivor_max_gap_s'])} (step time {_ms(args.step_time)})")
     print(f"  restarted replica: ready {_ms(figures['restart_to_ready_s'])} after restart (process start), "
           f"first commit {_ms(figures['rejoin_s'])} after restart; healed steps {figures['healed_from_to']}")
+    if figures["rejoin_breakdown"]:
+        print("  rejoin breakdown: " + ", ".join(f"{k[:-2]} {_ms(v)}" for k, v in figures["rejoin_breakdown"].items()))
     print(f"  failed commits (a peer died mid-exchange; step retried): {figures['failed_commits']}")
     print(f"  quorum ids seen: {figures['quorum_ids']}; {'complete' if complete else 'INCOMPLETE'}")
     return figures
+
+
+REJOIN_STAGES = ("fork_s", "start_s", "join_replica_s", "build_s", "quorum_wait_s", "catchup_s", "first_step_s")
+
+
+def rejoin_breakdown(restart: float, events: list[dict]) -> dict[str, float | None]:
+    """Where a restarted replica's rejoin went, from its new incarnation's events (pure). The stages
+    follow its slowest rank up to `ready`, then its leader's quorum, heal and first commit, so they add
+    up to rejoin_s (restart -> first commit):
+      fork_s          restart -> the last rank forked (the zygote; None for spawned ranks)
+      start_s         -> the last rank entered init_from_env (the script's start after the fork)
+      join_replica_s  -> the last rank joined its replica's groups (store, gloo, FSDP group)
+      build_s         -> the last rank was ready (model, sharding, optimizer, catch-up/FTAR servers)
+      quorum_wait_s   -> the leader got the quorum (check-in, lighthouse, the healthy replicas' next step)
+      catchup_s       -> healed (the snapshot fetched and loaded)
+      first_step_s    -> the first commit (the healthy replicas' compute, the exchange, the vote)
+    A stage whose events are missing is None."""
+    ready = [e for e in events if e.get("event") == "ready"]
+    startup = [e.get("startup") or {} for e in ready]
+
+    def last(key: str) -> float | None:
+        times = [s.get(key) for s in startup]
+        return max(times) if times and None not in times else None
+
+    def first(kind: str) -> float | None:
+        return next((e["t"] for e in events if e.get("event") == kind), None)
+
+    forked = last("forked")
+    marks = [restart, forked, last("init"), last("joined"), max((e["t"] for e in ready), default=None),
+             first("quorum"), first("heal"), first("commit")]
+    out: dict[str, float | None] = {}
+    for i, name in enumerate(REJOIN_STAGES):
+        begin = marks[i] if marks[i] is not None or name != "start_s" else restart  # spawned: from the restart
+        end = marks[i + 1]
+        out[name] = end - begin if begin is not None and end is not None else None
+    return out
 
 
 def _survivor_gaps(commits: list[dict], kill: float | None) -> list[float]:

@@ -26,6 +26,9 @@ ended or died) the zygote SIGKILLs its children's sessions and exits.
 Forked ranks inherit single-threaded BLAS/OpenMP pools (the client starts the zygote with
 OPENBLAS_NUM_THREADS=OMP_NUM_THREADS=1, required for a fork-safe zygote): right for many rank
 processes on few cores; pass `--start-method spawn` to `ftrun launch` otherwise.
+
+A forked child finds the monotonic time of its fork in FTRUN_FORKED_AT (the training API's `ready` event
+reports it; `ftrun demo` breaks a rejoin down with it).
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ import signal
 import sys
 import traceback
 import types
+
+from ftrun.env.real import RealClock
 
 REQUEST_FD = 0
 # Modules a preloaded module imports on first use (inside a function): a forked rank would import them
@@ -228,6 +233,7 @@ def _child(req: dict, target: "_Target", reply_fd: int, started_fd: int) -> None
     """In the forked child: become the rank process and run the script as __main__; never returns."""
     code = 1
     try:
+        forked_at = RealClock().now()  # the clock a rank's events use
         os.setsid()  # its own process group: the supervisor kills a rank with killpg, as for spawned ones
         os.close(started_fd)  # tells the zygote (which only then hands out the pid)
         if req.get("netns"):  # a host of `ftrun launch --netns-hosts`: the rank lives in its network
@@ -247,6 +253,7 @@ def _child(req: dict, target: "_Target", reply_fd: int, started_fd: int) -> None
         os.chdir(req["cwd"])
         os.environ.clear()
         os.environ.update(req["env"])
+        os.environ["FTRUN_FORKED_AT"] = repr(forked_at)
         if "numpy" in sys.modules:  # spawned processes seed numpy's global RNG from the OS: so do forked ones
             sys.modules["numpy"].random.seed()
         gc.unfreeze()

@@ -162,6 +162,7 @@ def init_from_env(config: FTConfig | None = None, *, environ: Mapping[str, str] 
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)  # ranks share the host; torch's pool would fight FTAR's threads
     env = RealEnv()
+    started = env.clock.now()
     lighthouse = None
     if any(k in environ for k in ("FTRUN_REPLICA_ID", "TORCHELASTIC_RUN_ID", "GROUP_RANK")):
         spec = WorkerSpec.from_environ(environ)  # torchrun without ftrun's replica settings: a clear error
@@ -176,14 +177,16 @@ def init_from_env(config: FTConfig | None = None, *, environ: Mapping[str, str] 
                           run_dir=config.run_dir or tempfile.mkdtemp(prefix="ftrun-run-"))
     if config.run_dir is not None:
         spec = replace(spec, run_dir=config.run_dir)
-    return FTJob(config=config, spec=spec, env=env, lighthouse=lighthouse)
+    return FTJob(config=config, spec=spec, env=env, lighthouse=lighthouse,
+                 startup={"forked": _float_or_none(environ.get("FTRUN_FORKED_AT")), "init": started})
 
 
 class FTJob:
     """This rank's membership in the job. `train` runs once; `close` (or the with-block) leaves the
     job. Threading: the training loop's thread only."""
 
-    def __init__(self, *, config: FTConfig, spec: WorkerSpec, env: RealEnv, lighthouse=None) -> None:
+    def __init__(self, *, config: FTConfig, spec: WorkerSpec, env: RealEnv, lighthouse=None,
+                 startup: dict[str, float | None] | None = None) -> None:
         self.config, self.spec, self.env, self._lighthouse = config, spec, env, lighthouse
         self.comm: ReplicaComm = LocalComm()
         self.mesh = None
@@ -192,6 +195,9 @@ class FTJob:
         self._own: OwnLoop | None = None  # the user's own loop (job.wrap), see ftrun.train.own
         if spec.ranks_per_replica > 1:
             self.comm, self.mesh = _join_replica(spec, config.timeouts)
+        # When this process was forked (by the zygote; None otherwise), entered init_from_env and had
+        # joined its replica's groups: the `ready` event carries them (ftrun demo's rejoin breakdown).
+        self.startup = {**(startup or {}), "joined": env.clock.now()}
 
     @property
     def rank(self) -> int:
@@ -350,7 +356,7 @@ class FTJob:
     def _loop(self, trainer, target: Callable[[], int], hooks: Hooks) -> TrainResult:
         who = {"rank": self.rank}
         self.emit({"event": "ready", "t": self.env.clock.now(), "step": trainer.step, "pid": os.getpid(),
-                   "lineage": trainer.progress.state.lineage, **who})
+                   "lineage": trainer.progress.state.lineage, "startup": self.startup, **who})
         try:
             while trainer.step < target():
                 r = trainer.train_step()
@@ -395,6 +401,13 @@ class FTJob:
 
     def __exit__(self, *exc) -> None:
         self.close(clean=exc[0] is None)
+
+
+def _float_or_none(text: str | None) -> float | None:
+    try:
+        return float(text) if text else None
+    except ValueError:
+        return None
 
 
 def _target(steps: int | Callable[[], int] | None, launcher_steps: int | None) -> Callable[[], int]:

@@ -110,7 +110,8 @@ class OwnLoop:
             size = self.dataset_size if self.dataset_size is not None else self.job.spec.num_replicas
             self.trainer, self._closers = self._build(self.model, self.optimizer, size, self.user)
             self.job.emit({"event": "ready", "t": self.job.env.clock.now(), "step": self.trainer.step,
-                           "lineage": self.trainer.progress.state.lineage, "rank": self.job.rank})
+                           "lineage": self.trainer.progress.state.lineage, "startup": self.job.startup,
+                           "rank": self.job.rank})
         return self.trainer
 
     def close(self, *, clean: bool) -> None:
