@@ -50,7 +50,8 @@ def run(args: argparse.Namespace) -> int:
     run_dir = tempfile.mkdtemp(prefix="ftrun-demo-")
     launcher: Launcher = SpawnLauncher() if args.start_method == "spawn" else ForkServer(
         env=env, script="ftrun.train.ft_worker", module=True, cwd=os.getcwd(),
-        log_path=os.path.join(run_dir, "zygote.log"), run_dir=run_dir, sharded=args.ranks_per_replica > 1)
+        log_path=os.path.join(run_dir, "zygote.log"), run_dir=run_dir, sharded=args.ranks_per_replica > 1,
+        spares=args.ranks_per_replica)
     replicas = [
         ReplicaProcesses(env=env, events=events, log_dir=run_dir,
                          argv=["-m", "ftrun.train.ft_worker", "--steps", "1000000",

@@ -9,7 +9,7 @@ child sets its own session, stdio, working directory, environment and argv and r
 `__main__`, exactly like `python [-m] SCRIPT ARGS` would, only without the start-up cost. The code it runs
 is the script as compiled at preload, so every restart runs the same version even if the file changes.
 
-    python -m ftrun.launch.zygote [--run-dir DIR] [--sharded] (-m MODULE | SCRIPT)
+    python -m ftrun.launch.zygote [--run-dir DIR] [--sharded] [--spares N] (-m MODULE | SCRIPT)
 
 --sharded (the job's replicas have more than one rank): also warm FSDP2 (ftrun.train.warm), whose
 first shard, optimizer step and state load otherwise cost a restarted rank ~1 s of CPU on its rejoin.
@@ -27,8 +27,13 @@ Forked ranks inherit single-threaded BLAS/OpenMP pools (the client starts the zy
 OPENBLAS_NUM_THREADS=OMP_NUM_THREADS=1, required for a fork-safe zygote): right for many rank
 processes on few cores; pass `--start-method spawn` to `ftrun launch` otherwise.
 
-A forked child finds the monotonic time of its fork in FTRUN_FORKED_AT (the training API's `ready` event
-reports it; `ftrun demo` breaks a rejoin down with it).
+Spares (--spares N): the zygote keeps N children forked ahead of any request, each leading its own
+session and blocked on a pipe of its own; a request goes to a spare (the pid is handed out at once,
+without a fork on the restart's critical path) and the spare is replaced right after. A spare holds
+none of the zygote's pipes, so it ends (EOF) when the zygote does; an unused spare's exit is not
+reported. A rank finds in FTRUN_FORKED_AT the monotonic time at which it started being this rank (its
+fork, or its spare's request); the training API's `ready` event reports it (`ftrun demo`'s rejoin
+breakdown).
 """
 
 from __future__ import annotations
@@ -150,53 +155,100 @@ class _Target:
 
 
 class _Server:
-    def __init__(self, reply_fd: int, target: _Target) -> None:
-        self.reply_fd, self.target = reply_fd, target
+    def __init__(self, reply_fd: int, target: _Target, spares: int = 0) -> None:
+        self.reply_fd, self.target, self.num_spares = reply_fd, target, spares
         self.children: set[int] = set()
+        self.spares: list[tuple[int, int]] = []  # (pid, the write end of its request pipe), oldest first
 
     def reply(self, obj: dict) -> None:
         os.write(self.reply_fd, (json.dumps(obj) + "\n").encode())  # < PIPE_BUF: one atomic write
 
     def reap(self, *_: object) -> None:
-        """SIGCHLD: report every ended child."""
-        while self.children:
+        """SIGCHLD: report every ended child (a spare that ended unused is only forgotten)."""
+        while self.children or self.spares:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
                 return
             if pid == 0:
                 return
+            spare = next((s for s in self.spares if s[0] == pid), None)
+            if spare is not None:
+                self.spares.remove(spare)
+                os.close(spare[1])
+                continue
             self.children.discard(pid)
             self.reply({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
 
     def serve(self) -> None:
         signal.signal(signal.SIGCHLD, self.reap)
+        self._refill()
         for line in _lines(REQUEST_FD):
             req = json.loads(line)
-            sys.stdout.flush()
-            sys.stderr.flush()
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})  # the pid goes in before its exit
-            started_r, started_w = os.pipe()
-            pid = os.fork()
-            if pid == 0:
-                os.close(started_r)
-                _child(req, self.target, self.reply_fd, started_w)  # never returns
-            os.close(started_w)
-            os.read(started_r, 1)  # the child leads its session (or died): killpg(pid) reaches it from now on
-            os.close(started_r)
+            pid = self._hand_out(req)
             self.children.add(pid)
             self.reply({"id": req["id"], "pid": pid})
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
+            self._refill()
         self.shutdown()
+
+    def _hand_out(self, req: dict) -> int:
+        """The pid now running `req`: the oldest live spare's, else a fresh fork's. SIGCHLD is blocked."""
+        data = (json.dumps(req) + "\n").encode()
+        while self.spares:
+            pid, fd = self.spares.pop(0)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+                return pid
+            except BrokenPipeError:  # it died unused (its exit is reaped, unreported)
+                continue
+            finally:
+                os.close(fd)
+        return self._fork(req)
+
+    def _refill(self) -> None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
+        try:
+            while len(self.spares) < self.num_spares:
+                self._fork(None)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
+
+    def _fork(self, req: dict | None) -> int:
+        """Fork a child for `req`, or a spare (None); returns once it leads its session. SIGCHLD is blocked."""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        others = [fd for _, fd in self.spares]  # the spares' pipes: never held by another child
+        started_r, started_w = os.pipe()
+        request_r, request_w = os.pipe() if req is None else (-1, -1)
+        pid = os.fork()
+        if pid == 0:
+            os.close(started_r)
+            if req is None:
+                os.close(request_w)
+                _spare(self.target, self.reply_fd, started_w, request_r, others)  # never returns
+            _child(req, self.target, self.reply_fd, started_w, others)  # never returns
+        os.close(started_w)
+        os.read(started_r, 1)  # the child leads its session (or died): killpg(pid) reaches it from now on
+        os.close(started_r)
+        if req is None:
+            os.close(request_r)
+            self.spares.append((pid, request_w))
+        return pid
 
     def shutdown(self) -> None:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        for pid in list(self.children):
+        for pid, fd in self.spares:
+            os.close(fd)  # EOF: the spare exits
+        for pid in list(self.children) + [pid for pid, _ in self.spares]:
             try:
                 os.killpg(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        for pid in list(self.children):
+        for pid in list(self.children) + [pid for pid, _ in self.spares]:
             try:
                 os.waitpid(pid, 0)
             except ChildProcessError:
@@ -229,13 +281,41 @@ def _run_main(target: "_Target") -> None:
     exec(target.code, main.__dict__)
 
 
-def _child(req: dict, target: "_Target", reply_fd: int, started_fd: int) -> None:
-    """In the forked child: become the rank process and run the script as __main__; never returns."""
+def _spare(target: "_Target", reply_fd: int, started_fd: int, request_fd: int, others: list[int]) -> None:
+    """In a spare: lead a session, let go of the zygote's pipes, wait for a request and become its rank
+    process (_child); exit at EOF (the zygote ended). Never returns."""
+    try:
+        os.setsid()
+        os.close(started_fd)
+        for fd in (reply_fd, *others):
+            os.close(fd)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, REQUEST_FD)  # the zygote's request pipe: not held by a spare
+        os.close(null)
+        data = b""
+        while not data.endswith(b"\n"):
+            chunk = os.read(request_fd, 65536)
+            if not chunk:
+                os._exit(0)
+            data += chunk
+        os.close(request_fd)
+        req = json.loads(data)
+    except BaseException:
+        os._exit(1)
+    _child(req, target, None, None, [])
+
+
+def _child(req: dict, target: "_Target", reply_fd: int | None, started_fd: int | None, others: list[int]) -> None:
+    """In the forked child (or a spare given its request: no fds to close, already leading its session):
+    become the rank process and run the script as __main__; never returns."""
     code = 1
     try:
         forked_at = RealClock().now()  # the clock a rank's events use
-        os.setsid()  # its own process group: the supervisor kills a rank with killpg, as for spawned ones
-        os.close(started_fd)  # tells the zygote (which only then hands out the pid)
+        if started_fd is not None:
+            os.setsid()  # its own process group: the supervisor kills a rank with killpg, as for spawned ones
+            os.close(started_fd)  # tells the zygote (which only then hands out the pid)
+        for fd in others:
+            os.close(fd)
         if req.get("netns"):  # a host of `ftrun launch --netns-hosts`: the rank lives in its network
             from ftrun.launch.netns import netns_path, setns
 
@@ -244,7 +324,8 @@ def _child(req: dict, target: "_Target", reply_fd: int, started_fd: int) -> None
             os.close(fd)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
-        os.close(reply_fd)
+        if reply_fd is not None:
+            os.close(reply_fd)
         for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, req["stdout"], os.O_WRONLY | os.O_APPEND | os.O_CREAT),
                                 (2, req["stderr"], os.O_WRONLY | os.O_APPEND | os.O_CREAT)):
             new = os.open(path, flags, 0o644)
@@ -293,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-dir", default=None, help="the job's folder (only so that ps shows whose zygote it is)")
     p.add_argument("-m", "--module", action="store_true")
     p.add_argument("--sharded", action="store_true", help="also warm FSDP2 (replicas of more than one rank)")
+    p.add_argument("--spares", type=int, default=0, help="children kept forked ahead of requests")
     p.add_argument("target")
     args = p.parse_args(argv)
     reply_fd = os.dup(1)
@@ -303,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     gc.collect()
     gc.freeze()  # keep the preloaded objects' pages shared with the children (no refcount/GC writes)
     threads = num_threads()
-    server = _Server(reply_fd, _Target(args.target, args.module, code, path))
+    server = _Server(reply_fd, _Target(args.target, args.module, code, path), spares=max(args.spares, 0))
     ready = threads == 1
     reason = "ok" if ready else f"{threads} threads after loading the script's imports: fork is unsafe"
     server.reply({"ready": ready, "reason": reason, "threads": threads, "seconds": _now() - started,
