@@ -12,7 +12,10 @@ is the script as compiled at preload, so every restart runs the same version eve
     python -m ftrun.launch.zygote [--run-dir DIR] [--sharded] [--spares N] (-m MODULE | SCRIPT)
 
 --sharded (the job's replicas have more than one rank): also warm FSDP2 (ftrun.train.warm), whose
-first shard, optimizer step and state load otherwise cost a restarted rank ~1 s of CPU on its rejoin.
+first shard, optimizer step and state load otherwise cost a restarted rank ~1 s of CPU on its rejoin;
+and later, once, with the job's own parameter shapes: children inherit the write end of a warm pipe
+(FTRUN_ZYGOTE_WARM_FD), the first rank to build its trainer sends the path of its shapes there, and the
+zygote warms them between requests (its spares are then replaced by children forked after the warm).
 
 Protocol, JSON lines: requests on stdin `{"id", "argv", "env", "cwd", "stdout", "stderr"[, "netns"]}`
 (argv[0] is the module name for -m, else the script path; stdout/stderr are file paths, appended to;
@@ -46,6 +49,7 @@ import importlib.util
 import json
 import os
 import runpy
+import select
 import signal
 import sys
 import traceback
@@ -155,10 +159,13 @@ class _Target:
 
 
 class _Server:
-    def __init__(self, reply_fd: int, target: _Target, spares: int = 0) -> None:
+    def __init__(self, reply_fd: int, target: _Target, spares: int = 0, warm_pipe: bool = False) -> None:
         self.reply_fd, self.target, self.num_spares = reply_fd, target, spares
         self.children: set[int] = set()
         self.spares: list[tuple[int, int]] = []  # (pid, the write end of its request pipe), oldest first
+        self.retired: set[int] = set()  # spares let go unused (their exits are not reported)
+        self.warm_r, self.warm_w = os.pipe() if warm_pipe else (-1, -1)
+        self.warmed = False
 
     def reply(self, obj: dict) -> None:
         os.write(self.reply_fd, (json.dumps(obj) + "\n").encode())  # < PIPE_BUF: one atomic write
@@ -177,13 +184,19 @@ class _Server:
                 self.spares.remove(spare)
                 os.close(spare[1])
                 continue
+            if pid in self.retired:
+                self.retired.discard(pid)
+                continue
             self.children.discard(pid)
             self.reply({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
 
     def serve(self) -> None:
         signal.signal(signal.SIGCHLD, self.reap)
         self._refill()
-        for line in _lines(REQUEST_FD):
+        for fd, line in _lines(REQUEST_FD, self.warm_r):
+            if fd == self.warm_r:
+                self._warm_shapes(line.decode())
+                continue
             req = json.loads(line)
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})  # the pid goes in before its exit
             pid = self._hand_out(req)
@@ -209,6 +222,30 @@ class _Server:
                 os.close(fd)
         return self._fork(req)
 
+    def _warm_shapes(self, path: str) -> None:
+        """A rank sent the job's shapes (ftrun.train.warm.announce): warm them once, then replace the
+        spares (forked before the warm) with fresh ones. A spec that fails is logged and ignored."""
+        if self.warmed:
+            return
+        self.warmed = True
+        try:
+            from ftrun.train.warm import warm_sharding
+
+            with open(path, encoding="utf-8") as f:
+                warm_sharding(json.load(f))
+        except Exception as e:  # a warm-up is an optimisation: never a reason to stop forking
+            print(f"zygote: warming the job's shapes from {path} failed: {type(e).__name__}: {e}", file=sys.stderr)
+            return
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
+        try:
+            old, self.spares = self.spares, []
+            for pid, fd in old:
+                os.close(fd)  # EOF: the spare exits
+                self.retired.add(pid)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
+        self._refill()
+
     def _refill(self) -> None:
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
         try:
@@ -222,6 +259,8 @@ class _Server:
         sys.stdout.flush()
         sys.stderr.flush()
         others = [fd for _, fd in self.spares]  # the spares' pipes: never held by another child
+        if self.warm_r >= 0:
+            others.append(self.warm_r)
         started_r, started_w = os.pipe()
         request_r, request_w = os.pipe() if req is None else (-1, -1)
         pid = os.fork()
@@ -229,8 +268,8 @@ class _Server:
             os.close(started_r)
             if req is None:
                 os.close(request_w)
-                _spare(self.target, self.reply_fd, started_w, request_r, others)  # never returns
-            _child(req, self.target, self.reply_fd, started_w, others)  # never returns
+                _spare(self.target, self.reply_fd, started_w, request_r, others, self.warm_w)  # never returns
+            _child(req, self.target, self.reply_fd, started_w, others, self.warm_w)  # never returns
         os.close(started_w)
         os.read(started_r, 1)  # the child leads its session (or died): killpg(pid) reaches it from now on
         os.close(started_r)
@@ -255,15 +294,26 @@ class _Server:
                 pass
 
 
-def _lines(fd: int):
-    buf = b""
+def _lines(fd: int, other: int = -1):
+    """(fd, line) for every complete line from `fd` and from `other` (when >= 0), as they come; ends
+    when `fd` closes (`other` closing only stops reading it)."""
+    bufs = {fd: b"", other: b""}
+    open_fds = [f for f in (fd, other) if f >= 0]
     while True:
-        chunk = os.read(fd, 65536)
-        if not chunk:
-            return
-        buf += chunk
-        *complete, buf = buf.split(b"\n")
-        yield from (c for c in complete if c.strip())
+        try:
+            readable = select.select(open_fds, [], [])[0] if len(open_fds) > 1 else open_fds
+        except InterruptedError:  # pragma: no cover (PEP 475 retries; kept for old signal handlers)
+            continue
+        for f in readable:
+            chunk = os.read(f, 65536)
+            if not chunk:
+                if f == fd:
+                    return
+                open_fds.remove(f)
+                continue
+            bufs[f] += chunk
+            *complete, bufs[f] = bufs[f].split(b"\n")
+            yield from ((f, c) for c in complete if c.strip())
 
 
 def _run_main(target: "_Target") -> None:
@@ -281,7 +331,8 @@ def _run_main(target: "_Target") -> None:
     exec(target.code, main.__dict__)
 
 
-def _spare(target: "_Target", reply_fd: int, started_fd: int, request_fd: int, others: list[int]) -> None:
+def _spare(target: "_Target", reply_fd: int, started_fd: int, request_fd: int, others: list[int],
+           warm_fd: int = -1) -> None:
     """In a spare: lead a session, let go of the zygote's pipes, wait for a request and become its rank
     process (_child); exit at EOF (the zygote ended). Never returns."""
     try:
@@ -302,10 +353,11 @@ def _spare(target: "_Target", reply_fd: int, started_fd: int, request_fd: int, o
         req = json.loads(data)
     except BaseException:
         os._exit(1)
-    _child(req, target, None, None, [])
+    _child(req, target, None, None, [], warm_fd)
 
 
-def _child(req: dict, target: "_Target", reply_fd: int | None, started_fd: int | None, others: list[int]) -> None:
+def _child(req: dict, target: "_Target", reply_fd: int | None, started_fd: int | None, others: list[int],
+           warm_fd: int = -1) -> None:
     """In the forked child (or a spare given its request: no fds to close, already leading its session):
     become the rank process and run the script as __main__; never returns."""
     code = 1
@@ -335,6 +387,8 @@ def _child(req: dict, target: "_Target", reply_fd: int | None, started_fd: int |
         os.environ.clear()
         os.environ.update(req["env"])
         os.environ["FTRUN_FORKED_AT"] = repr(forked_at)
+        if warm_fd >= 0:  # where the training API tells the zygote the job's shapes (ftrun.train.warm)
+            os.environ["FTRUN_ZYGOTE_WARM_FD"] = str(warm_fd)
         if "numpy" in sys.modules:  # spawned processes seed numpy's global RNG from the OS: so do forked ones
             sys.modules["numpy"].random.seed()
         gc.unfreeze()
@@ -385,7 +439,8 @@ def main(argv: list[str] | None = None) -> int:
     gc.collect()
     gc.freeze()  # keep the preloaded objects' pages shared with the children (no refcount/GC writes)
     threads = num_threads()
-    server = _Server(reply_fd, _Target(args.target, args.module, code, path), spares=max(args.spares, 0))
+    server = _Server(reply_fd, _Target(args.target, args.module, code, path), spares=max(args.spares, 0),
+                     warm_pipe=args.sharded)
     ready = threads == 1
     reason = "ok" if ready else f"{threads} threads after loading the script's imports: fork is unsafe"
     server.reply({"ready": ready, "reason": reason, "threads": threads, "seconds": _now() - started,

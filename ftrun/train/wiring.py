@@ -6,6 +6,7 @@ Kept apart from ftrun.train.api so the API module stays the user's page. Threadi
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -31,9 +32,12 @@ from ftrun.train.overlap import OverlapExchange
 from ftrun.train.state import ReplicaState
 from ftrun.train.trainer import FaultTolerantTrainer, LossFn, TrainerConfig, build
 from ftrun.train.user_state import UserState, WithUserState
+from ftrun.train.warm import announce, shapes_spec
 
 if TYPE_CHECKING:
     from ftrun.train.api import FTJob, Hooks
+
+log = logging.getLogger("ftrun.train")
 
 
 def replica_ids(num_replicas: int) -> tuple[str, ...]:
@@ -122,6 +126,11 @@ def _build(*, job: "FTJob", model: torch.nn.Module, optimizer: torch.optim.Optim
                               timeout_s=t.heartbeat_timeout_s)
             lighthouse.healthy = lambda: watch.healthy(trainer.manager.rank_ftar_addrs())
             closers.insert(0, watch.close)
+        if spec.ranks_per_replica > 1:  # the zygote, if any, warms this model's shapes for later restarts
+            try:
+                announce(shapes_spec(model, optimizer, spec.ranks_per_replica), spec.run_dir)
+            except OSError as e:  # an optimisation only
+                log.warning("could not tell the zygote this job's shapes: %s", e)
         if spec.diagnose:  # root-cause telemetry, served to the collector beside the lighthouse
             closers.append(_serve_telemetry(job, engine=engine, lighthouse=lighthouse, trainer=trainer).stop)
     except BaseException:

@@ -44,11 +44,11 @@ def launch(out, *args: str, timeout: float = 100.0) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(180)
 def test_launch_kills_at_a_step_restarts_and_reports(tmp_path):
     f = launch(tmp_path, "--replicas", "3", "--ranks-per-replica", "1", "--steps", "60", "--kill-at",
                "step=8,replica=r1", "--min-replicas", "2", "--timeout", "90s", "-m", "ftrun.train.ft_worker",
-               "--step-time", "0.1")
+               "--step-time", "0.1", timeout=160)
     assert f["complete"] and f["steps_reached"] >= 60 and f["start_method"] == "fork-server"
     assert f["failures_injected"] == 1 and f["restarts"] == 1 and f["crashes"] == 0
     assert 0.8 < f["step_efficiency"] < 1
@@ -64,12 +64,13 @@ def test_launch_kills_at_a_step_restarts_and_reports(tmp_path):
     assert any(len(r["replicas_committed"]) == 2 for r in rows) and rows[-1]["replicas_committed"] == ["r0", "r1", "r2"]
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(180)
 @pytest.mark.slow
 def test_launch_two_ranks_per_replica_with_kill_every(tmp_path):
-    """3 replicas x 2 ranks (gloo inside each replica), a kill every 4 s: efficiency near its theory."""
+    """3 replicas x 2 ranks (FSDP2 inside each replica), a kill every 4 s: efficiency near its theory."""
     f = launch(tmp_path, "--replicas", "3", "--ranks-per-replica", "2", "--steps", "150", "--kill-every", "4s",
-               "--restart-delay", "0.2s", "--timeout", "100s", "-m", "ftrun.train.ft_worker", "--step-time", "0.05")
+               "--restart-delay", "0.2s", "--timeout", "100s", "-m", "ftrun.train.ft_worker", "--step-time", "0.05",
+               timeout=160)  # the real trainer's start and report take tens of seconds on a loaded 2-core box
     assert f["complete"] and f["failures_injected"] >= 2 and f["crashes"] == 0
     assert f["theoretical_efficiency"] is not None
     assert abs(f["step_efficiency"] - f["theoretical_efficiency"]) < 0.08, f

@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from ftrun.launch.procs import ZYGOTE_ENV
+from ftrun.train.warm import announce, warm_sharding
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -24,6 +25,13 @@ from ftrun.launch import zygote
 code, path, failed = zygote.preload("ftrun.train.ft_worker", module=True, sharded=SHARDED)
 out = {"threads": zygote.num_threads(), "initialized": dist.is_initialized(), "failed": failed,
        "wiring": "ftrun.train.wiring" in sys.modules, "fsdp_warm": "ftrun.train.warm" in sys.modules}
+import torch
+from ftrun.train.toy import ToyConfig, make_model
+from ftrun.train.warm import shapes_spec, warm_sharding
+model = make_model(ToyConfig())
+spec = json.loads(json.dumps(shapes_spec(model, torch.optim.AdamW(model.parameters(), lr=1e-3), 2)))  # as read back
+warm_sharding(spec)  # the job's own shapes, as the zygote warms them once a rank announced them
+out["after_spec"] = [zygote.num_threads(), dist.is_initialized()]
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 from ftrun.train.warm import warm_sharding
 try:
@@ -50,3 +58,34 @@ def test_preload_warms_wiring_and_fsdp2_and_stays_fork_safe():
     assert out["wiring"]  # imported by FTJob.train on first use: preloaded instead
     assert out["fsdp_warm"] is sharded
     assert "without a default process group" in out["refused"]
+    assert out["after_spec"] == [1, False]
+
+
+def test_a_rank_announces_the_jobs_shapes_to_its_zygote_once(tmp_path):
+    spec = {"world": 2, "params": [[[4, 3], "float32", True]], "optimizer": ["torch.optim.adamw", "AdamW", {}]}
+    assert not announce(spec, str(tmp_path), environ={})  # not forked by a zygote: nobody to tell
+    r, w = os.pipe()
+    try:
+        env = {"FTRUN_ZYGOTE_WARM_FD": str(w)}
+        assert announce(spec, str(tmp_path), environ=env)
+        assert not announce(spec, str(tmp_path), environ=env)  # another rank did already
+        path = os.read(r, 4096).decode()
+        assert path == str(tmp_path / "zygote-warm-2.json") + "\n"
+        assert json.loads((tmp_path / "zygote-warm-2.json").read_text()) == spec
+        assert sorted(os.listdir(tmp_path)) == ["zygote-warm-2.json"]  # no temp file left
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+@pytest.mark.parametrize("bad,message", [
+    ({"world": 1}, "'world' must be an integer >= 2, got 1"),
+    ({"world": 2, "params": [], "optimizer": ["os", "system", {}]}, "'optimizer' must name a torch.optim class"),
+    ({"world": 2, "params": None, "optimizer": ["torch.optim.sgd", "SGD", {}]}, "'params' must be a list"),
+])
+def test_a_bad_spec_is_refused_before_any_group_exists(bad, message):
+    import torch.distributed as dist
+
+    with pytest.raises(ValueError, match=message):
+        warm_sharding(bad)
+    assert not dist.is_initialized()
