@@ -32,7 +32,8 @@ processes on few cores; pass `--start-method spawn` to `ftrun launch` otherwise.
 
 Spares (--spares N): the zygote keeps N children forked ahead of any request, each leading its own
 session and blocked on a pipe of its own; a request goes to a spare (the pid is handed out at once,
-without a fork on the restart's critical path) and the spare is replaced right after. A spare holds
+without a fork on the restart's critical path), and spares are replaced once no request came for
+REFILL_IDLE_S (a replica's ranks are requested back to back: none of them waits for a refill fork). A spare holds
 none of the zygote's pipes, so it ends (EOF) when the zygote does; an unused spare's exit is not
 reported. A rank finds in FTRUN_FORKED_AT the monotonic time at which it started being this rank (its
 fork, or its spare's request); the training API's `ready` event reports it (`ftrun demo`'s rejoin
@@ -54,10 +55,12 @@ import signal
 import sys
 import traceback
 import types
+from typing import Callable
 
 from ftrun.env.real import RealClock
 
 REQUEST_FD = 0
+REFILL_IDLE_S = 0.2  # spares are forked again once requests have paused this long
 # Modules a preloaded module imports on first use (inside a function): a forked rank would import them
 # after the fork, on a restart's critical path, so the zygote imports them with the script's imports.
 LAZY_IMPORTS = {"ftrun.train.api": ("ftrun.train.wiring",)}
@@ -191,9 +194,10 @@ class _Server:
             self.reply({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
 
     def serve(self) -> None:
+        """Requests (and warm notices) until stdin closes; spares refilled when requests pause."""
         signal.signal(signal.SIGCHLD, self.reap)
         self._refill()
-        for fd, line in _lines(REQUEST_FD, self.warm_r):
+        for fd, line in _lines(REQUEST_FD, self.warm_r, idle=self._idle):
             if fd == self.warm_r:
                 self._warm_shapes(line.decode())
                 continue
@@ -203,8 +207,17 @@ class _Server:
             self.children.add(pid)
             self.reply({"id": req["id"], "pid": pid})
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
-            self._refill()
         self.shutdown()
+
+    def _idle(self, timed_out: bool) -> float | None:
+        """Before waiting for input: refill the spares once requests paused (the last wait timed out);
+        returns how long to wait before asking again (None: until input comes)."""
+        if len(self.spares) >= self.num_spares:
+            return None
+        if timed_out:
+            self._refill()
+            return None
+        return REFILL_IDLE_S
 
     def _hand_out(self, req: dict) -> int:
         """The pid now running `req`: the oldest live spare's, else a fresh fork's. SIGCHLD is blocked."""
@@ -294,16 +307,16 @@ class _Server:
                 pass
 
 
-def _lines(fd: int, other: int = -1):
+def _lines(fd: int, other: int = -1, idle: Callable[[bool], float | None] = lambda timed_out: None):
     """(fd, line) for every complete line from `fd` and from `other` (when >= 0), as they come; ends
-    when `fd` closes (`other` closing only stops reading it)."""
+    when `fd` closes (`other` closing only stops reading it). Before every wait for input,
+    `idle(the last wait timed out)` says how long to wait at most (None: until input comes)."""
     bufs = {fd: b"", other: b""}
     open_fds = [f for f in (fd, other) if f >= 0]
+    timed_out = False
     while True:
-        try:
-            readable = select.select(open_fds, [], [])[0] if len(open_fds) > 1 else open_fds
-        except InterruptedError:  # pragma: no cover (PEP 475 retries; kept for old signal handlers)
-            continue
+        readable = select.select(open_fds, [], [], idle(timed_out))[0]
+        timed_out = not readable
         for f in readable:
             chunk = os.read(f, 65536)
             if not chunk:

@@ -1,6 +1,7 @@
 """The zygote's spares: requests are served by children forked ahead (pids handed out, argv/env/stdio
-applied, exits reported), more requests than spares still work, and closing the fork server leaves no
-process behind, spares included. A plain script (no torch): fast."""
+applied, exits reported), more requests than spares still work, spares are forked again once requests
+pause, and closing the fork server leaves no process behind, spares included. A plain script (no torch):
+fast."""
 
 from __future__ import annotations
 
@@ -61,8 +62,11 @@ def test_spares_run_requests_and_leave_nothing_behind(tmp_path):
         assert waiting.poll() is None
         waiting.kill()
         assert waiting.wait(30) == -9
-        spares = [p for p in zygote_family(run_dir) if p.pid not in {h.pid for h, _, _ in handles}]
-        assert len(spares) == 3  # the zygote and its two spares, ready for the next requests
+        used = {h.pid for h, _, _ in handles}
+        deadline = env.clock.now() + 30  # spares are forked again once requests pause (REFILL_IDLE_S)
+        while len(rest := [p for p in zygote_family(run_dir) if p.pid not in used]) < 3 and env.clock.now() < deadline:
+            env.clock.sleep(0.05)
+        assert len(rest) == 3  # the zygote and its two spares, ready for the next requests
     finally:
         server.close()
     assert zygote_family(run_dir) == []
