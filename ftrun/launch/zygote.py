@@ -33,9 +33,9 @@ processes on few cores; pass `--start-method spawn` to `ftrun launch` otherwise.
 Spares (--spares N): the zygote keeps N children forked ahead of any request, each leading its own
 session and blocked on a pipe of its own; a request goes to a spare (the pid is handed out at once,
 without a fork on the restart's critical path), and spares are replaced once no request came for
-REFILL_IDLE_S (a replica's ranks are requested back to back: none of them waits for a refill fork). A spare holds
-none of the zygote's pipes, so it ends (EOF) when the zygote does; an unused spare's exit is not
-reported. A rank finds in FTRUN_FORKED_AT the monotonic time at which it started being this rank (its
+REFILL_IDLE_S (a replica's ranks are requested back to back: none of them waits for a refill fork).
+A spare holds none of the zygote's pipes, so it ends (EOF) when the zygote does; an unused spare's
+exit is not reported. A rank finds in FTRUN_FORKED_AT the monotonic time at which it started being this rank (its
 fork, or its spare's request); the training API's `ready` event reports it (`ftrun demo`'s rejoin
 breakdown).
 """
@@ -95,7 +95,8 @@ def top_level_imports(source: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def preload(target: str, *, module: bool, sharded: bool = False) -> tuple[types.CodeType | None, str | None, list[str]]:
+def preload(target: str, *, module: bool,
+            sharded: bool = False) -> tuple[types.CodeType | None, str | None, list[str]]:
     """Import the target's top-level imports and warm lazily loaded parts.
 
     Returns the target's compiled code (None without a readable source), its path, and the imports that
@@ -175,7 +176,7 @@ class _Server:
 
     def reap(self, *_: object) -> None:
         """SIGCHLD: report every ended child (a spare that ended unused is only forgotten)."""
-        while self.children or self.spares:
+        while self.children or self.spares or self.retired:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:

@@ -105,7 +105,8 @@ def shapes_spec(model: torch.nn.Module, optimizer: torch.optim.Optimizer, world_
                 if isinstance(v, (bool, int, float, str, type(None))) or
                 (isinstance(v, tuple) and all(isinstance(x, (int, float)) for x in v))}
     return {"world": world_size,
-            "params": [[list(p.shape), str(p.dtype).removeprefix("torch."), p.requires_grad] for p in model.parameters()],
+            "params": [[list(p.shape), str(p.dtype).removeprefix("torch."), p.requires_grad]
+                       for p in model.parameters()],
             "optimizer": [cls.__module__, cls.__qualname__, defaults]}
 
 
