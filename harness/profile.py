@@ -131,10 +131,15 @@ class TrainConfig:
     # Per catch-up fetch, on top of the modeled network: the real client/server's per-request work
     # (HTTP, manifest, CRC) that the emulated transport does not do (`ftrun calibrate` measures it).
     catchup_fetch_extra_s: float = 0.0
+    # The job's rank processes share this many CPU cores (one machine running them all, as `ftrun launch`
+    # does; `ftrun calibrate` measures the effective figure): while N ranks are up, a step's compute takes
+    # max(1, N / shared_cpu_cores) x step_compute_s. 0: every rank has CPUs of its own.
+    shared_cpu_cores: float = 0.0
 
     def __post_init__(self) -> None:
         _positive(self, "step_compute_s", "steps", "min_replicas")
-        _non_negative(self, "first_step_extra_s", "first_batch_s", "step_jitter", "catchup_fetch_extra_s")
+        _non_negative(self, "first_step_extra_s", "first_batch_s", "step_jitter", "catchup_fetch_extra_s",
+                      "shared_cpu_cores")
         _one_of(self, "lr_intervention", ("none", "linear", "sqrt"))
         _check(self.step_jitter < 1, "step_jitter", "< 1", self.step_jitter)
 

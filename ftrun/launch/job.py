@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 import secrets
+import signal
 import sys
 from dataclasses import replace
 from typing import Callable
@@ -20,6 +21,7 @@ from ftrun.env.real_store import bound_store
 from ftrun.launch.checks import unfired_kills
 from ftrun.launch.crashes import CrashLog, summarize_stderr
 from ftrun.launch.faults import KillPlan
+from ftrun.launch.inject import Action, InjectPlan
 from ftrun.launch.interrupts import Interrupts
 from ftrun.launch.procs import Launcher
 from ftrun.launch.report import JobResult
@@ -51,9 +53,16 @@ class Job:
         self.status_server = self.make_status_server()
         self.event_log = open(os.path.join(out, "events.jsonl"), "w", buffering=1)  # line by line: tail -f works
         argv = (["-m", args.script] if args.module else [args.script]) + list(args.script_args)
+        self.injected = InjectPlan(list(getattr(args, "inject", None) or [])) if inject else None
+        self.fault_file = os.path.join(out, "faults.json") if self.injected is not None and self.injected.slow else None
+        self._slow_written: str | None = None  # the catch-up fault the fault file holds now
+        self._quorum_at: dict[str, tuple[int, float]] = {}  # replica -> (step, t) of its running rank 0's quorum
+        self._committed_at: dict[str, tuple[int, float]] = {}  # ... and of its latest commit
+        self._q2c: list[float] = []  # recent quorum-to-commit times (the --inject at= unit)
         self.replicas = {f"r{i}": ReplicaProcesses(
             env=env, events=self.events, log_dir=os.path.join(out, "logs"), argv=argv,
-            launcher=self.launcher_for(f"r{i}", launcher), spec=self._diagnosed(self.spec(i)))
+            launcher=self.launcher_for(f"r{i}", launcher),
+            spec=replace(self._diagnosed(self.spec(i)), fault_file=self.fault_file))
             for i in range(args.replicas)}
         self.down_until: dict[str, float] = {}  # replica -> when to restart it
         self.done: set[str] = set()  # exited cleanly, or stopped at the end
@@ -161,8 +170,15 @@ class Job:
             self._evict(ev)
         elif kind == "quorum" and current:
             self.quorum_of[rid] = list(ev.get("participants", []))
+            if ev.get("rank", 0) == 0 and "t" in ev:
+                self._quorum_at[rid] = (ev["step"], ev["t"])
         elif kind == "commit" and current and ev.get("rank", 0) == 0:
             self.last_commit[rid] = ev["step"]
+            if "t" in ev:
+                q = self._quorum_at.get(rid)
+                if q is not None and q[0] == ev["step"] - 1:
+                    self._q2c = (self._q2c + [ev["t"] - q[1]])[-50:]
+                self._committed_at[rid] = (ev["step"], ev["t"])
             self.crashes_in_a_row.pop(rid, None)
             self.crash_log.committed(rid, self.stats.max_step)
             if ev["step"] >= self.goal and self.finished_at is None:
@@ -171,6 +187,8 @@ class Job:
             self.steady = True
             if self.plan is not None:
                 self.plan.start(self.env.clock.now())  # kill clocks start once every replica has joined
+            if self.injected is not None:
+                self.injected.start(self.env.clock.now())
             self.record({"event": "steady", "t": self.env.clock.now(), "step": self.stats.steady_step})
 
     def _on_evict_notice(self, entry: dict) -> None:
@@ -225,6 +243,8 @@ class Job:
         rep.kill()
         self.live.pop(rid, None)
         self.last_commit.pop(rid, None)
+        self._committed_at.pop(rid, None)
+        self._quorum_at.pop(rid, None)
         backoff = 2 ** min(self.crashes_in_a_row.get(rid, 0), 6)  # a replica that keeps crashing waits longer
         self.down_until[rid] = now + self.args.restart_delay * backoff
         self.record({"event": "kill", "replica_id": rid, "incarnation": rep.spec.incarnation, "t": now, "why": why,
@@ -250,12 +270,60 @@ class Job:
                 self._on_crash(rid, codes)
                 if self.too_few:
                     return  # the job ends
+        if self.injected is not None and self.finished_at is None and not self.too_few:
+            self.inject_faults(now)
         if self.plan is None or self.finished_at is not None or self.too_few:
             return  # the job reached its goal: no more injected failures
         if self.args.max_kills is not None and self.stats.num_kills >= self.args.max_kills:
             self._end_early()
             return
         self.inject_due(now, [r for r in self.replicas if r not in self.down_until and r not in self.done])
+
+    # -- --inject: crashes, hangs, host losses, slow fetches ------------------------------------------------
+    host_cuts = False  # a host loss cuts the replica's host off the network (NetnsJob), else stops its ranks
+
+    def inject_faults(self, now: float) -> None:
+        """Carry out the --inject actions due now, and keep the fault file's slow fetch current."""
+        up = {r for r in self.replicas if r not in self.down_until and r not in self.done}
+        q2c = sorted(self._q2c)
+        compute_s = q2c[len(q2c) // 2] if q2c else None
+        for action in self.injected.due(now, self.stats.max_step, compute_s, up, self.host_cuts, self._committed_at):
+            self.act(action, now)
+        if self.fault_file is not None:
+            catching_up = {r for r in self.live if r not in self.last_commit and r not in self.down_until}
+            slow = self.injected.slow_fetch_for(catching_up)
+            text = "" if slow is None else f"kind=slow,factor={slow.factor!r},delay={slow.delay_s!r}"
+            if text != self._slow_written:
+                self._slow_written = text
+                tmp = self.fault_file + ".tmp"
+                with open(tmp, "w") as f:
+                    json.dump({"catchup": text}, f)
+                os.replace(tmp, self.fault_file)  # the ranks reload it before each step
+                self.record({"event": "slow_fetch", "t": now, "replica_id": slow.replica_id if slow else None,
+                             "active": slow is not None, "fault": text})
+
+    def act(self, action: Action, now: float) -> None:
+        f = action.fault
+        rid = f.replica_id
+        common = {"replica_id": rid, "incarnation": self.replicas[rid].spec.incarnation, "t": now,
+                  "step": self.stats.max_step, "fault": f.describe()}
+        if action.what == "crash":
+            self.kill(rid, "injected", fault=f.describe())
+            return
+        if action.what in ("cut", "uncut"):
+            self.cut_host(rid, action.what == "cut")
+        else:
+            ranks = range(self.args.ranks_per_replica) if f.rank is None else [f.rank]
+            sig = signal.SIGSTOP if action.what == "stop" else signal.SIGCONT
+            for r in ranks:
+                _signal_group(self.replicas[rid].procs[r].pid, sig)
+        kind = "hang" if action.what in ("stop", "cut") else "fault_end"
+        self.record({"event": kind, **common, "kind": f.kind, "ranks": None if f.rank is None else [f.rank],
+                     "how": action.what})
+
+    def cut_host(self, rid: str, cut: bool) -> None:
+        """Cut the host of `rid` off the network (cut=False: restore it). Only where hosts are namespaces."""
+        raise NotImplementedError("a host cut needs --netns-hosts")
 
     def _on_crash(self, rid: str, codes: list[int | None]) -> None:
         """A rank of `rid` exited with an error: stop the replica's other ranks and take in what they wrote,
@@ -310,7 +378,9 @@ class Job:
     def kill_warnings(self) -> list[str]:
         if self.plan is None:
             return []
-        return unfired_kills(pending=self.plan.pending, every_s=self.args.kill_every,
+        unfired = [f"--inject {f.describe()!r} never fired (the job never reached it with the replica up)"
+                   for f in (self.injected.pending if self.injected is not None else [])]
+        return unfired + unfired_kills(pending=self.plan.pending, every_s=self.args.kill_every,
                              random_mean_s=self.args.kill_random_mean, num_timed_kills=self.plan.num_timed_kills,
                              max_kills=self.args.max_kills, num_kills=self.stats.num_kills)
 
@@ -369,6 +439,17 @@ def _progress(bar: tqdm, job: Job) -> None:
     committed, total = s.efficiency()
     bar.set_postfix(replicas=len(row.committed) if row else 0, committed=f"{100 * committed / max(total, 1):.1f}%",
                     loss=f"{row.loss:.3f}" if row and row.loss is not None else "-", kills=s.num_kills, refresh=False)
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    """Send `sig` to the process group `pid` leads (a rank and its children), or to the process; gone: no-op."""
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def _write_private(path: str, text: str) -> None:

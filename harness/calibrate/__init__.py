@@ -4,7 +4,8 @@ and write a scale profile for it.
 Measures (harness.calibrate.measure, harness.calibrate.procs): the step compute time of the model (the toy
 LM `ftrun.train.ft_worker` trains, in this process; with SCRIPT.py or `-m MODULE`, the median quorum-to-commit
 time of that script run by `ftrun launch` as one replica of one rank), 127.0.0.1 TCP and Unix socket
-one-way latency and bandwidth, shared-memory bandwidth, the real HTTP catch-up's cost per fetch and per
+one-way latency and bandwidth, shared-memory bandwidth, how the step slows with N rank processes computing at
+once (the machine's effective cores for ranks), the real HTTP catch-up's cost per fetch and per
 byte (from a source process that trains meanwhile), a local atomic file write (loader_state, audit), the
 CPU FTAR kernels' reduce and copy throughput, zygote-forked and spawned process start, and crash
 detection (SIGKILL to the launcher seeing the exit, and to a TCP peer seeing the reset).
@@ -34,7 +35,7 @@ from pathlib import Path
 from statistics import median
 
 from ftrun.cli import UsageError, emit_json
-from harness.calibrate.measure import (Figure, catchup_costs, ftar_kernels, shm_bandwidth, step_compute,
+from harness.calibrate.measure import (Figure, catchup_costs, concurrent_steps, ftar_kernels, shm_bandwidth, step_compute,
                                        storage_write, stream_pair)
 from harness.calibrate.procs import process_figures
 from harness.calibrate.provenance import calibrated_document, to_toml
@@ -109,6 +110,8 @@ def measure_all(*, quick: bool, script: str | None, script_steps: int, module: b
         take("step (script)", _script_step, script, script_steps, module)
     else:
         take("step", step_compute, reps=10 if quick else 50, warmup=3 if quick else 10)
+    take("contention", concurrent_steps, max_procs=2 if quick else 8, reps=5 if quick else 20,
+         warmup=2 if quick else 3)
     mb = 16 << 20 if quick else 128 << 20
     take("tcp", stream_pair, "tcp", pings=300 if quick else 3000, nbytes=mb, reps=3 if quick else 7)
     take("unix", stream_pair, "unix", pings=300 if quick else 3000, nbytes=mb, reps=3 if quick else 7)

@@ -93,6 +93,69 @@ def _step_compute(*, reps: int, warmup: int, batch_size: int) -> Figure:
                   f"torch {torch.__version__}, {torch.get_num_threads()} threads) after {warmup} warm-up steps", n)
 
 
+def concurrent_steps(*, max_procs: int = 8, reps: int = 20, warmup: int = 3) -> list[Figure]:
+    """How the toy LM's step slows down when N rank processes compute at once on this machine (as the
+    ranks of an `ftrun launch` job do): for N = 1..max_procs, N processes forked from this one (torch
+    loaded, one thread each, as a zygote child) start together and each runs `warmup` + `reps` steps; the
+    figure is the median over the N processes of each one's median step. Then the machine's effective cores
+    for rank processes: c in slowdown(N) = max(1, N / c), least squares over N >= 2 of t_N / t_1 = N / c
+    (with the other work on the machine counted, as a real job meets it)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        times = [_concurrent_step(n, reps=reps, warmup=warmup) for n in range(1, max_procs + 1)]
+    finally:
+        torch.set_num_threads(threads)
+    ratios = [(n, t / times[0]) for n, t in enumerate(times, start=1) if n >= 2]
+    inverse = sum(n * r for n, r in ratios) / sum(n * n for n, _ in ratios)  # r = n x (1 / c), through 0
+    out = [Figure(f"concurrent_step_s_{n}", t, "s", f"median step of the toy LM (forward + backward + AdamW, one "
+                  f"thread) over {n} forked processes computing at once, each the median of {reps} after {warmup}",
+                  n * reps) for n, t in enumerate(times, start=1)]
+    out.append(Figure("cpu_cores_effective", 1.0 / inverse, "cores",
+                      "c in slowdown(N) = N / c, least squares through 0 of t_N / t_1 over N = 2.."
+                      f"{max_procs} concurrent processes (measured.concurrent_step_s_N)", max_procs - 1))
+    return out
+
+
+def _concurrent_step(n: int, *, reps: int, warmup: int) -> float:
+    go_r, go_w = os.pipe()
+    res_r, res_w = os.pipe()
+    pids = []
+    try:
+        for _ in range(n):
+            pid = os.fork()
+            if pid == 0:  # child: wait for the start, step, report, exit without running the parent's cleanup
+                code = 1
+                try:
+                    os.close(go_w)
+                    os.read(go_r, 1)
+                    f = _step_compute(reps=reps, warmup=warmup, batch_size=8)
+                    os.write(res_w, f"{f.value!r}\n".encode())
+                    code = 0
+                finally:
+                    os._exit(code)
+            pids.append(pid)
+        os.write(go_w, b"g" * n)
+        os.close(res_w)
+        res_w = -1
+        data = b""
+        with os.fdopen(res_r, "rb") as f:
+            res_r = -1
+            data = f.read()
+    finally:
+        for fd in (go_r, go_w, res_r, res_w):
+            if fd >= 0:
+                os.close(fd)
+        for pid in pids:
+            os.waitpid(pid, 0)
+    values = [float(line) for line in data.split()]
+    if len(values) != n:
+        raise RuntimeError(f"{n - len(values)} of {n} concurrent step processes failed")
+    return statistics.median(values)
+
+
 # -- loopback transports ----------------------------------------------------------------------------
 
 def _pair(kind: str) -> tuple[socket.socket, socket.socket]:

@@ -54,6 +54,8 @@ def profile_keys(figures: Mapping[str, Figure]) -> dict[str, tuple[float, str, s
     direct("scheduler.crash_detect_s", "crash_detect_s")
     direct("network.crash_fin_delay_s", "peer_reset_s")
     direct("checkpoint.local_write_latency_s", "storage_write_s")
+    direct("train.shared_cpu_cores", "cpu_cores_effective",
+           note=" (the rank processes of an `ftrun launch` job on this machine share them)")
     direct("scheduler.process_start_s", "zygote_start_s", note=" (a restarted replica's ranks are zygote children)")
     fetch, lat = figures.get("catchup_per_fetch_s"), figures.get("tcp_one_way_us")
     if fetch is not None and lat is not None:
@@ -70,7 +72,7 @@ def profile_keys(figures: Mapping[str, Figure]) -> dict[str, tuple[float, str, s
 
 
 # Figures that set a key one to one are recorded under that key only.
-_ONE_TO_ONE = {"step_s", "ftar_reduce_gb_s", "ftar_copy_gb_s", "crash_detect_s", "tcp_one_way_us", "peer_reset_s",
+_ONE_TO_ONE = {"step_s", "cpu_cores_effective", "ftar_reduce_gb_s", "ftar_copy_gb_s", "crash_detect_s", "tcp_one_way_us", "peer_reset_s",
                "storage_write_s"}
 
 

@@ -353,6 +353,15 @@ class EmulatedJob:
         on_it = rank < self._num_leads if self._num_leads is not None else rank // self.profile.topology.gpus_per_host == s[0]
         return (s[1] - 1.0) * self.profile.train.step_compute_s if on_it else 0.0
 
+    def contention_extra_s(self) -> float:
+        """Extra compute time of a step while the job's ranks share the machine's CPUs (train.shared_cpu_cores):
+        (max(1, live ranks / cores) - 1) x a step; 0 when ranks have CPUs of their own."""
+        cores = self.profile.train.shared_cpu_cores
+        if not cores:
+            return 0.0
+        live = sum(inc.world_size for inc in self._incarnations if inc is not None and inc.alive)
+        return self.profile.train.step_compute_s * max(0.0, live / cores - 1.0)
+
     def slow_fetch(self, inc: Incarnation) -> tuple[float, float] | None:
         """(factor, delay_s) of a slow fetch fault of the replica: F x the modeled transfer, plus D."""
         slow = self._slow_fetch.get(inc.replica)
