@@ -135,11 +135,14 @@ class TrainConfig:
     # does; `ftrun calibrate` measures the effective figure): while N ranks are up, a step's compute takes
     # max(1, N / shared_cpu_cores) x step_compute_s. 0: every rank has CPUs of its own.
     shared_cpu_cores: float = 0.0
+    # Per step, between a commit and the next quorum request, the script's own work the emulator does not
+    # model (the step event and its parameter hash, logging): `ftrun calibrate SCRIPT` measures it.
+    step_bookkeeping_s: float = 0.0
 
     def __post_init__(self) -> None:
         _positive(self, "step_compute_s", "steps", "min_replicas")
         _non_negative(self, "first_step_extra_s", "first_batch_s", "step_jitter", "catchup_fetch_extra_s",
-                      "shared_cpu_cores")
+                      "shared_cpu_cores", "step_bookkeeping_s")
         _one_of(self, "lr_intervention", ("none", "linear", "sqrt"))
         _check(self.step_jitter < 1, "step_jitter", "< 1", self.step_jitter)
 
@@ -180,11 +183,13 @@ class CheckpointConfig:
     every_steps: int = 100  # 0 turns persistent checkpoints off
     loader_state_every_step: bool = True
     # One atomic write (write, fsync, rename, fsync the folder) of a small file on the ranks' local disk:
-    # loader_state and audit records every step (`ftrun calibrate` measures ftrun.storage.FileStorage).
+    # loader_state every step (`ftrun calibrate` measures ftrun.storage.FileStorage).
     local_write_latency_s: float = 0.001
+    # One append to the leader's audit log (an O_APPEND write(2), no fsync: ftrun.data.audit.FileAuditSink).
+    local_append_latency_s: float = 0.0
 
     def __post_init__(self) -> None:
-        _non_negative(self, "every_steps", "local_write_latency_s")
+        _non_negative(self, "every_steps", "local_write_latency_s", "local_append_latency_s")
 
 
 FAILURE_KINDS = ("kill_replica", "kill_host", "hang_host", "kill_lighthouse")

@@ -36,7 +36,7 @@ from statistics import median
 
 from ftrun.cli import UsageError, emit_json
 from harness.calibrate.measure import (Figure, catchup_costs, concurrent_steps, ftar_kernels, shm_bandwidth, step_compute,
-                                       storage_write, stream_pair)
+                                       storage_append, storage_write, stream_pair)
 from harness.calibrate.procs import process_figures
 from harness.calibrate.provenance import calibrated_document, to_toml
 
@@ -55,6 +55,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="SCRIPT is a module name (e.g. ftrun.train.ft_worker), as with `python -m`")
     p.add_argument("--script-steps", type=int, default=30, help="with SCRIPT.py: steps to run (default %(default)s)")
     p.add_argument("--json", action="store_true")
+
+
+def commit_to_quorum_s(events: list[dict]) -> list[float]:
+    """Per step of each rank-0 incarnation: from its commit of a step to its quorum event of the next (the
+    script's and the runtime's per-step work after the commit: ledger, loader_state, audit, the step event,
+    the next quorum request). Pure."""
+    commit: dict[tuple, float] = {}
+    out = []
+    for e in sorted((e for e in events if e.get("rank", 0) == 0 and "t" in e), key=lambda e: e["t"]):
+        key = (e.get("replica_id"), e.get("incarnation", 0))
+        if e.get("event") == "commit":
+            commit[key + (e["step"],)] = e["t"]
+        elif e.get("event") == "quorum" and key + (e["step"],) in commit:
+            out.append(e["t"] - commit[key + (e["step"],)])
+    return out
 
 
 def quorum_to_commit_s(events: list[dict]) -> list[float]:
@@ -82,7 +97,8 @@ def _script_step(script: str, steps: int, module: bool = False) -> list[Figure]:
         try:
             figures = json.loads(lines[-1])
             with open(os.path.join(out, "events.jsonl")) as f:
-                spans = quorum_to_commit_s([json.loads(line) for line in f if line.strip()])
+                events = [json.loads(line) for line in f if line.strip()]
+            spans, after = quorum_to_commit_s(events), commit_to_quorum_s(events)
         except (IndexError, json.JSONDecodeError, OSError):
             raise UsageError(f"SCRIPT {script}: `ftrun launch` printed no figures (exit {proc.returncode}): "
                              f"{proc.stderr.strip()[-500:]}") from None
@@ -93,7 +109,9 @@ def _script_step(script: str, steps: int, module: bool = False) -> list[Figure]:
     how = (f"{script} run by `ftrun launch --replicas 1 --ranks-per-replica 1 --steps {steps}`")
     return [Figure("step_s", median(spans), "s", f"median time from a step's quorum to its commit of {how} (the "
                    "script's compute plus one replica's all-reduce and commit)", len(spans)),
-            Figure("script_step_period_s", float(period), "s", f"median commit-to-commit step time of {how}", steps)]
+            Figure("script_step_period_s", float(period), "s", f"median commit-to-commit step time of {how}", steps),
+            *([Figure("script_commit_to_quorum_s", median(after), "s", f"median time from a step's commit to the next "
+                      f"step's quorum of {how}", len(after))] if after else [])]
 
 
 def measure_all(*, quick: bool, script: str | None, script_steps: int, module: bool = False,
@@ -117,6 +135,7 @@ def measure_all(*, quick: bool, script: str | None, script_steps: int, module: b
     take("unix", stream_pair, "unix", pings=300 if quick else 3000, nbytes=mb, reps=3 if quick else 7)
     take("shm", shm_bandwidth, nbytes=mb, reps=3 if quick else 7)
     take("storage", storage_write, reps=10 if quick else 30)
+    take("storage append", storage_append, reps=50 if quick else 200)
     take("ftar kernels", ftar_kernels, nbytes=4 << 20 if quick else 8 << 20, reps=5 if quick else 30)
     take("catch-up", catchup_costs, sizes_mb=(0.0625, 2, 8) if quick else (0.0625, 4, 16, 32),
          reps=2 if quick else 5, shard_mb=8, busy_source=not quick)

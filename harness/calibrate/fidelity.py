@@ -216,6 +216,7 @@ def emulated_overrides(args: argparse.Namespace, num_params: int) -> list[str]:
              f"train.steps={args.steps}", "train.min_replicas=1", "failures.mode=none",
              f"scheduler.alloc_delay_warm_s={args.restart_delay}",
              f"ftar.chunk_mb={CHUNK_BYTES / (1 << 20)!r}", f"ftar.chunks_in_flight={NUM_CHUNKS}",
+             "checkpoint.every_steps=0",  # the real worker runs without --checkpoint-every
              f"emulation.cpu_charging={'true' if args.cpu_charging == 'on' else 'false'}"]
             + [f"timeouts.{key}={value}" for key, value in REAL_TIMEOUTS.items()] + toy_model_overrides(num_params))
 

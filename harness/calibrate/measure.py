@@ -105,6 +105,7 @@ def concurrent_steps(*, max_procs: int = 8, reps: int = 20, warmup: int = 3) -> 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
+        _step_compute(reps=1, warmup=1, batch_size=8)  # the first step's lazy imports (~10 s), once, before forking
         times = [_concurrent_step(n, reps=reps, warmup=warmup) for n in range(1, max_procs + 1)]
     finally:
         torch.set_num_threads(threads)
@@ -391,6 +392,22 @@ def storage_write(*, reps: int = 30, nbytes: int = 1024) -> Figure:
         t, n = _median_time(write, reps)
     return Figure("storage_write_s", t, "s", f"median ftrun.storage.FileStorage.write_atomic (write, fsync, rename, "
                   f"fsync the folder) of a {nbytes} B file under {tempfile.gettempdir()}, {reps} writes", n)
+
+
+def storage_append(*, reps: int = 200, nbytes: int = 256) -> Figure:
+    """One ftrun.data.audit.FileAuditSink append (O_APPEND write(2), no fsync) of an audit-record-sized line."""
+    from ftrun.data.audit import FileAuditSink
+
+    with tempfile.TemporaryDirectory(prefix="ftrun-calibrate-") as d:
+        sink = FileAuditSink(os.path.join(d, "audit.jsonl"))
+        line = b"x" * (nbytes - 1) + b"\n"
+        try:
+            sink(line)
+            t, n = _median_time(lambda: sink(line), reps)
+        finally:
+            sink.close()
+    return Figure("storage_append_s", t, "s", f"median ftrun.data.audit.FileAuditSink append (O_APPEND write, no "
+                  f"fsync) of a {nbytes} B line under {tempfile.gettempdir()}, {reps} appends", n)
 
 
 # -- FTAR kernels -----------------------------------------------------------------------------------

@@ -129,6 +129,7 @@ class EmulatedJob:
         env = self.world.host_env(SUPERVISOR_HOST)  # the stores' calls wait on whichever task makes them
         self.storage = MockObjectStore.local_disk(env)  # loader_state and audit logs: files next to the job
         self.storage.write_latency_s = profile.checkpoint.local_write_latency_s
+        self.storage.append_latency_s = profile.checkpoint.local_append_latency_s
         self.checkpoint_storage = MockObjectStore.remote(env)  # persistent checkpoints: an object store
         self.ftar_config = FtarConfig(chunk_bytes=max(16, profile.ftar.chunk_bytes // 16 * 16),
                                       num_chunks=profile.ftar.chunks_in_flight,
@@ -160,6 +161,8 @@ class EmulatedJob:
         self._lighthouse_storage: MockObjectStore | None = None  # its disk: survives a restart
         self._lighthouse_down = False
         self.scheduler: MockScheduler | None = None
+        self._last_commit_at: dict[int, float] = {}  # replica -> its leader's latest commit (virtual s)
+        self._commit_gaps: list[float] = []
 
     # -- names and models ------------------------------------------------------------------------
     def replica_id(self, replica: int) -> str:
@@ -354,13 +357,18 @@ class EmulatedJob:
         return (s[1] - 1.0) * self.profile.train.step_compute_s if on_it else 0.0
 
     def contention_extra_s(self) -> float:
-        """Extra compute time of a step while the job's ranks share the machine's CPUs (train.shared_cpu_cores):
-        (max(1, live ranks / cores) - 1) x a step; 0 when ranks have CPUs of their own."""
-        cores = self.profile.train.shared_cpu_cores
-        if not cores:
+        """Extra compute time of a step while the job's ranks share the machine's CPUs (train.shared_cpu_cores,
+        c): each live rank keeps a CPU busy for its compute and bookkeeping, a fraction u of the job's recent step
+        period, so the ranks ask for N x u cores; beyond c, compute stretches by N x u / c. 0 when ranks have
+        CPUs of their own."""
+        t = self.profile.train
+        if not t.shared_cpu_cores:
             return 0.0
         live = sum(inc.world_size for inc in self._incarnations if inc is not None and inc.alive)
-        return self.profile.train.step_compute_s * max(0.0, live / cores - 1.0)
+        gaps = sorted(self._commit_gaps)
+        busy = t.step_compute_s + t.step_bookkeeping_s
+        u = min(1.0, busy / gaps[len(gaps) // 2]) if gaps else 1.0
+        return t.step_compute_s * max(0.0, live * u / t.shared_cpu_cores - 1.0)
 
     def slow_fetch(self, inc: Incarnation) -> tuple[float, float] | None:
         """(factor, delay_s) of a slow fetch fault of the replica: F x the modeled transfer, plus D."""
@@ -375,6 +383,10 @@ class EmulatedJob:
     # -- called from rank tasks (never block) ----------------------------------------------------
     def committed(self, inc: Incarnation, step: int) -> None:
         """A leader committed: its replica has trained `step` steps."""
+        now, last = self.world.now, self._last_commit_at.get(inc.replica)
+        self._last_commit_at[inc.replica] = now
+        if last is not None:
+            self._commit_gaps = (self._commit_gaps + [now - last])[-20:]  # the recent step period (contention)
         if step >= self.options.steps:
             inc.completed = True
             self.finished = True

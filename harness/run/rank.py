@@ -27,7 +27,6 @@ from ftrun.quorum.decide import Decision
 from ftrun.replica.comm import ReplicaCommError
 from ftrun.replica.manager import ReplicaError
 from ftrun.replica.tree_comm import FlatComm, TreeComm
-from ftrun.storage import StorageAuditSink
 from ftrun.train.exchange import GradientExchange
 from ftrun.train.lr import LRConfig
 from ftrun.train.trainer import FaultTolerantTrainer, StepResult, TrainerConfig, build
@@ -157,10 +156,13 @@ def _build(job: "EmulatedJob", inc: "Incarnation", rank: int, env: Any, lead: bo
     every = p.checkpoint.every_steps
     checkpointer = (ObjectStoreCheckpointer(storage=job.checkpoint_storage, state_bytes=job.state_bytes_per_rank)
                     if every > 0 and leader else None)
-    audit = AuditLog(StorageAuditSink(job.storage, f"audit/{inc.replica_id}-{inc.number}.jsonl") if leader
-                     else _no_audit)
+    key = f"audit/{inc.replica_id}-{inc.number}.jsonl"
+    audit = AuditLog((lambda data: job.storage.append(key, data)) if leader else _no_audit)  # a log file's append
+    bookkeeping = p.train.step_bookkeeping_s
 
     def on_phase(phase: str, step: int) -> None:
+        if phase == "quorum" and bookkeeping and lead:
+            env.clock.sleep(bookkeeping)  # the script's own per-step work after the commit (measured)
         if phase in ("quorum", "started", "exchange"):
             setattr(marks, phase, env.clock.now())
         elif phase == "before_commit":
