@@ -5,10 +5,11 @@ accept parse to the same fault). Pure: parsing and the plan of what is due (no c
     kill replica=R step=S [at=F]
     kill replica=R time=T
         A process crash: every rank of replica rR is SIGKILLed (its connections reset at once) at its own
-        commit of step S (the time its rank 0 reported), plus F x the job's median step compute (quorum to
-        commit) time; as in the emulator, a replica that is past S without having committed S itself (it
-        was down) is hit F x a step after the supervisor sees it; or T seconds after every replica has
-        joined. The supervisor restarts it after --restart-delay, as any crash.
+        commit of step S (the time its rank 0 reported; at=0, the step boundary) or, with at=F > 0, F x the
+        job's median quorum-to-commit time after its quorum for the next step (mid-step: the survivors'
+        all-reduce of that step fails); as in the emulator, a replica that is past S without having committed
+        S itself (it was down) is hit F x a step after the supervisor sees it; or T seconds after every
+        replica has joined. The supervisor restarts it after --restart-delay, as any crash.
     hang replica=R [rank=K] step=S|time=T [at=F] [duration=D]
         A hang: the process stops (SIGSTOP): rank K of the replica, or every rank without rank=. Nothing is
         reset; peers wait until their own timeouts (or the diagnosis monitor) find it. SIGCONT after D
@@ -172,12 +173,13 @@ class InjectPlan:
         return list(self._pending)
 
     def due(self, now: float, max_step: int, step_s: float | None, up: set[str], host_cuts: bool,
-            committed: dict[str, tuple[int, float]] | None = None) -> list[Action]:
+            committed: dict[str, tuple[int, float]] | None = None,
+            started: dict[str, tuple[int, float]] | None = None) -> list[Action]:
         """The actions due now. max_step: the job's highest committed step; step_s: its median compute time
         (quorum to commit) so far (None: not known yet, counted as 0); up: replicas whose processes run;
-        host_cuts: a host loss is a network cut (namespaces) rather than stopped processes; committed: replica
-        -> (step, time) of its running incarnation's latest commit."""
-        committed = committed or {}
+        host_cuts: a host loss is a network cut (namespaces) rather than stopped processes; committed / started:
+        replica -> (step, time) of its running incarnation's latest commit / quorum."""
+        committed, started = committed or {}, started or {}
         out: list[Action] = []
         for at, f in list(self._resume):
             if now >= at:
@@ -185,7 +187,7 @@ class InjectPlan:
                 out.append(Action("uncut" if f.kind == "host_loss" and host_cuts else "resume", f))
         for f in list(self._pending):
             if f.at_step is not None:
-                own = committed.get(f.replica_id)
+                own = (started if f.at_fraction else committed).get(f.replica_id)
                 if f not in self._armed and own is not None and own[0] >= f.at_step:
                     self._armed[f] = own[1] + f.at_fraction * (step_s or 0.0)
                 elif f not in self._armed and max_step > f.at_step:

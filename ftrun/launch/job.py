@@ -287,7 +287,8 @@ class Job:
         up = {r for r in self.replicas if r not in self.down_until and r not in self.done}
         q2c = sorted(self._q2c)
         compute_s = q2c[len(q2c) // 2] if q2c else None
-        for action in self.injected.due(now, self.stats.max_step, compute_s, up, self.host_cuts, self._committed_at):
+        for action in self.injected.due(now, self.stats.max_step, compute_s, up, self.host_cuts, self._committed_at,
+                                        self._quorum_at):
             self.act(action, now)
         if self.fault_file is not None:
             catching_up = {r for r in self.live if r not in self.last_commit and r not in self.down_until}

@@ -54,6 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", dest="module", action="store_true",
                    help="SCRIPT is a module name (e.g. ftrun.train.ft_worker), as with `python -m`")
     p.add_argument("--script-steps", type=int, default=30, help="with SCRIPT.py: steps to run (default %(default)s)")
+    p.add_argument("--script-ranks", type=int, default=1,
+                   help="with SCRIPT.py: ranks of the one replica it runs as (default %(default)s)")
     p.add_argument("--json", action="store_true")
 
 
@@ -87,9 +89,10 @@ def quorum_to_commit_s(events: list[dict]) -> list[float]:
     return out
 
 
-def _script_step(script: str, steps: int, module: bool = False) -> list[Figure]:
+def _script_events(script: str, steps: int, module: bool, ranks: int, replicas: int) -> tuple[dict, list[dict]]:
+    """(figures, events) of SCRIPT run fault-free by `ftrun launch` as `replicas` x `ranks`."""
     with tempfile.TemporaryDirectory(prefix="ftrun-calibrate-") as out:
-        cmd = [sys.executable, "-m", "ftrun.cli", "launch", "--replicas", "1", "--ranks-per-replica", "1",
+        cmd = [sys.executable, "-m", "ftrun.cli", "launch", "--replicas", str(replicas), "--ranks-per-replica", str(ranks),
                "--min-replicas", "1", "--steps", str(steps), "--out", out, "--no-progress", "--json"]
         cmd += ["-m", script] if module else [script]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -98,23 +101,45 @@ def _script_step(script: str, steps: int, module: bool = False) -> list[Figure]:
             figures = json.loads(lines[-1])
             with open(os.path.join(out, "events.jsonl")) as f:
                 events = [json.loads(line) for line in f if line.strip()]
-            spans, after = quorum_to_commit_s(events), commit_to_quorum_s(events)
         except (IndexError, json.JSONDecodeError, OSError):
             raise UsageError(f"SCRIPT {script}: `ftrun launch` printed no figures (exit {proc.returncode}): "
                              f"{proc.stderr.strip()[-500:]}") from None
+    return figures, events
+
+
+def _script_step(script: str, steps: int, module: bool = False, ranks: int = 1) -> list[Figure]:
+    figures, events = _script_events(script, steps, module, ranks, 1)
+    spans, after = quorum_to_commit_s(events), commit_to_quorum_s(events)
     period = figures.get("median_step_s")
     if not spans or not period:
         raise UsageError(f"SCRIPT {script}: `ftrun launch` measured no step time (steps reached: "
                          f"{figures.get('steps_reached')})")
-    how = (f"{script} run by `ftrun launch --replicas 1 --ranks-per-replica 1 --steps {steps}`")
+    how = (f"{script} run by `ftrun launch --replicas 1 --ranks-per-replica {ranks} --steps {steps}`")
     return [Figure("step_s", median(spans), "s", f"median time from a step's quorum to its commit of {how} (the "
                    "script's compute plus one replica's all-reduce and commit)", len(spans)),
             Figure("script_step_period_s", float(period), "s", f"median commit-to-commit step time of {how}", steps),
             *([Figure("script_commit_to_quorum_s", median(after), "s", f"median time from a step's commit to the next "
-                      f"step's quorum of {how}", len(after))] if after else [])]
+                      f"step's quorum of {how}", len(after))] if after else []),
+            *_ftar_hop(script, steps, module, ranks, median(spans))]
 
 
-def measure_all(*, quick: bool, script: str | None, script_steps: int, module: bool = False,
+def _ftar_hop(script: str, steps: int, module: bool, ranks: int, one_replica_s: float) -> list[Figure]:
+    """The real cross-replica all-reduce's cost per ring step beyond the modeled network and kernels (the
+    runtime's per-message work and wake-ups on this machine): the same script as 2 replicas, half the rise
+    of its median quorum-to-commit time over one replica's (a ring of 2 takes 2 steps)."""
+    _, events = _script_events(script, steps, module, ranks, 2)
+    spans = quorum_to_commit_s(events)
+    if not spans:
+        return []
+    two = median(spans)
+    return [Figure("script_step_2_replicas_s", two, "s", f"median time from a step's quorum to its commit of {script} "
+                   f"run by `ftrun launch --replicas 2 --ranks-per-replica {ranks} --steps {steps}`", len(spans)),
+            Figure("ftar_hop_overhead_s", max((two - one_replica_s) / 2, 0.0), "s",
+                   f"half of measured.script_step_2_replicas_s ({two:.6g} s) minus the one-replica step "
+                   f"({one_replica_s:.6g} s), floored at 0: a ring of 2 replicas takes 2 steps", len(spans))]
+
+
+def measure_all(*, quick: bool, script: str | None, script_steps: int, module: bool = False, script_ranks: int = 1,
                 progress=lambda name: None) -> dict[str, Figure]:
     """Every figure, by name. Order: cheap in-process ones first, processes last."""
     figures: list[Figure] = []
@@ -125,10 +150,10 @@ def measure_all(*, quick: bool, script: str | None, script_steps: int, module: b
         figures.extend(out if isinstance(out, (list, tuple)) else [out])
 
     if script is not None:
-        take("step (script)", _script_step, script, script_steps, module)
+        take("step (script)", _script_step, script, script_steps, module, script_ranks)
     else:
         take("step", step_compute, reps=10 if quick else 50, warmup=3 if quick else 10)
-    take("contention", concurrent_steps, max_procs=2 if quick else 8, reps=5 if quick else 20,
+    take("contention", concurrent_steps, max_procs=2 if quick else 4, reps=5 if quick else 15,
          warmup=2 if quick else 3)
     mb = 16 << 20 if quick else 128 << 20
     take("tcp", stream_pair, "tcp", pings=300 if quick else 3000, nbytes=mb, reps=3 if quick else 7)
@@ -166,7 +191,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--profile {args.profile!r}: {e}") from None
     started = time.monotonic()
     measured_at = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+    if args.script_ranks < 1:
+        raise UsageError(f"--script-ranks must be >= 1, got {args.script_ranks}")
     figures = measure_all(quick=args.quick, script=args.script, script_steps=args.script_steps, module=args.module,
+                          script_ranks=args.script_ranks,
                           progress=lambda name: print(f"ftrun calibrate: measuring {name} ...", file=sys.stderr,
                                                       flush=True))
     command = "ftrun calibrate " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["calibrate"] else sys.argv[1:])

@@ -259,7 +259,8 @@ def run(args: argparse.Namespace) -> int:
     profile = args.profile
     if profile is None:
         profile = os.path.join(out, "calibrated.toml")
-        cmd = [sys.executable, "-m", "ftrun.cli", "calibrate", "-m", "ftrun.train.ft_worker", "--out", profile]
+        cmd = [sys.executable, "-m", "ftrun.cli", "calibrate", "-m", "ftrun.train.ft_worker", "--out", profile,
+               "--script-ranks", str(args.ranks_per_replica)]
         cmd += ["--quick"] if args.quick_calibration else []
         print(f"ftrun fidelity: calibrating ({' '.join(cmd[3:])}) ...", file=sys.stderr, flush=True)
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)

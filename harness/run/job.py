@@ -161,6 +161,7 @@ class EmulatedJob:
         self._lighthouse_storage: MockObjectStore | None = None  # its disk: survives a restart
         self._lighthouse_down = False
         self.scheduler: MockScheduler | None = None
+        self._in_step_kills: list[Kill] = []  # mid-step kills waiting for their replica's next step to begin
         self._last_commit_at: dict[int, float] = {}  # replica -> its leader's latest commit (virtual s)
         self._commit_gaps: list[float] = []
 
@@ -370,6 +371,15 @@ class EmulatedJob:
         u = min(1.0, busy / gaps[len(gaps) // 2]) if gaps else 1.0
         return t.step_compute_s * max(0.0, live * u / t.shared_cpu_cores - 1.0)
 
+    def ftar_overhead_s(self) -> float:
+        """The all-reduce's measured per-ring-step overhead (ftar.hop_overhead_s) x the 2 x (replicas up - 1)
+        ring steps of one all-reduce; charged with the step's compute (its total is what the step pays)."""
+        hop = self.profile.ftar.hop_overhead_s
+        if not hop:
+            return 0.0
+        up = sum(1 for inc in self._incarnations if inc is not None and inc.alive)
+        return hop * 2 * max(up - 1, 0)
+
     def slow_fetch(self, inc: Incarnation) -> tuple[float, float] | None:
         """(factor, delay_s) of a slow fetch fault of the replica: F x the modeled transfer, plus D."""
         slow = self._slow_fetch.get(inc.replica)
@@ -406,8 +416,18 @@ class EmulatedJob:
                 self._pending_step_kills.remove(kill)
                 if mine and kill.at_fraction == 0:
                     self._inject(kill)  # now, before its leader asks for the next quorum (kills this task too)
+                elif mine:
+                    self._in_step_kills.append(kill)  # F x a step's compute into its next step (step_started)
                 else:
                     self.world.host_env(SUPERVISOR_HOST).spawn(self._kill_in_step, kill, name=f"inject-{kill.describe()}")
+
+    def step_started(self, inc: Incarnation, step: int) -> None:
+        """A leader's step began (its quorum decided): a mid-step kill of its replica starts counting F x a
+        step's compute from here, as `ftrun launch --inject` counts from the victim's quorum."""
+        for kill in list(self._in_step_kills):
+            if kill.replica == inc.replica and step >= kill.at_step:  # type: ignore[operator]
+                self._in_step_kills.remove(kill)
+                self.world.host_env(SUPERVISOR_HOST).spawn(self._kill_in_step, kill, name=f"inject-{kill.describe()}")
 
     def entering_ftar(self, inc: Incarnation, step: int) -> None:
         """A leader enters the all-reduce of `step`: fire the at=ftar kills due for its replica."""

@@ -112,7 +112,7 @@ def _compute(job: "EmulatedJob", inc: "Incarnation", rank: int, env: Any, lead: 
         env=env, model=p.model, ranks_per_replica=p.ranks_per_replica, cache=job.shapes,
         step_time_s=train.step_compute_s, rng=job.rng, state=job.shape_state, lead=lead,
         extra_s=lambda step: (job.jitter_s(inc.replica, step) + job.compute_extra_s(inc, rank, step)
-                              + job.contention_extra_s()),
+                              + job.contention_extra_s() + job.ftar_overhead_s()),
         first_extra_s=(extra_first + train.first_batch_s) if restarted else 0.0,
         first_batch_s=train.first_batch_s if restarted else 0.0)
 
@@ -169,6 +169,8 @@ def _build(job: "EmulatedJob", inc: "Incarnation", rank: int, env: Any, lead: bo
             marks.commit = env.clock.now()
         if phase == "exchange" and leader:
             job.entering_ftar(inc, step)
+        elif phase == "started" and leader:
+            job.step_started(inc, step)
 
     config = TrainerConfig(replica_id=inc.replica_id, rank=rank, rng_seed=None, lr=LRConfig(policy=p.train.lr_intervention),
                            checkpoint=CheckpointConfig(every_steps=max(every, 1)), catchup=job.catchup_config)

@@ -56,14 +56,21 @@ def test_check_refuses_replicas_and_ranks_the_job_lacks():
               ranks_per_replica=1)
 
 
-def test_a_step_kill_fires_at_the_victims_own_commit_plus_a_fraction_of_a_step():
+def test_a_mid_step_kill_fires_a_fraction_of_a_step_after_the_victims_next_quorum():
     plan = InjectPlan([parse("kill replica=1 step=5 at=0.5")])
     up = {"r0", "r1", "r2"}
-    assert plan.due(10.0, 5, 0.1, up, False, {"r1": (4, 9.9)}) == []  # the job is at 5, r1 not yet
-    assert plan.due(10.01, 5, 0.1, up, False, {"r1": (5, 10.0)}) == []  # armed for 10.0 + 0.05
-    [action] = plan.due(10.05, 5, 0.1, up, False, {"r1": (5, 10.0)})
+    assert plan.due(10.0, 5, 0.1, up, False, {"r1": (5, 9.9)}, {"r1": (4, 9.8)}) == []  # committed 5, no quorum yet
+    assert plan.due(10.01, 5, 0.1, up, False, {"r1": (5, 9.9)}, {"r1": (5, 10.0)}) == []  # armed for 10.0 + 0.05
+    [action] = plan.due(10.05, 5, 0.1, up, False, {"r1": (5, 9.9)}, {"r1": (5, 10.0)})
     assert action == Action("crash", parse("kill replica=1 step=5 at=0.5"))
-    assert plan.due(11.0, 9, 0.1, up, False, {"r1": (9, 10.9)}) == [] and plan.pending == []  # once
+    assert plan.due(11.0, 9, 0.1, up, False, {"r1": (9, 10.9)}, {"r1": (9, 10.95)}) == [] and plan.pending == []
+
+
+def test_a_boundary_kill_fires_at_the_victims_own_commit():
+    plan = InjectPlan([parse("kill replica=1 step=5")])
+    up = {"r0", "r1", "r2"}
+    assert plan.due(10.0, 5, 0.1, up, False, {"r1": (4, 9.9)}) == []  # the job is at 5, r1 not yet
+    assert [a.what for a in plan.due(10.0, 5, 0.1, up, False, {"r1": (5, 9.95)})] == ["crash"]
 
 
 def test_a_step_kill_of_a_replica_that_was_down_fires_once_the_job_is_past_the_step():
