@@ -231,3 +231,26 @@ def test_quorum_to_commit_spans_of_a_real_event_stream():
           {"event": "commit", "t": 2.0, "step": 2, "replica_id": "r0", "rank": 0},
           {"event": "commit", "t": 3.0, "step": 9, "replica_id": "r0", "rank": 0}]
     assert quorum_to_commit_s(ev) == [pytest.approx(0.5), pytest.approx(0.3)]
+
+
+def test_commit_to_quorum_spans_of_a_real_event_stream():
+    from harness.calibrate import commit_to_quorum_s
+
+    events = [{"event": "commit", "t": 1.0, "step": 1, "replica_id": "r0"},
+              {"event": "quorum", "t": 1.02, "step": 1, "replica_id": "r0"},
+              {"event": "commit", "t": 1.1, "step": 2, "replica_id": "r0"},
+              {"event": "quorum", "t": 1.13, "step": 2, "replica_id": "r0", "rank": 1},  # not rank 0
+              {"event": "quorum", "t": 1.15, "step": 2, "replica_id": "r0"}]
+    assert commit_to_quorum_s(events) == pytest.approx([0.02, 0.05])
+
+
+def test_bookkeeping_hop_overhead_and_cores_are_derived_from_their_figures():
+    keys = profile_keys({f.name: f for f in (
+        fig("script_commit_to_quorum_s", 0.030), fig("storage_write_s", 0.016), fig("storage_append_s", 1e-6),
+        fig("tcp_one_way_us", 10.0, "us"), fig("ftar_hop_overhead_s", 0.004), fig("cpu_cores_effective", 1.6, "cores"))})
+    assert keys["train.step_bookkeeping_s"][0] == pytest.approx(0.030 - 0.016 - 1e-6 - 20e-6)
+    assert keys["ftar.hop_overhead_s"][0] == 0.004 and keys["train.shared_cpu_cores"][0] == 1.6
+    assert keys["checkpoint.local_append_latency_s"][0] == 1e-6
+    keys = profile_keys({f.name: f for f in (fig("script_commit_to_quorum_s", 0.01), fig("storage_write_s", 0.016),
+                                             fig("tcp_one_way_us", 10.0, "us"))})
+    assert keys["train.step_bookkeeping_s"][0] == 0.0  # floored
