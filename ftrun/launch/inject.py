@@ -207,6 +207,11 @@ class InjectPlan:
                 self._resume.append((now + f.duration_s, f))
         return out
 
+    def next_at(self) -> float | None:
+        """The earliest time an armed fault or a resume is due (the supervisor wakes up for it)."""
+        times = [t for f, t in self._armed.items() if f in self._pending] + [t for t, _ in self._resume]
+        return min(times, default=None)
+
     def slow_fetch_for(self, catching_up: set[str]) -> Injected | None:
         """The slow-fetch fault the sources apply now: the first of a replica that is catching up."""
         return next((f for f in self.slow if f.replica_id in catching_up), None)

@@ -407,8 +407,10 @@ def run_job(env: RealEnv, args: argparse.Namespace, out: str, launcher: Launcher
             job.start()
         while job.running() and stop.signal is None and env.clock.now() < deadline:
             job.tick()
+            due = job.injected.next_at() if job.injected is not None else None
+            wait = 0.05 if due is None else min(0.05, max(due - env.clock.now(), 0.001))  # an armed --inject fault
             try:
-                ev = job.events.get(timeout=0.05)
+                ev = job.events.get(timeout=wait)
             except EnvTimeout:
                 continue
             job.record(ev)

@@ -254,3 +254,13 @@ def test_bookkeeping_hop_overhead_and_cores_are_derived_from_their_figures():
     keys = profile_keys({f.name: f for f in (fig("script_commit_to_quorum_s", 0.01), fig("storage_write_s", 0.016),
                                              fig("tcp_one_way_us", 10.0, "us"))})
     assert keys["train.step_bookkeeping_s"][0] == 0.0  # floored
+
+
+def test_fetch_costs_take_the_small_fetch_and_the_slope():
+    from harness.calibrate.measure import fetch_costs
+
+    xs = [1e3, 1e3, 1e3, 1e6, 1e6, 2e6]
+    ys = [0.05, 0.04, 0.06, 0.2, 0.2, 0.3]
+    per_fetch, per_byte = fetch_costs(xs, ys)
+    assert per_byte == pytest.approx(linear_fit(xs, ys)[1])
+    assert per_fetch == pytest.approx(0.05 - 1e3 * per_byte)

@@ -61,6 +61,7 @@ def test_a_mid_step_kill_fires_a_fraction_of_a_step_after_the_victims_next_quoru
     up = {"r0", "r1", "r2"}
     assert plan.due(10.0, 5, 0.1, up, False, {"r1": (5, 9.9)}, {"r1": (4, 9.8)}) == []  # committed 5, no quorum yet
     assert plan.due(10.01, 5, 0.1, up, False, {"r1": (5, 9.9)}, {"r1": (5, 10.0)}) == []  # armed for 10.0 + 0.05
+    assert plan.next_at() == pytest.approx(10.05)
     [action] = plan.due(10.05, 5, 0.1, up, False, {"r1": (5, 9.9)}, {"r1": (5, 10.0)})
     assert action == Action("crash", parse("kill replica=1 step=5 at=0.5"))
     assert plan.due(11.0, 9, 0.1, up, False, {"r1": (9, 10.9)}, {"r1": (9, 10.95)}) == [] and plan.pending == []
