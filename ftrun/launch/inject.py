@@ -24,7 +24,10 @@ accept parse to the same fault). Pure: parsing and the plan of what is due (no c
         fetch, and stretches each shard's transfer to F x its send time). Needs a script that reads the fault
         file (FTRUN_FAULT_FILE; ftrun.train.ft_worker does).
 
-Kills and hangs fire once each; a due fault whose replica is down waits until it is back.
+Kills and hangs fire once each; a due fault whose replica is down waits until it is back. Where the script
+reads the fault file (FTRUN_FAULT_FILE), a mid-step kill (at=F > 0) is carried out by the rank itself: the
+file's die_at makes it SIGKILL itself inside the backward of step S (ftrun.train.inject), which the
+supervisor's event poll cannot time within a short step; the supervisor records it as the injected kill.
 """
 
 from __future__ import annotations
@@ -155,7 +158,11 @@ class InjectPlan:
     """The timed faults of a job (crash, hang, host loss) and when each is due; slow fetches are state
     (`slow_fetch_for(catching_up)`), not events. `due(...)` hands out each action once."""
 
-    def __init__(self, faults: list[Injected]) -> None:
+    def __init__(self, faults: list[Injected], *, self_kill: bool = False) -> None:
+        """self_kill: the script kills itself for a mid-step crash (the fault file's die_at, inside its backward:
+        precise where the supervisor's timer is a poll late); the timer then fires only as a backstop, a step
+        after the planned time."""
+        self.self_kill = self_kill
         self.slow = [f for f in faults if f.kind == "slow_fetch"]
         self._pending = [f for f in faults if f.kind != "slow_fetch"]
         self._armed: dict[Injected, float] = {}  # step reached: fires at this time
@@ -188,10 +195,11 @@ class InjectPlan:
         for f in list(self._pending):
             if f.at_step is not None:
                 own = (started if f.at_fraction else committed).get(f.replica_id)
+                late = (1.0 + (step_s or 0.0)) if self.in_process(f) else 0.0  # a backstop only
                 if f not in self._armed and own is not None and own[0] >= f.at_step:
-                    self._armed[f] = own[1] + f.at_fraction * (step_s or 0.0)
+                    self._armed[f] = own[1] + f.at_fraction * (step_s or 0.0) + late
                 elif f not in self._armed and max_step > f.at_step:
-                    self._armed[f] = now + f.at_fraction * (step_s or 0.0)
+                    self._armed[f] = now + f.at_fraction * (step_s or 0.0) + late
                 ready = f in self._armed and now >= self._armed[f]
             else:
                 ready = self._start is not None and now >= self._start + (f.at_s or 0.0)
@@ -206,6 +214,22 @@ class InjectPlan:
             if f.duration_s > 0:
                 self._resume.append((now + f.duration_s, f))
         return out
+
+    def in_process(self, f: Injected) -> bool:
+        """Whether the script carries out this crash itself (a mid-step kill, with self_kill)."""
+        return self.self_kill and f.kind == "crash" and f.at_step is not None and f.at_fraction > 0
+
+    def self_kills(self) -> list[Injected]:
+        """The pending crashes the script carries out itself."""
+        return [f for f in self._pending if self.in_process(f)]
+
+    def self_killed(self, replica_id: str) -> Injected | None:
+        """The script of `replica_id` killed itself as planned: that crash has fired (returned), once."""
+        f = next((f for f in self.self_kills() if f.replica_id == replica_id), None)
+        if f is not None:
+            self._pending.remove(f)
+            self.fired.append(f)
+        return f
 
     def next_at(self) -> float | None:
         """The earliest time an armed fault or a resume is due (the supervisor wakes up for it)."""

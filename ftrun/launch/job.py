@@ -53,9 +53,11 @@ class Job:
         self.status_server = self.make_status_server()
         self.event_log = open(os.path.join(out, "events.jsonl"), "w", buffering=1)  # line by line: tail -f works
         argv = (["-m", args.script] if args.module else [args.script]) + list(args.script_args)
-        self.injected = InjectPlan(list(getattr(args, "inject", None) or [])) if inject else None
-        self.fault_file = os.path.join(out, "faults.json") if self.injected is not None and self.injected.slow else None
-        self._slow_written: str | None = None  # the catch-up fault the fault file holds now
+        faults = list(getattr(args, "inject", None) or []) if inject else []
+        self.fault_file = os.path.join(out, "faults.json") if faults else None
+        self.injected = InjectPlan(faults, self_kill=True) if inject else None
+        self._plan_written: dict | None = None  # what the fault file holds now
+        self._self_killed: dict[str, float] = {}  # replica -> when its rank announced the planned self-kill
         self._quorum_at: dict[str, tuple[int, float]] = {}  # replica -> (step, t) of its running rank 0's quorum
         self._committed_at: dict[str, tuple[int, float]] = {}  # ... and of its latest commit
         self._q2c: list[float] = []  # recent quorum-to-commit times (the --inject at= unit)
@@ -168,6 +170,8 @@ class Job:
         current = rid in self.live and ev.get("incarnation") == self.live[rid]  # not a killed incarnation's late line
         if kind == "evict_notice":
             self._evict(ev)
+        elif kind == "fault" and ev.get("action") == "kill" and current and self.injected is not None:
+            self._self_killed.setdefault(rid, ev.get("t", self.env.clock.now()))  # a planned self-kill (--inject)
         elif kind == "quorum" and current:
             self.quorum_of[rid] = list(ev.get("participants", []))
             if ev.get("rank", 0) == 0 and "t" in ev:
@@ -294,14 +298,18 @@ class Job:
             catching_up = {r for r in self.live if r not in self.last_commit and r not in self.down_until}
             slow = self.injected.slow_fetch_for(catching_up)
             text = "" if slow is None else f"kind=slow,factor={slow.factor!r},delay={slow.delay_s!r}"
-            if text != self._slow_written:
-                self._slow_written = text
+            die_at = ";".join(f"phase=backward,step={f.at_step},replica={f.replica_id},incarnation={self.live[f.replica_id]}"
+                              for f in self.injected.self_kills() if f.replica_id in self.live)
+            plan = {"catchup": text, "die_at": die_at}
+            if plan != self._plan_written:
+                if self._plan_written is None or text != self._plan_written["catchup"]:
+                    self.record({"event": "slow_fetch", "t": now, "replica_id": slow.replica_id if slow else None,
+                                 "active": slow is not None, "fault": text})
+                self._plan_written = plan
                 tmp = self.fault_file + ".tmp"
                 with open(tmp, "w") as f:
-                    json.dump({"catchup": text}, f)
+                    json.dump(plan, f)
                 os.replace(tmp, self.fault_file)  # the ranks reload it before each step
-                self.record({"event": "slow_fetch", "t": now, "replica_id": slow.replica_id if slow else None,
-                             "active": slow is not None, "fault": text})
 
     def act(self, action: Action, now: float) -> None:
         f = action.fault
@@ -334,6 +342,12 @@ class Job:
         rep.kill()
         rep.drain()
         self.pull_events()  # its last commits, if any, decide whether it had started
+        if rid in self._self_killed and self.injected is not None:
+            t = self._self_killed.pop(rid)
+            f = self.injected.self_killed(rid)
+            if f is not None:  # the --inject crash, carried out by the rank itself: not a crash of the replica
+                self.kill(rid, "injected", fault=f.describe(), t=t)
+                return
         started = rid in self.last_commit
         failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
         summaries = {r: summarize_stderr(rep.stderr_tail(r), codes[r]) for r in failed}

@@ -123,3 +123,14 @@ def test_launch_refuses_bad_injections_naming_the_flag(argv, message, capsys):
         code = e.code
     err = capsys.readouterr().err
     assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_a_self_killing_script_does_a_mid_step_crash_and_the_timer_is_a_backstop():
+    kill = parse("kill replica=1 step=5 at=0.5")
+    plan = InjectPlan([kill, parse("kill replica=2 step=5")], self_kill=True)
+    assert plan.self_kills() == [kill]  # the boundary kill stays the supervisor's
+    up = {"r1", "r2"}
+    assert plan.due(10.06, 5, 0.1, up, False, {}, {"r1": (5, 10.0)}) == []  # a backstop: 1 + 0.1 s later
+    assert plan.next_at() == pytest.approx(10.0 + 0.05 + 1.1)
+    assert plan.self_killed("r1") == kill and plan.self_killed("r1") is None and plan.self_kills() == []
+    assert plan.due(12.0, 5, 0.1, up, False, {}, {"r1": (5, 10.0)}) == []  # fired: the backstop is gone
