@@ -89,11 +89,12 @@ def quorum_to_commit_s(events: list[dict]) -> list[float]:
     return out
 
 
-def _script_events(script: str, steps: int, module: bool, ranks: int, replicas: int) -> tuple[dict, list[dict]]:
-    """(figures, events) of SCRIPT run fault-free by `ftrun launch` as `replicas` x `ranks`."""
+def _script_events(script: str, steps: int, module: bool, ranks: int, replicas: int,
+                   extra: tuple[str, ...] = ()) -> tuple[dict, list[dict]]:
+    """(figures, events) of SCRIPT run by `ftrun launch` as `replicas` x `ranks` (fault-free unless `extra` says)."""
     with tempfile.TemporaryDirectory(prefix="ftrun-calibrate-") as out:
         cmd = [sys.executable, "-m", "ftrun.cli", "launch", "--replicas", str(replicas), "--ranks-per-replica", str(ranks),
-               "--min-replicas", "1", "--steps", str(steps), "--out", out, "--no-progress", "--json"]
+               "--min-replicas", "1", "--steps", str(steps), "--out", out, "--no-progress", "--json", *extra]
         cmd += ["-m", script] if module else [script]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         lines = proc.stdout.strip().splitlines()
@@ -126,13 +127,22 @@ def _script_step(script: str, steps: int, module: bool = False, ranks: int = 1) 
 def _ftar_hop(script: str, steps: int, module: bool, ranks: int, one_replica_s: float) -> list[Figure]:
     """The real cross-replica all-reduce's cost per ring step beyond the modeled network and kernels (the
     runtime's per-message work and wake-ups on this machine): the same script as 2 replicas, half the rise
-    of its median quorum-to-commit time over one replica's (a ring of 2 takes 2 steps)."""
-    _, events = _script_events(script, steps, module, ranks, 2)
+    of its median quorum-to-commit time over one replica's (a ring of 2 takes 2 steps). In the same run r1
+    is killed at a third of the steps and restarted at once: the script's start (restart to its rank 0's
+    ready event: the fork, the script's imports and set-up) is measured there."""
+    _, events = _script_events(script, steps, module, ranks, 2,
+                               ("--kill-at", f"step={max(steps // 3, 1)},replica=r1", "--restart-delay", "0s"))
     spans = quorum_to_commit_s(events)
     if not spans:
         return []
     two = median(spans)
-    return [Figure("script_step_2_replicas_s", two, "s", f"median time from a step's quorum to its commit of {script} "
+    restarts = {(e["replica_id"], e["incarnation"]): e["t"] for e in events if e.get("event") == "restart"}
+    starts = [e["t"] - restarts[(e.get("replica_id"), e.get("incarnation"))] for e in events
+              if e.get("event") == "ready" and e.get("rank", 0) == 0 and (e.get("replica_id"), e.get("incarnation")) in restarts]
+    started = [Figure("script_start_s", median(starts), "s", f"median time from the supervisor's restart of a killed "
+                      f"replica to its rank 0's ready event ({script} as 2 replicas x {ranks} ranks: the zygote's fork, "
+                      f"the script's own imports and set-up)", len(starts))] if starts else []
+    return started + [Figure("script_step_2_replicas_s", two, "s", f"median time from a step's quorum to its commit of {script} "
                    f"run by `ftrun launch --replicas 2 --ranks-per-replica {ranks} --steps {steps}`", len(spans)),
             Figure("ftar_hop_overhead_s", max((two - one_replica_s) / 2, 0.0), "s",
                    f"half of measured.script_step_2_replicas_s ({two:.6g} s) minus the one-replica step "

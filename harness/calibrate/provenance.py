@@ -56,7 +56,10 @@ def profile_keys(figures: Mapping[str, Figure]) -> dict[str, tuple[float, str, s
     direct("checkpoint.local_write_latency_s", "storage_write_s")
     direct("train.shared_cpu_cores", "cpu_cores_effective",
            note=" (the rank processes of an `ftrun launch` job on this machine share them)")
-    direct("scheduler.process_start_s", "zygote_start_s", note=" (a restarted replica's ranks are zygote children)")
+    if "script_start_s" in figures:  # the script's own start, where a script was timed
+        direct("scheduler.process_start_s", "script_start_s")
+    else:
+        direct("scheduler.process_start_s", "zygote_start_s", note=" (a restarted replica's ranks are zygote children)")
     fetch, lat = figures.get("catchup_per_fetch_s"), figures.get("tcp_one_way_us")
     if fetch is not None and lat is not None:
         modeled = CATCHUP_MODELED_ROUND_TRIPS * 2 * lat.value * 1e-6

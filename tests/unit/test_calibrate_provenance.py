@@ -264,3 +264,9 @@ def test_fetch_costs_take_the_small_fetch_and_the_slope():
     per_fetch, per_byte = fetch_costs(xs, ys)
     assert per_byte == pytest.approx(linear_fit(xs, ys)[1])
     assert per_fetch == pytest.approx(0.05 - 1e3 * per_byte)
+
+
+def test_a_timed_scripts_start_sets_the_process_start():
+    keys = profile_keys({f.name: f for f in (fig("zygote_start_s", 0.02), fig("script_start_s", 0.5))})
+    assert keys["scheduler.process_start_s"][0] == 0.5
+    assert profile_keys({"zygote_start_s": fig("zygote_start_s", 0.02)})["scheduler.process_start_s"][0] == 0.02
