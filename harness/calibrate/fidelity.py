@@ -177,6 +177,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick-calibration", action="store_true",
                    help="calibrate with --quick (its crash figures then come from a child without torch, whose "
                         "teardown is much faster than a rank's)")
+    p.add_argument("--restep", action="store_true",
+                   help="with --profile: re-measure the script's step, bookkeeping, all-reduce overhead and start just "
+                        "before the real run (on a shared machine the load moves them most), keep the rest")
     p.add_argument("--cpu-charging", choices=("on", "off"), default="off",
                    help="charge the emulator's real CPU time to emulated hosts (default off: deterministic)")
     p.add_argument("--out", default=None, help="folder for the real run and the calibrated profile")
@@ -227,14 +230,39 @@ def _toy_params() -> int:
     return sum(p.numel() for p in make_model(ToyConfig()).parameters())
 
 
-def _emulated(args: argparse.Namespace, profile_path: str) -> tuple[dict, list[dict], list[float]]:
+# The keys `ftrun calibrate SCRIPT` sets from the script's own runs: what the load on a shared machine moves
+# most between a calibration and the real run (re-measured just before it, with --profile and --restep).
+SCRIPT_KEYS = ("train.step_compute_s", "train.step_bookkeeping_s", "ftar.hop_overhead_s", "scheduler.process_start_s")
+
+
+def restep_overrides(profile_path: str, ranks: int, steps: int = 30) -> list[str]:
+    """SCRIPT_KEYS measured now (the toy worker as 1 and 2 replicas of `ranks` ranks, as `ftrun calibrate -m
+    ftrun.train.ft_worker` does), the profile's other measured figures kept, as profile overrides."""
+    from harness.calibrate import _script_step
+    from harness.calibrate.measure import Figure
+    from harness.calibrate.provenance import profile_keys
+    from harness.profile import load_profile
+
+    p = load_profile(profile_path)
+    measured = {v.key.removeprefix("measured."): v for v in (p.calibration.values if p.calibration else ())}
+    figures = {f.name: f for f in _script_step("ftrun.train.ft_worker", steps, True, ranks)}
+    for name, key in (("storage_write_s", "checkpoint.local_write_latency_s"),
+                      ("storage_append_s", "checkpoint.local_append_latency_s"), ("tcp_one_way_us", "network.base_latency_us")):
+        v = measured.get(key) or measured.get(name)
+        if v is not None:
+            figures[name] = Figure(name, v.value, v.unit, v.method, v.samples)
+    keys = profile_keys(figures)
+    return [f"{key}={keys[key][0]!r}" for key in SCRIPT_KEYS if key in keys]
+
+
+def _emulated(args: argparse.Namespace, profile_path: str, extra: list[str] = ()) -> tuple[dict, list[dict], list[float]]:
     from harness.cli import execute
     from harness.profile import apply_overrides, load_profile
     from harness.run import JobOptions
     from harness.run.options import parse_inject, split_faults
 
     base = load_profile(profile_path)
-    p = apply_overrides(base, emulated_overrides(args, _toy_params()))
+    p = apply_overrides(base, [*emulated_overrides(args, _toy_params()), *extra])
     kills, others = split_faults([parse_inject(spec) for spec in fault_specs(args)])
     f, job = execute(p, JobOptions(steps=args.steps, kills=kills, faults=others))
     heals = [b - a for _, _, name, a, b in (job.recorder.spans or []) if name == "ftrun::catchup::heal"]
@@ -268,10 +296,14 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"ftrun fidelity: calibration failed: {proc.stderr.strip()[-800:]}")
     elif not os.path.isfile(profile):
         raise UsageError(f"--profile {profile!r} is not a file")
+    restep: list[str] = []
+    if args.profile is not None and args.restep:
+        print("ftrun fidelity: re-measuring the script's step (1 and 2 replicas) ...", file=sys.stderr, flush=True)
+        restep = restep_overrides(profile, args.ranks_per_replica)
     print("ftrun fidelity: real run (ftrun launch) ...", file=sys.stderr, flush=True)
     real_f, real_ev = _real(args, os.path.join(out, "real"))
     print("ftrun fidelity: emulated run ...", file=sys.stderr, flush=True)
-    emu_f, emu_ev, heals = _emulated(args, profile)
+    emu_f, emu_ev, heals = _emulated(args, profile, restep)
     real = metrics(real_ev, num_replicas=args.replicas)
     emulated = metrics(emu_ev, num_replicas=args.replicas, catchup_s=heals)
     table = side_by_side(real, emulated)
@@ -293,5 +325,5 @@ def run(args: argparse.Namespace) -> int:
         emit_json({**table, "replicas": args.replicas, "ranks_per_replica": args.ranks_per_replica,
                    "steps": args.steps, "profile": profile, "out": out, "real_complete": real_f.get("complete"),
                    "emulated_complete": emu_f.get("complete"),
-                   "phases": {"real": real_ph, "emulated": emu_ph}, "wall_s": round(time.monotonic() - started, 3)})
+                   "phases": {"real": real_ph, "emulated": emu_ph}, "restep": restep, "wall_s": round(time.monotonic() - started, 3)})
     return 0 if real_f.get("complete") and emu_f.get("complete") else 1
