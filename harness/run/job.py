@@ -373,7 +373,7 @@ class EmulatedJob:
 
     def ftar_overhead_s(self) -> float:
         """The all-reduce's measured per-ring-step overhead (ftar.hop_overhead_s) x the 2 x (replicas up - 1)
-        ring steps of one all-reduce; charged with the step's compute (its total is what the step pays)."""
+        ring steps of one all-reduce (seams.OverheadExchange charges it after the modeled ring)."""
         hop = self.profile.ftar.hop_overhead_s
         if not hop:
             return 0.0

@@ -31,8 +31,8 @@ from ftrun.train.exchange import GradientExchange
 from ftrun.train.lr import LRConfig
 from ftrun.train.trainer import FaultTolerantTrainer, StepResult, TrainerConfig, build
 from harness.run.fold import LeadCatchup, LeadExchange, MirrorCatchup, MirrorExchange
-from harness.run.seams import (EmulatedCompute, FoldedProgress, ObjectStoreCheckpointer, ShapePayloads,
-                               ShapeSnapshotStore, TimedCatchup)
+from harness.run.seams import (EmulatedCompute, FoldedProgress, ObjectStoreCheckpointer, OverheadExchange,
+                               ShapePayloads, ShapeSnapshotStore, TimedCatchup)
 
 if TYPE_CHECKING:
     from harness.run.job import EmulatedJob, Incarnation
@@ -112,7 +112,7 @@ def _compute(job: "EmulatedJob", inc: "Incarnation", rank: int, env: Any, lead: 
         env=env, model=p.model, ranks_per_replica=p.ranks_per_replica, cache=job.shapes,
         step_time_s=train.step_compute_s, rng=job.rng, state=job.shape_state, lead=lead,
         extra_s=lambda step: (job.jitter_s(inc.replica, step) + job.compute_extra_s(inc, rank, step)
-                              + job.contention_extra_s() + job.ftar_overhead_s()),
+                              + job.contention_extra_s()),
         first_extra_s=(extra_first + train.first_batch_s) if restarted else 0.0,
         first_batch_s=train.first_batch_s if restarted else 0.0)
 
@@ -133,7 +133,8 @@ def _data_plane(job: "EmulatedJob", inc: "Incarnation", rank: int, env: Any, lea
                                       on_fetch=fetched)
     engine = FtarEngine(env=env, kernels=job.kernels(), token=job.token, config=job.ftar_config)
     joiner_wait = job.timeouts.ftar_timeout_s + 2 * job.profile.train.step_compute_s  # others compute, then timeout
-    exchange: Any = GradientExchange(engine=engine, rank=rank, joiner_wait_s=joiner_wait)
+    exchange: Any = OverheadExchange(GradientExchange(engine=engine, rank=rank, joiner_wait_s=joiner_wait), env,
+                                     job.ftar_overhead_s)
     net = NetCatchup(env=env, token=job.token, config=job.catchup_config, payloads=ShapePayloads(),
                      store=lambda on_change: ShapeSnapshotStore(max_shard_bytes=job.catchup_config.max_shard_bytes,
                                                                 on_change=on_change))
