@@ -168,14 +168,14 @@ class FtarConfig:
     # set (e.g. by `ftrun calibrate`, from the CPU kernels a real run on this machine uses) to charge these.
     kernel_reduce_gb_s: float = 0.0
     kernel_copy_gb_s: float = 0.0
-    # Per ring step of a cross-replica all-reduce (2 x (replicas - 1) of them), the runtime's own per-message
-    # work and wake-ups beyond the modeled network and kernels (`ftrun calibrate SCRIPT` measures it from the
+    # Per cross-replica all-reduce, what a real one costs beyond the modeled network and kernels (waiting for
+    # the slower peer, the runtime's per-message work and wake-ups: `ftrun calibrate SCRIPT` measures the
     # script as 2 replicas against 1). 0: none.
-    hop_overhead_s: float = 0.0
+    sync_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         _positive(self, "chunk_mb", "chunks_in_flight")
-        _non_negative(self, "kernel_reduce_gb_s", "kernel_copy_gb_s", "hop_overhead_s")
+        _non_negative(self, "kernel_reduce_gb_s", "kernel_copy_gb_s", "sync_overhead_s")
 
     @property
     def chunk_bytes(self) -> int:

@@ -125,9 +125,9 @@ def _script_step(script: str, steps: int, module: bool = False, ranks: int = 1) 
 
 
 def _ftar_hop(script: str, steps: int, module: bool, ranks: int, one_replica_s: float) -> list[Figure]:
-    """The real cross-replica all-reduce's cost per ring step beyond the modeled network and kernels (the
-    runtime's per-message work and wake-ups on this machine): the same script as 2 replicas, half the rise
-    of its median quorum-to-commit time over one replica's (a ring of 2 takes 2 steps). In the same run r1
+    """What a real cross-replica all-reduce costs beyond the modeled network and kernels (waiting for the
+    slower peer on a loaded machine, the runtime's per-message work and wake-ups): the same script as 2
+    replicas, the rise of its median quorum-to-commit time over one replica's. In the same run r1
     is killed at a third of the steps and restarted at once: the script's start (restart to its rank 0's
     ready event: the fork, the script's imports and set-up) is measured there."""
     _, events = _script_events(script, steps, module, ranks, 2,
@@ -144,9 +144,9 @@ def _ftar_hop(script: str, steps: int, module: bool, ranks: int, one_replica_s: 
                       f"the script's own imports and set-up)", len(starts))] if starts else []
     return started + [Figure("script_step_2_replicas_s", two, "s", f"median time from a step's quorum to its commit of {script} "
                    f"run by `ftrun launch --replicas 2 --ranks-per-replica {ranks} --steps {steps}`", len(spans)),
-            Figure("ftar_hop_overhead_s", max((two - one_replica_s) / 2, 0.0), "s",
-                   f"half of measured.script_step_2_replicas_s ({two:.6g} s) minus the one-replica step "
-                   f"({one_replica_s:.6g} s), floored at 0: a ring of 2 replicas takes 2 steps", len(spans))]
+            Figure("ftar_sync_overhead_s", max(two - one_replica_s, 0.0), "s",
+                   f"measured.script_step_2_replicas_s ({two:.6g} s) minus the one-replica step ({one_replica_s:.6g} s), "
+                   "floored at 0", len(spans))]
 
 
 def measure_all(*, quick: bool, script: str | None, script_steps: int, module: bool = False, script_ranks: int = 1,

@@ -178,8 +178,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="calibrate with --quick (its crash figures then come from a child without torch, whose "
                         "teardown is much faster than a rank's)")
     p.add_argument("--restep", action="store_true",
-                   help="with --profile: re-measure the script's step, bookkeeping, all-reduce overhead and start just "
-                        "before the real run (on a shared machine the load moves them most), keep the rest")
+                   help="with --profile: re-measure the script's step, bookkeeping, all-reduce overhead and start and the "
+                        "loader_state write just before the real run (on a shared machine the load moves them most), "
+                        "keep the rest")
     p.add_argument("--cpu-charging", choices=("on", "off"), default="off",
                    help="charge the emulator's real CPU time to emulated hosts (default off: deterministic)")
     p.add_argument("--out", default=None, help="folder for the real run and the calibrated profile")
@@ -232,22 +233,24 @@ def _toy_params() -> int:
 
 # The keys `ftrun calibrate SCRIPT` sets from the script's own runs: what the load on a shared machine moves
 # most between a calibration and the real run (re-measured just before it, with --profile and --restep).
-SCRIPT_KEYS = ("train.step_compute_s", "train.step_bookkeeping_s", "ftar.hop_overhead_s", "scheduler.process_start_s")
+SCRIPT_KEYS = ("train.step_compute_s", "train.step_bookkeeping_s", "ftar.sync_overhead_s", "scheduler.process_start_s",
+               "checkpoint.local_write_latency_s")
 
 
 def restep_overrides(profile_path: str, ranks: int, steps: int = 30) -> list[str]:
     """SCRIPT_KEYS measured now (the toy worker as 1 and 2 replicas of `ranks` ranks, as `ftrun calibrate -m
-    ftrun.train.ft_worker` does), the profile's other measured figures kept, as profile overrides."""
+    ftrun.train.ft_worker` does, and the loader_state write), the profile's other figures kept, as overrides."""
     from harness.calibrate import _script_step
-    from harness.calibrate.measure import Figure
+    from harness.calibrate.measure import Figure, storage_write
     from harness.calibrate.provenance import profile_keys
     from harness.profile import load_profile
 
     p = load_profile(profile_path)
     measured = {v.key.removeprefix("measured."): v for v in (p.calibration.values if p.calibration else ())}
     figures = {f.name: f for f in _script_step("ftrun.train.ft_worker", steps, True, ranks)}
-    for name, key in (("storage_write_s", "checkpoint.local_write_latency_s"),
-                      ("storage_append_s", "checkpoint.local_append_latency_s"), ("tcp_one_way_us", "network.base_latency_us")):
+    figures["storage_write_s"] = storage_write(reps=20)  # the loader_state write, as loaded as the steps now
+    for name, key in (("storage_append_s", "checkpoint.local_append_latency_s"),
+                      ("tcp_one_way_us", "network.base_latency_us")):
         v = measured.get(key) or measured.get(name)
         if v is not None:
             figures[name] = Figure(name, v.value, v.unit, v.method, v.samples)

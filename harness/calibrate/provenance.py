@@ -69,7 +69,7 @@ def profile_keys(figures: Mapping[str, Figure]) -> dict[str, tuple[float, str, s
             f"the emulated fetch already pays on the modeled network (2 x 2 x {lat.value:.3g} us), floored at 0",
             fetch.samples)
     direct("checkpoint.local_append_latency_s", "storage_append_s")
-    direct("ftar.hop_overhead_s", "ftar_hop_overhead_s")
+    direct("ftar.sync_overhead_s", "ftar_sync_overhead_s")
     after, write = figures.get("script_commit_to_quorum_s"), figures.get("storage_write_s")
     if after is not None and write is not None and lat is not None:
         append = figures["storage_append_s"].value if "storage_append_s" in figures else 0.0
@@ -85,7 +85,7 @@ def profile_keys(figures: Mapping[str, Figure]) -> dict[str, tuple[float, str, s
 
 
 # Figures that set a key one to one are recorded under that key only.
-_ONE_TO_ONE = {"step_s", "cpu_cores_effective", "storage_append_s", "ftar_hop_overhead_s", "ftar_reduce_gb_s", "ftar_copy_gb_s", "crash_detect_s", "tcp_one_way_us", "peer_reset_s",
+_ONE_TO_ONE = {"step_s", "cpu_cores_effective", "storage_append_s", "ftar_sync_overhead_s", "ftar_reduce_gb_s", "ftar_copy_gb_s", "crash_detect_s", "tcp_one_way_us", "peer_reset_s",
                "storage_write_s"}
 
 

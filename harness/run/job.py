@@ -372,13 +372,10 @@ class EmulatedJob:
         return t.step_compute_s * max(0.0, live * u / t.shared_cpu_cores - 1.0)
 
     def ftar_overhead_s(self) -> float:
-        """The all-reduce's measured per-ring-step overhead (ftar.hop_overhead_s) x the 2 x (replicas up - 1)
-        ring steps of one all-reduce (seams.OverheadExchange charges it after the modeled ring)."""
-        hop = self.profile.ftar.hop_overhead_s
-        if not hop:
-            return 0.0
+        """The all-reduce's measured overhead (ftar.sync_overhead_s) while more than one replica is up
+        (seams.OverheadExchange charges it after the modeled ring)."""
         up = sum(1 for inc in self._incarnations if inc is not None and inc.alive)
-        return hop * 2 * max(up - 1, 0)
+        return self.profile.ftar.sync_overhead_s if up > 1 else 0.0
 
     def slow_fetch(self, inc: Incarnation) -> tuple[float, float] | None:
         """(factor, delay_s) of a slow fetch fault of the replica: F x the modeled transfer, plus D."""

@@ -199,7 +199,7 @@ class FoldedProgress(DataProgress):
 
 
 class OverheadExchange:
-    """A GradientExchange that pays the real all-reduce's measured per-ring-step overhead (ftar.hop_overhead_s)
+    """A GradientExchange that pays the real all-reduce's measured overhead (ftar.sync_overhead_s)
     after the modeled ring: a peer that dies meanwhile is still seen in the ring, as in a real run, where
     the ranks wait inside the all-reduce. `overhead_s()`: the current overhead (it depends on the replicas up)."""
 

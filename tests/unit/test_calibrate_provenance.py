@@ -247,9 +247,9 @@ def test_commit_to_quorum_spans_of_a_real_event_stream():
 def test_bookkeeping_hop_overhead_and_cores_are_derived_from_their_figures():
     keys = profile_keys({f.name: f for f in (
         fig("script_commit_to_quorum_s", 0.030), fig("storage_write_s", 0.016), fig("storage_append_s", 1e-6),
-        fig("tcp_one_way_us", 10.0, "us"), fig("ftar_hop_overhead_s", 0.004), fig("cpu_cores_effective", 1.6, "cores"))})
+        fig("tcp_one_way_us", 10.0, "us"), fig("ftar_sync_overhead_s", 0.004), fig("cpu_cores_effective", 1.6, "cores"))})
     assert keys["train.step_bookkeeping_s"][0] == pytest.approx(0.030 - 0.016 - 1e-6 - 20e-6)
-    assert keys["ftar.hop_overhead_s"][0] == 0.004 and keys["train.shared_cpu_cores"][0] == 1.6
+    assert keys["ftar.sync_overhead_s"][0] == 0.004 and keys["train.shared_cpu_cores"][0] == 1.6
     assert keys["checkpoint.local_append_latency_s"][0] == 1e-6
     keys = profile_keys({f.name: f for f in (fig("script_commit_to_quorum_s", 0.01), fig("storage_write_s", 0.016),
                                              fig("tcp_one_way_us", 10.0, "us"))})
