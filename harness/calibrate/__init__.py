@@ -129,9 +129,10 @@ def _ftar_hop(script: str, steps: int, module: bool, ranks: int, one_replica_s: 
     slower peer on a loaded machine, the runtime's per-message work and wake-ups): the same script as 2
     replicas, the rise of its median quorum-to-commit time over one replica's. In the same run r1
     is killed at a third of the steps and restarted at once: the script's start (restart to its rank 0's
-    ready event: the fork, the script's imports and set-up) is measured there."""
+    ready event: the fork, the script's imports and set-up) is measured there, and, as r1 dies mid-step, how long
+    r0 takes to notice (the script's own crash teardown)."""
     _, events = _script_events(script, steps, module, ranks, 2,
-                               ("--kill-at", f"step={max(steps // 3, 1)},replica=r1", "--restart-delay", "0s"))
+                               ("--inject", f"kill replica=1 step={max(steps // 3, 1)} at=0.5", "--restart-delay", "0s"))
     spans = quorum_to_commit_s(events)
     if not spans:
         return []
@@ -142,7 +143,13 @@ def _ftar_hop(script: str, steps: int, module: bool, ranks: int, one_replica_s: 
     started = [Figure("script_start_s", median(starts), "s", f"median time from the supervisor's restart of a killed "
                       f"replica to its rank 0's ready event ({script} as 2 replicas x {ranks} ranks: the zygote's fork, "
                       f"the script's own imports and set-up)", len(starts))] if starts else []
-    return started + [Figure("script_step_2_replicas_s", two, "s", f"median time from a step's quorum to its commit of {script} "
+    kills = [e["t"] for e in events if e.get("event") == "kill"]
+    noticed = [e["t"] - kills[0] for e in events if kills and e.get("replica_id") == "r0" and e["t"] >= kills[0]
+               and e.get("event") in ("abort", "error")]
+    detect = [Figure("script_crash_detect_s", min(noticed), "s", f"from a mid-step kill of r1 (`--inject kill ... at=0.5`) "
+                     f"to the first abort or error of r0 ({script} as 2 replicas x {ranks} ranks: the killed rank's "
+                     "teardown and the survivor's notice)", 1)] if noticed else []
+    return started + detect + [Figure("script_step_2_replicas_s", two, "s", f"median time from a step's quorum to its commit of {script} "
                    f"run by `ftrun launch --replicas 2 --ranks-per-replica {ranks} --steps {steps}`", len(spans)),
             Figure("ftar_sync_overhead_s", max(two - one_replica_s, 0.0), "s",
                    f"measured.script_step_2_replicas_s ({two:.6g} s) minus the one-replica step ({one_replica_s:.6g} s), "

@@ -234,7 +234,7 @@ def _toy_params() -> int:
 # The keys `ftrun calibrate SCRIPT` sets from the script's own runs: what the load on a shared machine moves
 # most between a calibration and the real run (re-measured just before it, with --profile and --restep).
 SCRIPT_KEYS = ("train.step_compute_s", "train.step_bookkeeping_s", "ftar.sync_overhead_s", "scheduler.process_start_s",
-               "checkpoint.local_write_latency_s")
+               "checkpoint.local_write_latency_s", "network.crash_fin_delay_s")
 
 
 def restep_overrides(profile_path: str, ranks: int, steps: int = 30) -> list[str]:

@@ -270,3 +270,10 @@ def test_a_timed_scripts_start_sets_the_process_start():
     keys = profile_keys({f.name: f for f in (fig("zygote_start_s", 0.02), fig("script_start_s", 0.5))})
     assert keys["scheduler.process_start_s"][0] == 0.5
     assert profile_keys({"zygote_start_s": fig("zygote_start_s", 0.02)})["scheduler.process_start_s"][0] == 0.02
+
+
+def test_the_scripts_own_crash_detection_sets_the_crash_teardown():
+    keys = profile_keys({f.name: f for f in (fig("script_crash_detect_s", 0.1), fig("tcp_one_way_us", 10.0, "us"),
+                                             fig("peer_reset_s", 0.03))})
+    assert keys["network.crash_fin_delay_s"][0] == pytest.approx(0.1 - 10e-6)
+    assert profile_keys({"peer_reset_s": fig("peer_reset_s", 0.03)})["network.crash_fin_delay_s"][0] == 0.03
