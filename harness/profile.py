@@ -131,10 +131,18 @@ class TrainConfig:
     # Per catch-up fetch, on top of the modeled network: the real client/server's per-request work
     # (HTTP, manifest, CRC) that the emulated transport does not do (`ftrun calibrate` measures it).
     catchup_fetch_extra_s: float = 0.0
+    # The job's rank processes share this many CPU cores (one machine running them all, as `ftrun launch`
+    # does; `ftrun calibrate` measures the effective figure): while N ranks are up, a step's compute takes
+    # max(1, N / shared_cpu_cores) x step_compute_s. 0: every rank has CPUs of its own.
+    shared_cpu_cores: float = 0.0
+    # Per step, between a commit and the next quorum request, the script's own work the emulator does not
+    # model (the step event and its parameter hash, logging): `ftrun calibrate SCRIPT` measures it.
+    step_bookkeeping_s: float = 0.0
 
     def __post_init__(self) -> None:
         _positive(self, "step_compute_s", "steps", "min_replicas")
-        _non_negative(self, "first_step_extra_s", "first_batch_s", "step_jitter", "catchup_fetch_extra_s")
+        _non_negative(self, "first_step_extra_s", "first_batch_s", "step_jitter", "catchup_fetch_extra_s",
+                      "shared_cpu_cores", "step_bookkeeping_s")
         _one_of(self, "lr_intervention", ("none", "linear", "sqrt"))
         _check(self.step_jitter < 1, "step_jitter", "< 1", self.step_jitter)
 
@@ -160,10 +168,14 @@ class FtarConfig:
     # set (e.g. by `ftrun calibrate`, from the CPU kernels a real run on this machine uses) to charge these.
     kernel_reduce_gb_s: float = 0.0
     kernel_copy_gb_s: float = 0.0
+    # Per cross-replica all-reduce, what a real one costs beyond the modeled network and kernels (waiting for
+    # the slower peer, the runtime's per-message work and wake-ups: `ftrun calibrate SCRIPT` measures the
+    # script as 2 replicas against 1). 0: none.
+    sync_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         _positive(self, "chunk_mb", "chunks_in_flight")
-        _non_negative(self, "kernel_reduce_gb_s", "kernel_copy_gb_s")
+        _non_negative(self, "kernel_reduce_gb_s", "kernel_copy_gb_s", "sync_overhead_s")
 
     @property
     def chunk_bytes(self) -> int:
@@ -175,11 +187,13 @@ class CheckpointConfig:
     every_steps: int = 100  # 0 turns persistent checkpoints off
     loader_state_every_step: bool = True
     # One atomic write (write, fsync, rename, fsync the folder) of a small file on the ranks' local disk:
-    # loader_state and audit records every step (`ftrun calibrate` measures ftrun.storage.FileStorage).
+    # loader_state every step (`ftrun calibrate` measures ftrun.storage.FileStorage).
     local_write_latency_s: float = 0.001
+    # One append to the leader's audit log (an O_APPEND write(2), no fsync: ftrun.data.audit.FileAuditSink).
+    local_append_latency_s: float = 0.0
 
     def __post_init__(self) -> None:
-        _non_negative(self, "every_steps", "local_write_latency_s")
+        _non_negative(self, "every_steps", "local_write_latency_s", "local_append_latency_s")
 
 
 FAILURE_KINDS = ("kill_replica", "kill_host", "hang_host", "kill_lighthouse")

@@ -41,6 +41,7 @@ class MockObjectStore:
         self.num_writes = self.num_reads = 0
         self.bytes_written = self.bytes_read = 0
         self.busy_s = 0.0  # modeled seconds spent in calls
+        self.append_latency_s = 0.0  # an `append` (a log's write(2) without fsync)
 
     @classmethod
     def remote(cls, env: Any) -> "MockObjectStore":
@@ -62,6 +63,15 @@ class MockObjectStore:
         self._blobs[key] = blob  # visible all at once, after the modeled write
         self.num_writes += 1
         self.bytes_written += len(blob)
+
+    def append(self, key: str, data: bytes) -> None:
+        """Append to the blob at `key`, as a log file's O_APPEND write(2) without fsync (the real audit log,
+        ftrun.data.audit.FileAuditSink): `append_latency_s` plus the bytes, not a whole atomic write."""
+        _check_key(key)
+        self._wait(self.append_latency_s, len(data))
+        self._blobs[key] = self._blobs.get(key, b"") + bytes(data)
+        self.num_writes += 1
+        self.bytes_written += len(data)
 
     def charge_write(self, nbytes: int) -> None:
         """Model writing `nbytes` of bulk data (e.g. a shape-only checkpoint's shards) without keeping it."""

@@ -197,8 +197,13 @@ class NetCatchupServer:
         data = published.buffer.mem[shard.offset:shard.offset + shard.nbytes]
         fault = self._fault(published.step, shard.index) if self._fault else None
         conn.send({"status": 200, "nbytes": shard.nbytes})
-        if fault is None:
+        if fault is None or fault.kind == "slow":
+            if fault is not None and fault.delay_s and shard.index == 0:
+                self.env.clock.sleep(fault.delay_s)  # a slow source, as the HTTP server's
+            t0 = self.env.clock.now()
             conn.send_bytes(data)
+            if fault is not None and fault.factor > 1.0:  # a throttled source: the shard takes factor x as long
+                self.env.clock.sleep((fault.factor - 1.0) * (self.env.clock.now() - t0))
             return
         log.warning("catch-up: injecting %s into step %d shard %d", fault.kind, published.step, shard.index)
         if fault.kind == "corrupt":

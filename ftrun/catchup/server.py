@@ -46,12 +46,18 @@ _SEND_CHUNK = 8 << 20  # sendfile granularity: a replaced snapshot stops a trans
 class Fault:
     """Fault injection for tests: how to spoil one shard response, and what to do right after."""
 
-    kind: str  # "corrupt": flip one byte; "truncate": send half the body, then close the connection
+    kind: str  # "corrupt": flip one byte; "truncate": send half the body, then close the connection;
+    # "slow": a throttled source: shard 0 (once per fetch) waits delay_s first, a shard takes `factor` x its
+    # send time
     then: Callable[[], None] | None = None
+    factor: float = 1.0
+    delay_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.kind not in ("corrupt", "truncate"):
-            raise ValueError(f"Fault.kind must be 'corrupt' or 'truncate', got {self.kind!r}")
+        if self.kind not in ("corrupt", "truncate", "slow"):
+            raise ValueError(f"Fault.kind must be 'corrupt', 'truncate' or 'slow', got {self.kind!r}")
+        if not (1.0 <= self.factor < math.inf and 0.0 <= self.delay_s < math.inf):
+            raise ValueError(f"Fault.factor must be >= 1 and delay_s >= 0, got {self.factor}, {self.delay_s}")
 
 
 FaultHook = Callable[[int, int], "Fault | None"]  # (step, shard index) -> fault to inject, if any
@@ -189,9 +195,13 @@ class CatchupServer:
         fault = self._fault(published.step, shard.index) if self._fault else None
         if transport is None:
             return resp
-        if fault is not None:
+        if fault is not None and fault.kind != "slow":
             return await _send_faulty(resp, transport, published, shard, fault)
         loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        if fault is not None and fault.delay_s and shard.index == 0:
+            log.warning("catch-up: a slow source: step %d waits %.3fs", published.step, fault.delay_s)
+            await asyncio.sleep(fault.delay_s)
         for start in range(shard.offset, shard.offset + shard.nbytes, _SEND_CHUNK):
             # Checked between chunks: aborting a transport inside loop.sendfile trips asyncio up.
             if published.generation != self.store.generation or self._stopping.is_set():
@@ -199,6 +209,8 @@ class CatchupServer:
                 return resp
             count = min(_SEND_CHUNK, shard.offset + shard.nbytes - start)
             await loop.sendfile(transport, published.buffer.file, start, count)
+        if fault is not None and fault.factor > 1.0:  # a throttled source: the shard takes factor x as long
+            await asyncio.sleep((fault.factor - 1.0) * (loop.time() - t0))
         await resp.write_eof()
         return resp
 

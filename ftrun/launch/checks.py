@@ -13,6 +13,7 @@ import argparse
 import os
 
 from ftrun.launch.faults import KillAt, parse_duration
+from ftrun.launch.inject import check as check_injected
 
 
 def positive_int(text: str) -> int:
@@ -81,6 +82,15 @@ def problems(args: argparse.Namespace) -> list[str]:
         if kill.step >= args.steps:
             out.append(f"--kill-at {describe_kill_at(kill)}: the job ends at step {args.steps} (--steps), "
                        f"so it would never fire")
+    try:
+        check_injected(list(getattr(args, "inject", None) or []), replicas=args.replicas,
+                       ranks_per_replica=args.ranks_per_replica)
+    except ValueError as e:
+        out.append(str(e))
+    for f in getattr(args, "inject", None) or []:
+        if f.at_step is not None and f.at_step >= args.steps:
+            out.append(f"--inject {f.describe()!r}: the job ends at step {args.steps} (--steps), so it would never "
+                       f"fire")
     if args.max_kills is not None and not (args.kill_every or args.kill_random_mean or args.kill_at):
         out.append("--max-kills: needs a kill option (--kill-every, --kill-random-mean or --kill-at)")
     if args.stop_file is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.stop_file))):

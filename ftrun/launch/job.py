@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 import secrets
+import signal
 import sys
 from dataclasses import replace
 from typing import Callable
@@ -20,6 +21,7 @@ from ftrun.env.real_store import bound_store
 from ftrun.launch.checks import unfired_kills
 from ftrun.launch.crashes import CrashLog, summarize_stderr
 from ftrun.launch.faults import KillPlan
+from ftrun.launch.inject import Action, InjectPlan
 from ftrun.launch.interrupts import Interrupts
 from ftrun.launch.procs import Launcher
 from ftrun.launch.report import JobResult
@@ -51,9 +53,18 @@ class Job:
         self.status_server = self.make_status_server()
         self.event_log = open(os.path.join(out, "events.jsonl"), "w", buffering=1)  # line by line: tail -f works
         argv = (["-m", args.script] if args.module else [args.script]) + list(args.script_args)
+        faults = list(getattr(args, "inject", None) or []) if inject else []
+        self.fault_file = os.path.join(out, "faults.json") if faults else None
+        self.injected = InjectPlan(faults, self_kill=True) if inject else None
+        self._plan_written: dict | None = None  # what the fault file holds now
+        self._self_killed: dict[str, float] = {}  # replica -> when its rank announced the planned self-kill
+        self._quorum_at: dict[str, tuple[int, float]] = {}  # replica -> (step, t) of its running rank 0's quorum
+        self._committed_at: dict[str, tuple[int, float]] = {}  # ... and of its latest commit
+        self._q2c: list[float] = []  # recent quorum-to-commit times (the --inject at= unit)
         self.replicas = {f"r{i}": ReplicaProcesses(
             env=env, events=self.events, log_dir=os.path.join(out, "logs"), argv=argv,
-            launcher=self.launcher_for(f"r{i}", launcher), spec=self._diagnosed(self.spec(i)))
+            launcher=self.launcher_for(f"r{i}", launcher),
+            spec=replace(self._diagnosed(self.spec(i)), fault_file=self.fault_file))
             for i in range(args.replicas)}
         self.down_until: dict[str, float] = {}  # replica -> when to restart it
         self.done: set[str] = set()  # exited cleanly, or stopped at the end
@@ -159,10 +170,19 @@ class Job:
         current = rid in self.live and ev.get("incarnation") == self.live[rid]  # not a killed incarnation's late line
         if kind == "evict_notice":
             self._evict(ev)
+        elif kind == "fault" and ev.get("action") == "kill" and current and self.injected is not None:
+            self._self_killed.setdefault(rid, ev.get("t", self.env.clock.now()))  # a planned self-kill (--inject)
         elif kind == "quorum" and current:
             self.quorum_of[rid] = list(ev.get("participants", []))
+            if ev.get("rank", 0) == 0 and "t" in ev:
+                self._quorum_at[rid] = (ev["step"], ev["t"])
         elif kind == "commit" and current and ev.get("rank", 0) == 0:
             self.last_commit[rid] = ev["step"]
+            if "t" in ev:
+                q = self._quorum_at.get(rid)
+                if q is not None and q[0] == ev["step"] - 1:
+                    self._q2c = (self._q2c + [ev["t"] - q[1]])[-50:]
+                self._committed_at[rid] = (ev["step"], ev["t"])
             self.crashes_in_a_row.pop(rid, None)
             self.crash_log.committed(rid, self.stats.max_step)
             if ev["step"] >= self.goal and self.finished_at is None:
@@ -171,6 +191,8 @@ class Job:
             self.steady = True
             if self.plan is not None:
                 self.plan.start(self.env.clock.now())  # kill clocks start once every replica has joined
+            if self.injected is not None:
+                self.injected.start(self.env.clock.now())
             self.record({"event": "steady", "t": self.env.clock.now(), "step": self.stats.steady_step})
 
     def _on_evict_notice(self, entry: dict) -> None:
@@ -225,6 +247,8 @@ class Job:
         rep.kill()
         self.live.pop(rid, None)
         self.last_commit.pop(rid, None)
+        self._committed_at.pop(rid, None)
+        self._quorum_at.pop(rid, None)
         backoff = 2 ** min(self.crashes_in_a_row.get(rid, 0), 6)  # a replica that keeps crashing waits longer
         self.down_until[rid] = now + self.args.restart_delay * backoff
         self.record({"event": "kill", "replica_id": rid, "incarnation": rep.spec.incarnation, "t": now, "why": why,
@@ -250,12 +274,65 @@ class Job:
                 self._on_crash(rid, codes)
                 if self.too_few:
                     return  # the job ends
+        if self.injected is not None and self.finished_at is None and not self.too_few:
+            self.inject_faults(now)
         if self.plan is None or self.finished_at is not None or self.too_few:
             return  # the job reached its goal: no more injected failures
         if self.args.max_kills is not None and self.stats.num_kills >= self.args.max_kills:
             self._end_early()
             return
         self.inject_due(now, [r for r in self.replicas if r not in self.down_until and r not in self.done])
+
+    # -- --inject: crashes, hangs, host losses, slow fetches ------------------------------------------------
+    host_cuts = False  # a host loss cuts the replica's host off the network (NetnsJob), else stops its ranks
+
+    def inject_faults(self, now: float) -> None:
+        """Carry out the --inject actions due now, and keep the fault file's slow fetch current."""
+        up = {r for r in self.replicas if r not in self.down_until and r not in self.done}
+        q2c = sorted(self._q2c)
+        compute_s = q2c[len(q2c) // 2] if q2c else None
+        for action in self.injected.due(now, self.stats.max_step, compute_s, up, self.host_cuts, self._committed_at,
+                                        self._quorum_at):
+            self.act(action, now)
+        if self.fault_file is not None:
+            catching_up = {r for r in self.live if r not in self.last_commit and r not in self.down_until}
+            slow = self.injected.slow_fetch_for(catching_up)
+            text = "" if slow is None else f"kind=slow,factor={slow.factor!r},delay={slow.delay_s!r}"
+            die_at = ";".join(f"phase=backward,step={f.at_step},replica={f.replica_id},incarnation={self.live[f.replica_id]}"
+                              for f in self.injected.self_kills() if f.replica_id in self.live)
+            plan = {"catchup": text, "die_at": die_at}
+            if plan != self._plan_written:
+                if self._plan_written is None or text != self._plan_written["catchup"]:
+                    self.record({"event": "slow_fetch", "t": now, "replica_id": slow.replica_id if slow else None,
+                                 "active": slow is not None, "fault": text})
+                self._plan_written = plan
+                tmp = self.fault_file + ".tmp"
+                with open(tmp, "w") as f:
+                    json.dump(plan, f)
+                os.replace(tmp, self.fault_file)  # the ranks reload it before each step
+
+    def act(self, action: Action, now: float) -> None:
+        f = action.fault
+        rid = f.replica_id
+        common = {"replica_id": rid, "incarnation": self.replicas[rid].spec.incarnation, "t": now,
+                  "step": self.stats.max_step, "fault": f.describe()}
+        if action.what == "crash":
+            self.kill(rid, "injected", fault=f.describe())
+            return
+        if action.what in ("cut", "uncut"):
+            self.cut_host(rid, action.what == "cut")
+        else:
+            ranks = range(self.args.ranks_per_replica) if f.rank is None else [f.rank]
+            sig = signal.SIGSTOP if action.what == "stop" else signal.SIGCONT
+            for r in ranks:
+                _signal_group(self.replicas[rid].procs[r].pid, sig)
+        kind = "hang" if action.what in ("stop", "cut") else "fault_end"
+        self.record({"event": kind, **common, "kind": f.kind, "ranks": None if f.rank is None else [f.rank],
+                     "how": action.what})
+
+    def cut_host(self, rid: str, cut: bool) -> None:
+        """Cut the host of `rid` off the network (cut=False: restore it). Only where hosts are namespaces."""
+        raise NotImplementedError("a host cut needs --netns-hosts")
 
     def _on_crash(self, rid: str, codes: list[int | None]) -> None:
         """A rank of `rid` exited with an error: stop the replica's other ranks and take in what they wrote,
@@ -265,6 +342,12 @@ class Job:
         rep.kill()
         rep.drain()
         self.pull_events()  # its last commits, if any, decide whether it had started
+        if rid in self._self_killed and self.injected is not None:
+            t = self._self_killed.pop(rid)
+            f = self.injected.self_killed(rid)
+            if f is not None:  # the --inject crash, carried out by the rank itself: not a crash of the replica
+                self.kill(rid, "injected", fault=f.describe(), t=t)
+                return
         started = rid in self.last_commit
         failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
         summaries = {r: summarize_stderr(rep.stderr_tail(r), codes[r]) for r in failed}
@@ -310,7 +393,9 @@ class Job:
     def kill_warnings(self) -> list[str]:
         if self.plan is None:
             return []
-        return unfired_kills(pending=self.plan.pending, every_s=self.args.kill_every,
+        unfired = [f"--inject {f.describe()!r} never fired (the job never reached it with the replica up)"
+                   for f in (self.injected.pending if self.injected is not None else [])]
+        return unfired + unfired_kills(pending=self.plan.pending, every_s=self.args.kill_every,
                              random_mean_s=self.args.kill_random_mean, num_timed_kills=self.plan.num_timed_kills,
                              max_kills=self.args.max_kills, num_kills=self.stats.num_kills)
 
@@ -336,8 +421,10 @@ def run_job(env: RealEnv, args: argparse.Namespace, out: str, launcher: Launcher
             job.start()
         while job.running() and stop.signal is None and env.clock.now() < deadline:
             job.tick()
+            due = job.injected.next_at() if job.injected is not None else None
+            wait = 0.05 if due is None else min(0.05, max(due - env.clock.now(), 0.001))  # an armed --inject fault
             try:
-                ev = job.events.get(timeout=0.05)
+                ev = job.events.get(timeout=wait)
             except EnvTimeout:
                 continue
             job.record(ev)
@@ -369,6 +456,17 @@ def _progress(bar: tqdm, job: Job) -> None:
     committed, total = s.efficiency()
     bar.set_postfix(replicas=len(row.committed) if row else 0, committed=f"{100 * committed / max(total, 1):.1f}%",
                     loss=f"{row.loss:.3f}" if row and row.loss is not None else "-", kills=s.num_kills, refresh=False)
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    """Send `sig` to the process group `pid` leads (a rank and its children), or to the process; gone: no-op."""
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def _write_private(path: str, text: str) -> None:

@@ -120,6 +120,16 @@ class NetnsJob(Job):
         if fault.kind == "host_kill":
             self.hosts.kill(fault.host)  # and anything else running there
 
+    host_cuts = True  # an injected host loss (`--inject "hang host ..."`) cuts the replica's host off the network
+
+    def cut_host(self, rid: str, cut: bool) -> None:
+        host = self.placement[rid]
+        if cut:
+            self.hosts.cut(host)
+            self.cut_until.setdefault(host, float("inf"))  # restored by the plan's uncut (or at close)
+        elif self.cut_until.pop(host, None) is not None:
+            self.hosts.restore(host)
+
     def close(self) -> None:
         for host in list(self.cut_until):
             self.cut_until.pop(host)

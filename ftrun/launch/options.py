@@ -9,6 +9,7 @@ import argparse
 
 from ftrun.launch.checks import duration, kill_at, non_negative_int, positive_duration, positive_int
 from ftrun.launch.host_faults import KINDS, parse_kinds
+from ftrun.launch.inject import Injected, parse as parse_inject
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -27,6 +28,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kill-at", type=kill_at, action="append", default=[], metavar="step=N[,replica=ID]",
                    help="SIGKILL a replica (rI, default: a random one) once the job commits step N; repeatable "
                         "(default: none)")
+    p.add_argument("--inject", type=inject_spec, action="append", default=[], metavar="SPEC",
+                   help='a fault in the grammar of `ftrun emulate --inject` (ftrun.launch.inject): "kill replica=R '
+                        'step=S [at=F]" (SIGKILL), "hang replica=R [rank=K] step=S [duration=D]" (SIGSTOP), "hang '
+                        'host replica=R step=S [duration=D]" (a network cut with --netns-hosts, else its ranks '
+                        'stopped), "slow fetch replica=R [factor=F] [delay=D]"; repeatable (default: none)')
     p.add_argument("--max-kills", type=non_negative_int, default=None,
                    help="inject this many kills, then end the job (needs --stop-file) or let it run to --steps "
                         "(default: no limit)")
@@ -58,6 +64,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--module", action="store_true", help="SCRIPT names a module to run as python -m")
     p.add_argument("script", help="training script (or module, with -m)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed on to the script")
+
+
+def inject_spec(text: str) -> Injected:
+    """argparse type: one --inject fault."""
+    try:
+        return parse_inject(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).replace(f"bad --inject {text!r}: ", "")) from None
 
 
 def fault_kinds(text: str) -> tuple[str, ...]:

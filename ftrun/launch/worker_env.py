@@ -46,6 +46,7 @@ class WorkerSpec:
     run_dir: str
     max_steps: int | None = None  # stop after this many committed steps (None: the script decides)
     diagnose: str | None = None  # the diagnosis collector to serve telemetry to (FTRUN_DIAGNOSE; None: off)
+    fault_file: str | None = None  # `ftrun launch --inject`'s fault plan for the script (FTRUN_FAULT_FILE)
     net: NetConfig = field(default_factory=NetConfig)
 
     def to_environ(self) -> dict[str, str]:
@@ -70,6 +71,7 @@ class WorkerSpec:
             **self.net.to_environ(),
             **({"FTRUN_MAX_STEPS": str(self.max_steps)} if self.max_steps is not None else {}),
             **({"FTRUN_DIAGNOSE": self.diagnose} if self.diagnose else {}),
+            **({"FTRUN_FAULT_FILE": self.fault_file} if self.fault_file else {}),
         }
 
     @classmethod

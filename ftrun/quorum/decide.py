@@ -17,6 +17,12 @@ Rules, checked in this order:
    quorum (or the first request of all, when none of them has asked): a joiner that asked mid-step must
    not start the clock, or the first arrivals at the step boundary would form a quorum without the rest
    and split the job (found by the emulator on crusoe-300).
+   6a. Except: a quorum at the join timeout waits for a live member of the previous quorum that has not
+   asked while the requesters' highest step is the previous quorum's step and no requester (but a fresh
+   restart) was in it: that member may have committed the step, and a quorum without it would train
+   another lineage from the same step (found by `ftrun fidelity` at 3 x 2: r0 alone committed step 0 and, slow to ask
+   again, was left out of r1 and r2's quorum at step 0, which forked the job). It waits until the member
+   asks or its heartbeat times out.
 
 A decision lists the participants (sorted by replica id, which is also the ring order), the highest
 step asked for, the replicas behind it (they catch up), the quorum id, which increases whenever
@@ -152,12 +158,30 @@ def decide(
     started = min(from_prev) if from_prev else min(r.asked_at for r in asking.values())
     deadline = started + config.timeouts.join_timeout_s
     if now >= deadline:
+        held = _held_back(now, state, asking, live, prev, config)
+        if held is not None:
+            return held
         return _form(
             state, asking, live, config, f"join timeout: {num_asking} of {num_live} live replicas asked "
             f"within {config.timeouts.join_timeout_s}s"
         )
     missing = sorted(live - asking.keys())
     return Decision(False, f"waiting for {', '.join(missing)} until join timeout", retry_at=deadline)
+
+
+def _held_back(now: float, state: LighthouseState, asking: dict[str, QuorumRequest], live: set[str], prev: set[str],
+               config: LighthouseConfig) -> Decision | None:
+    """Rule 6a: a quorum that leaves out a live member of the previous quorum waits for it while it may hold
+    a newer state than every requester: nobody asked above the previous quorum's step and no requester
+    (other than a fresh restart) was in it, so nothing says that step did not commit there. None: go on."""
+    silent = sorted((prev & live) - asking.keys())
+    if (not silent or max(r.step for r in asking.values()) != state.max_step  # below: rule 8 waits; above: safe
+            or any(rid in prev and not r.fresh for rid, r in asking.items())):
+        return None
+    timeout = config.timeouts.heartbeat_timeout_s
+    return Decision(False, f"waiting for {', '.join(silent)} of quorum {state.quorum_id}: it may have committed "
+                           f"step {state.max_step}, the requesters' highest; a quorum without it would fork the job",
+                    retry_at=min(state.members[rid].last_heard for rid in silent) + timeout)
 
 
 def _form(state: LighthouseState, asking: dict[str, QuorumRequest], live: set[str], config: LighthouseConfig,

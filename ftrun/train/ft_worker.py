@@ -148,6 +148,8 @@ class Faults:
     def catchup_hook(self, step: int, index: int) -> Fault | None:
         """CatchupServer fault hook (on the server's loop): spoil the first shard responses as planned."""
         plans = self.catchup
+        if plans and plans[0].kind == "slow":  # a throttled source: every response
+            return Fault("slow", factor=plans[0].factor, delay_s=plans[0].delay)
         if not plans or self._spoiled >= plans[0].count:
             return None
         self._spoiled += 1
@@ -158,7 +160,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="ftrun.train.ft_worker", description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=None, help="default: FTRUN_MAX_STEPS from the launcher")
     p.add_argument("--stop-file", default=None, help="stop at the step written in this file, once it exists")
-    p.add_argument("--fault-file", default=None, help="JSON fault plan, reloaded when it changes (tests)")
+    p.add_argument("--fault-file", default=os.environ.get("FTRUN_FAULT_FILE"),
+                   help="JSON fault plan, reloaded when it changes (tests; `ftrun launch --inject` sets "
+                        "FTRUN_FAULT_FILE, the default)")
     p.add_argument("--step-time", type=float, default=0.0, help="seconds of simulated compute per step")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=3e-3)

@@ -14,7 +14,9 @@ by ';', fields by ',':
     FTRUN_CATCHUP_FAULT="kind=truncate,then=die,replica=r0,incarnation=0"
         spoil the first `count` (default 1) shard responses of this rank's catch-up server: kind=corrupt
         flips a byte (the client's CRC check catches it), kind=truncate sends half and closes; then=die
-        SIGKILLs the process right after (a source dying mid-transfer).
+        SIGKILLs the process right after (a source dying mid-transfer); kind=slow (every response, not
+        `count`): a throttled source, waiting `delay` seconds before a manifest answer and stretching each
+        shard to `factor` x its send time (`ftrun launch --inject "slow fetch ..."` writes it).
 `replica` and `incarnation` restrict an entry to one replica / one incarnation (default: all); a DieAt
 entry's `rank` to one rank of the replica.
 """
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 
 DIE_PHASES = ("quorum", "heal", "backward", "exchange", "before_commit", "after_commit")
 DIE_ACTIONS = ("kill", "stop", "slow")
-FAULT_KINDS = ("corrupt", "truncate")
+FAULT_KINDS = ("corrupt", "truncate", "slow")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,12 +75,24 @@ class CatchupFault:
     count: int = 1
     replica: str | None = None
     incarnation: int | None = None
+    factor: float = 1.0  # kind=slow
+    delay: float = 0.0  # kind=slow, seconds
 
     def __post_init__(self) -> None:
         if self.kind not in FAULT_KINDS:
             raise ValueError(f"CatchupFault.kind must be one of {FAULT_KINDS}, got {self.kind!r}")
         if self.count < 1:
             raise ValueError(f"CatchupFault.count must be >= 1, got {self.count}")
+        if not (1.0 <= self.factor <= 1e6 and 0.0 <= self.delay <= 3600.0):
+            raise ValueError(f"CatchupFault.factor must be in [1, 1e6] and delay in [0, 3600], got {self.factor}, "
+                             f"{self.delay}")
+
+    def encode(self) -> str:
+        """The FTRUN_CATCHUP_FAULT entry that parses back to this fault."""
+        fields = {"kind": self.kind, "count": self.count, "replica": self.replica, "incarnation": self.incarnation}
+        if self.kind == "slow":
+            fields.update(factor=self.factor, delay=self.delay)
+        return ",".join(f"{k}={v}" for k, v in fields.items() if v is not None) + (",then=die" if self.then_die else "")
 
     def applies_to(self, replica: str, incarnation: int) -> bool:
         return self.replica in (None, replica) and self.incarnation in (None, incarnation)
@@ -119,11 +133,16 @@ def parse_die_at(text: str) -> tuple[DieAt, ...]:
 def parse_catchup_fault(text: str) -> tuple[CatchupFault, ...]:
     """Parse FTRUN_CATCHUP_FAULT (see the module docstring). Raises ValueError naming the bad part."""
     faults = []
-    for f in _entries(text, {"kind", "then", "count", "replica", "incarnation"}):
+    for f in _entries(text, {"kind", "then", "count", "replica", "incarnation", "factor", "delay"}):
         if f.get("then", "die") != "die":
             raise ValueError(f"CatchupFault then= must be 'die', got {f['then']!r}")
+        try:
+            factor, delay = float(f.get("factor", "1")), float(f.get("delay", "0"))
+        except ValueError:
+            raise ValueError(f"bad factor= or delay= in {f}: expected numbers") from None
         faults.append(CatchupFault(kind=f.get("kind", ""), then_die="then" in f, count=int(f.get("count", "1")),
-                                   replica=f.get("replica"), incarnation=_opt_int(f.get("incarnation"))))
+                                   replica=f.get("replica"), incarnation=_opt_int(f.get("incarnation")),
+                                   factor=factor, delay=delay))
     return tuple(faults)
 
 

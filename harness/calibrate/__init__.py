@@ -4,7 +4,8 @@ and write a scale profile for it.
 Measures (harness.calibrate.measure, harness.calibrate.procs): the step compute time of the model (the toy
 LM `ftrun.train.ft_worker` trains, in this process; with SCRIPT.py or `-m MODULE`, the median quorum-to-commit
 time of that script run by `ftrun launch` as one replica of one rank), 127.0.0.1 TCP and Unix socket
-one-way latency and bandwidth, shared-memory bandwidth, the real HTTP catch-up's cost per fetch and per
+one-way latency and bandwidth, shared-memory bandwidth, how the step slows with N rank processes computing at
+once (the machine's effective cores for ranks), the real HTTP catch-up's cost per fetch and per
 byte (from a source process that trains meanwhile), a local atomic file write (loader_state, audit), the
 CPU FTAR kernels' reduce and copy throughput, zygote-forked and spawned process start, and crash
 detection (SIGKILL to the launcher seeing the exit, and to a TCP peer seeing the reset).
@@ -34,8 +35,8 @@ from pathlib import Path
 from statistics import median
 
 from ftrun.cli import UsageError, emit_json
-from harness.calibrate.measure import (Figure, catchup_costs, ftar_kernels, shm_bandwidth, step_compute,
-                                       storage_write, stream_pair)
+from harness.calibrate.measure import (Figure, catchup_costs, concurrent_steps, ftar_kernels, shm_bandwidth, step_compute,
+                                       storage_append, storage_write, stream_pair)
 from harness.calibrate.procs import process_figures
 from harness.calibrate.provenance import calibrated_document, to_toml
 
@@ -53,7 +54,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", dest="module", action="store_true",
                    help="SCRIPT is a module name (e.g. ftrun.train.ft_worker), as with `python -m`")
     p.add_argument("--script-steps", type=int, default=30, help="with SCRIPT.py: steps to run (default %(default)s)")
+    p.add_argument("--script-ranks", type=int, default=1,
+                   help="with SCRIPT.py: ranks of the one replica it runs as (default %(default)s)")
     p.add_argument("--json", action="store_true")
+
+
+def commit_to_quorum_s(events: list[dict]) -> list[float]:
+    """Per step of each rank-0 incarnation: from its commit of a step to its quorum event of the next (the
+    script's and the runtime's per-step work after the commit: ledger, loader_state, audit, the step event,
+    the next quorum request). Pure."""
+    commit: dict[tuple, float] = {}
+    out = []
+    for e in sorted((e for e in events if e.get("rank", 0) == 0 and "t" in e), key=lambda e: e["t"]):
+        key = (e.get("replica_id"), e.get("incarnation", 0))
+        if e.get("event") == "commit":
+            commit[key + (e["step"],)] = e["t"]
+        elif e.get("event") == "quorum" and key + (e["step"],) in commit:
+            out.append(e["t"] - commit[key + (e["step"],)])
+    return out
 
 
 def quorum_to_commit_s(events: list[dict]) -> list[float]:
@@ -71,31 +89,74 @@ def quorum_to_commit_s(events: list[dict]) -> list[float]:
     return out
 
 
-def _script_step(script: str, steps: int, module: bool = False) -> list[Figure]:
+def _script_events(script: str, steps: int, module: bool, ranks: int, replicas: int,
+                   extra: tuple[str, ...] = ()) -> tuple[dict, list[dict]]:
+    """(figures, events) of SCRIPT run by `ftrun launch` as `replicas` x `ranks` (fault-free unless `extra` says)."""
     with tempfile.TemporaryDirectory(prefix="ftrun-calibrate-") as out:
-        cmd = [sys.executable, "-m", "ftrun.cli", "launch", "--replicas", "1", "--ranks-per-replica", "1",
-               "--min-replicas", "1", "--steps", str(steps), "--out", out, "--no-progress", "--json"]
+        cmd = [sys.executable, "-m", "ftrun.cli", "launch", "--replicas", str(replicas), "--ranks-per-replica", str(ranks),
+               "--min-replicas", "1", "--steps", str(steps), "--out", out, "--no-progress", "--json", *extra]
         cmd += ["-m", script] if module else [script]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         lines = proc.stdout.strip().splitlines()
         try:
             figures = json.loads(lines[-1])
             with open(os.path.join(out, "events.jsonl")) as f:
-                spans = quorum_to_commit_s([json.loads(line) for line in f if line.strip()])
+                events = [json.loads(line) for line in f if line.strip()]
         except (IndexError, json.JSONDecodeError, OSError):
             raise UsageError(f"SCRIPT {script}: `ftrun launch` printed no figures (exit {proc.returncode}): "
                              f"{proc.stderr.strip()[-500:]}") from None
+    return figures, events
+
+
+def _script_step(script: str, steps: int, module: bool = False, ranks: int = 1) -> list[Figure]:
+    figures, events = _script_events(script, steps, module, ranks, 1)
+    spans, after = quorum_to_commit_s(events), commit_to_quorum_s(events)
     period = figures.get("median_step_s")
     if not spans or not period:
         raise UsageError(f"SCRIPT {script}: `ftrun launch` measured no step time (steps reached: "
                          f"{figures.get('steps_reached')})")
-    how = (f"{script} run by `ftrun launch --replicas 1 --ranks-per-replica 1 --steps {steps}`")
+    how = (f"{script} run by `ftrun launch --replicas 1 --ranks-per-replica {ranks} --steps {steps}`")
     return [Figure("step_s", median(spans), "s", f"median time from a step's quorum to its commit of {how} (the "
                    "script's compute plus one replica's all-reduce and commit)", len(spans)),
-            Figure("script_step_period_s", float(period), "s", f"median commit-to-commit step time of {how}", steps)]
+            Figure("script_step_period_s", float(period), "s", f"median commit-to-commit step time of {how}", steps),
+            *([Figure("script_commit_to_quorum_s", median(after), "s", f"median time from a step's commit to the next "
+                      f"step's quorum of {how}", len(after))] if after else []),
+            *_ftar_hop(script, steps, module, ranks, median(spans))]
 
 
-def measure_all(*, quick: bool, script: str | None, script_steps: int, module: bool = False,
+def _ftar_hop(script: str, steps: int, module: bool, ranks: int, one_replica_s: float) -> list[Figure]:
+    """What a real cross-replica all-reduce costs beyond the modeled network and kernels (waiting for the
+    slower peer on a loaded machine, the runtime's per-message work and wake-ups): the same script as 2
+    replicas, the rise of its median quorum-to-commit time over one replica's. In the same run r1
+    is killed at a third of the steps and restarted at once: the script's start (restart to its rank 0's
+    ready event: the fork, the script's imports and set-up) is measured there, and, as r1 dies mid-step, how long
+    r0 takes to notice (the script's own crash teardown)."""
+    _, events = _script_events(script, steps, module, ranks, 2,
+                               ("--inject", f"kill replica=1 step={max(steps // 3, 1)} at=0.5", "--restart-delay", "0s"))
+    spans = quorum_to_commit_s(events)
+    if not spans:
+        return []
+    two = median(spans)
+    restarts = {(e["replica_id"], e["incarnation"]): e["t"] for e in events if e.get("event") == "restart"}
+    starts = [e["t"] - restarts[(e.get("replica_id"), e.get("incarnation"))] for e in events
+              if e.get("event") == "ready" and e.get("rank", 0) == 0 and (e.get("replica_id"), e.get("incarnation")) in restarts]
+    started = [Figure("script_start_s", median(starts), "s", f"median time from the supervisor's restart of a killed "
+                      f"replica to its rank 0's ready event ({script} as 2 replicas x {ranks} ranks: the zygote's fork, "
+                      f"the script's own imports and set-up)", len(starts))] if starts else []
+    kills = [e["t"] for e in events if e.get("event") == "kill"]
+    noticed = [e["t"] - kills[0] for e in events if kills and e.get("replica_id") == "r0" and e["t"] >= kills[0]
+               and e.get("event") in ("abort", "error")]
+    detect = [Figure("script_crash_detect_s", min(noticed), "s", f"from a mid-step kill of r1 (`--inject kill ... at=0.5`) "
+                     f"to the first abort or error of r0 ({script} as 2 replicas x {ranks} ranks: the killed rank's "
+                     "teardown and the survivor's notice)", 1)] if noticed else []
+    return started + detect + [Figure("script_step_2_replicas_s", two, "s", f"median time from a step's quorum to its commit of {script} "
+                   f"run by `ftrun launch --replicas 2 --ranks-per-replica {ranks} --steps {steps}`", len(spans)),
+            Figure("ftar_sync_overhead_s", max(two - one_replica_s, 0.0), "s",
+                   f"measured.script_step_2_replicas_s ({two:.6g} s) minus the one-replica step ({one_replica_s:.6g} s), "
+                   "floored at 0", len(spans))]
+
+
+def measure_all(*, quick: bool, script: str | None, script_steps: int, module: bool = False, script_ranks: int = 1,
                 progress=lambda name: None) -> dict[str, Figure]:
     """Every figure, by name. Order: cheap in-process ones first, processes last."""
     figures: list[Figure] = []
@@ -106,14 +167,17 @@ def measure_all(*, quick: bool, script: str | None, script_steps: int, module: b
         figures.extend(out if isinstance(out, (list, tuple)) else [out])
 
     if script is not None:
-        take("step (script)", _script_step, script, script_steps, module)
+        take("step (script)", _script_step, script, script_steps, module, script_ranks)
     else:
         take("step", step_compute, reps=10 if quick else 50, warmup=3 if quick else 10)
+    take("contention", concurrent_steps, max_procs=2 if quick else 4, reps=5 if quick else 15,
+         warmup=2 if quick else 3)
     mb = 16 << 20 if quick else 128 << 20
     take("tcp", stream_pair, "tcp", pings=300 if quick else 3000, nbytes=mb, reps=3 if quick else 7)
     take("unix", stream_pair, "unix", pings=300 if quick else 3000, nbytes=mb, reps=3 if quick else 7)
     take("shm", shm_bandwidth, nbytes=mb, reps=3 if quick else 7)
     take("storage", storage_write, reps=10 if quick else 30)
+    take("storage append", storage_append, reps=50 if quick else 200)
     take("ftar kernels", ftar_kernels, nbytes=4 << 20 if quick else 8 << 20, reps=5 if quick else 30)
     take("catch-up", catchup_costs, sizes_mb=(0.0625, 2, 8) if quick else (0.0625, 4, 16, 32),
          reps=2 if quick else 5, shard_mb=8, busy_source=not quick)
@@ -144,7 +208,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--profile {args.profile!r}: {e}") from None
     started = time.monotonic()
     measured_at = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+    if args.script_ranks < 1:
+        raise UsageError(f"--script-ranks must be >= 1, got {args.script_ranks}")
     figures = measure_all(quick=args.quick, script=args.script, script_steps=args.script_steps, module=args.module,
+                          script_ranks=args.script_ranks,
                           progress=lambda name: print(f"ftrun calibrate: measuring {name} ...", file=sys.stderr,
                                                       flush=True))
     command = "ftrun calibrate " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["calibrate"] else sys.argv[1:])

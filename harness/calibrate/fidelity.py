@@ -37,6 +37,12 @@ from typing import Any, Iterable
 
 from ftrun.cli import UsageError, emit_json
 
+# The real worker's data-plane settings, passed to it explicitly and given to the emulator as the same keys
+# (ftrun.train.ft_worker --chunk-bytes / --shard-bytes; FTConfig's ftar_num_chunks; ftrun.config.Timeouts).
+CHUNK_BYTES, SHARD_BYTES, NUM_CHUNKS = 2048, 8192, 2
+REAL_TIMEOUTS = {"heartbeat_interval_s": 0.1, "failure_timeout_s": 2.0, "join_timeout_s": 0.5,
+                 "connect_timeout_s": 10.0}
+
 NAMES = ("step_s", "get_quorum_s", "detection_s", "stall_per_failure_s", "catchup_s", "rejoin_stall_s",
          "effective_training_time")
 
@@ -112,6 +118,35 @@ def metrics(events: Iterable[dict[str, Any]], *, num_replicas: int,
             "effective_training_time": effective}
 
 
+def phases(events: Iterable[dict[str, Any]]) -> dict[str, float | None]:
+    """Where a step's time goes, medians over every (replica incarnation, step) of either stream (for
+    reading a disagreement, not a fidelity figure): `quorum_to_commit_s` (compute, all-reduce, vote) and
+    `commit_to_quorum_s` (after the commit: ledger, loader_state, audit, the next quorum request). Pure."""
+    last: dict[tuple, dict[str, float]] = defaultdict(dict)
+    q2c: list[float] = []
+    c2q: list[float] = []
+    for e in normalize(events):
+        key = (e.get("replica_id"), e.get("incarnation", 0))
+        if e["event"] == "quorum":
+            if "commit" in last[key]:
+                c2q.append(e["t"] - last[key].pop("commit"))
+            last[key]["quorum"] = e["t"]
+        elif e["event"] == "commit":
+            if "quorum" in last[key]:
+                q2c.append(e["t"] - last[key].pop("quorum"))
+            last[key]["commit"] = e["t"]
+    return {"quorum_to_commit_s": median(q2c) if q2c else None, "commit_to_quorum_s": median(c2q) if c2q else None}
+
+
+def toy_model_overrides(num_params: int) -> list[str]:
+    """[model] keys whose parameter count (harness's dense estimate, fp32) is `num_params` as closely as the
+    estimate allows, for an emulated job with the toy LM's gradient and state sizes: one layer of hidden 16
+    (3072 parameters besides the embeddings) and 2 x 16 x vocab of embeddings. Pure."""
+    vocab = max(1, round((num_params - 3072) / 32))
+    return ["model.layers=1", "model.hidden=16", "model.heads=1", "model.kv_heads=0", "model.ffn_hidden=64",
+            "model.mlp_matrices=2", f"model.vocab={vocab}", "model.dtype=fp32"]
+
+
 def side_by_side(real: dict[str, float | None], emulated: dict[str, float | None]) -> dict[str, Any]:
     """`--json`'s shape: metrics [{name, real, emulated, ratio}] and max_abs_log_ratio. Pure."""
     rows, logs = [], []
@@ -131,6 +166,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks-per-replica", type=int, default=1)
     p.add_argument("--steps", type=int, default=80)
     p.add_argument("--kill-step", type=int, default=15, help="kill replica r1 once the job committed this step")
+    p.add_argument("--kill-at", type=float, default=0.5, metavar="F",
+                   help="the kill comes F x a step's compute after r1's commit of --kill-step (default %(default)s)")
+    p.add_argument("--slow-fetch-delay", type=float, default=0.2, metavar="SECONDS",
+                   help="r1's state fetches are served this much slower (0: no slow fetch) (default %(default)s)")
     p.add_argument("--restart-delay", type=float, default=0.5, help="seconds before the killed replica restarts")
     p.add_argument("--profile", default=None, metavar="CALIBRATED.toml",
                    help="a profile from `ftrun calibrate` (default: calibrate now, with the real per-step time of "
@@ -138,6 +177,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick-calibration", action="store_true",
                    help="calibrate with --quick (its crash figures then come from a child without torch, whose "
                         "teardown is much faster than a rank's)")
+    p.add_argument("--restep", action="store_true",
+                   help="with --profile: re-measure the script's step, bookkeeping, all-reduce overhead and start and the "
+                        "loader_state write just before the real run (on a shared machine the load moves them most), "
+                        "keep the rest")
     p.add_argument("--cpu-charging", choices=("on", "off"), default="off",
                    help="charge the emulator's real CPU time to emulated hosts (default off: deterministic)")
     p.add_argument("--out", default=None, help="folder for the real run and the calibrated profile")
@@ -147,8 +190,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _real(args: argparse.Namespace, out: str) -> tuple[dict, list[dict]]:
     cmd = [sys.executable, "-m", "ftrun.cli", "launch", "--replicas", str(args.replicas), "--ranks-per-replica",
            str(args.ranks_per_replica), "--steps", str(args.steps), "--min-replicas", "1",
-           "--kill-at", f"step={args.kill_step},replica=r1", "--restart-delay", f"{args.restart_delay}s",
-           "--out", out, "--no-progress", "--json", "-m", "ftrun.train.ft_worker"]
+           "--restart-delay", f"{args.restart_delay}s", *(x for spec in fault_specs(args) for x in ("--inject", spec)),
+           "--out", out, "--no-progress", "--json", "-m", "ftrun.train.ft_worker",
+           "--chunk-bytes", str(CHUNK_BYTES), "--shard-bytes", str(SHARD_BYTES)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     try:
         figures = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -160,18 +204,70 @@ def _real(args: argparse.Namespace, out: str) -> tuple[dict, list[dict]]:
     return figures, events
 
 
-def _emulated(args: argparse.Namespace, profile_path: str) -> tuple[dict, list[dict], list[float]]:
+def fault_specs(args: argparse.Namespace) -> list[str]:
+    """The faults of both runs, in the one fault grammar (`ftrun launch --inject` / `ftrun emulate --inject`)."""
+    out = [f"kill replica=1 step={args.kill_step} at={args.kill_at:g}"]
+    if args.slow_fetch_delay > 0:
+        out.append(f"slow fetch replica=1 delay={args.slow_fetch_delay:g}")
+    return out
+
+
+def emulated_overrides(args: argparse.Namespace, num_params: int) -> list[str]:
+    """The profile keys that make the emulated job the real one: layout, steps, the toy LM's sizes, FTAR
+    chunking, timeouts, the restart delay. Pure."""
+    k = args.ranks_per_replica
+    return ([f"replicas={args.replicas}", f"ranks_per_replica={k}", f"topology.gpus_per_host={k}",
+             f"train.steps={args.steps}", "train.min_replicas=1", "failures.mode=none",
+             f"scheduler.alloc_delay_warm_s={args.restart_delay}",
+             f"ftar.chunk_mb={CHUNK_BYTES / (1 << 20)!r}", f"ftar.chunks_in_flight={NUM_CHUNKS}",
+             "checkpoint.every_steps=0",  # the real worker runs without --checkpoint-every
+             f"emulation.cpu_charging={'true' if args.cpu_charging == 'on' else 'false'}"]
+            + [f"timeouts.{key}={value}" for key, value in REAL_TIMEOUTS.items()] + toy_model_overrides(num_params))
+
+
+def _toy_params() -> int:
+    from ftrun.train.toy import ToyConfig, make_model
+
+    return sum(p.numel() for p in make_model(ToyConfig()).parameters())
+
+
+# The keys `ftrun calibrate SCRIPT` sets from the script's own runs: what the load on a shared machine moves
+# most between a calibration and the real run (re-measured just before it, with --profile and --restep).
+SCRIPT_KEYS = ("train.step_compute_s", "train.step_bookkeeping_s", "ftar.sync_overhead_s", "scheduler.process_start_s",
+               "checkpoint.local_write_latency_s", "network.crash_fin_delay_s")
+
+
+def restep_overrides(profile_path: str, ranks: int, steps: int = 30) -> list[str]:
+    """SCRIPT_KEYS measured now (the toy worker as 1 and 2 replicas of `ranks` ranks, as `ftrun calibrate -m
+    ftrun.train.ft_worker` does, and the loader_state write), the profile's other figures kept, as overrides."""
+    from harness.calibrate import _script_step
+    from harness.calibrate.measure import Figure, storage_write
+    from harness.calibrate.provenance import profile_keys
+    from harness.profile import load_profile
+
+    p = load_profile(profile_path)
+    measured = {v.key.removeprefix("measured."): v for v in (p.calibration.values if p.calibration else ())}
+    figures = {f.name: f for f in _script_step("ftrun.train.ft_worker", steps, True, ranks)}
+    figures["storage_write_s"] = storage_write(reps=20)  # the loader_state write, as loaded as the steps now
+    for name, key in (("storage_append_s", "checkpoint.local_append_latency_s"),
+                      ("tcp_one_way_us", "network.base_latency_us")):
+        v = measured.get(key) or measured.get(name)
+        if v is not None:
+            figures[name] = Figure(name, v.value, v.unit, v.method, v.samples)
+    keys = profile_keys(figures)
+    return [f"{key}={keys[key][0]!r}" for key in SCRIPT_KEYS if key in keys]
+
+
+def _emulated(args: argparse.Namespace, profile_path: str, extra: list[str] = ()) -> tuple[dict, list[dict], list[float]]:
     from harness.cli import execute
     from harness.profile import apply_overrides, load_profile
-    from harness.run import JobOptions, Kill
+    from harness.run import JobOptions
+    from harness.run.options import parse_inject, split_faults
 
     base = load_profile(profile_path)
-    k = args.ranks_per_replica
-    p = apply_overrides(base, [f"replicas={args.replicas}", f"ranks_per_replica={k}", f"topology.gpus_per_host={k}",
-                               f"train.steps={args.steps}", "train.min_replicas=1", "failures.mode=none",
-                               f"scheduler.alloc_delay_warm_s={args.restart_delay}",
-                               f"emulation.cpu_charging={'true' if args.cpu_charging == 'on' else 'false'}"])
-    f, job = execute(p, JobOptions(steps=args.steps, kills=(Kill(1, at_step=args.kill_step),)))
+    p = apply_overrides(base, [*emulated_overrides(args, _toy_params()), *extra])
+    kills, others = split_faults([parse_inject(spec) for spec in fault_specs(args)])
+    f, job = execute(p, JobOptions(steps=args.steps, kills=kills, faults=others))
     heals = [b - a for _, _, name, a, b in (job.recorder.spans or []) if name == "ftrun::catchup::heal"]
     return f, job.recorder.events, heals
 
@@ -182,6 +278,10 @@ def run(args: argparse.Namespace) -> int:
                          f"{args.ranks_per_replica}")
     if not 1 <= args.kill_step < args.steps:
         raise UsageError(f"--kill-step must be in 1..--steps-1, got {args.kill_step}")
+    if not 0 <= args.kill_at < 1:
+        raise UsageError(f"--kill-at must be in [0, 1), got {args.kill_at}")
+    if args.slow_fetch_delay < 0:
+        raise UsageError(f"--slow-fetch-delay must be >= 0, got {args.slow_fetch_delay}")
     if args.restart_delay < 0:
         raise UsageError(f"--restart-delay must be >= 0, got {args.restart_delay}")
     out = args.out or tempfile.mkdtemp(prefix="ftrun-fidelity-")
@@ -190,7 +290,8 @@ def run(args: argparse.Namespace) -> int:
     profile = args.profile
     if profile is None:
         profile = os.path.join(out, "calibrated.toml")
-        cmd = [sys.executable, "-m", "ftrun.cli", "calibrate", "-m", "ftrun.train.ft_worker", "--out", profile]
+        cmd = [sys.executable, "-m", "ftrun.cli", "calibrate", "-m", "ftrun.train.ft_worker", "--out", profile,
+               "--script-ranks", str(args.ranks_per_replica)]
         cmd += ["--quick"] if args.quick_calibration else []
         print(f"ftrun fidelity: calibrating ({' '.join(cmd[3:])}) ...", file=sys.stderr, flush=True)
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
@@ -198,19 +299,27 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"ftrun fidelity: calibration failed: {proc.stderr.strip()[-800:]}")
     elif not os.path.isfile(profile):
         raise UsageError(f"--profile {profile!r} is not a file")
+    restep: list[str] = []
+    if args.profile is not None and args.restep:
+        print("ftrun fidelity: re-measuring the script's step (1 and 2 replicas) ...", file=sys.stderr, flush=True)
+        restep = restep_overrides(profile, args.ranks_per_replica)
     print("ftrun fidelity: real run (ftrun launch) ...", file=sys.stderr, flush=True)
     real_f, real_ev = _real(args, os.path.join(out, "real"))
     print("ftrun fidelity: emulated run ...", file=sys.stderr, flush=True)
-    emu_f, emu_ev, heals = _emulated(args, profile)
+    emu_f, emu_ev, heals = _emulated(args, profile, restep)
     real = metrics(real_ev, num_replicas=args.replicas)
     emulated = metrics(emu_ev, num_replicas=args.replicas, catchup_s=heals)
     table = side_by_side(real, emulated)
     print(f"ftrun fidelity: {args.replicas} replicas x {args.ranks_per_replica} ranks, {args.steps} steps, "
-          f"r1 killed at step {args.kill_step}, restarted after {args.restart_delay} s; profile {profile}")
+          f"faults {'; '.join(fault_specs(args))}, restart after {args.restart_delay} s; profile {profile}")
     print(f"  {'metric':<24} {'real':>12} {'emulated':>12} {'emu/real':>9}")
     for row in table["metrics"]:
         cells = [("-" if row[k] is None else f"{row[k]:.4g}") for k in ("real", "emulated", "ratio")]
         print(f"  {row['name']:<24} {cells[0]:>12} {cells[1]:>12} {cells[2]:>9}")
+    real_ph, emu_ph = phases(real_ev), phases(emu_ev)
+    for name in real_ph:
+        cells = [("-" if v is None else f"{v:.4g}") for v in (real_ph[name], emu_ph[name])]
+        print(f"  ({name:<22} {cells[0]:>12} {cells[1]:>12})")
     mx = table["max_abs_log_ratio"]
     print(f"  max |ln(emulated/real)| = {'-' if mx is None else format(mx, '.3f')}; real complete: "
           f"{real_f.get('complete')}, emulated complete: {emu_f.get('complete')}; "
@@ -218,5 +327,6 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         emit_json({**table, "replicas": args.replicas, "ranks_per_replica": args.ranks_per_replica,
                    "steps": args.steps, "profile": profile, "out": out, "real_complete": real_f.get("complete"),
-                   "emulated_complete": emu_f.get("complete"), "wall_s": round(time.monotonic() - started, 3)})
+                   "emulated_complete": emu_f.get("complete"),
+                   "phases": {"real": real_ph, "emulated": emu_ph}, "restep": restep, "wall_s": round(time.monotonic() - started, 3)})
     return 0 if real_f.get("complete") and emu_f.get("complete") else 1

@@ -93,6 +93,70 @@ def _step_compute(*, reps: int, warmup: int, batch_size: int) -> Figure:
                   f"torch {torch.__version__}, {torch.get_num_threads()} threads) after {warmup} warm-up steps", n)
 
 
+def concurrent_steps(*, max_procs: int = 8, reps: int = 20, warmup: int = 3) -> list[Figure]:
+    """How the toy LM's step slows down when N rank processes compute at once on this machine (as the
+    ranks of an `ftrun launch` job do): for N = 1..max_procs, N processes forked from this one (torch
+    loaded, one thread each, as a zygote child) start together and each runs `warmup` + `reps` steps; the
+    figure is the median over the N processes of each one's median step. Then the machine's effective cores
+    for rank processes: c in slowdown(N) = max(1, N / c), least squares over N >= 2 of t_N / t_1 = N / c
+    (with the other work on the machine counted, as a real job meets it)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _step_compute(reps=1, warmup=1, batch_size=8)  # the first step's lazy imports (~10 s), once, before forking
+        times = [_concurrent_step(n, reps=reps, warmup=warmup) for n in range(1, max_procs + 1)]
+    finally:
+        torch.set_num_threads(threads)
+    ratios = [(n, t / times[0]) for n, t in enumerate(times, start=1) if n >= 2]
+    inverse = sum(n * r for n, r in ratios) / sum(n * n for n, _ in ratios)  # r = n x (1 / c), through 0
+    out = [Figure(f"concurrent_step_s_{n}", t, "s", f"median step of the toy LM (forward + backward + AdamW, one "
+                  f"thread) over {n} forked processes computing at once, each the median of {reps} after {warmup}",
+                  n * reps) for n, t in enumerate(times, start=1)]
+    out.append(Figure("cpu_cores_effective", 1.0 / inverse, "cores",
+                      "c in slowdown(N) = N / c, least squares through 0 of t_N / t_1 over N = 2.."
+                      f"{max_procs} concurrent processes (measured.concurrent_step_s_N)", max_procs - 1))
+    return out
+
+
+def _concurrent_step(n: int, *, reps: int, warmup: int) -> float:
+    go_r, go_w = os.pipe()
+    res_r, res_w = os.pipe()
+    pids = []
+    try:
+        for _ in range(n):
+            pid = os.fork()
+            if pid == 0:  # child: wait for the start, step, report, exit without running the parent's cleanup
+                code = 1
+                try:
+                    os.close(go_w)
+                    os.read(go_r, 1)
+                    f = _step_compute(reps=reps, warmup=warmup, batch_size=8)
+                    os.write(res_w, f"{f.value!r}\n".encode())
+                    code = 0
+                finally:
+                    os._exit(code)
+            pids.append(pid)
+        os.write(go_w, b"g" * n)
+        os.close(res_w)
+        res_w = -1
+        data = b""
+        with os.fdopen(res_r, "rb") as f:
+            res_r = -1
+            data = f.read()
+    finally:
+        for fd in (go_r, go_w, res_r, res_w):
+            if fd >= 0:
+                os.close(fd)
+        for pid in pids:
+            os.waitpid(pid, 0)
+    values = [float(line) for line in data.split()]
+    if len(values) != n:
+        raise RuntimeError(f"{n - len(values)} of {n} concurrent step processes failed")
+    return statistics.median(values)
+
+
 # -- loopback transports ----------------------------------------------------------------------------
 
 def _pair(kind: str) -> tuple[socket.socket, socket.socket]:
@@ -198,6 +262,17 @@ def linear_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return my - slope * mx, slope
 
 
+def fetch_costs(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """(seconds per fetch, seconds per byte) from timed fetches of several sizes (bytes xs, seconds ys): the
+    slope of the least-squares line, and the median fetch of the smallest size less its bytes at that slope
+    (the line's intercept, extrapolated from MiB-sized fetches, is noisy where a small state's fetch is
+    mostly this cost). Pure."""
+    _, slope = linear_fit(xs, ys)
+    slope = max(slope, 0.0)
+    small = min(xs)
+    return max(statistics.median(y for x, y in zip(xs, ys) if x == small) - small * slope, 0.0), slope
+
+
 def busy_source_main() -> None:
     """A catch-up source (a process `catchup_costs(busy_source=True)` starts) that trains while it serves, as
     a healthy replica does. Token on stdin's first line; then "STEP NBYTES" lines publish a state of that
@@ -260,12 +335,13 @@ def catchup_costs(*, sizes_mb: tuple[float, ...] = (0.0625, 4, 16, 32), reps: in
             _time_fetches(step, url, token, config, buffer, reps, xs, ys)
     finally:
         server.stop()
-    per_fetch, per_byte = linear_fit(xs, ys)
+    per_fetch, per_byte = fetch_costs(xs, ys)
     sizes = ", ".join(f"{m:g}" for m in sizes_mb)
     method = (f"least-squares line through {len(xs)} fetches ({reps} each of {sizes} MiB states, {shard_mb} MiB "
               f"shards) by ftrun.catchup.client.fetch from a CatchupServer on 127.0.0.1 in this process")
-    return (Figure("catchup_per_fetch_s", max(per_fetch, 0.0), "s", "intercept of the " + method, len(xs)),
-            Figure("catchup_ns_per_byte", max(per_byte, 0.0) * 1e9, "ns/B", "slope of the " + method, len(xs)))
+    return (Figure("catchup_per_fetch_s", per_fetch, "s", "the median smallest fetch less its bytes at the slope of "
+                   "the " + method, len(xs)),
+            Figure("catchup_ns_per_byte", per_byte * 1e9, "ns/B", "slope of the " + method, len(xs)))
 
 
 def _catchup_costs_busy(*, sizes_mb: tuple[float, ...], reps: int) -> tuple[Figure, Figure]:
@@ -303,13 +379,14 @@ def _catchup_costs_busy(*, sizes_mb: tuple[float, ...], reps: int) -> tuple[Figu
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-    per_fetch, per_byte = linear_fit(xs, ys)
+    per_fetch, per_byte = fetch_costs(xs, ys)
     sizes = ", ".join(f"{m:g}" for m in sizes_mb)
     method = (f"least-squares line through {len(xs)} cold fetches ({reps} each of {sizes} MiB states, 8 MiB shards) by "
               "ftrun.catchup.client.fetch from a CatchupServer in another process that trains the toy LM meanwhile "
               "(a healthy replica serving a joiner), on 127.0.0.1")
-    return (Figure("catchup_per_fetch_s", max(per_fetch, 0.0), "s", "intercept of the " + method, len(xs)),
-            Figure("catchup_ns_per_byte", max(per_byte, 0.0) * 1e9, "ns/B", "slope of the " + method, len(xs)))
+    return (Figure("catchup_per_fetch_s", per_fetch, "s", "the median smallest fetch less its bytes at the slope of "
+                   "the " + method, len(xs)),
+            Figure("catchup_ns_per_byte", per_byte * 1e9, "ns/B", "slope of the " + method, len(xs)))
 
 
 def storage_write(*, reps: int = 30, nbytes: int = 1024) -> Figure:
@@ -328,6 +405,22 @@ def storage_write(*, reps: int = 30, nbytes: int = 1024) -> Figure:
         t, n = _median_time(write, reps)
     return Figure("storage_write_s", t, "s", f"median ftrun.storage.FileStorage.write_atomic (write, fsync, rename, "
                   f"fsync the folder) of a {nbytes} B file under {tempfile.gettempdir()}, {reps} writes", n)
+
+
+def storage_append(*, reps: int = 200, nbytes: int = 256) -> Figure:
+    """One ftrun.data.audit.FileAuditSink append (O_APPEND write(2), no fsync) of an audit-record-sized line."""
+    from ftrun.data.audit import FileAuditSink
+
+    with tempfile.TemporaryDirectory(prefix="ftrun-calibrate-") as d:
+        sink = FileAuditSink(os.path.join(d, "audit.jsonl"))
+        line = b"x" * (nbytes - 1) + b"\n"
+        try:
+            sink(line)
+            t, n = _median_time(lambda: sink(line), reps)
+        finally:
+            sink.close()
+    return Figure("storage_append_s", t, "s", f"median ftrun.data.audit.FileAuditSink append (O_APPEND write, no "
+                  f"fsync) of a {nbytes} B line under {tempfile.gettempdir()}, {reps} appends", n)
 
 
 # -- FTAR kernels -----------------------------------------------------------------------------------

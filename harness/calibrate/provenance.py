@@ -52,9 +52,19 @@ def profile_keys(figures: Mapping[str, Figure]) -> dict[str, tuple[float, str, s
     direct("ftar.kernel_reduce_gb_s", "ftar_reduce_gb_s")
     direct("ftar.kernel_copy_gb_s", "ftar_copy_gb_s")
     direct("scheduler.crash_detect_s", "crash_detect_s")
-    direct("network.crash_fin_delay_s", "peer_reset_s")
+    if "script_crash_detect_s" in figures and "tcp_one_way_us" in figures:  # the script's own crash, where timed
+        d, lat = figures["script_crash_detect_s"], figures["tcp_one_way_us"]
+        out["network.crash_fin_delay_s"] = (max(d.value - lat.value * 1e-6, 0.0), "s", f"measured.script_crash_detect_s "
+                                            f"({d.value:.6g} s) minus one one-way latency ({lat.value:.3g} us)", d.samples)
+    else:
+        direct("network.crash_fin_delay_s", "peer_reset_s")
     direct("checkpoint.local_write_latency_s", "storage_write_s")
-    direct("scheduler.process_start_s", "zygote_start_s", note=" (a restarted replica's ranks are zygote children)")
+    direct("train.shared_cpu_cores", "cpu_cores_effective",
+           note=" (the rank processes of an `ftrun launch` job on this machine share them)")
+    if "script_start_s" in figures:  # the script's own start, where a script was timed
+        direct("scheduler.process_start_s", "script_start_s")
+    else:
+        direct("scheduler.process_start_s", "zygote_start_s", note=" (a restarted replica's ranks are zygote children)")
     fetch, lat = figures.get("catchup_per_fetch_s"), figures.get("tcp_one_way_us")
     if fetch is not None and lat is not None:
         modeled = CATCHUP_MODELED_ROUND_TRIPS * 2 * lat.value * 1e-6
@@ -63,6 +73,16 @@ def profile_keys(figures: Mapping[str, Figure]) -> dict[str, tuple[float, str, s
             f"measured.catchup_per_fetch_s ({fetch.value:.6g} s) minus the {CATCHUP_MODELED_ROUND_TRIPS} round trips "
             f"the emulated fetch already pays on the modeled network (2 x 2 x {lat.value:.3g} us), floored at 0",
             fetch.samples)
+    direct("checkpoint.local_append_latency_s", "storage_append_s")
+    direct("ftar.sync_overhead_s", "ftar_sync_overhead_s")
+    after, write = figures.get("script_commit_to_quorum_s"), figures.get("storage_write_s")
+    if after is not None and write is not None and lat is not None:
+        append = figures["storage_append_s"].value if "storage_append_s" in figures else 0.0
+        out["train.step_bookkeeping_s"] = (
+            max(after.value - write.value - append - 2 * lat.value * 1e-6, 0.0), "s",
+            f"measured.script_commit_to_quorum_s ({after.value:.6g} s) minus what the emulator charges there itself: "
+            f"one loader_state write (storage_write_s {write.value:.6g} s), one audit append ({append:.3g} s) and the "
+            f"quorum round trip (2 x {lat.value:.3g} us), floored at 0", after.samples)
     if "tcp_one_way_us" in figures:
         for key, value in ONE_MACHINE.items():
             out[key] = (value, "", "derived, not measured: on one machine every hop is 127.0.0.1", 1)
@@ -70,7 +90,7 @@ def profile_keys(figures: Mapping[str, Figure]) -> dict[str, tuple[float, str, s
 
 
 # Figures that set a key one to one are recorded under that key only.
-_ONE_TO_ONE = {"step_s", "ftar_reduce_gb_s", "ftar_copy_gb_s", "crash_detect_s", "tcp_one_way_us", "peer_reset_s",
+_ONE_TO_ONE = {"step_s", "cpu_cores_effective", "storage_append_s", "ftar_sync_overhead_s", "ftar_reduce_gb_s", "ftar_copy_gb_s", "crash_detect_s", "tcp_one_way_us", "peer_reset_s",
                "storage_write_s"}
 
 

@@ -129,6 +129,7 @@ class EmulatedJob:
         env = self.world.host_env(SUPERVISOR_HOST)  # the stores' calls wait on whichever task makes them
         self.storage = MockObjectStore.local_disk(env)  # loader_state and audit logs: files next to the job
         self.storage.write_latency_s = profile.checkpoint.local_write_latency_s
+        self.storage.append_latency_s = profile.checkpoint.local_append_latency_s
         self.checkpoint_storage = MockObjectStore.remote(env)  # persistent checkpoints: an object store
         self.ftar_config = FtarConfig(chunk_bytes=max(16, profile.ftar.chunk_bytes // 16 * 16),
                                       num_chunks=profile.ftar.chunks_in_flight,
@@ -160,6 +161,9 @@ class EmulatedJob:
         self._lighthouse_storage: MockObjectStore | None = None  # its disk: survives a restart
         self._lighthouse_down = False
         self.scheduler: MockScheduler | None = None
+        self._in_step_kills: list[Kill] = []  # mid-step kills waiting for their replica's next step to begin
+        self._last_commit_at: dict[int, float] = {}  # replica -> its leader's latest commit (virtual s)
+        self._commit_gaps: list[float] = []
 
     # -- names and models ------------------------------------------------------------------------
     def replica_id(self, replica: int) -> str:
@@ -353,6 +357,26 @@ class EmulatedJob:
         on_it = rank < self._num_leads if self._num_leads is not None else rank // self.profile.topology.gpus_per_host == s[0]
         return (s[1] - 1.0) * self.profile.train.step_compute_s if on_it else 0.0
 
+    def contention_extra_s(self) -> float:
+        """Extra compute time of a step while the job's ranks share the machine's CPUs (train.shared_cpu_cores,
+        c): each live rank keeps a CPU busy for its compute and bookkeeping, a fraction u of the job's recent step
+        period, so the ranks ask for N x u cores; beyond c, compute stretches by N x u / c. 0 when ranks have
+        CPUs of their own."""
+        t = self.profile.train
+        if not t.shared_cpu_cores:
+            return 0.0
+        live = sum(inc.world_size for inc in self._incarnations if inc is not None and inc.alive)
+        gaps = sorted(self._commit_gaps)
+        busy = t.step_compute_s + t.step_bookkeeping_s
+        u = min(1.0, busy / gaps[len(gaps) // 2]) if gaps else 1.0
+        return t.step_compute_s * max(0.0, live * u / t.shared_cpu_cores - 1.0)
+
+    def ftar_overhead_s(self) -> float:
+        """The all-reduce's measured overhead (ftar.sync_overhead_s) while more than one replica is up
+        (seams.OverheadExchange charges it after the modeled ring)."""
+        up = sum(1 for inc in self._incarnations if inc is not None and inc.alive)
+        return self.profile.ftar.sync_overhead_s if up > 1 else 0.0
+
     def slow_fetch(self, inc: Incarnation) -> tuple[float, float] | None:
         """(factor, delay_s) of a slow fetch fault of the replica: F x the modeled transfer, plus D."""
         slow = self._slow_fetch.get(inc.replica)
@@ -366,6 +390,10 @@ class EmulatedJob:
     # -- called from rank tasks (never block) ----------------------------------------------------
     def committed(self, inc: Incarnation, step: int) -> None:
         """A leader committed: its replica has trained `step` steps."""
+        now, last = self.world.now, self._last_commit_at.get(inc.replica)
+        self._last_commit_at[inc.replica] = now
+        if last is not None:
+            self._commit_gaps = (self._commit_gaps + [now - last])[-20:]  # the recent step period (contention)
         if step >= self.options.steps:
             inc.completed = True
             self.finished = True
@@ -385,8 +413,18 @@ class EmulatedJob:
                 self._pending_step_kills.remove(kill)
                 if mine and kill.at_fraction == 0:
                     self._inject(kill)  # now, before its leader asks for the next quorum (kills this task too)
+                elif mine:
+                    self._in_step_kills.append(kill)  # F x a step's compute into its next step (step_started)
                 else:
                     self.world.host_env(SUPERVISOR_HOST).spawn(self._kill_in_step, kill, name=f"inject-{kill.describe()}")
+
+    def step_started(self, inc: Incarnation, step: int) -> None:
+        """A leader's step began (its quorum decided): a mid-step kill of its replica starts counting F x a
+        step's compute from here, as `ftrun launch --inject` counts from the victim's quorum."""
+        for kill in list(self._in_step_kills):
+            if kill.replica == inc.replica and step >= kill.at_step:  # type: ignore[operator]
+                self._in_step_kills.remove(kill)
+                self.world.host_env(SUPERVISOR_HOST).spawn(self._kill_in_step, kill, name=f"inject-{kill.describe()}")
 
     def entering_ftar(self, inc: Incarnation, step: int) -> None:
         """A leader enters the all-reduce of `step`: fire the at=ftar kills due for its replica."""

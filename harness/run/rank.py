@@ -27,13 +27,12 @@ from ftrun.quorum.decide import Decision
 from ftrun.replica.comm import ReplicaCommError
 from ftrun.replica.manager import ReplicaError
 from ftrun.replica.tree_comm import FlatComm, TreeComm
-from ftrun.storage import StorageAuditSink
 from ftrun.train.exchange import GradientExchange
 from ftrun.train.lr import LRConfig
 from ftrun.train.trainer import FaultTolerantTrainer, StepResult, TrainerConfig, build
 from harness.run.fold import LeadCatchup, LeadExchange, MirrorCatchup, MirrorExchange
-from harness.run.seams import (EmulatedCompute, FoldedProgress, ObjectStoreCheckpointer, ShapePayloads,
-                               ShapeSnapshotStore, TimedCatchup)
+from harness.run.seams import (EmulatedCompute, FoldedProgress, ObjectStoreCheckpointer, OverheadExchange,
+                               ShapePayloads, ShapeSnapshotStore, TimedCatchup)
 
 if TYPE_CHECKING:
     from harness.run.job import EmulatedJob, Incarnation
@@ -112,7 +111,8 @@ def _compute(job: "EmulatedJob", inc: "Incarnation", rank: int, env: Any, lead: 
     return EmulatedCompute(
         env=env, model=p.model, ranks_per_replica=p.ranks_per_replica, cache=job.shapes,
         step_time_s=train.step_compute_s, rng=job.rng, state=job.shape_state, lead=lead,
-        extra_s=lambda step: job.jitter_s(inc.replica, step) + job.compute_extra_s(inc, rank, step),
+        extra_s=lambda step: (job.jitter_s(inc.replica, step) + job.compute_extra_s(inc, rank, step)
+                              + job.contention_extra_s()),
         first_extra_s=(extra_first + train.first_batch_s) if restarted else 0.0,
         first_batch_s=train.first_batch_s if restarted else 0.0)
 
@@ -133,7 +133,8 @@ def _data_plane(job: "EmulatedJob", inc: "Incarnation", rank: int, env: Any, lea
                                       on_fetch=fetched)
     engine = FtarEngine(env=env, kernels=job.kernels(), token=job.token, config=job.ftar_config)
     joiner_wait = job.timeouts.ftar_timeout_s + 2 * job.profile.train.step_compute_s  # others compute, then timeout
-    exchange: Any = GradientExchange(engine=engine, rank=rank, joiner_wait_s=joiner_wait)
+    exchange: Any = OverheadExchange(GradientExchange(engine=engine, rank=rank, joiner_wait_s=joiner_wait), env,
+                                     job.ftar_overhead_s)
     net = NetCatchup(env=env, token=job.token, config=job.catchup_config, payloads=ShapePayloads(),
                      store=lambda on_change: ShapeSnapshotStore(max_shard_bytes=job.catchup_config.max_shard_bytes,
                                                                 on_change=on_change))
@@ -156,16 +157,21 @@ def _build(job: "EmulatedJob", inc: "Incarnation", rank: int, env: Any, lead: bo
     every = p.checkpoint.every_steps
     checkpointer = (ObjectStoreCheckpointer(storage=job.checkpoint_storage, state_bytes=job.state_bytes_per_rank)
                     if every > 0 and leader else None)
-    audit = AuditLog(StorageAuditSink(job.storage, f"audit/{inc.replica_id}-{inc.number}.jsonl") if leader
-                     else _no_audit)
+    key = f"audit/{inc.replica_id}-{inc.number}.jsonl"
+    audit = AuditLog((lambda data: job.storage.append(key, data)) if leader else _no_audit)  # a log file's append
+    bookkeeping = p.train.step_bookkeeping_s
 
     def on_phase(phase: str, step: int) -> None:
+        if phase == "quorum" and bookkeeping and lead:
+            env.clock.sleep(bookkeeping)  # the script's own per-step work after the commit (measured)
         if phase in ("quorum", "started", "exchange"):
             setattr(marks, phase, env.clock.now())
         elif phase == "before_commit":
             marks.commit = env.clock.now()
         if phase == "exchange" and leader:
             job.entering_ftar(inc, step)
+        elif phase == "started" and leader:
+            job.step_started(inc, step)
 
     config = TrainerConfig(replica_id=inc.replica_id, rank=rank, rng_seed=None, lr=LRConfig(policy=p.train.lr_intervention),
                            checkpoint=CheckpointConfig(every_steps=max(every, 1)), catchup=job.catchup_config)

@@ -196,3 +196,26 @@ class FoldedProgress(DataProgress):
         self.state, record = hit
         self._step = None
         return record
+
+
+class OverheadExchange:
+    """A GradientExchange that pays the real all-reduce's measured overhead (ftar.sync_overhead_s)
+    after the modeled ring: a peer that dies meanwhile is still seen in the ring, as in a real run, where
+    the ranks wait inside the all-reduce. `overhead_s()`: the current overhead (it depends on the replicas up)."""
+
+    def __init__(self, exchange: Any, env: Any, overhead_s: Callable[[], float]) -> None:
+        object.__setattr__(self, "_x", exchange)
+        object.__setattr__(self, "_env", env)
+        object.__setattr__(self, "_overhead_s", overhead_s)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._x, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._x, name, value)
+
+    def average(self, quorum: Any, grads: Any, **kwargs: Any) -> None:
+        self._x.average(quorum, grads, **kwargs)
+        extra = self._overhead_s()
+        if extra:
+            self._env.clock.sleep(extra)

@@ -231,3 +231,49 @@ def test_quorum_to_commit_spans_of_a_real_event_stream():
           {"event": "commit", "t": 2.0, "step": 2, "replica_id": "r0", "rank": 0},
           {"event": "commit", "t": 3.0, "step": 9, "replica_id": "r0", "rank": 0}]
     assert quorum_to_commit_s(ev) == [pytest.approx(0.5), pytest.approx(0.3)]
+
+
+def test_commit_to_quorum_spans_of_a_real_event_stream():
+    from harness.calibrate import commit_to_quorum_s
+
+    events = [{"event": "commit", "t": 1.0, "step": 1, "replica_id": "r0"},
+              {"event": "quorum", "t": 1.02, "step": 1, "replica_id": "r0"},
+              {"event": "commit", "t": 1.1, "step": 2, "replica_id": "r0"},
+              {"event": "quorum", "t": 1.13, "step": 2, "replica_id": "r0", "rank": 1},  # not rank 0
+              {"event": "quorum", "t": 1.15, "step": 2, "replica_id": "r0"}]
+    assert commit_to_quorum_s(events) == pytest.approx([0.02, 0.05])
+
+
+def test_bookkeeping_hop_overhead_and_cores_are_derived_from_their_figures():
+    keys = profile_keys({f.name: f for f in (
+        fig("script_commit_to_quorum_s", 0.030), fig("storage_write_s", 0.016), fig("storage_append_s", 1e-6),
+        fig("tcp_one_way_us", 10.0, "us"), fig("ftar_sync_overhead_s", 0.004), fig("cpu_cores_effective", 1.6, "cores"))})
+    assert keys["train.step_bookkeeping_s"][0] == pytest.approx(0.030 - 0.016 - 1e-6 - 20e-6)
+    assert keys["ftar.sync_overhead_s"][0] == 0.004 and keys["train.shared_cpu_cores"][0] == 1.6
+    assert keys["checkpoint.local_append_latency_s"][0] == 1e-6
+    keys = profile_keys({f.name: f for f in (fig("script_commit_to_quorum_s", 0.01), fig("storage_write_s", 0.016),
+                                             fig("tcp_one_way_us", 10.0, "us"))})
+    assert keys["train.step_bookkeeping_s"][0] == 0.0  # floored
+
+
+def test_fetch_costs_take_the_small_fetch_and_the_slope():
+    from harness.calibrate.measure import fetch_costs
+
+    xs = [1e3, 1e3, 1e3, 1e6, 1e6, 2e6]
+    ys = [0.05, 0.04, 0.06, 0.2, 0.2, 0.3]
+    per_fetch, per_byte = fetch_costs(xs, ys)
+    assert per_byte == pytest.approx(linear_fit(xs, ys)[1])
+    assert per_fetch == pytest.approx(0.05 - 1e3 * per_byte)
+
+
+def test_a_timed_scripts_start_sets_the_process_start():
+    keys = profile_keys({f.name: f for f in (fig("zygote_start_s", 0.02), fig("script_start_s", 0.5))})
+    assert keys["scheduler.process_start_s"][0] == 0.5
+    assert profile_keys({"zygote_start_s": fig("zygote_start_s", 0.02)})["scheduler.process_start_s"][0] == 0.02
+
+
+def test_the_scripts_own_crash_detection_sets_the_crash_teardown():
+    keys = profile_keys({f.name: f for f in (fig("script_crash_detect_s", 0.1), fig("tcp_one_way_us", 10.0, "us"),
+                                             fig("peer_reset_s", 0.03))})
+    assert keys["network.crash_fin_delay_s"][0] == pytest.approx(0.1 - 10e-6)
+    assert profile_keys({"peer_reset_s": fig("peer_reset_s", 0.03)})["network.crash_fin_delay_s"][0] == 0.03

@@ -78,3 +78,37 @@ def test_side_by_side():
     assert rows["catchup_s"]["ratio"] is None and rows["get_quorum_s"]["ratio"] == 2.0
     assert t["max_abs_log_ratio"] == pytest.approx(math.log(2))
     assert side_by_side({}, {})["max_abs_log_ratio"] is None
+
+
+def test_the_emulated_model_has_the_toy_lms_parameter_count():
+    from harness.calibrate.fidelity import toy_model_overrides
+    from harness.profile import apply_overrides, load_profile
+
+    p = apply_overrides(load_profile("ci-small"), toy_model_overrides(5216))
+    assert p.model.num_params == 5216 and p.model.dtype == "fp32"
+
+
+def test_phases_split_a_step_at_its_commit():
+    from harness.calibrate.fidelity import phases
+
+    ph = phases(job_events())
+    assert ph["quorum_to_commit_s"] == pytest.approx(0.09) and ph["commit_to_quorum_s"] == pytest.approx(0.01)
+
+
+def test_both_runs_get_the_same_faults_in_the_one_grammar():
+    import argparse
+
+    from ftrun.launch.inject import parse
+    from harness.calibrate.fidelity import add_arguments, emulated_overrides, fault_specs
+    from harness.run.faults import parse_inject
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--replicas", "4", "--ranks-per-replica", "2"])
+    specs = fault_specs(args)
+    assert specs == ["kill replica=1 step=15 at=0.5", "slow fetch replica=1 delay=0.2"]
+    for spec in specs:
+        parse(spec), parse_inject(spec)  # both worlds accept them
+    o = emulated_overrides(args, 5216)
+    assert {"replicas=4", "ranks_per_replica=2", "checkpoint.every_steps=0", "timeouts.join_timeout_s=0.5"} <= set(o)
+    assert not fault_specs(p.parse_args(["--slow-fetch-delay", "0"]))[1:]

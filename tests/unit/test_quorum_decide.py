@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from ftrun.config import LighthouseConfig, Timeouts
@@ -157,6 +159,30 @@ SAFETY_CASES = [
      LighthouseState(quorum_id=3, prev_participants=("a", "b"), members=members("a", "b"), max_step=5),
      reqs({"a": 3, "b": (5, True, 3)}), True, "fast path", ("a", "b"), ("a",), (), ()),
 ]
+
+
+# Rule 6a, the 3 x 2 fork: r0 alone formed quorum 1 at step 0 and committed; r1 and r2 ask at step 0 while r0
+# (live) is slow to ask again. At the join timeout they must not form a quorum of their own at step 0.
+FORK = LighthouseState(quorum_id=1, prev_participants=("r0",), members=members("r0", "r1", "r2"), max_step=0)
+
+
+def test_a_quorum_without_a_silent_member_of_the_last_one_at_its_step_waits_for_it():
+    join, heartbeat = ONE.timeouts.join_timeout_s, ONE.timeouts.heartbeat_timeout_s
+    after_join = 100.0 + join + 0.1
+    d = decide(after_join, FORK, reqs({"r1": 0, "r2": 0}, at=100.0), ONE)
+    assert not d.ready and "waiting for r0 of quorum 1" in d.reason and d.retry_at == 100.0 + heartbeat
+    d = decide(after_join, FORK, {**reqs({"r1": 0, "r2": 0}, at=100.0), **reqs({"r0": 1}, at=100.5)}, ONE)
+    assert d.ready and d.replica_ids == ("r0", "r1", "r2") and d.behind == ("r1", "r2")  # they heal from r0
+    # once r0's heartbeat times out it no longer counts
+    later = replace(FORK, members={**FORK.members, **members("r1", "r2", heard=100.0 + heartbeat)})
+    assert decide(100.0 + heartbeat + 0.5, later, reqs({"r1": 0, "r2": 0}, at=100.0), ONE).ready
+
+
+def test_rule_6a_leaves_the_usual_join_timeout_alone():
+    after_join = 100.0 + ONE.timeouts.join_timeout_s + 0.1
+    prev_asks = LighthouseState(quorum_id=1, prev_participants=("r0", "r1"), members=members("r0", "r1", "r2"), max_step=5)
+    assert decide(after_join, prev_asks, reqs({"r0": 5, "r2": 5}, at=100.0), ONE).ready  # r0 of the quorum asked at 5
+    assert decide(after_join, FORK, reqs({"r1": 1, "r2": 0}, at=100.0), ONE).ready  # r1 holds a step above it
 
 
 @pytest.mark.parametrize("case", SAFETY_CASES, ids=[c[0] for c in SAFETY_CASES])
