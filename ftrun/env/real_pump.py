@@ -17,7 +17,7 @@ from __future__ import annotations
 import select
 import time
 from collections import deque
-from typing import Any, Callable
+from typing import Any
 
 from ftrun.env import wire
 from ftrun.env.base import NetTimeout, PeerClosed, ProtocolError
@@ -25,9 +25,6 @@ from ftrun.env.base import NetTimeout, PeerClosed, ProtocolError
 RealConnection = Any  # ftrun.env.real_net.RealConnection, which imports this module (no cycle back)
 
 _RECV_STEP = 1 << 20  # as RealConnection: bounded copies keep a loopback sender moving
-# With a progress callback (the caller reduces what has landed) reads are smaller, so the bytes just
-# received are still in this core's cache when the callback reads them.
-_STREAM_STEP = 256 << 10
 
 
 class RealPump:
@@ -57,27 +54,25 @@ class RealPump:
             if not self._push():
                 self._wait(deadline, timeout, want_in=False)
 
-    def recv_into(self, buf, timeout: float, progress: Callable[[int], Any] | None = None) -> None:
+    def recv_into(self, buf, timeout: float) -> None:
         """Receive the next bulk frame from `inc`, exactly len(buf) bytes, into buf; queued frames
-        keep going out meanwhile. `progress(n)`: called each time more of the payload has landed, with
-        the bytes received so far (buf[:n] is final), last with len(buf); it may work on that prefix."""
+        keep going out meanwhile."""
         view = memoryview(buf).cast("B")
         header = memoryview(self._header)
         deadline = time.monotonic() + timeout
-        step = _RECV_STEP if progress is None else _STREAM_STEP
         got_header = got = 0
         while got < view.nbytes or got_header < wire.HEADER_SIZE:
             moved = self._push()
             try:
                 if got_header < wire.HEADER_SIZE:
-                    n = self._in._sock.recvmsg_into([header[got_header:], view[:step]])[0]
+                    n = self._in._sock.recvmsg_into([header[got_header:], view[:_RECV_STEP]])[0]
                     h = min(n, wire.HEADER_SIZE - got_header)
                     got_header += h
                     if got_header == wire.HEADER_SIZE:
                         self._check_header(view.nbytes)
                     got += n - h  # iovecs fill in order: payload bytes only once the header is whole
                 else:
-                    n = self._in._sock.recv_into(view[got:got + step])
+                    n = self._in._sock.recv_into(view[got:got + _RECV_STEP])
                     got += n
             except BlockingIOError:
                 n = -1
@@ -85,8 +80,6 @@ class RealPump:
                 self._lost(self._in, "receiving", e)
             if n == 0:
                 self._lost(self._in, "receiving", None)
-            if n > 0 and progress is not None and got:
-                progress(got)
             if n < 0 and not moved:
                 self._wait(deadline, timeout, want_in=True)
 

@@ -114,42 +114,17 @@ class RingRun:
             if self.telemetry: self.telemetry.ftar_recv(recv.nbytes)
             return target
         self._wait_slot(recv.slot)
-        # Reduce: slot += data, and the send goes from the slot. ReduceCopy over a socket: data += slot puts
-        # the final sum in data in one pass (read 2, write 1, against read 2, write 2 for slot += data;
-        # data <- slot), and the send goes from data, as the all-gather's sends do. Same sums bitwise
-        # (a + b == b + a). Nothing writes this region again in this all-reduce: the all-gather receives
-        # the other segments.
-        into_slot = isinstance(local, Reduce)
-        if self.pump is not None:  # reduce each piece as it lands, while it is still in cache
-            self._streamed_reduce(recv, local, slot_off, into_slot)
-        else:
-            self._recv_into(self.staging[slot_off:slot_off + recv.nbytes])
-            self._reduce_range(local, slot_off, into_slot, 0, local.nbytes)
+        self._recv_into(self.staging[slot_off:slot_off + recv.nbytes])
         if self.telemetry: self.telemetry.ftar_recv(recv.nbytes)
-        if into_slot:
+        if isinstance(local, Reduce):
+            self._charge(self.k.reduce(self.staging, slot_off, self.data, local.offset, local.nbytes, self.dt))
             return self.staging[slot_off:slot_off + recv.nbytes]
+        # ReduceCopy over a socket: data += slot puts the final sum in data in one pass (read 2, write 1,
+        # against read 2, write 2 for slot += data; data <- slot), and the send goes from data, as the
+        # all-gather's sends do. Same sums bitwise (a + b == b + a). Nothing writes this region again in
+        # this all-reduce: the all-gather receives the other segments.
+        self._charge(self.k.reduce(self.data, local.offset, self.staging, slot_off, local.nbytes, self.dt))
         return self._region(local.offset, local.nbytes)
-
-    def _reduce_range(self, local, slot_off: int, into_slot: bool, lo: int, hi: int) -> None:
-        """Bytes [lo, hi) of the chunk: slot += data (Reduce) or data += slot (ReduceCopy)."""
-        if into_slot:
-            self._charge(self.k.reduce(self.staging, slot_off + lo, self.data, local.offset + lo, hi - lo, self.dt))
-        else:
-            self._charge(self.k.reduce(self.data, local.offset + lo, self.staging, slot_off + lo, hi - lo, self.dt))
-
-    def _streamed_reduce(self, recv, local, slot_off: int, into_slot: bool) -> None:
-        """Receive the chunk into its slot and reduce each whole-element prefix that has landed (the pump
-        reads in cache-sized steps), instead of reading the whole slot back from memory afterwards."""
-        done, elem = 0, self.dt.itemsize
-
-        def landed(got: int) -> None:
-            nonlocal done
-            upto = got - got % elem
-            if upto > done:
-                self._reduce_range(local, slot_off, into_slot, done, upto)
-                done = upto
-
-        self.pump.recv_into(self.staging[slot_off:slot_off + recv.nbytes], self.timeout, progress=landed)
 
     def _compute_from(self, src: np.ndarray, src_off: int, recv, local):
         """The local op with its input in another rank's shared slot; result in our slot (or data)."""
