@@ -27,6 +27,7 @@ def test_bench_ftar_reports_wall_and_cpu_ratios_against_gloo():
         assert r["ftar_cpu_s"] > 0 and r["gloo_cpu_s"] > 0
         assert r["cpu_ratio"] == r["gloo_cpu_s"] / r["ftar_cpu_s"]
         assert r["ratio"] == r["gloo_s"] / r["ftar_s"]
+        assert r["median_ratio"] == r["gloo_median_s"] / r["ftar_median_s"] and r["ftar_median_s"] >= r["ftar_s"]
     assert out["min_ratio"] == min(r["ratio"] for r in rows)
     assert out["min_cpu_ratio"] == min(r["cpu_ratio"] for r in rows)
     assert out["transport"] == "socket" and out["hosts"] == 1
