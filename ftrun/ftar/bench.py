@@ -2,7 +2,11 @@
 
 For each process count, P processes on 127.0.0.1 rendezvous on a TCPStore, build both a gloo group and
 an FTAR ring, check that both give the same sums, then time each on float32 buffers of every size
-(best of --iters after a warm-up). Bandwidth is algorithm bandwidth: buffer bytes / seconds.
+(best of --iters after a warm-up; FTAR and gloo alternate iteration by iteration, so both see the same
+load on a shared machine). Bandwidth is algorithm bandwidth: buffer bytes / seconds. Each row also gives
+the CPU seconds (user + system, every thread) rank 0 spent per all-reduce, median over the iterations,
+and `cpu_ratio` = gloo's / FTAR's: the work each does per byte, which a busy machine does not skew; and
+`median_ratio`, the ratio of the median times (a best-of favours whichever varies more under load).
 
 `--netns`: each process on its own network namespace host (ftrun.launch.netns; needs root): the store
 inside host 0, every rank binding its host's address, so both FTAR and gloo cross the bridge (FTAR's
@@ -65,11 +69,13 @@ def run(args: argparse.Namespace) -> int:
             rows += got
         else:
             rows += _run_group(procs, sizes, args)
-    print(f"{'procs':>5} {'size':>8} {'ftar GB/s':>10} {'gloo GB/s':>10} {'ratio':>6}")
+    print(f"{'procs':>5} {'size':>8} {'ftar GB/s':>10} {'gloo GB/s':>10} {'ratio':>6} {'median ratio':>12} {'cpu ratio':>9}")
     for r in rows:
-        print(f"{r['procs']:5d} {r['size_mb']:6.0f}MB {r['ftar_gbps']:10.2f} {r['gloo_gbps']:10.2f} {r['ratio']:6.2f}")
+        print(f"{r['procs']:5d} {r['size_mb']:6.0f}MB {r['ftar_gbps']:10.2f} {r['gloo_gbps']:10.2f} {r['ratio']:6.2f} "
+              f"{r['median_ratio']:12.2f} {r['cpu_ratio']:9.2f}")
     if args.json:
-        emit_json({"results": rows, "min_ratio": min(r["ratio"] for r in rows), "transport": args.transport,
+        emit_json({"results": rows, "min_ratio": min(r["ratio"] for r in rows),
+                   "min_cpu_ratio": min(r["cpu_ratio"] for r in rows), "transport": args.transport,
                    "socket_io": args.socket_io, "hosts": max(counts) if args.netns else 1, "shaping": shaping})
     return 0
 

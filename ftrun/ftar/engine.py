@@ -163,7 +163,11 @@ class FtarEngine:
         if shm is not None:
             self._prev_slots = SharedSlots.attach(str(shm), self.config.staging_bytes)
         links.prev.send({"attached": shm is not None})
-        if share_out and links.next.recv(timeout=t)["attached"]:
+        # Read the reply even when nothing was offered: a socket closed with unread bytes resets its
+        # connection (RST), which drops the frames still in its send buffer, so the next rank would lose
+        # the tail of an all-reduce this rank had finished when the ring is rebuilt or closed.
+        attached = links.next.recv(timeout=t)["attached"]
+        if share_out and attached:
             self._own_slots.unlink()  # both sides have it mapped: nothing to leave behind in /dev/shm
         self.transports = ("shared" if shm is not None else "socket", "shared" if share_out else "socket")
 

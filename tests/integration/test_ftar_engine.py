@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -157,6 +158,28 @@ class Worker:
         line = self.p.stdout.readline()
         assert line, "worker exited"
         return json.loads(line)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_built_ring_leaves_no_unread_bytes_so_closing_it_loses_nothing(transport):
+    """A socket closed with unread bytes resets its connection and drops what it had not sent yet, so
+    the ring build must read every reply (the next rank's "attached" one included, even over sockets),
+    and a rank that closes right after its all-reduce must not cut the tail of its neighbour's."""
+    env = RealEnv()
+    engs = engines(env, 2, FtarConfig(chunk_bytes=1 << 16, num_chunks=2, timeout_s=10.0, **io_config(transport)))
+    build(env, engs)
+    for e in engs:
+        for conn in (e._links.next, e._links.prev):
+            with pytest.raises(BlockingIOError):
+                conn._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    bufs = [np.full(1 << 20, i + 1, np.float32) for i in range(2)]
+
+    def reduce_then_close(i):
+        engs[i].all_reduce(bufs[i])
+        engs[i].close()
+
+    assert in_parallel(env, [lambda i=i: reduce_then_close(i) for i in range(2)]) == [None, None]
+    assert all((b == 3).all() for b in bufs)
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
