@@ -84,6 +84,8 @@ class JobOptions:
     wiring: Literal["connect", "prewired"] = "connect"
     fanout: int = 16
     trace: bool = True
+    diagnose: bool = False  # root-cause telemetry on every rank and a collector (harness.run.diagnosis)
+    diagnose_interval_s: float | None = None  # with diagnose: run the monitor every this many seconds
 
     def __post_init__(self) -> None:
         if self.steps < 1:
