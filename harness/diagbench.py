@@ -298,6 +298,7 @@ class _Bench:
                              "phase": sc.phase, "score": result, "verdict_kind": v["kind"],
                              "reason": v["reason"], "verdict_hosts": v.get("hosts", [])[:8],
                              "verdict_ranks": v.get("ranks", [])[:8], "collections": len(verdicts),
+                             "polls": [x["kind"] for x in verdicts][-6:],
                              "detect_s": round(self.clock.now() - t_inject, 3)})
         job.recorder.event({"event": "diagbench_scenario", "t": self.clock.now(), "step": job.max_step,
                             **{k: v for k, v in self.results[-1].items() if k != "reason"}})
@@ -327,6 +328,8 @@ def run_bench(profile: Profile, *, scenarios: int, seed: int, fault_free: int,
     shape = shape_of(profile)
     plan = draw(scenarios, seed, shape)
     wiring = "prewired" if profile.ranks_per_replica > 4096 else "connect"
+    if ftar_detail is None and profile.num_ranks <= 16384:
+        ftar_detail = "full"  # every ring real, so every rank's telemetry is its own (folding mirrors leads)
     steps = 20 + scenarios * (SLOW_STEPS + 6) + fault_free * 3  # more than the bench can use
     options = JobOptions(steps=steps, seed=seed, diagnose=True, trace=False, ftar_detail=ftar_detail,  # type: ignore
                          wiring=wiring)

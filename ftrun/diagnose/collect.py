@@ -169,18 +169,28 @@ class _Known:
 
 def assemble(known: list[_Known], answered_keys: set[str], now: float) -> tuple[Snapshot, Layout]:
     """The analysis input from what each rank last sent (pure). The ring position of a rank is its ring
-    index in the newest epoch (quorum) it was seen in; a rank last seen in an older one is outside it."""
+    index in the newest epoch (quorum) it was seen in; a rank last seen in an older one is outside it, unless
+    it did not answer and its replica holds a position in the newest epoch: then it holds that position (a
+    replica's ranks share its ring index), so a hung rank last pulled before the quorum moved on is still
+    the one its ring waits on."""
     hosts = sorted({k.info.host for k in known})
     host_index = {h: i for i, h in enumerate(hosts)}
     s = np.concatenate([k.summary for k in known]) if known else np.zeros(0, SUMMARY)
     h = np.stack([k.hist for k in known]) if known else np.zeros((0, HIST_LEN), HIST)
     newest = s["f_qid"].max() if len(s) else -1
     ring_pos = np.where((s["f_qid"] == newest) & (newest >= 0), s["f_index"], -1).astype(np.int64)
-    layout = Layout(replica=np.array([k.info.replica for k in known], np.int64),
+    replica = np.array([k.info.replica for k in known], np.int64)
+    answered = np.array([k.info.key in answered_keys for k in known], bool)
+    if len(s) and (ring_pos >= 0).any():  # a silent rank last seen in an older epoch (a hung rank not pulled
+        rep_pos = np.full(int(replica.max()) + 1, -1, np.int64)  # since the quorum moved on) holds its
+        held = ring_pos >= 0  # replica's ring position: every rank of a replica has the replica's ring index
+        rep_pos[replica[held]] = ring_pos[held]
+        fill = (ring_pos < 0) & ~answered & (rep_pos[replica] >= 0)
+        ring_pos[fill] = rep_pos[replica[fill]]
+    layout = Layout(replica=replica,
                     group=np.array([k.info.rank for k in known], np.int64),
                     host=np.array([host_index[k.info.host] for k in known], np.int64),
                     ring_pos=ring_pos, host_names=tuple(hosts))
-    answered = np.array([k.info.key in answered_keys for k in known], bool)
     return Snapshot(now=now, answered=answered, summary=s, hist=h), layout
 
 

@@ -320,7 +320,7 @@ def parse_inject(text: str) -> Fault:
             return KillRank(rank=int(f["rank"]), at_s=num("time", 0.0))
         if form == ("kill", None):
             if "replica" not in f:
-                raise ValueError("kill needs replica= or rank=")
+                raise ValueError("missing ['replica'] fields: kill needs replica= or rank=")
             in_ftar = f.get("at") == "ftar"
             return Kill(replica=int(f["replica"]), at_step=step, at_s=num("time"),
                         at_fraction=0.0 if in_ftar else num("at", 0.0), in_ftar=in_ftar,
