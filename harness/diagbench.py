@@ -5,7 +5,8 @@ The job runs with telemetry on every rank and the real collector beside the ligh
 (harness.run.diagnosis). A driver task runs N scenarios one after another, each a random kind, place and
 phase (`draw`): it waits until every replica trains, waits a random fraction of a step (the phase:
 compute or all-reduce), injects the fault (harness.run.faults' scenario forms), waits for the symptom
-(a hang: the step is late, or for a killed rank, polling; a slow host or link: enough steps for the lag
+(a hang: the step is late; a killed rank: the job enters the next all-reduce, where its ring peers find
+it gone, before the supervisor restarts its replica; a slow host or link: enough steps for the lag
 history), collects every rank's telemetry over the modeled network and runs the real analysis
 (ftrun.diagnose.analysis), scores the verdict (`score`: exact culprit, candidate set, or miss), releases
 the fault and waits for the job to train again. Between scenarios, fault-free collections count false
@@ -271,6 +272,12 @@ class _Bench:
         t_inject, step0 = self.clock.now(), job.max_step
         job.scenario.apply(sc.fault(cut_s))
         verdicts = []
+        if sc.kind == "kill_rank":  # collect as the job enters the next all-reduce (the ring peers find the rank
+            entries = job.ftar_entries  # gone), before the supervisor restarts its replica
+            deadline = t_inject + 2 * self._period
+            while job.ftar_entries == entries and self.clock.now() < deadline:
+                self.clock.sleep(self._period / 256)
+            self.clock.sleep(self._period / 256)
         if sc.kind in HANG_KINDS:
             deadline = t_inject + 2 * self._period + timeout
             poll = max(self._period / 8, 0.05)

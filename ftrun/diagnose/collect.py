@@ -187,11 +187,28 @@ def assemble(known: list[_Known], answered_keys: set[str], now: float) -> tuple[
         rep_pos[replica[held]] = ring_pos[held]
         fill = (ring_pos < 0) & ~answered & (rep_pos[replica] >= 0)
         ring_pos[fill] = rep_pos[replica[fill]]
+        _place_silent_replica(ring_pos, rep_pos, replica, answered, int(s["f_ring"][held].max()))
     layout = Layout(replica=replica,
                     group=np.array([k.info.rank for k in known], np.int64),
                     host=np.array([host_index[k.info.host] for k in known], np.int64),
                     ring_pos=ring_pos, host_names=tuple(hosts))
     return Snapshot(now=now, answered=answered, summary=s, hist=h), layout
+
+
+def _place_silent_replica(ring_pos: np.ndarray, rep_pos: np.ndarray, replica: np.ndarray, answered: np.ndarray,
+                          ring_size: int) -> None:
+    """The newest ring has exactly one position no answering rank holds, and exactly one replica has no
+    position and no rank that answered (it went silent before it was pulled in this epoch): that replica
+    holds that position (in place)."""
+    free = np.setdiff1d(np.arange(ring_size), rep_pos[rep_pos >= 0])
+    if free.size != 1:
+        return
+    heard = np.zeros(len(rep_pos), bool)
+    heard[replica[answered]] = True
+    silent = np.flatnonzero((rep_pos < 0) & ~heard)
+    silent = silent[np.isin(silent, replica)]
+    if silent.size == 1:
+        ring_pos[(replica == silent[0]) & (ring_pos < 0)] = free[0]
 
 
 def verdict_dict(v: Verdict, layout: Layout, keys: list[str]) -> dict:

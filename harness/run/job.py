@@ -166,6 +166,7 @@ class EmulatedJob:
         self.scenario = ScenarioFaults(self)
         self.driver: Callable[["EmulatedJob"], None] | None = None  # a task run beside the job (diagnose bench)
         self.last_commit: dict[int, tuple[int, float]] = {}  # replica -> (step, virtual time) of its last commit
+        self.ftar_entries = 0  # leaders' entries into an all-reduce (a driver's phase signal)
 
     # -- names and models ------------------------------------------------------------------------
     def replica_id(self, replica: int) -> str:
@@ -428,6 +429,7 @@ class EmulatedJob:
 
     def entering_ftar(self, inc: Incarnation, step: int) -> None:
         """A leader enters the all-reduce of `step`: fire the at=ftar kills due for its replica."""
+        self.ftar_entries += 1
         for kill in [k for k in self._ftar_kills if k.replica == inc.replica and step >= k.at_step]:  # type: ignore
             self._ftar_kills.remove(kill)
             self.world.host_env(SUPERVISOR_HOST).spawn(self._inject, kill, name=f"inject-{kill.describe()}")
