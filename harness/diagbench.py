@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from harness.profile import Profile
 from harness.run import EmulatedJob, JobOptions
@@ -88,7 +91,8 @@ def kinds_for(shape: Shape) -> tuple[str, ...]:
 
 def draw(n: int, seed: int, shape: Shape) -> list[Scenario]:
     """N scenarios (pure, seeded): kinds round-robin over `kinds_for` in a shuffled order, places and
-    phases uniform. A slow host's factor is uniform in [2, min(10, max_slow_factor)]; a slow link's in [4, 10]
+    phases uniform. A slow host's factor is uniform in [2, min(10, max_slow_factor)] (when max_slow_factor < 3:
+in its upper half); a slow link's in [4, 10]
     (the analysis calls a link slow at 3x the job's median time per byte)."""
     if n < 0:
         raise ValueError(f"scenarios must be >= 0, got {n}")
@@ -105,8 +109,9 @@ def draw(n: int, seed: int, shape: Shape) -> list[Scenario]:
         elif kind in ("hang_host", "slow_host"):
             s = dataclasses.replace(s, host=rng.randrange(shape.num_hosts))
             if kind == "slow_host":
-                hi = max(2.0, min(10.0, shape.max_slow_factor))
-                s = dataclasses.replace(s, factor=round(rng.uniform(2.0, hi), 2))
+                hi = min(10.0, shape.max_slow_factor)
+                lo = min(2.0, 1.0 + 0.5 * (hi - 1.0))
+                s = dataclasses.replace(s, factor=round(rng.uniform(lo, hi), 2))
         elif kind == "slow_link":
             r, slot = rng.randrange(shape.replicas), rng.randrange(shape.hosts_per_replica)
             b = ((r + 1) % shape.replicas) * shape.hosts_per_replica + slot
@@ -183,6 +188,10 @@ class _Bench:
     results: list[dict] = field(default_factory=list)
     ff: list[dict] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
+    unscored: list[dict] = field(default_factory=list)
+    progress: bool = False
+    healthy_input: Any = None
+    wall0: float = field(default_factory=time.monotonic)
 
     @property
     def clock(self) -> Any:
@@ -232,6 +241,8 @@ class _Bench:
     def _warm_up(self) -> None:
         self._wait_steps(3, 100 * self._period + 600)
         self._measure_period()
+        if self.job.diagnosis.diagnose()["kind"] == "no_hang":  # a baseline of healthy wire times (not scored)
+            self.healthy_input = self.job.diagnosis.collector.last_input[0]
 
     def _measure_period(self) -> None:
         t0, s0 = self.clock.now(), self.job.max_step
@@ -300,6 +311,13 @@ class _Bench:
         v = verdicts[-1] if verdicts else {"kind": "none", "reason": "no collection before the deadline",
                                            "ranks": [], "hosts": []}
         job.scenario.release()
+        if sc.kind == "slow_link" and v["kind"] == "no_hang":
+            floor = self._undetectable_link(sc.factor)
+            if floor:  # below the analysis' threshold by design: not scored, reported
+                self.unscored.append({"index": sc.index, "kind": sc.kind, "place": sc.place(), "why": floor})
+                self._progress(sc, "unscored", v)
+                self._wait_steps(2, 200 * self._period + 600)
+                return
         result = score(v, self._truth(sc))
         self.results.append({"seed": self.seed, "index": sc.index, "kind": sc.kind, "place": sc.place(),
                              "phase": sc.phase, "score": result, "verdict_kind": v["kind"],
@@ -307,30 +325,55 @@ class _Bench:
                              "verdict_ranks": v.get("ranks", [])[:8], "collections": len(verdicts),
                              "polls": [x["kind"] for x in verdicts][-6:],
                              "detect_s": round(self.clock.now() - t_inject, 3)})
+        self._progress(sc, result, v)
         job.recorder.event({"event": "diagbench_scenario", "t": self.clock.now(), "step": job.max_step,
                             **{k: v for k, v in self.results[-1].items() if k != "reason"}})
         if not self._wait_steps(2, 200 * self._period + 600):
             self.skipped.append(f"scenario {sc.index}: the job did not train again in time")
+
+    def _progress(self, sc: Scenario, result: str, v: dict) -> None:
+        if self.progress:
+            print(f"[{sc.index + 1}/{len(self.scenarios)}] {sc.place()} phase {sc.phase:.2f}: {result} ({v['kind']}) "
+                  f"t={self.clock.now():.1f}s wall {time.monotonic() - self.wall0:.0f}s", file=sys.stderr, flush=True)
+
+    def _undetectable_link(self, factor: float) -> str:
+        """Why a slow link of this factor is below what the analysis reports (extra wire time per all-reduce
+        under max(slow_lag_frac x step, slow_min_lag_s)), from the healthy wire time of the last fault-free
+        collection; "" if it should be seen."""
+        snap = self.healthy_input
+        if snap is None:
+            return ""
+        cfg = self.job.diagnosis.config.analysis
+        busy = snap.hist["busy"][snap.hist["cid"] >= 0]
+        if not busy.size:
+            return ""
+        wire = float(np.median(busy))
+        floor = max(cfg.slow_lag_frac * self._period, cfg.slow_min_lag_s)
+        if (factor - 1.0) * wire >= floor:
+            return ""
+        return (f"the all-reduce's wire time ({wire * 1e3:.2f} ms) x {factor - 1:.1f} more stays under the analysis' "
+                f"floor for a slow link ({floor * 1e3:.0f} ms per step)")
 
     def _fault_free(self) -> None:
         if not self._healthy():
             self._wait_steps(1, 200 * self._period + 600)
         self._after_commit(self.rng.random())
         v = self.job.diagnosis.diagnose()
+        if v["kind"] == "no_hang":
+            self.healthy_input = self.job.diagnosis.collector.last_input[0]
         self.ff.append({"kind": v["kind"], "evicted": bool(v["eviction"]["replicas"]), "reason": v["reason"]})
 
 
 def shape_of(profile: Profile) -> Shape:
-    t = profile.timeouts
     compute = profile.train.step_compute_s
-    joiner_wait = t.failure_timeout_s + 2 * compute  # harness.run.rank: the ring waits this long for a joiner
     return Shape(replicas=profile.replicas, ranks_per_replica=profile.ranks_per_replica,
                  gpus_per_host=profile.topology.gpus_per_host, buildings=profile.topology.buildings,
-                 max_slow_factor=1.0 + 0.8 * joiner_wait / compute)
+                 max_slow_factor=1.0 + 0.8 * profile.timeouts.failure_timeout_s / compute)  # its ring peers wait
+    # for its chunks under the FTAR timeout: a straggler later than that is cut off (a failure, not slowness)
 
 
 def run_bench(profile: Profile, *, scenarios: int, seed: int, fault_free: int,
-              ftar_detail: str | None = None) -> dict[str, Any]:
+              ftar_detail: str | None = None, progress: bool = False) -> dict[str, Any]:
     """One emulated job, `scenarios` scenarios and `fault_free` fault-free collections; the figures."""
     shape = shape_of(profile)
     plan = draw(scenarios, seed, shape)
@@ -342,7 +385,7 @@ def run_bench(profile: Profile, *, scenarios: int, seed: int, fault_free: int,
                          wiring=wiring)
     wall0 = time.monotonic()
     job = EmulatedJob(profile, options)
-    bench = _Bench(job, plan, fault_free, seed)
+    bench = _Bench(job, plan, fault_free, seed, progress=progress)
     job.driver = bench.run
     job.run()
     diag = job.diagnosis
@@ -353,7 +396,7 @@ def run_bench(profile: Profile, *, scenarios: int, seed: int, fault_free: int,
                collect_s_p50=percentile(diag.pull_s, 0.5), collect_s_p99=percentile(diag.pull_s, 0.99),
                detect_s_p50=percentile([r["detect_s"] for r in bench.results], 0.5),
                virtual_s=round(job.world.now, 1), wall_s=round(time.monotonic() - wall0, 1),
-               errors=job.recorder.errors[:10], stalled=bench.skipped[:10],
+               errors=job.recorder.errors[:10], stalled=bench.skipped[:10], unscored=bench.unscored,
                results=bench.results)
     return out
 
@@ -392,7 +435,7 @@ def cli_run(args: Any) -> int:
         raise UsageError("--scenarios and --fault-free must be >= 0")
     profile = build_profile(args.profile, args.overrides, steps=None, cpu_charging=None)
     ff = args.scenarios // 2 if args.fault_free is None else args.fault_free
-    out = run_bench(profile, scenarios=args.scenarios, seed=args.seed, fault_free=ff)
+    out = run_bench(profile, scenarios=args.scenarios, seed=args.seed, fault_free=ff, progress=True)
     results = out.pop("results")
     if args.out:
         d = Path(args.out)
