@@ -181,34 +181,41 @@ def assemble(known: list[_Known], answered_keys: set[str], now: float) -> tuple[
     ring_pos = np.where((s["f_qid"] == newest) & (newest >= 0), s["f_index"], -1).astype(np.int64)
     replica = np.array([k.info.replica for k in known], np.int64)
     answered = np.array([k.info.key in answered_keys for k in known], bool)
+    ring_size = 0
     if len(s) and (ring_pos >= 0).any():  # a silent rank last seen in an older epoch (a hung rank not pulled
         rep_pos = np.full(int(replica.max()) + 1, -1, np.int64)  # since the quorum moved on) holds its
         held = ring_pos >= 0  # replica's ring position: every rank of a replica has the replica's ring index
         rep_pos[replica[held]] = ring_pos[held]
         fill = (ring_pos < 0) & ~answered & (rep_pos[replica] >= 0)
         ring_pos[fill] = rep_pos[replica[fill]]
-        _place_silent_replica(ring_pos, rep_pos, replica, answered, int(s["f_ring"][held].max()))
+        ring_size = int(s["f_ring"][held].max())
+        _place_silent_replicas(ring_pos, rep_pos, replica, answered, s["f_index"], ring_size)
     layout = Layout(replica=replica,
                     group=np.array([k.info.rank for k in known], np.int64),
                     host=np.array([host_index[k.info.host] for k in known], np.int64),
-                    ring_pos=ring_pos, host_names=tuple(hosts))
+                    ring_pos=ring_pos, host_names=tuple(hosts), ring_size=ring_size)
     return Snapshot(now=now, answered=answered, summary=s, hist=h), layout
 
 
-def _place_silent_replica(ring_pos: np.ndarray, rep_pos: np.ndarray, replica: np.ndarray, answered: np.ndarray,
-                          ring_size: int) -> None:
-    """The newest ring has exactly one position no answering rank holds, and exactly one replica has no
-    position and no rank that answered (it went silent before it was pulled in this epoch): that replica
-    holds that position (in place)."""
+def _place_silent_replicas(ring_pos: np.ndarray, rep_pos: np.ndarray, replica: np.ndarray, answered: np.ndarray,
+                           last_index: np.ndarray, ring_size: int) -> None:
+    """Replicas none of whose ranks answered and that hold no position in the newest ring (they went silent
+    before they were pulled in this epoch) take the positions no answering rank holds (in place): one
+    replica for one free position; several when their last seen ring indices are exactly the free ones."""
     free = np.setdiff1d(np.arange(ring_size), rep_pos[rep_pos >= 0])
-    if free.size != 1:
-        return
     heard = np.zeros(len(rep_pos), bool)
     heard[replica[answered]] = True
     silent = np.flatnonzero((rep_pos < 0) & ~heard)
     silent = silent[np.isin(silent, replica)]
-    if silent.size == 1:
+    if not free.size or free.size != silent.size:
+        return
+    if free.size == 1:
         ring_pos[(replica == silent[0]) & (ring_pos < 0)] = free[0]
+        return
+    last = [np.unique(last_index[replica == r]) for r in silent]
+    if all(x.size == 1 for x in last) and sorted(int(x[0]) for x in last) == free.tolist():
+        for r, x in zip(silent, last):
+            ring_pos[(replica == r) & (ring_pos < 0)] = int(x[0])
 
 
 def verdict_dict(v: Verdict, layout: Layout, keys: list[str]) -> dict:

@@ -50,6 +50,15 @@ def test_silent_ranks_last_seen_in_an_older_epoch_keep_their_replicas_place():
     # two silent replicas for one free position: no guess
     ks = [known(0, 0), known(1, 0), known(2, 0, qid=1), known(3, 0, qid=1)]
     assert list(assemble(ks, {"r0/0", "r1/0"}, now=12.0)[1].ring_pos) == [0, 1, -1, -1]
+    # a ring of 4 with two silent replicas whose last indices are the two free positions (a building cut)
+    ks = [known(0, 0), known(1, 0), known(2, 0, qid=1), known(3, 0, qid=1)]
+    for k in ks:
+        k.summary["f_ring"] = 4
+    snap, layout = assemble(ks, {"r0/0", "r1/0"}, now=12.0)
+    assert list(layout.ring_pos) == [0, 1, 2, 3] and layout.ring_table.shape == (1, 4)
+    ks[3].summary["f_index"] = 1  # its last index is not a free one: no guess, the ring keeps its holes
+    snap, layout = assemble(ks, {"r0/0", "r1/0"}, now=12.0)
+    assert list(layout.ring_pos) == [0, 1, -1, -1] and layout.ring_table.shape == (1, 4)
 
 
 def test_a_ring_position_nobody_holds_is_reported_not_named():
@@ -63,6 +72,8 @@ def test_a_ring_position_nobody_holds_is_reported_not_named():
 
 def test_verdict_text_and_dict():
     ks = [known(0, 0), known(1, 0)]
+    for k in ks:
+        k.summary["f_ring"] = 2  # a ring of two
     snap, layout = assemble(ks, {"r0/0"}, now=30.0)
     v = analyze(snap, layout)
     d = verdict_dict(v, layout, [k.info.key for k in ks])
