@@ -435,7 +435,8 @@ def cli_run(args: Any) -> int:
         raise UsageError("--scenarios and --fault-free must be >= 0")
     profile = build_profile(args.profile, args.overrides, steps=None, cpu_charging=None)
     ff = args.scenarios // 2 if args.fault_free is None else args.fault_free
-    out = run_bench(profile, scenarios=args.scenarios, seed=args.seed, fault_free=ff, progress=True)
+    out = run_bench(profile, scenarios=args.scenarios, seed=args.seed, fault_free=ff, progress=True,
+                    ftar_detail=args.ftar_detail)
     results = out.pop("results")
     if args.out:
         d = Path(args.out)

@@ -45,6 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     bench.add_argument("--set", action="append", default=[], metavar="key=value", dest="overrides",
                        help="bench: override a profile key")
     bench.add_argument("--out", default=None, metavar="DIR", help="bench: write every scenario's result here")
+    bench.add_argument("--ftar-detail", choices=("folded", "full"), default=None,
+                       help="bench: FTAR rings emulated (default: full up to 16K ranks, else the profile's)")
 
 
 def job_token(path: str | None) -> str:
