@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from ftrun.diagnose.summary import HIST_LEN
 from harness.profile import Profile
 from harness.run import EmulatedJob, JobOptions
 from harness.run.faults import CutBuilding, Hang, KillRank, SlowHostAt, SlowLink
@@ -167,6 +168,7 @@ def summarize(results: list[dict], fault_free: list[dict], analysis_s: list[floa
     return {"scenarios": n, "accuracy": round(exact / n, 4) if n else None,
             "candidate_hits": sum(1 for r in results if r["score"] == "candidates"),
             "false_positive_runs": sum(1 for f in fault_free if f["kind"] != "no_hang"),
+            "false_positives": [f for f in fault_free if f["kind"] != "no_hang"][:20],
             "false_evictions": sum(1 for f in fault_free if f["evicted"]),
             "fault_free_runs": len(fault_free),
             "analysis_s_p50": percentile(analysis_s, 0.5), "analysis_s_p99": percentile(analysis_s, 0.99),
@@ -316,7 +318,7 @@ class _Bench:
             if floor:  # below the analysis' threshold by design: not scored, reported
                 self.unscored.append({"index": sc.index, "kind": sc.kind, "place": sc.place(), "why": floor})
                 self._progress(sc, "unscored", v)
-                self._wait_steps(2, 200 * self._period + 600)
+                self._wait_steps(HIST_LEN + 1, 200 * self._period + 600)
                 return
         result = score(v, self._truth(sc))
         self.results.append({"seed": self.seed, "index": sc.index, "kind": sc.kind, "place": sc.place(),
@@ -328,7 +330,9 @@ class _Bench:
         self._progress(sc, result, v)
         job.recorder.event({"event": "diagbench_scenario", "t": self.clock.now(), "step": job.max_step,
                             **{k: v for k, v in self.results[-1].items() if k != "reason"}})
-        if not self._wait_steps(2, 200 * self._period + 600):
+        # after a slow fault, its lag stays in the analysis' history (HIST_LEN all-reduces): let it age out
+        settle = HIST_LEN + 1 if sc.kind in ("slow_host", "slow_link") else 2
+        if not self._wait_steps(settle, 200 * self._period + 600):
             self.skipped.append(f"scenario {sc.index}: the job did not train again in time")
 
     def _progress(self, sc: Scenario, result: str, v: dict) -> None:
@@ -361,7 +365,8 @@ class _Bench:
         v = self.job.diagnosis.diagnose()
         if v["kind"] == "no_hang":
             self.healthy_input = self.job.diagnosis.collector.last_input[0]
-        self.ff.append({"kind": v["kind"], "evicted": bool(v["eviction"]["replicas"]), "reason": v["reason"]})
+        self.ff.append({"kind": v["kind"], "evicted": bool(v["eviction"]["replicas"]), "reason": v["reason"][:200],
+                        "t": round(self.clock.now(), 3)})
 
 
 def shape_of(profile: Profile) -> Shape:

@@ -15,6 +15,7 @@ The job token comes from $FTRUN_TOKEN or --token-file (a file only its owner can
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import signal
 import stat
@@ -63,9 +64,8 @@ def job_token(path: str | None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.action == "bench":
-        from harness.diagbench import cli_run
-        return cli_run(args)
+    if args.action == "bench":  # the emulator's bench, dispatched by name like ftrun.cli's subcommands
+        return importlib.import_module("harness.diagbench").cli_run(args)
     if not (args.lighthouse or args.collector or args.serve):
         from ftrun.cli import UsageError
         raise UsageError("one of --lighthouse, --collector, --serve or the bench action is required")

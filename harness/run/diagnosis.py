@@ -17,7 +17,7 @@ applied to the running job, so one job runs many scenarios one after another.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ftrun.diagnose.attach import attach
 from ftrun.diagnose.collect import Collector, CollectorConfig, DiagnoseError, RankInfo, TelemetryServer
@@ -25,9 +25,6 @@ from ftrun.diagnose.model import AnalysisConfig
 from ftrun.diagnose.act import EvictionConfig
 from ftrun.diagnose.telemetry import DEFAULT_CAPACITY, RECORD
 from harness.run.faults import CutBuilding, Hang, KillRank, Release, SlowHostAt, SlowLink, resolve_host
-
-if TYPE_CHECKING:
-    from harness.run.job import EmulatedJob, Incarnation
 
 DIAGNOSIS_HOST = "diagnosis"
 TELEMETRY_BUDGET_BYTES = 1 << 30  # every emulated rank's buffer together (this machine's memory, not a rank's)
@@ -41,7 +38,7 @@ def capacity_for(num_ftar_ranks: int) -> int:
 
 
 class JobDiagnosis:
-    def __init__(self, job: "EmulatedJob") -> None:
+    def __init__(self, job: Any) -> None:
         p = job.profile
         self.job = job
         ftar_ranks = p.replicas * (job._num_leads or p.ranks_per_replica)
@@ -62,9 +59,10 @@ class JobDiagnosis:
     def start(self) -> None:
         env = self.job.world.host_env(DIAGNOSIS_HOST)
         self.collector = Collector(env=env, token=self.job.token, config=self.config)
+        self.collector.timer = time.perf_counter  # the analysis' wall time (virtual time stands still in it)
         self.addr = self.collector.start()
 
-    def attach(self, inc: "Incarnation", rank: int, env: Any, *, exchange: Any, comm: Any, client: Any,
+    def attach(self, inc: Any, rank: int, env: Any, *, exchange: Any, comm: Any, client: Any,
                trainer: Any) -> None:
         """Telemetry on one rank (called by the rank's own task, so its server is in its process)."""
         engine = getattr(exchange, "engine", None)
@@ -143,14 +141,14 @@ def figures(diag: "JobDiagnosis", events: list[dict]) -> dict[str, Any]:
 class ScenarioFaults:
     """Applies scenario faults to the running job; `release()` undoes every hang and slowness."""
 
-    def __init__(self, job: "EmulatedJob") -> None:
+    def __init__(self, job: Any) -> None:
         self.job = job
         self.hosts = job.topology.training_hosts
         self.slow_hosts: dict[str, float] = {}
         self._frozen: list[tuple[str, Any]] = []  # (host, proc or None)
         self._links: list[tuple[str, str]] = []
 
-    def rank_place(self, rank: int) -> tuple["Incarnation", int, str]:
+    def rank_place(self, rank: int) -> tuple[Any, int, str]:
         """(incarnation, rank in replica, host) of a global rank index."""
         rpr = self.job.profile.ranks_per_replica
         inc = self.job._incarnations[rank // rpr]
