@@ -124,7 +124,8 @@ def verdict_event(v: dict, t: float, step: int) -> dict:
     return {"event": "diagnosis", "t": t, "step": step, "kind": v["kind"], "reason": v["reason"],
             "ranks": v["ranks"][:16], "hosts": v["hosts"][:16], "replicas": v["replicas"],
             "collectives": v["collectives"][:8], "eviction": v["eviction"]["replicas"],
-            "num_answered": v["num_answered"], "num_ranks": v["num_ranks"]}
+            "num_answered": v["num_answered"], "num_ranks": v["num_ranks"],
+            "edges": v.get("edges", [])[:32]}  # the wait-for graph (waiter -> waited on), as the status page draws
 
 
 def figures(diag: "JobDiagnosis", events: list[dict]) -> dict[str, Any]:
