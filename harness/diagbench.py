@@ -175,7 +175,7 @@ def summarize(results: list[dict], fault_free: list[dict], analysis_s: list[floa
             "telemetry_bytes_per_rank": telemetry.get("telemetry_bytes_per_rank"),
             "by_kind": by_kind,
             "misses": [{"seed": r["seed"], "index": r["index"], "kind": r["kind"], "place": r["place"],
-                        "phase": r["phase"], "verdict": r["verdict_kind"], "reason": r["reason"][:200]}
+                        "phase": r["phase"], "phase_name": r.get("phase_name"), "verdict": r["verdict_kind"], "reason": r["reason"][:200]}
                        for r in results if r["score"] != "exact"],
             **{k: v for k, v in telemetry.items() if k != "telemetry_bytes_per_rank"}}
 
@@ -322,7 +322,9 @@ class _Bench:
                 return
         result = score(v, self._truth(sc))
         self.results.append({"seed": self.seed, "index": sc.index, "kind": sc.kind, "place": sc.place(),
-                             "phase": sc.phase, "score": result, "verdict_kind": v["kind"],
+                             "phase": sc.phase, "score": result,
+                             "phase_name": "compute" if sc.phase * self._period < job.profile.train.step_compute_s
+                             else "all-reduce", "verdict_kind": v["kind"],
                              "reason": v["reason"], "verdict_hosts": v.get("hosts", [])[:8],
                              "verdict_ranks": v.get("ranks", [])[:8], "collections": len(verdicts),
                              "polls": [x["kind"] for x in verdicts][-6:],
