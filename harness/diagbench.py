@@ -199,10 +199,6 @@ class _Bench:
     def clock(self) -> Any:
         return self.job.world.clock
 
-    def period(self) -> float:
-        """A healthy step's duration: the median gap between the job's recent commits."""
-        return self._period
-
     def run(self, job: EmulatedJob) -> None:
         p = job.profile
         self._period = p.train.step_compute_s * 1.2
@@ -228,7 +224,7 @@ class _Bench:
         live = [inc for inc in job._incarnations if inc is not None and inc.alive]
         if len(live) < job.profile.replicas or len(job.last_commit) < job.profile.replicas:
             return False
-        return all(job.last_commit[inc.replica][0] >= job.max_step - 0 for inc in live)
+        return all(job.last_commit[inc.replica][0] >= job.max_step for inc in live)
 
     def _wait_steps(self, k: int, limit_s: float) -> bool:
         """Wait until the job committed k more steps with every replica in them; False at the limit."""
@@ -247,6 +243,7 @@ class _Bench:
             self.healthy_input = self.job.diagnosis.collector.last_input[0]
 
     def _measure_period(self) -> None:
+        """A healthy step's duration (`_period`): the mean over two steps after the warm-up."""
         t0, s0 = self.clock.now(), self.job.max_step
         self._wait_steps(2, 40 * self._period + 600)
         if self.job.max_step > s0:
