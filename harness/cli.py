@@ -60,6 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="charge real CPU time to emulated hosts (default: the profile's)")
     p.add_argument("--sweep", default=None, metavar="ranks=1k,8k,32k,98k")
     p.add_argument("--out", default=None, metavar="DIR", help="write PNG plots, trace.json and report.json here")
+    p.add_argument("--diagnose", nargs="?", type=float, const=2.0, default=None, metavar="SECONDS",
+                   help="root-cause telemetry on every rank and a collector beside the lighthouse, diagnosing every "
+                        "SECONDS (default 2): verdicts in the report, report.json and trace.json")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json", action="store_true")
 
@@ -90,8 +93,11 @@ def job_options(profile: Profile, args: argparse.Namespace, *, kills: tuple | No
             horizon = 2 * profile.train.steps * profile.train.step_compute_s
             kills, faults = split_faults(faults_from_profile(profile, seed, horizon))
     wiring = args.wiring if args.wiring != "auto" else ("prewired" if profile.ranks_per_replica > 4096 else "connect")
+    diagnose = getattr(args, "diagnose", None)
+    if diagnose is not None and not diagnose > 0:
+        raise UsageError(f"--diagnose SECONDS must be > 0, got {diagnose}")
     return JobOptions(steps=profile.train.steps, kills=kills, faults=faults, seed=seed, ftar_detail=args.ftar_detail,
-                      comm=args.comm, wiring=wiring)
+                      comm=args.comm, wiring=wiring, diagnose=diagnose is not None, diagnose_interval_s=diagnose)
 
 
 def execute(profile: Profile, options: JobOptions, *, progress: bool = False, out: str | None = None,
@@ -110,6 +116,10 @@ def execute(profile: Profile, options: JobOptions, *, progress: bool = False, ou
     f.update(wall_s=round(time.monotonic() - started, 3), cpu_s=round(time.process_time() - cpu0, 3),
              peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
              engine=job.world.stats(), shape_propagations=job.shapes.num_propagations, **job.data_figures())
+    if job.diagnosis is not None:
+        from harness.run.diagnosis import figures as diagnosis_figures
+
+        f["diagnosis"] = diagnosis_figures(job.diagnosis, rec.events)
     if out is not None:
         from harness.report_files import write_all
 
@@ -138,19 +148,36 @@ def run(args: argparse.Namespace) -> int:
         options = job_options(profile, args)
         try:
             check_faults(options.injected, replicas=profile.replicas, ranks_per_replica=profile.ranks_per_replica,
-                         buildings=profile.topology.buildings)
+                         buildings=profile.topology.buildings, hosts=_training_hosts(profile))
         except ValueError as e:
             raise SystemExit(f"ftrun emulate: --inject {e}") from None
         f, _ = execute(profile, options, progress=not args.no_progress, out=args.out)
     finally:
         logging.getLogger("ftrun").setLevel(saved)
     print(report.text(f))
+    if "diagnosis" in f:
+        d = f["diagnosis"]
+        print(f"  diagnosis: {d['rounds']} collections, {d['non_clear_verdicts']} verdict(s) other than no hang, "
+              f"analysis p50 {d['analysis_s_p50']} s, collection p50 {d['collect_s_p50']} modeled s, "
+              f"{d['telemetry_bytes_per_rank']} telemetry bytes per rank")
+        for v in [v for v in d["verdicts"] if v["kind"] != "no_hang"][:5]:
+            print(f"    t={v['t']:.2f}s step {v['step']}: {v['kind']}: {v['reason'][:160]}")
     if args.out:
         print(f"  files: {', '.join(f['files'])}")
     if args.json:
         emit_json(f)
     consistent = f["replicas_consistent"] and f["quorum_history_consistent"]
     return 0 if f["complete"] and not f["unexpected_errors"] and consistent else 1
+
+
+def _training_hosts(profile: Profile) -> tuple[str, ...] | None:
+    """The profile's training host names (for scenario faults' host places), or None without the inventory."""
+    from harness.topology import Topology
+
+    try:
+        return Topology.from_profile(profile).training_hosts
+    except Exception:
+        return None
 
 
 # -- sweep ---------------------------------------------------------------------------------------------

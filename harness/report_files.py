@@ -40,6 +40,10 @@ def chrome_trace(rec: Recorder) -> dict[str, Any]:
             events.append({"name": f"ftrun::job::{kind}", "cat": "job", "ph": "i", "s": "p",
                            "pid": pid(e["replica_id"]), "tid": e.get("incarnation", 0), "ts": round(e["t"] * _US, 3),
                            "args": {k: v for k, v in e.items() if k not in ("t", "event")}})
+        elif kind in ("diagnosis", "scenario_fault", "diagbench_scenario"):  # root-cause verdicts and faults
+            events.append({"name": f"ftrun::diagnose::{kind}", "cat": "diagnose", "ph": "i", "s": "g",
+                           "pid": pid("job"), "tid": 0, "ts": round(e["t"] * _US, 3),
+                           "args": {k: v for k, v in e.items() if k not in ("t", "event")}})
         elif kind.startswith("lighthouse_"):
             args = {k: v for k, v in e.items() if k not in ("t", "event")}
             events.append({"name": f"ftrun::quorum::{kind.removeprefix('lighthouse_')}", "cat": "quorum",

@@ -4,6 +4,10 @@
                                                      for a verdict now (`ftrun launch` writes OUT/lighthouse)
   ftrun diagnose --collector HOST:PORT [--json]      ask a collector for a verdict now
   ftrun diagnose --serve [--bind 127.0.0.1:29511]    run the collector (ranks register with it)
+  ftrun diagnose bench --profile P --scenarios N --seed S [--fault-free K] [--json]
+                                                     one emulated job, N random fault scenarios one after
+                                                     another, each scored against the analysis' verdict
+                                                     (harness.diagbench)
 
 The job token comes from $FTRUN_TOKEN or --token-file (a file only its owner can read), never argv.
 """
@@ -11,6 +15,7 @@ The job token comes from $FTRUN_TOKEN or --token-file (a file only its owner can
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import signal
 import stat
@@ -21,7 +26,8 @@ from ftrun.env.real import RealEnv
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    where = p.add_mutually_exclusive_group(required=True)
+    p.add_argument("action", nargs="?", choices=("bench",), help="bench: emulated fault scenarios (harness.diagbench)")
+    where = p.add_mutually_exclusive_group()
     where.add_argument("--lighthouse", help="a live job's lighthouse address (host:port; ftrun launch writes it "
                        "to OUT/lighthouse)")
     where.add_argument("--collector", help="the diagnosis collector's address (host:port)")
@@ -31,6 +37,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the verdict")
     p.add_argument("--token-file", help="file holding the job token (mode 0600); default: $FTRUN_TOKEN")
     p.add_argument("--json", action="store_true")
+    bench = p.add_argument_group("bench")
+    bench.add_argument("--profile", default="ci-small", help="bench: scale profile name or TOML path")
+    bench.add_argument("--scenarios", type=int, default=12, help="bench: fault scenarios to run")
+    bench.add_argument("--seed", type=int, default=0, help="bench: draws the scenarios (kind, place, phase)")
+    bench.add_argument("--fault-free", type=int, default=None,
+                       help="bench: fault-free collections for false positives (default: half the scenarios)")
+    bench.add_argument("--set", action="append", default=[], metavar="key=value", dest="overrides",
+                       help="bench: override a profile key")
+    bench.add_argument("--out", default=None, metavar="DIR", help="bench: write every scenario's result here")
+    bench.add_argument("--ftar-detail", choices=("folded", "full"), default=None,
+                       help="bench: FTAR rings emulated (default: full up to 16K ranks, else the profile's)")
 
 
 def job_token(path: str | None) -> str:
@@ -47,6 +64,11 @@ def job_token(path: str | None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.action == "bench":  # the emulator's bench, dispatched by name like ftrun.cli's subcommands
+        return importlib.import_module("harness.diagbench").cli_run(args)
+    if not (args.lighthouse or args.collector or args.serve):
+        from ftrun.cli import UsageError
+        raise UsageError("one of --lighthouse, --collector, --serve or the bench action is required")
     token, env = job_token(args.token_file), RealEnv()
     if args.serve:
         return _serve(env, token, args)

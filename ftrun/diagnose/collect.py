@@ -168,19 +168,53 @@ class _Known:
 
 def assemble(known: list[_Known], answered_keys: set[str], now: float) -> tuple[Snapshot, Layout]:
     """The analysis input from what each rank last sent (pure). The ring position of a rank is its ring
-    index in the newest epoch (quorum) it was seen in; a rank last seen in an older one is outside it."""
+    index in the newest epoch (quorum) it was seen in; a rank last seen in an older one is outside it, unless
+    it did not answer and its replica holds a position in the newest epoch: then it holds that position (a
+    replica's ranks share its ring index), so a hung rank last pulled before the quorum moved on is still
+    the one its ring waits on."""
     hosts = sorted({k.info.host for k in known})
     host_index = {h: i for i, h in enumerate(hosts)}
     s = np.concatenate([k.summary for k in known]) if known else np.zeros(0, SUMMARY)
     h = np.stack([k.hist for k in known]) if known else np.zeros((0, HIST_LEN), HIST)
     newest = s["f_qid"].max() if len(s) else -1
     ring_pos = np.where((s["f_qid"] == newest) & (newest >= 0), s["f_index"], -1).astype(np.int64)
-    layout = Layout(replica=np.array([k.info.replica for k in known], np.int64),
+    replica = np.array([k.info.replica for k in known], np.int64)
+    answered = np.array([k.info.key in answered_keys for k in known], bool)
+    ring_size = 0
+    if len(s) and (ring_pos >= 0).any():  # a silent rank last seen in an older epoch (a hung rank not pulled
+        rep_pos = np.full(int(replica.max()) + 1, -1, np.int64)  # since the quorum moved on) holds its
+        held = ring_pos >= 0  # replica's ring position: every rank of a replica has the replica's ring index
+        rep_pos[replica[held]] = ring_pos[held]
+        fill = (ring_pos < 0) & ~answered & (rep_pos[replica] >= 0)
+        ring_pos[fill] = rep_pos[replica[fill]]
+        ring_size = int(s["f_ring"][held].max())
+        _place_silent_replicas(ring_pos, rep_pos, replica, answered, s["f_index"], ring_size)
+    layout = Layout(replica=replica,
                     group=np.array([k.info.rank for k in known], np.int64),
                     host=np.array([host_index[k.info.host] for k in known], np.int64),
-                    ring_pos=ring_pos, host_names=tuple(hosts))
-    answered = np.array([k.info.key in answered_keys for k in known], bool)
+                    ring_pos=ring_pos, host_names=tuple(hosts), ring_size=ring_size)
     return Snapshot(now=now, answered=answered, summary=s, hist=h), layout
+
+
+def _place_silent_replicas(ring_pos: np.ndarray, rep_pos: np.ndarray, replica: np.ndarray, answered: np.ndarray,
+                           last_index: np.ndarray, ring_size: int) -> None:
+    """Replicas none of whose ranks answered and that hold no position in the newest ring (they went silent
+    before they were pulled in this epoch) take the positions no answering rank holds (in place): one
+    replica for one free position; several when their last seen ring indices are exactly the free ones."""
+    free = np.setdiff1d(np.arange(ring_size), rep_pos[rep_pos >= 0])
+    heard = np.zeros(len(rep_pos), bool)
+    heard[replica[answered]] = True
+    silent = np.flatnonzero((rep_pos < 0) & ~heard)
+    silent = silent[np.isin(silent, replica)]
+    if not free.size or free.size != silent.size:
+        return
+    if free.size == 1:
+        ring_pos[(replica == silent[0]) & (ring_pos < 0)] = free[0]
+        return
+    last = [np.unique(last_index[replica == r]) for r in silent]
+    if all(x.size == 1 for x in last) and sorted(int(x[0]) for x in last) == free.tolist():
+        for r, x in zip(silent, last):
+            ring_pos[(replica == r) & (ring_pos < 0)] = int(x[0])
 
 
 def verdict_dict(v: Verdict, layout: Layout, keys: list[str]) -> dict:
@@ -227,6 +261,8 @@ class Collector(_Service):
         self._last: tuple[Verdict, float] | None = None  # (verdict, first seen)
         self.latest: dict | None = None
         self.last_input: tuple[Snapshot, Layout] | None = None  # the latest analysis input
+        self.last_analysis_s = 0.0  # seconds the latest analysis took (the pure function alone), by `timer`
+        self.timer = env.clock.now  # a driver may set a real-time counter (the emulator's clock stands still)
         self.cost: dict[str, dict] = {}  # server address -> {"serve_s", "written"} as last reported
 
     def answer(self, msg: dict) -> dict:
@@ -254,7 +290,9 @@ class Collector(_Service):
         answered = self._pull({k.addr for k in known})
         now = self.env.clock.now()
         snap, layout = assemble(known, answered, now)
+        w0 = self.timer()
         verdict = analyze(snap, layout, self.config.analysis)
+        self.last_analysis_s = self.timer() - w0
         first = self._last[1] if self._last and same_culprits(self._last[0], verdict) else now
         self._last = (verdict, first)
         self.last_input = (snap, layout)

@@ -41,6 +41,7 @@ class Layout:
     host: np.ndarray
     ring_pos: np.ndarray
     host_names: tuple[str, ...] = ()
+    ring_size: int = 0  # the current ring's size when known (positions nobody holds are holes); 0: max ring_pos + 1
 
     def __post_init__(self) -> None:
         n = len(self.replica)
@@ -52,7 +53,8 @@ class Layout:
         """table[g, pos] = global rank of group rank g in the replica at ring position pos, or -1.
         Computed once per layout (a live job's membership), like `num_groups`."""
         part = np.flatnonzero(self.ring_pos >= 0)
-        table = np.full((self.num_groups, int(self.ring_pos.max()) + 1 if part.size else 0), -1, np.int64)
+        width = max(int(self.ring_pos.max()) + 1 if part.size else 0, self.ring_size)
+        table = np.full((self.num_groups, width), -1, np.int64)
         table[self.group[part], self.ring_pos[part]] = part
         return table
 

@@ -41,6 +41,7 @@ import greenlet
 from ftrun.env.base import TaskKilled
 
 TIMEOUT = object()  # the value a wait returns when its timer fired first
+FROZEN_ALL = object()  # Host.frozen: every task of the host is stopped
 _INF = float("inf")
 _GC_CHECK_EVERY = 4096  # loop iterations between looks at the GC counters
 _GC_YOUNG_THRESHOLD = 1_000_000
@@ -54,10 +55,11 @@ class DeadlockError(RuntimeError):
 class Host:
     """A host's CPU lanes and live tasks. The network keeps its own per-host state in `net`."""
 
-    __slots__ = ("name", "core_free", "tasks", "net")
+    __slots__ = ("name", "core_free", "tasks", "net", "frozen")
 
     def __init__(self, name: str, cores: int) -> None:
         self.name = name
+        self.frozen: Any = None  # None, FROZEN_ALL (a stopped host), or a set of frozen processes (see freeze)
         self.core_free = [0.0] * cores  # min-heap: virtual time each CPU lane is busy until
         self.tasks: dict[Task, None] = {}  # insertion-ordered set: deterministic kill order
         self.net: Any = None
@@ -67,7 +69,8 @@ class Task:
     """A greenlet running fn(*args) on one host; the Env's Task handle."""
 
     __slots__ = ("name", "host", "_sched", "_glet", "_fn", "_args", "_result", "_exception", "_done",
-                 "_kill_pending", "_token", "_joiners", "_waiting_on", "_handoff", "_busy_until", "__weakref__")
+                 "_kill_pending", "_token", "_joiners", "_waiting_on", "_handoff", "_busy_until", "proc",
+                 "__weakref__")
 
     def __init__(self, sched: "Scheduler", host: Host, fn: Callable[..., Any], args: tuple, name: str) -> None:
         self.name = name
@@ -83,6 +86,7 @@ class Task:
         self._waiting_on: Any = None
         self._handoff: Any = None  # resource that handed this task something it must give back if killed
         self._busy_until = 0.0  # CPU charging: virtual end of this task's last slice
+        self.proc: Any = self  # the emulated process: the root task (see Scheduler.spawn)
         self._glet = greenlet.greenlet(sched._task_main, sched._loop_glet)
 
     def join(self, timeout: float | None = None) -> bool:
@@ -135,6 +139,7 @@ class Scheduler:
         self._seq = itertools.count()
         self._tokens = itertools.count(1)
         self._live: dict[Task, None] = {}
+        self._parked: list[tuple[Task, Any]] = []  # (task, wake value) of frozen tasks, resumed on thaw
         self._loop_glet: greenlet.greenlet = greenlet.getcurrent()
         self.running = False
         self.trace: list | None = [] if trace else None
@@ -156,6 +161,9 @@ class Scheduler:
     # -- tasks --------------------------------------------------------------------------------------
     def spawn(self, host: Host, fn: Callable[..., Any], args: tuple, name: str) -> Task:
         task = Task(self, host, fn, args, name)
+        parent = self.current
+        if parent is not None and parent.host is host:  # a task spawned on its own host: the same process
+            task.proc = parent.proc
         if self.charging and self.current is not None:
             self._slice_woken.append(task)  # spawned mid-slice: starts after its parent's slice
         host.tasks[task] = None
@@ -268,6 +276,32 @@ class Scheduler:
             task._token = 0
             self._ready.append((task, None))
 
+    # -- freezing (a hung process or host: SIGSTOP / SIGCONT) -------------------------------------------
+    def freeze(self, host: Host, proc: Any = None) -> None:
+        """Stop the tasks of process `proc` on `host` (every task of the host if None): they are not
+        resumed, whatever wakes them (a frame, a timer), until `thaw`; then each resumes with what woke
+        it, in order, as a SIGCONTed process sees its timers expired. The network still delivers to the
+        host (the kernel buffers), and accepts its connections."""
+        if proc is None:
+            host.frozen = FROZEN_ALL
+        elif host.frozen is not FROZEN_ALL:
+            host.frozen = (host.frozen or set()) | {proc}
+
+    def thaw(self, host: Host, proc: Any = None) -> None:
+        """Undo `freeze(host, proc)` (proc None: the whole host, and every process frozen on it)."""
+        if proc is None or host.frozen is FROZEN_ALL:
+            host.frozen = None
+        elif host.frozen is not None:
+            host.frozen = (host.frozen - {proc}) or None
+        keep = []
+        for task, value in self._parked:
+            f = task.host.frozen
+            if f is not None and (f is FROZEN_ALL or task.proc in f):
+                keep.append((task, value))
+            else:
+                self._ready.append((task, value))
+        self._parked = keep
+
     def _ready_later(self, task: Task, value: Any) -> None:
         self._ready.append((task, value))
 
@@ -318,6 +352,10 @@ class Scheduler:
                 continue
             task, value = ready.popleft()
             if task._done:
+                continue
+            frozen = task.host.frozen
+            if frozen is not None and (frozen is FROZEN_ALL or task.proc in frozen):
+                self._parked.append((task, value))  # stopped (SIGSTOP): resumes with this value on thaw
                 continue
             if charging:  # a task runs once its previous slice is paid for and a CPU lane is free
                 lanes = task.host.core_free

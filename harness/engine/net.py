@@ -80,6 +80,8 @@ class Fabric:
         self.num_bytes = 0
         self.cuts: list[tuple[int, float, float]] = []  # (building, start, end): see the module docstring
         self.crash_fin_delay_s = 0.0  # a crashed host's FINs leave this long after the crash (OS teardown)
+        self.link_factor: dict[tuple[str, str], float] = {}  # (src, dst) host names -> slowdown (slow_link)
+        self._base_rate: dict[tuple[str, str], float] = {}
 
     def held_until(self, route: Route, t: float) -> float:
         """When something leaving at t on `route` can cross: t, or the end of the cut that holds it."""
@@ -98,7 +100,24 @@ class Fabric:
         r = self._routes.get(key)
         if r is None:
             r = self._routes[key] = self.model.route(src.name, dst.name, src.nic, dst.nic)
+            self._base_rate[key] = r.host_rate
+            if key in self.link_factor:
+                r.host_rate = r.host_rate / self.link_factor[key]
         return r
+
+    def slow_link(self, a: str, b: str, factor: float) -> None:
+        """Frames between hosts a and b (both ways) take `factor` x their NIC time (1: restored). Routes
+        already in use change at once; their connections keep them."""
+        if not factor >= 1:
+            raise ValueError(f"a link slowdown needs factor >= 1, got {factor}")
+        for key in ((a, b), (b, a)):
+            if factor == 1:
+                self.link_factor.pop(key, None)
+            else:
+                self.link_factor[key] = factor
+            r = self._routes.get(key)
+            if r is not None:
+                r.host_rate = self._base_rate[key] / factor
 
     def encode(self, msg: Message) -> bytes:
         """msgpack payload with wire.encode_msg's checks (a cached Packer is ~2x faster than packb)."""
@@ -108,6 +127,13 @@ class Fabric:
         if len(data) > wire.MAX_MSG_BYTES:
             raise ValueError(f"control message of {len(data)} bytes exceeds {wire.MAX_MSG_BYTES}")
         return data
+
+    def kill_owner(self, host: NetHost, proc: Any) -> None:
+        """Close the listeners and connections of the host that process `proc` opened or accepted."""
+        for listener in [ln for ln in host.listeners.values() if ln.owner is proc]:
+            listener.close()
+        for conn in [c for c in host.conns if c.owner is proc]:
+            conn._shutdown(send_fin=True, fin_delay_s=self.crash_fin_delay_s)
 
     def kill_host(self, host: NetHost, silent: bool) -> None:
         """Close every listener and connection of the host (with FINs unless silent)."""
@@ -141,6 +167,8 @@ class EmuNetwork:
         elif key in host.listeners:
             raise OSError(errno.EADDRINUSE, f"address {addr!r} already in use on {host.name}")
         listener = EmuListener(self._fab, host, key)
+        cur = self._fab.sched.current
+        listener.owner = cur.proc if cur is not None else None
         host.listeners[key] = listener
         return listener
 
@@ -153,6 +181,8 @@ class EmuNetwork:
         while True:
             got = self._attempt(src, dst, key, deadline - sched.vnow())
             if isinstance(got, EmuConnection):
+                cur = sched.current
+                got.owner = cur.proc if cur is not None else None
                 return got
             if got is TIMEOUT or sched.vnow() + _RETRY_S >= deadline:
                 raise ConnectError(f"cannot connect to {addr} within {timeout}s: "
@@ -192,7 +222,7 @@ def _on_answer(ctx: tuple, answer: Any) -> None:
 
 
 class EmuListener:
-    __slots__ = ("_fab", "_host", "_key", "addr", "_backlog", "_waiters", "_closed")
+    __slots__ = ("_fab", "_host", "_key", "addr", "_backlog", "_waiters", "_closed", "owner")
 
     def __init__(self, fab: Fabric, host: NetHost, key: int | str) -> None:
         self._fab, self._host, self._key = fab, host, key
@@ -200,6 +230,7 @@ class EmuListener:
         self._backlog: list[EmuConnection] = []
         self._waiters: list = []
         self._closed = False
+        self.owner: Any = None  # the process (root task) that listens
 
     def _enqueue(self, conn: "EmuConnection") -> None:
         self._backlog.append(conn)
@@ -213,7 +244,10 @@ class EmuListener:
             if self._closed:
                 raise PeerClosed(f"listener {self.addr} is closed")
             if self._backlog:
-                return self._backlog.pop(0)
+                conn = self._backlog.pop(0)
+                cur = sched.current
+                conn.owner = cur.proc if cur is not None else self.owner
+                return conn
             remaining = None if deadline is None else deadline - sched.vnow()
             if remaining is not None and remaining <= 0:
                 raise EnvTimeout(f"accept timed out after {timeout}s")
@@ -245,7 +279,7 @@ class EmuConnection:
     """
 
     __slots__ = ("_fab", "_host", "_peer", "_route", "local_addr", "peer_addr", "_inbox", "_rx",
-                 "_closed", "_fin_at", "_last_arrival", "__weakref__")
+                 "_closed", "_fin_at", "_last_arrival", "owner", "__weakref__")
 
     def __init__(self, fab: Fabric, host: NetHost, local_addr: str, peer_addr: str) -> None:
         self._fab, self._host = fab, host
@@ -257,6 +291,7 @@ class EmuConnection:
         self._closed = False
         self._fin_at = _NEVER
         self._last_arrival = 0.0
+        self.owner: Any = None  # the process (root task) that connected or accepted it, if known
         host.conns[self] = None
 
     @classmethod

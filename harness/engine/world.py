@@ -170,6 +170,21 @@ class EmulatedWorld:
         if current is not None and current.host is core:
             self.sched.kill(current)  # raises TaskKilled here
 
+    def freeze(self, host: str, proc: Any = None) -> None:
+        """Stop process `proc` (a root Task: `task.proc`) on `host`, or the whole host: see Scheduler.freeze."""
+        self.sched.freeze(self._host(host), proc)
+
+    def thaw(self, host: str, proc: Any = None) -> None:
+        self.sched.thaw(self._host(host), proc)
+
+    def kill_process(self, host: str, proc: Any) -> None:
+        """A crashed process: kill its tasks and close the listeners and connections it opened (peers see
+        the FIN); the host's other processes run on. Not callable from the process itself."""
+        core = self._host(host)
+        self.fabric.kill_owner(core.net, proc)
+        for task in [t for t in core.tasks if t.proc is proc]:
+            self.sched.kill(task)
+
     def cut_building(self, building: int, start_s: float, end_s: float) -> None:
         """Cut building `building` off from the others from virtual time start_s to end_s (silent: frames,
         FINs and connects across the cut are held until it heals; see harness.engine.net)."""

@@ -27,6 +27,24 @@
         FIN or connection attempt that would cross the cut is held and delivered when the cut heals (TCP
         retransmitting it then), so peers see only their own timeouts fire meanwhile. Hosts the topology
         does not place (the lighthouse, the supervisor) are in building 0.
+
+Scenario faults (root-cause diagnosis: one job runs many, one after another; `ftrun diagnose bench`
+injects them as it goes, `--inject` at virtual second T, default 0). A rank is a global rank index
+(replica x ranks_per_replica + rank); a host is a training host's index in the topology or its name.
+    hang rank=R [time=T] [duration=D]
+    hang host=H [time=T] [duration=D]
+        The process of rank R (every process of host H) stops, as under SIGSTOP: its tasks are frozen in
+        the engine, it sends nothing, its peers wait; until a release (or D seconds), when it resumes
+        and sees its timers expired.
+    slow host=H factor=X [time=T] [duration=D]
+        Host H computes X x slower (X >= 1) until a release (or D seconds).
+    slow link a=H b=H factor=X [time=T] [duration=D]
+        Frames between hosts A and B move X x slower (their NIC time is X x longer) until released.
+    kill rank=R [time=T]
+        Rank R's process crashes (its connections reset); the supervisor notices, as for a replica
+        kill, and restarts the replica.
+    release [time=T]
+        Every hang is released and every scenario slowness restored.
 """
 
 from __future__ import annotations
@@ -146,19 +164,123 @@ class CutBuilding:
         return f"cut building={self.building} time={self.at_s:g} duration={self.duration_s:g}"
 
 
-Fault = Union[Kill, KillLighthouse, SlowHost, SlowFetch, CutBuilding]
+def _check_scenario(what: str, at_s: float, duration_s: float | None) -> None:
+    if not (at_s >= 0 and math.isfinite(at_s)):
+        raise ValueError(f"{what}: time= must be a finite number >= 0, got {at_s}")
+    if duration_s is not None and not (duration_s > 0 and math.isfinite(duration_s)):
+        raise ValueError(f"{what}: duration= must be a finite number > 0, got {duration_s}")
+
+
+def _tail(at_s: float, duration_s: float | None) -> str:
+    return f" time={at_s:g}" + (f" duration={duration_s:g}" if duration_s is not None else "")
+
+
+def _check_factor(what: str, factor: float) -> None:
+    if not (factor >= 1 and math.isfinite(factor)):
+        raise ValueError(f"{what}: factor= must be a finite number >= 1, got {factor}")
+
+
+@dataclass(frozen=True)
+class Hang:
+    """A stopped process: rank `rank` (global index), or every process of host `host`."""
+
+    rank: int | None = None
+    host: str | None = None
+    at_s: float = 0.0
+    duration_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if (self.rank is None) == (self.host is None):
+            raise ValueError("a hang needs exactly one of rank= or host=")
+        if self.rank is not None and self.rank < 0:
+            raise ValueError(f"negative rank in {self}")
+        _check_scenario("a hang", self.at_s, self.duration_s)
+
+    def describe(self) -> str:
+        where = f"rank={self.rank}" if self.rank is not None else f"host={self.host}"
+        return f"hang {where}{_tail(self.at_s, self.duration_s)}"
+
+
+@dataclass(frozen=True)
+class SlowHostAt:
+    """A straggler host named by its place (scenario form of `slow host`), until released."""
+
+    host: str
+    factor: float
+    at_s: float = 0.0
+    duration_s: float | None = None
+
+    def __post_init__(self) -> None:
+        _check_factor("a slow host", self.factor)
+        _check_scenario("a slow host", self.at_s, self.duration_s)
+
+    def describe(self) -> str:
+        return f"slow host={self.host} factor={self.factor:g}{_tail(self.at_s, self.duration_s)}"
+
+
+@dataclass(frozen=True)
+class SlowLink:
+    a: str
+    b: str
+    factor: float
+    at_s: float = 0.0
+    duration_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.a == self.b:
+            raise ValueError(f"a slow link needs two different hosts, got a=b={self.a}")
+        _check_factor("a slow link", self.factor)
+        _check_scenario("a slow link", self.at_s, self.duration_s)
+
+    def describe(self) -> str:
+        return f"slow link a={self.a} b={self.b} factor={self.factor:g}{_tail(self.at_s, self.duration_s)}"
+
+
+@dataclass(frozen=True)
+class KillRank:
+    rank: int
+    at_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.rank < 0:
+            raise ValueError(f"negative rank in {self}")
+        _check_scenario("a rank kill", self.at_s, None)
+
+    def describe(self) -> str:
+        return f"kill rank={self.rank} time={self.at_s:g}"
+
+
+@dataclass(frozen=True)
+class Release:
+    at_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_scenario("a release", self.at_s, None)
+
+    def describe(self) -> str:
+        return f"release time={self.at_s:g}"
+
+
+SCENARIO_FAULTS = (Hang, SlowHostAt, SlowLink, KillRank, Release)
+Fault = Union[Kill, KillLighthouse, SlowHost, SlowFetch, CutBuilding, Hang, SlowHostAt, SlowLink, KillRank, Release]
 
 # (verb, noun or None) -> (required fields, optional fields)
 _FORMS: dict[tuple[str, str | None], tuple[set[str], set[str]]] = {
-    ("kill", None): ({"replica"}, {"step", "time", "at", "hosts"}),
+    ("kill", None): (set(), {"replica", "rank", "step", "time", "at", "hosts"}),  # replica= or rank=
     ("kill", "lighthouse"): (set(), {"step", "time", "at", "down"}),
     ("slow", "host"): ({"replica", "factor"}, {"rank", "step"}),
+    ("slow", None): ({"host", "factor"}, {"time", "duration"}),  # slow host=H (the scenario form)
+    ("slow", "link"): ({"a", "b", "factor"}, {"time", "duration"}),
+    ("hang", None): (set(), {"rank", "host", "time", "duration"}),
+    ("release", None): (set(), {"time"}),
     ("slow", "fetch"): ({"replica"}, {"factor", "delay"}),
     ("cut", None): ({"building", "time", "duration"}, set()),
 }
 USAGE = ('expected one of: "kill replica=R step=S [at=F|ftar] [hosts=relaunch|replace]", "kill replica=R time=T", '
          '"kill lighthouse time=T|step=S [at=F] [down=D]", "slow host replica=R [rank=K] factor=F [step=S]", '
-         '"slow fetch replica=R [factor=F] [delay=D]", "cut building=B time=T duration=D"')
+         '"slow fetch replica=R [factor=F] [delay=D]", "cut building=B time=T duration=D", '
+         '"hang rank=R|host=H [time=T] [duration=D]", "slow host=H factor=X [time=T] [duration=D]", '
+         '"slow link a=H b=H factor=X [time=T] [duration=D]", "kill rank=R [time=T]", "release [time=T]"')
 _FIELD = re.compile(r"([a-z]+)=(\S+)")
 
 
@@ -167,6 +289,8 @@ def _split(text: str) -> tuple[tuple[str, str | None], dict[str, str]]:
     if not words:
         raise ValueError("empty")
     noun = words[1] if len(words) > 1 and "=" not in words[1] else None
+    if (words[0], noun) == ("slow", None) and len(words) > 1 and not words[1].startswith("host="):
+        raise ValueError(f"unknown fault 'slow {words[1]}'")
     form = (words[0], noun)
     if form not in _FORMS:
         raise ValueError(f"unknown fault {' '.join(w for w in form if w)!r}")
@@ -189,7 +313,14 @@ def parse_inject(text: str) -> Fault:
         form, f = _split(text)
         num = lambda key, default=None: float(f[key]) if key in f else default  # noqa: E731
         step = int(f["step"]) if "step" in f else None
+        dur = num("duration")
+        if form == ("kill", None) and "rank" in f:
+            if set(f) - {"rank", "time"}:
+                raise ValueError("kill rank=R takes time= only")
+            return KillRank(rank=int(f["rank"]), at_s=num("time", 0.0))
         if form == ("kill", None):
+            if "replica" not in f:
+                raise ValueError("missing ['replica'] fields: kill needs replica= or rank=")
             in_ftar = f.get("at") == "ftar"
             return Kill(replica=int(f["replica"]), at_step=step, at_s=num("time"),
                         at_fraction=0.0 if in_ftar else num("at", 0.0), in_ftar=in_ftar,
@@ -199,6 +330,15 @@ def parse_inject(text: str) -> Fault:
         if form == ("slow", "host"):
             return SlowHost(replica=int(f["replica"]), rank=int(f.get("rank", 0)), factor=num("factor"),
                             from_step=step or 0)
+        if form == ("slow", None):
+            return SlowHostAt(host=f["host"], factor=num("factor"), at_s=num("time", 0.0), duration_s=dur)
+        if form == ("slow", "link"):
+            return SlowLink(a=f["a"], b=f["b"], factor=num("factor"), at_s=num("time", 0.0), duration_s=dur)
+        if form == ("hang", None):
+            return Hang(rank=int(f["rank"]) if "rank" in f else None, host=f.get("host"), at_s=num("time", 0.0),
+                        duration_s=dur)
+        if form == ("release", None):
+            return Release(at_s=num("time", 0.0))
         if form == ("slow", "fetch"):
             return SlowFetch(replica=int(f["replica"]), factor=num("factor", 1.0), delay_s=num("delay", 0.0))
         return CutBuilding(building=int(f["building"]), at_s=num("time"), duration_s=num("duration"))
@@ -206,8 +346,20 @@ def parse_inject(text: str) -> Fault:
         raise ValueError(f"bad --inject {text!r}: {e}; {USAGE}") from None
 
 
+def resolve_host(host: str, hosts: tuple[str, ...] | list[str]) -> str:
+    """A scenario's host place (an index into the training hosts, or a name) as a host name; ValueError if
+    the topology has no such host."""
+    if host.isdigit():
+        if int(host) >= len(hosts):
+            raise ValueError(f"host={host}: the job has training hosts 0..{len(hosts) - 1}")
+        return hosts[int(host)]
+    if host not in hosts:
+        raise ValueError(f"host={host}: not a training host of the job")
+    return host
+
+
 def check_faults(faults: tuple[Fault, ...] | list[Fault], *, replicas: int, ranks_per_replica: int,
-                 buildings: int) -> None:
+                 buildings: int, hosts: tuple[str, ...] | list[str] | None = None) -> None:
     """Raise ValueError if a fault names a replica, rank or building the job does not have, or two
     faults of a kind that allows one per replica (slow host, slow fetch) name the same replica."""
     seen: set[tuple[str, int]] = set()
@@ -219,6 +371,16 @@ def check_faults(faults: tuple[Fault, ...] | list[Fault], *, replicas: int, rank
             raise ValueError(f"{fault.describe()}: a replica has ranks 0..{ranks_per_replica - 1}")
         if isinstance(fault, CutBuilding) and fault.building >= buildings:
             raise ValueError(f"{fault.describe()}: the topology has buildings 0..{buildings - 1}")
+        rank = getattr(fault, "rank", None)
+        if isinstance(fault, (Hang, KillRank)) and rank is not None and rank >= replicas * ranks_per_replica:
+            raise ValueError(f"{fault.describe()}: the job has ranks 0..{replicas * ranks_per_replica - 1}")
+        if hosts is not None:
+            for place in [getattr(fault, k, None) for k in ("host", "a", "b")]:
+                if isinstance(place, str):
+                    try:
+                        resolve_host(place, hosts)
+                    except ValueError as e:
+                        raise ValueError(f"{fault.describe()}: {e}") from None
         if isinstance(fault, (SlowHost, SlowFetch)):
             key = (type(fault).__name__, fault.replica)
             if key in seen:

@@ -38,7 +38,8 @@ from harness.engine import EmulatedWorld
 from harness.engine.net import EmuConnection
 from harness.profile import DTYPE_BYTES, Profile
 from harness.run.fold import Mirror
-from harness.run.faults import CutBuilding, Kill, KillLighthouse, SlowFetch, SlowHost, check_faults
+from harness.run.diagnosis import DIAGNOSIS_HOST, JobDiagnosis, ScenarioFaults
+from harness.run.faults import SCENARIO_FAULTS, CutBuilding, Kill, KillLighthouse, SlowFetch, SlowHost, check_faults
 from harness.run.options import JobOptions
 from harness.run.rank import rank_main
 from harness.run.record import Recorder
@@ -81,6 +82,7 @@ class Incarnation:
             self.listeners = [env.net.listen("127.0.0.1:0") for env in self.envs]
             self.addrs = [ln.addr for ln in self.listeners]
         self.live = self.world_size
+        self.tasks: list[Any] = []  # each rank's root task (its process: harness.engine freeze / kill_process)
         self.ledgers: dict = {}  # the ranks' shared ledger transitions (harness.run.seams.FoldedProgress)
         # a straggler among its hosts: (host index, factor, from step), or None
         self.straggler = job.straggler_on(hosts)
@@ -106,14 +108,14 @@ def _prewire(world: EmulatedWorld, envs: list[Any], hosts: tuple[str, ...], gpus
 
 class EmulatedJob:
     def __init__(self, profile: Profile, options: JobOptions) -> None:
-        check_faults(options.injected, replicas=profile.replicas, ranks_per_replica=profile.ranks_per_replica,
-                     buildings=profile.topology.buildings)
         self.profile, self.options = profile, options
         self.folded = (options.ftar_detail or profile.emulation.ftar_detail) == "folded"
         self.world = EmulatedWorld.from_profile(profile, seed=options.seed)
         if self.folded:  # only each replica's first host sends FTAR traffic: scale the zone links to match
             self.world.fabric.model.zone_share = 1.0 / profile.hosts_per_replica
         self.topology = self.world.topology
+        check_faults(options.injected, replicas=profile.replicas, ranks_per_replica=profile.ranks_per_replica,
+                     buildings=profile.topology.buildings, hosts=self.topology.training_hosts)
         self.timeouts = timeouts_of(profile)
         self.token = secrets.token_hex(8)
         self.recorder = Recorder(spans=options.trace)
@@ -162,8 +164,12 @@ class EmulatedJob:
         self._lighthouse_down = False
         self.scheduler: MockScheduler | None = None
         self._in_step_kills: list[Kill] = []  # mid-step kills waiting for their replica's next step to begin
-        self._last_commit_at: dict[int, float] = {}  # replica -> its leader's latest commit (virtual s)
         self._commit_gaps: list[float] = []
+        self.diagnosis = JobDiagnosis(self) if options.diagnose else None
+        self.scenario = ScenarioFaults(self)
+        self.driver: Callable[["EmulatedJob"], None] | None = None  # a task run beside the job (diagnose bench)
+        self.last_commit: dict[int, tuple[int, float]] = {}  # replica -> (step, virtual time) of its last commit
+        self.ftar_entries = 0  # leaders' entries into an all-reduce (a driver's phase signal)
 
     # -- names and models ------------------------------------------------------------------------
     def replica_id(self, replica: int) -> str:
@@ -208,6 +214,11 @@ class EmulatedJob:
                                        hot_spares=self.topology.hot_spare_hosts,
                                        cold_spares=self.topology.cold_spare_hosts)
         self._notices = env.queue()
+        if self.diagnosis is not None:
+            self.diagnosis.start()
+            if self.options.diagnose_interval_s:
+                self.world.host_env(DIAGNOSIS_HOST).spawn(self.diagnosis.monitor, self.options.diagnose_interval_s,
+                                                          name="diagnosis-monitor")
         for r in range(self.profile.replicas):
             self._start(r, self.topology.replica_hosts(r))
         for k in self.options.kills:
@@ -219,6 +230,10 @@ class EmulatedJob:
             elif isinstance(f, CutBuilding):
                 self.world.cut_building(f.building, f.at_s, f.end_s)
                 env.spawn(self._record_cut, f, name=f"inject-{f.describe()}")
+            elif isinstance(f, SCENARIO_FAULTS):
+                env.spawn(self.scenario.at, f, name=f"inject-{f.describe()}")
+        if self.driver is not None:
+            env.spawn(self.driver, self, name="driver")
         self._event_loop(env)
 
     def _start_lighthouse(self) -> None:
@@ -259,8 +274,8 @@ class EmulatedJob:
         inc = Incarnation(self, replica, number, tuple(hosts))
         self._incarnations[replica] = inc
         self._record("start", inc)
-        for rank in range(inc.world_size):
-            inc.envs[rank].spawn(rank_main, self, inc, rank, name=f"{inc.replica_id}.{number}/rank{rank}")
+        inc.tasks = [inc.envs[rank].spawn(rank_main, self, inc, rank, name=f"{inc.replica_id}.{number}/rank{rank}")
+                     for rank in range(inc.world_size)]
 
     def _kill(self, inc: Incarnation, why: str) -> None:
         """Kill every host of the incarnation; the calling task's own host last (that raises TaskKilled)."""
@@ -301,6 +316,22 @@ class EmulatedJob:
             return
         self.world.host_env(SUPERVISOR_HOST).spawn(self._recover, inc, kill.hosts, name=f"recover-{inc.replica_id}")
         self._kill(inc, "injected")
+
+    def _rank_died(self, inc: Incarnation) -> None:
+        """A rank's process crashed (kill rank=R): the supervisor notices it exit, as it notices a replica's
+        (crash_detect_s, else its next poll), kills what is left of the incarnation and restarts it."""
+        env = self.world.host_env(SUPERVISOR_HOST)
+        detect = self.profile.scheduler.crash_detect_s
+        env.clock.sleep(detect if detect is not None else self.profile.scheduler.poll_interval_s)
+        if inc.alive and not self.finished:
+            self._kill(inc, "rank_died")
+            env.spawn(self._recover, inc, "relaunch", name=f"recover-{inc.replica_id}")
+
+    def finish(self) -> None:
+        """End the job now (a driver's run is over): ranks stop after their step, the supervisor tears down."""
+        self.finished = True
+        self.scenario.release()
+        self._notices.put(("finished", None))
 
     def _kill_at_time(self, kill: Kill) -> None:
         env = self.world.host_env(SUPERVISOR_HOST)
@@ -351,6 +382,12 @@ class EmulatedJob:
         """Extra compute time of `rank` at `step` on a straggler host: (factor - 1) x a step. Folded,
         only the lead host computes, so it carries the replica's straggler wherever it is: either way the
         job's step waits for the slowest ring of the replica."""
+        if self.scenario.slow_hosts:
+            gpus = self.profile.topology.gpus_per_host
+            mine = inc.hosts if self._num_leads is not None else (inc.hosts[rank // gpus],)
+            factor = max((self.scenario.slow_hosts.get(h, 1.0) for h in mine), default=1.0)
+            if factor > 1 and (self._num_leads is None or rank < self._num_leads):
+                return (factor - 1.0) * self.profile.train.step_compute_s
         s = inc.straggler
         if s is None or step < s[2]:
             return 0.0
@@ -390,10 +427,10 @@ class EmulatedJob:
     # -- called from rank tasks (never block) ----------------------------------------------------
     def committed(self, inc: Incarnation, step: int) -> None:
         """A leader committed: its replica has trained `step` steps."""
-        now, last = self.world.now, self._last_commit_at.get(inc.replica)
-        self._last_commit_at[inc.replica] = now
+        now, last = self.world.now, self.last_commit.get(inc.replica)
+        self.last_commit[inc.replica] = (step, now)
         if last is not None:
-            self._commit_gaps = (self._commit_gaps + [now - last])[-20:]  # the recent step period (contention)
+            self._commit_gaps = (self._commit_gaps + [now - last[1]])[-20:]  # the recent step period (contention)
         if step >= self.options.steps:
             inc.completed = True
             self.finished = True
@@ -428,6 +465,7 @@ class EmulatedJob:
 
     def entering_ftar(self, inc: Incarnation, step: int) -> None:
         """A leader enters the all-reduce of `step`: fire the at=ftar kills due for its replica."""
+        self.ftar_entries += 1
         for kill in [k for k in self._ftar_kills if k.replica == inc.replica and step >= k.at_step]:  # type: ignore
             self._ftar_kills.remove(kill)
             self.world.host_env(SUPERVISOR_HOST).spawn(self._inject, kill, name=f"inject-{kill.describe()}")

@@ -2,8 +2,10 @@
 
 The faults and their --inject syntax are in harness.run.faults (kill a replica, kill the lighthouse, a
 straggler host, a slow state fetch, a building cut off). From a profile: its scripted kill_replica and
-kill_lighthouse events (duration_s is how long the lighthouse stays down), or kills drawn from its
-periodic / MTBF failure model. Scripted kill_host and hang_host events are not emulated yet.
+kill_lighthouse events (duration_s is how long the lighthouse stays down), its scripted hang_host events
+at a time (`hang host=H`: host `rank` of the replica stops for duration_s, 0: for good), or kills drawn
+from its periodic / MTBF failure model. Scripted kill_host events, and hang_host at a step, are not
+emulated yet.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from harness.profile import Profile, weibull_scale_for_mean
-from harness.run.faults import (CutBuilding, Fault, Kill, KillLighthouse, SlowFetch, SlowHost, check_faults,
+from harness.run.faults import (CutBuilding, Fault, Hang, Kill, KillLighthouse, SlowFetch, SlowHost, check_faults,
                                 parse_inject)
 
 __all__ = ["CutBuilding", "Fault", "JobOptions", "Kill", "KillLighthouse", "SlowFetch", "SlowHost",
@@ -54,6 +56,9 @@ def faults_from_profile(profile: Profile, seed: int, horizon_s: float) -> list[F
     if profile.failures.mode == "scripted":
         faults += [KillLighthouse(at_step=e.at_step, at_s=e.at_s, down_s=e.duration_s)
                    for e in profile.failures.events if e.kind == "kill_lighthouse"]
+        faults += [Hang(host=str(e.replica * profile.hosts_per_replica + e.rank), at_s=e.at_s,  # type: ignore
+                        duration_s=e.duration_s or None)
+                   for e in profile.failures.events if e.kind == "hang_host" and e.at_s is not None]
     return faults
 
 
@@ -84,6 +89,8 @@ class JobOptions:
     wiring: Literal["connect", "prewired"] = "connect"
     fanout: int = 16
     trace: bool = True
+    diagnose: bool = False  # root-cause telemetry on every rank and a collector (harness.run.diagnosis)
+    diagnose_interval_s: float | None = None  # with diagnose: run the monitor every this many seconds
 
     def __post_init__(self) -> None:
         if self.steps < 1:

@@ -175,12 +175,15 @@ def _build(job: "EmulatedJob", inc: "Incarnation", rank: int, env: Any, lead: bo
 
     config = TrainerConfig(replica_id=inc.replica_id, rank=rank, rng_seed=None, lr=LRConfig(policy=p.train.lr_intervention),
                            checkpoint=CheckpointConfig(every_steps=max(every, 1)), catchup=job.catchup_config)
-    return build(config=config, env=env, compute=_compute(job, inc, rank, env, lead), layout=job.data_layout,
+    trainer = build(config=config, env=env, compute=_compute(job, inc, rank, env, lead), layout=job.data_layout,
                  replica_ids=job.replica_ids, manager_config=ManagerConfig(timeouts=job.timeouts), comm=comm,
                  lighthouse=client, exchange=exchange, catchup=catchup,
                  loader_store=LoaderStateStore(storage=job.storage), audit=audit, checkpointer=checkpointer,
                  on_event=(lambda e: job.leader_event(inc, e)) if leader else None, on_phase=on_phase,
                  make_progress=lambda **kw: FoldedProgress(cache=inc.ledgers, **kw))
+    if job.diagnosis is not None:
+        job.diagnosis.attach(inc, rank, env, exchange=exchange, comm=comm, client=client, trainer=trainer)
+    return trainer
 
 
 def _no_audit(data: bytes) -> None:

@@ -32,12 +32,33 @@ def test_parse_rank_takes_only_the_fixed_dtypes():
 
 def test_assemble_places_ranks_in_the_newest_ring_and_marks_who_answered():
     ks = [known(0, 0), known(1, 0), known(2, 0, qid=1), known(0, 1, host="h0")]
-    snap, layout = assemble(ks, {"r0/0", "r1/0"}, now=12.0)
-    assert list(layout.ring_pos) == [0, 1, -1, 0]  # r2 was last seen in an older epoch: outside the ring
+    snap, layout = assemble(ks, {"r0/0", "r1/0", "r2/0"}, now=12.0)
+    assert list(layout.ring_pos) == [0, 1, -1, 0]  # r2 answers from an older epoch: outside the ring
     assert list(layout.group) == [0, 0, 0, 1] and list(layout.replica) == [0, 1, 2, 0]
     assert list(layout.host) == [0, 1, 2, 0] and layout.host_names == ("h0", "h1", "h2")
-    assert list(snap.answered) == [True, True, False, False] and snap.now == 12.0
+    assert list(snap.answered) == [True, True, True, False] and snap.now == 12.0
     assert snap.hist.shape == (4, HIST_LEN)
+
+
+def test_silent_ranks_last_seen_in_an_older_epoch_keep_their_replicas_place():
+    # r0/1 is silent and last seen in an older epoch: its replica r0 holds position 0, so does it
+    ks = [known(0, 0), known(1, 0), known(2, 0), known(0, 1, qid=1, index=2)]
+    assert list(assemble(ks, {"r0/0", "r1/0", "r2/0"}, now=12.0)[1].ring_pos) == [0, 1, 2, 0]
+    # replica 2 went silent before any pull in the newest epoch, the only free position of a ring of 3 is 2
+    ks = [known(0, 0), known(1, 0), known(2, 0, qid=1, index=0), known(2, 1, qid=-1)]
+    assert list(assemble(ks, {"r0/0", "r1/0"}, now=12.0)[1].ring_pos) == [0, 1, 2, 2]
+    # two silent replicas for one free position: no guess
+    ks = [known(0, 0), known(1, 0), known(2, 0, qid=1), known(3, 0, qid=1)]
+    assert list(assemble(ks, {"r0/0", "r1/0"}, now=12.0)[1].ring_pos) == [0, 1, -1, -1]
+    # a ring of 4 with two silent replicas whose last indices are the two free positions (a building cut)
+    ks = [known(0, 0), known(1, 0), known(2, 0, qid=1), known(3, 0, qid=1)]
+    for k in ks:
+        k.summary["f_ring"] = 4
+    snap, layout = assemble(ks, {"r0/0", "r1/0"}, now=12.0)
+    assert list(layout.ring_pos) == [0, 1, 2, 3] and layout.ring_table.shape == (1, 4)
+    ks[3].summary["f_index"] = 1  # its last index is not a free one: no guess, the ring keeps its holes
+    snap, layout = assemble(ks, {"r0/0", "r1/0"}, now=12.0)
+    assert list(layout.ring_pos) == [0, 1, -1, -1] and layout.ring_table.shape == (1, 4)
 
 
 def test_a_ring_position_nobody_holds_is_reported_not_named():
@@ -51,6 +72,8 @@ def test_a_ring_position_nobody_holds_is_reported_not_named():
 
 def test_verdict_text_and_dict():
     ks = [known(0, 0), known(1, 0)]
+    for k in ks:
+        k.summary["f_ring"] = 2  # a ring of two
     snap, layout = assemble(ks, {"r0/0"}, now=30.0)
     v = analyze(snap, layout)
     d = verdict_dict(v, layout, [k.info.key for k in ks])

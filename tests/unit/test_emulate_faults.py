@@ -12,6 +12,7 @@ from harness.engine import EmulatedWorld
 from harness.profile import FailureEvent, load_profile
 from harness.run import (CutBuilding, JobOptions, Kill, KillLighthouse, SlowFetch, SlowHost, check_faults,
                          faults_from_profile, parse_inject, split_faults)
+from harness.run.faults import Hang
 from harness.topology import Location, Topology
 
 
@@ -81,13 +82,16 @@ def test_split_faults_and_job_options():
         JobOptions(steps=3, kills=others)  # type: ignore[arg-type]
 
 
-def test_scripted_lighthouse_kill_from_the_profile():
+def test_scripted_lighthouse_kill_and_host_hang_from_the_profile():
     base = load_profile("ci-small")
     events = (*base.failures.events, FailureEvent(kind="kill_lighthouse", at_s=3.0, duration_s=1.5),
-              FailureEvent(kind="hang_host", at_s=1.0, replica=0))  # not emulated: left out
+              FailureEvent(kind="hang_host", at_s=1.0, replica=1, rank=2, duration_s=2.0),
+              FailureEvent(kind="hang_host", at_step=1, replica=0))  # at a step: not emulated, left out
     profile = dataclasses.replace(base, failures=dataclasses.replace(base.failures, events=events))
     faults = faults_from_profile(profile, seed=0, horizon_s=100.0)
-    assert faults == [Kill(1, at_step=3), KillLighthouse(at_s=3.0, down_s=1.5)]
+    # ci-small has 4 hosts per replica: host 2 of replica 1 is training host 6
+    assert faults == [Kill(1, at_step=3), KillLighthouse(at_s=3.0, down_s=1.5),
+                      Hang(host="6", at_s=1.0, duration_s=2.0)]
 
 
 # -- the engine's building cut ---------------------------------------------------------------------------
