@@ -33,14 +33,14 @@ supervisor's event poll cannot time within a short step; the supervisor records 
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from typing import Literal
+
+from ftrun import faultspec
 
 USAGE = ('expected one of: "kill replica=R step=S [at=F]", "kill replica=R time=T", '
          '"hang replica=R [rank=K] step=S|time=T [at=F] [duration=D]", '
          '"hang host replica=R step=S|time=T [at=F] [duration=D]", "slow fetch replica=R [factor=F] [delay=D]"')
-_FIELD = re.compile(r"([a-z]+)=(\S+)")
 # (verb, noun or None) -> (required fields, optional fields)
 _FORMS: dict[tuple[str, str | None], tuple[set[str], set[str]]] = {
     ("kill", None): ({"replica"}, {"step", "time", "at"}),
@@ -101,24 +101,12 @@ class Injected:
 def parse(text: str) -> Injected:
     """One --inject value. Raises ValueError naming the problem and the expected forms."""
     try:
-        words = text.split()
-        if not words:
-            raise ValueError("empty")
-        noun = words[1] if len(words) > 1 and "=" not in words[1] else None
-        form = (words[0], noun)
-        if form not in _FORMS:
-            raise ValueError(f"unknown fault {' '.join(w for w in form if w)!r} (`ftrun launch` injects crashes, "
-                             "hangs, host losses and slow fetches)")
-        fields: dict[str, str] = {}
-        for word in words[2 if noun else 1:]:
-            m = _FIELD.fullmatch(word)
-            if m is None or m.group(1) in fields:
-                raise ValueError(f"bad or repeated field {word!r}")
-            fields[m.group(1)] = m.group(2)
-        required, optional = _FORMS[form]
-        missing, unknown = sorted(required - fields.keys()), sorted(fields.keys() - required - optional)
-        if missing or unknown:
-            raise ValueError(f"missing {missing} / unknown {unknown} fields")
+        try:
+            form, fields = faultspec.split(text, _FORMS)
+        except ValueError as e:
+            if str(e).startswith("unknown fault"):
+                raise ValueError(f"{e} (`ftrun launch` injects crashes, hangs, host losses and slow fetches)") from None
+            raise
         num = lambda key, default=None: float(fields[key]) if key in fields else default  # noqa: E731
         replica = int(fields["replica"])
         if form == ("slow", "fetch"):

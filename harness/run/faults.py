@@ -50,9 +50,10 @@ injects them as it goes, `--inject` at virtual second T, default 0). A rank is a
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from typing import Literal, Union
+
+from ftrun import faultspec
 
 
 def _check_trigger(what: str, at_step: int | None, at_s: float | None, at_fraction: float) -> None:
@@ -281,30 +282,13 @@ USAGE = ('expected one of: "kill replica=R step=S [at=F|ftar] [hosts=relaunch|re
          '"slow fetch replica=R [factor=F] [delay=D]", "cut building=B time=T duration=D", '
          '"hang rank=R|host=H [time=T] [duration=D]", "slow host=H factor=X [time=T] [duration=D]", '
          '"slow link a=H b=H factor=X [time=T] [duration=D]", "kill rank=R [time=T]", "release [time=T]"')
-_FIELD = re.compile(r"([a-z]+)=(\S+)")
 
 
 def _split(text: str) -> tuple[tuple[str, str | None], dict[str, str]]:
-    words = text.split()
-    if not words:
-        raise ValueError("empty")
-    noun = words[1] if len(words) > 1 and "=" not in words[1] else None
-    if (words[0], noun) == ("slow", None) and len(words) > 1 and not words[1].startswith("host="):
+    words = text.split()  # `slow host=H ...` is the one form whose first field stands in for a noun
+    if words[:1] == ["slow"] and len(words) > 1 and "=" in words[1] and not words[1].startswith("host="):
         raise ValueError(f"unknown fault 'slow {words[1]}'")
-    form = (words[0], noun)
-    if form not in _FORMS:
-        raise ValueError(f"unknown fault {' '.join(w for w in form if w)!r}")
-    fields: dict[str, str] = {}
-    for word in words[2 if noun else 1:]:
-        m = _FIELD.fullmatch(word)
-        if m is None or m.group(1) in fields:
-            raise ValueError(f"bad or repeated field {word!r}")
-        fields[m.group(1)] = m.group(2)
-    required, optional = _FORMS[form]
-    missing, unknown = sorted(required - fields.keys()), sorted(fields.keys() - required - optional)
-    if missing or unknown:
-        raise ValueError(f"missing {missing} / unknown {unknown} fields")
-    return form, fields
+    return faultspec.split(text, _FORMS)
 
 
 def parse_inject(text: str) -> Fault:
