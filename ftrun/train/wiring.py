@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 
@@ -28,14 +28,13 @@ from ftrun.storage import FileStorage
 from ftrun.train.checkpointer import DcpCheckpointer
 from ftrun.train.compute import TorchCompute
 from ftrun.train.exchange import GradientExchange
+from ftrun.train.job_config import Hooks, RankJob
 from ftrun.train.overlap import OverlapExchange
 from ftrun.train.state import ReplicaState
 from ftrun.train.trainer import FaultTolerantTrainer, LossFn, TrainerConfig, build
 from ftrun.train.user_state import UserState, WithUserState
 from ftrun.train.warm import announce, shapes_spec
 
-if TYPE_CHECKING:
-    from ftrun.train.api import FTJob, Hooks
 
 log = logging.getLogger("ftrun.train")
 
@@ -45,8 +44,8 @@ def replica_ids(num_replicas: int) -> tuple[str, ...]:
     return tuple(f"r{i}" for i in range(num_replicas))
 
 
-def build_trainer(*, job: "FTJob", model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn,
-                  dataset: Any, hooks: "Hooks", kernels: Kernels) -> tuple[FaultTolerantTrainer, list[Callable]]:
+def build_trainer(*, job: RankJob, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn,
+                  dataset: Any, hooks: Hooks, kernels: Kernels) -> tuple[FaultTolerantTrainer, list[Callable]]:
     """The trainer and what to close after it (engine, server, audit file), in that order.
     Raises ValueError for a dataset or spec that does not fit the job."""
     layout = _layout(job, len(dataset))
@@ -57,8 +56,8 @@ def build_trainer(*, job: "FTJob", model: torch.nn.Module, optimizer: torch.opti
                   overlap=job.config.overlap_bucket_bytes if job.spec.ranks_per_replica == 1 else None)
 
 
-def build_own_trainer(*, job: "FTJob", model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                      dataset_size: int, user: UserState, hooks: "Hooks",
+def build_own_trainer(*, job: RankJob, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                      dataset_size: int, user: UserState, hooks: Hooks,
                       kernels: Kernels) -> tuple[FaultTolerantTrainer, list[Callable]]:
     """The trainer of the user's own loop (ftrun.train.own): no loss or dataset (the user's code
     computes the gradients), the registered state carried by catch-up and checkpoints."""
@@ -69,14 +68,14 @@ def build_own_trainer(*, job: "FTJob", model: torch.nn.Module, optimizer: torch.
                   kernels=kernels, extra=user.objects)
 
 
-def _layout(job: "FTJob", dataset_size: int) -> DataLayout:
+def _layout(job: RankJob, dataset_size: int) -> DataLayout:
     spec, cfg = job.spec, job.config
     return DataLayout(dataset_size=dataset_size, num_replicas=spec.num_replicas,
                       ranks_per_replica=spec.ranks_per_replica, batch_size_per_rank=cfg.batch_size, seed=cfg.seed)
 
 
-def _build(*, job: "FTJob", model: torch.nn.Module, optimizer: torch.optim.Optimizer, compute: TorchCompute,
-           layout: DataLayout, hooks: "Hooks", kernels: Kernels,
+def _build(*, job: RankJob, model: torch.nn.Module, optimizer: torch.optim.Optimizer, compute: TorchCompute,
+           layout: DataLayout, hooks: Hooks, kernels: Kernels,
            extra: dict | None = None, overlap: int | None = None) -> tuple[FaultTolerantTrainer, list[Callable]]:
     """`overlap`: bucket bytes of the exchange overlapped with backward (None: after backward; an
     unsharded replica's own compute only: FSDP2 sets its shards' gradients without autograd's hooks)."""
@@ -142,7 +141,7 @@ def _build(*, job: "FTJob", model: torch.nn.Module, optimizer: torch.optim.Optim
     return trainer, closers
 
 
-def _serve_telemetry(job: "FTJob", **parts: Any):
+def _serve_telemetry(job: RankJob, **parts: Any):
     from ftrun.diagnose.attach import serve_rank
     from ftrun.diagnose.collect import RankInfo
 

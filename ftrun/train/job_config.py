@@ -1,0 +1,90 @@
+"""What a training job is configured with (`FTConfig`), its instrumentation (`Hooks`), and the view of a
+job that wiring a rank needs (`RankJob`): below both `ftrun.train.api` (which re-exports the first two) and
+`ftrun.train.wiring`, so neither imports the other's module."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import torch
+
+from ftrun.config import Timeouts
+from ftrun.env.base import Env
+from ftrun.ftar.kernels import Kernels
+from ftrun.launch.worker_env import WorkerSpec
+from ftrun.replica.comm import ReplicaComm
+from ftrun.train.lr import LRConfig
+from ftrun.train.trainer import PhaseFn, StepResult
+
+
+@dataclass(frozen=True, kw_only=True)
+class FTConfig:
+    """batch_size: samples per rank per step. seed: model init, data order and per-step RNG.
+    checkpoint_every: steps between persistent checkpoints under run_dir/ckpt (0: off; each rank of a
+    sharded replica writes its shards). run_dir: audit and loader_state files (default: the launcher's,
+    else a temp folder).
+    ftar_chunk_bytes/ftar_num_chunks: FTAR's S and C. catchup_shard_bytes: catch-up transfer unit.
+    catchup_wait_limit_s: how long healthy replicas wait in a step's FTAR for a joiner still fetching
+    before they retry the step with it one step later (paper §6.1; None: timeouts.ftar_timeout_s).
+    reshard_after_forward: FSDP2's (False trades memory for one all-gather less per step).
+    num_threads: torch intra-op threads per rank (None: torch's default). events: JSON lines on stdout.
+    overlap_bucket_bytes: exchange gradients in buckets of about this many bytes during backward
+    (ftrun.train.overlap; one rank per replica, `train` only); None: one exchange after backward."""
+
+    batch_size: int = 8
+    seed: int = 0
+    lr: LRConfig = field(default_factory=LRConfig)
+    checkpoint_every: int = 0
+    run_dir: str | None = None
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    max_retries: int = 10
+    ftar_chunk_bytes: int = 256 << 10
+    ftar_num_chunks: int = 2
+    catchup_shard_bytes: int = 8 << 20
+    catchup_wait_limit_s: float | None = None
+    reshard_after_forward: bool = True
+    num_threads: int | None = 1
+    events: bool = True
+    log_level: str = "WARNING"
+    overlap_bucket_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "ftar_chunk_bytes", "ftar_num_chunks", "catchup_shard_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"FTConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.seed < 0 or self.checkpoint_every < 0 or self.max_retries < 0:
+            raise ValueError(f"FTConfig.seed, checkpoint_every and max_retries must be >= 0, got "
+                             f"{self.seed}, {self.checkpoint_every}, {self.max_retries}")
+        if self.catchup_wait_limit_s is not None and self.catchup_wait_limit_s < 0:
+            raise ValueError(f"FTConfig.catchup_wait_limit_s must be >= 0 or None, got {self.catchup_wait_limit_s}")
+        b = self.overlap_bucket_bytes
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
+            raise ValueError(f"FTConfig.overlap_bucket_bytes must be an int >= 1 or None, got {b!r}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"FTConfig.num_threads must be >= 1 or None, got {self.num_threads}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hooks:
+    """Instrumentation and fault injection (tests, ftrun.train.ft_worker). kernels: FTAR kernels
+    (default: CPU, float32 warmed up). on_model: called with the (sharded) model before the optimizer
+    is built. on_phase: trainer phase boundaries. catchup_fault: the catch-up server's fault hook.
+    on_step: after every step, with its StepResult."""
+
+    kernels: Kernels | None = None
+    on_model: Callable[[torch.nn.Module], None] | None = None
+    on_phase: PhaseFn | None = None
+    catchup_fault: Callable[[int, int], Any] | None = None
+    on_step: Callable[[StepResult], None] | None = None
+
+
+class RankJob(Protocol):
+    """This rank's membership in the job, as the wiring reads it (`ftrun.train.api.FTJob` is one)."""
+
+    config: FTConfig
+    spec: WorkerSpec
+    env: Env
+    comm: ReplicaComm
+
+    def emit(self, event: dict) -> None: ...
