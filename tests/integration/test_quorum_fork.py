@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import secrets
 import signal
+from dataclasses import replace
 
 import pytest
 
@@ -29,7 +30,7 @@ STEPS = 40
 def test_a_replica_frozen_while_the_others_finish_is_told_the_job_finished_instead_of_forking(tmp_path):
     env = RealEnv()
     lighthouse = Lighthouse(env=env, token=(token := secrets.token_hex(8)), storage=FileStorage(tmp_path / "lh"),
-                            config=LighthouseConfig(min_replicas=1, timeouts=Timeouts(
+                            config=LighthouseConfig(min_replicas=len(IDS), timeouts=Timeouts(
                                 heartbeat_timeout_s=1.0, join_timeout_s=2.0)))
     lighthouse.start()
     events = env.queue()
@@ -55,6 +56,10 @@ def test_a_replica_frozen_while_the_others_finish_is_told_the_job_finished_inste
     try:
         for rep in reps.values():
             rep.start()
+        # The job starts with all three (a replica started early must not train alone before the others
+        # exist); then the floor drops to 1, so the frozen r2 could form a quorum of its own when resumed.
+        pump(lambda: all(commits(r) for r in IDS))
+        lighthouse.config = replace(lighthouse.config, min_replicas=1)
         pump(lambda: len(commits("r2")) >= 10)
         frozen = reps["r2"].procs[0].pid
         os.kill(frozen, signal.SIGSTOP)
