@@ -294,10 +294,7 @@ class FaultTolerantTrainer:
             self.manager.report_error(e)  # vote no without entering the exchange; the step is retried
             return None
         self._compute_failures = 0
-        if overlapped:
-            self._finish_overlap(q)
-        else:
-            self._exchange(q)
+        self._exchange(q, overlapped=overlapped)
         return loss
 
     def _start_overlap(self, q: StepQuorum, trains: bool) -> bool:
@@ -309,20 +306,6 @@ class FaultTolerantTrainer:
             return False
         self.overlap.start(q)
         return True
-
-    def _finish_overlap(self, q: StepQuorum) -> None:
-        """The overlapped exchange's end: the last buckets' mean, into .grad; a failure is a 'no' vote,
-        as in `_exchange`."""
-        try:
-            self._phase("exchange", q.step)
-            self.overlap.finish()
-            self.compute.scatter()
-        except BaseException as e:
-            self.overlap.cancel()  # a no-op once finish() ran
-            if not isinstance(e, Exception):
-                raise
-            self.compute.reset()
-            self.manager.report_error(e, peer=isinstance(e, RecoverableError))  # a peer died or stalled
 
     def _fail_fast_on_repeat(self, q: StepQuorum, e: BaseException) -> None:
         """Raise UserCodeError when the compute failed on the retry too (module docstring, Failures)."""
@@ -347,16 +330,25 @@ class FaultTolerantTrainer:
         self._kept = (key, loss, self.compute.keep_grads()) if q.behind and not q.healed else None
         return loss
 
-    def _exchange(self, q: StepQuorum) -> None:
+    def _exchange(self, q: StepQuorum, *, overlapped: bool = False) -> None:
         """The FTAR mean into .grad; a failure is a 'no' vote. In a step with a joiner, a healthy rank
-        waits for it at most the wait limit (ftrun.catchup.wait) and reports how the wait ended."""
+        waits for it at most the wait limit (ftrun.catchup.wait) and reports how the wait ended.
+        overlapped: the exchange started during backward (`_start_overlap`); only its last buckets are left."""
         limit = self.config.catchup.wait_limit_s
-        setup_timeout = exchange_wait_s(num_behind=len(q.behind), healed=q.healed, wait_limit_s=limit)
+        setup_timeout = exchange_wait_s(num_behind=len(q.behind), healed=q.healed, wait_limit_s=limit)  # None
+        # when overlapped: an overlapped step has nobody behind (ftrun.train.overlap.may_overlap)
         try:
             self._phase("exchange", q.step)
-            self.exchange.average(q, self.compute.grads, setup_timeout_s=setup_timeout)
+            if overlapped:
+                self.overlap.finish()
+            else:
+                self.exchange.average(q, self.compute.grads, setup_timeout_s=setup_timeout)
             self.compute.scatter()
-        except Exception as e:  # a failed exchange: vote no, retry the step
+        except BaseException as e:  # a failed exchange: vote no, retry the step
+            if overlapped:
+                self.overlap.cancel()  # a no-op once finish() ran
+            if not isinstance(e, Exception):
+                raise
             self.compute.reset()
             self.manager.report_error(e, peer=isinstance(e, RecoverableError))  # a peer died or stalled
         if setup_timeout is not None:
