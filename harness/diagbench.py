@@ -60,7 +60,8 @@ class Scenario:
     index: int
     kind: str
     phase: float  # fraction of a step after a commit at which the fault is injected
-    rank: int = -1  # global rank (hang_rank, kill_rank)
+    replica: int = -1  # hang_rank, kill_rank: rank `rank` of this replica
+    rank: int = -1
     host: int = -1  # training host index (hang_host, slow_host; slow_link's sender)
     host_b: int = -1  # slow_link's receiver (the next replica's same host slot: a ring link)
     building: int = -1
@@ -68,11 +69,11 @@ class Scenario:
 
     def fault(self, cut_s: float = 0.0) -> Any:
         if self.kind == "hang_rank":
-            return Hang(rank=self.rank)
+            return Hang(replica=self.replica, rank=self.rank)
         if self.kind == "hang_host":
             return Hang(host=str(self.host))
         if self.kind == "kill_rank":
-            return KillRank(rank=self.rank)
+            return KillRank(replica=self.replica, rank=self.rank)
         if self.kind == "slow_host":
             return SlowHostAt(host=str(self.host), factor=self.factor)
         if self.kind == "slow_link":
@@ -106,7 +107,8 @@ in its upper half); a slow link's in [4, 10]
         kind = kinds[i % len(kinds)]
         s = Scenario(i, kind, round(rng.random(), 4))
         if kind in ("hang_rank", "kill_rank"):
-            s = dataclasses.replace(s, rank=rng.randrange(shape.replicas * shape.ranks_per_replica))
+            replica, rank = divmod(rng.randrange(shape.replicas * shape.ranks_per_replica), shape.ranks_per_replica)
+            s = dataclasses.replace(s, replica=replica, rank=rank)
         elif kind in ("hang_host", "slow_host"):
             s = dataclasses.replace(s, host=rng.randrange(shape.num_hosts))
             if kind == "slow_host":
@@ -261,9 +263,8 @@ class _Bench:
     def _truth(self, sc: Scenario) -> Truth:
         job, topo = self.job, self.job.topology
         hosts = topo.training_hosts
-        rpr = job.profile.ranks_per_replica
         if sc.kind in ("hang_rank", "kill_rank"):
-            return Truth(("hang",), ranks=frozenset({f"{job.replica_id(sc.rank // rpr)}/{sc.rank % rpr}"}))
+            return Truth(("hang",), ranks=frozenset({f"{job.replica_id(sc.replica)}/{sc.rank}"}))
         if sc.kind in ("hang_host", "slow_host"):
             kinds = ("hang",) if sc.kind == "hang_host" else ("slow_host", "slow_rank")
             return Truth(kinds, hosts=frozenset({hosts[sc.host]}))

@@ -7,7 +7,7 @@ Dotted overrides (`apply_overrides(p, ["ftar.chunk_mb=8", "replicas=4"])`) rebui
 through the same loader, so they are validated the same way.
 
 Top-level keys: name, description, seed, replicas, ranks_per_replica. Tables: [topology] [network]
-[model] [train] [timeouts] [ftar] [checkpoint] [failures] (+ [[failures.events]]) [spares]
+[model] [train] [timeouts] [ftar] [checkpoint] [failures] (events: fault specs) [spares]
 [scheduler] [emulation] [calibration] (+ [[calibration.values]], written by `ftrun calibrate`: each
 says how and when a key's value was measured). Every table is optional and has defaults.
 """
@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 # The [model] and [scheduler] sections and the field checks live in mocks.config, below both mocks and
 # harness; they are re-exported here so a profile's types come from one place.
+from ftrun import faultspec
 from mocks.config import DTYPE_BYTES, ModelConfig, SchedulerConfig  # noqa: F401
 from mocks.config import non_negative as _non_negative, one_of as _one_of, positive as _positive, require as _check
 
@@ -196,34 +197,20 @@ class CheckpointConfig:
         _non_negative(self, "every_steps", "local_write_latency_s", "local_append_latency_s")
 
 
-FAILURE_KINDS = ("kill_replica", "kill_host", "hang_host", "kill_lighthouse")
-
-
-@dataclass(frozen=True, kw_only=True)
-class FailureEvent:
-    """One scripted fault at a virtual time (at_s) or at the start of a step (at_step), not both."""
-
-    kind: str
-    at_s: float | None = None
-    at_step: int | None = None
-    replica: int | None = None
-    rank: int = 0  # which host of the replica, for kill_host / hang_host
-    duration_s: float = 0.0  # hang_host: how long the host stays silent (0: forever)
-
-    def __post_init__(self) -> None:
-        _one_of(self, "kind", FAILURE_KINDS)
-        _check((self.at_s is None) != (self.at_step is None), "at_s/at_step", "exactly one set",
-               (self.at_s, self.at_step))
-        _check(self.at_s is None or self.at_s >= 0, "at_s", ">= 0", self.at_s)
-        _check(self.at_step is None or self.at_step >= 0, "at_step", ">= 0", self.at_step)
-        _check(self.kind == "kill_lighthouse" or self.replica is not None, "replica", f"set for {self.kind}", None)
-        _non_negative(self, "rank", "duration_s")
+def _check_event(text: str) -> None:
+    """A scripted failure: one fault in the fault grammar (ftrun.faultspec) that the emulator injects."""
+    try:
+        spec = faultspec.parse(text, "emulate")
+    except ValueError as e:
+        raise ValueError(f"events: bad fault {text!r}: {e}; {faultspec.usage('emulate')}") from None
+    _check(spec.key != ("kill", None) or spec.has("step", "time"), "events", "a kill with step= or time=", text)
 
 
 @dataclass(frozen=True, kw_only=True)
 class FailureConfig:
     mode: Literal["none", "scripted", "periodic", "mtbf"] = "none"
-    events: tuple[FailureEvent, ...] = ()
+    # scripted: faults in the one fault grammar of `--inject` (ftrun.faultspec), e.g. "kill replica=1 step=3"
+    events: tuple[str, ...] = ()
     interval_s: float = 60.0  # periodic: a failure every interval_s ...
     interval_jitter_s: float = 0.0  # ... +- uniform jitter
     mtbf_host_hours: float = 5000.0  # mtbf: per-host mean time between failures
@@ -239,6 +226,8 @@ class FailureConfig:
         _check(0 <= self.interval_jitter_s <= self.interval_s, "interval_jitter_s",
                f"within [0, interval_s={self.interval_s}]", self.interval_jitter_s)
         _check(self.mode != "scripted" or bool(self.events), "events", "non-empty when mode = 'scripted'", ())
+        for event in self.events:
+            _check_event(event)
 
     def cluster_mtbf_s(self, num_hosts: int) -> float:
         """Mean seconds between failures anywhere among num_hosts independent hosts."""
@@ -339,7 +328,8 @@ class Profile:
         _check(self.num_hosts <= self.topology.capacity_hosts, "topology",
                f"large enough for {self.num_hosts} hosts (capacity)", self.topology.capacity_hosts)
         bad = [r for r in self.failures.protected_replicas if not 0 <= r < self.replicas]
-        bad += [e.replica for e in self.failures.events if e.replica is not None and not 0 <= e.replica < self.replicas]
+        bad += [r for r in (faultspec.parse(e).int("replica") for e in self.failures.events)
+                if r is not None and not 0 <= r < self.replicas]
         _check(not bad, "failures", f"to name replicas in 0..{self.replicas - 1}", bad)
         for v in self.calibration.values if self.calibration is not None else ():
             if v.key.startswith("measured."):

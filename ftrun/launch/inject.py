@@ -1,6 +1,7 @@
-"""`ftrun launch --inject SPEC`: faults injected into a real job, written in the fault grammar of
-`ftrun emulate --inject` (harness.run.faults; tests/unit/test_launch_inject.py checks that the forms both
-accept parse to the same fault). Pure: parsing and the plan of what is due (no clock, no processes).
+"""`ftrun launch --inject SPEC`: faults injected into a real job, in the one fault grammar (ftrun.faultspec,
+shared with `ftrun emulate --inject` and the profiles' events; tests/unit/test_launch_inject.py checks that the
+forms both accept parse to the same fault). Forms a real job cannot inject (kill lighthouse, slow host, slow
+link, release, host=, building=) are rejected by name. Pure: parsing and the plan of what is due.
 
     kill replica=R step=S [at=F]
     kill replica=R time=T
@@ -14,7 +15,7 @@ accept parse to the same fault). Pure: parsing and the plan of what is due (no c
         A hang: the process stops (SIGSTOP): rank K of the replica, or every rank without rank=. Nothing is
         reset; peers wait until their own timeouts (or the diagnosis monitor) find it. SIGCONT after D
         seconds (default 0: never; the job's detection evicts the replica and it restarts).
-    hang host replica=R step=S|time=T [at=F] [duration=D]
+    cut replica=R step=S|time=T [at=F] [duration=D]
         A host loss: silence until a heartbeat or timeout says so. With --netns-hosts the replica's host is
         cut off the network for D seconds (its processes live on, unreachable); on one machine every rank
         process of the replica stops (SIGSTOP): its TCP peers see no reset, the lighthouse no heartbeat.
@@ -38,16 +39,8 @@ from typing import Literal
 
 from ftrun import faultspec
 
-USAGE = ('expected one of: "kill replica=R step=S [at=F]", "kill replica=R time=T", '
-         '"hang replica=R [rank=K] step=S|time=T [at=F] [duration=D]", '
-         '"hang host replica=R step=S|time=T [at=F] [duration=D]", "slow fetch replica=R [factor=F] [delay=D]"')
-# (verb, noun or None) -> (required fields, optional fields)
-_FORMS: dict[tuple[str, str | None], tuple[set[str], set[str]]] = {
-    ("kill", None): ({"replica"}, {"step", "time", "at"}),
-    ("hang", None): ({"replica"}, {"rank", "step", "time", "at", "duration"}),
-    ("hang", "host"): ({"replica"}, {"step", "time", "at", "duration"}),
-    ("slow", "fetch"): ({"replica"}, {"factor", "delay"}),
-}
+ENV = "launch"
+USAGE = faultspec.usage(ENV)
 
 
 @dataclass(frozen=True)
@@ -91,7 +84,7 @@ class Injected:
     def describe(self) -> str:
         if self.kind == "slow_fetch":
             return f"slow fetch replica={self.replica} factor={self.factor:g} delay={self.delay_s:g}"
-        verb = {"crash": "kill", "hang": "hang", "host_loss": "hang host"}[self.kind]
+        verb = {"crash": "kill", "hang": "hang", "host_loss": "cut"}[self.kind]
         when = f"step={self.at_step} at={self.at_fraction:g}" if self.at_step is not None else f"time={self.at_s:g}"
         rank = f" rank={self.rank}" if self.rank is not None else ""
         extra = f" duration={self.duration_s:g}" if self.kind != "crash" else ""
@@ -99,22 +92,27 @@ class Injected:
 
 
 def parse(text: str) -> Injected:
-    """One --inject value. Raises ValueError naming the problem and the expected forms."""
+    """One --inject value (the one fault grammar, ftrun.faultspec). Raises ValueError naming the problem and
+    the forms `ftrun launch` injects."""
     try:
-        try:
-            form, fields = faultspec.split(text, _FORMS)
-        except ValueError as e:
-            if str(e).startswith("unknown fault"):
-                raise ValueError(f"{e} (`ftrun launch` injects crashes, hangs, host losses and slow fetches)") from None
-            raise
-        num = lambda key, default=None: float(fields[key]) if key in fields else default  # noqa: E731
-        replica = int(fields["replica"])
-        if form == ("slow", "fetch"):
-            return Injected("slow_fetch", replica, factor=num("factor", 1.0), delay_s=num("delay", 0.0))
-        kind = {("kill", None): "crash", ("hang", None): "hang", ("hang", "host"): "host_loss"}[form]
-        return Injected(kind, replica, at_step=int(fields["step"]) if "step" in fields else None,  # type: ignore[arg-type]
-                        at_s=num("time"), at_fraction=num("at", 0.0),
-                        rank=int(fields["rank"]) if "rank" in fields else None, duration_s=num("duration", 0.0))
+        spec = faultspec.parse(text, ENV)
+        replica = spec.int("replica")
+        if spec.key == ("slow", "fetch"):
+            return Injected("slow_fetch", replica, factor=spec.num("factor", 1.0), delay_s=spec.num("delay", 0.0))
+        verb = spec.form.verb
+        faultspec.refuse(spec, ENV, "host", why="a real job names replicas, not hosts: hang replica=R [rank=K]")
+        faultspec.refuse(spec, ENV, "building", why="a real job has no buildings: cut replica=R")
+        faultspec.refuse(spec, ENV, "hosts", why="the supervisor restarts a replica on its own host")
+        faultspec.refuse(spec, ENV, "at=ftar", why="use at=F, a fraction of the step")
+        if replica is None:
+            raise ValueError(f"{spec.form.name} needs replica=")
+        if verb == "kill":
+            faultspec.refuse(spec, ENV, "rank", why="a crash kills every rank of the replica")
+        if verb == "cut":
+            faultspec.refuse(spec, ENV, "rank", why="a host loss cuts the replica's host")
+        kind = {"kill": "crash", "hang": "hang", "cut": "host_loss"}[verb]
+        return Injected(kind, replica, at_step=spec.int("step"), at_s=spec.num("time"),
+                        at_fraction=spec.num("at", 0.0), rank=spec.int("rank"), duration_s=spec.num("duration", 0.0))
     except ValueError as e:
         raise ValueError(f"bad --inject {text!r}: {e}; {USAGE}") from None
 

@@ -120,7 +120,7 @@ class NetnsJob(Job):
         if fault.kind == "host_kill":
             self.hosts.kill(fault.host)  # and anything else running there
 
-    host_cuts = True  # an injected host loss (`--inject "hang host ..."`) cuts the replica's host off the network
+    host_cuts = True  # an injected host loss (`--inject "cut replica=R ..."`) cuts the replica's host off the network
 
     def cut_host(self, rid: str, cut: bool) -> None:
         host = self.placement[rid]

@@ -29,10 +29,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="SIGKILL a replica (rI, default: a random one) once the job commits step N; repeatable "
                         "(default: none)")
     p.add_argument("--inject", type=inject_spec, action="append", default=[], metavar="SPEC",
-                   help='a fault in the grammar of `ftrun emulate --inject` (ftrun.launch.inject): "kill replica=R '
-                        'step=S [at=F]" (SIGKILL), "hang replica=R [rank=K] step=S [duration=D]" (SIGSTOP), "hang '
-                        'host replica=R step=S [duration=D]" (a network cut with --netns-hosts, else its ranks '
-                        'stopped), "slow fetch replica=R [factor=F] [delay=D]"; repeatable (default: none)')
+                   help='a fault in the one grammar of `ftrun emulate --inject` (ftrun.faultspec): "kill replica=R '
+                        'step=S [at=F]" (a crash: SIGKILL), "hang replica=R [rank=K] step=S [duration=D]" (SIGSTOP), '
+                        '"cut replica=R step=S [duration=D]" (a host loss: a network cut with --netns-hosts, else its '
+                        'ranks stopped), "slow fetch replica=R [factor=F] [delay=D]"; repeatable (default: none)')
     p.add_argument("--max-kills", type=non_negative_int, default=None,
                    help="inject this many kills, then end the job (needs --stop-file) or let it run to --steps "
                         "(default: no limit)")

@@ -1,5 +1,5 @@
 """Root-cause diagnosis inside an emulated job: telemetry on every rank, a collector on the modeled
-network, and the scenario faults (harness.run.faults: hang, slow host, slow link, kill rank, release)
+network, and the scenario faults (harness.run.faults: hang, host loss, slow host, slow link, rank kill, release)
 applied to the running job, so one job runs many scenarios one after another.
 
 - `JobDiagnosis`: a `Collector` (ftrun.diagnose.collect, the real one) on its own host beside the
@@ -24,7 +24,7 @@ from ftrun.diagnose.collect import Collector, CollectorConfig, DiagnoseError, Ra
 from ftrun.diagnose.model import AnalysisConfig
 from ftrun.diagnose.act import EvictionConfig
 from ftrun.diagnose.telemetry import DEFAULT_CAPACITY, RECORD
-from harness.run.faults import CutBuilding, Hang, KillRank, Release, SlowHostAt, SlowLink, resolve_host
+from harness.run.faults import CutBuilding, Hang, HostLoss, KillRank, Release, SlowHostAt, SlowLink, resolve_host
 
 DIAGNOSIS_HOST = "diagnosis"
 TELEMETRY_BUDGET_BYTES = 1 << 30  # every emulated rank's buffer together (this machine's memory, not a rank's)
@@ -149,14 +149,29 @@ class ScenarioFaults:
         self._frozen: list[tuple[str, Any]] = []  # (host, proc or None)
         self._links: list[tuple[str, str]] = []
 
-    def rank_place(self, rank: int) -> tuple[Any, int, str]:
-        """(incarnation, rank in replica, host) of a global rank index."""
-        rpr = self.job.profile.ranks_per_replica
-        inc = self.job._incarnations[rank // rpr]
+    def incarnation(self, replica: int) -> Any:
+        inc = self.job._incarnations[replica]
         if inc is None:
-            raise ValueError(f"rank {rank}: its replica is not running")
-        k = rank % rpr
-        return inc, k, inc.hosts[k // self.job.profile.topology.gpus_per_host]
+            raise ValueError(f"replica {replica} is not running")
+        return inc
+
+    def rank_place(self, replica: int, rank: int) -> tuple[Any, str]:
+        """(incarnation, host) of rank `rank` of replica `replica`."""
+        inc = self.incarnation(replica)
+        return inc, inc.hosts[rank // self.job.profile.topology.gpus_per_host]
+
+    def freeze(self, replica: int, rank: int | None, whole_hosts: bool) -> None:
+        """Stop rank `rank` of the replica (its host's processes: whole_hosts), or every host of the replica."""
+        world = self.job.world
+        if rank is None:
+            for host in self.incarnation(replica).hosts:
+                world.freeze(host)
+                self._frozen.append((host, None))
+            return
+        inc, host = self.rank_place(replica, rank)
+        proc = None if whole_hosts else inc.tasks[rank].proc
+        world.freeze(host, proc)
+        self._frozen.append((host, proc))
 
     def apply(self, fault: Any) -> None:
         """Apply now (from a task in the world)."""
@@ -164,15 +179,14 @@ class ScenarioFaults:
         job.recorder.event({"event": "scenario_fault", "t": world.now, "step": job.max_step,
                             "what": fault.describe()})
         if isinstance(fault, Hang):
-            if fault.rank is not None:
-                inc, k, host = self.rank_place(fault.rank)
-                proc = inc.tasks[k].proc
-                world.freeze(host, proc)
-                self._frozen.append((host, proc))
+            if fault.replica is not None:
+                self.freeze(fault.replica, fault.rank, whole_hosts=False)
             else:
                 host = resolve_host(fault.host, self.hosts)
                 world.freeze(host)
                 self._frozen.append((host, None))
+        elif isinstance(fault, HostLoss):
+            self.freeze(fault.replica, fault.rank, whole_hosts=True)
         elif isinstance(fault, SlowHostAt):
             self.slow_hosts[resolve_host(fault.host, self.hosts)] = fault.factor
         elif isinstance(fault, SlowLink):
@@ -180,8 +194,8 @@ class ScenarioFaults:
             world.fabric.slow_link(a, b, fault.factor)
             self._links.append((a, b))
         elif isinstance(fault, KillRank):
-            inc, k, host = self.rank_place(fault.rank)
-            world.kill_process(host, inc.tasks[k].proc)
+            inc, host = self.rank_place(fault.replica, fault.rank)
+            world.kill_process(host, inc.tasks[fault.rank].proc)
             world.host_env("supervisor").spawn(job._rank_died, inc, name=f"notice-{inc.replica_id}")
         elif isinstance(fault, CutBuilding):
             now = world.now

@@ -1,4 +1,6 @@
-"""The faults an emulated job can inject, and their one-line syntax (`ftrun emulate --inject "..."`). Pure.
+"""The faults an emulated job can inject (`ftrun emulate --inject "..."` and the profiles' `[failures] events`),
+in the one fault grammar of ftrun.faultspec (shared with `ftrun launch --inject`: kill = a crash, hang = stopped
+processes, cut = silent hosts). Pure.
 
     kill replica=R step=S [at=F|ftar] [hosts=relaunch|replace]
     kill replica=R time=T [hosts=relaunch|replace]
@@ -21,6 +23,9 @@
         Every catch-up (state fetch) of replica R takes F x its modeled transfer time, plus D seconds (a
         throttled or congested path from the sources); combine with a kill of R to make a behind replica
         whose fetch is slower than a step.
+    cut replica=R [rank=K] [time=T] [duration=D]
+        A host loss: the hosts of replica R (the host of its rank K) go silent, as a lost machine does: they
+        send and answer nothing, nothing is reset, peers see only their timeouts; for D seconds or for good.
     cut building=B time=T duration=D
         From virtual second T for D seconds, the network between building B and every other building is
         cut. The cut is silent, as a fiber cut is for TCP: nothing is refused and no RST is sent; a frame,
@@ -29,19 +34,19 @@
         does not place (the lighthouse, the supervisor) are in building 0.
 
 Scenario faults (root-cause diagnosis: one job runs many, one after another; `ftrun diagnose bench`
-injects them as it goes, `--inject` at virtual second T, default 0). A rank is a global rank index
-(replica x ranks_per_replica + rank); a host is a training host's index in the topology or its name.
-    hang rank=R [time=T] [duration=D]
+injects them as it goes, `--inject` at virtual second T, default 0). A host is a training host's index in
+the topology or its name.
+    hang replica=R [rank=K] [time=T] [duration=D]
     hang host=H [time=T] [duration=D]
-        The process of rank R (every process of host H) stops, as under SIGSTOP: its tasks are frozen in
-        the engine, it sends nothing, its peers wait; until a release (or D seconds), when it resumes
-        and sees its timers expired.
+        Every rank of replica R (its rank K; every process of host H) stops, as under SIGSTOP: its tasks
+        are frozen in the engine, it sends nothing, its peers wait; until a release (or D seconds), when
+        it resumes and sees its timers expired.
     slow host=H factor=X [time=T] [duration=D]
         Host H computes X x slower (X >= 1) until a release (or D seconds).
     slow link a=H b=H factor=X [time=T] [duration=D]
         Frames between hosts A and B move X x slower (their NIC time is X x longer) until released.
-    kill rank=R [time=T]
-        Rank R's process crashes (its connections reset); the supervisor notices, as for a replica
+    kill replica=R rank=K [time=T]
+        Rank K of replica R: its process crashes (its connections reset); the supervisor notices, as for a replica
         kill, and restarts the replica.
     release [time=T]
         Every hang is released and every scenario slowness restored.
@@ -176,6 +181,10 @@ def _tail(at_s: float, duration_s: float | None) -> str:
     return f" time={at_s:g}" + (f" duration={duration_s:g}" if duration_s is not None else "")
 
 
+def _place(replica: int | None, rank: int | None) -> str:
+    return f"replica={replica}" + (f" rank={rank}" if rank is not None else "")
+
+
 def _check_factor(what: str, factor: float) -> None:
     if not (factor >= 1 and math.isfinite(factor)):
         raise ValueError(f"{what}: factor= must be a finite number >= 1, got {factor}")
@@ -183,23 +192,47 @@ def _check_factor(what: str, factor: float) -> None:
 
 @dataclass(frozen=True)
 class Hang:
-    """A stopped process: rank `rank` (global index), or every process of host `host`."""
+    """Stopped processes (SIGSTOP): every rank of replica `replica`, its rank `rank`, or every process of host
+    `host`."""
 
-    rank: int | None = None
+    replica: int | None = None
+    rank: int | None = None  # in the replica
     host: str | None = None
     at_s: float = 0.0
     duration_s: float | None = None
 
     def __post_init__(self) -> None:
-        if (self.rank is None) == (self.host is None):
-            raise ValueError("a hang needs exactly one of rank= or host=")
-        if self.rank is not None and self.rank < 0:
-            raise ValueError(f"negative rank in {self}")
+        if (self.replica is None) == (self.host is None):
+            raise ValueError("a hang needs exactly one of replica= or host=")
+        if self.rank is not None and self.replica is None:
+            raise ValueError("rank= goes with replica=")
+        if (self.replica is not None and self.replica < 0) or (self.rank is not None and self.rank < 0):
+            raise ValueError(f"negative replica or rank in {self}")
         _check_scenario("a hang", self.at_s, self.duration_s)
 
     def describe(self) -> str:
-        where = f"rank={self.rank}" if self.rank is not None else f"host={self.host}"
+        where = f"host={self.host}" if self.host is not None else _place(self.replica, self.rank)
         return f"hang {where}{_tail(self.at_s, self.duration_s)}"
+
+
+@dataclass(frozen=True)
+class HostLoss:
+    """Silent hosts (`cut replica=R [rank=K]`): the hosts of replica R (the host of its rank K) stop sending
+    and answering, as a host lost to the network is (nothing reset, no heartbeat); for duration_s, or for
+    good. Emulated as those hosts' processes frozen: the supervisor cannot tell them from a lost machine."""
+
+    replica: int
+    rank: int | None = None
+    at_s: float = 0.0
+    duration_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.replica < 0 or (self.rank is not None and self.rank < 0):
+            raise ValueError(f"negative replica or rank in {self}")
+        _check_scenario("a host loss", self.at_s, self.duration_s)
+
+    def describe(self) -> str:
+        return f"cut {_place(self.replica, self.rank)}{_tail(self.at_s, self.duration_s)}"
 
 
 @dataclass(frozen=True)
@@ -239,16 +272,19 @@ class SlowLink:
 
 @dataclass(frozen=True)
 class KillRank:
+    """One rank's process crashes (`kill replica=R rank=K time=T`)."""
+
+    replica: int
     rank: int
     at_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.rank < 0:
-            raise ValueError(f"negative rank in {self}")
+        if self.replica < 0 or self.rank < 0:
+            raise ValueError(f"negative replica or rank in {self}")
         _check_scenario("a rank kill", self.at_s, None)
 
     def describe(self) -> str:
-        return f"kill rank={self.rank} time={self.at_s:g}"
+        return f"kill {_place(self.replica, self.rank)} time={self.at_s:g}"
 
 
 @dataclass(frozen=True)
@@ -262,70 +298,59 @@ class Release:
         return f"release time={self.at_s:g}"
 
 
-SCENARIO_FAULTS = (Hang, SlowHostAt, SlowLink, KillRank, Release)
-Fault = Union[Kill, KillLighthouse, SlowHost, SlowFetch, CutBuilding, Hang, SlowHostAt, SlowLink, KillRank, Release]
+SCENARIO_FAULTS = (Hang, HostLoss, SlowHostAt, SlowLink, KillRank, Release)
+Fault = Union[Kill, KillLighthouse, SlowHost, SlowFetch, CutBuilding, Hang, HostLoss, SlowHostAt, SlowLink, KillRank,
+              Release]
 
-# (verb, noun or None) -> (required fields, optional fields)
-_FORMS: dict[tuple[str, str | None], tuple[set[str], set[str]]] = {
-    ("kill", None): (set(), {"replica", "rank", "step", "time", "at", "hosts"}),  # replica= or rank=
-    ("kill", "lighthouse"): (set(), {"step", "time", "at", "down"}),
-    ("slow", "host"): ({"replica", "factor"}, {"rank", "step"}),
-    ("slow", None): ({"host", "factor"}, {"time", "duration"}),  # slow host=H (the scenario form)
-    ("slow", "link"): ({"a", "b", "factor"}, {"time", "duration"}),
-    ("hang", None): (set(), {"rank", "host", "time", "duration"}),
-    ("release", None): (set(), {"time"}),
-    ("slow", "fetch"): ({"replica"}, {"factor", "delay"}),
-    ("cut", None): ({"building", "time", "duration"}, set()),
-}
-USAGE = ('expected one of: "kill replica=R step=S [at=F|ftar] [hosts=relaunch|replace]", "kill replica=R time=T", '
-         '"kill lighthouse time=T|step=S [at=F] [down=D]", "slow host replica=R [rank=K] factor=F [step=S]", '
-         '"slow fetch replica=R [factor=F] [delay=D]", "cut building=B time=T duration=D", '
-         '"hang rank=R|host=H [time=T] [duration=D]", "slow host=H factor=X [time=T] [duration=D]", '
-         '"slow link a=H b=H factor=X [time=T] [duration=D]", "kill rank=R [time=T]", "release [time=T]"')
-
-
-def _split(text: str) -> tuple[tuple[str, str | None], dict[str, str]]:
-    words = text.split()  # `slow host=H ...` is the one form whose first field stands in for a noun
-    if words[:1] == ["slow"] and len(words) > 1 and "=" in words[1] and not words[1].startswith("host="):
-        raise ValueError(f"unknown fault 'slow {words[1]}'")
-    return faultspec.split(text, _FORMS)
+ENV = "emulate"
+USAGE = faultspec.usage(ENV)
 
 
 def parse_inject(text: str) -> Fault:
-    """Parse one --inject value into a fault. Raises ValueError naming the problem and the expected forms."""
+    """Parse one --inject value (the one fault grammar, ftrun.faultspec) into a fault. Raises ValueError naming
+    the problem and the forms the emulator injects."""
     try:
-        form, f = _split(text)
-        num = lambda key, default=None: float(f[key]) if key in f else default  # noqa: E731
-        step = int(f["step"]) if "step" in f else None
-        dur = num("duration")
-        if form == ("kill", None) and "rank" in f:
-            if set(f) - {"rank", "time"}:
-                raise ValueError("kill rank=R takes time= only")
-            return KillRank(rank=int(f["rank"]), at_s=num("time", 0.0))
-        if form == ("kill", None):
-            if "replica" not in f:
-                raise ValueError("missing ['replica'] fields: kill needs replica= or rank=")
+        spec = faultspec.parse(text, ENV)
+        f, num = spec.fields, spec.num
+        step, dur = spec.int("step"), num("duration")
+        verb, replica, rank = spec.form.verb, spec.int("replica"), spec.int("rank")
+        scenario = "an emulated {} at a step is not supported yet: use time=T".format
+        if spec.key == ("kill", None) and rank is not None:
+            if spec.has("step", "at", "hosts"):
+                raise ValueError("kill replica=R rank=K takes time= only")
+            return KillRank(replica=replica, rank=rank, at_s=num("time", 0.0))
+        if spec.key == ("kill", None):
             in_ftar = f.get("at") == "ftar"
-            return Kill(replica=int(f["replica"]), at_step=step, at_s=num("time"),
+            return Kill(replica=replica, at_step=step, at_s=num("time"),
                         at_fraction=0.0 if in_ftar else num("at", 0.0), in_ftar=in_ftar,
-                        hosts=f.get("hosts", "relaunch"))  # type: ignore[arg-type]
-        if form == ("kill", "lighthouse"):
-            return KillLighthouse(at_step=step, at_s=num("time"), at_fraction=num("at", 0.0), down_s=num("down", 0.0))
-        if form == ("slow", "host"):
-            return SlowHost(replica=int(f["replica"]), rank=int(f.get("rank", 0)), factor=num("factor"),
+                        hosts=f.get("hosts", "relaunch"))
+        if spec.key == ("kill", "lighthouse"):
+            return KillLighthouse(at_step=step, at_s=num("time"), at_fraction=num("at", 0.0),
+                                  down_s=num("down", 0.0))
+        if spec.key == ("slow", "host"):
+            return SlowHost(replica=replica, rank=rank or 0, factor=num("factor"),
                             from_step=step or 0)
-        if form == ("slow", None):
+        if spec.key == ("slow", None):
             return SlowHostAt(host=f["host"], factor=num("factor"), at_s=num("time", 0.0), duration_s=dur)
-        if form == ("slow", "link"):
+        if spec.key == ("slow", "link"):
             return SlowLink(a=f["a"], b=f["b"], factor=num("factor"), at_s=num("time", 0.0), duration_s=dur)
-        if form == ("hang", None):
-            return Hang(rank=int(f["rank"]) if "rank" in f else None, host=f.get("host"), at_s=num("time", 0.0),
-                        duration_s=dur)
-        if form == ("release", None):
+        if spec.key == ("slow", "fetch"):
+            return SlowFetch(replica=replica, factor=num("factor", 1.0), delay_s=num("delay", 0.0))
+        if spec.key == ("release", None):
             return Release(at_s=num("time", 0.0))
-        if form == ("slow", "fetch"):
-            return SlowFetch(replica=int(f["replica"]), factor=num("factor", 1.0), delay_s=num("delay", 0.0))
-        return CutBuilding(building=int(f["building"]), at_s=num("time"), duration_s=num("duration"))
+        if verb == "hang":
+            faultspec.one_target(spec, "replica", "host")
+            if spec.has("step", "at"):
+                raise ValueError(scenario("hang"))
+            return Hang(replica=replica, rank=rank, host=f.get("host"), at_s=num("time", 0.0), duration_s=dur)
+        # cut
+        if faultspec.one_target(spec, "replica", "building") == "building":
+            if not spec.has("time") or dur is None or spec.has("step", "at"):
+                raise ValueError("cut building=B needs time=T and duration=D")
+            return CutBuilding(building=int(f["building"]), at_s=num("time"), duration_s=dur)
+        if spec.has("step", "at"):
+            raise ValueError(scenario("host loss"))
+        return HostLoss(replica=replica, rank=rank, at_s=num("time", 0.0), duration_s=dur)
     except ValueError as e:
         raise ValueError(f"bad --inject {text!r}: {e}; {USAGE}") from None
 
@@ -356,8 +381,8 @@ def check_faults(faults: tuple[Fault, ...] | list[Fault], *, replicas: int, rank
         if isinstance(fault, CutBuilding) and fault.building >= buildings:
             raise ValueError(f"{fault.describe()}: the topology has buildings 0..{buildings - 1}")
         rank = getattr(fault, "rank", None)
-        if isinstance(fault, (Hang, KillRank)) and rank is not None and rank >= replicas * ranks_per_replica:
-            raise ValueError(f"{fault.describe()}: the job has ranks 0..{replicas * ranks_per_replica - 1}")
+        if isinstance(fault, (Hang, HostLoss, KillRank)) and rank is not None and rank >= ranks_per_replica:
+            raise ValueError(f"{fault.describe()}: a replica has ranks 0..{ranks_per_replica - 1}")
         if hosts is not None:
             for place in [getattr(fault, k, None) for k in ("host", "a", "b")]:
                 if isinstance(place, str):

@@ -318,7 +318,7 @@ class EmulatedJob:
         self._kill(inc, "injected")
 
     def _rank_died(self, inc: Incarnation) -> None:
-        """A rank's process crashed (kill rank=R): the supervisor notices it exit, as it notices a replica's
+        """A rank's process crashed (kill replica=R rank=K): the supervisor notices it exit, as it notices a replica's
         (crash_detect_s, else its next poll), kills what is left of the incarnation and restarts it."""
         env = self.world.host_env(SUPERVISOR_HOST)
         detect = self.profile.scheduler.crash_detect_s

@@ -1,11 +1,8 @@
 """What an emulated job runs: its options and its failure script, parsed from the CLI or the profile.
 
-The faults and their --inject syntax are in harness.run.faults (kill a replica, kill the lighthouse, a
-straggler host, a slow state fetch, a building cut off). From a profile: its scripted kill_replica and
-kill_lighthouse events (duration_s is how long the lighthouse stays down), its scripted hang_host events
-at a time (`hang host=H`: host `rank` of the replica stops for duration_s, 0: for good), or kills drawn
-from its periodic / MTBF failure model. Scripted kill_host events, and hang_host at a step, are not
-emulated yet.
+The faults and their --inject syntax are in harness.run.faults (the one fault grammar, ftrun.faultspec). From
+a profile: its scripted `[failures] events` (fault specs in the same grammar, e.g. "kill replica=1 step=3",
+"cut replica=1 rank=0 time=5 duration=2"), or replica kills drawn from its periodic / MTBF failure model.
 """
 
 from __future__ import annotations
@@ -15,7 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from harness.profile import Profile, weibull_scale_for_mean
-from harness.run.faults import (CutBuilding, Fault, Hang, Kill, KillLighthouse, SlowFetch, SlowHost, check_faults,
+from harness.run.faults import (CutBuilding, Fault, Kill, KillLighthouse, SlowFetch, SlowHost, check_faults,
                                 parse_inject)
 
 __all__ = ["CutBuilding", "Fault", "JobOptions", "Kill", "KillLighthouse", "SlowFetch", "SlowHost",
@@ -23,15 +20,14 @@ __all__ = ["CutBuilding", "Fault", "JobOptions", "Kill", "KillLighthouse", "Slow
 
 
 def kills_from_profile(profile: Profile, seed: int, horizon_s: float) -> list[Kill]:
-    """The profile's failure model as kills: scripted kill_replica events as they are; periodic and MTBF
-    failures drawn (seeded) up to `horizon_s` of virtual time, each on a uniformly chosen unprotected
-    replica. Scripted events of other kinds are left out (see faults_from_profile)."""
+    """The profile's failure model as replica kills: its scripted replica kills; periodic and MTBF failures
+    drawn (seeded) up to `horizon_s` of virtual time, each on a uniformly chosen unprotected replica. Scripted
+    faults of other kinds are left out (see faults_from_profile)."""
     f = profile.failures
     if f.mode == "none":
         return []
     if f.mode == "scripted":
-        return [Kill(e.replica, at_step=e.at_step, at_s=e.at_s) for e in f.events
-                if e.kind == "kill_replica" and e.replica is not None]
+        return [k for k in map(parse_inject, f.events) if isinstance(k, Kill)]
     rng = random.Random(seed)
     candidates = [r for r in range(profile.replicas) if r not in f.protected_replicas]
     if not candidates:
@@ -51,14 +47,10 @@ def kills_from_profile(profile: Profile, seed: int, horizon_s: float) -> list[Ki
 
 
 def faults_from_profile(profile: Profile, seed: int, horizon_s: float) -> list[Fault]:
-    """kills_from_profile plus the scripted kill_lighthouse events (down for their duration_s)."""
+    """kills_from_profile plus the profile's other scripted faults."""
     faults: list[Fault] = list(kills_from_profile(profile, seed, horizon_s))
     if profile.failures.mode == "scripted":
-        faults += [KillLighthouse(at_step=e.at_step, at_s=e.at_s, down_s=e.duration_s)
-                   for e in profile.failures.events if e.kind == "kill_lighthouse"]
-        faults += [Hang(host=str(e.replica * profile.hosts_per_replica + e.rank), at_s=e.at_s,  # type: ignore
-                        duration_s=e.duration_s or None)
-                   for e in profile.failures.events if e.kind == "hang_host" and e.at_s is not None]
+        faults += [f for f in map(parse_inject, profile.failures.events) if not isinstance(f, Kill)]
     return faults
 
 

@@ -36,7 +36,7 @@ def test_bench_at_ci_small_names_every_injected_culprit(capsys):
 @pytest.mark.timeout(120)
 def test_emulate_diagnose_puts_the_verdict_in_the_report_and_trace(tmp_path, capsys):
     code = ftrun_cli.main(["emulate", "ci-small", "--steps", "14", "--no-progress", "--ftar-detail", "full",
-                           "--diagnose", "0.5", "--inject", "hang rank=5 time=4 duration=3", "--out", str(tmp_path),
+                           "--diagnose", "0.5", "--inject", "hang replica=0 rank=5 time=4 duration=3", "--out", str(tmp_path),
                            "--json"])
     f = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert code == 0 and f["complete"]

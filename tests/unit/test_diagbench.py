@@ -9,17 +9,19 @@ from ftrun.env.base import PeerClosed
 from harness.diagbench import KINDS, Scenario, Shape, Truth, draw, kinds_for, score, summarize
 from harness.engine import EmulatedWorld
 from harness.profile import NetworkConfig
-from harness.run.faults import (CutBuilding, Hang, KillRank, Release, SlowHostAt, SlowLink, check_faults, parse_inject,
-                                resolve_host)
+from harness.run.faults import (CutBuilding, Hang, HostLoss, KillRank, Release, SlowHostAt, SlowLink, check_faults,
+                                parse_inject, resolve_host)
 
 
 # -- grammar -------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("text, fault", [
-    ("hang rank=3", Hang(rank=3)),
+    ("hang replica=0 rank=3", Hang(replica=0, rank=3)),
+    ("hang replica=1 time=2", Hang(replica=1, at_s=2.0)),
+    ("cut replica=1 rank=2 time=1 duration=3", HostLoss(replica=1, rank=2, at_s=1.0, duration_s=3.0)),
     ("hang host=2 time=1.5 duration=2", Hang(host="2", at_s=1.5, duration_s=2.0)),
     ("slow host=4 factor=3", SlowHostAt(host="4", factor=3.0)),
     ("slow link a=1 b=2 factor=5 time=3", SlowLink(a="1", b="2", factor=5.0, at_s=3.0)),
-    ("kill rank=7 time=2", KillRank(rank=7, at_s=2.0)),
+    ("kill replica=1 rank=3 time=2", KillRank(replica=1, rank=3, at_s=2.0)),
     ("release time=4", Release(at_s=4.0)),
 ])
 def test_scenario_forms_parse_and_describe_round_trip(text, fault):
@@ -29,14 +31,20 @@ def test_scenario_forms_parse_and_describe_round_trip(text, fault):
 
 
 @pytest.mark.parametrize("text, why", [
-    ("hang", "exactly one of rank= or host="),
-    ("hang rank=1 host=2", "exactly one of rank= or host="),
+    ("hang", "exactly one of replica= or host="),
+    ("hang replica=1 host=2", "exactly one of replica= or host="),
+    ("hang rank=1", "exactly one of replica= or host="),
+    ("hang host=1 rank=1", "rank= goes with replica="),
+    ("hang replica=1 step=2", "use time=T"),
+    ("cut building=1 time=2", "needs time=T and duration=D"),
+    ("cut replica=1 building=1 time=2", "exactly one of replica= or building="),
     ("slow link a=1 b=1 factor=2", "two different hosts"),
     ("slow host=1 factor=0.5", "factor="),
     ("slow foo=1", "unknown fault"),
-    ("kill rank=1 step=2", "time= only"),
-    ("kill", "replica= or rank="),
-    ("hang rank=1 duration=0", "duration="),
+    ("kill replica=0 rank=1 step=2", "time= only"),
+    ("kill", "missing fields: replica"),
+    ("kill rank=1 time=2", "missing fields: replica"),
+    ("hang replica=0 rank=1 duration=0", "duration="),
     ("release step=3", "unknown"),
 ])
 def test_scenario_forms_reject_bad_input_naming_it(text, why):
@@ -53,10 +61,12 @@ def test_old_forms_unchanged():
 def test_check_faults_places():
     hosts = ("h0", "h1", "h2")
     assert resolve_host("2", hosts) == "h2" and resolve_host("h1", hosts) == "h1"
-    for bad, why in ((Hang(rank=8), "ranks 0..7"), (Hang(host="3"), "hosts 0..2"), (SlowHostAt("hx", 2.0), "not a")):
+    for bad, why in ((Hang(replica=1, rank=8), "ranks 0..3"), (Hang(replica=2), "replicas 0..1"),
+                     (Hang(host="3"), "hosts 0..2"), (SlowHostAt("hx", 2.0), "not a")):
         with pytest.raises(ValueError, match=why):
             check_faults([bad], replicas=2, ranks_per_replica=4, buildings=1, hosts=hosts)
-    check_faults([Hang(rank=7), SlowLink("h0", "2", 4.0)], replicas=2, ranks_per_replica=4, buildings=1, hosts=hosts)
+    check_faults([Hang(replica=1, rank=3), SlowLink("h0", "2", 4.0)], replicas=2, ranks_per_replica=4, buildings=1,
+                 hosts=hosts)
 
 
 # -- engine: freeze / thaw, per-process kill, slow link --------------------------------------------------
@@ -179,7 +189,7 @@ def test_draw_is_seeded_covers_every_kind_and_stays_in_the_job():
     for s in a:
         assert 0 <= s.phase < 1
         if s.kind in ("hang_rank", "kill_rank"):
-            assert 0 <= s.rank < 32
+            assert 0 <= s.replica < 4 and 0 <= s.rank < 8
         if s.kind == "slow_host":
             assert 2 <= s.factor <= 5.8 and 0 <= s.host < 16
         if s.kind == "slow_link":  # a ring link: the same host slot in the next replica
@@ -190,7 +200,8 @@ def test_draw_is_seeded_covers_every_kind_and_stays_in_the_job():
 
 
 def test_scenario_faults_and_places():
-    assert Scenario(0, "hang_rank", 0.5, rank=3).fault() == Hang(rank=3)
+    assert Scenario(0, "hang_rank", 0.5, replica=1, rank=3).fault() == Hang(replica=1, rank=3)
+    assert Scenario(0, "kill_rank", 0.5, replica=1, rank=3).place() == "kill replica=1 rank=3"
     assert Scenario(0, "slow_link", 0.5, host=1, host_b=5, factor=4.0).place() == "slow link a=1 b=5 factor=4"
     assert Scenario(0, "cut_building", 0.5, building=1).fault(3.0) == CutBuilding(1, 0.0, 3.0)
 
@@ -213,7 +224,7 @@ def test_score(verdict, truth, want):
 
 
 def test_summarize_keys():
-    results = [{"seed": 1, "index": i, "kind": "hang_rank", "place": "hang rank=1", "phase": 0.1, "score": s,
+    results = [{"seed": 1, "index": i, "kind": "hang_rank", "place": "hang replica=0 rank=1", "phase": 0.1, "score": s,
                 "verdict_kind": "hang", "reason": "r"} for i, s in enumerate(("exact", "exact", "candidates", "miss"))]
     ff = [{"kind": "no_hang", "evicted": False}, {"kind": "slow_host", "evicted": False}]
     out = summarize(results, ff, [0.01, 0.02, 0.03], {"telemetry_bytes_per_rank": 1000})

@@ -9,10 +9,10 @@ import pytest
 
 from ftrun.env.base import NetTimeout
 from harness.engine import EmulatedWorld
-from harness.profile import FailureEvent, load_profile
+from harness.profile import apply_overrides, load_profile
 from harness.run import (CutBuilding, JobOptions, Kill, KillLighthouse, SlowFetch, SlowHost, check_faults,
                          faults_from_profile, parse_inject, split_faults)
-from harness.run.faults import Hang
+from harness.run.faults import Hang, HostLoss
 from harness.topology import Location, Topology
 
 
@@ -39,21 +39,21 @@ def test_parse_inject_forms(text, want):
     ("explode replica=1 step=2", "unknown fault 'explode'"),
     ("kill replica=1", "exactly one of step= or time="),
     ("kill replica=1 step=2 time=3", "exactly one of step= or time="),
-    ("kill step=3", "missing ['replica']"),
+    ("kill step=3", "missing fields: replica"),
     ("kill replica=1 step=2 at=1.5", "at= must be in [0, 1)"),
     ("kill replica=1 time=2 at=0.5", "at= goes with step="),
-    ("kill replica=1 step=2 when=now", "unknown ['when']"),
+    ("kill replica=1 step=2 when=now", "unknown fields: when"),
     ("kill replica=1 replica=2 step=2", "repeated"),
     ("kill replica=x step=2", "invalid literal"),
     ("kill lighthouse", "exactly one of step= or time="),
     ("kill lighthouse time=1 down=-2", "down= must be"),
     ("kill host replica=1 time=2", "unknown fault 'kill host'"),
-    ("slow host replica=1", "missing ['factor']"),
+    ("slow host replica=1", "missing fields: factor"),
     ("slow host replica=1 factor=0.5", "factor= must be a finite number >= 1"),
     ("slow fetch replica=1", "needs factor= > 1 or delay= > 0"),
     ("slow fetch replica=1 delay=inf", "delay= >= 0"),
     ("slow disk replica=1 factor=2", "unknown fault 'slow disk'"),
-    ("cut building=1 time=2", "missing ['duration']"),
+    ("cut building=1 time=2", "needs time=T and duration=D"),
     ("cut building=1 time=2 duration=0", "duration= must be"),
 ])
 def test_parse_inject_rejects_bad_input_with_a_reason(text, says):
@@ -82,16 +82,16 @@ def test_split_faults_and_job_options():
         JobOptions(steps=3, kills=others)  # type: ignore[arg-type]
 
 
-def test_scripted_lighthouse_kill_and_host_hang_from_the_profile():
+def test_the_profiles_events_are_fault_specs_in_the_one_grammar():
     base = load_profile("ci-small")
-    events = (*base.failures.events, FailureEvent(kind="kill_lighthouse", at_s=3.0, duration_s=1.5),
-              FailureEvent(kind="hang_host", at_s=1.0, replica=1, rank=2, duration_s=2.0),
-              FailureEvent(kind="hang_host", at_step=1, replica=0))  # at a step: not emulated, left out
+    events = (*base.failures.events, "kill lighthouse time=3 down=1.5", "cut replica=1 rank=2 time=1 duration=2",
+              "hang replica=0 time=2")
     profile = dataclasses.replace(base, failures=dataclasses.replace(base.failures, events=events))
     faults = faults_from_profile(profile, seed=0, horizon_s=100.0)
-    # ci-small has 4 hosts per replica: host 2 of replica 1 is training host 6
     assert faults == [Kill(1, at_step=3), KillLighthouse(at_s=3.0, down_s=1.5),
-                      Hang(host="6", at_s=1.0, duration_s=2.0)]
+                      HostLoss(1, rank=2, at_s=1.0, duration_s=2.0), Hang(replica=0, at_s=2.0)]
+    with pytest.raises(ValueError, match=r"\[failures\] events: bad fault 'nope'"):  # refused when loaded
+        apply_overrides(base, ['failures.events=["kill replica=1 step=2", "nope"]'])
 
 
 # -- the engine's building cut ---------------------------------------------------------------------------

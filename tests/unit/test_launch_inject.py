@@ -8,7 +8,8 @@ import pytest
 from ftrun.cli import main
 from ftrun.launch.inject import Action, InjectPlan, check, parse
 from ftrun.train.inject import CatchupFault, parse_catchup_fault
-from harness.run.faults import Kill, SlowFetch, parse_inject as parse_emulated
+from ftrun import faultspec
+from harness.run.faults import Hang, HostLoss, Kill, SlowFetch, parse_inject as parse_emulated
 
 
 @pytest.mark.parametrize("spec", ["kill replica=1 step=15 at=0.5", "kill replica=2 step=3", "kill replica=0 time=4.5",
@@ -24,19 +25,46 @@ def test_the_forms_both_worlds_accept_mean_the_same_fault(spec):
         assert (real.factor, real.delay_s) == (emulated.factor, emulated.delay_s)
 
 
+@pytest.mark.parametrize("spec", ["hang replica=1 rank=0 time=2 duration=3", "hang replica=2 time=1",
+                                  "cut replica=1 time=2 duration=1", "cut replica=0 time=0"])
+def test_hangs_and_host_losses_mean_the_same_in_both_worlds(spec):
+    real, emulated = parse(spec), parse_emulated(spec)
+    kind = {"hang": Hang, "cut": HostLoss}[spec.split()[0]]
+    assert isinstance(emulated, kind) and real.kind == {"hang": "hang", "cut": "host_loss"}[spec.split()[0]]
+    assert (real.replica, real.rank, real.at_s) == (emulated.replica, emulated.rank, emulated.at_s)
+    assert real.duration_s == (emulated.duration_s or 0.0)
+
+
+def test_one_table_of_forms_each_world_refuses_what_it_cannot_inject():
+    assert {f.name for f in faultspec.FORMS} >= {"kill", "hang", "cut", "kill lighthouse", "slow fetch"}
+    for form in faultspec.FORMS:
+        assert form.envs <= set(faultspec.ENVS) and form.envs
+    for spec, why in [("kill lighthouse time=1", "`ftrun launch` cannot inject 'kill lighthouse'"),
+                      ("slow host replica=1 factor=2", "cannot inject 'slow host'"), ("release", "cannot inject"),
+                      ("hang host=1 time=1", "names replicas, not hosts"), ("cut building=1 time=1 duration=2",
+                                                                           "no buildings"),
+                      ("kill replica=1 step=2 hosts=replace", "cannot inject kill with hosts"),
+                      ("kill replica=1 step=2 at=ftar", "at=ftar"), ("kill replica=1 rank=0 step=2", "every rank")]:
+        with pytest.raises(ValueError, match="bad --inject") as e:
+            parse(spec)
+        assert why in str(e.value), str(e.value)
+        parse_emulated(spec) if "rank=0 step" not in spec else None  # the emulator injects it
+
+
 def test_hangs_and_host_losses_parse():
     hang = parse("hang replica=0 rank=1 step=3 duration=2")
     assert (hang.kind, hang.rank, hang.at_step, hang.duration_s) == ("hang", 1, 3, 2.0)
-    loss = parse("hang host replica=2 time=4")
+    loss = parse("cut replica=2 time=4")
     assert (loss.kind, loss.replica_id, loss.at_s, loss.duration_s) == ("host_loss", "r2", 4.0, 0.0)
     assert parse(loss.describe()) == loss and parse(hang.describe()) == hang
 
 
 @pytest.mark.parametrize("bad,message", [
-    ("", "empty"), ("explode replica=1", "unknown fault 'explode'"), ("kill step=3", "missing ['replica']"),
+    ("", "empty"), ("explode replica=1", "unknown fault 'explode'"), ("kill step=3", "missing fields: replica"),
     ("kill replica=1", "exactly one of step= or time="), ("kill replica=1 step=2 time=3", "exactly one"),
     ("kill replica=1 step=2 at=1", "at= must be in [0, 1)"), ("kill replica=1 time=2 at=0.5", "at= goes with step="),
-    ("kill replica=1 step=2 hosts=replace", "unknown ['hosts']"), ("slow fetch replica=1", "factor= > 1 or delay= > 0"),
+    ("kill replica=1 step=2 hosts=replace", "cannot inject kill with hosts"), ("hang step=1", "needs replica="),
+    ("hang host replica=1 step=2", "unknown fault 'hang host'"), ("slow fetch replica=1", "factor= > 1 or delay= > 0"),
     ("slow fetch replica=1 factor=0.5", "factor= must be >= 1"), ("hang replica=1 step=2 duration=-1", "duration="),
     ("kill replica=1 step=x", "invalid literal"), ("kill replica=1 step=2 step=3", "repeated"),
 ])
@@ -82,7 +110,7 @@ def test_a_step_kill_of_a_replica_that_was_down_fires_once_the_job_is_past_the_s
 
 
 def test_a_hang_stops_and_resumes_and_a_host_loss_is_a_cut_where_hosts_are_namespaces():
-    plan = InjectPlan([parse("hang replica=0 step=2 duration=3"), parse("hang host replica=1 time=1 duration=2")])
+    plan = InjectPlan([parse("hang replica=0 step=2 duration=3"), parse("cut replica=1 time=1 duration=2")])
     up = {"r0", "r1"}
     assert plan.due(0.5, 2, None, up, True, {"r0": (2, 0.4)}) == [Action("stop", parse("hang replica=0 step=2 duration=3"))]
     plan.start(1.0)  # every replica joined: time= counts from here
@@ -93,7 +121,7 @@ def test_a_hang_stops_and_resumes_and_a_host_loss_is_a_cut_where_hosts_are_names
 
 
 def test_a_host_loss_without_namespaces_stops_the_ranks():
-    plan = InjectPlan([parse("hang host replica=1 step=0")])
+    plan = InjectPlan([parse("cut replica=1 step=0")])
     assert [a.what for a in plan.due(0.0, 0, None, {"r1"}, False, {"r1": (0, 0.0)})] == ["stop"]
 
 

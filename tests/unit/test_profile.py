@@ -7,7 +7,7 @@ import tomllib
 
 import pytest
 
-from harness.profile import (FailureEvent, NetworkConfig, Profile, apply_overrides, list_profiles,
+from harness.profile import (NetworkConfig, Profile, apply_overrides, list_profiles,
                              load_profile, profile_from_dict, profile_path, weibull_scale_for_mean)
 from harness.topology import HopClass
 
@@ -48,7 +48,7 @@ def test_the_other_profiles_match_their_seeds():
     assert llama.num_ranks == 16_384 and 400e9 < llama.model.num_params < 410e9
     assert llama.failures.cluster_mtbf_s(llama.num_hosts) == pytest.approx(54 * 86400 / 419, rel=1e-3)
     ci = load_profile("ci-small")
-    assert ci.failures.events == (FailureEvent(kind="kill_replica", at_step=3, replica=1),)
+    assert ci.failures.events == ("kill replica=1 step=3",)
     assert ci.emulation.cpu_charging is False
 
 
@@ -92,9 +92,10 @@ def base() -> dict:
     ({"timeouts": {"heartbeat_interval_s": 5.0}}, "heartbeat_interval_s"),
     ({"failures": {"mode": "scripted"}}, "events"),
     ({"failures": {"mode": "often"}}, "failures.mode"),
-    ({"failures": {"mode": "scripted", "events": [{"kind": "kill_replica", "replica": 1}]}}, "at_s/at_step"),
-    ({"failures": {"mode": "scripted", "events": [{"kind": "kill_replica", "at_s": 1.0, "replica": 7}]}},
-     "failures"),
+    ({"failures": {"mode": "scripted", "events": ["kill replica=1"]}}, "a kill with step= or time="),
+    ({"failures": {"mode": "scripted", "events": ["kill replica=7 time=1"]}}, "failures"),
+    ({"failures": {"mode": "scripted", "events": ["explode replica=1"]}}, "unknown fault 'explode'"),
+    ({"failures": {"mode": "scripted", "events": ["kill replica=1 time=1 speed=2"]}}, "unknown fields: speed"),
     ({"topology": "big"}, "topology must be a table"),
 ])
 def test_validation_errors_name_the_key(patch, message):
