@@ -44,10 +44,27 @@ class Eviction:
 
 
 def same_culprits(a: Verdict | None, b: Verdict | None) -> bool:
-    """The same hang seen twice: same kind and culprit ranks, or the same culprit replicas (a hang's
-    culprit ranks change as its peers give up; its replicas do not)."""
+    """The same hang seen twice: same kind and the same culprit replicas (a hang's culprit ranks inside
+    its replica change as its peers give up; its replicas do not). A verdict naming another replica too
+    (an innocent rank behind the hung one, for one racy pull) is another culprit set."""
     return a is not None and b is not None and a.kind == b.kind and \
         (a.ranks == b.ranks or (bool(a.replicas) and a.replicas == b.replicas))
+
+
+@dataclass(frozen=True)
+class Sighting:
+    """A verdict as the driver last saw it: its silent culprits and since when the same hang is seen."""
+    verdict: Verdict
+    silent: tuple[int, ...]
+    first_seen: float
+
+
+def sight(prev: Sighting | None, verdict: Verdict, silent: tuple[int, ...], now: float) -> Sighting:
+    """This pull's sighting: the confirmation clock (`first_seen`) carries over only when the previous
+    pull named the same culprits (`same_culprits`) with the same silent ranks; a culprit set that changed
+    between two pulls starts confirmation again, so no eviction ever rests on a verdict seen once."""
+    same = prev is not None and same_culprits(prev.verdict, verdict) and prev.silent == silent
+    return Sighting(verdict, silent, prev.first_seen if same else now)
 
 
 def silent_culprits(verdict: Verdict, answered: Sequence[bool], replica_of: Sequence[int]) -> tuple[int, ...]:

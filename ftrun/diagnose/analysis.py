@@ -55,7 +55,7 @@ def _tree_hang(snap: Snapshot, layout: Layout, cfg: AnalysisConfig) -> Verdict |
     reasons = [f"{layout.rank_name(r)} {culprits[r]}" for r in ranks[:2]]
     if len(ranks) > 2:
         reasons.append(f"and {len(ranks) - 2} more ranks")
-    return _named(HANG, set(ranks), layout, reasons, leaves)
+    return dataclasses.replace(_named(HANG, set(ranks), layout, reasons, leaves), edges=tuple(edges))
 
 
 def _with_tree_edges(v: Verdict, snap: Snapshot, layout: Layout, cfg: AnalysisConfig, rings) -> Verdict:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ftrun.diagnose.act import EvictionConfig, decide_eviction, same_culprits, silent_culprits
+from ftrun.diagnose.act import EvictionConfig, Sighting, decide_eviction, sight, silent_culprits
 from ftrun.diagnose.analysis import analyze
 from ftrun.diagnose.model import AnalysisConfig, Layout, Snapshot, Verdict
 from ftrun.diagnose.summary import HIST, HIST_LEN, SUMMARY, empty_hist, empty_summary, summarize
@@ -258,7 +258,7 @@ class Collector(_Service):
         self.config = config
         self._known: dict[str, _Known] = {}
         self._lock, self._diagnosing = env.lock(), env.lock()  # the rank table; one diagnosis at a time
-        self._last: tuple[Verdict, float] | None = None  # (verdict, first seen)
+        self._last: Sighting | None = None  # the previous pull's verdict, silent culprits and first sighting
         self.latest: dict | None = None
         self.last_input: tuple[Snapshot, Layout] | None = None  # the latest analysis input
         self.last_analysis_s = 0.0  # seconds the latest analysis took (the pure function alone), by `timer`
@@ -293,11 +293,11 @@ class Collector(_Service):
         w0 = self.timer()
         verdict = analyze(snap, layout, self.config.analysis)
         self.last_analysis_s = self.timer() - w0
-        first = self._last[1] if self._last and same_culprits(self._last[0], verdict) else now
-        self._last = (verdict, first)
         self.last_input = (snap, layout)
         live = len({k.info.replica for k in known})
         silent = silent_culprits(verdict, snap.answered, layout.replica)
+        self._last = sight(self._last, verdict, silent, now)
+        first = self._last.first_seen
         eviction = decide_eviction(now, verdict, first, max(live, 1), self.config.eviction, silent=silent,
                                    replica_of=layout.replica)
         out = verdict_dict(verdict, layout, [k.info.key for k in known])
@@ -310,7 +310,8 @@ class Collector(_Service):
         out.update(silent=[known[r].info.key for r in silent],
                    eviction={"replicas": list(eviction.replicas), "reason": eviction.reason,
                              "incarnations": [incarnation.get(r, -1) for r in eviction.replicas],
-                             "replica_ids": [replica_id.get(r, f"r{r}") for r in eviction.replicas]},
+                             "replica_ids": [replica_id.get(r, f"r{r}") for r in eviction.replicas],
+                             "retry_at": eviction.retry_at},
                    num_ranks=len(known), num_answered=len(answered), t=now)
         return out
 

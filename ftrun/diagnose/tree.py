@@ -2,8 +2,9 @@
 
 A replica's current tree collective is the newest one any of its ranks entered. It is blocked when a rank
 in it has waited `stall_s`. It waits on every FTAR ring a missing rank is stuck in (an edge of the
-collective wait-for graph); missing ranks in no all-reduce are its own culprits (did not
-answer, or never joined). With nobody missing, the rank-level graph of the tree: a rank that entered and
+collective wait-for graph); a missing leader waiting for its quorum waits on the lighthouse's round
+(an edge to "quorum for step S"; the replicas that round waits on are named on their own), not a culprit;
+other missing ranks in no all-reduce are its own culprits (did not answer, or never joined). With nobody missing, the rank-level graph of the tree: a rank that entered and
 whose children have all sent up, but has not sent itself, joined without progress.
 """
 
@@ -49,12 +50,15 @@ def edges_and_culprits(snap, layout, cfg, ring_blocked: np.ndarray):
         in_blocked |= ring_blocked[layout.group] & (layout.ring_pos >= 0)
     of_blocked = np.isin(layout.replica, replicas)
     missing = of_blocked & ~in_seq
+    asking = snap.answered & (s["q_ev"] == Ev.ENTER)  # behind the quorum round, not a culprit
     edges, culprits = [], {}
     for rep in replicas[:64]:
         name = f"tree collective {int(cur[rep])} of replica {int(rep)}"
         rings = np.unique(layout.group[missing & in_blocked & (layout.replica == rep)])
         edges += [(name, f"ftar ring {int(g)}") for g in rings[:8]]
-    lone = np.flatnonzero(missing & ~in_blocked)
+        ask = np.flatnonzero(missing & ~in_blocked & asking & (layout.replica == rep))
+        edges += [(name, f"quorum for step {int(s['q_step'][ask[0]])}")] if ask.size else []
+    lone = np.flatnonzero(missing & ~in_blocked & ~asking)
     for r in lone:
         culprits[int(r)] = ("did not answer the collector while its replica's tree collective waits on it"
                             if not snap.answered[r] else

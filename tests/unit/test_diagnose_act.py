@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ftrun.diagnose.act import EvictionConfig, decide_eviction, same_culprits
+from ftrun.diagnose.act import EvictionConfig, decide_eviction, same_culprits, sight
 from ftrun.diagnose.analysis import CANDIDATES, HANG, NO_HANG, SLOW_HOST, SLOW_LINK, SLOW_RANK, Verdict
 
 CFG = EvictionConfig(confirm_s=1.0, wait_limit_s=10.0, max_fraction=0.5)
@@ -53,3 +53,37 @@ def test_bad_input_is_refused():
         decide_eviction(0.0, HUNG, None, 0, CFG)
     with pytest.raises(ValueError, match="max_fraction"):
         EvictionConfig(max_fraction=1.0)
+
+
+R1 = Verdict(HANG, "r1/1 silent", ranks=(3,), replicas=(1,))
+R1_BESIDE = Verdict(HANG, "r1/0 never joined, r1/1 silent", ranks=(2, 3), replicas=(1,))
+R1_R2 = Verdict(HANG, "r1/1 silent, r2/0 never joined", ranks=(3, 4), replicas=(1, 2))
+
+
+@pytest.mark.parametrize("name,prev,cur,carried", [
+    ("first sight", None, (R1, (3,)), False),
+    ("the same culprits and silent ranks: confirmation goes on", (R1, (3,)), (R1, (3,)), True),
+    ("a rank of the same replica joins the culprits: the same hang", (R1, (3,)), (R1_BESIDE, (3,)), True),
+    ("another replica named too: another culprit set", (R1, (3,)), (R1_R2, (3,)), False),
+    ("the transient second replica leaves: starts again", (R1_R2, (3,)), (R1, (3,)), False),
+    ("the silent rank answers again: starts again", (R1, (3,)), (R1, ()), False),
+    ("another rank went silent: starts again", (R1_BESIDE, (3,)), (R1_BESIDE, (2, 3)), False),
+    ("another kind", (R1, (3,)), (Verdict(CANDIDATES, "pair", ranks=(3,), replicas=(1,)), (3,)), False),
+])
+def test_confirmation_only_carries_over_an_unchanged_culprit_set(name, prev, cur, carried):
+    before = None if prev is None else sight(None, prev[0], prev[1], 10.0)
+    now = sight(before, cur[0], cur[1], 10.4)
+    assert now.first_seen == (10.0 if carried else 10.4) and now.silent == cur[1]
+
+
+def test_a_culprit_set_that_changed_between_two_pulls_never_evicts():
+    """Pull after pull the verdict alternates; however long it lasts, no pull confirms it."""
+    s = None
+    for i, (v, silent) in enumerate([(R1_R2, (3,)), (R1, (3,))] * 5):
+        s = sight(s, v, silent, 10.0 + 0.4 * i)
+        e = decide_eviction(10.0 + 0.4 * i, v, s.first_seen, 3, EvictionConfig(confirm_s=0.25), silent=silent,
+                            replica_of=[0, 0, 1, 1, 2, 2])
+        assert e.replicas == (), e
+    s2 = sight(s, R1, (3,), 14.4)  # the same culprits on a second pull: now it is confirmed
+    assert decide_eviction(14.4, R1, s2.first_seen, 3, EvictionConfig(confirm_s=0.25), silent=(3,),
+                           replica_of=[0, 0, 1, 1, 2, 2]).replicas == (1,)

@@ -11,6 +11,7 @@ from ftrun.diagnose.analysis import (CANDIDATES, HANG, NO_HANG, SLOW_HOST, SLOW_
                                      Layout, Snapshot, analyze)
 from ftrun.diagnose.summary import FAILED
 from ftrun.diagnose.synth import KINDS, JobShape, scenario
+from ftrun.diagnose.telemetry import Ev
 
 SHAPE = JobShape(num_replicas=4, ranks_per_replica=32, ranks_per_host=8)
 
@@ -153,3 +154,34 @@ def test_bad_input_is_refused():
         Layout(layout.replica, layout.group[:-1], layout.host, layout.ring_pos)
     with pytest.raises(ValueError, match="stall_s > 0"):
         AnalysisConfig(stall_s=0)
+
+
+def _behind_the_hung_replica(asking: bool):
+    """hang_in_vote, and another replica whose other ranks entered their next tree collective (they wait
+    for the quorum the leader asks for) while its leader waits in its quorum ask (the lighthouse holds the
+    round for the hung replica): the 3x2 SIGSTOP incident's transient "r2/0 never joined" verdict."""
+    snap, layout, truth = scenario(SHAPE, "hang_in_vote", 8)
+    hung = int(layout.replica[truth.ranks[0]])
+    other = (hung + 1) % SHAPE.num_replicas
+    s, mates = snap.summary, layout.replica == other
+    leader = mates & (layout.group == 0)
+    s["t_cid"][mates & ~leader] = s["t_cid"][leader][0] + 1
+    s["t_ev"][mates & ~leader], s["t_t"][mates & ~leader] = Ev.ENTER, snap.now - 2.0
+    if not asking:
+        s["q_ev"][leader] = Ev.DONE  # got its quorum and stays away
+    return snap, layout, truth, other
+
+
+def test_a_leader_waiting_for_its_quorum_is_behind_the_hung_replica_not_a_culprit():
+    snap, layout, truth, other = _behind_the_hung_replica(asking=True)
+    v = analyze(snap, layout)
+    assert v.kind == HANG and v.ranks == truth.ranks, v
+    step = int(snap.summary["q_step"][(layout.replica == other) & (layout.group == 0)][0])
+    assert any(a.endswith(f"of replica {other}") and b == f"quorum for step {step}" for a, b in v.edges), v.edges
+
+
+def test_a_leader_that_is_not_asking_and_stays_away_from_its_tree_is_still_named():
+    snap, layout, truth, other = _behind_the_hung_replica(asking=False)
+    v = analyze(snap, layout)
+    leader = int(np.flatnonzero((layout.replica == other) & (layout.group == 0))[0])
+    assert v.kind == HANG and set(v.ranks) == {*truth.ranks, leader} and "never joined tree collective" in v.reason, v
