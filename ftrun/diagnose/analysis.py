@@ -88,7 +88,12 @@ def _status(snap: Snapshot, layout: Layout) -> tuple[np.ndarray, np.ndarray]:
 def _ftar_hang(snap: Snapshot, layout: Layout, cfg: AnalysisConfig) -> Verdict | None:
     status, cur = _status(snap, layout)
     s = snap.summary
-    stalled = (status == _RUN) & (snap.now - s["f_last"] >= cfg.stall_s) & (layout.ring_pos >= 0)
+    age, part = snap.now - s["f_last"], layout.ring_pos >= 0
+    stalled = (status == _RUN) & (age >= cfg.stall_s) & part
+    if cfg.silent_stall < cfg.stall_s:  # a ring with a member that did not answer: blocked sooner
+        silent_ring = np.zeros(layout.num_groups, bool)
+        silent_ring[layout.group[(status == _UNKNOWN) & part]] = True
+        stalled |= (status == _RUN) & (age >= cfg.silent_stall) & part & silent_ring[layout.group]
     failed = (status == _FAILED) & (layout.ring_pos >= 0)
     if not stalled.any() and not failed.any():
         return None

@@ -19,16 +19,23 @@ HANG, CANDIDATES, SLOW_HOST, SLOW_RANK, SLOW_LINK, NO_HANG = (
 @dataclass(frozen=True, kw_only=True)
 class AnalysisConfig:
     stall_s: float = 1.0  # a running collective that has not moved for this long is blocked
+    # ... or for this long when one of its members did not answer the collector (None: stall_s): the
+    # silence (a pull unanswered for the collector's pull timeout) is evidence already
+    silent_stall_s: float | None = None
     slow_lag_frac: float = 0.10  # a rank whose median entry lag exceeds this fraction of the step is slow
     slow_min_ops: int = 4  # ... over at least this many recent all-reduces
     slow_min_lag_s: float = 0.1  # ... and by at least this much (scheduling noise on short steps is not a fault)
     link_factor: float = 3.0  # a link whose busy time per byte exceeds this multiple of the median is slow
 
+    @property
+    def silent_stall(self) -> float:
+        return self.stall_s if self.silent_stall_s is None else min(self.silent_stall_s, self.stall_s)
+
     def __post_init__(self) -> None:
         if (self.stall_s <= 0 or not 0 < self.slow_lag_frac < 1 or self.slow_min_ops < 2 or self.link_factor <= 1
-                or self.slow_min_lag_s < 0):
+                or self.slow_min_lag_s < 0 or (self.silent_stall_s is not None and self.silent_stall_s <= 0)):
             raise ValueError(f"AnalysisConfig: need stall_s > 0, 0 < slow_lag_frac < 1, slow_min_ops >= 2, "
-                             f"link_factor > 1 and slow_min_lag_s >= 0, got {self}")
+                             f"link_factor > 1, slow_min_lag_s >= 0 and silent_stall_s > 0, got {self}")
 
 
 @dataclass(frozen=True)

@@ -2,11 +2,13 @@
 
 It owns a Collector (ftrun.diagnose.collect) that the job's ranks register with (FTRUN_DIAGNOSE) and
 pulls every rank's telemetry every `interval_s` (2 s), or every `late_interval_s` (0.25 s) while a step
-is late or a hang is being confirmed. Late: the lighthouse has handed out no quorum for late_factor
-step periods (`quorum_late`, checked every late_interval_s without pulling anything: every step asks
-for a quorum), or the last pull showed an all-reduce or a replica collective running well past its
-usual time, or a rank that stopped answering (`step_late`). Each round it analyzes and applies the eviction
-rule (ftrun.diagnose.act); a confirmed culprit is evicted at once: `on_evict` tells the launcher, which
+is late. Late: the lighthouse has handed out no quorum for late_factor step periods (cold_late_s while
+too few quorums give a period), or has held a quorum request that long (`quorum_late`, checked every
+late_interval_s without pulling anything: every step asks for a quorum), or the last pull showed an
+all-reduce or a replica collective running well past its usual time, or a rank that stopped answering
+(`step_late`). A hang waiting for confirmation is pulled again as soon as its confirmation is due
+(`next_interval`: a second pull shortly after, not a period later). Each round it analyzes and applies
+the eviction rule (ftrun.diagnose.act); a confirmed culprit is evicted at once: `on_evict` tells the launcher, which
 (if that incarnation still runs) has the lighthouse stop counting its replica (ftrun.quorum.decide rule
 9) and kills it (its restart follows); without `on_evict` the monitor evicts at the lighthouse itself. An incarnation is evicted at most once. `ftrun diagnose --lighthouse` reaches
 `verdict()` through the lighthouse's own authenticated channel.
@@ -24,15 +26,18 @@ import numpy as np
 
 from ftrun.diagnose.act import EvictionConfig
 from ftrun.diagnose.collect import Collector, CollectorConfig
-from ftrun.diagnose.model import CANDIDATES, HANG, Layout, Snapshot
+from ftrun.diagnose.model import CANDIDATES, HANG, AnalysisConfig, Layout, Snapshot
 from ftrun.diagnose.summary import RUNNING
 from ftrun.diagnose.telemetry import Ev
 from ftrun.env.base import Env
 
 log = logging.getLogger("ftrun.diagnose")
 MAX_VERDICTS_KEPT = 200
-# A silent (stopped) rank holds each pull for pull_timeout_s; a hang is confirmed over two or three pulls.
-COLLECTOR = CollectorConfig(pull_timeout_s=0.4, eviction=EvictionConfig(confirm_s=0.5))
+# A silent (stopped) rank holds each pull for pull_timeout_s, so a hang is confirmed by the next pull (the
+# same culprits and silent ranks on two pulls at least pull_timeout_s apart). A collective that has not
+# moved for stall_s is blocked; for silent_stall_s when one of its ranks did not answer that pull.
+COLLECTOR = CollectorConfig(pull_timeout_s=0.4, analysis=AnalysisConfig(stall_s=1.0, silent_stall_s=0.2),
+                            eviction=EvictionConfig(confirm_s=0.2))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,11 +46,14 @@ class MonitorConfig:
     late_interval_s: float = 0.25  # between pulls while a step is late or a hang is being confirmed
     late_factor: float = 3.0  # a collective running longer than this multiple of the usual all-reduce is late
     late_min_s: float = 0.25  # ... and longer than this
+    quorum_late_factor: float = 2.0  # no quorum for this multiple of the usual period is late (a pull is cheap)
+    cold_late_s: float = 0.5  # no quorum for this long is late while too few quorums give a step period
 
     def __post_init__(self) -> None:
-        if not 0 < self.late_interval_s <= self.interval_s or self.late_factor <= 1 or self.late_min_s < 0:
-            raise ValueError(f"MonitorConfig: need 0 < late_interval_s <= interval_s, late_factor > 1 and "
-                             f"late_min_s >= 0, got {self}")
+        if (not 0 < self.late_interval_s <= self.interval_s or self.late_factor <= 1 or self.late_min_s < 0
+                or self.cold_late_s <= 0 or self.quorum_late_factor <= 1):
+            raise ValueError(f"MonitorConfig: need 0 < late_interval_s <= interval_s, late_factor > 1, "
+                             f"quorum_late_factor > 1, late_min_s >= 0 and cold_late_s > 0, got {self}")
 
 
 def step_late(snap: Snapshot, layout: Layout, config: MonitorConfig) -> bool:
@@ -65,18 +73,32 @@ def step_late(snap: Snapshot, layout: Layout, config: MonitorConfig) -> bool:
     return bool((ftar | tree).any())
 
 
-def quorum_late(quorum_times: list[float], now: float, config: MonitorConfig) -> bool:
-    """Whether the next quorum is overdue: more than late_factor times the median period of the recent
-    quorums (and late_min_s) since the last one. False until a few quorums give a period."""
-    if len(quorum_times) < 3:
+def quorum_late(quorum_times: list[float], now: float, config: MonitorConfig,
+                waiting_since: float | None = None) -> bool:
+    """Whether the next quorum is overdue: more than quorum_late_factor times the median period of the
+    recent quorums (and late_min_s) since the last one. With fewer than three quorums (the job's first
+    steps, no period yet): more than cold_late_s, or a quorum request the lighthouse has held for more
+    than late_min_s (`waiting_since`: when the oldest pending one was made, None: none pends; the round
+    waits for a replica that has not asked, whose leader may wait on a hung rank). False before the
+    first quorum (start-up)."""
+    if not quorum_times:
         return False
+    if len(quorum_times) < 3:
+        held = waiting_since is not None and now - waiting_since > config.late_min_s
+        return held or now - quorum_times[-1] > config.cold_late_s
     period = float(np.median(np.diff(quorum_times)))
-    return now - quorum_times[-1] > max(config.late_factor * period, config.late_min_s)
+    return now - quorum_times[-1] > max(config.quorum_late_factor * period, config.late_min_s)
 
 
-def next_interval(verdict: dict, late: bool, config: MonitorConfig) -> float:
+def next_interval(verdict: dict, late: bool, config: MonitorConfig, now: float | None = None) -> float:
+    """Seconds to the next pull: interval_s, late_interval_s while late or hung; a hang whose eviction waits
+    for confirmation (`verdict["eviction"]["retry_at"]`) is pulled again as soon as that is due."""
     fast = late or verdict.get("kind") in (HANG, CANDIDATES)
-    return config.late_interval_s if fast else config.interval_s
+    wait = config.late_interval_s if fast else config.interval_s
+    retry_at = (verdict.get("eviction") or {}).get("retry_at")
+    if retry_at is not None and now is not None:
+        wait = min(wait, max(retry_at - now, 0.0))
+    return wait
 
 
 EvictFn = Callable[[dict], None]  # {replica, replica_id, incarnation, t, reason, verdict, ranks, silent}
@@ -131,11 +153,15 @@ class Monitor:
             return []
         return [h["t"] for h in list(history)[-4 * n:] if h.get("event") == "quorum"][-n:]
 
+    def _waiting_since(self) -> float | None:
+        waiting = getattr(self.lighthouse, "waiting_since", None)
+        return waiting() if waiting is not None else None
+
     def _loop(self) -> None:
         due = self.env.clock.now() + self.config.interval_s
-        while not self._stop.wait(timeout=self.config.late_interval_s):
+        while not self._stop.wait(timeout=min(self.config.late_interval_s, max(due - self.env.clock.now(), 0.0))):
             now = self.env.clock.now()
-            if now < due and not quorum_late(self._quorum_times(), now, self.config):
+            if now < due and not quorum_late(self._quorum_times(), now, self.config, self._waiting_since()):
                 continue
             try:
                 due = self.env.clock.now() + self._round()
@@ -168,4 +194,4 @@ class Monitor:
                 self.lighthouse.evict((rid,), ev["reason"])
         snap_layout = self.collector.last_input
         late = snap_layout is not None and step_late(*snap_layout, self.config)
-        return next_interval(v, late, self.config)
+        return next_interval(v, late, self.config, self.env.clock.now())

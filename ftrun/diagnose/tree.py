@@ -1,7 +1,7 @@
 """The replica tree collectives (check-in, commit vote) in the wait-for graph (part of the pure analysis).
 
 A replica's current tree collective is the newest one any of its ranks entered. It is blocked when a rank
-in it has waited `stall_s`. It waits on every FTAR ring a missing rank is stuck in (an edge of the
+in it has waited `stall_s` (`silent_stall_s` when one of the replica's ranks did not answer). It waits on every FTAR ring a missing rank is stuck in (an edge of the
 collective wait-for graph); a missing leader waiting for its quorum waits on the lighthouse's round
 (an edge to "quorum for step S"; the replicas that round waits on are named on their own), not a culprit;
 other missing ranks in no all-reduce are its own culprits (did not answer, or never joined). With nobody missing, the rank-level graph of the tree: a rank that entered and
@@ -31,7 +31,12 @@ def blocked_trees(snap: Snapshot, layout: Layout, cfg: AnalysisConfig):
     cid = s["t_cid"].astype(np.int64)
     cur = per_replica_max(cid, layout.replica, ans & (cid >= 0))
     in_seq = ans & (cid == cur[layout.replica]) & (cid >= 0)
-    waiting = in_seq & (s["t_ev"] != Ev.DONE) & (snap.now - s["t_t"] >= cfg.stall_s)
+    age = np.where(in_seq & (s["t_ev"] != Ev.DONE), snap.now - s["t_t"], -1.0)
+    waiting = age >= cfg.stall_s
+    if cfg.silent_stall < cfg.stall_s and not ans.all():  # a replica with a rank that did not answer
+        silent_rep = np.zeros(int(layout.replica.max()) + 1, bool)
+        silent_rep[layout.replica[~ans]] = True
+        waiting |= (age >= cfg.silent_stall) & silent_rep[layout.replica]
     replicas = np.unique(layout.replica[waiting])
     return replicas, cur, in_seq
 

@@ -112,6 +112,7 @@ class Lighthouse:
         self.diagnosis: Any = None  # () -> the diagnosis verdict dict (ftrun.diagnose.monitor), when one runs
         self.diagnosis_report: Any = None  # () -> the monitor's report without a pull (the status page)
         self._asks_view: dict[str, int] = {}  # replica -> the step it asks a quorum for
+        self._oldest_ask: float | None = None  # when the oldest pending quorum request was made
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> str:
@@ -255,6 +256,7 @@ class Lighthouse:
                 self._maybe_form()
                 self._pending_view = tuple(sorted(self._requests))  # what status() may read concurrently
                 self._asks_view = {r: q.step for r, q in self._requests.items()}
+                self._oldest_ask = min((q.asked_at for q in self._requests.values()), default=None)
                 kick = self._wake_at is not None and self.env.clock.now() + self._wait_time() < self._wake_at
             except Exception as e:
                 self._die(e)
@@ -424,6 +426,11 @@ class Lighthouse:
         self.history.append({"t": self.env.clock.now(), "event": kind, **fields})
 
     # -- observation ---------------------------------------------------------------------------
+    def waiting_since(self) -> float | None:
+        """When the oldest quorum request still pending was made (None: none pends): a round the
+        lighthouse holds for a replica that has not asked (the diagnosis pulls at once). Any task."""
+        return self._oldest_ask
+
     def status(self) -> dict[str, Any]:
         """A snapshot for the status page; safe to call from another task (reads immutable values).
         Raises LighthouseDown once the lighthouse has died."""

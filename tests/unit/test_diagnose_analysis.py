@@ -185,3 +185,32 @@ def test_a_leader_that_is_not_asking_and_stays_away_from_its_tree_is_still_named
     v = analyze(snap, layout)
     leader = int(np.flatnonzero((layout.replica == other) & (layout.group == 0))[0])
     assert v.kind == HANG and set(v.ranks) == {*truth.ranks, leader} and "never joined tree collective" in v.reason, v
+
+
+def _young(kind: str, seed: int, age: float):
+    """A scenario caught `age` seconds into its hang: every stalled collective last moved then."""
+    snap, layout, truth = scenario(SHAPE, kind, seed)
+    s = snap.summary
+    s["f_last"] = np.maximum(s["f_last"], snap.now - age)
+    s["t_t"] = np.maximum(s["t_t"], snap.now - age)
+    s["q_t"] = np.maximum(s["q_t"], snap.now - age)
+    return snap, layout, truth
+
+
+@pytest.mark.parametrize("kind,silent_culprit", [("hang_rank", True), ("hang_in_vote", True), ("stuck_rank", False),
+                                                  ("stuck_in_vote", False)])
+def test_a_collective_waiting_on_a_rank_that_did_not_answer_is_blocked_after_silent_stall_s(kind, silent_culprit):
+    snap, layout, truth = _young(kind, 2, age=0.3)
+    assert analyze(snap, layout).kind == NO_HANG  # 0.3 s < stall_s: a pause, not yet a hang
+    v = analyze(snap, layout, AnalysisConfig(silent_stall_s=0.2))
+    if silent_culprit:  # its member's silence is evidence already: named after 0.2 s
+        assert v.kind == HANG and v.ranks == truth.ranks, v
+    else:  # everyone answers: stall_s holds for an alive rank
+        assert v.kind == NO_HANG, v
+    assert analyze(snap, layout, AnalysisConfig(silent_stall_s=0.5)).kind == NO_HANG
+
+
+def test_silent_stall_s_is_checked():
+    with pytest.raises(ValueError, match="silent_stall_s"):
+        AnalysisConfig(silent_stall_s=0.0)
+    assert AnalysisConfig(stall_s=1.0, silent_stall_s=3.0).silent_stall == 1.0

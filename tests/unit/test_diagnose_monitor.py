@@ -93,7 +93,8 @@ def _snap(now=50.0, answered=(True,) * 4, ftar_state=DONE, f_enter=49.9, t_ev=Ev
     return Snapshot(now=now, answered=np.array(answered), summary=s, hist=h), layout
 
 
-MON = MonitorConfig(interval_s=2.0, late_interval_s=0.25, late_factor=3.0, late_min_s=0.25)
+MON = MonitorConfig(interval_s=2.0, late_interval_s=0.25, late_factor=3.0, late_min_s=0.25, quorum_late_factor=2.0,
+                    cold_late_s=0.5)
 
 
 @pytest.mark.parametrize("name,kwargs,late", [
@@ -115,13 +116,35 @@ def test_next_interval_pulls_fast_while_late_or_hung():
     assert next_interval({"kind": HANG}, False, MON) == 0.25
     with pytest.raises(ValueError, match="late_interval_s"):
         MonitorConfig(interval_s=0.1, late_interval_s=0.25)
+    with pytest.raises(ValueError, match="cold_late_s"):
+        MonitorConfig(cold_late_s=0.0)
+    with pytest.raises(ValueError, match="quorum_late_factor"):
+        MonitorConfig(quorum_late_factor=1.0)
 
 
-@pytest.mark.parametrize("name,times,now,late", [
-    ("too few quorums for a period", [10.0, 10.3], 20.0, False),
-    ("the next quorum within late_factor periods", [10.0, 10.3, 10.6, 10.9], 11.6, False),
-    ("overdue past late_factor periods", [10.0, 10.3, 10.6, 10.9], 11.9, True),
-    ("short steps: late_min_s is the floor", [10.0, 10.01, 10.02, 10.03], 10.2, False),
+@pytest.mark.parametrize("name,verdict,now,wait", [
+    ("a hang confirming: pulled again once its confirmation is due", {"kind": HANG, "eviction": {"retry_at": 50.1}},
+     50.0, pytest.approx(0.1)),
+    ("a confirmation already due: at once", {"kind": HANG, "eviction": {"retry_at": 49.0}}, 50.0, 0.0),
+    ("a retry past the late interval (an alive culprit, the wait limit): the late interval",
+     {"kind": HANG, "eviction": {"retry_at": 60.0}}, 50.0, 0.25),
+    ("nothing to confirm", {"kind": NO_HANG, "eviction": {"retry_at": None}}, 50.0, 2.0),
 ])
-def test_quorum_late(name, times, now, late):
-    assert quorum_late(times, now, MON) is late
+def test_a_hang_is_confirmed_by_the_next_pull_not_a_period_later(name, verdict, now, wait):
+    assert next_interval(verdict, False, MON, now) == wait
+
+
+@pytest.mark.parametrize("name,times,now,waiting_since,late", [
+    ("no quorum yet: start-up is never late", [], 20.0, 19.0, False),
+    ("too few quorums for a period: within cold_late_s", [10.0, 10.3], 10.7, None, False),
+    ("too few quorums for a period: past cold_late_s", [10.0, 10.3], 10.9, None, True),
+    ("the next quorum within quorum_late_factor periods", [10.0, 10.3, 10.6, 10.9], 11.4, None, False),
+    ("overdue past quorum_late_factor periods", [10.0, 10.3, 10.6, 10.9], 11.6, None, True),
+    ("short steps: late_min_s is the floor", [10.0, 10.01, 10.02, 10.03], 10.2, None, False),
+    ("no period yet: a request the lighthouse holds past late_min_s", [10.0], 10.5, 10.2, True),
+    ("no period yet: a request held within late_min_s", [10.0], 10.4, 10.2, False),
+    ("with a period a held request is judged by the period (asks spread over a step)", [10.0, 10.3, 10.6, 10.9],
+     11.0, 10.7, False),
+])
+def test_quorum_late(name, times, now, waiting_since, late):
+    assert quorum_late(times, now, MON, waiting_since) is late
