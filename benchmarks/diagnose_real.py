@@ -7,7 +7,8 @@ Each run launches `ftrun launch --replicas 3 --ranks-per-replica 2 -m ftrun.trai
 diagnosis (the default) and with --no-diagnose (the baseline), waits until every replica committed and
 a few steps more, SIGSTOPs rank 1 of r1 and measures from the SIGSTOP (the events carry the monotonic
 clock): `named_s` (the first verdict naming r1/1 as a culprit or the silent rank beside one), `evicted_s` (the launcher's evict event) and
-`recommit_s` (both survivors committed a step in a new quorum), then stops the job (SIGTERM).
+`recommit_s` (both survivors committed a step in a new quorum; `survivors_commit_s` in the figures), then stops
+the job (SIGTERM). Each row carries the 1-minute load average at the SIGSTOP (`load`).
 Telemetry cost: records written and time spent answering pulls over the diagnosed runs (report.json),
 with the cost of one record measured here, as a percentage of the ranks' time. False evictions: one
 diagnosed run with --kill-every over --kill-steps steps and no SIGSTOP; every evict event is false.
@@ -75,14 +76,16 @@ def _stop(proc: subprocess.Popen) -> str:
 
 
 def _recommitted(evs: list[dict], since: float) -> float | None:
-    """When both survivors had committed a step in a new quorum (the job's recovery changes the quorum
-    id: the victim leaves, or the step fails), after `since`."""
-    before = [e["quorum_id"] for e in evs if e["event"] == "commit" and e["t"] <= since]
-    qid = max(before, default=0)
+    """When both survivors had committed a step, after `since`, in a quorum without the stopped incarnation:
+    one whose participants leave the victim's replica out, or hold its restarted incarnation. (Counting any
+    new quorum id is not enough: near the job's start the id also moves as replicas join.)"""
+    free = {e["quorum_id"] for e in evs if e["event"] == "quorum" and e["t"] > since and (
+        (e.get("replica_id") != VICTIM[0] and VICTIM[0] not in e.get("participants", [VICTIM[0]]))
+        or (e.get("replica_id") == VICTIM[0] and e.get("incarnation", 0) > 0))}
     done = {}
     for e in evs:
         rid = e.get("replica_id")
-        if e["event"] == "commit" and rid != VICTIM[0] and e["t"] > since and e["quorum_id"] > qid:
+        if e["event"] == "commit" and rid != VICTIM[0] and e["t"] > since and e["quorum_id"] in free:
             done.setdefault(rid, e["t"])
     return max(done.values()) if len(done) == 2 else None
 
@@ -98,6 +101,7 @@ def one_run(args: argparse.Namespace, diagnose: bool, out: str) -> dict:
                    and e["rank"] == VICTIM[1] and e["incarnation"] == 0)
         os.kill(pid, signal.SIGSTOP)
         t0 = time.monotonic()
+        load = os.getloadavg()[0]
         recommit = _wait(out, proc, lambda evs: _recommitted(evs, t0), 120, "the survivors' recommit")
         time.sleep(0.5)  # the last events reach the log
         evs = _events(out)
@@ -108,7 +112,7 @@ def one_run(args: argparse.Namespace, diagnose: bool, out: str) -> dict:
                   and (key in e.get("ranks", []) or key in e.get("silent", []))), None)
     evicted = next((e["t"] for e in evs if e["event"] == "evict" and e["t"] > t0), None)
     row = {"diagnose": diagnose, "recommit_s": recommit - t0, "named_s": None if named is None else named - t0,
-           "evicted_s": None if evicted is None else evicted - t0}
+           "evicted_s": None if evicted is None else evicted - t0, "load": load}
     if diagnose:
         with open(os.path.join(out, "report.json")) as f:
             rep = json.load(f)
@@ -177,7 +181,8 @@ def main() -> int:
     spent = sum(r["records"] * cost + r["serve_s"] for r in diag if r.get("wall_s"))
     figures = {
         "runs": args.runs, "named_s": med(diag, "named_s"), "evicted_s": med(diag, "evicted_s"),
-        "recommit_s": med(diag, "recommit_s"), "baseline_recommit_s": med(base, "recommit_s"),
+        "recommit_s": med(diag, "recommit_s"), "survivors_commit_s": med(diag, "recommit_s"),
+        "baseline_recommit_s": med(base, "recommit_s"), "load": med(rows, "load"),
         "named_in_all_runs": all(r.get("named_s") is not None for r in diag),
         "record_cost_us": cost * 1e6, "telemetry_records": sum(r["records"] for r in diag),
         "telemetry_serve_s": sum(r["serve_s"] for r in diag),

@@ -6,7 +6,9 @@ committed, SIGSTOPs rank 1 of r1 (its leader stays alive: only the diagnosis fin
 eviction, then loads the page from OUT/status in headless Chromium with the token from OUT/token (in an
 Authorization header, tests/integration/chromium.py) and saves the screenshot; copies the job's report.png
 beside it (`_report.png`) once the job ends. Needs chromium (ci/install_chromium.sh). With --json the last line is
-one JSON object: the paths, and the seconds from the SIGSTOP to the verdict naming the rank and to its eviction.
+one JSON object: the paths, and the seconds from the SIGSTOP to the verdict naming the rank (`named_s`), to its
+eviction (`evicted_s`) and to both survivors committing a step in a new quorum (`survivors_commit_s`). The event
+log helpers are benchmarks/diagnose_real.py's.
 """
 
 from __future__ import annotations
@@ -25,29 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.diagnose_real import ENV, VICTIM, _events, _recommitted, _wait  # noqa: E402
 from tests.integration.chromium import find_chromium, load_page  # noqa: E402
-
-ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
-
-
-def _events(out: Path) -> list[dict]:
-    try:
-        with open(out / "events.jsonl") as f:
-            return [json.loads(line) for line in f if line.endswith("\n")]
-    except FileNotFoundError:
-        return []
-
-
-def _wait(pred, out: Path, proc, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        found = pred(_events(out))
-        if found:
-            return found
-        if proc.poll() is not None:
-            raise SystemExit(f"ftrun launch exited ({proc.returncode}) before {what}")
-        time.sleep(0.1)
-    raise SystemExit(f"no {what} within {timeout_s}s")
 
 
 def main() -> int:
@@ -64,13 +45,15 @@ def main() -> int:
            "-m", "ftrun.train.ft_worker", "--step-time", "0.05"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=ENV)
     try:
-        _wait(lambda evs: any(e["event"] == "steady" for e in evs), run, proc, 120, "steady state")
-        victim = next(e["pid"] for e in _events(run) if e["event"] == "ready" and e["replica_id"] == "r1"
-                      and e["rank"] == 1 and e["incarnation"] == 0)
+        _wait(run, proc, lambda evs: any(e["event"] == "steady" for e in evs), 120, "steady state")
+        victim = next(e["pid"] for e in _events(run) if e["event"] == "ready" and e["replica_id"] == VICTIM[0]
+                      and e["rank"] == VICTIM[1] and e["incarnation"] == 0)
         os.kill(victim, signal.SIGSTOP)
         stopped = time.monotonic()
-        evict = _wait(lambda evs: next((e for e in evs if e["event"] == "evict"), None), run, proc, 60, "eviction")
-        named = next(e for e in _events(run) if e["event"] == "verdict" and "r1/1" in e["ranks"] + e["silent"])
+        evict = _wait(run, proc, lambda evs: next((e for e in evs if e["event"] == "evict"), None), 60, "eviction")
+        recommit = _wait(run, proc, lambda evs: _recommitted(evs, stopped), 60, "the survivors' commit")
+        key = f"{VICTIM[0]}/{VICTIM[1]}"
+        named = next(e for e in _events(run) if e["event"] == "verdict" and key in e["ranks"] + e["silent"])
         url, token = (run / "status").read_text().strip(), (run / "token").read_text().strip()
         shot = load_page(url, headers={"Authorization": f"Bearer {token}"}, out_png=args.out)
         proc.communicate(timeout=150)
@@ -82,9 +65,11 @@ def main() -> int:
     shutil.copy(run / "report.png", report)
     result = {"screenshot": args.out, "report_png": report, "run": str(run), "launch_exit": proc.returncode,
               "named_s": round(named["t"] - stopped, 3), "evicted_s": round(evict["t"] - stopped, 3),
+              "survivors_commit_s": round(recommit - stopped, 3),
               "page_bytes": len(shot.dom), "token_in_page": token in shot.dom}
     print(f"status page of a real job with r1/1 SIGSTOPped: {args.out} (report: {report}); named after "
-          f"{result['named_s']}s, evicted after {result['evicted_s']}s")
+          f"{result['named_s']}s, evicted after {result['evicted_s']}s, survivors committed after "
+          f"{result['survivors_commit_s']}s")
     if args.json:
         print(json.dumps(result))
     return 0
