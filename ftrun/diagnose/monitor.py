@@ -2,12 +2,12 @@
 
 It owns a Collector (ftrun.diagnose.collect) that the job's ranks register with (FTRUN_DIAGNOSE) and
 pulls every rank's telemetry every `interval_s` (2 s), or every `late_interval_s` (0.25 s) while a step
-is late. Late: the lighthouse has handed out no quorum for late_factor step periods (cold_late_s while
-too few quorums give a period), or has held a quorum request that long (`quorum_late`, checked every
-late_interval_s without pulling anything: every step asks for a quorum), or the last pull showed an
-all-reduce or a replica collective running well past its usual time, or a rank that stopped answering
-(`step_late`). A hang waiting for confirmation is pulled again as soon as its confirmation is due
-(`next_interval`: a second pull shortly after, not a period later). Each round it analyzes and applies
+is late. Late: the lighthouse has handed out no quorum for quorum_late_factor step periods (while too
+few quorums give a period: for cold_late_s, or it has held a quorum request for late_min_s; `quorum_late`,
+checked every late_interval_s without pulling anything: every step asks for a quorum), or the last pull
+showed an all-reduce or a replica collective running well past its usual time, or a rank that stopped
+answering (`step_late`). A hang waiting for confirmation is pulled again as soon as its confirmation is
+due (`next_interval`: a second pull right after, not a period later). Each round it analyzes and applies
 the eviction rule (ftrun.diagnose.act); a confirmed culprit is evicted at once: `on_evict` tells the launcher, which
 (if that incarnation still runs) has the lighthouse stop counting its replica (ftrun.quorum.decide rule
 9) and kills it (its restart follows); without `on_evict` the monitor evicts at the lighthouse itself. An incarnation is evicted at most once. `ftrun diagnose --lighthouse` reaches

@@ -1,11 +1,13 @@
 """The replica tree collectives (check-in, commit vote) in the wait-for graph (part of the pure analysis).
 
 A replica's current tree collective is the newest one any of its ranks entered. It is blocked when a rank
-in it has waited `stall_s` (`silent_stall_s` when one of the replica's ranks did not answer). It waits on every FTAR ring a missing rank is stuck in (an edge of the
-collective wait-for graph); a missing leader waiting for its quorum waits on the lighthouse's round
-(an edge to "quorum for step S"; the replicas that round waits on are named on their own), not a culprit;
-other missing ranks in no all-reduce are its own culprits (did not answer, or never joined). With nobody missing, the rank-level graph of the tree: a rank that entered and
-whose children have all sent up, but has not sent itself, joined without progress.
+in it has waited `stall_s` (`silent_stall_s` when one of the replica's ranks did not answer). It waits on
+every FTAR ring a missing rank is stuck in (an edge of the collective wait-for graph); a missing leader
+waiting in its quorum ask waits on the lighthouse's round (an edge to "quorum for step S": it is behind
+the replicas that round waits for, which are named on their own), not a culprit; other missing ranks in
+no all-reduce are its own culprits (did not answer, or never joined). With nobody missing, the rank-level
+graph of the tree: a rank that entered and whose children have all sent up, but has not sent itself,
+joined without progress.
 """
 
 from __future__ import annotations
