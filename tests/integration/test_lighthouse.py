@@ -222,3 +222,27 @@ def test_a_notice_before_the_reply_goes_to_the_callback_and_the_reply_to_the_req
     c.close()
     task.join(timeout=10.0)
     listener.close()
+
+
+def test_waiting_since_is_the_oldest_pending_request_and_clears_when_the_quorum_forms(env):
+    """The diagnosis monitor reads it (a held round makes it pull at once)."""
+    lh = start(env, min_replicas=2)
+    r0, r1 = client(env, lh, "r0"), client(env, lh, "r1")
+    assert lh.waiting_since() is None
+    before = env.clock.now()
+    out = {}
+    task = env.spawn(lambda: out.setdefault("r0", r0.quorum(5)), name="r0")
+    deadline = env.clock.now() + 10.0
+    while lh.waiting_since() is None and env.clock.now() < deadline:  # r0 waits for r1 (min_replicas=2)
+        env.clock.sleep(0.01)
+    assert lh.waiting_since() is not None and before <= lh.waiting_since() <= env.clock.now()
+    out["r1"] = r1.quorum(5)
+    assert task.join(10.0) and task.exception is None, task.exception
+    assert out["r0"].replica_ids == ("r0", "r1")
+    deadline = env.clock.now() + 10.0  # the view is updated right after the replies go out
+    while lh.waiting_since() is not None and env.clock.now() < deadline:
+        env.clock.sleep(0.01)
+    assert lh.waiting_since() is None
+    for c in (r0, r1):
+        c.close()
+    lh.stop()
