@@ -2,8 +2,8 @@
 
 `summarize` turns a run's RunStats (and, when the workers write them, the exactly-once audit over every
 replica's audit files) into the flat figures `ftrun launch --json` prints; `audit_figures` is the pure
-part of the audit, `read_audit` the file part. `write_plots` draws participants per step, committed vs
-failed replica-steps and loss vs batches trained, with the no-failure baseline when there is one.
+part of the audit, `read_audit` the file part. report.png is ftrun.launch.report_png's picture (the same one
+`ftrun emulate` draws), with the no-failure baseline's loss when there is one.
 `job_figures` puts it together for a finished or stopped job (JobResult): it writes metrics.jsonl and
 report.png and sets `complete` from checks.incomplete_reasons. A malformed audit file is an audit
 problem (the job is incomplete), never a crash of the launcher.
@@ -19,12 +19,11 @@ from dataclasses import dataclass, field
 
 from ftrun.data.audit import AuditReport, audit, read_log
 from ftrun.data.loader_state import DataError, LoaderState
-from ftrun.diagnose.graph import draw as draw_graph
-from ftrun.diagnose.graph import shown_verdict
 from ftrun.launch.checks import incomplete_reasons
 from ftrun.launch.stats import RunStats, loss_at, loss_curve
 from ftrun.launch.theory import FORMULA, realized_interval, theoretical_efficiency
-from ftrun.launch.trace import write_trace
+from ftrun.launch.report_png import draw as draw_report
+from ftrun.launch.trace import read_events, write_trace
 
 LOSS_WINDOW_STEPS = 20  # the final loss is the mean over this many steps' worth of batches
 MAX_ERRORS_SHOWN = 5  # distinct crash errors in the printed report (the JSON has up to MAX_ERRORS_KEPT)
@@ -56,8 +55,9 @@ def job_figures(result: JobResult, base: JobResult | None, *, args: argparse.Nam
                         kill_interval_s=args.kill_every or args.kill_random_mean, report=report,
                         baseline=base.stats if base else None, baseline_report=base_report)
     write_metrics(result.stats, os.path.join(result.out, "metrics.jsonl"))
-    figures["report_png"] = write_plots(result.stats, os.path.join(result.out, "report.png"), report=report,
-                                        baseline=base.stats if base else None, baseline_report=base_report,
+    figures["report_png"] = draw_report(read_events(os.path.join(result.out, "events.jsonl")),
+                                        os.path.join(result.out, "report.png"), title=launch_title(figures, args),
+                                        baseline=read_events(os.path.join(base.out, "events.jsonl")) if base else None,
                                         diagnosis=result.diagnosis)
     figures["trace"] = write_trace(result.out, result.lighthouse_history, result.diagnosis)
     if base is not None:
@@ -221,49 +221,17 @@ def print_report(f: dict) -> None:
     print("  complete" if f["complete"] else f"  INCOMPLETE: {'; '.join(f['incomplete_reasons'])}")
 
 
-def write_plots(stats: RunStats, path: str, *, report: AuditReport | None = None,
-                baseline: RunStats | None = None, baseline_report: AuditReport | None = None,
-                diagnosis: dict | None = None) -> str:
-    """Participants per step, committed vs failed replica-steps, loss vs batches (with the baseline); with a
-    diagnosis monitor's report, a fourth panel: the verdict it last named something in, with its wait-for
-    graph (ftrun.diagnose.graph, as on the status page)."""
-    import matplotlib
+def launch_title(figures: dict, args: argparse.Namespace) -> str:
+    """report.png's title: the job's settings and its headline figures."""
+    script = getattr(args, "script", "?")
+    inject = "; ".join(f.describe() for f in getattr(args, "inject", None) or []) or None
+    kills = (f"kill every {args.kill_every:g}s" if getattr(args, "kill_every", None) else
+             f"kills at mean {args.kill_random_mean:g}s" if getattr(args, "kill_random_mean", None) else None)
+    eff, arg = figures.get("step_efficiency"), lambda name: getattr(args, name, "?")  # noqa: E731
+    delay = getattr(args, "restart_delay", None)
+    parts = [f"ftrun launch {script}: {arg('replicas')} replicas x {arg('ranks_per_replica')} ranks, "
+             f"{arg('steps')} steps", f"restart delay {delay:g}s" if delay is not None else None, inject, kills,
+             f"{figures.get('steps_reached')} steps reached" + (f", step efficiency {eff:.2f}" if eff else "")]
+    return "\n".join([", ".join(p for p in parts[:3] if p), ", ".join(p for p in parts[3:] if p)])
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    steps = sorted(stats.rows)
-    committed = [len(stats.rows[s].committed) for s in steps]
-    rows = 3 if diagnosis is None else 4
-    fig, axes = plt.subplots(rows, 1, figsize=(9, 3 * rows), gridspec_kw={"height_ratios": [1] * rows})
-    axes[0].step(steps, committed, where="post")
-    axes[0].set(title="replicas committing each step", xlabel="step", ylabel="replicas",
-                ylim=(0, stats.num_replicas + 0.5))
-    axes[1].bar(steps, committed, width=1.0, label="committed", color="tab:green")
-    axes[1].bar(steps, [-stats.rows[s].aborts for s in steps], width=1.0, label="failed (below 0)", color="tab:red")
-    axes[1].set(title="committed vs failed replica-steps", xlabel="step", ylabel="replica-steps")
-    axes[1].legend(loc="lower right")
-    curve = loss_curve(stats.rows, batches_per_step(report))
-    if curve:
-        axes[2].plot(*zip(*curve), ".", markersize=2, label="with failures", color="tab:red")
-        if baseline is not None:
-            base = loss_curve(baseline.rows, batches_per_step(baseline_report))
-            if base:
-                axes[2].plot(*zip(*base), ".", markersize=2, label="no failures (baseline)", color="tab:blue")
-        axes[2].legend()
-    else:
-        axes[2].text(0.5, 0.5, "the script reported no loss", ha="center", va="center", transform=axes[2].transAxes)
-    axes[2].set(title="loss vs data trained", xlabel="batches trained (tokens = batches x tokens per batch)",
-                ylabel="loss")
-    if diagnosis is not None:
-        verdict = shown_verdict(diagnosis)
-        draw_graph(axes[3], verdict)
-        reason = str((verdict or {}).get("reason", ""))
-        title = "diagnosis: no verdict" if not verdict else \
-            f"diagnosis, last verdict naming something: {verdict.get('kind')}: " + \
-            (reason if len(reason) <= 70 else reason[:69] + "\u2026")
-        axes[3].set_title(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path

@@ -176,8 +176,7 @@ class ScenarioFaults:
     def apply(self, fault: Any) -> None:
         """Apply now (from a task in the world)."""
         job, world = self.job, self.job.world
-        job.recorder.event({"event": "scenario_fault", "t": world.now, "step": job.max_step,
-                            "what": fault.describe()})
+        job.recorder.event({"event": "fault", "t": world.now, "step": job.max_step, "fault": fault.describe()})
         if isinstance(fault, Hang):
             if fault.replica is not None:
                 self.freeze(fault.replica, fault.rank, whole_hosts=False)

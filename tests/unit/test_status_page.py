@@ -220,20 +220,16 @@ def test_the_report_draws_the_last_verdict_that_named_something():
 def test_report_png_has_the_graph_panel_with_the_culprit_in_red(tmp_path):
     from PIL import Image
 
-    from ftrun.launch.report import write_plots
-    from ftrun.launch.stats import RunStats
+    from ftrun.launch.report_png import draw
 
-    stats = RunStats(2)
-    for step in range(3):
-        for rid in ("r0", "r1"):
-            stats.add({"event": "commit", "replica_id": rid, "incarnation": 0, "rank": 0, "step": step + 1,
-                       "t": float(step)})
+    events = [{"event": "commit", "replica_id": rid, "incarnation": 0, "rank": 0, "step": step + 1, "t": float(step)}
+              for step in range(3) for rid in ("r0", "r1")]
     diagnosis = {"rounds": 3, "latest": {"kind": "no_hang"}, "verdicts": [HANG_VERDICT], "evictions": []}
-    path = write_plots(stats, str(tmp_path / "report.png"), diagnosis=diagnosis)
+    path = draw(events, str(tmp_path / "report.png"), title="t", diagnosis=diagnosis)
     px = np.asarray(Image.open(path).convert("RGB")).astype(np.int16)
     red = np.array([0xE0, 0x30, 0x1E])
     assert (np.abs(px - red).sum(axis=2) <= 12).sum() > 200
-    plain = np.asarray(Image.open(write_plots(stats, str(tmp_path / "plain.png"))).convert("RGB")).astype(np.int16)
+    plain = np.asarray(Image.open(draw(events, str(tmp_path / "plain.png"), title="t")).convert("RGB")).astype(np.int16)
     assert (np.abs(plain - red).sum(axis=2) <= 12).sum() == 0 and plain.shape[0] < px.shape[0]
 
 
