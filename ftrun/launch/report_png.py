@@ -160,7 +160,7 @@ def draw(events: list[dict], path: str, *, title: str, diagnosis: dict | None = 
     else:
         ax.text(0.5, 0.5, "no loss reported (the script logs none, or the compute is shape-only)", ha="center",
                 va="center", transform=ax.transAxes)
-    ax.set(title="loss", xlabel=time_label, ylabel="loss")
+    ax.set(title="loss", xlabel=time_label, ylabel="loss", xlim=axes[0].get_xlim())
     if diagnosis is not None:
         verdict = shown_verdict(diagnosis)
         draw_graph(axes[3], verdict)
