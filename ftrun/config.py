@@ -1,7 +1,8 @@
 """Typed configuration shared by the runtime's components.
 
 Every timeout lives in `Timeouts`, so one object says how long anything in a job may wait. Components
-take their own config (LighthouseConfig, ManagerConfig, ...) which embeds the same Timeouts. Only entry
+take their own config (LighthouseConfig, ManagerConfig, FtarConfig, ...), defined here (CatchupConfig in
+ftrun.catchup.config); FTConfig and the scale profiles nest them rather than renaming their fields. Only entry
 points read the environment or files; everything else receives these objects.
 """
 
@@ -87,3 +88,33 @@ class ManagerConfig:
         for name in ("max_retries", "max_peer_retries"):
             if getattr(self, name) < 0:
                 raise ValueError(f"ManagerConfig.{name} must be >= 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FtarConfig:
+    """The FTAR engine's settings, the one place FTAR chunking is named: FTConfig (`ftar`) and the scale
+    profiles (`[ftar.engine]`) nest this. A bad value raises; nothing is rounded."""
+
+    chunk_bytes: int = 4 << 20  # S: message and staging-slot size
+    num_chunks: int = 4  # C: chunks in flight per peer
+    timeout_s: float = 10.0  # any single wait inside an all-reduce
+    transport: str = "auto"  # "auto": shared slots with same-host neighbours; "socket": bulk frames only
+    # Socket links: "threads" sends from a helper task while this one receives; "pump" drives both
+    # directions from one task when the Env's connections offer it (ftrun.env.real_pump), else threads.
+    socket_io: str = "threads"
+
+    def __post_init__(self) -> None:
+        if self.chunk_bytes < 16 or self.chunk_bytes % 16:
+            raise ValueError(f"FtarConfig.chunk_bytes must be a positive multiple of 16, got {self.chunk_bytes}")
+        if self.num_chunks < 1:
+            raise ValueError(f"FtarConfig.num_chunks must be >= 1, got {self.num_chunks}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"FtarConfig.timeout_s must be > 0, got {self.timeout_s}")
+        if self.transport not in ("auto", "socket"):
+            raise ValueError(f"FtarConfig.transport must be 'auto' or 'socket', got {self.transport!r}")
+        if self.socket_io not in ("threads", "pump"):
+            raise ValueError(f"FtarConfig.socket_io must be 'threads' or 'pump', got {self.socket_io!r}")
+
+    @property
+    def staging_bytes(self) -> int:
+        return 2 * self.num_chunks * self.chunk_bytes

@@ -2,8 +2,9 @@
 
 A profile is a TOML file in scale_profiles/ read with tomllib into these frozen keyword-only
 dataclasses. Every section checks itself in __post_init__ and raises ValueError naming the bad field;
-the loader prefixes the section ("[ftar] chunk_mb must be > 0, got 0") and rejects unknown keys.
-Dotted overrides (`apply_overrides(p, ["ftar.chunk_mb=8", "replicas=4"])`) rebuild the profile
+the loader prefixes the section ("[ftar.engine] FtarConfig.num_chunks must be >= 1, got 0") and rejects unknown
+keys. Runtime configs are nested as they are (`[ftar.engine]` is ftrun.config.FtarConfig), not renamed.
+Dotted overrides (`apply_overrides(p, ["ftar.engine.num_chunks=8", "replicas=4"])`) rebuild the profile
 through the same loader, so they are validated the same way.
 
 Top-level keys: name, description, seed, replicas, ranks_per_replica. Tables: [topology] [network]
@@ -27,6 +28,7 @@ from typing import Any, Literal
 # The [model] and [scheduler] sections and the field checks live in mocks.config, below both mocks and
 # harness; they are re-exported here so a profile's types come from one place.
 from ftrun import faultspec
+from ftrun.config import FtarConfig
 from mocks.config import DTYPE_BYTES, ModelConfig, SchedulerConfig  # noqa: F401
 from mocks.config import non_negative as _non_negative, one_of as _one_of, positive as _positive, require as _check
 
@@ -162,9 +164,13 @@ class TimeoutConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class FtarConfig:
-    chunk_mb: float = 8.0  # S
-    chunks_in_flight: int = 4  # C
+class FtarSection:
+    """[ftar]: the runtime's FTAR engine config as it is (`[ftar.engine]`: ftrun.config.FtarConfig, e.g.
+    chunk_bytes = S, num_chunks = C; a bad value raises, nothing is rounded) and what the emulator charges
+    for FTAR beyond the modeled network. The engine's timeout_s is the job's, from [timeouts]; its transport
+    is the emulator's (socket frames over the modeled network)."""
+
+    engine: FtarConfig = field(default_factory=lambda: FtarConfig(chunk_bytes=8 << 20, num_chunks=4))
     # Throughput of the FTAR kernels (GB/s of payload). 0: the modeled GPU kernels (mocks.ftar_kernels);
     # set (e.g. by `ftrun calibrate`, from the CPU kernels a real run on this machine uses) to charge these.
     kernel_reduce_gb_s: float = 0.0
@@ -175,12 +181,9 @@ class FtarConfig:
     sync_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
-        _positive(self, "chunk_mb", "chunks_in_flight")
         _non_negative(self, "kernel_reduce_gb_s", "kernel_copy_gb_s", "sync_overhead_s")
-
-    @property
-    def chunk_bytes(self) -> int:
-        return int(self.chunk_mb * 1024 * 1024)
+        _check(self.engine.timeout_s == FtarConfig.timeout_s, "engine.timeout_s",
+               "left unset (the emulated job's FTAR timeout comes from [timeouts])", self.engine.timeout_s)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -292,7 +295,7 @@ class CalibrationConfig:
 
 
 def profile_value(profile: "Profile", key: str) -> Any:
-    """The value at a dotted key ("ftar.chunk_mb", "replicas"). Raises KeyError for an unknown key."""
+    """The value at a dotted key ("ftar.engine.num_chunks", "replicas"). Raises KeyError for an unknown key."""
     node: Any = profile
     for part in key.split("."):
         if not dataclasses.is_dataclass(node) or part not in {f.name for f in dataclasses.fields(node)}:
@@ -313,7 +316,7 @@ class Profile:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
-    ftar: FtarConfig = field(default_factory=FtarConfig)
+    ftar: FtarSection = field(default_factory=FtarSection)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     failures: FailureConfig = field(default_factory=FailureConfig)
     spares: SpareConfig = field(default_factory=SpareConfig)

@@ -21,44 +21,17 @@ the exchange). Epochs are quorum ids: the next quorum, without the hung replica,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
 
+from ftrun.config import FtarConfig  # noqa: F401 (re-exported: the engine's config lives with the others)
 from ftrun.env.base import Env, NetError
 from ftrun.ftar.kernels import DType, Kernels
 from ftrun.ftar.ring import FatalError, RecoverableError, RingLinks, RingListener, abort_request, connect_ring
 from ftrun.ftar.run import RingRun
 from ftrun.ftar.schedule import Schedule, schedule
 from ftrun.ftar.shm import SharedSlots, host_identity
-
-
-@dataclass(frozen=True, kw_only=True)
-class FtarConfig:
-    chunk_bytes: int = 4 << 20  # S: message and staging-slot size
-    num_chunks: int = 4  # C: chunks in flight per peer
-    timeout_s: float = 10.0  # any single wait inside an all-reduce
-    transport: str = "auto"  # "auto": shared slots with same-host neighbours; "socket": bulk frames only
-    # Socket links: "threads" sends from a helper task while this one receives; "pump" drives both
-    # directions from one task when the Env's connections offer it (ftrun.env.real_pump), else threads.
-    socket_io: str = "threads"
-
-    def __post_init__(self) -> None:
-        if self.chunk_bytes < 16 or self.chunk_bytes % 16:
-            raise ValueError(f"FtarConfig.chunk_bytes must be a positive multiple of 16, got {self.chunk_bytes}")
-        if self.num_chunks < 1:
-            raise ValueError(f"FtarConfig.num_chunks must be >= 1, got {self.num_chunks}")
-        if self.timeout_s <= 0:
-            raise ValueError(f"FtarConfig.timeout_s must be > 0, got {self.timeout_s}")
-        if self.transport not in ("auto", "socket"):
-            raise ValueError(f"FtarConfig.transport must be 'auto' or 'socket', got {self.transport!r}")
-        if self.socket_io not in ("threads", "pump"):
-            raise ValueError(f"FtarConfig.socket_io must be 'threads' or 'pump', got {self.socket_io!r}")
-
-    @property
-    def staging_bytes(self) -> int:
-        return 2 * self.num_chunks * self.chunk_bytes
 
 
 @lru_cache(maxsize=64)

@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 
 from ftrun.catchup.server import Fault
-from ftrun.config import Timeouts
+from ftrun.config import FtarConfig, Timeouts
 from ftrun.launch.worker_env import WorkerSpec
 from ftrun.train.api import FTConfig, Float32CpuKernels, Hooks, init_from_env
 from ftrun.train.api import param_hash  # noqa: F401 (re-exported: tests hash models with it)
@@ -187,9 +187,9 @@ def stop_step(args: argparse.Namespace, steps: int) -> int:
 
 def config_from(args: argparse.Namespace) -> FTConfig:
     return FTConfig(batch_size=args.batch_size, seed=args.seed, checkpoint_every=args.checkpoint_every,
-                    timeouts=Timeouts(ftar_timeout_s=args.ftar_timeout), ftar_chunk_bytes=args.chunk_bytes,
-                    catchup_shard_bytes=args.shard_bytes, log_level=args.log_level,
-                    overlap_bucket_bytes=args.overlap_bucket_bytes)
+                    timeouts=Timeouts(ftar_timeout_s=args.ftar_timeout),
+                    ftar=FtarConfig(chunk_bytes=args.chunk_bytes, num_chunks=2), catchup_shard_bytes=args.shard_bytes,
+                    log_level=args.log_level, overlap_bucket_bytes=args.overlap_bucket_bytes)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,12 +4,13 @@ job that wiring a rank needs (`RankJob`): below both `ftrun.train.api` (which re
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Protocol
 
 import torch
 
-from ftrun.config import Timeouts
+from ftrun.catchup.config import ALIGN
+from ftrun.config import FtarConfig, Timeouts
 from ftrun.env.base import Env
 from ftrun.ftar.kernels import Kernels
 from ftrun.launch.worker_env import WorkerSpec
@@ -24,7 +25,9 @@ class FTConfig:
     checkpoint_every: steps between persistent checkpoints under run_dir/ckpt (0: off; each rank of a
     sharded replica writes its shards). run_dir: audit and loader_state files (default: the launcher's,
     else a temp folder).
-    ftar_chunk_bytes/ftar_num_chunks: FTAR's S and C. catchup_shard_bytes: catch-up transfer unit.
+    ftar: the FTAR engine's config (ftrun.config.FtarConfig: chunk_bytes S, num_chunks C, transport); its
+    timeout_s is timeouts.ftar_timeout_s (set it there: a different ftar.timeout_s raises).
+    catchup_shard_bytes: catch-up transfer unit (a multiple of 64; anything else raises).
     catchup_wait_limit_s: how long healthy replicas wait in a step's FTAR for a joiner still fetching
     before they retry the step with it one step later (paper §6.1; None: timeouts.ftar_timeout_s).
     reshard_after_forward: FSDP2's (False trades memory for one all-gather less per step).
@@ -39,8 +42,7 @@ class FTConfig:
     run_dir: str | None = None
     timeouts: Timeouts = field(default_factory=Timeouts)
     max_retries: int = 10
-    ftar_chunk_bytes: int = 256 << 10
-    ftar_num_chunks: int = 2
+    ftar: FtarConfig = field(default_factory=lambda: FtarConfig(chunk_bytes=256 << 10, num_chunks=2))
     catchup_shard_bytes: int = 8 << 20
     catchup_wait_limit_s: float | None = None
     reshard_after_forward: bool = True
@@ -50,9 +52,16 @@ class FTConfig:
     overlap_bucket_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("batch_size", "ftar_chunk_bytes", "ftar_num_chunks", "catchup_shard_bytes"):
+        for name in ("batch_size", "catchup_shard_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"FTConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.catchup_shard_bytes % ALIGN:
+            raise ValueError(f"FTConfig.catchup_shard_bytes must be a multiple of {ALIGN}, got {self.catchup_shard_bytes}")
+        if self.ftar.timeout_s != self.timeouts.ftar_timeout_s:
+            if self.ftar.timeout_s != FtarConfig.timeout_s:
+                raise ValueError(f"FTConfig.ftar.timeout_s ({self.ftar.timeout_s}) differs from timeouts.ftar_timeout_s "
+                                 f"({self.timeouts.ftar_timeout_s}): set the FTAR timeout in timeouts")
+            object.__setattr__(self, "ftar", replace(self.ftar, timeout_s=self.timeouts.ftar_timeout_s))
         if self.seed < 0 or self.checkpoint_every < 0 or self.max_retries < 0:
             raise ValueError(f"FTConfig.seed, checkpoint_every and max_retries must be >= 0, got "
                              f"{self.seed}, {self.checkpoint_every}, {self.max_retries}")

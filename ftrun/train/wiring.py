@@ -20,7 +20,7 @@ from ftrun.config import ManagerConfig
 from ftrun.data.audit import AuditLog, FileAuditSink
 from ftrun.data.loader_state import LoaderStateStore
 from ftrun.data.sampler import DataLayout
-from ftrun.ftar.engine import FtarConfig, FtarEngine
+from ftrun.ftar.engine import FtarEngine
 from ftrun.ftar.kernels import Kernels
 from ftrun.quorum.client import LighthouseClient
 from ftrun.replica.rank_watch import RankWatch
@@ -87,13 +87,11 @@ def _build(*, job: RankJob, model: torch.nn.Module, optimizer: torch.optim.Optim
     lighthouse = None
     try:
         wait_limit = cfg.timeouts.ftar_timeout_s if cfg.catchup_wait_limit_s is None else cfg.catchup_wait_limit_s
-        catchup = CatchupConfig(max_shard_bytes=_multiple_of(cfg.catchup_shard_bytes, 64), wait_limit_s=wait_limit,
+        catchup = CatchupConfig(max_shard_bytes=cfg.catchup_shard_bytes, wait_limit_s=wait_limit,
                                 timeouts=cfg.timeouts, bind=spec.net.bind(), advertise_host=spec.net.advertised)
         server = HttpCatchup(env=env, token=spec.token, config=catchup, fault=hooks.catchup_fault)
         closers.append(server.stop)
-        ftar = FtarConfig(chunk_bytes=_multiple_of(cfg.ftar_chunk_bytes, 16), num_chunks=cfg.ftar_num_chunks,
-                          timeout_s=cfg.timeouts.ftar_timeout_s)
-        engine = FtarEngine(env=env, kernels=kernels, token=spec.token, config=ftar, bind=spec.net.bind(),
+        engine = FtarEngine(env=env, kernels=kernels, token=spec.token, config=cfg.ftar, bind=spec.net.bind(),
                             advertise_host=spec.net.advertised)
         closers.insert(0, engine.close)
         leader = spec.rank == 0
@@ -156,5 +154,3 @@ def _no_audit(data: bytes) -> None:
     """Ranks other than the leader write no audit records (the trainer appends on the leader only)."""
 
 
-def _multiple_of(n: int, k: int) -> int:
-    return max(k, n - n % k)

@@ -38,7 +38,7 @@ from typing import Any, Iterable
 from ftrun.cli import UsageError, emit_json
 
 # The real worker's data-plane settings, passed to it explicitly and given to the emulator as the same keys
-# (ftrun.train.ft_worker --chunk-bytes / --shard-bytes; FTConfig's ftar_num_chunks; ftrun.config.Timeouts).
+# (ftrun.train.ft_worker --chunk-bytes / --shard-bytes; FTConfig.ftar, ftrun.config.FtarConfig; ftrun.config.Timeouts).
 CHUNK_BYTES, SHARD_BYTES, NUM_CHUNKS = 2048, 8192, 2
 REAL_TIMEOUTS = {"heartbeat_interval_s": 0.1, "failure_timeout_s": 2.0, "join_timeout_s": 0.5,
                  "connect_timeout_s": 10.0}
@@ -219,7 +219,7 @@ def emulated_overrides(args: argparse.Namespace, num_params: int) -> list[str]:
     return ([f"replicas={args.replicas}", f"ranks_per_replica={k}", f"topology.gpus_per_host={k}",
              f"train.steps={args.steps}", "train.min_replicas=1", "failures.mode=none",
              f"scheduler.alloc_delay_warm_s={args.restart_delay}",
-             f"ftar.chunk_mb={CHUNK_BYTES / (1 << 20)!r}", f"ftar.chunks_in_flight={NUM_CHUNKS}",
+             f"ftar.engine.chunk_bytes={CHUNK_BYTES}", f"ftar.engine.num_chunks={NUM_CHUNKS}",
              "checkpoint.every_steps=0",  # the real worker runs without --checkpoint-every
              f"emulation.cpu_charging={'true' if args.cpu_charging == 'on' else 'false'}"]
             + [f"timeouts.{key}={value}" for key, value in REAL_TIMEOUTS.items()] + toy_model_overrides(num_params))

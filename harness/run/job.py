@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import random
 import secrets
+from dataclasses import replace
 from typing import Any, Callable
 
 import shadow
@@ -31,7 +32,6 @@ from ftrun.catchup.manifest import align_up, ceil_div
 from ftrun.config import LighthouseConfig, Timeouts
 from ftrun.data.sampler import DataLayout
 from ftrun.env.base import EnvTimeout
-from ftrun.ftar.engine import FtarConfig
 from ftrun.quorum.service import Lighthouse
 from ftrun.replica.tree_comm import TreeComm
 from harness.engine import EmulatedWorld
@@ -133,9 +133,7 @@ class EmulatedJob:
         self.storage.write_latency_s = profile.checkpoint.local_write_latency_s
         self.storage.append_latency_s = profile.checkpoint.local_append_latency_s
         self.checkpoint_storage = MockObjectStore.remote(env)  # persistent checkpoints: an object store
-        self.ftar_config = FtarConfig(chunk_bytes=max(16, profile.ftar.chunk_bytes // 16 * 16),
-                                      num_chunks=profile.ftar.chunks_in_flight,
-                                      timeout_s=self.timeouts.ftar_timeout_s, transport="socket")
+        self.ftar_config = replace(profile.ftar.engine, timeout_s=self.timeouts.ftar_timeout_s, transport="socket")
         self.mirror_timeout_s = 10 * (self.timeouts.ftar_timeout_s + self.timeouts.catchup_timeout_s
                                       + profile.train.step_compute_s + profile.train.first_step_extra_s)
         self.catchup_config = CatchupConfig(  # a rank's state in about 8 shards, as the fetch plan spreads them

@@ -33,7 +33,7 @@ def test_meta_98k_numbers_come_from_the_paper():
     ratios = [p.network.latency_s(h) / p.network.latency_s(HopClass.SAME_RACK)
               for h in (HopClass.OTHER_RACK, HopClass.OTHER_ZONE, HopClass.OTHER_BUILDING)]
     assert ratios == [7, 15, 30] and p.network.cross_zone_oversubscription == 2.8
-    assert p.ftar.chunk_bytes == 8 * 2**20 and p.checkpoint.every_steps == 100
+    assert p.ftar.engine.chunk_bytes == 8 * 2**20 and p.checkpoint.every_steps == 100
 
 
 def test_the_other_profiles_match_their_seeds():
@@ -54,18 +54,20 @@ def test_the_other_profiles_match_their_seeds():
 
 def test_overrides_are_typed_and_validated():
     p = load_profile("ci-small")
-    q = apply_overrides(p, ["ftar.chunk_mb=8", "replicas=2", "emulation.cpu_charging=true",
+    q = apply_overrides(p, ["ftar.engine.num_chunks=8", "replicas=2", "emulation.cpu_charging=true",
                             "failures.distribution=weibull", "failures.protected_replicas=[0]"])
-    assert q.ftar.chunk_mb == 8.0 and isinstance(q.ftar.chunk_mb, float) and q.replicas == 2
+    assert q.ftar.engine.num_chunks == 8 and q.ftar.engine.chunk_bytes == p.ftar.engine.chunk_bytes and q.replicas == 2
     assert q.emulation.cpu_charging is True and q.failures.distribution == "weibull"
     assert q.failures.protected_replicas == (0,) and p.replicas == 4  # the original is untouched
     assert load_profile("ci-small", ["train.steps=3"]).train.steps == 3
-    with pytest.raises(ValueError, match="ftar.chunk_mbb"):
-        apply_overrides(p, ["ftar.chunk_mbb=8"])
+    with pytest.raises(ValueError, match="ftar.engine.chunk_mb"):
+        apply_overrides(p, ["ftar.engine.chunk_mb=8"])
     with pytest.raises(ValueError, match="nosuch.key"):
         apply_overrides(p, ["nosuch.key=1"])
-    with pytest.raises(ValueError, match="chunk_mb"):
-        apply_overrides(p, ["ftar.chunk_mb=0"])
+    with pytest.raises(ValueError, match="chunk_bytes must be a positive multiple of 16, got 1000"):
+        apply_overrides(p, ["ftar.engine.chunk_bytes=1000"])  # raised, never rounded
+    with pytest.raises(ValueError, match=r"\[ftar\] engine.timeout_s"):
+        apply_overrides(p, ["ftar.engine.timeout_s=3.0"])  # the job's FTAR timeout is [timeouts]
     with pytest.raises(ValueError, match="replicas"):
         apply_overrides(p, ["replicas=two"])
     with pytest.raises(ValueError, match="distribution"):
@@ -81,7 +83,8 @@ def base() -> dict:
 
 @pytest.mark.parametrize("patch, message", [
     ({"replicaz": 3}, "unknown key 'replicaz'"),
-    ({"ftar": {"chunk_mb": 1, "chunks": 2}}, "unknown key 'ftar.chunks'"),
+    ({"ftar": {"engine": {"chunk_bytes": 1024, "chunks": 2}}}, "unknown key 'ftar.engine.chunks'"),
+    ({"ftar": {"chunk_mb": 1}}, "unknown key 'ftar.chunk_mb'"),
     ({"replicas": 0}, "replicas must be > 0"),
     ({"replicas": 2.5}, "replicas must be int"),
     ({"train": {"steps": "ten"}}, "train.steps must be int"),

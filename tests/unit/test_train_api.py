@@ -28,10 +28,22 @@ def load_example():
 
 
 @pytest.mark.parametrize("bad", [dict(batch_size=0), dict(seed=-1), dict(checkpoint_every=-1),
-                                 dict(num_threads=0), dict(ftar_num_chunks=0), dict(max_retries=-2)])
-def test_config_rejects_bad_values(bad):
+                                 dict(num_threads=0), dict(max_retries=-2), dict(catchup_shard_bytes=100),
+                                 dict(ftar=dict(num_chunks=0)), dict(ftar=dict(chunk_bytes=1000)),
+                                 dict(ftar=dict(timeout_s=3.0))])
+def test_config_rejects_bad_values_rather_than_rounding_them(bad):
+    from ftrun.config import FtarConfig
+
     with pytest.raises(ValueError):
-        FTConfig(**bad)
+        FTConfig(**{k: FtarConfig(**v) if k == "ftar" else v for k, v in bad.items()})
+
+
+def test_config_nests_the_ftar_engines_config_with_the_jobs_ftar_timeout():
+    from ftrun.config import FtarConfig, Timeouts
+
+    cfg = FTConfig(timeouts=Timeouts(ftar_timeout_s=4.0), ftar=FtarConfig(chunk_bytes=4096, num_chunks=3))
+    assert cfg.ftar == FtarConfig(chunk_bytes=4096, num_chunks=3, timeout_s=4.0)  # what the engine is given
+    assert FTConfig(timeouts=Timeouts(ftar_timeout_s=4.0), ftar=FtarConfig(timeout_s=4.0)).ftar.timeout_s == 4.0
 
 
 def test_step_target():
