@@ -13,7 +13,7 @@ folding of identical rings (harness.run.fold). This module only wires and record
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ftrun.catchup.net_transport import NetCatchup
 from ftrun.checkpoint.policy import CheckpointConfig
@@ -31,11 +31,10 @@ from ftrun.train.exchange import GradientExchange
 from ftrun.train.lr import LRConfig
 from ftrun.train.trainer import FaultTolerantTrainer, StepResult, TrainerConfig, build
 from harness.run.fold import LeadCatchup, LeadExchange, MirrorCatchup, MirrorExchange
+from harness.run.rank_view import RankIncarnation, RankJob
 from harness.run.seams import (EmulatedCompute, FoldedProgress, ObjectStoreCheckpointer, OverheadExchange,
                                ShapePayloads, ShapeSnapshotStore, TimedCatchup)
 
-if TYPE_CHECKING:
-    from harness.run.job import EmulatedJob, Incarnation
 
 # What ends a rank of a broken replica: its own collective or quorum failed, or its lead rank is gone.
 REPLICA_DOWN = (ReplicaError, ReplicaCommError, QuorumError, NetError, EnvTimeout)
@@ -44,7 +43,7 @@ REPLICA_DOWN = (ReplicaError, ReplicaCommError, QuorumError, NetError, EnvTimeou
 class TimedLighthouseClient(LighthouseClient):
     """The real client; records each round trip (ask -> decision) for the report."""
 
-    def __init__(self, *, job: "EmulatedJob", **kwargs: Any) -> None:
+    def __init__(self, *, job: RankJob, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._job = job
 
@@ -55,7 +54,7 @@ class TimedLighthouseClient(LighthouseClient):
         return decision
 
 
-def rank_main(job: "EmulatedJob", inc: "Incarnation", rank: int) -> None:
+def rank_main(job: RankJob, inc: RankIncarnation, rank: int) -> None:
     """Task body of one rank of one replica incarnation."""
     env = inc.envs[rank]
     lead = inc.mirror is None or rank < inc.mirror.num_leads
@@ -79,7 +78,7 @@ def rank_main(job: "EmulatedJob", inc: "Incarnation", rank: int) -> None:
         job.rank_exited(inc, rank, ok)
 
 
-def _comm(job: "EmulatedJob", inc: "Incarnation", rank: int, env: Any) -> TreeComm:
+def _comm(job: RankJob, inc: RankIncarnation, rank: int, env: Any) -> TreeComm:
     timeout = job.timeouts.replica_comm_s  # ranks wait in the broadcast while the leader waits for a quorum
     if inc.prewired is not None:
         parent, children = inc.prewired[rank]
@@ -104,7 +103,7 @@ class _Marks:
         self.quorum = self.started = self.exchange = self.commit = self.decided = 0.0
 
 
-def _compute(job: "EmulatedJob", inc: "Incarnation", rank: int, env: Any, lead: bool) -> EmulatedCompute:
+def _compute(job: RankJob, inc: RankIncarnation, rank: int, env: Any, lead: bool) -> EmulatedCompute:
     p, train = job.profile, job.profile.train
     restarted = inc.number > 0
     extra_first = 0.0 if train.warmup_before_checkin else train.first_step_extra_s
@@ -117,7 +116,7 @@ def _compute(job: "EmulatedJob", inc: "Incarnation", rank: int, env: Any, lead: 
         first_batch_s=train.first_batch_s if restarted else 0.0)
 
 
-def _data_plane(job: "EmulatedJob", inc: "Incarnation", rank: int, env: Any, lead: bool,
+def _data_plane(job: RankJob, inc: RankIncarnation, rank: int, env: Any, lead: bool,
                 marks: _Marks) -> tuple[Any, Any]:
     """(exchange, catch-up service): real FTAR and catch-up on leads, mirrors of them elsewhere."""
     leader, mirror = rank == 0, inc.mirror
@@ -145,7 +144,7 @@ def _data_plane(job: "EmulatedJob", inc: "Incarnation", rank: int, env: Any, lea
     return exchange, catchup
 
 
-def _build(job: "EmulatedJob", inc: "Incarnation", rank: int, env: Any, lead: bool,
+def _build(job: RankJob, inc: RankIncarnation, rank: int, env: Any, lead: bool,
            marks: _Marks) -> FaultTolerantTrainer:
     leader, p = rank == 0, job.profile
     comm = _comm(job, inc, rank, env)
@@ -190,7 +189,7 @@ def _no_audit(data: bytes) -> None:
     """Ranks other than the leader write no audit records (the trainer appends on the leader only)."""
 
 
-def _train(job: "EmulatedJob", inc: "Incarnation", rank: int, env: Any, lead: bool) -> None:
+def _train(job: RankJob, inc: RankIncarnation, rank: int, env: Any, lead: bool) -> None:
     marks = _Marks()
     trainer = _build(job, inc, rank, env, lead, marks)
     leader = rank == 0
@@ -203,7 +202,7 @@ def _train(job: "EmulatedJob", inc: "Incarnation", rank: int, env: Any, lead: bo
                 job.committed(inc, trainer.step)
 
 
-def _leader_spans(job: "EmulatedJob", inc: "Incarnation", r: StepResult, t: tuple[float, ...]) -> None:
+def _leader_spans(job: RankJob, inc: RankIncarnation, r: StepResult, t: tuple[float, ...]) -> None:
     work = "ftrun::catchup::zero_grad_step" if r.healed else "ftrun::train::forward_backward"
     names = ("ftrun::replica::start_step", work, "ftrun::ftar::all_reduce", "ftrun::replica::should_commit")
     for name, a, b in zip(names, t, t[1:]):
