@@ -45,8 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with SCRIPT.py: the profile the shadow loader's torch.cuda shim follows")
     p.add_argument("--steps", type=int, default=None, help="steps to train (default: the profile's)")
     p.add_argument("--inject", action="append", default=[], metavar='"kill replica=R step=S"',
-                   help="fault to inject (repeatable; forms in harness/run/faults.py: kill replica, kill "
-                        "lighthouse, slow host, slow fetch, cut building); replaces the profile's failure model")
+                   help="fault to inject, in the one fault grammar of `ftrun launch --inject` and the profiles' "
+                        "[failures] events (ftrun/faultspec.py: kill, kill lighthouse, hang, cut, slow host|link|"
+                        "fetch, release); repeatable; replaces the profile's failure model")
     p.add_argument("--set", action="append", default=[], metavar="key=value", dest="overrides",
                    help="override a profile key, e.g. --set train.step_compute_s=2")
     p.add_argument("--seed", type=int, default=None)

@@ -214,9 +214,17 @@ class ScenarioFaults:
         self.slow_hosts.clear()
 
     def at(self, fault: Any) -> None:
-        """Task body: apply `fault` at its time= and release it after its duration= (--inject)."""
+        """Task body: apply `fault` at its time= (or once the job has committed its step=, plus at= x a step's
+        compute) and release it after its duration= (--inject)."""
         clock = self.job.world.clock
-        clock.sleep(max(fault.at_s - clock.now(), 0.0))
+        step = getattr(fault, "at_step", None)
+        if step is None:
+            clock.sleep(max(fault.at_s - clock.now(), 0.0))
+        else:
+            step_s = self.job.profile.train.step_compute_s
+            while self.job.max_step < step and not self.job.finished:
+                clock.sleep(step_s / 16)
+            clock.sleep(fault.at_fraction * step_s)
         if self.job.finished:
             return
         self.apply(fault)

@@ -23,7 +23,7 @@ processes, cut = silent hosts). Pure.
         Every catch-up (state fetch) of replica R takes F x its modeled transfer time, plus D seconds (a
         throttled or congested path from the sources); combine with a kill of R to make a behind replica
         whose fetch is slower than a step.
-    cut replica=R [rank=K] [time=T] [duration=D]
+    cut replica=R [rank=K] [time=T | step=S [at=F]] [duration=D]
         A host loss: the hosts of replica R (the host of its rank K) go silent, as a lost machine does: they
         send and answer nothing, nothing is reset, peers see only their timeouts; for D seconds or for good.
     cut building=B time=T duration=D
@@ -36,11 +36,12 @@ processes, cut = silent hosts). Pure.
 Scenario faults (root-cause diagnosis: one job runs many, one after another; `ftrun diagnose bench`
 injects them as it goes, `--inject` at virtual second T, default 0). A host is a training host's index in
 the topology or its name.
-    hang replica=R [rank=K] [time=T] [duration=D]
-    hang host=H [time=T] [duration=D]
+    hang replica=R [rank=K] [time=T | step=S [at=F]] [duration=D]
+    hang host=H [time=T | step=S [at=F]] [duration=D]
         Every rank of replica R (its rank K; every process of host H) stops, as under SIGSTOP: its tasks
         are frozen in the engine, it sends nothing, its peers wait; until a release (or D seconds), when
-        it resumes and sees its timers expired.
+        it resumes and sees its timers expired. step=S: once the job has committed step S, plus F x a
+        step's compute (as `ftrun launch` times it).
     slow host=H factor=X [time=T] [duration=D]
         Host H computes X x slower (X >= 1) until a release (or D seconds).
     slow link a=H b=H factor=X [time=T] [duration=D]
@@ -177,8 +178,18 @@ def _check_scenario(what: str, at_s: float, duration_s: float | None) -> None:
         raise ValueError(f"{what}: duration= must be a finite number > 0, got {duration_s}")
 
 
-def _tail(at_s: float, duration_s: float | None) -> str:
-    return f" time={at_s:g}" + (f" duration={duration_s:g}" if duration_s is not None else "")
+def _tail(at_s: float, duration_s: float | None, at_step: int | None = None, at_fraction: float = 0.0) -> str:
+    when = f" step={at_step} at={at_fraction:g}" if at_step is not None else f" time={at_s:g}"
+    return when + (f" duration={duration_s:g}" if duration_s is not None else "")
+
+
+def _check_step_trigger(what: str, at_step: int | None, at_fraction: float) -> None:
+    if at_step is not None and at_step < 0:
+        raise ValueError(f"{what}: step= must be >= 0, got {at_step}")
+    if not 0 <= at_fraction < 1:
+        raise ValueError(f"{what}: at= must be in [0, 1), got {at_fraction}")
+    if at_step is None and at_fraction:
+        raise ValueError(f"{what}: at= goes with step=")
 
 
 def _place(replica: int | None, rank: int | None) -> str:
@@ -200,8 +211,11 @@ class Hang:
     host: str | None = None
     at_s: float = 0.0
     duration_s: float | None = None
+    at_step: int | None = None  # instead of at_s: once the job has committed this step, plus at_fraction x a step
+    at_fraction: float = 0.0
 
     def __post_init__(self) -> None:
+        _check_step_trigger("a hang", self.at_step, self.at_fraction)
         if (self.replica is None) == (self.host is None):
             raise ValueError("a hang needs exactly one of replica= or host=")
         if self.rank is not None and self.replica is None:
@@ -212,7 +226,7 @@ class Hang:
 
     def describe(self) -> str:
         where = f"host={self.host}" if self.host is not None else _place(self.replica, self.rank)
-        return f"hang {where}{_tail(self.at_s, self.duration_s)}"
+        return f"hang {where}{_tail(self.at_s, self.duration_s, self.at_step, self.at_fraction)}"
 
 
 @dataclass(frozen=True)
@@ -225,14 +239,18 @@ class HostLoss:
     rank: int | None = None
     at_s: float = 0.0
     duration_s: float | None = None
+    at_step: int | None = None  # instead of at_s: once the job has committed this step, plus at_fraction x a step
+    at_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         if self.replica < 0 or (self.rank is not None and self.rank < 0):
             raise ValueError(f"negative replica or rank in {self}")
+        _check_step_trigger("a host loss", self.at_step, self.at_fraction)
         _check_scenario("a host loss", self.at_s, self.duration_s)
 
     def describe(self) -> str:
-        return f"cut {_place(self.replica, self.rank)}{_tail(self.at_s, self.duration_s)}"
+        when = _tail(self.at_s, self.duration_s, self.at_step, self.at_fraction)
+        return f"cut {_place(self.replica, self.rank)}{when}"
 
 
 @dataclass(frozen=True)
@@ -314,7 +332,6 @@ def parse_inject(text: str) -> Fault:
         f, num = spec.fields, spec.num
         step, dur = spec.int("step"), num("duration")
         verb, replica, rank = spec.form.verb, spec.int("replica"), spec.int("rank")
-        scenario = "an emulated {} at a step is not supported yet: use time=T".format
         if spec.key == ("kill", None) and rank is not None:
             if spec.has("step", "at", "hosts"):
                 raise ValueError("kill replica=R rank=K takes time= only")
@@ -338,19 +355,18 @@ def parse_inject(text: str) -> Fault:
             return SlowFetch(replica=replica, factor=num("factor", 1.0), delay_s=num("delay", 0.0))
         if spec.key == ("release", None):
             return Release(at_s=num("time", 0.0))
+        if spec.has("step") and spec.has("time"):
+            raise ValueError(f"{spec.form.name} takes one of step= or time=")
+        when = dict(at_s=num("time", 0.0), at_step=step, at_fraction=num("at", 0.0))
         if verb == "hang":
             faultspec.one_target(spec, "replica", "host")
-            if spec.has("step", "at"):
-                raise ValueError(scenario("hang"))
-            return Hang(replica=replica, rank=rank, host=f.get("host"), at_s=num("time", 0.0), duration_s=dur)
+            return Hang(replica=replica, rank=rank, host=f.get("host"), duration_s=dur, **when)
         # cut
         if faultspec.one_target(spec, "replica", "building") == "building":
             if not spec.has("time") or dur is None or spec.has("step", "at"):
                 raise ValueError("cut building=B needs time=T and duration=D")
             return CutBuilding(building=int(f["building"]), at_s=num("time"), duration_s=dur)
-        if spec.has("step", "at"):
-            raise ValueError(scenario("host loss"))
-        return HostLoss(replica=replica, rank=rank, at_s=num("time", 0.0), duration_s=dur)
+        return HostLoss(replica=replica, rank=rank, duration_s=dur, **when)
     except ValueError as e:
         raise ValueError(f"bad --inject {text!r}: {e}; {USAGE}") from None
 

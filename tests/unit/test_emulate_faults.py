@@ -141,3 +141,21 @@ def test_kill_at_ftar():
     assert k == Kill(2, at_step=3, in_ftar=True) and parse_inject(k.describe()) == k
     with pytest.raises(ValueError, match="at=ftar goes with step="):
         parse_inject("kill replica=2 time=3 at=ftar")
+
+
+@pytest.mark.timeout(120)
+def test_a_hang_and_a_host_loss_at_a_step_fire_once_the_job_has_committed_it():
+    from harness.cli import build_profile, execute
+    from harness.run import parse_inject, split_faults
+
+    profile = build_profile("ci-small", [], steps=6, cpu_charging=False)
+    kills, faults = split_faults([parse_inject("hang replica=1 step=2 duration=0.3"),
+                                  parse_inject("cut replica=2 rank=0 step=4 at=0.5 duration=0.3")])
+    f, job = execute(profile, JobOptions(steps=6, kills=kills, faults=faults))
+    fired = [e for e in job.recorder.events if e["event"] == "fault"]
+    assert [e["fault"].split()[0] for e in fired] == ["hang", "release", "cut", "release"]  # after duration=
+    fired = fired[::2]
+    assert fired[0]["step"] >= 2 and fired[1]["step"] >= 4 and f["complete"]
+    step_s = profile.train.step_compute_s
+    commit4 = min(e["t"] for e in job.recorder.events if e["event"] == "commit" and e["step"] == 4)
+    assert fired[1]["t"] >= commit4 + 0.5 * step_s - 1e-9  # at=0.5: half a step after the job reached step 4

@@ -26,12 +26,15 @@ def test_the_forms_both_worlds_accept_mean_the_same_fault(spec):
 
 
 @pytest.mark.parametrize("spec", ["hang replica=1 rank=0 time=2 duration=3", "hang replica=2 time=1",
-                                  "cut replica=1 time=2 duration=1", "cut replica=0 time=0"])
+                                  "cut replica=1 time=2 duration=1", "cut replica=0 time=0",
+                                  "hang replica=1 step=5 at=0.5 duration=1", "cut replica=2 step=3"])
 def test_hangs_and_host_losses_mean_the_same_in_both_worlds(spec):
     real, emulated = parse(spec), parse_emulated(spec)
     kind = {"hang": Hang, "cut": HostLoss}[spec.split()[0]]
     assert isinstance(emulated, kind) and real.kind == {"hang": "hang", "cut": "host_loss"}[spec.split()[0]]
-    assert (real.replica, real.rank, real.at_s) == (emulated.replica, emulated.rank, emulated.at_s)
+    assert (real.replica, real.rank, real.at_step, real.at_fraction) == \
+        (emulated.replica, emulated.rank, emulated.at_step, emulated.at_fraction)
+    assert real.at_s == (emulated.at_s if emulated.at_step is None else None)
     assert real.duration_s == (emulated.duration_s or 0.0)
 
 
