@@ -8,7 +8,8 @@ emulator's Recorder to them.
   marked, loss when the compute reports one, the settings in the title), on modeled time.
 - quorum_latency.png: the distribution of start_step times across all ranks and of get_quorum rounds, and
   where the replica leaders' time went (emulator-only figures).
-- trace.json: ftrun.launch.trace.launch_trace (Perfetto): one process per replica, one thread per incarnation,
+- events.jsonl: the job's events in `ftrun launch`'s schema (launch_schema).
+- trace.json: ftrun.launch.trace.write_trace (Perfetto), from events.jsonl as for a real job: one process per replica, one thread per incarnation,
   the leader's phase spans `ftrun::<component>::<op>`, kills, restarts and the lighthouse's quorum decisions.
 - report.json: the figures.
 """
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ftrun.launch.report_png import draw as draw_report
-from ftrun.launch.trace import launch_trace
+from ftrun.launch.trace import write_trace
 from harness.run.record import Recorder
 
 CLOCK = "modeled (virtual) time of the emulator"
@@ -91,9 +92,10 @@ def write_all(out_dir: str | Path, f: dict[str, Any], rec: Recorder) -> list[Pat
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = plot(out, f, rec)
-    trace = out / "trace.json"
     events, history, diagnosis = launch_schema(rec)
-    trace.write_text(json.dumps(launch_trace(events, history, diagnosis, rec.spans, clock=CLOCK), default=str))
+    log = out / "events.jsonl"  # the job's events as `ftrun launch` writes them
+    log.write_text("".join(json.dumps(e, default=str) + "\n" for e in events))
+    trace = Path(write_trace(str(out), history, diagnosis, rec.spans, clock=CLOCK))
     report = out / "report.json"
     report.write_text(json.dumps(f, indent=1, sort_keys=True))
-    return paths + [trace, report]
+    return paths + [log, trace, report]

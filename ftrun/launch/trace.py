@@ -3,7 +3,7 @@ same event dicts: harness.report_files.launch_schema): Chrome trace-event JSON (
 
     launch_trace(events, history, diagnosis, spans=None) -> dict   pure: the job's events, the lighthouse's, the
                                                                    monitor's, and the leaders' phase spans
-    write_trace(out_dir, history, diagnosis) -> path     reads OUT/events.jsonl, writes OUT/trace.json
+    write_trace(out_dir, history, diagnosis, spans) -> path   reads OUT/events.jsonl, writes OUT/trace.json
 
 Tracks: "lighthouse" (its quorums and membership changes as instant events), "diagnosis" (each verdict change
 as an instant event whose args hold the reason, the ranks and the wait-for graph drawn on the status page,
@@ -101,9 +101,11 @@ def read_events(path: str) -> list[dict]:
     return out
 
 
-def write_trace(out_dir: str, history: Iterable[dict], diagnosis: dict | None) -> str:
+def write_trace(out_dir: str, history: Iterable[dict], diagnosis: dict | None, spans: Iterable[Span] | None = None,
+                **kw: str) -> str:
+    """OUT/trace.json from OUT/events.jsonl (both `ftrun launch` and `ftrun emulate --out` write it)."""
     path = os.path.join(out_dir, "trace.json")
-    trace = launch_trace(read_events(os.path.join(out_dir, "events.jsonl")), history, diagnosis)
+    trace = launch_trace(read_events(os.path.join(out_dir, "events.jsonl")), history, diagnosis, spans, **kw)
     with open(path, "w") as f:
         json.dump(trace, f, default=str)
     return path

@@ -44,7 +44,7 @@ def test_default_run_kills_a_replica_and_it_rejoins(tmp_path):
     assert 0.5 < f["effective_training_time"] < 1.0
     assert f["get_quorum_p50_ms"] <= f["get_quorum_p99_ms"] < 1000
     assert "stall per failure" in proc.stdout and "get_quorum p50" in proc.stdout
-    for name in ("report.png", "quorum_latency.png", "trace.json", "report.json"):
+    for name in ("report.png", "quorum_latency.png", "events.jsonl", "trace.json", "report.json"):
         assert (tmp_path / name).stat().st_size > 0
     trace = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     names = {e["name"] for e in trace}
