@@ -373,7 +373,7 @@ def shape_of(profile: Profile) -> Shape:
     compute = profile.train.step_compute_s
     return Shape(replicas=profile.replicas, ranks_per_replica=profile.ranks_per_replica,
                  gpus_per_host=profile.topology.gpus_per_host, buildings=profile.topology.buildings,
-                 max_slow_factor=1.0 + 0.8 * profile.timeouts.failure_timeout_s / compute)  # its ring peers wait
+                 max_slow_factor=1.0 + 0.8 * profile.timeouts.ftar_timeout_s / compute)  # its ring peers wait
     # for its chunks under the FTAR timeout: a straggler later than that is cut off (a failure, not slowness)
 
 

@@ -3,7 +3,8 @@
 A profile is a TOML file in scale_profiles/ read with tomllib into these frozen keyword-only
 dataclasses. Every section checks itself in __post_init__ and raises ValueError naming the bad field;
 the loader prefixes the section ("[ftar.engine] FtarConfig.num_chunks must be >= 1, got 0") and rejects unknown
-keys. Runtime configs are nested as they are (`[ftar.engine]` is ftrun.config.FtarConfig), not renamed.
+keys. Runtime configs are nested as they are, not renamed: `[timeouts]` is ftrun.config.Timeouts and
+`[ftar.engine]` ftrun.config.FtarConfig, exactly what the emulated runtime is given.
 Dotted overrides (`apply_overrides(p, ["ftar.engine.num_chunks=8", "replicas=4"])`) rebuild the profile
 through the same loader, so they are validated the same way.
 
@@ -28,7 +29,7 @@ from typing import Any, Literal
 # The [model] and [scheduler] sections and the field checks live in mocks.config, below both mocks and
 # harness; they are re-exported here so a profile's types come from one place.
 from ftrun import faultspec
-from ftrun.config import FtarConfig
+from ftrun.config import FtarConfig, Timeouts
 from mocks.config import DTYPE_BYTES, ModelConfig, SchedulerConfig  # noqa: F401
 from mocks.config import non_negative as _non_negative, one_of as _one_of, positive as _positive, require as _check
 
@@ -148,19 +149,6 @@ class TrainConfig:
                       "shared_cpu_cores", "step_bookkeeping_s")
         _one_of(self, "lr_intervention", ("none", "linear", "sqrt"))
         _check(self.step_jitter < 1, "step_jitter", "< 1", self.step_jitter)
-
-
-@dataclass(frozen=True, kw_only=True)
-class TimeoutConfig:
-    heartbeat_interval_s: float = 1.0
-    failure_timeout_s: float = 60.0  # per-operation timeout that declares a peer failed
-    join_timeout_s: float = 60.0  # how long a quorum waits for a recovering replica
-    connect_timeout_s: float = 10.0
-
-    def __post_init__(self) -> None:
-        _positive(self, "heartbeat_interval_s", "failure_timeout_s", "join_timeout_s", "connect_timeout_s")
-        _check(self.heartbeat_interval_s < self.failure_timeout_s, "heartbeat_interval_s",
-               f"< failure_timeout_s={self.failure_timeout_s}", self.heartbeat_interval_s)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -315,7 +303,9 @@ class Profile:
     network: NetworkConfig = field(default_factory=NetworkConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
+    # [timeouts]: the runtime's Timeouts as they are (ftrun.config.Timeouts: heartbeat_timeout_s, ftar_timeout_s,
+    # commit_timeout_s, quorum_timeout_s, ...), what every emulated rank and the lighthouse are given
+    timeouts: Timeouts = field(default_factory=Timeouts)
     ftar: FtarSection = field(default_factory=FtarSection)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     failures: FailureConfig = field(default_factory=FailureConfig)

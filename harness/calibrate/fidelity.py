@@ -40,7 +40,8 @@ from ftrun.cli import UsageError, emit_json
 # The real worker's data-plane settings, passed to it explicitly and given to the emulator as the same keys
 # (ftrun.train.ft_worker --chunk-bytes / --shard-bytes; FTConfig.ftar, ftrun.config.FtarConfig; ftrun.config.Timeouts).
 CHUNK_BYTES, SHARD_BYTES, NUM_CHUNKS = 2048, 8192, 2
-REAL_TIMEOUTS = {"heartbeat_interval_s": 0.1, "failure_timeout_s": 2.0, "join_timeout_s": 0.5,
+REAL_TIMEOUTS = {"heartbeat_interval_s": 0.1, "heartbeat_timeout_s": 2.0, "commit_timeout_s": 2.0,
+                 "ftar_timeout_s": 2.0, "quorum_timeout_s": 30.0, "catchup_timeout_s": 60.0, "join_timeout_s": 0.5,
                  "connect_timeout_s": 10.0}
 
 NAMES = ("step_s", "get_quorum_s", "detection_s", "stall_per_failure_s", "catchup_s", "rejoin_stall_s",

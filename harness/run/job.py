@@ -54,11 +54,8 @@ ADAM_STATE_BYTES = 8  # two fp32 moments per parameter, next to the parameter it
 
 
 def timeouts_of(profile: Profile) -> Timeouts:
-    t = profile.timeouts
-    return Timeouts(heartbeat_interval_s=t.heartbeat_interval_s, heartbeat_timeout_s=t.failure_timeout_s,
-                    join_timeout_s=t.join_timeout_s, connect_timeout_s=t.connect_timeout_s,
-                    quorum_timeout_s=max(30.0, 10 * t.failure_timeout_s), commit_timeout_s=t.failure_timeout_s,
-                    ftar_timeout_s=t.failure_timeout_s, catchup_timeout_s=max(60.0, t.failure_timeout_s))
+    """The job's timeouts: the profile's [timeouts], the runtime's own config (nothing derived or renamed)."""
+    return profile.timeouts
 
 
 class Incarnation:

@@ -28,7 +28,7 @@ def test_list_profiles_finds_the_scale_profiles():
 def test_meta_98k_numbers_come_from_the_paper():
     p = load_profile("meta-98k")
     assert (p.replicas, p.ranks_per_replica, p.num_ranks) == (12, 8192, 98_304)
-    assert p.topology.buildings == 4 and p.train.step_compute_s == 20.0 and p.timeouts.failure_timeout_s == 60.0
+    assert p.topology.buildings == 4 and p.train.step_compute_s == 20.0 and p.timeouts.heartbeat_timeout_s == 60.0 == p.timeouts.ftar_timeout_s
     assert p.failures.cluster_mtbf_s(p.num_hosts) == pytest.approx(18 * 60)  # a failure every 18 minutes
     ratios = [p.network.latency_s(h) / p.network.latency_s(HopClass.SAME_RACK)
               for h in (HopClass.OTHER_RACK, HopClass.OTHER_ZONE, HopClass.OTHER_BUILDING)]
