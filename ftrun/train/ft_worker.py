@@ -31,6 +31,7 @@ from typing import Callable
 import torch
 
 from ftrun.catchup.server import Fault
+from ftrun.checkpoint.policy import CheckpointConfig
 from ftrun.config import FtarConfig, Timeouts
 from ftrun.launch.worker_env import WorkerSpec
 from ftrun.train.api import FTConfig, Float32CpuKernels, Hooks, init_from_env
@@ -186,7 +187,9 @@ def stop_step(args: argparse.Namespace, steps: int) -> int:
 
 
 def config_from(args: argparse.Namespace) -> FTConfig:
-    return FTConfig(batch_size=args.batch_size, seed=args.seed, checkpoint_every=args.checkpoint_every,
+    every = args.checkpoint_every
+    return FTConfig(batch_size=args.batch_size, seed=args.seed,
+                    checkpoint=CheckpointConfig(every_steps=every) if every > 0 else None,
                     timeouts=Timeouts(ftar_timeout_s=args.ftar_timeout),
                     ftar=FtarConfig(chunk_bytes=args.chunk_bytes, num_chunks=2), catchup_shard_bytes=args.shard_bytes,
                     log_level=args.log_level, overlap_bucket_bytes=args.overlap_bucket_bytes)

@@ -10,6 +10,7 @@ from typing import Any, Callable, Protocol
 import torch
 
 from ftrun.catchup.config import ALIGN
+from ftrun.checkpoint.policy import CheckpointConfig
 from ftrun.config import FtarConfig, Timeouts
 from ftrun.env.base import Env
 from ftrun.ftar.kernels import Kernels
@@ -22,9 +23,9 @@ from ftrun.train.trainer import PhaseFn, StepResult
 @dataclass(frozen=True, kw_only=True)
 class FTConfig:
     """batch_size: samples per rank per step. seed: model init, data order and per-step RNG.
-    checkpoint_every: steps between persistent checkpoints under run_dir/ckpt (0: off; each rank of a
-    sharded replica writes its shards). run_dir: audit and loader_state files (default: the launcher's,
-    else a temp folder).
+    checkpoint: persistent checkpoints under run_dir/ckpt, the runtime's ftrun.checkpoint.policy.CheckpointConfig
+    (every_steps, keep); None: off. Each rank of a sharded replica writes its shards. run_dir: audit and
+    loader_state files (default: the launcher's, else a temp folder).
     ftar: the FTAR engine's config (ftrun.config.FtarConfig: chunk_bytes S, num_chunks C, transport); its
     timeout_s is timeouts.ftar_timeout_s (set it there: a different ftar.timeout_s raises).
     catchup_shard_bytes: catch-up transfer unit (a multiple of 64; anything else raises).
@@ -38,7 +39,7 @@ class FTConfig:
     batch_size: int = 8
     seed: int = 0
     lr: LRConfig = field(default_factory=LRConfig)
-    checkpoint_every: int = 0
+    checkpoint: CheckpointConfig | None = None
     run_dir: str | None = None
     timeouts: Timeouts = field(default_factory=Timeouts)
     max_retries: int = 10
@@ -56,15 +57,17 @@ class FTConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"FTConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.catchup_shard_bytes % ALIGN:
-            raise ValueError(f"FTConfig.catchup_shard_bytes must be a multiple of {ALIGN}, got {self.catchup_shard_bytes}")
+            raise ValueError(f"FTConfig.catchup_shard_bytes must be a multiple of {ALIGN}, "
+                             f"got {self.catchup_shard_bytes}")
         if self.ftar.timeout_s != self.timeouts.ftar_timeout_s:
             if self.ftar.timeout_s != FtarConfig.timeout_s:
-                raise ValueError(f"FTConfig.ftar.timeout_s ({self.ftar.timeout_s}) differs from timeouts.ftar_timeout_s "
-                                 f"({self.timeouts.ftar_timeout_s}): set the FTAR timeout in timeouts")
+                raise ValueError(f"FTConfig.ftar.timeout_s ({self.ftar.timeout_s}) differs from "
+                                 f"timeouts.ftar_timeout_s ({self.timeouts.ftar_timeout_s}): set it in timeouts")
             object.__setattr__(self, "ftar", replace(self.ftar, timeout_s=self.timeouts.ftar_timeout_s))
-        if self.seed < 0 or self.checkpoint_every < 0 or self.max_retries < 0:
-            raise ValueError(f"FTConfig.seed, checkpoint_every and max_retries must be >= 0, got "
-                             f"{self.seed}, {self.checkpoint_every}, {self.max_retries}")
+        if self.seed < 0 or self.max_retries < 0:
+            raise ValueError(f"FTConfig.seed and max_retries must be >= 0, got {self.seed}, {self.max_retries}")
+        if self.checkpoint is not None and not isinstance(self.checkpoint, CheckpointConfig):
+            raise ValueError(f"FTConfig.checkpoint must be a CheckpointConfig or None, got {self.checkpoint!r}")
         if self.catchup_wait_limit_s is not None and self.catchup_wait_limit_s < 0:
             raise ValueError(f"FTConfig.catchup_wait_limit_s must be >= 0 or None, got {self.catchup_wait_limit_s}")
         b = self.overlap_bucket_bytes

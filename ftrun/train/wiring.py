@@ -101,12 +101,12 @@ def _build(*, job: RankJob, model: torch.nn.Module, optimizer: torch.optim.Optim
             closers.append(sink.close)
         lighthouse = LighthouseClient(env=env, addr=spec.lighthouse, token=spec.token, replica_id=spec.replica_id,
                                       timeouts=cfg.timeouts) if leader else None
-        checkpoint = CheckpointConfig(every_steps=max(cfg.checkpoint_every, 1))
+        checkpoint = cfg.checkpoint or CheckpointConfig()  # the trainer's (unused without a checkpointer)
         config = TrainerConfig(replica_id=spec.replica_id, rank=spec.rank, rng_seed=cfg.seed, lr=cfg.lr,
                                catchup=catchup, checkpoint=checkpoint)
         checkpointer = DcpCheckpointer(root=Path(spec.run_dir) / "ckpt", model=model, optimizer=optimizer,
                                        keep=checkpoint.keep, key=checkpoint_key(spec.token), comm=job.comm,
-                                       extra=extra) if cfg.checkpoint_every > 0 else None
+                                       extra=extra) if cfg.checkpoint is not None else None
         exchange = GradientExchange(engine=engine, rank=spec.rank)
         overlapped = OverlapExchange(env=env, exchange=exchange, flat=compute.flat, bucket_bytes=overlap) \
             if overlap is not None else None

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
+from ftrun.checkpoint.policy import CheckpointConfig
 from ftrun.config import LighthouseConfig, Timeouts
 from ftrun.env.real import RealEnv
 from ftrun.ftar.ring import RecoverableError
@@ -169,9 +170,9 @@ def test_a_failed_exchange_is_not_applied_and_the_retry_reads_the_same_batch(tmp
 @pytest.mark.timeout(120)
 def test_registered_state_is_restored_from_the_persistent_checkpoint(tmp_path):
     data = Pairs()
-    with job_for(tmp_path, checkpoint_every=2) as job:  # the state after 4 commits is written as step 5 starts
+    with job_for(tmp_path, checkpoint=CheckpointConfig(every_steps=2)) as job:  # after 4 commits: written at step 5
         *_, history = own_steps(job, data, 5)
-    with job_for(tmp_path, checkpoint_every=2) as job:
+    with job_for(tmp_path, checkpoint=CheckpointConfig(every_steps=2)) as job:
         model, opt = job.wrap(*parts(seed=7))  # other weights: the checkpoint must replace them
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda_of)
         ema = Ema(model)

@@ -27,7 +27,7 @@ def load_example():
     return sys.modules[name]
 
 
-@pytest.mark.parametrize("bad", [dict(batch_size=0), dict(seed=-1), dict(checkpoint_every=-1),
+@pytest.mark.parametrize("bad", [dict(batch_size=0), dict(seed=-1), dict(checkpoint=5),
                                  dict(num_threads=0), dict(max_retries=-2), dict(catchup_shard_bytes=100),
                                  dict(ftar=dict(num_chunks=0)), dict(ftar=dict(chunk_bytes=1000)),
                                  dict(ftar=dict(timeout_s=3.0))])
