@@ -35,7 +35,7 @@ def test_inject_override_and_determinism(capsys):
 def test_bad_inject_is_a_clear_error():
     import pytest
 
-    with pytest.raises(ValueError, match="kill replica=R step=S"):
+    with pytest.raises(ValueError, match=r"unknown fault 'kill everything'.*kill replica=R \[rank=K\] step=S"):
         main(["emulate", "--inject", "kill everything"])
     with pytest.raises(SystemExit, match=r"replica=9 .*the profile has replicas 0\.\.3"):
         main(["emulate", "--inject", "kill replica=9 step=1"])
