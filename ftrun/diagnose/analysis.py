@@ -8,7 +8,7 @@ its next; following the edges ends at the culprit: a rank that did not answer th
 dead), one that never joined the all-reduce, one that joined and has its input but made no progress,
 or a pair (sender, receiver) when a chunk was sent but never received (the two cannot be told apart).
 Without a hang, the lag of each rank's all-reduce entry behind its ring across recent steps names a
-slow rank or host, and the send busy time per byte of each ring link a slow link.
+slow rank or host, and the send busy time of each ring link against comparable links a slow link.
 
 The collective graph's edges (a replica's tree collective waits on an FTAR ring; a quorum ask waits on a
 replica's tree collective) come with every hang verdict, for display. All work is vectorized over ranks

@@ -25,7 +25,7 @@ class AnalysisConfig:
     slow_lag_frac: float = 0.10  # a rank whose median entry lag exceeds this fraction of the step is slow
     slow_min_ops: int = 4  # ... over at least this many recent all-reduces
     slow_min_lag_s: float = 0.1  # ... and by at least this much (scheduling noise on short steps is not a fault)
-    link_factor: float = 3.0  # a link whose busy time per byte exceeds this multiple of the median is slow
+    link_factor: float = 3.0  # a link whose transfers take this multiple of comparable links' median is slow
 
     @property
     def silent_stall(self) -> float:

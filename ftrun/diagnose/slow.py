@@ -3,8 +3,9 @@
 Entry lag: for each recent all-reduce, how long after the first member of its ring a rank entered it.
 A healthy rank's lag is noise; a slow rank (or every rank of a slow host) is late every step, so its
 median lag over the last few steps stands out against the step period. Link: the time a rank's sends
-spent on the wire per byte (send busy time); the link to the next ring rank is slow when that is a
-multiple of the job's median.
+spent on the wire (send busy time); the link to the next ring rank is slow when that is a multiple of
+the median of comparable links, same all-reduce and size class (ftrun.diagnose.link: relative, no
+absolute floor).
 
 Per-ring reductions gather through the layout's ring table (groups x ring positions, computed once per
 membership) instead of `ufunc.at` (ten times slower), and row medians sort the (ranks x HIST_LEN) matrix.
@@ -14,18 +15,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from ftrun.diagnose.link import row_median, slow_links
 from ftrun.diagnose.model import (SLOW_HOST, SLOW_LINK, SLOW_RANK, AnalysisConfig, Layout, Snapshot,
                                   Verdict)
-
-
-def row_median(a: np.ndarray, valid: np.ndarray) -> np.ndarray:
-    """Median of each row over its `valid` entries (NaN for a row with none)."""
-    x = np.sort(np.where(valid, a, np.inf), axis=1)
-    n = valid.sum(axis=1)
-    lo = np.take_along_axis(x, np.maximum((n - 1) // 2, 0)[:, None], axis=1)[:, 0]
-    hi = np.take_along_axis(x, np.maximum(n // 2, 0)[:, None], axis=1)[:, 0]
-    with np.errstate(invalid="ignore"):
-        return np.where(n > 0, (lo + hi) / 2, np.nan)
 
 
 def find(snap: Snapshot, layout: Layout, cfg: AnalysisConfig) -> Verdict | None:
@@ -38,7 +30,7 @@ def find(snap: Snapshot, layout: Layout, cfg: AnalysisConfig) -> Verdict | None:
     slow = enough & (lag_med > max(cfg.slow_lag_frac * period, cfg.slow_min_lag_s))
     if slow.any():
         return _slow_verdict(np.flatnonzero(slow), lag_med, period, layout)
-    return _slow_link(snap, layout, cfg, ok & enough[:, None], period)
+    return _slow_link(snap, layout, cfg, ok & enough[:, None])
 
 
 def usual_lag_covers(r: int, snap: Snapshot, layout: Layout, cfg: AnalysisConfig) -> bool:
@@ -101,28 +93,23 @@ def _slow_verdict(slow_ranks: np.ndarray, lag_med: np.ndarray, period: float, la
     return Verdict(SLOW_RANK, reason, ranks, tuple(sorted({int(x) for x in hosts})), reps, lag_s=lag_ms / 1e3)
 
 
-def _slow_link(snap, layout, cfg, ok, period) -> Verdict | None:
-    sent, busy_all = np.ascontiguousarray(snap.hist["sent_bytes"]), np.ascontiguousarray(snap.hist["busy"])
-    use = ok & (sent > 0)
+def _slow_link(snap, layout, cfg, ok) -> Verdict | None:
+    """The slowest ring link by the relative test (ftrun.diagnose.link): its transfers take at least
+    link_factor x those of comparable links (same all-reduce, same size class), no absolute floor."""
+    h = snap.hist
+    sent, busy = np.ascontiguousarray(h["sent_bytes"]), np.ascontiguousarray(h["busy"])
+    use = ok & (sent > 0) & (busy >= 0)
     if not use.any():
         return None
-    rate = row_median(busy_all / np.where(use, sent, 1.0), use)
-    typical = float(np.median(rate[np.isfinite(rate)]))
-    bad = np.isfinite(rate) & (rate > cfg.link_factor * typical)
+    key = (np.ascontiguousarray(h["qid"]).astype(np.int64) << 32) | np.ascontiguousarray(h["cid"])
+    bad, ratio, extra = slow_links(key, sent, busy, use, factor=cfg.link_factor, min_ops=cfg.slow_min_ops)
     if not bad.any():
         return None
-    busy = np.full(len(rate), np.nan)
-    busy[bad] = row_median(busy_all[bad], use[bad])
-    bad &= busy > max(cfg.slow_lag_frac * period, cfg.slow_min_lag_s)
-    if not bad.any():
-        return None
-    a = int(np.argmax(np.where(bad, rate, -np.inf)))
+    a = int(np.argmax(np.where(bad, ratio, -np.inf)))
     table = layout.ring_table
     b = int(table[layout.group[a], (layout.ring_pos[a] + 1) % table.shape[1]])
-    factor = float(rate[a] / typical) if typical > 0 else float("inf")
-    reason = (f"slow link {layout.rank_name(a)} -> {layout.rank_name(b)}: its sends take {factor:.1f}x the "
-              f"job's median time per byte")
+    reason = (f"slow link {layout.rank_name(a)} -> {layout.rank_name(b)}: its sends take {float(ratio[a]):.1f}x the "
+              f"median time of comparable links (same all-reduce and size)")
     ranks = (a, b) if b >= 0 else (a,)
-    extra = float(busy[a] - row_median(busy_all[[b]], use[[b]])[0]) if b >= 0 else float(busy[a])
     return Verdict(SLOW_LINK, reason, ranks, tuple(sorted({int(layout.host[r]) for r in ranks})),
-                   tuple(sorted({int(layout.replica[r]) for r in ranks})), lag_s=max(extra, 0.0))
+                   tuple(sorted({int(layout.replica[r]) for r in ranks})), lag_s=max(float(extra[a]), 0.0))
