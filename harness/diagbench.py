@@ -45,10 +45,28 @@ class Shape:
     gpus_per_host: int
     buildings: int
     max_slow_factor: float  # a straggler past the ring's wait limit is a timeout, not a slow host
+    # faults go on the first this-many hosts of each replica (0: every host). Folded FTAR runs only each
+    # replica's first host's rings for real (harness.run.fold): faults there keep the other hosts
+    # identical, so folding them stays exact
+    fault_hosts: int = 0
+
+    def __post_init__(self) -> None:
+        if self.fault_hosts < 0:
+            raise ValueError(f"Shape.fault_hosts must be >= 0 (0: every host), got {self.fault_hosts}")
 
     @property
     def hosts_per_replica(self) -> int:
         return -(-self.ranks_per_replica // self.gpus_per_host)
+
+    @property
+    def place_hosts(self) -> int:
+        """Hosts per replica that faults may be placed on."""
+        return min(self.fault_hosts, self.hosts_per_replica) if self.fault_hosts else self.hosts_per_replica
+
+    @property
+    def place_ranks(self) -> int:
+        """Ranks per replica (the first ones) that rank faults may be placed on."""
+        return min(self.ranks_per_replica, self.place_hosts * self.gpus_per_host)
 
     @property
     def num_hosts(self) -> int:
@@ -92,9 +110,9 @@ def kinds_for(shape: Shape) -> tuple[str, ...]:
 
 
 def draw(n: int, seed: int, shape: Shape) -> list[Scenario]:
-    """N scenarios (pure, seeded): kinds round-robin over `kinds_for` in a shuffled order, places and
-    phases uniform. A slow host's factor is uniform in [2, min(10, max_slow_factor)] (when max_slow_factor < 3:
-in its upper half); a slow link's in [4, 10]
+    """N scenarios (pure, seeded): kinds round-robin over `kinds_for` in a shuffled order, places (on the
+    first `shape.place_hosts` hosts of each replica) and phases uniform. A slow host's factor is uniform in
+    [2, min(10, max_slow_factor)] (when max_slow_factor < 3: in its upper half); a slow link's in [4, 10]
     (the analysis calls a link slow at 3x the median send time of comparable links)."""
     if n < 0:
         raise ValueError(f"scenarios must be >= 0, got {n}")
@@ -107,16 +125,18 @@ in its upper half); a slow link's in [4, 10]
         kind = kinds[i % len(kinds)]
         s = Scenario(i, kind, round(rng.random(), 4))
         if kind in ("hang_rank", "kill_rank"):
-            replica, rank = divmod(rng.randrange(shape.replicas * shape.ranks_per_replica), shape.ranks_per_replica)
+            per = shape.place_ranks
+            replica, rank = divmod(rng.randrange(shape.replicas * per), per)
             s = dataclasses.replace(s, replica=replica, rank=rank)
         elif kind in ("hang_host", "slow_host"):
-            s = dataclasses.replace(s, host=rng.randrange(shape.num_hosts))
+            r, slot = divmod(rng.randrange(shape.replicas * shape.place_hosts), shape.place_hosts)
+            s = dataclasses.replace(s, host=r * shape.hosts_per_replica + slot)
             if kind == "slow_host":
                 hi = min(10.0, shape.max_slow_factor)
                 lo = min(2.0, 1.0 + 0.5 * (hi - 1.0))
                 s = dataclasses.replace(s, factor=round(rng.uniform(lo, hi), 2))
         elif kind == "slow_link":
-            r, slot = rng.randrange(shape.replicas), rng.randrange(shape.hosts_per_replica)
+            r, slot = rng.randrange(shape.replicas), rng.randrange(shape.place_hosts)
             b = ((r + 1) % shape.replicas) * shape.hosts_per_replica + slot
             s = dataclasses.replace(s, host=r * shape.hosts_per_replica + slot, host_b=b,
                                     factor=round(rng.uniform(4.0, 10.0), 2))
@@ -367,22 +387,26 @@ class _Bench:
                         "t": round(self.clock.now(), 3)})
 
 
-def shape_of(profile: Profile) -> Shape:
+def shape_of(profile: Profile, fault_hosts: int = 0) -> Shape:
     compute = profile.train.step_compute_s
     return Shape(replicas=profile.replicas, ranks_per_replica=profile.ranks_per_replica,
                  gpus_per_host=profile.topology.gpus_per_host, buildings=profile.topology.buildings,
-                 max_slow_factor=1.0 + 0.8 * profile.timeouts.ftar_timeout_s / compute)  # its ring peers wait
-    # for its chunks under the FTAR timeout: a straggler later than that is cut off (a failure, not slowness)
+                 max_slow_factor=1.0 + 0.8 * profile.timeouts.ftar_timeout_s / compute,  # its ring peers wait
+                 fault_hosts=fault_hosts)  # for its chunks under the FTAR timeout: a straggler later than that
+    # is cut off (a failure, not slowness)
 
 
 def run_bench(profile: Profile, *, scenarios: int, seed: int, fault_free: int,
               ftar_detail: str | None = None, progress: bool = False) -> dict[str, Any]:
-    """One emulated job, `scenarios` scenarios and `fault_free` fault-free collections; the figures."""
-    shape = shape_of(profile)
-    plan = draw(scenarios, seed, shape)
-    wiring = "prewired" if profile.ranks_per_replica > 4096 else "connect"
+    """One emulated job, `scenarios` scenarios and `fault_free` fault-free collections; the figures.
+    Folded FTAR (the default above 16K ranks) places the faults on each replica's first host, the one
+    whose rings run for real (harness.run.fold)."""
     if ftar_detail is None and profile.num_ranks <= 16384:
         ftar_detail = "full"  # every ring real, so every rank's telemetry is its own (folding mirrors leads)
+    detail = ftar_detail or profile.emulation.ftar_detail
+    shape = shape_of(profile, fault_hosts=1 if detail == "folded" else 0)
+    plan = draw(scenarios, seed, shape)
+    wiring = "prewired" if profile.ranks_per_replica > 4096 else "connect"
     steps = 20 + scenarios * (SLOW_STEPS + 6) + fault_free * 3  # more than the bench can use
     options = JobOptions(steps=steps, seed=seed, diagnose=True, trace=False, ftar_detail=ftar_detail,  # type: ignore
                          wiring=wiring)
@@ -399,6 +423,10 @@ def run_bench(profile: Profile, *, scenarios: int, seed: int, fault_free: int,
                collect_s_p50=percentile(diag.pull_s, 0.5), collect_s_p99=percentile(diag.pull_s, 0.99),
                detect_s_p50=percentile([r["detect_s"] for r in bench.results], 0.5),
                virtual_s=round(job.world.now, 1), wall_s=round(time.monotonic() - wall0, 1),
+               ftar_detail=detail, cpu_charging=profile.emulation.cpu_charging,
+               ftar_chunk_mb=round(profile.ftar.engine.chunk_bytes / (1 << 20), 3),
+               fault_places="each replica's first host" if shape.place_hosts < shape.hosts_per_replica
+               else "every host",
                errors=job.recorder.errors[:10], stalled=bench.skipped[:10], unscored=bench.unscored,
                results=bench.results)
     return out
@@ -407,6 +435,8 @@ def run_bench(profile: Profile, *, scenarios: int, seed: int, fault_free: int,
 def format_table(out: dict[str, Any]) -> str:
     lines = [f"diagnose bench {out['profile']} ({out['ranks']} ranks), seed {out['seed']}: {out['scenarios']} scenarios, "
              f"{out['fault_free_runs']} fault-free collections, {out['virtual_s']} virtual s in {out['wall_s']} s wall",
+             f"  FTAR {out['ftar_detail']} ({out['ftar_chunk_mb']:g} MB chunks), CPU charging "
+             f"{'on' if out['cpu_charging'] else 'off'}, faults on {out['fault_places']}",
              f"  accuracy (exact culprit)  {out['accuracy']}",
              f"  candidate-set hits        {out['candidate_hits']}",
              f"  false positive runs       {out['false_positive_runs']} (false evictions {out['false_evictions']})",
@@ -436,7 +466,7 @@ def cli_run(args: Any) -> int:
 
     if args.scenarios < 0 or (args.fault_free is not None and args.fault_free < 0):
         raise UsageError("--scenarios and --fault-free must be >= 0")
-    profile = build_profile(args.profile, args.overrides, steps=None, cpu_charging=None)
+    profile = build_profile(args.profile, args.overrides, steps=None, cpu_charging=args.cpu_charging)
     ff = args.scenarios // 2 if args.fault_free is None else args.fault_free
     out = run_bench(profile, scenarios=args.scenarios, seed=args.seed, fault_free=ff, progress=True,
                     ftar_detail=args.ftar_detail)

@@ -47,7 +47,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                        help="bench: override a profile key")
     bench.add_argument("--out", default=None, metavar="DIR", help="bench: write every scenario's result here")
     bench.add_argument("--ftar-detail", choices=("folded", "full"), default=None,
-                       help="bench: FTAR rings emulated (default: full up to 16K ranks, else the profile's)")
+                       help="bench: FTAR rings emulated (default: full up to 16K ranks, else the profile's; "
+                            "folded places faults on each replica's first host)")
+    bench.add_argument("--cpu-charging", choices=("on", "off"), default="off",
+                       help="bench: charge real CPU time to emulated hosts (default off: the bench scores verdicts, "
+                            "and charging thousands of ranks' CPU on a few cores slows and perturbs virtual time)")
 
 
 def job_token(path: str | None) -> str:

@@ -31,6 +31,8 @@ def test_bench_at_ci_small_names_every_injected_culprit(capsys):
     assert out["false_positive_runs"] == 0 and out["false_evictions"] == 0 and out["fault_free_runs"] == 2
     assert out["telemetry_bytes_per_rank"] <= 1_000_000 and out["analysis_s_p99"] is not None
     assert out["errors"] == [] and out["stalled"] == []
+    assert (out["ftar_detail"], out["cpu_charging"], out["fault_places"]) == ("full", False, "every host")
+    assert out["ftar_chunk_mb"] > 0
 
 
 @pytest.mark.timeout(120)

@@ -3,6 +3,8 @@ and slow link, the bench's pure draw and scoring, and a small emulated bench at 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from ftrun.env.base import PeerClosed
@@ -200,6 +202,23 @@ def test_draw_is_seeded_covers_every_kind_and_stays_in_the_job():
         if s.kind == "cut_building":
             assert s.building == 1  # never the lighthouse's building 0
     assert "cut_building" not in kinds_for(Shape(2, 8, 8, 1, 3.0))
+
+
+def test_draw_on_first_hosts_places_every_fault_there_and_is_the_same_draw_when_every_host_is_allowed():
+    first = dataclasses.replace(SHAPE, fault_hosts=1)  # 4 hosts per replica; faults on host slot 0 only
+    assert first.place_hosts == 1 and first.place_ranks == 2 and SHAPE.place_hosts == 4 and SHAPE.place_ranks == 8
+    a = draw(48, 5, first)
+    assert {s.kind for s in a} == set(KINDS)
+    for s in a:
+        if s.kind in ("hang_rank", "kill_rank"):
+            assert 0 <= s.replica < 4 and s.rank in (0, 1)
+        if s.kind in ("hang_host", "slow_host", "slow_link"):
+            assert s.host % 4 == 0 and 0 <= s.host < 16
+        if s.kind == "slow_link":
+            assert s.host_b == (s.host + 4) % 16
+    assert draw(48, 5, dataclasses.replace(SHAPE, fault_hosts=4)) == draw(48, 5, SHAPE)
+    with pytest.raises(ValueError, match="fault_hosts"):
+        dataclasses.replace(SHAPE, fault_hosts=-1)
 
 
 def test_scenario_faults_and_places():
