@@ -113,6 +113,17 @@ def test_slow_link_names_sender_and_receiver():
     assert "rank 6 of replica 2 (host8) -> rank 6 of replica 3 (host12)" in v.reason
 
 
+@pytest.mark.parametrize("wire_s", [50e-6, 0.5])
+def test_slow_link_is_relative_to_comparable_links_with_no_absolute_floor(wire_s):
+    snap, layout, _ = scenario(SHAPE, "none", 5)
+    snap.hist["busy"] *= wire_s / float(np.median(snap.hist["busy"]))  # microseconds or seconds on the wire
+    assert analyze(snap, layout).kind == NO_HANG
+    snap.hist["busy"][70] *= 4  # 4x its peers' wire time: 150 us extra per all-reduce is enough
+    v = analyze(snap, layout)
+    assert v.kind == SLOW_LINK and v.ranks == (70, 102) and "comparable links" in v.reason, v
+    assert v.lag_s == pytest.approx(3 * wire_s, rel=0.25)
+
+
 def test_a_wait_cycle_gives_candidates_at_the_oldest_progress():
     snap, layout, _ = scenario(SHAPE, "stuck_rank", 1)
     ring = np.flatnonzero(layout.group == layout.group[np.argmin(snap.summary["f_last"])])
