@@ -11,7 +11,9 @@ commit, abort, error), the trainer's (catchup, checkpoint) and every rank's: rea
 step; `param_hash` = sha256 of this rank's parameter bytes after a commit), final (at a clean exit,
 with the ledger), failed. Audit records go to run_dir/audit-{replica}-{incarnation}.jsonl. It stops
 once it has committed --steps steps, or the step written in --stop-file (tests use it to end every
-replica at the same step).
+replica at the same step). It builds its data and unsharded model before it reads anything rank-specific
+(ftrun.launch.zygote_child.claim), so a zygote's prepared spare (`ftrun launch --prepared-spares`) has done
+that before a restart claims it.
 
 Fault injection for tests and `ftrun chaos`: FTRUN_DIE_AT and FTRUN_CATCHUP_FAULT (see ftrun.train.inject),
 or the same plans in a JSON --fault-file that is reloaded before every step. A planned fault prints
