@@ -68,7 +68,8 @@ def make_launcher(env: RealEnv, args: argparse.Namespace, out: str) -> Launcher:
         return SpawnLauncher()
     return ForkServer(env=env, script=args.script, module=args.module, cwd=os.getcwd(),
                       log_path=os.path.join(out, "zygote.log"), run_dir=out, sharded=args.ranks_per_replica > 1,
-                      spares=args.ranks_per_replica)  # a replica's restart takes spares: no fork on its path
+                      spares=args.ranks_per_replica,  # a replica's restart takes spares: no fork on its path
+                      prepared_spares=args.prepared_spares)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -37,6 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--start-method", choices=("fork-server", "spawn"), default="fork-server",
                    help="fork rank processes from a preloaded zygote (as ftrun launch does), or spawn fresh "
                         "interpreters (default: %(default)s)")
+    p.add_argument("--prepared-spares", action=argparse.BooleanOptionalAction, default=True,
+                   help="the zygote's spares run the worker up to init_from_env (arguments, data, model) before "
+                        "the restart claims them, as `ftrun launch --prepared-spares` (default: %(default)s)")
     p.add_argument("--json", action="store_true")
 
 
@@ -51,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     launcher: Launcher = SpawnLauncher() if args.start_method == "spawn" else ForkServer(
         env=env, script="ftrun.train.ft_worker", module=True, cwd=os.getcwd(),
         log_path=os.path.join(run_dir, "zygote.log"), run_dir=run_dir, sharded=args.ranks_per_replica > 1,
-        spares=args.ranks_per_replica)
+        spares=args.ranks_per_replica, prepared_spares=args.prepared_spares)
     replicas = [
         ReplicaProcesses(env=env, events=events, log_dir=run_dir,
                          argv=["-m", "ftrun.train.ft_worker", "--steps", "1000000",
@@ -143,8 +146,11 @@ def _report(args, log: list[dict], marks: dict[str, float], history: list[dict])
         "rejoin_s": first_commit - restart if first_commit and restart else None,
         "restart_to_ready_s": ready - restart if ready and restart else None,
         "rejoin_breakdown": rejoin_breakdown(restart, rejoin) if restart else None,
+        # the restarted ranks were prepared spares (ran the worker up to init_from_env before the restart)
+        "rejoin_prepared": [bool((e.get("startup") or {}).get("prepared")) for e in rejoin if e["event"] == "ready"],
         "healed_from_to": [healed["from_step"], healed["to_step"]] if healed else None,
         "quorum_ids": sorted({e["quorum_id"] for e in commits}),
+        **consistency(log, "r1"),
         "failed_commits": sum(1 for e in log if e["event"] == "abort"),
     }
     print("\nreport")
@@ -195,6 +201,19 @@ def rejoin_breakdown(restart: float, events: list[dict]) -> dict[str, float | No
         end = marks[i + 1]
         out[name] = end - begin if begin is not None and end is not None else None
     return out
+
+
+def consistency(log: list[dict], rejoined: str) -> dict:
+    """Whether every rank's parameters agree across replicas after each committed step (the `step`
+    events' param_hash), and how many (rank, step) pairs of the restarted replica's new incarnation
+    were compared with another replica's. Pure."""
+    hashes: dict[tuple[int, int], dict[tuple[str, int], str]] = defaultdict(dict)
+    for e in log:
+        if e["event"] == "step" and e.get("param_hash"):
+            hashes[(e["rank"], e["step"])][(e["replica_id"], e["incarnation"])] = e["param_hash"]
+    compared = [by for by in hashes.values() if len(by) > 1]
+    return {"replicas_consistent": all(len(set(by.values())) == 1 for by in compared),
+            "rejoined_steps_compared": sum(1 for by in compared if any(r == rejoined and i > 0 for r, i in by))}
 
 
 def _survivor_gaps(commits: list[dict], kill: float | None) -> list[float]:

@@ -48,6 +48,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--start-method", choices=("fork-server", "spawn"), default="fork-server",
                    help="fork rank processes from a preloaded zygote, or spawn fresh interpreters "
                         "(default: %(default)s)")
+    p.add_argument("--prepared-spares", action="store_true",
+                   help="the zygote's spares run the script up to ftrun.train.init_from_env before a replica "
+                        "restarts (its arguments, data, unsharded model), then take the restarted rank's identity; "
+                        "the script must read nothing rank-specific before init_from_env (fork-server only)")
     p.add_argument("--baseline", action="store_true", help="first run the same job without failures")
     p.add_argument("--seed", type=int, default=0, help="seeds the choice of victims and kill times "
                    "(default: %(default)s)")

@@ -115,9 +115,10 @@ class ForkServer:
 
     def __init__(self, *, env: Env, script: str, module: bool, cwd: str, log_path: str,
                  run_dir: str | None = None, start_timeout_s: float = 120.0, sharded: bool = False,
-                 spares: int = 0) -> None:
+                 spares: int = 0, prepared_spares: bool = False) -> None:
         """sharded: the job's replicas have more than one rank (the zygote warms FSDP2 too). spares:
-        children the zygote keeps forked ahead of requests (a replica's ranks: its restart forks nothing)."""
+        children the zygote keeps forked ahead of requests (a replica's ranks: its restart forks nothing).
+        prepared_spares: the spares run the script up to its claim (ftrun.launch.zygote_child) first."""
         self.env, self.cwd = env, cwd
         self._target = ["-m", script] if module else [script]
         self.exit_codes: dict[int, int] = {}
@@ -129,6 +130,7 @@ class ForkServer:
         self._next_id = 0
         cmd = [sys.executable, "-m", "ftrun.launch.zygote"] + (["--run-dir", run_dir] if run_dir else [])
         cmd += (["--sharded"] if sharded else []) + (["--spares", str(spares)] if spares else [])
+        cmd += ["--prepare"] if prepared_spares and spares else []
         cmd += (["-m"] if module else []) + [script]
         with open(log_path, "ab") as err:
             self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, cwd=cwd,

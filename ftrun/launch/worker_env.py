@@ -29,6 +29,13 @@ TORCHRUN_HELP = (
     "lighthouse`) and FTRUN_TOKEN_FILE=<0600 file> (or FTRUN_TOKEN); see README 'torchrun'"
 )
 _REPLICA_ID = re.compile(r"^r(0|[1-9][0-9]*)$")
+# The variables that say which rank a process is (the rest of a launcher's environment is the same for
+# every rank of a job): a zygote's prepared spare runs a script without them until it is claimed.
+IDENTITY_VARS = frozenset({
+    "RANK", "LOCAL_RANK", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
+    "FTRUN_REPLICA_ID", "FTRUN_REPLICA_INDEX", "FTRUN_REPLICA_RANK", "FTRUN_BIND_HOST", "FTRUN_ADVERTISE_HOST",
+    "FTRUN_FORKED_AT",
+})
 
 
 @dataclass(frozen=True, kw_only=True)

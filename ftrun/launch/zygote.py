@@ -9,7 +9,7 @@ child sets its own session, stdio, working directory, environment and argv and r
 `__main__`, exactly like `python [-m] SCRIPT ARGS` would, only without the start-up cost. The code it runs
 is the script as compiled at preload, so every restart runs the same version even if the file changes.
 
-    python -m ftrun.launch.zygote [--run-dir DIR] [--sharded] [--spares N] (-m MODULE | SCRIPT)
+    python -m ftrun.launch.zygote [--run-dir DIR] [--sharded] [--spares N [--prepare]] (-m MODULE | SCRIPT)
 
 --sharded (the job's replicas have more than one rank): also warm FSDP2 (ftrun.train.warm), whose
 first shard, optimizer step and state load otherwise cost a restarted rank ~1 s of CPU on its rejoin;
@@ -35,7 +35,11 @@ session and blocked on a pipe of its own; a request goes to a spare (the pid is 
 without a fork on the restart's critical path), and spares are replaced once no request came for
 REFILL_IDLE_S (a replica's ranks are requested back to back: none of them waits for a refill fork).
 A spare holds none of the zygote's pipes, so it ends (EOF) when the zygote does; an unused spare's
-exit is not reported. A rank finds in FTRUN_FORKED_AT the monotonic time at which it started being this rank (its
+exit is not reported. With --prepare, the spares forked after the first request are prepared spares
+(ftrun.launch.zygote_child): they run the script up to its `claim()` (ftrun.train.init_from_env) with that
+request's argv, cwd and environment less the identity variables, and take a later request whose
+argv, cwd and non-identity environment are the same (other requests go to a plain spare or a fork).
+A prepared spare that ends before its claim (a script that never claims) turns preparing off. A rank finds in FTRUN_FORKED_AT the monotonic time at which it started being this rank (its
 fork, or its spare's request); the training API's `ready` event reports it (`ftrun demo`'s rejoin
 breakdown).
 """
@@ -49,17 +53,14 @@ import importlib
 import importlib.util
 import json
 import os
-import runpy
 import select
 import signal
 import sys
-import traceback
 import types
 from typing import Callable
 
-from ftrun.env.real import RealClock
+from ftrun.launch.zygote_child import REQUEST_FD, _child, _prepared_spare, _spare, template_of
 
-REQUEST_FD = 0
 REFILL_IDLE_S = 0.2  # spares are forked again once requests have paused this long
 # Modules a preloaded module imports on first use (inside a function): a forked rank would import them
 # after the fork, on a restart's critical path, so the zygote imports them with the script's imports.
@@ -163,10 +164,13 @@ class _Target:
 
 
 class _Server:
-    def __init__(self, reply_fd: int, target: _Target, spares: int = 0, warm_pipe: bool = False) -> None:
-        self.reply_fd, self.target, self.num_spares = reply_fd, target, spares
+    def __init__(self, reply_fd: int, target: _Target, spares: int = 0, warm_pipe: bool = False,
+                 prepare: bool = False) -> None:
+        self.reply_fd, self.target, self.num_spares, self.prepare = reply_fd, target, spares, prepare
+        self.template: dict | None = None  # what prepared spares run before their claim (the first request's)
         self.children: set[int] = set()
-        self.spares: list[tuple[int, int]] = []  # (pid, the write end of its request pipe), oldest first
+        # (pid, the write end of its request pipe, its template: None for a plain spare), oldest first
+        self.spares: list[tuple[int, int, dict | None]] = []
         self.retired: set[int] = set()  # spares let go unused (their exits are not reported)
         self.warm_r, self.warm_w = os.pipe() if warm_pipe else (-1, -1)
         self.warmed = False
@@ -187,6 +191,10 @@ class _Server:
             if spare is not None:
                 self.spares.remove(spare)
                 os.close(spare[1])
+                if spare[2] is not None and self.prepare:  # a prepared spare ended before its claim
+                    self.prepare, self.template = False, None
+                    print(f"zygote: a prepared spare ended before its claim (code "
+                          f"{os.waitstatus_to_exitcode(status)}): plain spares from now on", file=sys.stderr)
                 continue
             if pid in self.retired:
                 self.retired.discard(pid)
@@ -221,10 +229,19 @@ class _Server:
         return REFILL_IDLE_S
 
     def _hand_out(self, req: dict) -> int:
-        """The pid now running `req`: the oldest live spare's, else a fresh fork's. SIGCHLD is blocked."""
+        """The pid now running `req`: the oldest live prepared spare's whose template is the request's,
+        else the oldest plain spare's, else a fresh fork's. SIGCHLD is blocked."""
         data = (json.dumps(req) + "\n").encode()
-        while self.spares:
-            pid, fd = self.spares.pop(0)
+        wanted = template_of(req)
+        if self.prepare and self.template is None:
+            self.template = wanted  # the job's first request: the spares forked from now on are prepared
+        while True:
+            spare = next((s for s in self.spares if s[2] is not None and s[2] == wanted), None) or \
+                next((s for s in self.spares if s[2] is None), None)
+            if spare is None:
+                break
+            self.spares.remove(spare)
+            pid, fd, _ = spare
             try:
                 view = memoryview(data)
                 while view:
@@ -253,7 +270,7 @@ class _Server:
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
         try:
             old, self.spares = self.spares, []
-            for pid, fd in old:
+            for pid, fd, _ in old:
                 os.close(fd)  # EOF: the spare exits
                 self.retired.add(pid)
         finally:
@@ -272,9 +289,10 @@ class _Server:
         """Fork a child for `req`, or a spare (None); returns once it leads its session. SIGCHLD is blocked."""
         sys.stdout.flush()
         sys.stderr.flush()
-        others = [fd for _, fd in self.spares]  # the spares' pipes: never held by another child
+        others = [fd for _, fd, _ in self.spares]  # the spares' pipes: never held by another child
         if self.warm_r >= 0:
             others.append(self.warm_r)
+        template = self.template if req is None and self.prepare else None
         started_r, started_w = os.pipe()
         request_r, request_w = os.pipe() if req is None else (-1, -1)
         pid = os.fork()
@@ -282,6 +300,9 @@ class _Server:
             os.close(started_r)
             if req is None:
                 os.close(request_w)
+                if template is not None:
+                    _prepared_spare(template, self.target, self.reply_fd, started_w, request_r, others,
+                                    self.warm_w)  # never returns
                 _spare(self.target, self.reply_fd, started_w, request_r, others, self.warm_w)  # never returns
             _child(req, self.target, self.reply_fd, started_w, others, self.warm_w)  # never returns
         os.close(started_w)
@@ -289,19 +310,19 @@ class _Server:
         os.close(started_r)
         if req is None:
             os.close(request_r)
-            self.spares.append((pid, request_w))
+            self.spares.append((pid, request_w, template))
         return pid
 
     def shutdown(self) -> None:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        for pid, fd in self.spares:
+        for pid, fd, _ in self.spares:
             os.close(fd)  # EOF: the spare exits
-        for pid in list(self.children) + [pid for pid, _ in self.spares]:
+        for pid in list(self.children) + [pid for pid, _, _ in self.spares]:
             try:
                 os.killpg(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        for pid in list(self.children) + [pid for pid, _ in self.spares]:
+        for pid in list(self.children) + [pid for pid, _, _ in self.spares]:
             try:
                 os.waitpid(pid, 0)
             except ChildProcessError:
@@ -330,119 +351,14 @@ def _lines(fd: int, other: int = -1, idle: Callable[[bool], float | None] = lamb
             yield from ((f, c) for c in complete if c.strip())
 
 
-def _run_main(target: "_Target") -> None:
-    """Run the preloaded code as the __main__ module, as `python [-m] TARGET` would."""
-    main = types.ModuleType("__main__")
-    main.__file__ = target.path
-    main.__builtins__ = __builtins__
-    if target.module:
-        main.__package__ = target.name.rpartition(".")[0]
-        main.__spec__ = importlib.util.find_spec(target.name)
-        sys.argv[0] = target.path
-    else:
-        sys.path[0] = os.path.dirname(os.path.abspath(target.path))
-    sys.modules["__main__"] = main
-    exec(target.code, main.__dict__)
-
-
-def _spare(target: "_Target", reply_fd: int, started_fd: int, request_fd: int, others: list[int],
-           warm_fd: int = -1) -> None:
-    """In a spare: lead a session, let go of the zygote's pipes, wait for a request and become its rank
-    process (_child); exit at EOF (the zygote ended). Never returns."""
-    try:
-        os.setsid()
-        os.close(started_fd)
-        for fd in (reply_fd, *others):
-            os.close(fd)
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, REQUEST_FD)  # the zygote's request pipe: not held by a spare
-        os.close(null)
-        data = b""
-        while not data.endswith(b"\n"):
-            chunk = os.read(request_fd, 65536)
-            if not chunk:
-                os._exit(0)
-            data += chunk
-        os.close(request_fd)
-        req = json.loads(data)
-    except BaseException:
-        os._exit(1)
-    _child(req, target, None, None, [], warm_fd)
-
-
-def _child(req: dict, target: "_Target", reply_fd: int | None, started_fd: int | None, others: list[int],
-           warm_fd: int = -1) -> None:
-    """In the forked child (or a spare given its request: no fds to close, already leading its session):
-    become the rank process and run the script as __main__; never returns."""
-    code = 1
-    try:
-        forked_at = RealClock().now()  # the clock a rank's events use
-        if started_fd is not None:
-            os.setsid()  # its own process group: the supervisor kills a rank with killpg, as for spawned ones
-            os.close(started_fd)  # tells the zygote (which only then hands out the pid)
-        for fd in others:
-            os.close(fd)
-        if req.get("netns"):  # a host of `ftrun launch --netns-hosts`: the rank lives in its network
-            from ftrun.launch.netns import netns_path, setns
-
-            fd = os.open(netns_path(req["netns"]), os.O_RDONLY)
-            setns(fd)
-            os.close(fd)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
-        if reply_fd is not None:
-            os.close(reply_fd)
-        for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, req["stdout"], os.O_WRONLY | os.O_APPEND | os.O_CREAT),
-                                (2, req["stderr"], os.O_WRONLY | os.O_APPEND | os.O_CREAT)):
-            new = os.open(path, flags, 0o644)
-            os.dup2(new, fd)
-            os.close(new)
-        os.chdir(req["cwd"])
-        os.environ.clear()
-        os.environ.update(req["env"])
-        os.environ["FTRUN_FORKED_AT"] = repr(forked_at)
-        if warm_fd >= 0:  # where the training API tells the zygote the job's shapes (ftrun.train.warm)
-            os.environ["FTRUN_ZYGOTE_WARM_FD"] = str(warm_fd)
-        if "numpy" in sys.modules:  # spawned processes seed numpy's global RNG from the OS: so do forked ones
-            sys.modules["numpy"].random.seed()
-        gc.unfreeze()
-        sys.argv = list(req["argv"])
-        if target.code is None:  # no source read at preload: run what is there now
-            if target.module:
-                runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
-            else:
-                runpy.run_path(sys.argv[0], run_name="__main__")
-        else:
-            _run_main(target)
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        if not isinstance(e.code, (int, type(None))):
-            print(e.code, file=sys.stderr)
-    except BaseException as e:
-        _print_script_traceback(e)
-    finally:
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
-
-
-def _print_script_traceback(e: BaseException) -> None:
-    """Print the traceback as `python SCRIPT` would: without the zygote's own frames on top."""
-    tb = e.__traceback__
-    while tb is not None and tb.tb_next is not None and tb.tb_frame.f_code.co_filename == __file__:
-        tb = tb.tb_next
-    traceback.print_exception(type(e), e, tb)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="ftrun.launch.zygote", description=__doc__.splitlines()[0])
     p.add_argument("--run-dir", default=None, help="the job's folder (only so that ps shows whose zygote it is)")
     p.add_argument("-m", "--module", action="store_true")
     p.add_argument("--sharded", action="store_true", help="also warm FSDP2 (replicas of more than one rank)")
     p.add_argument("--spares", type=int, default=0, help="children kept forked ahead of requests")
+    p.add_argument("--prepare", action="store_true",
+                   help="spares run the script up to its claim() (ftrun.launch.zygote_child) before a request")
     p.add_argument("target")
     args = p.parse_args(argv)
     reply_fd = os.dup(1)
@@ -454,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     gc.freeze()  # keep the preloaded objects' pages shared with the children (no refcount/GC writes)
     threads = num_threads()
     server = _Server(reply_fd, _Target(args.target, args.module, code, path), spares=max(args.spares, 0),
-                     warm_pipe=args.sharded)
+                     warm_pipe=args.sharded, prepare=args.prepare)
     ready = threads == 1
     reason = "ok" if ready else f"{threads} threads after loading the script's imports: fork is unsafe"
     server.reply({"ready": ready, "reason": reason, "threads": threads, "seconds": _now() - started,

@@ -93,7 +93,9 @@ def init_from_env(config: FTConfig | None = None, *, environ: Mapping[str, str] 
     replica this rendezvouses with the replica's other ranks (replica and FSDP groups) and blocks until
     they are all up. Raises ValueError for an incomplete environment."""
     from ftrun.cli import setup_logging
+    from ftrun.launch.zygote_child import claim
 
+    prepared = claim()  # a zygote's prepared spare: wait here until it is given a rank (no-op elsewhere)
     config = config or FTConfig()
     environ = os.environ if environ is None else environ
     setup_logging(config.log_level)
@@ -117,7 +119,8 @@ def init_from_env(config: FTConfig | None = None, *, environ: Mapping[str, str] 
     if config.run_dir is not None:
         spec = replace(spec, run_dir=config.run_dir)
     return FTJob(config=config, spec=spec, env=env, lighthouse=lighthouse,
-                 startup={"forked": _float_or_none(environ.get("FTRUN_FORKED_AT")), "init": started})
+                 startup={"forked": _float_or_none(environ.get("FTRUN_FORKED_AT")), "init": started,
+                          "prepared": prepared})
 
 
 class FTJob:

@@ -11,7 +11,9 @@ commit, abort, error), the trainer's (catchup, checkpoint) and every rank's: rea
 step; `param_hash` = sha256 of this rank's parameter bytes after a commit), final (at a clean exit,
 with the ledger), failed. Audit records go to run_dir/audit-{replica}-{incarnation}.jsonl. It stops
 once it has committed --steps steps, or the step written in --stop-file (tests use it to end every
-replica at the same step).
+replica at the same step). It builds its data and unsharded model before it reads anything rank-specific
+(ftrun.launch.zygote_child.claim), so a zygote's prepared spare (`ftrun launch --prepared-spares`) has done
+that before a restart claims it.
 
 Fault injection for tests and `ftrun chaos`: FTRUN_DIE_AT and FTRUN_CATCHUP_FAULT (see ftrun.train.inject),
 or the same plans in a JSON --fault-file that is reloaded before every step. A planned fault prints
@@ -34,6 +36,7 @@ from ftrun.catchup.server import Fault
 from ftrun.checkpoint.policy import CheckpointConfig
 from ftrun.config import FtarConfig, Timeouts
 from ftrun.launch.worker_env import WorkerSpec
+from ftrun.launch.zygote_child import claim
 from ftrun.train.api import FTConfig, Float32CpuKernels, Hooks, init_from_env
 from ftrun.train.api import param_hash  # noqa: F401 (re-exported: tests hash models with it)
 from ftrun.train.inject import DieAt, parse_catchup_fault, parse_die_at, plan_for
@@ -197,13 +200,17 @@ def config_from(args: argparse.Namespace) -> FTConfig:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    die_at, catchup = os.environ.get("FTRUN_DIE_AT", ""), os.environ.get("FTRUN_CATCHUP_FAULT", "")
+    parse_die_at(die_at), parse_catchup_fault(catchup)  # a bad plan fails before the rank joins the job
+    # Nothing above or here is rank-specific: in a zygote's prepared spare (ftrun launch --prepared-spares)
+    # it runs before a restart, and claim() waits for the rank's identity (a no-op in any other process).
+    toy = ToyConfig(seed=args.seed)
+    dataset, model = make_tokens(toy), make_model(toy)  # unsharded: FSDP2 shards it once the rank is known
+    claim()
     spec = WorkerSpec.from_environ()
     steps = args.steps if args.steps is not None else spec.max_steps
     if steps is None:
         raise SystemExit("--steps is required when FTRUN_MAX_STEPS is not set")
-    die_at, catchup = os.environ.get("FTRUN_DIE_AT", ""), os.environ.get("FTRUN_CATCHUP_FAULT", "")
-    parse_die_at(die_at), parse_catchup_fault(catchup)  # a bad plan fails before the rank joins the job
-    toy = ToyConfig(seed=args.seed)
     with init_from_env(config_from(args)) as ft:
         faults = Faults(spec, die_at=die_at, catchup=catchup, plan_file=args.fault_file,
                         sleep=ft.env.clock.sleep, now=ft.env.clock.now)  # a slow rank stalls on the job's clock
@@ -213,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
             return lm_loss(m, batch)
 
         result = ft.train(
-            model_fn=lambda: make_model(toy), loss_fn=loss_fn, dataset=make_tokens(toy),
+            model_fn=lambda: model, loss_fn=loss_fn, dataset=dataset,
             steps=lambda: stop_step(args, steps),
             optimizer_fn=lambda params: torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01),
             hooks=Hooks(kernels=faults.kernels, on_model=faults.attach, on_phase=faults.on_phase,

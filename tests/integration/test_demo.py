@@ -27,4 +27,8 @@ def test_demo_detects_the_kill_at_once_and_the_replica_rejoins():
     assert figures["survivor_max_gap_s"] < Timeouts().ftar_timeout_s  # no survivor waited out a timeout
     assert figures["healed_from_to"][0] == 0 and figures["healed_from_to"][1] >= 5  # the job was past the kill step
     assert len(figures["quorum_ids"]) >= 3  # start, after the kill, after the rejoin
+    # the restart claimed prepared spares (the demo's default), and the job stayed consistent: every rank's
+    # parameters after each commit equal across replicas, the restarted replica's included
+    assert figures["rejoin_prepared"] == [True, True], figures
+    assert figures["replicas_consistent"] and figures["rejoined_steps_compared"] >= 2, figures
     assert "committed by" in out.stdout and "report" in out.stdout

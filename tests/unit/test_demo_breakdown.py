@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ftrun.launch.demo import REJOIN_STAGES, rejoin_breakdown
+from ftrun.launch.demo import REJOIN_STAGES, consistency, rejoin_breakdown
 
 
 def ready(rank: int, t: float, **startup) -> dict:
@@ -35,3 +35,22 @@ def test_spawned_ranks_have_no_fork_stage_and_missing_events_give_none():
     assert b["fork_s"] is None and b["start_s"] == pytest.approx(0.8)  # from the restart
     assert b["quorum_wait_s"] == pytest.approx(0.2) and b["catchup_s"] is None and b["first_step_s"] is None
     assert rejoin_breakdown(10.0, []) == dict.fromkeys(REJOIN_STAGES)
+
+
+def step(replica: str, incarnation: int, rank: int, n: int, h: str | None) -> dict:
+    return {"event": "step", "replica_id": replica, "incarnation": incarnation, "rank": rank, "step": n,
+            **({"param_hash": h} if h else {})}
+
+
+@pytest.mark.parametrize("log, expected", [
+    ([], {"replicas_consistent": True, "rejoined_steps_compared": 0}),
+    ([step("r0", 0, 0, 5, "a"), step("r1", 1, 0, 5, "a"), step("r0", 0, 1, 5, "b"), step("r1", 1, 1, 5, "b")],
+     {"replicas_consistent": True, "rejoined_steps_compared": 2}),
+    ([step("r0", 0, 0, 5, "a"), step("r1", 1, 0, 5, "x")],  # the rejoined replica's rank 0 differs
+     {"replicas_consistent": False, "rejoined_steps_compared": 1}),
+    ([step("r0", 0, 0, 5, "a"), step("r2", 0, 0, 5, "a"), step("r1", 0, 0, 5, "a"),  # before the kill: not counted
+      step("r1", 1, 0, 6, "c"), step("r0", 0, 0, 6, None)],  # no hash (not committed): not compared
+     {"replicas_consistent": True, "rejoined_steps_compared": 0}),
+])
+def test_consistency_compares_each_ranks_hash_across_replicas(log, expected):
+    assert consistency(log, "r1") == expected
