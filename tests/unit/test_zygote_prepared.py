@@ -22,8 +22,10 @@ import json, os, sys
 from ftrun.launch.zygote_child import claim
 before = {"pid": os.getpid(), "rank": os.environ.get("RANK")}  # what a prepared spare ran before its claim
 if sys.argv[1:] != ["noclaim"]:
-    with open(os.path.join(os.environ["MARKS"], f"{os.getpid()}.prepared"), "w") as f:
+    mark = os.path.join(os.environ["MARKS"], f"{os.getpid()}.prepared")
+    with open(mark + ".tmp", "w") as f:
         f.write(json.dumps(before))
+    os.rename(mark + ".tmp", mark)  # whole or absent: the test polls for it
     claimed = claim()
 else:
     claimed = None
@@ -56,7 +58,7 @@ class Job:
         return h, json.loads(out.read_text().splitlines()[0])
 
     def prepared_pids(self, used: set[int]) -> set[int]:
-        return {int(p.split(".")[0]) for p in os.listdir(self.tmp / "marks")} - used
+        return {int(p.split(".")[0]) for p in os.listdir(self.tmp / "marks") if p.endswith(".prepared")} - used
 
 
 def wait_for(env: RealEnv, what, timeout: float = 30.0):
