@@ -277,3 +277,14 @@ def test_the_scripts_own_crash_detection_sets_the_crash_teardown():
                                              fig("peer_reset_s", 0.03))})
     assert keys["network.crash_fin_delay_s"][0] == pytest.approx(0.1 - 10e-6)
     assert profile_keys({"peer_reset_s": fig("peer_reset_s", 0.03)})["network.crash_fin_delay_s"][0] == 0.03
+
+
+def test_crash_detection_is_per_kill_the_survivors_first_notice():
+    from harness.calibrate import crash_detections
+
+    ev = [{"event": "kill", "t": 1.0, "replica_id": "r1"}, {"event": "abort", "t": 1.02, "replica_id": "r0"},
+          {"event": "abort", "t": 1.05, "replica_id": "r0"}, {"event": "error", "t": 1.01, "replica_id": "r1"},
+          {"event": "kill", "t": 2.0, "replica_id": "r1"}, {"event": "error", "t": 2.04, "replica_id": "r0"},
+          {"event": "kill", "t": 3.0, "replica_id": "r1"}]  # the last kill goes unnoticed: left out
+    assert crash_detections(ev) == pytest.approx([0.02, 0.04])
+    assert crash_detections([]) == []
