@@ -15,8 +15,7 @@ Figures (`metrics`, pure, over either event stream: leader/rank-0 events with re
 - detection_s: from the kill to the first abort or error event of a surviving replica or, where there is
   none (the lighthouse dropped the replica before the next quorum), to the first quorum without it;
 - stall_per_failure_s: the time a failure loses: the longest commit-to-commit interval of a surviving replica
-  containing the kill, less the fault-free step (the mean step of the run's longest interval without a kill
-  or a rejoin, `fault_free_period`);
+  containing the kill, less that replica's step just before it (`per_fault`);
 - catchup_s: median catch-up fetch time (real: the trainer's catchup event; emulated: the heal span);
 - rejoin_stall_s: the same as the stall, for the interval containing the restarted replica's first quorum;
 - effective_training_time: committed non-healed replica-steps x step_s over replicas x (first quorum to
@@ -63,40 +62,18 @@ def normalize(events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted(out, key=lambda e: e["t"])
 
 
-def fault_free_period(events: Iterable[dict[str, Any]]) -> float | None:
-    """The mean commit-to-commit step of the longest fault-free interval: the longest stretch between the
-    job's first quorum, every kill, every restarted replica's first quorum and first commit (its rejoin) and
-    the last commit; the mean over the commit gaps of every replica incarnation lying wholly inside it. None
-    without such gaps. Pure."""
-    ev = normalize(events)
-    commits = [e for e in ev if e["event"] == "commit"]
-    quorums = [e["t"] for e in ev if e["event"] == "quorum"]
-    if not commits or not quorums:
-        return None
-    rejoin: dict[tuple, float] = {}
-    for e in ev:
-        if e["event"] in ("quorum", "commit") and e.get("incarnation", 0) > 0:
-            rejoin.setdefault((e["replica_id"], e["incarnation"], e["event"]), e["t"])
-    bounds = sorted({min(quorums), max(e["t"] for e in commits)} | {e["t"] for e in ev if e["event"] == "kill"}
-                    | set(rejoin.values()))
-    spans = sorted(zip(bounds, bounds[1:]), key=lambda ab: ab[1] - ab[0], reverse=True)
-    by_inc: dict[tuple, list[float]] = defaultdict(list)
-    for e in commits:
-        by_inc[(e["replica_id"], e.get("incarnation", 0))].append(e["t"])
-    for a, b in spans:
-        gaps = [y - x for ts in by_inc.values() for x, y in zip(ts, ts[1:]) if a <= x and y <= b]
-        if gaps:
-            return sum(gaps) / len(gaps)
-    return None
+# Commit gaps before a fault whose median is the step a stall is measured against.
+LOCAL_GAPS = 10
 
 
 def per_fault(events: Iterable[dict[str, Any]]) -> dict[str, list[float]]:
     """Per fault (every kill; every restarted replica's rejoin; every catch-up), in time order, the figures
     `metrics` takes medians of: detection_s, stall_per_failure_s, rejoin_stall_s, catchup_s. A stall is the
-    longest commit-to-commit interval of a surviving replica containing the kill (the rejoin: its first
-    quorum) less the fault-free step (`fault_free_period`). Pure."""
+    time lost: the longest commit-to-commit interval of a surviving replica containing the kill (the rejoin:
+    its first quorum) less that replica's step just before it (the median of its LOCAL_GAPS commit gaps before
+    the interval: the step at the load of the moment; a run-wide step would count the first steps' warm-up and
+    the load's drift). Pure."""
     ev = normalize(events)
-    period = fault_free_period(ev)
     commits: dict[tuple[str, int], list[tuple[int, float]]] = defaultdict(list)
     quorums: dict[tuple[str, int], dict[int, float]] = defaultdict(dict)
     for e in ev:
@@ -107,9 +84,14 @@ def per_fault(events: Iterable[dict[str, Any]]) -> dict[str, list[float]]:
             quorums[key].setdefault(e["step"], e["t"])
 
     def lost_at(t: float, exclude: str) -> float | None:
-        around = [b[1] - a[1] for (rid, _), cs in commits.items() if rid != exclude
-                  for a, b in zip(cs, cs[1:]) if a[1] <= t <= b[1]]
-        return max(around) - period if around and period is not None else None
+        around = [(b[1] - a[1], [y[1] - x[1] for x, y in zip(cs[max(i - LOCAL_GAPS, 0):i], cs[max(i - LOCAL_GAPS, 0) + 1:i + 1])])
+                  for (rid, _), cs in commits.items() if rid != exclude
+                  for i, (a, b) in enumerate(zip(cs, cs[1:])) if a[1] <= t <= b[1]]
+        around = [(gap, before) for gap, before in around if before]
+        if not around:
+            return None
+        gap, before = max(around)
+        return gap - median(before)
 
     out: dict[str, list[float]] = {"detection_s": [], "stall_per_failure_s": [], "rejoin_stall_s": [],
                                    "catchup_s": [e["seconds"] for e in ev if e["event"] == "catchup" and "seconds" in e]}
