@@ -135,6 +135,8 @@ def _script_step(script: str, steps: int, module: bool = False, ranks: int = 1) 
     return [Figure("step_s", median(spans), "s", f"median time from a step's quorum to its commit of {how} (the "
                    "script's compute plus one replica's all-reduce and commit)", len(spans)),
             Figure("script_step_period_s", float(period), "s", f"median commit-to-commit step time of {how}", steps),
+            Figure("script_ranks", float(ranks), "ranks", f"the ranks of the one replica of {how} (not measured: "
+                   "the step's CPU contention is that of this many ranks)", 1),
             *([Figure("script_commit_to_quorum_s", median(after), "s", f"median time from a step's commit to the next "
                       f"step's quorum of {how}", len(after))] if after else []),
             *_ftar_hop(script, steps, module, ranks, median(spans))]

@@ -288,3 +288,21 @@ def test_crash_detection_is_per_kill_the_survivors_first_notice():
           {"event": "kill", "t": 3.0, "replica_id": "r1"}]  # the last kill goes unnoticed: left out
     assert crash_detections(ev) == pytest.approx([0.02, 0.04])
     assert crash_detections([]) == []
+
+
+def test_the_scripts_step_and_overhead_leave_out_the_contention_the_emulator_charges_itself():
+    base = (fig("step_s", 0.010), fig("script_step_period_s", 0.010), fig("cpu_cores_effective", 2.0, "cores"),
+            fig("script_step_2_replicas_s", 0.030))
+    # 2 ranks computing all the time (u = 1) on 2 cores: no contention in the 1-replica step; the 2-replica
+    # step of 4 ranks is 2 x a step under contention, so 0.01 s of its 0.03 s is the all-reduce's overhead
+    keys = profile_keys({f.name: f for f in (*base, fig("script_ranks", 2, "ranks"))})
+    assert keys["train.step_compute_s"][0] == pytest.approx(0.010)
+    assert keys["ftar.sync_overhead_s"][0] == pytest.approx(0.030 - 0.020)
+    # 4 ranks on 2 cores: the 1-replica step met 2x contention already
+    keys = profile_keys({f.name: f for f in (*base, fig("script_ranks", 4, "ranks"))})
+    assert keys["train.step_compute_s"][0] == pytest.approx(0.005)
+    assert keys["ftar.sync_overhead_s"][0] == pytest.approx(0.030 - 0.005 * 4)
+    assert "K = 4 ranks" in keys["train.step_compute_s"][2]
+    # without the ranks (a profile from before) the figures set the keys as they are
+    keys = profile_keys({f.name: f for f in base})
+    assert keys["train.step_compute_s"][0] == 0.010 and "ftar.sync_overhead_s" not in keys
