@@ -59,17 +59,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true")
 
 
-def commit_to_quorum_s(events: list[dict]) -> list[float]:
+def commit_to_quorum_s(events: list[dict], participants: int | None = None) -> list[float]:
     """Per step of each rank-0 incarnation: from its commit of a step to its quorum event of the next (the
     script's and the runtime's per-step work after the commit: ledger, loader_state, audit, the step event,
-    the next quorum request). Pure."""
+    the next quorum request); with `participants`, only to quorums of that many replicas. Pure."""
     commit: dict[tuple, float] = {}
     out = []
     for e in sorted((e for e in events if e.get("rank", 0) == 0 and "t" in e), key=lambda e: e["t"]):
         key = (e.get("replica_id"), e.get("incarnation", 0))
         if e.get("event") == "commit":
             commit[key + (e["step"],)] = e["t"]
-        elif e.get("event") == "quorum" and key + (e["step"],) in commit:
+        elif e.get("event") == "quorum" and key + (e["step"],) in commit and (
+                participants is None or len(e.get("participants", ())) == participants):
             out.append(e["t"] - commit[key + (e["step"],)])
     return out
 
@@ -167,7 +168,11 @@ def _ftar_hop(script: str, steps: int, module: bool, ranks: int, one_replica_s: 
                      f"(`--inject kill ... at=0.5`) of the time to the first abort or error of r0 after it ({script} as 2 "
                      f"replicas x {ranks} ranks: the killed rank's teardown and the survivor's notice)",
                      len(noticed))] if noticed else []
-    return started + detect + [Figure("script_step_2_replicas_s", two, "s", f"median time from a step's quorum to its commit of {script} "
+    after = commit_to_quorum_s(events, participants=2)
+    after_2 = [Figure("script_commit_to_quorum_2_replicas_s", median(after), "s", f"median time from a step's commit to "
+                      f"the next step's quorum of 2 replicas, {script} as 2 replicas x {ranks} ranks (a 1-replica run's "
+                      "is longer on a loaded machine: its rank never waits in an all-reduce)", len(after))] if after else []
+    return started + detect + after_2 + [Figure("script_step_2_replicas_s", two, "s", f"median time from a step's quorum to its commit of {script} "
                    f"run by `ftrun launch --replicas 2 --ranks-per-replica {ranks} --steps {steps}`", len(spans)),
             Figure("ftar_sync_overhead_s", max(two - one_replica_s, 0.0), "s",
                    f"measured.script_step_2_replicas_s ({two:.6g} s) minus the one-replica step ({one_replica_s:.6g} s), "

@@ -306,3 +306,22 @@ def test_the_scripts_step_and_overhead_leave_out_the_contention_the_emulator_cha
     # without the ranks (a profile from before) the figures set the keys as they are
     keys = profile_keys({f.name: f for f in base})
     assert keys["train.step_compute_s"][0] == 0.010 and "ftar.sync_overhead_s" not in keys
+
+
+def test_the_bookkeeping_comes_from_the_2_replica_run_where_timed():
+    figures = (fig("script_commit_to_quorum_s", 0.030), fig("script_commit_to_quorum_2_replicas_s", 0.020),
+               fig("storage_write_s", 0.005), fig("tcp_one_way_us", 10.0, "us"))
+    keys = profile_keys({f.name: f for f in figures})
+    assert keys["train.step_bookkeeping_s"][0] == pytest.approx(0.020 - 0.005 - 20e-6)
+    assert "script_commit_to_quorum_2_replicas_s" in keys["train.step_bookkeeping_s"][2]
+
+
+def test_commit_to_quorum_of_quorums_of_so_many_replicas():
+    from harness.calibrate import commit_to_quorum_s
+
+    ev = [{"event": "commit", "t": 1.0, "step": 1, "replica_id": "r0"},
+          {"event": "quorum", "t": 1.01, "step": 1, "replica_id": "r0", "participants": ["r0", "r1"]},
+          {"event": "commit", "t": 2.0, "step": 2, "replica_id": "r0"},
+          {"event": "quorum", "t": 2.05, "step": 2, "replica_id": "r0", "participants": ["r0"]}]
+    assert commit_to_quorum_s(ev) == pytest.approx([0.01, 0.05])
+    assert commit_to_quorum_s(ev, participants=2) == pytest.approx([0.01])
