@@ -59,17 +59,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true")
 
 
-def commit_to_quorum_s(events: list[dict]) -> list[float]:
+def commit_to_quorum_s(events: list[dict], participants: int | None = None) -> list[float]:
     """Per step of each rank-0 incarnation: from its commit of a step to its quorum event of the next (the
     script's and the runtime's per-step work after the commit: ledger, loader_state, audit, the step event,
-    the next quorum request). Pure."""
+    the next quorum request); with `participants`, only to quorums of that many replicas. Pure."""
     commit: dict[tuple, float] = {}
     out = []
     for e in sorted((e for e in events if e.get("rank", 0) == 0 and "t" in e), key=lambda e: e["t"]):
         key = (e.get("replica_id"), e.get("incarnation", 0))
         if e.get("event") == "commit":
             commit[key + (e["step"],)] = e["t"]
-        elif e.get("event") == "quorum" and key + (e["step"],) in commit:
+        elif e.get("event") == "quorum" and key + (e["step"],) in commit and (
+                participants is None or len(e.get("participants", ())) == participants):
             out.append(e["t"] - commit[key + (e["step"],)])
     return out
 
@@ -86,6 +87,22 @@ def quorum_to_commit_s(events: list[dict]) -> list[float]:
             quorum[key + (e["step"],)] = e["t"]
         elif e.get("event") == "commit" and key + (e["step"] - 1,) in quorum:
             out.append(e["t"] - quorum[key + (e["step"] - 1,)])
+    return out
+
+
+# Kills of the 2-replica run whose median is the script's crash detection.
+CRASH_KILLS = 3
+
+
+def crash_detections(events: list[dict]) -> list[float]:
+    """Per kill event, the time to r0's first abort or error event after it (none: that kill is left out). Pure."""
+    kills = sorted(e["t"] for e in events if e.get("event") == "kill")
+    noticed = sorted(e["t"] for e in events if e.get("replica_id") == "r0" and e.get("event") in ("abort", "error"))
+    out = []
+    for k in kills:
+        first = next((t for t in noticed if t >= k), None)
+        if first is not None:
+            out.append(first - k)
     return out
 
 
@@ -119,6 +136,8 @@ def _script_step(script: str, steps: int, module: bool = False, ranks: int = 1) 
     return [Figure("step_s", median(spans), "s", f"median time from a step's quorum to its commit of {how} (the "
                    "script's compute plus one replica's all-reduce and commit)", len(spans)),
             Figure("script_step_period_s", float(period), "s", f"median commit-to-commit step time of {how}", steps),
+            Figure("script_ranks", float(ranks), "ranks", f"the ranks of the one replica of {how} (not measured: "
+                   "the step's CPU contention is that of this many ranks)", 1),
             *([Figure("script_commit_to_quorum_s", median(after), "s", f"median time from a step's commit to the next "
                       f"step's quorum of {how}", len(after))] if after else []),
             *_ftar_hop(script, steps, module, ranks, median(spans))]
@@ -127,12 +146,13 @@ def _script_step(script: str, steps: int, module: bool = False, ranks: int = 1) 
 def _ftar_hop(script: str, steps: int, module: bool, ranks: int, one_replica_s: float) -> list[Figure]:
     """What a real cross-replica all-reduce costs beyond the modeled network and kernels (waiting for the
     slower peer on a loaded machine, the runtime's per-message work and wake-ups): the same script as 2
-    replicas, the rise of its median quorum-to-commit time over one replica's. In the same run r1
-    is killed at a third of the steps and restarted at once: the script's start (restart to its rank 0's
-    ready event: the fork, the script's imports and set-up) is measured there, and, as r1 dies mid-step, how long
-    r0 takes to notice (the script's own crash teardown)."""
-    _, events = _script_events(script, steps, module, ranks, 2,
-                               ("--inject", f"kill replica=1 step={max(steps // 3, 1)} at=0.5", "--restart-delay", "0s"))
+    replicas, the rise of its median quorum-to-commit time over one replica's. In the same run (CRASH_KILLS x
+    `steps` steps) r1 is killed CRASH_KILLS times, `steps` steps apart, and restarted at once: the script's start
+    (restart to its rank 0's ready event: the fork, the script's imports and set-up) is measured there, and, as
+    r1 dies mid-step, how long r0 takes to notice (the script's own crash teardown), the median over the kills
+    (one kill is as noisy as the machine's load)."""
+    kills = [x for i in range(1, CRASH_KILLS + 1) for x in ("--inject", f"kill replica=1 step={i * steps} at=0.5")]
+    _, events = _script_events(script, (CRASH_KILLS + 1) * steps, module, ranks, 2, (*kills, "--restart-delay", "0s"))
     spans = quorum_to_commit_s(events)
     if not spans:
         return []
@@ -143,13 +163,16 @@ def _ftar_hop(script: str, steps: int, module: bool, ranks: int, one_replica_s: 
     started = [Figure("script_start_s", median(starts), "s", f"median time from the supervisor's restart of a killed "
                       f"replica to its rank 0's ready event ({script} as 2 replicas x {ranks} ranks: the zygote's fork, "
                       f"the script's own imports and set-up)", len(starts))] if starts else []
-    kills = [e["t"] for e in events if e.get("event") == "kill"]
-    noticed = [e["t"] - kills[0] for e in events if kills and e.get("replica_id") == "r0" and e["t"] >= kills[0]
-               and e.get("event") in ("abort", "error")]
-    detect = [Figure("script_crash_detect_s", min(noticed), "s", f"from a mid-step kill of r1 (`--inject kill ... at=0.5`) "
-                     f"to the first abort or error of r0 ({script} as 2 replicas x {ranks} ranks: the killed rank's "
-                     "teardown and the survivor's notice)", 1)] if noticed else []
-    return started + detect + [Figure("script_step_2_replicas_s", two, "s", f"median time from a step's quorum to its commit of {script} "
+    noticed = crash_detections(events)
+    detect = [Figure("script_crash_detect_s", median(noticed), "s", f"median over {len(noticed)} mid-step kills of r1 "
+                     f"(`--inject kill ... at=0.5`) of the time to the first abort or error of r0 after it ({script} as 2 "
+                     f"replicas x {ranks} ranks: the killed rank's teardown and the survivor's notice)",
+                     len(noticed))] if noticed else []
+    after = commit_to_quorum_s(events, participants=2)
+    after_2 = [Figure("script_commit_to_quorum_2_replicas_s", median(after), "s", f"median time from a step's commit to "
+                      f"the next step's quorum of 2 replicas, {script} as 2 replicas x {ranks} ranks (a 1-replica run's "
+                      "is longer on a loaded machine: its rank never waits in an all-reduce)", len(after))] if after else []
+    return started + detect + after_2 + [Figure("script_step_2_replicas_s", two, "s", f"median time from a step's quorum to its commit of {script} "
                    f"run by `ftrun launch --replicas 2 --ranks-per-replica {ranks} --steps {steps}`", len(spans)),
             Figure("ftar_sync_overhead_s", max(two - one_replica_s, 0.0), "s",
                    f"measured.script_step_2_replicas_s ({two:.6g} s) minus the one-replica step ({one_replica_s:.6g} s), "

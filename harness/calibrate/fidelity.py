@@ -3,17 +3,19 @@ run for real (`ftrun launch` of ftrun.train.ft_worker on this machine) and emula
 calibrated profile, same layout, steps, kill and restart delay), the same figures from both event streams
 side by side with emulated/real.
 
-Faults, the same in both: replica r1 is SIGKILLed once the job has committed --kill-step steps (the real
-supervisor's `--kill-at`; the emulator's `Kill(1, at_step=...)`) and restarted after --restart-delay
-(real `--restart-delay`; emulated scheduler.alloc_delay_warm_s). Not done yet: the issue's slow fetch.
+Faults, the same in both: replica r1 is SIGKILLed --kills times, F x a step into its step once the job has
+committed --kill-step, --kill-step + --kill-every, ... steps (`--inject kill replica=1 step=S at=F` in both
+worlds), its state fetches are served --slow-fetch-delay slower, and it restarts after --restart-delay (real
+`--restart-delay`; emulated scheduler.alloc_delay_warm_s). One kill is as noisy as the machine's load: the
+per-fault figures are medians over the kills, and `--json` gives each one's spread over them (`spread`).
 
 Figures (`metrics`, pure, over either event stream: leader/rank-0 events with replica_id, incarnation, t):
 - step_s: median time between consecutive commits of one replica incarnation;
 - get_quorum_s: median, over (incarnation, step), from its commit of step s to its quorum event of step s+1;
 - detection_s: from the kill to the first abort or error event of a surviving replica or, where there is
   none (the lighthouse dropped the replica before the next quorum), to the first quorum without it;
-- stall_per_failure_s: the longest commit-to-commit interval of a surviving replica containing the kill,
-  less step_s (harness.report's definition);
+- stall_per_failure_s: the time a failure loses: the longest commit-to-commit interval of a surviving replica
+  containing the kill, less that replica's step just before it (`per_fault`);
 - catchup_s: median catch-up fetch time (real: the trainer's catchup event; emulated: the heal span);
 - rejoin_stall_s: the same as the stall, for the interval containing the restarted replica's first quorum;
 - effective_training_time: committed non-healed replica-steps x step_s over replicas x (first quorum to
@@ -60,47 +62,77 @@ def normalize(events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted(out, key=lambda e: e["t"])
 
 
-def metrics(events: Iterable[dict[str, Any]], *, num_replicas: int,
-            catchup_s: list[float] | None = None) -> dict[str, float | None]:
-    """The fidelity figures (module docstring) of one run. Pure."""
+# Commit gaps before a fault whose median is the step a stall is measured against.
+LOCAL_GAPS = 10
+
+
+def per_fault(events: Iterable[dict[str, Any]]) -> dict[str, list[float]]:
+    """Per fault (every kill; every restarted replica's rejoin; every catch-up), in time order, the figures
+    `metrics` takes medians of: detection_s, stall_per_failure_s, rejoin_stall_s, catchup_s. A stall is the
+    time lost: the longest commit-to-commit interval of a surviving replica containing the kill (the rejoin:
+    its first quorum) less that replica's step just before it (the median of its LOCAL_GAPS commit gaps before
+    the interval: the step at the load of the moment; a run-wide step would count the first steps' warm-up and
+    the load's drift). Pure."""
     ev = normalize(events)
     commits: dict[tuple[str, int], list[tuple[int, float]]] = defaultdict(list)
+    quorums: dict[tuple[str, int], dict[int, float]] = defaultdict(dict)
     for e in ev:
+        key = (e.get("replica_id"), e.get("incarnation", 0))
         if e["event"] == "commit":
-            commits[(e["replica_id"], e.get("incarnation", 0))].append((e["step"], e["t"]))
-    gaps = [b[1] - a[1] for cs in commits.values() for a, b in zip(cs, cs[1:])]
-    step = median(gaps) if gaps else None
+            commits[key].append((e["step"], e["t"]))
+        elif e["event"] == "quorum":
+            quorums[key].setdefault(e["step"], e["t"])
 
-    def extension_at(t: float, exclude: str) -> float | None:
-        around = [b[1] - a[1] for (rid, _), cs in commits.items() if rid != exclude
-                  for a, b in zip(cs, cs[1:]) if a[1] <= t <= b[1]]
-        return max(around) - step if around and step is not None else None
+    def lost_at(t: float, exclude: str) -> float | None:
+        around = [(b[1] - a[1], [y[1] - x[1] for x, y in zip(cs[max(i - LOCAL_GAPS, 0):i], cs[max(i - LOCAL_GAPS, 0) + 1:i + 1])])
+                  for (rid, _), cs in commits.items() if rid != exclude
+                  for i, (a, b) in enumerate(zip(cs, cs[1:])) if a[1] <= t <= b[1]]
+        around = [(gap, before) for gap, before in around if before]
+        if not around:
+            return None
+        gap, before = max(around)
+        return gap - median(before)
 
-    quorums = defaultdict(dict)  # (rid, inc) -> step -> t
-    for e in ev:
-        if e["event"] == "quorum":
-            quorums[(e["replica_id"], e.get("incarnation", 0))].setdefault(e["step"], e["t"])
-    gq = [quorums[key][s] - t for key, cs in commits.items() for s, t in cs if s in quorums.get(key, {})]
-
-    kills = [e for e in ev if e["event"] == "kill"]
-    detections, stalls, rejoin_stalls = [], [], []
-    for k in kills:
+    out: dict[str, list[float]] = {"detection_s": [], "stall_per_failure_s": [], "rejoin_stall_s": [],
+                                   "catchup_s": [e["seconds"] for e in ev if e["event"] == "catchup" and "seconds" in e]}
+    for k in (e for e in ev if e["event"] == "kill"):
         rid = k["replica_id"]
         noticed = [e["t"] for e in ev if e["t"] >= k["t"] and e.get("replica_id") != rid
                    and (e["event"] in ("abort", "error")
                         or (e["event"] == "quorum" and rid not in e.get("participants", [rid])))]
         if noticed:
-            detections.append(min(noticed) - k["t"])
-        s = extension_at(k["t"], rid)
+            out["detection_s"].append(min(noticed) - k["t"])
+        s = lost_at(k["t"], rid)
         if s is not None:
-            stalls.append(s)
+            out["stall_per_failure_s"].append(s)
     for st in (e for e in ev if e["event"] == "start" and e.get("incarnation", 0) > 0):
         key = (st["replica_id"], st["incarnation"])
         if quorums.get(key):
-            s = extension_at(min(quorums[key].values()), st["replica_id"])
+            s = lost_at(min(quorums[key].values()), st["replica_id"])
             if s is not None:
-                rejoin_stalls.append(s)
+                out["rejoin_stall_s"].append(s)
+    return out
 
+
+def metrics(events: Iterable[dict[str, Any]], *, num_replicas: int,
+            catchup_s: list[float] | None = None) -> dict[str, float | None]:
+    """The fidelity figures (module docstring) of one run: the per-fault ones are medians over the run's
+    faults (`per_fault`). Pure."""
+    ev = normalize(events)
+    commits: dict[tuple[str, int], list[tuple[int, float]]] = defaultdict(list)
+    quorums: dict[tuple[str, int], dict[int, float]] = defaultdict(dict)
+    for e in ev:
+        key = (e.get("replica_id"), e.get("incarnation", 0))
+        if e["event"] == "commit":
+            commits[key].append((e["step"], e["t"]))
+        elif e["event"] == "quorum":
+            quorums[key].setdefault(e["step"], e["t"])
+    gaps = [b[1] - a[1] for cs in commits.values() for a, b in zip(cs, cs[1:])]
+    step = median(gaps) if gaps else None
+    gq = [quorums[key][s] - t for key, cs in commits.items() for s, t in cs if s in quorums.get(key, {})]
+    faults = per_fault(ev)
+    if catchup_s is not None:
+        faults["catchup_s"] = list(catchup_s)
     healed = {(e["replica_id"], e.get("incarnation", 0), e["to_step"]) for e in ev if e["event"] == "heal"}
     contributing = sum(1 for (rid, inc), cs in commits.items() for s, _ in cs if (rid, inc, s) not in healed)
     first_q = min((e["t"] for e in ev if e["event"] == "quorum"), default=None)
@@ -108,15 +140,18 @@ def metrics(events: Iterable[dict[str, Any]], *, num_replicas: int,
     effective = None
     if step is not None and first_q is not None and last_c is not None and last_c > first_q:
         effective = contributing * step / (num_replicas * (last_c - first_q))
-    if catchup_s is None:
-        catchup_s = [e["seconds"] for e in ev if e["event"] == "catchup" and "seconds" in e]
 
     def med(xs: list[float]) -> float | None:
         return median(xs) if xs else None
 
-    return {"step_s": step, "get_quorum_s": med(gq), "detection_s": med(detections),
-            "stall_per_failure_s": med(stalls), "catchup_s": med(catchup_s), "rejoin_stall_s": med(rejoin_stalls),
+    return {"step_s": step, "get_quorum_s": med(gq), **{name: med(xs) for name, xs in faults.items()},
             "effective_training_time": effective}
+
+
+def spread(values: dict[str, list[float]]) -> dict[str, dict[str, float | int]]:
+    """Per figure, the spread of its per-fault values (n, min, median, max), for a reader to see the noise. Pure."""
+    return {name: {"n": len(xs), "min": min(xs), "median": median(xs), "max": max(xs)}
+            for name, xs in values.items() if xs}
 
 
 def phases(events: Iterable[dict[str, Any]]) -> dict[str, float | None]:
@@ -165,8 +200,13 @@ def side_by_side(real: dict[str, float | None], emulated: dict[str, float | None
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replicas", type=int, default=3)
     p.add_argument("--ranks-per-replica", type=int, default=1)
-    p.add_argument("--steps", type=int, default=80)
+    p.add_argument("--steps", type=int, default=175)
     p.add_argument("--kill-step", type=int, default=15, help="kill replica r1 once the job committed this step")
+    p.add_argument("--kills", type=int, default=4,
+                   help="kill r1 this many times, --kill-every steps apart; the per-fault figures are medians over "
+                        "them (default %(default)s)")
+    p.add_argument("--kill-every", type=int, default=40, metavar="STEPS",
+                   help="steps between one kill and the next (default %(default)s)")
     p.add_argument("--kill-at", type=float, default=0.5, metavar="F",
                    help="the kill comes F x a step's compute after r1's commit of --kill-step (default %(default)s)")
     p.add_argument("--slow-fetch-delay", type=float, default=0.2, metavar="SECONDS",
@@ -179,9 +219,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="calibrate with --quick (its crash figures then come from a child without torch, whose "
                         "teardown is much faster than a rank's)")
     p.add_argument("--restep", action="store_true",
-                   help="with --profile: re-measure the script's step, bookkeeping, all-reduce overhead and start and the "
-                        "loader_state write just before the real run (on a shared machine the load moves them most), "
-                        "keep the rest")
+                   help="with --profile: re-measure the script's step, bookkeeping, all-reduce overhead, start, crash "
+                        "detection and the loader_state write just before and just after the real run (on a shared "
+                        "machine the load moves them most) and emulate with the mean of the two; keep the rest")
     p.add_argument("--cpu-charging", choices=("on", "off"), default="off",
                    help="charge the emulator's real CPU time to emulated hosts (default off: deterministic)")
     p.add_argument("--out", default=None, help="folder for the real run and the calibrated profile")
@@ -205,9 +245,14 @@ def _real(args: argparse.Namespace, out: str) -> tuple[dict, list[dict]]:
     return figures, events
 
 
+def kill_steps(args: argparse.Namespace) -> list[int]:
+    """The steps at which r1 is killed: --kills of them from --kill-step, --kill-every apart. Pure."""
+    return [args.kill_step + i * args.kill_every for i in range(args.kills)]
+
+
 def fault_specs(args: argparse.Namespace) -> list[str]:
     """The faults of both runs, in the one fault grammar (`ftrun launch --inject` / `ftrun emulate --inject`)."""
-    out = [f"kill replica=1 step={args.kill_step} at={args.kill_at:g}"]
+    out = [f"kill replica=1 step={step} at={args.kill_at:g}" for step in kill_steps(args)]
     if args.slow_fetch_delay > 0:
         out.append(f"slow fetch replica=1 delay={args.slow_fetch_delay:g}")
     return out
@@ -238,9 +283,9 @@ SCRIPT_KEYS = ("train.step_compute_s", "train.step_bookkeeping_s", "ftar.sync_ov
                "checkpoint.local_write_latency_s", "network.crash_fin_delay_s")
 
 
-def restep_overrides(profile_path: str, ranks: int, steps: int = 30) -> list[str]:
+def restep_values(profile_path: str, ranks: int, steps: int = 30) -> dict[str, float]:
     """SCRIPT_KEYS measured now (the toy worker as 1 and 2 replicas of `ranks` ranks, as `ftrun calibrate -m
-    ftrun.train.ft_worker` does, and the loader_state write), the profile's other figures kept, as overrides."""
+    ftrun.train.ft_worker` does, and the loader_state write), the profile's other figures kept."""
     from harness.calibrate import _script_step
     from harness.calibrate.measure import Figure, storage_write
     from harness.calibrate.provenance import profile_keys
@@ -251,12 +296,19 @@ def restep_overrides(profile_path: str, ranks: int, steps: int = 30) -> list[str
     figures = {f.name: f for f in _script_step("ftrun.train.ft_worker", steps, True, ranks)}
     figures["storage_write_s"] = storage_write(reps=20)  # the loader_state write, as loaded as the steps now
     for name, key in (("storage_append_s", "checkpoint.local_append_latency_s"),
-                      ("tcp_one_way_us", "network.base_latency_us")):
+                      ("tcp_one_way_us", "network.base_latency_us"), ("cpu_cores_effective", "train.shared_cpu_cores")):
         v = measured.get(key) or measured.get(name)
         if v is not None:
             figures[name] = Figure(name, v.value, v.unit, v.method, v.samples)
     keys = profile_keys(figures)
-    return [f"{key}={keys[key][0]!r}" for key in SCRIPT_KEYS if key in keys]
+    return {key: keys[key][0] for key in SCRIPT_KEYS if key in keys}
+
+
+def mean_overrides(before: dict[str, float], after: dict[str, float]) -> list[str]:
+    """Overrides of each key measured both before and after the real run: the mean of the two (the load
+    the real run met lies between them), or the one measured. Pure."""
+    keys = [k for k in SCRIPT_KEYS if k in before or k in after]
+    return [f"{k}={(before.get(k, after.get(k)) + after.get(k, before.get(k))) / 2!r}" for k in keys]
 
 
 def _emulated(args: argparse.Namespace, profile_path: str, extra: list[str] = ()) -> tuple[dict, list[dict], list[float]]:
@@ -277,8 +329,11 @@ def run(args: argparse.Namespace) -> int:
     if args.replicas < 2 or args.ranks_per_replica < 1:
         raise UsageError(f"--replicas must be >= 2 and --ranks-per-replica >= 1, got {args.replicas}, "
                          f"{args.ranks_per_replica}")
-    if not 1 <= args.kill_step < args.steps:
-        raise UsageError(f"--kill-step must be in 1..--steps-1, got {args.kill_step}")
+    if args.kills < 1 or args.kill_every < 1:
+        raise UsageError(f"--kills and --kill-every must be >= 1, got {args.kills}, {args.kill_every}")
+    if not 1 <= args.kill_step or kill_steps(args)[-1] >= args.steps:
+        raise UsageError(f"every kill step ({kill_steps(args)}: --kill-step + i x --kill-every) must be in "
+                         f"1..--steps-1 ({args.steps - 1})")
     if not 0 <= args.kill_at < 1:
         raise UsageError(f"--kill-at must be in [0, 1), got {args.kill_at}")
     if args.slow_fetch_delay < 0:
@@ -301,14 +356,21 @@ def run(args: argparse.Namespace) -> int:
     elif not os.path.isfile(profile):
         raise UsageError(f"--profile {profile!r} is not a file")
     restep: list[str] = []
+    before: dict[str, float] = {}
+    after: dict[str, float] = {}
     if args.profile is not None and args.restep:
         print("ftrun fidelity: re-measuring the script's step (1 and 2 replicas) ...", file=sys.stderr, flush=True)
-        restep = restep_overrides(profile, args.ranks_per_replica)
+        before = restep_values(profile, args.ranks_per_replica)
     print("ftrun fidelity: real run (ftrun launch) ...", file=sys.stderr, flush=True)
     real_f, real_ev = _real(args, os.path.join(out, "real"))
+    if before:
+        print("ftrun fidelity: re-measuring the script's step after the real run ...", file=sys.stderr, flush=True)
+        after = restep_values(profile, args.ranks_per_replica)
+        restep = mean_overrides(before, after)
     print("ftrun fidelity: emulated run ...", file=sys.stderr, flush=True)
     emu_f, emu_ev, heals = _emulated(args, profile, restep)
     real = metrics(real_ev, num_replicas=args.replicas)
+    real_spread, emu_spread = spread(per_fault(real_ev)), spread({**per_fault(emu_ev), "catchup_s": heals})
     emulated = metrics(emu_ev, num_replicas=args.replicas, catchup_s=heals)
     table = side_by_side(real, emulated)
     print(f"ftrun fidelity: {args.replicas} replicas x {args.ranks_per_replica} ranks, {args.steps} steps, "
@@ -321,6 +383,10 @@ def run(args: argparse.Namespace) -> int:
     for name in real_ph:
         cells = [("-" if v is None else f"{v:.4g}") for v in (real_ph[name], emu_ph[name])]
         print(f"  ({name:<22} {cells[0]:>12} {cells[1]:>12})")
+    for name, sp in real_spread.items():
+        print(f"  (real {name:<19} over {sp['n']} faults: {sp['min']:.4g} .. {sp['max']:.4g})")
+    for key in before:
+        print(f"  (restep {key:<34} before {before[key]:.4g}, after {after.get(key, float('nan')):.4g})")
     mx = table["max_abs_log_ratio"]
     print(f"  max |ln(emulated/real)| = {'-' if mx is None else format(mx, '.3f')}; real complete: "
           f"{real_f.get('complete')}, emulated complete: {emu_f.get('complete')}; "
@@ -329,5 +395,7 @@ def run(args: argparse.Namespace) -> int:
         emit_json({**table, "replicas": args.replicas, "ranks_per_replica": args.ranks_per_replica,
                    "steps": args.steps, "profile": profile, "out": out, "real_complete": real_f.get("complete"),
                    "emulated_complete": emu_f.get("complete"),
-                   "phases": {"real": real_ph, "emulated": emu_ph}, "restep": restep, "wall_s": round(time.monotonic() - started, 3)})
+                   "phases": {"real": real_ph, "emulated": emu_ph}, "restep": restep,
+                   "restep_before": before, "restep_after": after,
+                   "spread": {"real": real_spread, "emulated": emu_spread}, "kills": args.kills, "wall_s": round(time.monotonic() - started, 3)})
     return 0 if real_f.get("complete") and emu_f.get("complete") else 1

@@ -404,10 +404,11 @@ class EmulatedJob:
         return t.step_compute_s * max(0.0, live * u / t.shared_cpu_cores - 1.0)
 
     def ftar_overhead_s(self) -> float:
-        """The all-reduce's measured overhead (ftar.sync_overhead_s) while more than one replica is up
-        (seams.OverheadExchange charges it after the modeled ring)."""
+        """The all-reduce's measured overhead while more than one replica is up (seams.OverheadExchange charges
+        it after the modeled ring): ftar.sync_overhead_s is measured with 2 replicas; with R up it is R / 2 of
+        that (each replica's rank wakes for its ring steps on the shared CPUs: more replicas, more wake-ups)."""
         up = sum(1 for inc in self._incarnations if inc is not None and inc.alive)
-        return self.profile.ftar.sync_overhead_s if up > 1 else 0.0
+        return self.profile.ftar.sync_overhead_s * up / 2 if up > 1 else 0.0
 
     def slow_fetch(self, inc: Incarnation) -> tuple[float, float] | None:
         """(factor, delay_s) of a slow fetch fault of the replica: F x the modeled transfer, plus D."""

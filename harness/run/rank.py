@@ -97,10 +97,11 @@ def _comm(job: RankJob, inc: RankIncarnation, rank: int, env: Any) -> TreeComm:
 class _Marks:
     """When this rank passed the phases of its current step (virtual seconds)."""
 
-    __slots__ = ("quorum", "started", "exchange", "commit", "decided")
+    __slots__ = ("quorum", "started", "exchange", "commit", "decided", "committed")
 
     def __init__(self) -> None:
         self.quorum = self.started = self.exchange = self.commit = self.decided = 0.0
+        self.committed = False  # whether this rank's previous step committed
 
 
 def _compute(job: RankJob, inc: RankIncarnation, rank: int, env: Any, lead: bool) -> EmulatedCompute:
@@ -161,8 +162,8 @@ def _build(job: RankJob, inc: RankIncarnation, rank: int, env: Any, lead: bool,
     bookkeeping = p.train.step_bookkeeping_s
 
     def on_phase(phase: str, step: int) -> None:
-        if phase == "quorum" and bookkeeping and lead:
-            env.clock.sleep(bookkeeping)  # the script's own per-step work after the commit (measured)
+        if phase == "quorum" and bookkeeping and lead and marks.committed:
+            env.clock.sleep(bookkeeping)  # the script's own per-step work after a commit (measured); none after an abort
         if phase in ("quorum", "started", "exchange"):
             setattr(marks, phase, env.clock.now())
         elif phase == "before_commit":
@@ -195,6 +196,7 @@ def _train(job: RankJob, inc: RankIncarnation, rank: int, env: Any, lead: bool) 
     leader = rank == 0
     while trainer.step < job.options.steps and not job.finished:
         r = trainer.train_step()
+        marks.committed = r.committed
         job.recorder.rank_started_step(r.quorum_id, r.step, marks.quorum, marks.decided if r.healed else marks.started)
         if leader:
             _leader_spans(job, inc, r, (marks.quorum, marks.started, marks.exchange, marks.commit, env.clock.now()))

@@ -277,3 +277,51 @@ def test_the_scripts_own_crash_detection_sets_the_crash_teardown():
                                              fig("peer_reset_s", 0.03))})
     assert keys["network.crash_fin_delay_s"][0] == pytest.approx(0.1 - 10e-6)
     assert profile_keys({"peer_reset_s": fig("peer_reset_s", 0.03)})["network.crash_fin_delay_s"][0] == 0.03
+
+
+def test_crash_detection_is_per_kill_the_survivors_first_notice():
+    from harness.calibrate import crash_detections
+
+    ev = [{"event": "kill", "t": 1.0, "replica_id": "r1"}, {"event": "abort", "t": 1.02, "replica_id": "r0"},
+          {"event": "abort", "t": 1.05, "replica_id": "r0"}, {"event": "error", "t": 1.01, "replica_id": "r1"},
+          {"event": "kill", "t": 2.0, "replica_id": "r1"}, {"event": "error", "t": 2.04, "replica_id": "r0"},
+          {"event": "kill", "t": 3.0, "replica_id": "r1"}]  # the last kill goes unnoticed: left out
+    assert crash_detections(ev) == pytest.approx([0.02, 0.04])
+    assert crash_detections([]) == []
+
+
+def test_the_scripts_step_and_overhead_leave_out_the_contention_the_emulator_charges_itself():
+    base = (fig("step_s", 0.010), fig("script_step_period_s", 0.010), fig("cpu_cores_effective", 2.0, "cores"),
+            fig("script_step_2_replicas_s", 0.030))
+    # 2 ranks computing all the time (u = 1) on 2 cores: no contention in the 1-replica step; the 2-replica
+    # step of 4 ranks is 2 x a step under contention, so 0.01 s of its 0.03 s is the all-reduce's overhead
+    keys = profile_keys({f.name: f for f in (*base, fig("script_ranks", 2, "ranks"))})
+    assert keys["train.step_compute_s"][0] == pytest.approx(0.010)
+    assert keys["ftar.sync_overhead_s"][0] == pytest.approx(0.030 - 0.020)
+    # 4 ranks on 2 cores: the 1-replica step met 2x contention already
+    keys = profile_keys({f.name: f for f in (*base, fig("script_ranks", 4, "ranks"))})
+    assert keys["train.step_compute_s"][0] == pytest.approx(0.005)
+    assert keys["ftar.sync_overhead_s"][0] == pytest.approx(0.030 - 0.005 * 4)
+    assert "K = 4 ranks" in keys["train.step_compute_s"][2]
+    # without the ranks (a profile from before) the figures set the keys as they are
+    keys = profile_keys({f.name: f for f in base})
+    assert keys["train.step_compute_s"][0] == 0.010 and "ftar.sync_overhead_s" not in keys
+
+
+def test_the_bookkeeping_comes_from_the_2_replica_run_where_timed():
+    figures = (fig("script_commit_to_quorum_s", 0.030), fig("script_commit_to_quorum_2_replicas_s", 0.020),
+               fig("storage_write_s", 0.005), fig("tcp_one_way_us", 10.0, "us"))
+    keys = profile_keys({f.name: f for f in figures})
+    assert keys["train.step_bookkeeping_s"][0] == pytest.approx(0.020 - 0.005 - 20e-6)
+    assert "script_commit_to_quorum_2_replicas_s" in keys["train.step_bookkeeping_s"][2]
+
+
+def test_commit_to_quorum_of_quorums_of_so_many_replicas():
+    from harness.calibrate import commit_to_quorum_s
+
+    ev = [{"event": "commit", "t": 1.0, "step": 1, "replica_id": "r0"},
+          {"event": "quorum", "t": 1.01, "step": 1, "replica_id": "r0", "participants": ["r0", "r1"]},
+          {"event": "commit", "t": 2.0, "step": 2, "replica_id": "r0"},
+          {"event": "quorum", "t": 2.05, "step": 2, "replica_id": "r0", "participants": ["r0"]}]
+    assert commit_to_quorum_s(ev) == pytest.approx([0.01, 0.05])
+    assert commit_to_quorum_s(ev, participants=2) == pytest.approx([0.01])

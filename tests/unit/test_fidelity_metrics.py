@@ -106,9 +106,85 @@ def test_both_runs_get_the_same_faults_in_the_one_grammar():
     add_arguments(p)
     args = p.parse_args(["--replicas", "4", "--ranks-per-replica", "2"])
     specs = fault_specs(args)
-    assert specs == ["kill replica=1 step=15 at=0.5", "slow fetch replica=1 delay=0.2"]
+    assert specs == ["kill replica=1 step=15 at=0.5", "kill replica=1 step=55 at=0.5", "kill replica=1 step=95 at=0.5",
+                     "kill replica=1 step=135 at=0.5", "slow fetch replica=1 delay=0.2"]
     for spec in specs:
         parse(spec), parse_inject(spec)  # both worlds accept them
     o = emulated_overrides(args, 5216)
     assert {"replicas=4", "ranks_per_replica=2", "checkpoint.every_steps=0", "timeouts.join_timeout_s=0.5"} <= set(o)
-    assert not fault_specs(p.parse_args(["--slow-fetch-delay", "0"]))[1:]
+    assert fault_specs(p.parse_args(["--slow-fetch-delay", "0", "--kills", "1"])) == ["kill replica=1 step=15 at=0.5"]
+
+
+def two_kill_events() -> list[dict]:
+    """2 replicas, r0 alone after each kill of r1: 0.1 s steps, except the step containing a kill (0.4 s) and
+    the step r1 rejoins in (0.25 s). r1 is killed at 0.25 and 2.5 and rejoins at step 8 and step 26."""
+    ev: list[dict] = []
+    t = 0.0
+    slow = {2: 0.4, 8: 0.25, 20: 0.4, 26: 0.25}
+    r1_up = lambda s: s < 2 or 8 <= s < 20 or s >= 26  # noqa: E731
+    inc = lambda s: 0 if s < 2 else (1 if s < 20 else 2)  # noqa: E731
+    for step in range(35):
+        members = ["r0", "r1"] if r1_up(step) else ["r0"]
+        ev.append({"event": "quorum", "t": t + 0.001, "replica_id": "r0", "step": step, "participants": members})
+        if r1_up(step):
+            ev.append({"event": "quorum", "t": t + 0.002, "replica_id": "r1", "incarnation": inc(step), "step": step,
+                       "participants": members})
+        t += slow.get(step, 0.1)
+        ev.append({"event": "commit", "t": t, "replica_id": "r0", "step": step + 1})
+        if r1_up(step):
+            ev.append({"event": "commit", "t": t, "replica_id": "r1", "incarnation": inc(step), "step": step + 1})
+    for at, n in ((0.25, 1), (2.5, 2)):
+        ev.append({"event": "kill", "t": at, "replica_id": "r1", "incarnation": n - 1})
+        ev.append({"event": "abort", "t": at + 0.03 * n, "replica_id": "r0"})
+        ev.append({"event": "restart", "t": at + 0.3, "replica_id": "r1", "incarnation": n})
+    return ev
+
+
+def test_per_fault_figures_and_their_medians_over_two_kills():
+    from harness.calibrate.fidelity import per_fault, spread
+
+    ev = two_kill_events()
+    f = per_fault(ev)
+    assert f["detection_s"] == pytest.approx([0.03, 0.06])
+    assert f["stall_per_failure_s"] == pytest.approx([0.3, 0.3])
+    assert f["rejoin_stall_s"] == pytest.approx([0.15, 0.15])
+    m = metrics(ev, num_replicas=2)
+    assert m["detection_s"] == pytest.approx(0.045) and m["stall_per_failure_s"] == pytest.approx(0.3)
+    sp = spread(f)
+    assert sp["detection_s"] == {"n": 2, "min": pytest.approx(0.03), "median": pytest.approx(0.045),
+                                 "max": pytest.approx(0.06)}
+    assert "catchup_s" not in sp  # no values, no spread
+
+
+def test_a_stall_is_measured_against_the_step_just_before_it():
+    from harness.calibrate.fidelity import per_fault
+
+    ev = two_kill_events()
+    for e in ev:  # the second kill meets a loaded machine: r0's 10 steps before it take 0.2 s each
+        if e["event"] == "commit" and e["replica_id"] == "r0" and 11 <= e["step"] <= 19:
+            e["t"] += (e["step"] - 10) * 0.1
+        elif e["t"] >= 2.45 - 1e-9:
+            e["t"] += 1.0
+    assert per_fault(ev)["stall_per_failure_s"] == pytest.approx([0.3, 0.2])
+    assert per_fault([e for e in ev if e["event"] != "commit"])["stall_per_failure_s"] == []
+
+
+def test_restep_emulates_with_the_mean_of_before_and_after():
+    from harness.calibrate.fidelity import mean_overrides
+
+    o = mean_overrides({"train.step_compute_s": 0.002, "ftar.sync_overhead_s": 0.01},
+                       {"train.step_compute_s": 0.004, "scheduler.process_start_s": 0.2})
+    assert o == ["train.step_compute_s=0.003", "ftar.sync_overhead_s=0.01", "scheduler.process_start_s=0.2"]
+
+
+def test_kills_must_fit_in_the_run():
+    import argparse
+
+    from ftrun.cli import UsageError
+    from harness.calibrate.fidelity import add_arguments, run
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    for argv in (["--kills", "5", "--kill-every", "40"], ["--kills", "0"], ["--kill-every", "0"]):
+        with pytest.raises(UsageError, match="--kill"):
+            run(p.parse_args(argv))
