@@ -78,16 +78,22 @@ class ManagerConfig:
     commit, after which it gives up (raises) instead of retrying.
     max_peer_retries: the same for failed commits that other replicas caused (a peer died or stalled in
     the exchange, too few contributors): a larger budget, so a failing peer cannot take this one down.
+    ask_ahead: the leader sends its quorum request for the next step right after a commit, so the
+    lighthouse decides while the replica finishes the step (ftrun.replica.ask_ahead); off: it asks at
+    the next start_step and waits.
     """
 
     max_retries: int = 10
     max_peer_retries: int = 100
+    ask_ahead: bool = True
     timeouts: Timeouts = field(default_factory=Timeouts)
 
     def __post_init__(self) -> None:
         for name in ("max_retries", "max_peer_retries"):
             if getattr(self, name) < 0:
                 raise ValueError(f"ManagerConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if not isinstance(self.ask_ahead, bool):
+            raise ValueError(f"ManagerConfig.ask_ahead must be a bool, got {self.ask_ahead!r}")
 
 
 @dataclass(frozen=True, kw_only=True)

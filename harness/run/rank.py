@@ -193,6 +193,7 @@ def _train(job: RankJob, inc: RankIncarnation, rank: int, env: Any, lead: bool) 
     marks = _Marks()
     trainer = _build(job, inc, rank, env, lead, marks)
     leader = rank == 0
+    trainer.manager.final_step = job.options.steps  # no early quorum request after the last step
     while trainer.step < job.options.steps and not job.finished:
         r = trainer.train_step()
         job.recorder.rank_started_step(r.quorum_id, r.step, marks.quorum, marks.decided if r.healed else marks.started)
