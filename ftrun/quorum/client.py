@@ -156,7 +156,6 @@ class LighthouseClient:
             return False
         finally:
             self._receiving.release()
-        if self.telemetry: self.telemetry.quorum_ask(step)
         return True
 
     def collect(self) -> Decision:
@@ -166,6 +165,9 @@ class LighthouseClient:
         request = self._pending
         if request is None:
             raise RuntimeError("no early quorum request to collect")
+        # Root-cause telemetry: the ask is timed from here, where the step starts waiting for the
+        # decision (a leader that asked at its commit and is computing is not waiting in a quorum).
+        if self.telemetry: self.telemetry.quorum_ask(request["step"])
         deadline = self.env.clock.now() + self.timeouts.quorum_timeout_s
         try:
             reply = self._read_ahead_reply(deadline)

@@ -151,3 +151,20 @@ def test_a_discarded_reply_is_never_read_as_the_next_requests(lighthouse):
     assert da == db and da.quorum_id > first.quorum_id
     a.close()
     b.close()
+
+
+def test_telemetry_times_the_quorum_wait_from_collect(lighthouse):
+    """Root-cause analysis reads an open quorum ask as a leader waiting in the quorum: a leader that
+    asked at its commit and is computing must not look like one."""
+    from ftrun.diagnose.telemetry import Ev, Op, Recorder
+
+    env, lh = lighthouse
+    a, b = client(env, lh, "a"), client(env, lh, "b")
+    a.telemetry = Recorder(env.clock)
+    quorum_events = lambda: [(int(r["ev"]), int(r["cid"])) for r in a.telemetry.records() if r["op"] == Op.QUORUM]
+    assert a.ask(3) and b.ask(3)
+    assert quorum_events() == []  # asked, not waiting
+    assert a.collect() == b.collect()
+    assert quorum_events() == [(Ev.ENTER, 3), (Ev.DONE, 3)]
+    a.close()
+    b.close()
