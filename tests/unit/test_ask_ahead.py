@@ -57,3 +57,11 @@ def test_reason_names_what_changed():
     assert reason(SENT, QuorumAsk(step=9, commit_failed=True, data_addrs=("x",))) == (
         "step 7 -> 9; commit_failed False -> True; data addresses changed")
     assert reason(SENT, SENT) == "unchanged"
+
+
+def test_manager_config_ask_ahead_is_on_by_default_and_must_be_a_bool():
+    from ftrun.config import ManagerConfig
+
+    assert ManagerConfig().ask_ahead is True and ManagerConfig(ask_ahead=False).ask_ahead is False
+    with pytest.raises(ValueError, match="ManagerConfig.ask_ahead must be a bool, got 'no'"):
+        ManagerConfig(ask_ahead="no")
