@@ -5,10 +5,10 @@ start_step, should_commit, then a modelled compute sleep (`--compute-ms`: the op
 rest of the step, where the trainer's work between a commit and the next quorum runs); the FT overhead
 of a step is its time in start_step and should_commit, the sleep excluded. The steps run twice in the
 same run, each time with fresh replica processes and a fresh lighthouse: without ask-ahead ("sync": the
-leader asks at start_step and waits) and with it ("async", the default: the request goes out at the
+leader asks at start_step and waits) and with it ("async": the request goes out at the
 commit and the lighthouse decides during the sleep; ftrun.replica.ask_ahead). `hidden_ms` is what
 ask-ahead takes off a step's FT overhead, `async_to_sync` the ratio of the two. The keys without a
-prefix are ask-ahead's (the default configuration), the `sync_` ones the other run's. Baseline measured
+prefix are ask-ahead's, the `sync_` ones the other run's. Baseline measured
 in the same run: one control-message round trip over the same loopback network, so the ratio says how
 many round trips a step's FT overhead costs.
 

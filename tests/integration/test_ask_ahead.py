@@ -32,8 +32,8 @@ def client(env, lh, rid):
     return c
 
 
-def one_rank(env, lh, rid, **config):
-    return Manager(config=ManagerConfig(timeouts=T, **config), env=env, comm=LocalComm(), replica_id=rid,
+def one_rank(env, lh, rid, ask_ahead=True):
+    return Manager(config=ManagerConfig(timeouts=T, ask_ahead=ask_ahead), env=env, comm=LocalComm(), replica_id=rid,
                    lighthouse=client(env, lh, rid))
 
 
@@ -46,7 +46,7 @@ def wait_for(env, cond, what):
 
 def test_the_next_quorum_is_decided_at_the_commit(lighthouse):
     env, lh = lighthouse
-    a, b = build_replica(env, lh, "a", 3), build_replica(env, lh, "b", 2)
+    a, b = build_replica(env, lh, "a", 3, ask_ahead=True), build_replica(env, lh, "b", 2, ask_ahead=True)
     out = step_all(env, a + b)
     assert all(committed for _, committed in out)
     # No start_step yet: the leaders' early requests already formed step 1's quorum.

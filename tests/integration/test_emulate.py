@@ -38,10 +38,8 @@ def test_default_run_kills_a_replica_and_it_rejoins(tmp_path):
     parts = f["participants_per_step"]
     assert parts[:3] == [4, 4, 4] and min(parts) == 3 and parts[-1] == 4  # a dip, then the rejoin
     assert f["steps_committed"]["r1"] < 10 and f["unexpected_errors"] == []
-    # killed at the step boundary, right after its commit of step 3. With ask-ahead (the default) it had
-    # already asked for step 4 at that commit, so step 4's quorum holds it: the survivors' ring breaks and
-    # they retrain that step once (ftrun.replica.ask_ahead; without ask-ahead they lost no work)
-    assert 0 < f["stall_per_failure_s"] <= f["step_time_s"] + f["detection_s"] + 0.05 and f["detection_s"] < 0.01
+    # killed at the step boundary: the survivors lose no work, only the quorum and ring rebuild
+    assert 0 < f["stall_per_failure_s"] < f["step_time_s"] and f["detection_s"] < 0.01
     assert f["rejoin_s"] > 0 and f["rejoin_stall_s"] is not None
     assert 0.5 < f["effective_training_time"] < 1.0
     assert f["get_quorum_p50_ms"] <= f["get_quorum_p99_ms"] < 1000

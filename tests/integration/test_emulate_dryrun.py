@@ -21,9 +21,7 @@ def test_default_dry_run_kills_and_rejoins(capsys):
     per_step = f["participants_per_step"]
     assert min(per_step[1:]) == 3 and per_step[-1] == 4, "one replica out, then back"
     assert f["rejoin_s"] is not None and f["rejoin_stall_s"] < f["step_time_s"]
-    # the kill comes right after the replica's commit, when with ask-ahead it already asked for the next
-    # step: the survivors retrain that step once (test_emulate's default run says more)
-    assert f["stall_per_failure_s"] <= f["step_time_s"] + f["detection_s"] + 0.05
+    assert f["stall_per_failure_s"] < f["step_time_s"]
 
 
 def test_inject_override_and_determinism(capsys):

@@ -59,9 +59,9 @@ def test_reason_names_what_changed():
     assert reason(SENT, SENT) == "unchanged"
 
 
-def test_manager_config_ask_ahead_is_on_by_default_and_must_be_a_bool():
+def test_manager_config_ask_ahead_is_off_by_default_and_must_be_a_bool():
     from ftrun.config import ManagerConfig
 
-    assert ManagerConfig().ask_ahead is True and ManagerConfig(ask_ahead=False).ask_ahead is False
+    assert ManagerConfig().ask_ahead is False and ManagerConfig(ask_ahead=True).ask_ahead is True
     with pytest.raises(ValueError, match="ManagerConfig.ask_ahead must be a bool, got 'no'"):
         ManagerConfig(ask_ahead="no")
