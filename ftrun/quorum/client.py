@@ -9,6 +9,12 @@ request, not two: no reader task hands the reply over; `ftrun bench overhead`). 
 heartbeat task takes the lighthouse's unasked notices (a participant of the current quorum hung) at
 each heartbeat, so a notice reaches `on_peer_hung` at most heartbeat_interval_s after it arrives. A
 receive lock makes sure only one task reads at a time.
+
+Ask-ahead (ftrun.replica.ask_ahead): `ask()` sends a quorum request and returns at once; `collect()`
+later reads its reply (a reply the heartbeat task reads first is kept for it, not dropped), `discard()`
+forgets it. One request is outstanding at a time: `quorum()` and `report_finished()` discard a pending
+early request first. Discarding drops the connection: the reconnect's hello makes the lighthouse forget
+the pending request, and no late reply to it can be taken for the next request's.
 """
 
 from __future__ import annotations
@@ -69,6 +75,8 @@ class LighthouseClient:
         self._receiving = env.lock()  # held by the one task reading the connection
         self._tasks: list[Task] = []
         self.last_quorum_id = 0
+        self._pending: dict | None = None  # the early request (ask) whose reply nobody collected yet
+        self._ahead_reply: dict | None = None  # its reply, when the heartbeat task read it first
 
     def connect(self) -> None:
         """Register with the lighthouse now (it counts this replica as live from here on), rather than at
@@ -84,12 +92,19 @@ class LighthouseClient:
         then may a full restart rewind the job below the highest step handed out: rule 8).
         Raises QuorumTimeout, LighthouseRejected (a refusal, e.g. a step below the job's: the text
         says why)."""
-        request = {
-            "type": "quorum", "step": step, "commit_failed": commit_failed, "own_failures": own_failures,
-            "fresh": fresh, "last_quorum_id": self.last_quorum_id, "data_addrs": list(data_addrs),
-        }
-        deadline = self.env.clock.now() + self.timeouts.quorum_timeout_s
+        self.discard()
+        request = self._request(step, commit_failed, own_failures, fresh, data_addrs)
         if self.telemetry: self.telemetry.quorum_ask(step)
+        return self._quorum(request)
+
+    def _request(self, step: int, commit_failed: bool, own_failures: int, fresh: bool,
+                 data_addrs: tuple[str, ...]) -> dict:
+        return {"type": "quorum", "step": step, "commit_failed": commit_failed, "own_failures": own_failures,
+                "fresh": fresh, "last_quorum_id": self.last_quorum_id, "data_addrs": list(data_addrs)}
+
+    def _quorum(self, request: dict) -> Decision:
+        step = request["step"]
+        deadline = self.env.clock.now() + self.timeouts.quorum_timeout_s
         while True:
             remaining = deadline - self.env.clock.now()
             if remaining <= 0:
@@ -104,15 +119,98 @@ class LighthouseClient:
                 self._drop()
                 self.env.clock.sleep(min(0.05, max(deadline - self.env.clock.now(), 0)))
                 continue
-            decision = self._decision(reply)
-            self.last_quorum_id = decision.quorum_id
-            if self.telemetry: self.telemetry.quorum_got(decision.max_step, decision.quorum_id)
-            return decision
+            return self._decided(reply)
+
+    def _decided(self, reply: dict) -> Decision:
+        decision = self._decision(reply)
+        self.last_quorum_id = decision.quorum_id
+        if self.telemetry: self.telemetry.quorum_got(decision.max_step, decision.quorum_id)
+        return decision
+
+    # -- ask-ahead: the request now, its reply later (ftrun.replica.ask_ahead) --------------------
+    @property
+    def asked_ahead(self) -> bool:
+        """A request sent by `ask` waits to be collected or discarded."""
+        return self._pending is not None
+
+    def ask(self, step: int, *, commit_failed: bool = False, own_failures: int = 0, fresh: bool = False,
+            data_addrs: tuple[str, ...] = ()) -> bool:
+        """Send the quorum request `quorum()` would send, without waiting for the decision: `collect()`
+        reads it. Best effort: False (logged) when it could not be sent (nothing pends; the next
+        `quorum()` asks again). Raises RuntimeError while an earlier early request pends."""
+        if self._pending is not None:
+            raise RuntimeError("an early quorum request is pending: collect or discard it first")
+        request = self._request(step, commit_failed, own_failures, fresh, data_addrs)
+        timeout = self.timeouts.connect_timeout_s
+        if not self._receiving.acquire(timeout=timeout):
+            log.warning("could not ask ahead for step %d: the receive lock stayed busy", step)
+            return False
+        try:
+            conn = self._connected(timeout)
+            self._take_unasked(conn, stale_ok=True)
+            conn.send(request, timeout=timeout)
+            self._pending, self._ahead_reply = request, None
+        except (NetError, QuorumError) as e:
+            log.warning("could not ask ahead for step %d (%s); start_step will ask", step, e)
+            self._drop()  # the lighthouse may hold the request: the reconnect's hello clears it
+            return False
+        finally:
+            self._receiving.release()
+        return True
+
+    def collect(self) -> Decision:
+        """The decision for the request `ask` sent, waiting up to quorum_timeout_s from now. A lost
+        connection asks again (as `quorum()` does). Raises QuorumTimeout, LighthouseRejected, JobFinished,
+        RuntimeError when nothing pends."""
+        request = self._pending
+        if request is None:
+            raise RuntimeError("no early quorum request to collect")
+        # Root-cause telemetry: the ask is timed from here, where the step starts waiting for the
+        # decision (a leader that asked at its commit and is computing is not waiting in a quorum).
+        if self.telemetry: self.telemetry.quorum_ask(request["step"])
+        deadline = self.env.clock.now() + self.timeouts.quorum_timeout_s
+        try:
+            reply = self._read_ahead_reply(deadline)
+        except (NetTimeout, EnvTimeout):
+            self.discard()
+            raise QuorumTimeout(f"no quorum for step {request['step']} within {self.timeouts.quorum_timeout_s}s")
+        except NetError as e:
+            log.warning("lighthouse connection lost (%s) before the early request's reply; asking again", e)
+            self.discard()
+            return self._quorum({**request, "last_quorum_id": self.last_quorum_id})
+        self._pending = self._ahead_reply = None
+        return self._decided(reply)
+
+    def _read_ahead_reply(self, deadline: float) -> dict:
+        if not self._receiving.acquire(timeout=max(deadline - self.env.clock.now(), 0.0)):
+            raise EnvTimeout("the lighthouse connection's receive lock stayed busy")
+        try:
+            if self._ahead_reply is not None:
+                return self._ahead_reply
+            conn = self._conn
+            if conn is None or conn.closed:
+                raise PeerClosed("the lighthouse connection closed")
+            while True:
+                msg = conn.recv(timeout=max(deadline - self.env.clock.now(), 1e-3))
+                if msg.get("type") != "hung":
+                    return msg
+                self._notice(msg)
+        finally:
+            self._receiving.release()
+
+    def discard(self) -> None:
+        """Forget the early request, if one pends: drop the connection, so the lighthouse forgets the
+        request when the next one says hello, and no late reply to it is read as another's."""
+        if self._pending is None:
+            return
+        self._pending = self._ahead_reply = None
+        self._drop()
 
     def report_finished(self, step: int) -> bool:
         """Tell the lighthouse this replica committed the job's final step (`step` steps), so a stale
         replica asking later is told the job finished (rule 0). Waits for the acknowledgement up to
         connect_timeout_s; False (logged) if it did not come: the job's outcome does not depend on it."""
+        self.discard()
         timeout = self.timeouts.connect_timeout_s
         try:
             conn = self._connected(timeout)
@@ -153,7 +251,8 @@ class LighthouseClient:
 
     def _take_unasked(self, conn: Connection, *, stale_ok: bool) -> None:
         """Read what has already arrived, without waiting: notices go to their callback, anything else
-        is a reply nobody waits for any more (dropped). The caller holds the receive lock."""
+        is a reply nobody waits for any more (dropped), except the early request's reply, kept for
+        `collect`. The caller holds the receive lock."""
         while True:
             try:
                 msg = conn.recv(timeout=0)
@@ -161,6 +260,8 @@ class LighthouseClient:
                 return
             if msg.get("type") == "hung":
                 self._notice(msg)
+            elif self._pending is not None and self._ahead_reply is None:
+                self._ahead_reply = msg  # the early request's reply: kept for collect()
             elif not stale_ok:
                 log.warning("dropping the lighthouse's unasked %r message", msg.get("type"))
 

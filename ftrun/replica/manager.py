@@ -17,6 +17,10 @@ budgets (ftrun.replica.vote). Build the ReplicaComm with
 `Timeouts.replica_comm_s`: the other ranks wait in the decision broadcast while the leader waits for the
 lighthouse (found by the emulator: a rejoining replica's ranks timed out and the failure cascaded). Threading: one task per
 Manager; the lighthouse client's heartbeat runs in its own task.
+
+Ask-ahead (`ManagerConfig.ask_ahead`, ftrun.replica.ask_ahead): after a commit the leader already sends
+the next step's quorum request, and start_step reads its reply, so the lighthouse round trip overlaps
+the rest of the step. `final_step` (the job's step count, when known) stops it after the last step.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from ftrun.env.base import Env
 from ftrun.quorum import protocol
 from ftrun.quorum.client import JobFinished as LighthouseJobFinished, LighthouseClient, QuorumError
 from ftrun.quorum.decide import Decision, Participant
+from ftrun.replica import ask_ahead
 from ftrun.replica.comm import ReplicaComm
 from ftrun.replica.endpoints import decode_endpoints
 from ftrun.replica.lifecycle import Phase, transition
@@ -118,7 +123,7 @@ class Manager:
     def __init__(
         self, *, config: ManagerConfig, env: Env, comm: ReplicaComm, replica_id: str,
         lighthouse: LighthouseClient | None, step: int = 0, data_addr: str = "",
-        heal: HealFn | None = None, on_event: EventFn | None = None,
+        heal: HealFn | None = None, on_event: EventFn | None = None, final_step: int | None = None,
     ) -> None:
         if (comm.rank == 0) != (lighthouse is not None):
             raise ValueError("exactly the replica's rank 0 (its leader) must hold a LighthouseClient")
@@ -136,6 +141,8 @@ class Manager:
         self._peers_key: tuple | None = None  # the quorum whose peer addresses this rank holds
         self._peer_addrs: tuple[str, ...] = ()
         self._leader_decision: Decision | None = None
+        self.final_step = final_step  # the job's last step count, when known: no ask-ahead after it
+        self._asked: ask_ahead.QuorumAsk | None = None  # the leader's request sent after the last commit
 
     # -- phase 1: quorum -----------------------------------------------------------------------
     def start_step(self) -> StepQuorum:
@@ -168,9 +175,7 @@ class Manager:
         payload = None
         if self._lighthouse is not None:
             try:
-                d = self._lighthouse.quorum(self.step, commit_failed=self._report_commit_failure,
-                                            own_failures=self._failures.own, fresh=self.quorum is None,
-                                            data_addrs=self._data_addrs)
+                d = self._leader_quorum(self._lighthouse)
                 self._leader_decision = d
                 self._report_commit_failure = False
                 if self.comm.world_size == 1:  # a replica of one rank: no one to tell, nothing to encode
@@ -181,6 +186,37 @@ class Manager:
                 finished = e.step if isinstance(e, LighthouseJobFinished) else None
                 payload = msgpack.packb({"ok": False, "error": str(e), "finished": finished})
         return _decode_reply(self.comm.broadcast_bytes(payload, root=0))
+
+    def _wanted_ask(self) -> ask_ahead.QuorumAsk:
+        return ask_ahead.QuorumAsk(self.step, self._report_commit_failure, self._failures.own,
+                                   self.quorum is None, self._data_addrs)
+
+    def _leader_quorum(self, lighthouse: LighthouseClient) -> Decision:
+        """The decision for this step: the reply to the request sent after the last commit when it still
+        holds (ftrun.replica.ask_ahead), else a request now."""
+        wanted, sent = self._wanted_ask(), self._asked
+        self._asked = None
+        action = ask_ahead.on_start_step(sent if lighthouse.asked_ahead else None, wanted)
+        if action is ask_ahead.Action.COLLECT:
+            return lighthouse.collect()
+        if action is ask_ahead.Action.DISCARD:
+            assert sent is not None
+            log.info("replica %s discards its early quorum request: %s", self.replica_id,
+                     ask_ahead.reason(sent, wanted), extra=self._extra())
+            lighthouse.discard()
+        return lighthouse.quorum(wanted.step, commit_failed=wanted.commit_failed, own_failures=wanted.own_failures,
+                                 fresh=wanted.fresh, data_addrs=wanted.data_addrs)
+
+    def _ask_ahead(self) -> None:
+        """After a commit: the leader sends the next step's request now (best effort)."""
+        if not ask_ahead.should_ask_ahead(enabled=self.config.ask_ahead, leader=self._lighthouse is not None,
+                                          committed=True, next_step=self.step, final_step=self.final_step):
+            return
+        assert self._lighthouse is not None
+        wanted = self._wanted_ask()
+        if self._lighthouse.ask(wanted.step, commit_failed=wanted.commit_failed, own_failures=wanted.own_failures,
+                                fresh=wanted.fresh, data_addrs=wanted.data_addrs):
+            self._asked = wanted
 
     def _receive_peer_addrs(self, d: Decision, addrs_digest: bytes) -> None:
         """A collective after a decision whose participants or addresses changed: the leader scatters to
@@ -256,6 +292,7 @@ class Manager:
             self.step += 1
             self._move("commit")
             self._emit("commit")
+            self._ask_ahead()
             return True
         self._report_commit_failure = True
         self._emit("abort", reason=outcome.reason, own=outcome.failed_own)
@@ -273,7 +310,8 @@ class Manager:
         """This replica committed the job's final step: the leader tells the lighthouse (rule 0), so a
         stale replica that asks later exits instead of training. Other ranks: nothing to do."""
         if self._lighthouse is not None:
-            self._lighthouse.report_finished(self.step)
+            self._asked = None
+            self._lighthouse.report_finished(self.step)  # discards an early request, if one was sent
 
     # -- helpers -------------------------------------------------------------------------------
     def _move(self, event: str) -> None:

@@ -300,7 +300,8 @@ class FTJob:
         self.emit({"event": "ready", "t": self.env.clock.now(), "step": trainer.step, "pid": os.getpid(),
                    "lineage": trainer.progress.state.lineage, "startup": self.startup, **who})
         try:
-            while trainer.step < target():
+            while trainer.step < (final := target()):
+                trainer.manager.final_step = final  # no early quorum request after the last step
                 r = trainer.train_step()
                 self.emit(step_event(r, trainer.compute.model, self.env.clock.now(), rank=self.rank))
                 if hooks.on_step is not None:

@@ -109,6 +109,7 @@ class OwnLoop:
         if self.trainer is None:
             size = self.dataset_size if self.dataset_size is not None else self.job.spec.num_replicas
             self.trainer, self._closers = self._build(self.model, self.optimizer, size, self.user)
+            self.trainer.manager.final_step = self.job.max_steps  # no early quorum request after it
             self.job.emit({"event": "ready", "t": self.job.env.clock.now(), "step": self.trainer.step,
                            "lineage": self.trainer.progress.state.lineage, "startup": self.job.startup,
                            "rank": self.job.rank})

@@ -41,7 +41,8 @@ REPLICA_DOWN = (ReplicaError, ReplicaCommError, QuorumError, NetError, EnvTimeou
 
 
 class TimedLighthouseClient(LighthouseClient):
-    """The real client; records each round trip (ask -> decision) for the report."""
+    """The real client; records each round trip (ask -> decision; with ask-ahead, collect -> decision)
+    for the report."""
 
     def __init__(self, *, job: RankJob, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -51,6 +52,14 @@ class TimedLighthouseClient(LighthouseClient):
         t_ask = self.env.clock.now()
         decision = super().quorum(step, **kwargs)
         self._job.recorder.leader_asked(decision.quorum_id, decision.max_step, t_ask, self.env.clock.now())
+        return decision
+
+    def collect(self) -> Decision:
+        """Ask-ahead's reply (ftrun.replica.ask_ahead): its request went out at the last commit, so the
+        round is timed from when start_step needs the decision: what the step waits for it."""
+        t_need = self.env.clock.now()
+        decision = super().collect()
+        self._job.recorder.leader_asked(decision.quorum_id, decision.max_step, t_need, self.env.clock.now())
         return decision
 
 
@@ -194,6 +203,7 @@ def _train(job: RankJob, inc: RankIncarnation, rank: int, env: Any, lead: bool) 
     marks = _Marks()
     trainer = _build(job, inc, rank, env, lead, marks)
     leader = rank == 0
+    trainer.manager.final_step = job.options.steps  # no early quorum request after the last step
     while trainer.step < job.options.steps and not job.finished:
         r = trainer.train_step()
         marks.committed = r.committed

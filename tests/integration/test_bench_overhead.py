@@ -26,9 +26,18 @@ def test_bench_overhead_smoke():
     assert f["ratio_to_round_trip"] == pytest.approx(f["overhead_ms"] / f["round_trip_ms"])
     assert f["lighthouse_wakeups_per_step"] > 0 and f["replica_wakeups_per_step"] > 0
     assert f["lighthouse_cpu_us_per_step"] > 0 and f["replica_cpu_us_per_step"] > 0
+    # sync (no ask-ahead) and ask-ahead in the same run
+    assert f["compute_ms"] == 2.0 and f["sync_overhead_ms"] > 0 and f["sync_median_step_ms"] > 0
+    assert f["median_ratio_to_round_trip"] == pytest.approx(f["median_step_ms"] / f["round_trip_ms"])
+    assert f["sync_ratio_to_round_trip"] == pytest.approx(f["sync_overhead_ms"] / f["round_trip_ms"])
+    assert f["hidden_ms"] == pytest.approx(f["sync_overhead_ms"] - f["overhead_ms"])
+    assert f["async_to_sync"] == pytest.approx(f["overhead_ms"] / f["sync_overhead_ms"])
 
 
-def test_bench_overhead_refuses_no_steps():
-    out = subprocess.run([sys.executable, "-m", "ftrun.cli", "bench", "overhead", "--steps", "0"], capture_output=True,
-                         text=True, cwd=ROOT, timeout=60, env={**os.environ, "PYTHONPATH": ROOT})
-    assert out.returncode != 0 and "--steps must be >= 1" in out.stderr
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("flag,value,what", [("--steps", "0", "--steps must be >= 1"),
+                                              ("--compute-ms", "-1", "--compute-ms must be within 0..10000")])
+def test_bench_overhead_refuses_bad_input(flag, value, what):
+    out = subprocess.run([sys.executable, "-m", "ftrun.cli", "bench", "overhead", flag, value], capture_output=True,
+                         text=True, cwd=ROOT, timeout=80, env={**os.environ, "PYTHONPATH": ROOT})
+    assert out.returncode != 0 and what in out.stderr

@@ -16,7 +16,8 @@ T = Timeouts(heartbeat_interval_s=0.05, heartbeat_timeout_s=1.0, join_timeout_s=
              commit_timeout_s=5.0)
 
 
-def build_replica(env, lh, rid, num_ranks, *, step=0, max_retries=3, heal=None, events=None, comm_cls=TreeComm):
+def build_replica(env, lh, rid, num_ranks, *, step=0, max_retries=3, heal=None, events=None, comm_cls=TreeComm,
+                  ask_ahead=False):
     """Managers for every rank of one replica (built concurrently, as separate processes would)."""
     listeners = [env.net.listen("127.0.0.1:0") for _ in range(num_ranks)]
     addrs = [ln.addr for ln in listeners]
@@ -28,7 +29,8 @@ def build_replica(env, lh, rid, num_ranks, *, step=0, max_retries=3, heal=None, 
         client = LighthouseClient(env=env, addr=lh.addr, token="t", replica_id=rid, timeouts=T) if rank == 0 else None
         if client is not None:
             client.connect()  # live before any replica asks, so the first quorum has every replica
-        managers[rank] = Manager(config=ManagerConfig(max_retries=max_retries, timeouts=T), env=env, comm=comm,
+        managers[rank] = Manager(config=ManagerConfig(max_retries=max_retries, timeouts=T, ask_ahead=ask_ahead),
+                                 env=env, comm=comm,
                                  replica_id=rid, lighthouse=client, step=step, data_addr=f"{rid}/{rank}",
                                  heal=heal, on_event=events.append if events is not None else None)
 
