@@ -23,6 +23,7 @@ import gc
 import logging
 import resource
 import runpy
+import shlex
 import sys
 import time
 import tomllib
@@ -45,6 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"scale profile name or TOML path (default {DEFAULT_PROFILE}), or a training script .py")
     p.add_argument("--profile", dest="script_profile", default=DEFAULT_PROFILE,
                    help="with SCRIPT.py: the profile whose job runs the script's training (and the torch.cuda shim follows)")
+    p.add_argument("--script-args", default="", metavar='"--dim 4096 ..."',
+                   help="with SCRIPT.py: its own command-line arguments (one string, split as a shell would)")
     p.add_argument("--steps", type=int, default=None, help="steps to train (default: the profile's)")
     p.add_argument("--inject", action="append", default=[], metavar='"kill replica=R step=S"',
                    help="fault to inject, in the one fault grammar of `ftrun launch --inject` and the profiles' "
@@ -255,7 +258,11 @@ def run_script(args: argparse.Namespace) -> int:
         raise SystemExit(f"ftrun emulate: --inject {e}") from None
     session = ScriptSession(profile, args, job_options=job_options, execute=execute)
     saved_argv, saved_level = sys.argv, _quiet_runtime_logs(args)
-    sys.argv = [str(script)]
+    try:
+        script_args = shlex.split(args.script_args)
+    except ValueError as e:
+        raise SystemExit(f"ftrun emulate: --script-args {args.script_args!r}: {e}") from None
+    sys.argv = [str(script), *script_args]
     code: Any = 0
     try:
         with shadow.active(profile, session=session) as registry:

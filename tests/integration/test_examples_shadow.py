@@ -65,5 +65,18 @@ def test_a_bad_inject_is_refused_by_name(tmp_path):
     assert "--inject" in out.stderr and "replica" in out.stderr
 
 
+@pytest.mark.timeout(120)
+def test_script_args_reach_the_script_and_size_its_model(tmp_path):
+    llama = ROOT / "examples" / "train_llama_tiny.py"
+    sizes = []
+    for extra in ((), ("--script-args", "--dim 128 --layers 4")):
+        out = emulate(llama, tmp_path, "--steps", "2", "--json", *extra)
+        assert out.returncode == 0, out.stderr[-3000:]
+        s = json.loads(out.stdout.strip().splitlines()[-1])["script"]
+        sizes.append((s["num_params"], s["flops_per_step_per_rank"], s["step_compute_s"]))
+    (n0, f0, t0), (n1, f1, t1) = sizes
+    assert n1 > 4 * n0 and f1 > 4 * f0 and t1 / t0 == pytest.approx(f1 / f0)  # compute time follows the FLOPs
+
+
 def test_there_are_examples():
     assert EXAMPLES
