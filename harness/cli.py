@@ -6,7 +6,9 @@ and prints a report (harness.report); `--out DIR` also writes PNG plots, a Chrom
 report.json. With no PROFILE: ci-small with its scripted replica kill and rejoin. `--json` prints the
 figures as one JSON object last. `--sweep ranks=...` runs a short failure-free job at each total rank
 count (ranks per replica varied, replicas as in the profile) and prints get_quorum latency against scale.
-SCRIPT.py runs a training script once under the shadow loader (`shadow.active(profile)`).
+SCRIPT.py runs a training script unchanged under the shadow loader (`shadow.active(profile, session=...)`):
+its `ft.train(...)` (or own loop's first `opt.step()`) runs the profile's job with the script's model, built
+on meta, on every emulated rank (harness.script); `--profile P` names the profile.
 
 Determinism: the same seed gives the same events and report when CPU charging is off (ci-small's
 default; `--cpu-charging off` for any profile). With charging on, the real CPU time of each task's slices
@@ -21,6 +23,7 @@ import gc
 import logging
 import resource
 import runpy
+import shlex
 import sys
 import time
 import tomllib
@@ -42,7 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("profile", nargs="?", default=None,
                    help=f"scale profile name or TOML path (default {DEFAULT_PROFILE}), or a training script .py")
     p.add_argument("--profile", dest="script_profile", default=DEFAULT_PROFILE,
-                   help="with SCRIPT.py: the profile the shadow loader's torch.cuda shim follows")
+                   help="with SCRIPT.py: the profile whose job runs the script's training (and the torch.cuda shim follows)")
+    p.add_argument("--script-args", default="", metavar='"--dim 4096 ..."',
+                   help="with SCRIPT.py: its own command-line arguments (one string, split as a shell would)")
     p.add_argument("--steps", type=int, default=None, help="steps to train (default: the profile's)")
     p.add_argument("--inject", action="append", default=[], metavar='"kill replica=R step=S"',
                    help="fault to inject, in the one fault grammar of `ftrun launch --inject` and the profiles' "
@@ -236,20 +241,47 @@ def run_sweep(args: argparse.Namespace) -> int:
 # -- a training script under the shadow loader ---------------------------------------------------------
 
 def run_script(args: argparse.Namespace) -> int:
+    """Run SCRIPT.py unchanged under the shadow loader; its train call runs the profile's emulated job
+    (harness.script). Exit status: the job's (complete, consistent), or the script's own if it fails."""
     import shadow
+    from harness.script import ScriptSession
 
-    profile = build_profile(args.script_profile, args.overrides, steps=args.steps, cpu_charging=None)
+    profile = build_profile(args.script_profile, args.overrides, steps=args.steps, cpu_charging=args.cpu_charging)
     script = Path(args.profile)
     if not script.is_file():
         raise SystemExit(f"ftrun emulate: no such script {script}")
-    saved_argv = sys.argv
-    sys.argv = [str(script)]
+    try:  # the faults do not depend on the script's model: refuse a bad --inject before running it
+        check_faults(job_options(profile, args).injected, replicas=profile.replicas,
+                     ranks_per_replica=profile.ranks_per_replica, buildings=profile.topology.buildings,
+                     hosts=_training_hosts(profile))
+    except ValueError as e:
+        raise SystemExit(f"ftrun emulate: --inject {e}") from None
+    session = ScriptSession(profile, args, job_options=job_options, execute=execute)
+    saved_argv, saved_level = sys.argv, _quiet_runtime_logs(args)
     try:
-        with shadow.active(profile) as registry:
+        script_args = shlex.split(args.script_args)
+    except ValueError as e:
+        raise SystemExit(f"ftrun emulate: --script-args {args.script_args!r}: {e}") from None
+    sys.argv = [str(script), *script_args]
+    code: Any = 0
+    try:
+        with shadow.active(profile, session=session) as registry:
             print(f"ftrun emulate: running {script} under the shadow loader "
-                  f"({', '.join(f'{k} -> {v}' for k, v in registry.modules.items())}; torch.cuda shimmed)",
-                  file=sys.stderr)
-            runpy.run_path(str(script), run_name="__main__")
+                  f"({', '.join(f'{k} -> {v}' for k, v in registry.modules.items())}; torch.cuda shimmed) "
+                  f"at {profile.name}: {profile.replicas} x {profile.ranks_per_replica} ranks", file=sys.stderr)
+            try:
+                runpy.run_path(str(script), run_name="__main__")
+            except SystemExit as e:
+                if isinstance(e.code, str):
+                    raise  # a message: the script (or the job it started) failed and said why
+                code = e.code
     finally:
         sys.argv = saved_argv
-    return 0
+        logging.getLogger("ftrun").setLevel(saved_level)
+    if session.figures is None:  # it only imported and ran things under the shadow loader: its own exit status
+        print(f"ftrun emulate: {script} started no training job (no ft.train, or no opt.step after job.wrap)",
+              file=sys.stderr)
+    session.report()
+    if code not in (0, None):
+        return code if isinstance(code, int) else 1
+    return 0 if session.figures is None or session.ok() else 1

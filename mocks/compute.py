@@ -132,13 +132,18 @@ def propagate_shapes(model: ModelConfig, ranks_per_replica: int, micro_batch: in
 
 
 class ShapeCache:
-    """Shape propagation results by replica layout; one per emulated job, shared by all its ranks."""
+    """Shape propagation results by replica layout; one per emulated job, shared by all its ranks.
+    `preset`: the layout every `get` answers instead (a training script's own model, mocks.script),
+    propagated once by its maker."""
 
-    def __init__(self) -> None:
+    def __init__(self, preset: LayoutShapes | None = None) -> None:
         self._by_layout: dict[tuple, LayoutShapes] = {}
-        self.num_propagations = 0
+        self._preset = preset
+        self.num_propagations = 0 if preset is None else 1
 
     def get(self, model: ModelConfig, ranks_per_replica: int, micro_batch: int = 1) -> LayoutShapes:
+        if self._preset is not None:
+            return self._preset
         key = (model, ranks_per_replica, micro_batch)
         shapes = self._by_layout.get(key)
         if shapes is None:

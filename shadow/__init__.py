@@ -8,7 +8,7 @@ The registry (real module -> mock module) is data: mocks/shadow_registry.toml. `
 checks that each mock exposes its real module's public API.
 """
 
-from shadow.loader import active, is_active
+from shadow.loader import active, current, is_active
 from shadow.registry import Registry, load_registry
 
-__all__ = ["Registry", "active", "is_active", "load_registry"]
+__all__ = ["Registry", "active", "current", "is_active", "load_registry"]

@@ -69,6 +69,7 @@ class _Active:
         self.saved_modules: dict[str, Any] = {}
         self.saved_attrs: list[tuple[Any, str, Any]] = []
         self.finder: ShadowFinder | None = None
+        self.session: Any = None
 
 
 _state: dict[str, _Active | None] = {"active": None}  # process-wide by nature: sys.meta_path is
@@ -80,19 +81,23 @@ def _gpus_per_host(profile: Any) -> int:
 
 
 @contextmanager
-def active(profile: Any = None, *, registry: Registry | None = None, cuda_shim: bool = True) -> Iterator[Registry]:
+def active(profile: Any = None, *, registry: Registry | None = None, cuda_shim: bool = True,
+           session: Any = None) -> Iterator[Registry]:
     """Install the import hook (and the torch.cuda shim) for the duration of the block.
 
     Args:
         profile: a harness.profile.Profile (or None); the shim reports its gpus_per_host devices.
         registry: real -> mock table; default mocks/shadow_registry.toml.
         cuda_shim: also replace torch.cuda (when torch is installed).
+        session: what the mocks hand their work to inside the block (`current()`), e.g. the emulator's
+            runner of a script's training job (mocks.train_api); None: nothing to hand to.
     Yields the registry in use. Raises RuntimeError when a context is already active.
     """
     if _state["active"] is not None:
         raise RuntimeError("shadow.active() is already in effect; it does not nest")
     registry = registry if registry is not None else load_registry()
     undo = _Active()
+    undo.session = session
     _state["active"] = undo
     try:
         for real in registry.modules:
@@ -110,6 +115,16 @@ def active(profile: Any = None, *, registry: Registry | None = None, cuda_shim: 
 
 def is_active() -> bool:
     return _state["active"] is not None
+
+
+def current() -> Any:
+    """The session of the active context (`active(session=...)`). Raises RuntimeError outside one or
+    when it was given none: a mock that needs the emulator cannot work without it."""
+    undo = _state["active"]
+    if undo is None or undo.session is None:
+        raise RuntimeError("no shadow session: this runs only inside shadow.active(session=...) "
+                           "(e.g. `ftrun emulate SCRIPT.py`)")
+    return undo.session
 
 
 def _set_aside(undo: _Active, name: str) -> None:

@@ -198,6 +198,16 @@ class CpuKernels:
             self.reduce_copy(a, 0, a.copy(), 0, a, 8, 8, dtype)
 
 
+class Float32CpuKernels(CpuKernels):
+    """CPU FTAR kernels that compile float32 only at start (the other dtypes' numba loops cost ~1.5 s,
+    which a restarted replica would spend before checking in); gradients travel as float32."""
+
+    def warmup(self) -> None:
+        a = np.zeros(16, np.uint8)
+        self.reduce(a, 0, a.copy(), 0, 8, DType.FLOAT32)
+        self.reduce_copy(a, 0, a.copy(), 0, a, 8, 8, DType.FLOAT32)
+
+
 def _sample(nbytes: int, dtype: DType, rng: np.random.Generator) -> np.ndarray:
     """nbytes of normal-distributed values of dtype, as bytes (no NaNs or denormals to skew timing)."""
     x = rng.standard_normal(nbytes // dtype.itemsize, dtype=np.float32)
@@ -234,3 +244,4 @@ def _measure(nbytes: int = 16 << 20, reps: int = 20) -> None:
 
 if __name__ == "__main__":
     _measure()
+

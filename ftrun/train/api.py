@@ -40,13 +40,11 @@ import tempfile
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
-import numpy as np
 import torch
 
 from ftrun.config import LighthouseConfig, Timeouts
 from ftrun.env.real import RealEnv
-from ftrun.ftar.cpu_kernels import CpuKernels
-from ftrun.ftar.kernels import DType
+from ftrun.ftar.cpu_kernels import Float32CpuKernels  # noqa: F401 (re-exported: workers import it here)
 from ftrun.launch.worker_env import WorkerSpec
 from ftrun.net import WILDCARDS
 from ftrun.replica.comm import LocalComm, ReplicaComm
@@ -57,6 +55,8 @@ from ftrun.train.own import FTOptimizer, FTSampler, OwnLoop, StepOutcome
 from ftrun.train.shard import ShardFn, close_replica_group, init_replica_group, shard_model
 from ftrun.train.trainer import LossFn
 from ftrun.train.user_state import UserState
+
+__all__ = ["FTConfig", "FTJob", "Hooks", "TrainResult", "init_from_env", "param_hash"]  # as ftrun.train names them
 
 log = logging.getLogger("ftrun.train")
 
@@ -75,16 +75,6 @@ class TrainResult:
     @property
     def exit_code(self) -> int:
         return 0 if self.ok else 1
-
-
-class Float32CpuKernels(CpuKernels):
-    """CPU FTAR kernels that compile float32 only at start (the other dtypes' numba loops cost ~1.5 s,
-    which a restarted replica would spend before checking in); gradients travel as float32."""
-
-    def warmup(self) -> None:
-        a = np.zeros(16, np.uint8)
-        self.reduce(a, 0, a.copy(), 0, 8, DType.FLOAT32)
-        self.reduce_copy(a, 0, a.copy(), 0, a, 8, 8, DType.FLOAT32)
 
 
 def init_from_env(config: FTConfig | None = None, *, environ: Mapping[str, str] | None = None) -> "FTJob":

@@ -21,6 +21,7 @@ The whole run happens inside `shadow.active(profile)`: the FTAR kernels come fro
 
 from __future__ import annotations
 
+import contextlib
 import random
 import secrets
 from dataclasses import replace
@@ -36,7 +37,7 @@ from ftrun.quorum.service import Lighthouse
 from ftrun.replica.tree_comm import TreeComm
 from harness.engine import EmulatedWorld
 from harness.engine.net import EmuConnection
-from harness.profile import DTYPE_BYTES, Profile
+from harness.profile import Profile
 from harness.run.fold import Mirror
 from harness.run.diagnosis import DIAGNOSIS_HOST, JobDiagnosis, ScenarioFaults
 from harness.run.faults import SCENARIO_FAULTS, CutBuilding, Kill, KillLighthouse, SlowFetch, SlowHost, check_faults
@@ -116,9 +117,9 @@ class EmulatedJob:
         self.timeouts = timeouts_of(profile)
         self.token = secrets.token_hex(8)
         self.recorder = Recorder(spans=options.trace)
-        self.shapes = ShapeCache()
+        self.shapes = ShapeCache(options.script.shapes if options.script is not None else None)
         shapes = self.shapes.get(profile.model, profile.ranks_per_replica)
-        self.state_bytes_per_rank = shapes.params_per_rank * (DTYPE_BYTES[profile.model.dtype] + ADAM_STATE_BYTES)
+        self.state_bytes_per_rank = shapes.grad_bytes_per_rank + shapes.params_per_rank * ADAM_STATE_BYTES
         self.shape_state = ShapeOnlyState(shapes)  # shared by every rank: it holds no values
         self.rng = random.Random(options.seed)
         self.replica_ids = tuple(self.replica_id(r) for r in range(profile.replicas))
@@ -192,7 +193,7 @@ class EmulatedJob:
     def run(self, progress: Callable[[int], None] | None = None) -> Recorder:
         """Run the job to completion in virtual time. Returns the recorder."""
         self._progress = progress
-        with shadow.active(self.profile):
+        with contextlib.nullcontext() if shadow.is_active() else shadow.active(self.profile):  # a script's is on
             from ftrun.ftar import cuda_kernels  # shadowed: mocks.ftar_kernels under the real name
 
             self._cuda_kernels = cuda_kernels

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from harness.profile import Profile, weibull_scale_for_mean
 from harness.run.faults import (CutBuilding, Fault, Kill, KillLighthouse, SlowFetch, SlowHost, check_faults,
@@ -83,6 +83,7 @@ class JobOptions:
     trace: bool = True
     diagnose: bool = False  # root-cause telemetry on every rank and a collector (harness.run.diagnosis)
     diagnose_interval_s: float | None = None  # with diagnose: run the monitor every this many seconds
+    script: Any = None  # a training script's model (mocks.script.ScriptModel): its shapes replace the profile's [model]
 
     def __post_init__(self) -> None:
         if self.steps < 1:

@@ -1,6 +1,9 @@
-"""Every script in examples/ runs unchanged under the shadow loader (`ftrun emulate SCRIPT --profile
-ci-small`): its imports of torch (dynamo and inductor included) see the torch.cuda shim, and it trains
-to the end."""
+"""Every script in examples/ runs unchanged under the shadow loader at profile scale (`ftrun emulate SCRIPT
+--profile ci-small --inject "kill replica=3 step=5" --json`): its imports of torch (dynamo and inductor
+included) see the torch.cuda shim, its `ftrun.train` calls reach mocks.train_api, and its model, built on
+meta (ft.train) or traced for one step (its own loop), trains on every one of the profile's 32 emulated
+ranks through the real trainer: the killed replica restarts, catches up from its peers and rejoins, and the
+exactly-once audit over every leader's records is clean."""
 
 from __future__ import annotations
 
@@ -15,19 +18,64 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 # own_loop_plain.py is the plain-PyTorch "before" of own_loop.py (the port diff): it starts no ftrun job.
 EXAMPLES = sorted(p for p in (ROOT / "examples").glob("*.py") if p.name != "own_loop_plain.py")
+# Enough steps for the killed replica to come back: own_loop.py's tiny MLP models ~7 ms steps at ci-small's
+# FLOP rate, and a restart takes about 1 s of modeled time (detection, allocation, process start).
+STEPS = 150
+
+
+def emulate(script: Path, tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ftrun.cli", "emulate", str(script), "--profile", "ci-small",
+                           "--no-progress", *extra], capture_output=True, text=True, timeout=170, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("script", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_example_trains_every_emulated_rank_and_the_killed_replica_rejoins(script, tmp_path):
+    out = emulate(script, tmp_path, "--steps", str(STEPS), "--inject", "kill replica=3 step=5", "--json")
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "under the shadow loader" in out.stderr and "torch.cuda shimmed" in out.stderr
+    assert "ftrun.train.api -> mocks.train_api" in out.stderr
+    f = json.loads(out.stdout.strip().splitlines()[-1])
+    assert f["profile"] == "ci-small" and f["ranks"] == 32 and f["steps_done"] == STEPS and f["complete"]
+    assert f["replicas_consistent"] and f["quorum_history_consistent"] and not f["unexpected_errors"]
+    # the script's own model, not the profile's: its FSDP2 shards over 8 ranks and its FLOPs
+    s = f["script"]
+    assert s["api"] in ("train", "wrap") and s["num_params"] > 0 and s["flops_per_step_per_rank"] > 0
+    assert s["num_params"] / 8 <= s["params_per_rank"] < s["num_params"]
+    assert s["step_time_from"] == "script FLOPs / profile FLOP rate" and f["step_time_s"] >= s["step_compute_s"]
+    # the kill, the restart and the rejoin
+    assert f["kills"] == 1 and f["num_failures"] == 1
+    assert 5 <= f["steps_committed"]["r3"] < STEPS and f["rejoin_s"] is not None
+    assert f["participants_per_step"][5] == 3 and f["participants_per_step"][-1] == 4
+    assert f["catchup_fetches"] >= 1 and f["catchup_bytes"] > 0 and f["catchup_sources"] >= 1
+    # the exactly-once audit over every leader's records, and checkpoints to the mock object store
+    assert f["exactly_once"] and f["audit_problems"] == 0
+    assert f["audit_batches"] > 0 and f["duplicate_batches"] == 0 and f["skipped_batches"] == 0
+    assert f["checkpoints_committed"] >= 1
+    # the script saw the job's outcome through its API: its "final" event carries the steps committed
+    events = [json.loads(line) for line in out.stdout.splitlines() if line.startswith('{"event"')]
+    assert [e["step"] for e in events if e["event"] == "final"] == [STEPS]
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("script", EXAMPLES, ids=[p.name for p in EXAMPLES])
-def test_example_runs_under_the_shadow_loader(script, tmp_path):
-    out = subprocess.run([sys.executable, "-m", "ftrun.cli", "emulate", str(script), "--profile", "ci-small"],
-                         capture_output=True, text=True, timeout=110, cwd=tmp_path,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    assert "under the shadow loader" in out.stderr and "torch.cuda shimmed" in out.stderr
-    events = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    final = [e for e in events if e.get("event") == "final"]
-    assert final and final[-1]["step"] > 0, out.stdout[-2000:]
+def test_a_bad_inject_is_refused_by_name(tmp_path):
+    out = emulate(EXAMPLES[0], tmp_path, "--steps", "3", "--inject", "kill replica=9 step=1")
+    assert out.returncode != 0
+    assert "--inject" in out.stderr and "replica" in out.stderr
+
+
+@pytest.mark.timeout(120)
+def test_script_args_reach_the_script_and_size_its_model(tmp_path):
+    llama = ROOT / "examples" / "train_llama_tiny.py"
+    sizes = []
+    for extra in ((), ("--script-args", "--dim 128 --layers 4")):
+        out = emulate(llama, tmp_path, "--steps", "2", "--json", *extra)
+        assert out.returncode == 0, out.stderr[-3000:]
+        s = json.loads(out.stdout.strip().splitlines()[-1])["script"]
+        sizes.append((s["num_params"], s["flops_per_step_per_rank"], s["step_compute_s"]))
+    (n0, f0, t0), (n1, f1, t1) = sizes
+    assert n1 > 4 * n0 and f1 > 4 * f0 and t1 / t0 == pytest.approx(f1 / f0)  # compute time follows the FLOPs
 
 
 def test_there_are_examples():

@@ -1,0 +1,293 @@
+"""The emulated side of the training API (ftrun.train.api): what an unchanged script's `ft.train(...)`, or
+its own loop (`job.wrap`), runs under `ftrun emulate SCRIPT.py --profile P`.
+
+The shadow loader maps ftrun.train.api to this module (mocks/shadow_registry.toml), so a script's
+`ftrun.train.init_from_env(...)` lands here. The script's process trains nothing itself: it describes
+its model, and the session of the shadow context (`shadow.current()`, the emulator's runner) runs the
+profile's job with it, where every emulated rank runs the real trainer.
+
+- `init_from_env`: this process's view of the emulated job: replica r0, rank 0 of the profile's layout;
+  `spec.max_steps` and `max_steps` are the --steps.
+- `FTJob.train`: the model built on meta, its FSDP2 dim-0 shards and the FLOPs of one rank's micro-batch
+  forward and backward (mocks.script); then `session.run(ScriptModel, steps=N)` runs the job and returns its
+  figures. The TrainResult: ok when the job completed with consistent replicas, step = the steps committed.
+- `FTJob.wrap` (the user's own loop): the loop's first step runs for real on the model the script built,
+  with its FLOPs counted from `opt.zero_grad()` to `opt.step()`; at that `step()` the session runs the job,
+  and `job.step` becomes the steps it committed, so the loop ends as it would after training.
+
+Events on stdout as the real API prints them on rank 0: "ready", "emulated" (the job's figures) and "final".
+Hooks are not called (the emulated ranks' StepResults stay inside the emulator; the report sums them up).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Mapping
+
+import torch
+
+import shadow
+from ftrun.launch.worker_env import WorkerSpec
+from ftrun.train.events import param_hash, print_event  # noqa: F401 (re-exported, as the real API does)
+from ftrun.train.job_config import FTConfig, Hooks
+from mocks.script import ScriptModel, meta_model, script_shapes, step_flops, to_meta
+
+__all__ = ["FTConfig", "FTJob", "Hooks", "TrainResult", "init_from_env", "param_hash"]
+
+ModelFn = Callable[[], torch.nn.Module]
+OptimizerFn = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    ok: bool  # the emulated job completed and its replicas agree
+    step: int  # steps the emulated job committed
+    param_hash: str  # "" : shape-only parameters have no bytes to hash
+    loader_state: dict  # {}: the job's ledgers are audited in its figures (audit_batches, ...)
+    error: str = ""
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.ok else 1
+
+
+def init_from_env(config: FTConfig | None = None, *, environ: Mapping[str, str] | None = None) -> "FTJob":
+    """This process's view of the emulated job of the active shadow session (`ftrun emulate SCRIPT.py`).
+    Raises RuntimeError outside one (shadow.current)."""
+    session = shadow.current()
+    config = config or FTConfig()
+    torch.manual_seed(config.seed)  # the model the user's own loop builds next, as the real API seeds it
+    spec = WorkerSpec(replica_id="r0", replica_index=0, num_replicas=session.replicas, rank=0,
+                      ranks_per_replica=session.ranks_per_replica, incarnation=0, lighthouse="emulated",
+                      token="", store_addr="", store_port=0, run_dir="", max_steps=session.steps)
+    return FTJob(config=config, spec=spec, env=None, startup={"session": session})
+
+
+class FTJob:
+    """The script's membership in the emulated job (module docstring). Threading: the script's thread."""
+
+    def __init__(self, *, config: FTConfig, spec: WorkerSpec, env: Any = None, lighthouse: Any = None,
+                 startup: dict[str, Any] | None = None) -> None:
+        self.config, self.spec, self.env = config, spec, env
+        self._session = (startup or {}).get("session") or shadow.current()
+        self._used = False
+        self._own: _OwnLoop | None = None
+        self.figures: dict[str, Any] | None = None  # the emulated job's, once it ran
+
+    @property
+    def rank(self) -> int:
+        return self.spec.rank
+
+    @property
+    def replica_id(self) -> str:
+        return self.spec.replica_id
+
+    @property
+    def max_steps(self) -> int | None:
+        return self.spec.max_steps
+
+    @property
+    def step(self) -> int:
+        """Steps committed: 0 until the emulated job ran, then the steps it committed."""
+        return self._own_loop("step").step
+
+    def emit(self, event: dict) -> None:
+        if self.config.events:
+            print_event(event)
+
+    def train(self, *, model_fn: ModelFn, optimizer_fn: OptimizerFn, loss_fn: Callable[..., Any], dataset: Any,
+              steps: int | Callable[[], int] | None = None, shard_fn: Any = None,
+              hooks: Hooks | None = None) -> TrainResult:
+        """Run the profile's emulated job with this script's model (module docstring)."""
+        self._start("train")
+        target = _target(steps, self.spec.max_steps)
+        model = meta_model(model_fn, seed=self.config.seed)
+        optimizer_fn(model.parameters())  # the script's optimizer builds over the parameters (no step)
+        if len(dataset) < 1:
+            raise ValueError("train: the dataset is empty")
+        batch = to_meta(dataset[torch.arange(min(self.config.batch_size, len(dataset)))])
+        flops = step_flops(lambda: loss_fn(model, batch))
+        return self._run(model, flops, "train", target)
+
+    def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+             shard_fn: Any = None) -> tuple[torch.nn.Module, "FTOptimizer"]:
+        """The model as it is and the optimizer as an FTOptimizer whose first step() runs the emulated job."""
+        if not isinstance(model, torch.nn.Module) or not isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(f"wrap(model, optimizer) takes a torch.nn.Module and a torch.optim.Optimizer, got "
+                             f"{type(model).__name__} and {type(optimizer).__name__}")
+        self._start("wrap")
+        self._own = _OwnLoop(self, model)
+        return model, FTOptimizer(self._own, optimizer)
+
+    @contextlib.contextmanager
+    def training_step(self) -> Iterator[Any]:
+        own = self._own_loop("training_step")
+        own.optimizer.zero_grad()
+        outcome = _Outcome()
+        yield outcome
+        outcome.committed = own.optimizer.step()
+
+    def sampler(self, dataset: Any) -> torch.utils.data.Sampler:
+        """The dataset's indices in order: in the script's process they feed only the traced first step."""
+        own = self._own_loop("sampler")
+        if own.done:
+            raise RuntimeError("FTJob.sampler: make the sampler before the first step")
+        if len(dataset) < self.spec.num_replicas:
+            raise ValueError(f"FTJob.sampler: the dataset has {len(dataset)} samples, fewer than the "
+                             f"{self.spec.num_replicas} replicas")
+        return torch.utils.data.SequentialSampler(range(len(dataset)))
+
+    def register_state(self, name: str, obj: Any) -> None:
+        if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+            raise ValueError(f"register_state({name!r}): {type(obj).__name__} has no state_dict/load_state_dict")
+
+    def log_metrics(self, **metrics: Any) -> None:
+        own = self._own_loop("log_metrics")
+        try:
+            json.dumps(metrics)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"log_metrics: values must be JSON (call .item() on tensors): {e}") from None
+        self.emit({"event": "metrics", "step": own.step, "rank": self.rank, "emulated": True, **metrics})
+
+    def close(self, *, clean: bool = True) -> None:
+        if self._own is not None and self._own.done and clean:
+            self._final()
+        self._own = None
+
+    def __enter__(self) -> "FTJob":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close(clean=exc[0] is None)
+
+    # -- running the emulated job -------------------------------------------------------------------
+    def _start(self, api: str) -> None:
+        if self._used:
+            raise RuntimeError(f"FTJob.{api}: train or wrap runs once per job")
+        self._used = True
+        self.emit({"event": "ready", "step": 0, "pid": os.getpid(), "rank": self.rank, "emulated": True})
+
+    def _run(self, model: torch.nn.Module, flops: float, api: str, target: Callable[[], int]) -> TrainResult:
+        shapes = script_shapes(model, flops, ranks_per_replica=self.spec.ranks_per_replica)
+        script = ScriptModel(shapes=shapes, batch_size=self.config.batch_size, seed=self.config.seed, api=api)
+        self.figures = f = self._session.run(script, steps=target())
+        self.emit({"event": "emulated", "model": script.describe(),
+                   **{k: f.get(k) for k in ("ranks", "steps_done", "complete", "replicas_consistent")}})
+        ok = self._session.ok()
+        result = TrainResult(ok, int(f.get("steps_done", 0)), "", {}, "" if ok else "the emulated job failed")
+        if api == "train":  # the script may end its process right after train returns (os._exit)
+            self._final()
+            self._session.report()
+        return result
+
+    def _final(self) -> None:
+        f = self.figures or {}
+        self.emit({"event": "final", "step": int(f.get("steps_done", 0)), "param_hash": "", "rank": self.rank,
+                   "emulated": True})
+
+    def _own_loop(self, what: str) -> "_OwnLoop":
+        if self._own is None:
+            raise RuntimeError(f"FTJob.{what}: call job.wrap(model, optimizer) first")
+        return self._own
+
+
+@dataclass
+class _Outcome:
+    committed: bool = False
+
+
+class _OwnLoop:
+    """The user's own loop: its first step traced (FLOPs), then the emulated job run once."""
+
+    def __init__(self, job: FTJob, model: torch.nn.Module) -> None:
+        self.job, self.model = job, model
+        self.optimizer: Any = None
+        self.counter: Any = None
+        self.step = 0
+        self.done = False
+
+    def begin(self) -> None:
+        if self.done or self.counter is not None:
+            return
+        from torch.utils.flop_counter import FlopCounterMode
+
+        self.counter = FlopCounterMode(display=False)
+        self.counter.__enter__()
+
+    def end(self) -> None:
+        if self.done:
+            return
+        if self.counter is None:
+            raise RuntimeError("FTOptimizer.step: call zero_grad() before the step's forward and backward")
+        counter, self.counter = self.counter, None
+        counter.__exit__(None, None, None)
+        result = self.job._run(self.model, float(counter.get_total_flops()), "wrap",
+                               _target(None, self.job.spec.max_steps))
+        self.done = True
+        if not result.ok:
+            raise RuntimeError(f"the emulated job did not complete: {result.step} steps committed")
+        self.step = result.step
+
+
+class FTOptimizer(torch.optim.Optimizer):
+    """The script's optimizer as its own loop sees it (ftrun.train.own.FTOptimizer's calls; a torch Optimizer
+    to schedulers): zero_grad starts the traced step, step() runs the emulated job and returns True."""
+
+    def __init__(self, loop: _OwnLoop, optimizer: torch.optim.Optimizer) -> None:  # noqa: no super().__init__
+        self._loop, self.optim = loop, optimizer
+        self.defaults = optimizer.defaults
+        loop.optimizer = self
+
+    @property
+    def param_groups(self):  # type: ignore[override]
+        return self.optim.param_groups
+
+    @property
+    def state(self):  # type: ignore[override]
+        return self.optim.state
+
+    def state_dict(self):  # type: ignore[override]
+        return self.optim.state_dict()
+
+    def load_state_dict(self, state_dict) -> None:  # type: ignore[override]
+        self.optim.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group) -> None:  # type: ignore[override]
+        raise RuntimeError("FTOptimizer: add param groups before job.wrap (the replicas' layouts must match)")
+
+    def __repr__(self) -> str:
+        return f"FTOptimizer({self.optim!r}, emulated)"
+
+    def zero_grad(self, set_to_none: bool = True) -> None:  # type: ignore[override]
+        self._loop.begin()
+        self.optim.zero_grad(set_to_none=set_to_none)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        if not max_norm > 0:
+            raise ValueError(f"max_norm must be > 0, got {max_norm}")
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+
+    def step(self, closure: Any = None) -> bool:  # type: ignore[override]
+        if closure is not None:
+            raise ValueError("FTOptimizer.step takes no closure: run forward/backward before it")
+        first = not self._loop.done
+        self._loop.end()
+        if first:
+            self.optim.step()  # the traced step's update, on the script's own model
+        return True
+
+
+def _target(steps: int | Callable[[], int] | None, launcher_steps: int | None) -> Callable[[], int]:
+    if steps is None:
+        if launcher_steps is None:
+            raise ValueError("train(steps=...) is required when the launcher set no step count")
+        steps = launcher_steps
+    if callable(steps):
+        return steps
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1 under the emulator, got {steps}")
+    return lambda: steps
