@@ -33,6 +33,7 @@ import shadow
 from ftrun.launch.worker_env import WorkerSpec
 from ftrun.train.events import param_hash, print_event  # noqa: F401 (re-exported, as the real API does)
 from ftrun.train.job_config import FTConfig, Hooks
+from ftrun.train.own import FTOptimizer as RealFTOptimizer
 from mocks.script import ScriptModel, meta_model, script_shapes, step_flops, to_meta
 
 __all__ = ["FTConfig", "FTJob", "Hooks", "TrainResult", "init_from_env", "param_hash"]
@@ -232,31 +233,14 @@ class _OwnLoop:
         self.step = result.step
 
 
-class FTOptimizer(torch.optim.Optimizer):
-    """The script's optimizer as its own loop sees it (ftrun.train.own.FTOptimizer's calls; a torch Optimizer
-    to schedulers): zero_grad starts the traced step, step() runs the emulated job and returns True."""
+class FTOptimizer(RealFTOptimizer):
+    """The script's optimizer as its own loop sees it: the real ftrun.train.own.FTOptimizer's view of the
+    inner optimizer (param_groups, state, state_dict for schedulers); zero_grad starts the traced step,
+    step() runs the emulated job and returns True."""
 
-    def __init__(self, loop: _OwnLoop, optimizer: torch.optim.Optimizer) -> None:  # noqa: no super().__init__
-        self._loop, self.optim = loop, optimizer
-        self.defaults = optimizer.defaults
+    def __init__(self, loop: _OwnLoop, optimizer: torch.optim.Optimizer) -> None:
+        super().__init__(loop, optimizer)  # type: ignore[arg-type]
         loop.optimizer = self
-
-    @property
-    def param_groups(self):  # type: ignore[override]
-        return self.optim.param_groups
-
-    @property
-    def state(self):  # type: ignore[override]
-        return self.optim.state
-
-    def state_dict(self):  # type: ignore[override]
-        return self.optim.state_dict()
-
-    def load_state_dict(self, state_dict) -> None:  # type: ignore[override]
-        self.optim.load_state_dict(state_dict)
-
-    def add_param_group(self, param_group) -> None:  # type: ignore[override]
-        raise RuntimeError("FTOptimizer: add param groups before job.wrap (the replicas' layouts must match)")
 
     def __repr__(self) -> str:
         return f"FTOptimizer({self.optim!r}, emulated)"
