@@ -32,7 +32,7 @@ import torch
 import shadow
 from ftrun.launch.worker_env import WorkerSpec
 from ftrun.train.events import param_hash, print_event  # noqa: F401 (re-exported, as the real API does)
-from ftrun.train.job_config import FTConfig, Hooks
+from ftrun.train.job_config import FTConfig, Hooks, steps_target
 from ftrun.train.own import FTOptimizer as RealFTOptimizer
 from mocks.script import ScriptModel, meta_model, script_shapes, step_flops, to_meta
 
@@ -266,12 +266,8 @@ class FTOptimizer(RealFTOptimizer):
 
 
 def _target(steps: int | Callable[[], int] | None, launcher_steps: int | None) -> Callable[[], int]:
-    if steps is None:
-        if launcher_steps is None:
-            raise ValueError("train(steps=...) is required when the launcher set no step count")
-        steps = launcher_steps
-    if callable(steps):
-        return steps
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1 under the emulator, got {steps}")
-    return lambda: steps
+    """The real API's steps_target, and at least one step: an emulated job of 0 steps measures nothing."""
+    count = launcher_steps if steps is None else steps
+    if count is not None and not callable(count) and count < 1:
+        raise ValueError(f"steps must be >= 1 under the emulator, got {count}")
+    return steps_target(steps, launcher_steps)

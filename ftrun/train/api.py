@@ -50,7 +50,7 @@ from ftrun.net import WILDCARDS
 from ftrun.replica.comm import LocalComm, ReplicaComm
 from ftrun.replica.manager import JobFinished, ReplicaError
 from ftrun.train.events import param_hash, print_event, step_event  # noqa: F401 (re-exported)
-from ftrun.train.job_config import FTConfig, Hooks  # noqa: F401 (the public API names them here)
+from ftrun.train.job_config import FTConfig, Hooks, steps_target  # noqa: F401 (the public API names FTConfig, Hooks here)
 from ftrun.train.own import FTOptimizer, FTSampler, OwnLoop, StepOutcome
 from ftrun.train.shard import ShardFn, close_replica_group, init_replica_group, shard_model
 from ftrun.train.trainer import LossFn
@@ -257,7 +257,7 @@ class FTJob:
             raise RuntimeError("FTJob.train runs once per process (the replica's groups are closed after it), "
                                "and not after FTJob.wrap")
         self._trained = True
-        target = _target(steps, self.spec.max_steps)
+        target = steps_target(steps, self.spec.max_steps)
         hooks = hooks or Hooks()
         model = self._make_model(model_fn, shard_fn)
         if hooks.on_model is not None:
@@ -341,18 +341,6 @@ def _float_or_none(text: str | None) -> float | None:
         return float(text) if text else None
     except ValueError:
         return None
-
-
-def _target(steps: int | Callable[[], int] | None, launcher_steps: int | None) -> Callable[[], int]:
-    if steps is None:
-        if launcher_steps is None:
-            raise ValueError("train(steps=...) is required when the launcher set no step count (FTRUN_MAX_STEPS)")
-        steps = launcher_steps
-    if callable(steps):
-        return steps
-    if steps < 0:
-        raise ValueError(f"steps must be >= 0, got {steps}")
-    return lambda: steps
 
 
 def _join_replica(spec: WorkerSpec, timeouts: Timeouts):

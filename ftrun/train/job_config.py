@@ -100,3 +100,17 @@ class RankJob(Protocol):
     comm: ReplicaComm
 
     def emit(self, event: dict) -> None: ...
+
+
+def steps_target(steps: int | Callable[[], int] | None, launcher_steps: int | None) -> Callable[[], int]:
+    """train(steps=...) as a callable giving the step count: `steps` (a count or a callable), else the
+    launcher's. Raises ValueError when neither is set or a count is negative."""
+    if steps is None:
+        if launcher_steps is None:
+            raise ValueError("train(steps=...) is required when the launcher set no step count (FTRUN_MAX_STEPS)")
+        steps = launcher_steps
+    if callable(steps):
+        return steps
+    if steps < 0:
+        raise ValueError(f"steps must be >= 0, got {steps}")
+    return lambda: steps

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from ftrun.launch.worker_env import WorkerSpec
-from ftrun.train.api import FTConfig, FTJob, _target, init_from_env
+from ftrun.train.api import FTConfig, FTJob, init_from_env
+from ftrun.train.job_config import steps_target as _target
 from ftrun.train.shard import block_modules, is_dtensor, like, local, reset_iteration
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
