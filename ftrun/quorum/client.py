@@ -190,11 +190,7 @@ class LighthouseClient:
             conn = self._conn
             if conn is None or conn.closed:
                 raise PeerClosed("the lighthouse connection closed")
-            while True:
-                msg = conn.recv(timeout=max(deadline - self.env.clock.now(), 1e-3))
-                if msg.get("type") != "hung":
-                    return msg
-                self._notice(msg)
+            return self._reply(conn, deadline)
         finally:
             self._receiving.release()
 
@@ -241,13 +237,18 @@ class LighthouseClient:
         try:
             self._take_unasked(conn, stale_ok=True)  # a reply that came after an earlier call gave up
             conn.send(request, timeout=max(deadline - self.env.clock.now(), 1e-3))
-            while True:
-                msg = conn.recv(timeout=max(deadline - self.env.clock.now(), 1e-3))
-                if msg.get("type") != "hung":
-                    return msg
-                self._notice(msg)
+            return self._reply(conn, deadline)
         finally:
             self._receiving.release()
+
+    def _reply(self, conn: Connection, deadline: float) -> dict:
+        """The next message that is not a notice (notices go to their callback). The caller holds the
+        receive lock. Raises NetError (NetTimeout at the deadline)."""
+        while True:
+            msg = conn.recv(timeout=max(deadline - self.env.clock.now(), 1e-3))
+            if msg.get("type") != "hung":
+                return msg
+            self._notice(msg)
 
     def _take_unasked(self, conn: Connection, *, stale_ok: bool) -> None:
         """Read what has already arrived, without waiting: notices go to their callback, anything else
