@@ -74,6 +74,11 @@ def per_fault(events: Iterable[dict[str, Any]]) -> dict[str, list[float]]:
     the interval: the step at the load of the moment; a run-wide step would count the first steps' warm-up and
     the load's drift). Pure."""
     ev = normalize(events)
+    return _per_fault(ev, *_by_incarnation(ev))
+
+
+def _by_incarnation(ev: list[dict[str, Any]]) -> tuple[dict, dict]:
+    """Per (replica, incarnation): its commits as (step, t) in time order, and its first quorum time per step."""
     commits: dict[tuple[str, int], list[tuple[int, float]]] = defaultdict(list)
     quorums: dict[tuple[str, int], dict[int, float]] = defaultdict(dict)
     for e in ev:
@@ -82,6 +87,11 @@ def per_fault(events: Iterable[dict[str, Any]]) -> dict[str, list[float]]:
             commits[key].append((e["step"], e["t"]))
         elif e["event"] == "quorum":
             quorums[key].setdefault(e["step"], e["t"])
+    return commits, quorums
+
+
+def _per_fault(ev: list[dict[str, Any]], commits: dict, quorums: dict) -> dict[str, list[float]]:
+    """per_fault over normalized events and their `_by_incarnation` index (metrics builds it once)."""
 
     def lost_at(t: float, exclude: str) -> float | None:
         around = [(b[1] - a[1], [y[1] - x[1] for x, y in zip(cs[max(i - LOCAL_GAPS, 0):i], cs[max(i - LOCAL_GAPS, 0) + 1:i + 1])])
@@ -119,18 +129,11 @@ def metrics(events: Iterable[dict[str, Any]], *, num_replicas: int,
     """The fidelity figures (module docstring) of one run: the per-fault ones are medians over the run's
     faults (`per_fault`). Pure."""
     ev = normalize(events)
-    commits: dict[tuple[str, int], list[tuple[int, float]]] = defaultdict(list)
-    quorums: dict[tuple[str, int], dict[int, float]] = defaultdict(dict)
-    for e in ev:
-        key = (e.get("replica_id"), e.get("incarnation", 0))
-        if e["event"] == "commit":
-            commits[key].append((e["step"], e["t"]))
-        elif e["event"] == "quorum":
-            quorums[key].setdefault(e["step"], e["t"])
+    commits, quorums = _by_incarnation(ev)
     gaps = [b[1] - a[1] for cs in commits.values() for a, b in zip(cs, cs[1:])]
     step = median(gaps) if gaps else None
     gq = [quorums[key][s] - t for key, cs in commits.items() for s, t in cs if s in quorums.get(key, {})]
-    faults = per_fault(ev)
+    faults = _per_fault(ev, commits, quorums)
     if catchup_s is not None:
         faults["catchup_s"] = list(catchup_s)
     healed = {(e["replica_id"], e.get("incarnation", 0), e["to_step"]) for e in ev if e["event"] == "heal"}
