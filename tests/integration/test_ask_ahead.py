@@ -5,25 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from ftrun.config import LighthouseConfig, ManagerConfig
-from ftrun.env.real import RealEnv
+from ftrun.config import ManagerConfig
 from ftrun.quorum.client import LighthouseClient
-from ftrun.quorum.service import Lighthouse
 from ftrun.replica.comm import LocalComm
 from ftrun.replica.manager import Manager
 
-from tests.integration.test_replica_manager import T, build_replica, run_all, step_all
+from tests.integration.test_replica_manager import T, build_replica, lighthouse, run_all, step_all  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def lighthouse():
-    env = RealEnv()
-    lh = Lighthouse(env=env, config=LighthouseConfig(min_replicas=2, timeouts=T), token="t")
-    lh.start()
-    yield env, lh
-    lh.stop()
 
 
 def client(env, lh, rid):
