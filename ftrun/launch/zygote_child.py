@@ -122,13 +122,11 @@ def _prepared_spare(template: dict, target: Any, reply_fd: int, started_fd: int,
         os._exit(1)
 
     def become() -> None:
+        sys.stdout.flush()  # what the script printed before its claim, to where it ran until now
+        sys.stderr.flush()
         req = _read_request(request_fd)
         if req is None:  # let go unclaimed: the zygote ended or retired it
-            sys.stdout.flush()
-            sys.stderr.flush()
             os._exit(0)
-        sys.stdout.flush()
-        sys.stderr.flush()
         _apply(req, RealClock().now(), warm_fd)
 
     _pending_claim = become
