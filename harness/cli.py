@@ -151,12 +151,7 @@ def run(args: argparse.Namespace) -> int:
         if args.sweep:
             return run_sweep(args)
         profile = build_profile(args.profile, args.overrides, steps=args.steps, cpu_charging=args.cpu_charging)
-        options = job_options(profile, args)
-        try:
-            check_faults(options.injected, replicas=profile.replicas, ranks_per_replica=profile.ranks_per_replica,
-                         buildings=profile.topology.buildings, hosts=_training_hosts(profile))
-        except ValueError as e:
-            raise SystemExit(f"ftrun emulate: --inject {e}") from None
+        options = checked_job_options(profile, args)
         f, _ = execute(profile, options, progress=not args.no_progress, out=args.out)
     finally:
         logging.getLogger("ftrun").setLevel(saved)
@@ -172,8 +167,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"  files: {', '.join(f['files'])}")
     if args.json:
         emit_json(f)
-    consistent = f["replicas_consistent"] and f["quorum_history_consistent"]
-    return 0 if f["complete"] and not f["unexpected_errors"] and consistent else 1
+    return 0 if report.succeeded(f) else 1
+
+
+def checked_job_options(profile: Profile, args: argparse.Namespace) -> JobOptions:
+    """job_options, with its injected faults checked against the profile's places (SystemExit naming a bad
+    --inject)."""
+    options = job_options(profile, args)
+    try:
+        check_faults(options.injected, replicas=profile.replicas, ranks_per_replica=profile.ranks_per_replica,
+                     buildings=profile.topology.buildings, hosts=_training_hosts(profile))
+    except ValueError as e:
+        raise SystemExit(f"ftrun emulate: --inject {e}") from None
+    return options
 
 
 def _training_hosts(profile: Profile) -> tuple[str, ...] | None:
@@ -250,12 +256,7 @@ def run_script(args: argparse.Namespace) -> int:
     script = Path(args.profile)
     if not script.is_file():
         raise SystemExit(f"ftrun emulate: no such script {script}")
-    try:  # the faults do not depend on the script's model: refuse a bad --inject before running it
-        check_faults(job_options(profile, args).injected, replicas=profile.replicas,
-                     ranks_per_replica=profile.ranks_per_replica, buildings=profile.topology.buildings,
-                     hosts=_training_hosts(profile))
-    except ValueError as e:
-        raise SystemExit(f"ftrun emulate: --inject {e}") from None
+    checked_job_options(profile, args)  # the faults do not depend on the script's model: refuse a bad --inject first
     session = ScriptSession(profile, args, job_options=job_options, execute=execute)
     saved_argv, saved_level = sys.argv, _quiet_runtime_logs(args)
     try:

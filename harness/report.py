@@ -155,6 +155,13 @@ def _consistency(ev: list[dict[str, Any]]) -> dict[str, Any]:
                             "lighthouse_starts": q.num_lighthouses, "violations": r.violations + q.violations}}
 
 
+def succeeded(f: dict[str, Any]) -> bool:
+    """An emulated job's figures say it succeeded: complete, no unexpected error, replicas and quorum
+    history consistent (the exit status of `ftrun emulate`)."""
+    return (bool(f["complete"]) and not f["unexpected_errors"] and bool(f["replicas_consistent"])
+            and bool(f["quorum_history_consistent"]))
+
+
 def text(f: dict[str, Any]) -> str:
     """The human-readable report."""
     def s(x: Any, unit: str = " s") -> str:

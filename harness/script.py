@@ -74,6 +74,4 @@ class ScriptSession:
             emit_json(f)
 
     def ok(self) -> bool:
-        f = self.figures
-        return (f is not None and bool(f["complete"]) and not f["unexpected_errors"]
-                and bool(f["replicas_consistent"]) and bool(f["quorum_history_consistent"]))
+        return self.figures is not None and report.succeeded(self.figures)
