@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
@@ -32,27 +31,14 @@ import torch
 import shadow
 from ftrun.launch.worker_env import WorkerSpec
 from ftrun.train.events import param_hash, print_event  # noqa: F401 (re-exported, as the real API does)
-from ftrun.train.job_config import FTConfig, Hooks, steps_target
-from ftrun.train.own import FTOptimizer as RealFTOptimizer
+from ftrun.train.job_config import FTConfig, Hooks, TrainResult, steps_target
+from ftrun.train.own import FTOptimizer as RealFTOptimizer, StepOutcome
 from mocks.script import ScriptModel, meta_model, script_shapes, step_flops, to_meta
 
 __all__ = ["FTConfig", "FTJob", "Hooks", "TrainResult", "init_from_env", "param_hash"]
 
 ModelFn = Callable[[], torch.nn.Module]
 OptimizerFn = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
-
-
-@dataclass(frozen=True)
-class TrainResult:
-    ok: bool  # the emulated job completed and its replicas agree
-    step: int  # steps the emulated job committed
-    param_hash: str  # "" : shape-only parameters have no bytes to hash
-    loader_state: dict  # {}: the job's ledgers are audited in its figures (audit_batches, ...)
-    error: str = ""
-
-    @property
-    def exit_code(self) -> int:
-        return 0 if self.ok else 1
 
 
 def init_from_env(config: FTConfig | None = None, *, environ: Mapping[str, str] | None = None) -> "FTJob":
@@ -127,7 +113,7 @@ class FTJob:
     def training_step(self) -> Iterator[Any]:
         own = self._own_loop("training_step")
         own.optimizer.zero_grad()
-        outcome = _Outcome()
+        outcome = StepOutcome()
         yield outcome
         outcome.committed = own.optimizer.step()
 
@@ -178,6 +164,8 @@ class FTJob:
         self.emit({"event": "emulated", "model": script.describe(),
                    **{k: f.get(k) for k in ("ranks", "steps_done", "complete", "replicas_consistent")}})
         ok = self._session.ok()
+        # param_hash "": shape-only parameters have no bytes to hash; loader_state {}: the job's ledgers are
+        # audited in its figures (audit_batches, ...)
         result = TrainResult(ok, int(f.get("steps_done", 0)), "", {}, "" if ok else "the emulated job failed")
         if api == "train":  # the script may end its process right after train returns (os._exit)
             self._final()
@@ -193,11 +181,6 @@ class FTJob:
         if self._own is None:
             raise RuntimeError(f"FTJob.{what}: call job.wrap(model, optimizer) first")
         return self._own
-
-
-@dataclass
-class _Outcome:
-    committed: bool = False
 
 
 class _OwnLoop:

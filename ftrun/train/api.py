@@ -37,7 +37,7 @@ import logging
 import os
 import secrets
 import tempfile
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
@@ -50,7 +50,7 @@ from ftrun.net import WILDCARDS
 from ftrun.replica.comm import LocalComm, ReplicaComm
 from ftrun.replica.manager import JobFinished, ReplicaError
 from ftrun.train.events import param_hash, print_event, step_event  # noqa: F401 (re-exported)
-from ftrun.train.job_config import FTConfig, Hooks, steps_target  # noqa: F401 (the public API names FTConfig, Hooks here)
+from ftrun.train.job_config import FTConfig, Hooks, TrainResult, steps_target  # noqa: F401 (the public API names FTConfig, Hooks, TrainResult here)
 from ftrun.train.own import FTOptimizer, FTSampler, OwnLoop, StepOutcome
 from ftrun.train.shard import ShardFn, close_replica_group, init_replica_group, shard_model
 from ftrun.train.trainer import LossFn
@@ -62,19 +62,6 @@ log = logging.getLogger("ftrun.train")
 
 ModelFn = Callable[[], torch.nn.Module]
 OptimizerFn = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
-
-
-@dataclass(frozen=True)
-class TrainResult:
-    ok: bool  # False: the replica failed (ReplicaError) and must be restarted
-    step: int  # steps committed (or healed to) by this replica
-    param_hash: str  # sha256 of this rank's parameter bytes at the end
-    loader_state: dict  # the ledger at the end (JSON form)
-    error: str = ""
-
-    @property
-    def exit_code(self) -> int:
-        return 0 if self.ok else 1
 
 
 def init_from_env(config: FTConfig | None = None, *, environ: Mapping[str, str] | None = None) -> "FTJob":

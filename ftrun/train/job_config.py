@@ -1,5 +1,6 @@
-"""What a training job is configured with (`FTConfig`), its instrumentation (`Hooks`), and the view of a
-job that wiring a rank needs (`RankJob`): below both `ftrun.train.api` (which re-exports the first two) and
+"""What a training job is configured with (`FTConfig`), its instrumentation (`Hooks`), what `train` returns
+(`TrainResult`), and the view of a job that wiring a rank needs (`RankJob`): below both `ftrun.train.api`
+(which re-exports FTConfig, Hooks and TrainResult; so does its emulated shadow, mocks.train_api) and
 `ftrun.train.wiring`, so neither imports the other's module."""
 
 from __future__ import annotations
@@ -100,6 +101,19 @@ class RankJob(Protocol):
     comm: ReplicaComm
 
     def emit(self, event: dict) -> None: ...
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    ok: bool  # False: the replica failed (ReplicaError) and must be restarted
+    step: int  # steps committed (or healed to) by this replica
+    param_hash: str  # sha256 of this rank's parameter bytes at the end
+    loader_state: dict  # the ledger at the end (JSON form)
+    error: str = ""
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.ok else 1
 
 
 def steps_target(steps: int | Callable[[], int] | None, launcher_steps: int | None) -> Callable[[], int]:
