@@ -1,0 +1,111 @@
+"""The paper's stall table (harness.analysis.papertable, benchmarks/paper_table.py): the parts of a failure from
+events (table tests), and, emulated at a tiny scale of meta-98k, that a silent host loss's stall includes the
+60 s detection while a process crash is seen at once."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from harness.analysis import papertable as pt
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _ev(event: str, t: float, rid: str | None = None, **kw) -> dict:
+    return {"event": event, "t": t, **({"replica_id": rid} if rid else {}), **kw}
+
+
+def _commits(rid: str, times: list[float]) -> list[dict]:
+    return [_ev("commit", t, rid, incarnation=0, step=i + 1) for i, t in enumerate(times)]
+
+
+SILENT = (_commits("r0", [20, 40, 60, 151, 171]) + _commits("r1", [20, 40, 60, 71])
+          + [_ev("fault", 71.0, fault="cut replica=1 step=3 at=0.5"), _ev("lighthouse_member_lost", 131.0, "r1"),
+             _ev("abort", 131.0, "r0"), _ev("quorum", 133.0, "r0"), _ev("commit", 60.5, "r2", incarnation=0)])
+
+
+def test_failure_parts_of_a_silent_loss() -> None:
+    p = pt.failure_parts(SILENT, "r1")
+    assert (p.detection_s, p.rebuild_s, p.retrain_s) == (60.0, 2.0, 18.0)
+    assert p.stall_s == 80.0 and p.detected_by == "abort" and p.verdict_s == 60.0
+    assert p.extension_s == pytest.approx(91.0 - 20.0)  # r0's 60 -> 151 interval, minus the median step
+
+
+@pytest.mark.parametrize("drop, by, detection", [
+    ({"abort"}, "lighthouse", 60.0),                            # nothing aborted: the lighthouse's verdict
+    ({"abort", "lighthouse_member_lost"}, "lighthouse", 0.0),  # the next quorum simply left it out
+])
+def test_detection_without_an_abort(drop: set, by: str, detection: float) -> None:
+    p = pt.failure_parts([e for e in SILENT if e["event"] not in drop], "r1")
+    assert (p.detected_by, p.detection_s) == (by, detection)
+
+
+@pytest.mark.parametrize("events, message", [
+    ([e for e in SILENT if e["event"] != "fault"], "no kill or fault of replica r1"),
+    ([e for e in SILENT if e["event"] != "quorum"], "never decided a quorum"),
+    ([e for e in SILENT if not (e["event"] == "commit" and e["t"] > 71)], "never committed"),
+    (_commits("r0", [20]) + [_ev("kill", 5.0, "r1")], "too few steps"),
+])
+def test_bad_events_raise(events: list[dict], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        if message == "too few steps":
+            pt.normal_step_s(events)
+        else:
+            pt.failure_parts(events, "r1")
+
+
+def test_kill_event_is_the_failure_time() -> None:
+    events = _commits("r0", [20, 40, 60]) + [_ev("kill", 50.0, "r1"), _ev("quorum", 55.0, "r0")]
+    assert pt.failure_time(events, "r1") == 50.0
+    assert pt.failure_parts(events, "r1").retrain_s == 5.0
+
+
+def test_availability_with_the_papers_inputs_is_80_percent() -> None:
+    assert pt.effective_training_time(80.0, 100.0) == pytest.approx((8 + 7 * 11 / 12) / 18, abs=0.005)
+    assert pt.effective_training_time(10.0, 0.0) > pt.effective_training_time(80.0, 0.0)
+
+
+def test_table_has_every_row_and_renders() -> None:
+    col = pt.run_figures(pt.failure_parts(SILENT, "r1"), 0.0, 3.0, 12)
+    rows = pt.table(col, col)
+    assert [r["key"] for r in rows] == [k for k, _, _ in pt.ROWS]
+    assert {r["key"]: r["paper"] for r in rows}["stall_s"] == 90.0
+    text = pt.markdown(rows)
+    assert text.count("\n") == len(rows) + 1 and "| 80.0% |" in text and "80.00 s" in text
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("paper_table_bench", ROOT / "benchmarks" / "paper_table.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_scaling_keeps_the_per_rank_shard() -> None:
+    overrides, what = _bench().scaled_overrides("meta-98k", 8)
+    assert "ranks_per_replica=8" in overrides and "emulation.cpu_charging=false" in overrides
+    scaled, full = what["grad_mib_per_rank"].replace("(full scale ", "").rstrip(")").split()
+    assert abs(float(scaled) / float(full) - 1) < 0.01
+    with pytest.raises(ValueError, match="--ranks-per-replica"):
+        _bench().scaled_overrides("meta-98k", 0)
+
+
+@pytest.mark.timeout(240)
+def test_silent_loss_waits_out_the_60s_timeout_a_crash_does_not() -> None:
+    bench = _bench()
+    base, _ = bench.scaled_overrides("meta-98k", 4)
+    base += ["replicas=4"]
+    parts = {}
+    for name in ("silent", "crash"):
+        _, events, _ = bench.run("meta-98k", base, bench.SCENARIOS[name][0], 6)
+        parts[name] = pt.failure_parts(events, bench.victim_id(4))
+    silent, crash = parts["silent"], parts["crash"]
+    assert 55.0 <= silent.verdict_s <= 61.0 and 55.0 <= silent.detection_s <= 61.0  # the 60 s heartbeat timeout
+    assert crash.verdict_s < 1.0  # connections reset: the lighthouse knows at once
+    assert crash.detection_s <= 10.5  # the survivors abort as they reach the all-reduce (half a 20 s step)
+    for p in (silent, crash):
+        assert 19.0 <= p.retrain_s <= 21.0  # one 20 s step trained again
+    assert silent.stall_s - crash.stall_s >= 45.0
