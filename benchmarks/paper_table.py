@@ -1,7 +1,7 @@
 """The FT-HSDP paper's stall table (§6.1) reproduced in the emulator: paper-expected vs emulated side by side.
 
     PYTHONPATH=. .venv/bin/python benchmarks/paper_table.py [--profile meta-98k] [--ranks-per-replica 8]
-        [--check-ranks 32] [--json] [--out benchmarks/results/paper_table.md]
+        [--check-ranks 32] [--diagnose 2] [--json] [--out benchmarks/results/paper_table.md]
 
 Scenarios, each one emulated job (harness.cli.execute) of the profile scaled down (below):
 - silent:      the paper's settings, `cut replica=3 step=3 at=0.5 duration=120` (a host loss mid-step: silence,
@@ -19,7 +19,8 @@ Scaling: the profile keeps its replicas, timing and timeouts; each replica has -
 instead of 8192, one AI zone holds one rack, and the model shrinks with the rank count so that each rank's
 shard (its gradient and optimizer state, hence its FTAR and catch-up bytes) is the full-scale one. What the
 rank count still changes is the depth of each replica's check-in / vote tree; --check-ranks K reruns the
-silent scenario at K ranks per replica and reports the difference.
+silent scenario at K ranks per replica and reports the difference. --diagnose S reruns it with root-cause
+diagnosis every S seconds and reports when a verdict names (and would evict) the lost replica.
 """
 
 from __future__ import annotations
@@ -95,12 +96,14 @@ def victim_id(replicas: int) -> str:
     return f"r{VICTIM:0{len(str(replicas - 1))}d}"
 
 
-def run(profile_name: str, overrides: list[str], injects: list[str], steps: int) -> tuple[dict, list[dict], float]:
-    """(figures, events, wall seconds) of one emulated job."""
+def run(profile_name: str, overrides: list[str], injects: list[str], steps: int,
+        diagnose_s: float | None = None) -> tuple[dict, list[dict], float]:
+    """(figures, events, wall seconds) of one emulated job (diagnose_s: root-cause diagnosis every that often)."""
     profile = load_profile(profile_name, overrides)
     kills, faults = split_faults([parse_inject(t) for t in injects])
     t0 = time.monotonic()
-    figures, job = execute(profile, JobOptions(steps=steps, kills=kills, faults=faults))
+    figures, job = execute(profile, JobOptions(steps=steps, kills=kills, faults=faults, diagnose=diagnose_s is not None,
+                                               diagnose_interval_s=diagnose_s))
     if not figures["complete"] or figures["unexpected_errors"]:
         raise RuntimeError(f"{injects}: the emulated job failed: complete={figures['complete']}, "
                            f"errors={figures['unexpected_errors'][:3]}")
@@ -146,6 +149,18 @@ def check_ranks(profile_name: str, ranks_per_replica: int) -> dict[str, Any]:
             "failure": parts.as_dict(), "wall_s": round(wall, 1)}
 
 
+def check_diagnosis(profile_name: str, ranks_per_replica: int, interval_s: float) -> dict[str, Any]:
+    """The silent scenario at the paper's timeouts with root-cause diagnosis every `interval_s`: when a verdict
+    first names the lost replica and first recommends evicting it, and the stall (nothing in the emulator acts
+    on a verdict, so the stall is the timeout's)."""
+    base, _ = scaled_overrides(profile_name, ranks_per_replica)
+    injects, _, steps = SCENARIOS["silent"]
+    figures, events, wall = run(profile_name, base, injects, steps, diagnose_s=interval_s)
+    victim = victim_id(load_profile(profile_name).replicas)
+    return {"interval_s": interval_s, **pt.diagnosis_times(events, victim, VICTIM),
+            "failure": pt.failure_parts(events, victim).as_dict(), "wall_s": round(wall, 1)}
+
+
 def render(out: dict[str, Any]) -> str:
     lines = ["Scaled: " + "; ".join(f"{k} {v}" for k, v in out["scaled"].items()), "", pt.markdown(out["rows"]), ""]
     c = out["crash"]
@@ -159,6 +174,11 @@ def render(out: dict[str, Any]) -> str:
         lines.append(f"At {chk['ranks_per_replica']} ranks per replica the silent loss: stall {f['stall_s']} s "
                      f"(detection {f['detection_s']}, rebuild {f['rebuild_s']}, re-train {f['retrain_s']}), step "
                      f"{chk['step_time_s']} s, wall {chk['wall_s']} s.")
+    d = out.get("diagnosis")
+    if d:
+        lines.append(f"Root-cause diagnosis every {d['interval_s']} s (paper timeouts): a verdict names the lost "
+                     f"replica {d['verdict_s']} s after the cut and recommends evicting it at {d['eviction_s']} s; "
+                     f"nothing in the emulator evicts on a verdict, so the stall stays {d['failure']['stall_s']} s.")
     return "\n".join(lines)
 
 
@@ -168,6 +188,8 @@ def main() -> int:
     p.add_argument("--ranks-per-replica", type=int, default=8)
     p.add_argument("--check-ranks", type=int, action="append", default=[],
                    help="also run the silent loss at this many ranks per replica (repeatable)")
+    p.add_argument("--diagnose", type=float, metavar="SECONDS",
+                   help="also run the silent loss with root-cause diagnosis every SECONDS")
     p.add_argument("--json", action="store_true")
     p.add_argument("--out", help="write the rendered table (markdown) here")
     args = p.parse_args()
@@ -178,6 +200,8 @@ def main() -> int:
     t0 = time.monotonic()
     out = measure(args.profile, args.ranks_per_replica)
     out["rank_checks"] = [check_ranks(args.profile, k) for k in args.check_ranks]
+    if args.diagnose:
+        out["diagnosis"] = check_diagnosis(args.profile, args.ranks_per_replica, args.diagnose)
     out["wall_s"] = round(time.monotonic() - t0, 1)
     text = render(out)
     if args.out:

@@ -128,6 +128,16 @@ def failure_parts(events: list[dict], victim: str) -> FailureParts:
                         verdict_s=verdict[0] - t_f if verdict else None)
 
 
+def diagnosis_times(events: list[dict], victim: str, replica: int) -> dict[str, float | None]:
+    """After the failure of `victim` (replica index `replica`): seconds until the first root-cause verdict that
+    names it, and until the first that recommends evicting it (None: none did)."""
+    t_f = failure_time(events, victim)
+    verdicts = [e for e in events if e["event"] == "diagnosis" and e["t"] >= t_f]
+    named = [e["t"] - t_f for e in verdicts if replica in e.get("replicas", ())]
+    evict = [e["t"] - t_f for e in verdicts if replica in e.get("eviction", ())]
+    return {"verdict_s": round(named[0], 3) if named else None, "eviction_s": round(evict[0], 3) if evict else None}
+
+
 def effective_training_time(stall_per_failure_s: float, rejoin_stall_s: float, num_replicas: int = 12) -> float:
     """ETT from harness.analysis.sim.availability at the paper's failure interval and repair time."""
     return ft_hsdp_effective_training_time(AvailabilityInputs(

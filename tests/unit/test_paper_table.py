@@ -63,6 +63,14 @@ def test_kill_event_is_the_failure_time() -> None:
     assert pt.failure_parts(events, "r1").retrain_s == 5.0
 
 
+def test_diagnosis_times_after_the_failure() -> None:
+    events = SILENT + [_ev("diagnosis", 60.0, replicas=[1], eviction=[1]),  # before the failure: ignored
+                       _ev("diagnosis", 85.0, replicas=[1], eviction=[]),
+                       _ev("diagnosis", 88.0, replicas=[1], eviction=[1])]
+    assert pt.diagnosis_times(events, "r1", 1) == {"verdict_s": 14.0, "eviction_s": 17.0}
+    assert pt.diagnosis_times(SILENT, "r1", 1) == {"verdict_s": None, "eviction_s": None}
+
+
 def test_availability_with_the_papers_inputs_is_80_percent() -> None:
     assert pt.effective_training_time(80.0, 100.0) == pytest.approx((8 + 7 * 11 / 12) / 18, abs=0.005)
     assert pt.effective_training_time(10.0, 0.0) > pt.effective_training_time(80.0, 0.0)
