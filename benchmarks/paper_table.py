@@ -16,11 +16,12 @@ replica (harness.report's rejoin_stall_s), and the effective training time the a
 (harness.analysis.sim.availability) gives with them at one failure every 18 minutes.
 
 Scaling: the profile keeps its replicas, timing and timeouts; each replica has --ranks-per-replica ranks
-instead of 8192, one AI zone holds one rack, and the model shrinks with the rank count so that each rank's
-shard (its gradient and optimizer state, hence its FTAR and catch-up bytes) is the full-scale one. What the
-rank count still changes is the depth of each replica's check-in / vote tree; --check-ranks K reruns the
-silent scenario at K ranks per replica and reports the difference. --diagnose S reruns it with root-cause
-diagnosis every S seconds and reports when a verdict names (and would evict) the lost replica.
+instead of 8192, an AI zone holds just the racks they need, and the model shrinks with the rank count so
+that each rank's shard (its gradient and optimizer state, hence its FTAR and catch-up bytes) is the
+full-scale one. What the rank count still changes is the depth of each replica's check-in / vote tree;
+--check-ranks K reruns the silent scenario at K ranks per replica and reports the difference. --diagnose S
+reruns it with root-cause diagnosis every S seconds and reports when a verdict names (and would evict) the
+lost replica.
 """
 
 from __future__ import annotations
@@ -73,7 +74,9 @@ def scaled_overrides(profile_name: str, ranks_per_replica: int) -> tuple[list[st
     layers = max(1, int(0.8 * target // block))
     vocab = max(1, round((target - layers * block) / (2 * SCALED_HIDDEN)))
     model = replace(one, layers=layers, vocab=vocab)
-    overrides = [f"ranks_per_replica={ranks_per_replica}", "topology.racks_per_zone=1", f"model.layers={layers}",
+    t = full.topology
+    racks = -(-ranks_per_replica // (t.gpus_per_host * t.hosts_per_rack))  # one replica per AI zone, as at full scale
+    overrides = [f"ranks_per_replica={ranks_per_replica}", f"topology.racks_per_zone={racks}", f"model.layers={layers}",
                  f"model.hidden={SCALED_HIDDEN}", f"model.heads={SCALED_HEADS}", f"model.vocab={vocab}",
                  "emulation.cpu_charging=false", "failures.mode=none"]
     full_shard = propagate_shapes(full.model, full.ranks_per_replica).grad_bytes_per_rank
@@ -83,7 +86,7 @@ def scaled_overrides(profile_name: str, ranks_per_replica: int) -> tuple[list[st
             "model": f"{layers} layers x hidden {SCALED_HIDDEN}, vocab {vocab} (full scale: {full.model.layers} x "
                      f"{full.model.hidden}, vocab {full.model.vocab})",
             "grad_mib_per_rank": f"{shard / 2**20:.1f} (full scale {full_shard / 2**20:.1f})",
-            "topology.racks_per_zone": f"1 (full scale {full.topology.racks_per_zone})",
+            "topology.racks_per_zone": f"{racks} (full scale {t.racks_per_zone})",
             "cpu_charging": "off (modeled time only: this machine's CPU is not charged)",
             "kept": f"step_compute_s={full.train.step_compute_s}, heartbeat_timeout_s="
                     f"{full.timeouts.heartbeat_timeout_s}, ftar_timeout_s={full.timeouts.ftar_timeout_s}, "
