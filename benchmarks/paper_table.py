@@ -113,10 +113,12 @@ def run(profile_name: str, overrides: list[str], injects: list[str], steps: int,
     return figures, job.recorder.events, time.monotonic() - t0
 
 
-def measure(profile_name: str, ranks_per_replica: int, log: Any = sys.stderr) -> dict[str, Any]:
-    """Run every scenario and build the table."""
+def measure(profile_name: str, ranks_per_replica: int, log: Any = sys.stderr,
+            extra_overrides: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Run every scenario and build the table (extra_overrides: further profile overrides, a test's smaller job)."""
     base, what = scaled_overrides(profile_name, ranks_per_replica)
-    replicas = load_profile(profile_name).replicas
+    base += list(extra_overrides)
+    replicas = load_profile(profile_name, base).replicas
     victim = victim_id(replicas)
     out: dict[str, Any] = {"scaled": what, "scenarios": {}}
     parts: dict[str, pt.FailureParts] = {}
