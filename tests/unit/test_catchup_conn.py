@@ -9,7 +9,7 @@ import zlib
 
 import pytest
 
-from ftrun.catchup.conn import ConnectionLost, HttpConnection
+from ftrun.catchup.conn import RECV_STEP, ConnectionLost, HttpConnection
 from ftrun.catchup.errors import CatchupPeerError
 
 pytestmark = pytest.mark.timeout(30)
@@ -148,5 +148,25 @@ def test_a_wrong_content_length_for_the_buffer_is_a_peer_error_for_that_request_
         with pytest.raises(ConnectionLost):
             await second
         assert transport.closed
+
+    run(body)
+
+
+def test_a_large_body_is_received_in_bounded_pieces_and_arrives_whole():
+    big = bytes(range(256)) * ((RECV_STEP * 2 + 1000) // 256)
+
+    async def body(conn, transport):
+        dest, pick = into(len(big))
+        future = conn.send("/big", pick)
+        feed(conn, response(big)[:200], 1 << 30)  # the head and the first bytes of the body
+        offered, pos = [], 200 - (len(response(big)) - len(big))  # body bytes delivered so far
+        while not future.done():
+            buf = conn.get_buffer(-1)
+            offered.append(buf.nbytes)
+            buf[:] = big[pos:pos + buf.nbytes]
+            conn.buffer_updated(buf.nbytes)
+            pos += buf.nbytes
+        assert max(offered) == RECV_STEP
+        assert bytes(dest) == big and (await future).crc32 == zlib.crc32(big)
 
     run(body)
