@@ -5,8 +5,10 @@ destination slice) driven by the link's own private asyncio loop: the fetch prot
 (ftrun.catchup.fetcher) blocks on the Env like every other part of ftrun, and a link is used by one
 task at a time. The transport keeps one idle link per source between fetches (its event loop and
 keep-alive connection), so a second fetch from the same source pays for neither again; a link that
-failed or was aborted is never kept. `HttpCatchup` is the CatchupService of a real rank: the started HTTP server and the
-shared fetch client over these links.
+failed or was aborted is never kept. A link pipelines (HttpTransport.pipelines): the fetcher hands each
+shard request the link's next shard, whose GET goes out at once behind it, so the source starts that
+body as soon as it has sent this one. `HttpCatchup` is the CatchupService of a real rank: the started
+HTTP server and the shared fetch client over these links.
 """
 
 from __future__ import annotations
