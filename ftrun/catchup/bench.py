@@ -31,6 +31,7 @@ from ftrun.env.base import NetError
 from ftrun.env.real import RealEnv
 
 _TENSOR_BYTES = (32 << 20, 8 << 20, 1 << 20, 64 << 10, 4 << 10)  # a model's mix of large and small tensors
+_FILL_BLOCK = 262_147  # floats (a prime, about 1 MiB): make_state repeats a random block of this length
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,9 +45,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def make_state(state_mb: int, seed: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """A flat float32 buffer of state_mb MiB and tensors viewing it, the same in every process."""
+    """A flat float32 buffer of state_mb MiB and tensors viewing it, the same in every process: a block
+    of about 1 MiB of seeded random floats, repeated (drawing every float took seconds at 500 MiB on a
+    loaded host). The block's length is prime, so no two shards hold the same bytes."""
     flat = torch.empty((state_mb << 20) // 4, dtype=torch.float32)
-    flat.uniform_(generator=torch.Generator().manual_seed(seed))
+    block = torch.empty(min(_FILL_BLOCK, flat.numel()), dtype=torch.float32)
+    block.uniform_(generator=torch.Generator().manual_seed(seed))
+    whole = flat.numel() // block.numel() * block.numel()
+    flat[:whole].view(-1, block.numel()).copy_(block.expand(whole // block.numel(), -1))
+    flat[whole:] = block[:flat.numel() - whole]
     state, pos, i = {}, 0, 0
     while pos < flat.numel():
         n = min(_TENSOR_BYTES[i % len(_TENSOR_BYTES)] // 4, flat.numel() - pos)

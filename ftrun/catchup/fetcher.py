@@ -7,7 +7,9 @@ long_poll_s for it to be published). The shards are then fetched concurrently, o
 per the pure fetch plan (ftrun.catchup.plan); each lands in its slice of one destination buffer and is
 checked against the manifest's CRC32 (once: the link's checksum of the bytes as they arrived, if it
 computed one). A source that runs out of shards steals the untouched tail of the busiest one's
-(plan.steal), so a slow source delays the fetch by one shard at most. A bad shard is retried from another source; a source that
+(plan.steal), so a slow source delays the fetch by one shard at most (two over a transport that
+pipelines: the next shard's request goes out behind the one in flight, so the source sends it with no
+round trip in between). A bad shard is retried from another source; a source that
 cannot be reached, stalls, no longer has the step, or sent max_source_failures bad shards is dropped
 and its unfinished shards re-planned onto the others. When no source is left: CatchupError naming what
 failed at each. A refused token raises CatchupAuthError at once; no source having the step raises
@@ -164,31 +166,56 @@ class _Fetch:
 
     def _worker(self, source: str, manifest: Manifest, dest: Any) -> None:
         shards = manifest.layout.shards
+        ahead: int | None = None  # this source's next shard, claimed and requested behind the one in flight
         while self.fatal is None:
             with self.lock:
-                index = self._next_shard(source)
-                if index is None and source in self.plan.sources:
-                    stolen = steal(self.plan, source, self.done, self.inflight)
-                    if stolen is not None:  # this source is done with its own: take a slower one's
-                        self.plan = stolen
-                        index = self._next_shard(source)
+                index, ahead = ahead, None
+                if index is None:
+                    index = self._claim(source)
                 if index is None:
                     if len(self.done) == len(shards) or source not in self.plan.sources:
                         return
                     changed = self.changed
-                else:
-                    self.inflight.add(index)
+                elif self.transport.pipelines:
+                    ahead = self._next_shard(source)
+                    if ahead is not None:
+                        self.inflight.add(ahead)
             if index is None:
                 changed.wait(timeout=max(self.remaining(), 0.001))
                 continue
-            self._fetch_one(source, manifest, dest, index)
+            if not self._fetch_one(source, manifest, dest, index, ahead) and ahead is not None:
+                with self.lock:  # its request went with the failed one's connection: back to the plan
+                    self.inflight.discard(ahead)
+                    ahead = None
+                    self._notify()
 
-    def _fetch_one(self, source: str, manifest: Manifest, dest: Any, index: int) -> None:
+    def _claim(self, source: str) -> int | None:
+        """The next shard for `source` to start (its own, else one stolen from a slower source), marked
+        in flight; None if there is none now. Called with the lock held."""
+        index = self._next_shard(source)
+        if index is None and source in self.plan.sources:
+            stolen = steal(self.plan, source, self.done, self.inflight)
+            if stolen is not None:  # this source is done with its own: take a slower one's
+                self.plan = stolen
+                index = self._next_shard(source)
+        if index is not None:
+            self.inflight.add(index)
+        return index
+
+    def _fetch_one(self, source: str, manifest: Manifest, dest: Any, index: int, ahead: int | None) -> bool:
+        """Fetch and check one shard (with `ahead`, the next one's request goes out behind it); True
+        if it is done."""
         shard = manifest.layout.shards[index]
+        ok = False
         try:
             into = dest[shard.offset:shard.offset + shard.nbytes]
             left = self.remaining()
-            crc = self._link(source).shard(self.step, shard, into, min(self.config.long_poll_s, left), left)
+            if ahead is None:
+                crc = self._link(source).shard(self.step, shard, into, min(self.config.long_poll_s, left), left)
+            else:
+                nxt = manifest.layout.shards[ahead]
+                crc = self._link(source).shard(self.step, shard, into, min(self.config.long_poll_s, left), left,
+                                               ahead=(nxt, dest[nxt.offset:nxt.offset + nxt.nbytes]))
             if crc is None:  # once per shard: a link that checksummed the bytes as they arrived says so
                 crc = self.transport.crc32(into)
             if crc != manifest.crcs[index]:
@@ -196,6 +223,7 @@ class _Fetch:
             with self.lock:
                 self.done.add(index)
                 self.bytes_by_source[source] += shard.nbytes
+            ok = True
         except ShardFailed as e:
             with self.lock:
                 self._shard_failed(source, index, str(e))
@@ -211,6 +239,7 @@ class _Fetch:
             with self.lock:
                 self.inflight.discard(index)
                 self._notify()
+        return ok
 
     def _next_shard(self, source: str) -> int | None:
         return next((i for i in self.plan.shards_of(source) if i not in self.done and i not in self.inflight), None)

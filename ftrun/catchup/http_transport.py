@@ -5,8 +5,10 @@ destination slice) driven by the link's own private asyncio loop: the fetch prot
 (ftrun.catchup.fetcher) blocks on the Env like every other part of ftrun, and a link is used by one
 task at a time. The transport keeps one idle link per source between fetches (its event loop and
 keep-alive connection), so a second fetch from the same source pays for neither again; a link that
-failed or was aborted is never kept. `HttpCatchup` is the CatchupService of a real rank: the started HTTP server and the
-shared fetch client over these links.
+failed or was aborted is never kept. A link pipelines (HttpTransport.pipelines): the fetcher hands each
+shard request the link's next shard, whose GET goes out at once behind it, so the source starts that
+body as soon as it has sent this one. `HttpCatchup` is the CatchupService of a real rank: the started
+HTTP server and the shared fetch client over these links.
 """
 
 from __future__ import annotations
@@ -39,14 +41,24 @@ class HttpLink:
         self.source, self.token, self.config, self._keep = source, token, config, keep
         self._loop = asyncio.new_event_loop()
         self._conn: HttpConnection | None = None
+        self._sent: dict[Any, asyncio.Future] = {}  # pipelined requests on _conn, by key, not yet waited for
         self._aborted = False  # closed by another task while a request ran: the runner closes the loop
 
-    def _get(self, path: str, pick: Any, wait_s: float, limit_s: float) -> Any:
+    def _get(self, path: str, pick: Any, wait_s: float, limit_s: float, key: Any = None,
+             ahead: tuple[Any, str, Any] | None = None) -> Any:
+        """GET `path` (or take the response of the request `key` sent earlier); with `ahead` (key, path,
+        pick), that request goes out too, pipelined behind this one, for a later call to take."""
         async def go() -> Any:
-            if self._conn is None or not self._conn.usable:
-                self._conn = await HttpConnection.open(self.host, self.port, self.token,
-                                                       self.config.timeouts.connect_timeout_s)
-            return await self._conn.get(path, pick, head_wait_s=wait_s, stall_s=self.config.stall_s)
+            future = self._sent.pop(key, None)
+            if future is None:
+                if self._conn is None or not self._conn.usable:  # closed, or answering what no one waits for
+                    self._drop()
+                    self._conn = await HttpConnection.open(self.host, self.port, self.token,
+                                                           self.config.timeouts.connect_timeout_s)
+                future = self._conn.send(path, pick)
+            if ahead is not None and self._conn.open_for_requests:
+                self._sent[ahead[0]] = self._conn.send(ahead[1], ahead[2])
+            return await self._conn.wait(future, head_wait_s=wait_s, stall_s=self.config.stall_s)
 
         if self._loop.is_closed() or self._aborted:
             raise SourceFailed(f"{self.source}: link closed")
@@ -90,8 +102,29 @@ class HttpLink:
             raise self._status_error(resp.head, resp.body.tobytes())
         return decode_manifest(resp.body.tobytes(), step=step)
 
-    def shard(self, step: int, shard: ShardSpec, into: Any, wait_s: float, limit_s: float) -> int:
-        """The shard's bytes into `into`; returns their CRC32, computed as they arrived."""
+    def shard(self, step: int, shard: ShardSpec, into: Any, wait_s: float, limit_s: float,
+              ahead: tuple[ShardSpec, Any] | None = None) -> int:
+        """The shard's bytes into `into`; returns their CRC32, computed as they arrived. `ahead`: the
+        shard (and its buffer) this link is asked for next; its request goes out now, pipelined, so
+        its bytes follow this shard's with no round trip in between."""
+        pipelined = None
+        if ahead is not None:
+            pipelined = ((step, ahead[0].index), self._shard_path(step, ahead[0], wait_s),
+                         self._shard_pick(ahead[0], ahead[1]))
+        resp = self._request(self._shard_path(step, shard, wait_s), self._shard_pick(shard, into), wait_s, limit_s,
+                             (step, shard.index), pipelined)
+        if resp.head.status != 200:
+            error = self._status_error(resp.head, resp.body.tobytes())
+            if isinstance(error, CatchupAuthError):
+                raise error
+            raise (SourceFailed if isinstance(error, CatchupStepError) else ShardFailed)(str(error))
+        return resp.crc32
+
+    @staticmethod
+    def _shard_path(step: int, shard: ShardSpec, wait_s: float) -> str:
+        return f"/catchup/{step}/shard/{shard.index}?wait={wait_s:g}"
+
+    def _shard_pick(self, shard: ShardSpec, into: Any) -> Callable[[ResponseHead], memoryview]:
         def pick(head: ResponseHead) -> memoryview:
             if head.status == 200:
                 if head.content_length != shard.nbytes:
@@ -100,20 +133,15 @@ class HttpLink:
                 return into
             return self._small(head)
 
-        resp = self._request(f"/catchup/{step}/shard/{shard.index}?wait={wait_s:g}", pick, wait_s, limit_s)
-        if resp.head.status != 200:
-            error = self._status_error(resp.head, resp.body.tobytes())
-            if isinstance(error, CatchupAuthError):
-                raise error
-            raise (SourceFailed if isinstance(error, CatchupStepError) else ShardFailed)(str(error))
-        return resp.crc32
+        return pick
 
-    def _request(self, path: str, pick: Any, wait_s: float, limit_s: float) -> Any:
+    def _request(self, path: str, pick: Any, wait_s: float, limit_s: float, key: Any,
+                 ahead: tuple[Any, str, Any] | None) -> Any:
         """One shard request; a reused connection the server closed while idle is reopened once."""
         for attempt in (0, 1):
-            reused = self._conn is not None and self._conn.usable
+            reused = self._conn is not None and (self._conn.usable or key in self._sent)
             try:
-                return self._get(path, pick, wait_s, limit_s)
+                return self._get(path, pick, wait_s, limit_s, key, ahead)
             except (OSError, asyncio.TimeoutError) as e:
                 self._drop()
                 raise SourceFailed(f"{self.source} cannot be reached: {type(e).__name__}: {e}") from None
@@ -130,6 +158,7 @@ class HttpLink:
         raise AssertionError("unreachable")
 
     def _drop(self) -> None:
+        self._sent.clear()
         if self._conn is not None:
             self._conn.close()
             self._conn = None
@@ -139,7 +168,7 @@ class HttpLink:
         """Idle, with its connection open between responses: a later fetch may use it as it is."""
         conn = self._conn
         return not self._loop.is_closed() and not self._loop.is_running() and not self._aborted \
-            and conn is not None and conn.usable
+            and conn is not None and conn.usable and not self._sent
 
     def close(self) -> None:
         """Idempotent; from another task while a request runs, it aborts that request. An idle, healthy
@@ -166,6 +195,8 @@ class HttpLink:
 
 class HttpTransport(PayloadTransport):
     """The CatchupTransport over HTTP sources ("http://host:port")."""
+
+    pipelines = True  # each shard's request goes out while the one before it is received
 
     def __init__(self, *, env: Env, token: str, config: CatchupConfig, payloads: Any = None) -> None:
         self.token, self.config = token, config

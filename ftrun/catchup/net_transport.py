@@ -66,6 +66,7 @@ class PayloadTransport:
     checksums come from `self.payloads` (BytePayloads for real bytes, shape-only ones in emulation)."""
 
     payloads: Any
+    pipelines = False  # links take one request at a time
 
     def destination(self, nbytes: int) -> Any:
         return self.payloads.destination(nbytes)
@@ -263,8 +264,10 @@ class NetLink:
             raise CatchupPeerError(f"{self.source} sent no manifest body")
         return decode_manifest(body, step=step)
 
-    def shard(self, step: int, shard: ShardSpec, into: Any, wait_s: float, limit_s: float) -> None:
-        """The shard's bytes into `into` (None: the fetcher checksums them)."""
+    def shard(self, step: int, shard: ShardSpec, into: Any, wait_s: float, limit_s: float,
+              ahead: Any = None) -> None:
+        """The shard's bytes into `into` (None: the fetcher checksums them). Requests are not pipelined
+        (the transport's `pipelines` is False), so `ahead` is never given."""
         started = self.env.clock.now()
         resp = self._ask({"op": "shard", "step": step, "index": shard.index}, wait_s, limit_s)
         if resp.get("nbytes") != shard.nbytes:

@@ -8,6 +8,8 @@ is one code path, ftrun.catchup.fetcher, blocking on the Env. It reaches sources
     manifest = link.manifest(step, wait_s, limit_s)   # long-polls up to wait_s for the step's publication
     crc = link.shard(step, shard, into, wait_s, limit_s)  # the shard's bytes into `into` (shard.nbytes
                                                 # long); their CRC32 if the link computed it on arrival
+    link.shard(..., ahead=(next_shard, its_into))  # where transport.pipelines: request the next shard
+                                                # now, behind this one; the next call asks for it
     link.close()
     dest = transport.destination(nbytes)        # where a fetch lands: dest[a:b] is a writable buffer
     transport.views(dest, layout)               # name -> tensor over dest
@@ -43,12 +45,15 @@ class ShardFailed(CatchupError):
 class SourceLink(Protocol):
     def manifest(self, step: int, wait_s: float, limit_s: float) -> Manifest: ...
 
-    def shard(self, step: int, shard: ShardSpec, into: Any, wait_s: float, limit_s: float) -> int | None: ...
+    def shard(self, step: int, shard: ShardSpec, into: Any, wait_s: float, limit_s: float,
+              ahead: tuple[ShardSpec, Any] | None = None) -> int | None: ...
 
     def close(self) -> None: ...
 
 
 class CatchupTransport(Protocol):
+    pipelines: bool  # its links take `ahead`: the next shard's request goes out behind the current one
+
     def open(self, source: str) -> SourceLink: ...
 
     def destination(self, nbytes: int) -> Any: ...

@@ -1,0 +1,105 @@
+"""The fetch protocol over a transport that pipelines (ftrun.catchup.fetcher): each shard request names
+the shard the link is asked for next, that shard is the link's next call, and a failed request gives
+its pipelined shard back to the plan, so the state still arrives whole. Over a transport that does not
+pipeline, no link is ever handed one."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+from ftrun.catchup.config import CatchupConfig
+from ftrun.catchup.fetcher import fetch_with
+from ftrun.catchup.manifest import Manifest, layout_for
+from ftrun.catchup.net_transport import BytePayloads, PayloadTransport
+from ftrun.catchup.transport import ShardFailed, SourceFailed
+from ftrun.config import Timeouts
+from ftrun.env.real import RealEnv
+
+pytestmark = pytest.mark.timeout(30)
+CONFIG = CatchupConfig(max_shard_bytes=64, timeouts=Timeouts(catchup_timeout_s=10.0, catchup_stall_s=2.0))
+DATA = bytes((i * 7) % 251 for i in range(64 * 12))  # 12 shards of 64 bytes
+LAYOUT = layout_for([("w", "uint8", (len(DATA),))], CONFIG.max_shard_bytes)
+MANIFEST = Manifest(3, LAYOUT, tuple(zlib.crc32(DATA[s.offset:s.offset + s.nbytes]) for s in LAYOUT.shards))
+
+
+class FakeLink:
+    def __init__(self, transport: "FakeTransport", source: str) -> None:
+        self.t, self.source = transport, source
+
+    def manifest(self, step, wait_s, limit_s):
+        return MANIFEST
+
+    def shard(self, step, shard, into, wait_s, limit_s, ahead=None):
+        self.t.calls.append((self.source, shard.index, None if ahead is None else ahead[0].index))
+        if ahead is not None:
+            assert ahead[1].nbytes == ahead[0].nbytes
+        fail = self.t.fail.get((self.source, shard.index))
+        if fail is not None:
+            raise fail(f"{self.source} shard {shard.index} injected")
+        into[:] = DATA[shard.offset:shard.offset + shard.nbytes]
+        return None  # the fetcher checksums
+
+    def close(self):
+        pass
+
+
+class FakeTransport(PayloadTransport):
+    def __init__(self, pipelines: bool, fail=None) -> None:
+        self.pipelines, self.fail, self.calls = pipelines, dict(fail or {}), []
+        self.payloads = BytePayloads()
+
+    def open(self, source):
+        return FakeLink(self, source)
+
+
+def _fetch(transport, sources=("a", "b")):
+    result = fetch_with(RealEnv(), transport, 3, list(sources), CONFIG)
+    flat = result.tensors["w"]
+    assert bytes(flat.numpy()) == DATA
+    return result
+
+
+def _by_source(calls):
+    out = {}
+    for source, index, ahead in calls:
+        out.setdefault(source, []).append((index, ahead))
+    return out
+
+
+def test_each_request_names_the_link_s_next_shard():
+    t = FakeTransport(pipelines=True)
+    _fetch(t)
+    for source, seq in _by_source(t.calls).items():
+        for (index, ahead), (nxt, _) in zip(seq, seq[1:]):
+            if ahead is not None:
+                assert nxt == ahead, (source, seq)  # what went out behind a shard is the next one taken
+        assert sum(a is not None for _, a in seq) >= len(seq) // 2, seq  # most requests are pipelined
+    assert sorted(i for _, i, _ in t.calls) == list(range(12))  # each shard fetched once
+
+
+@pytest.mark.parametrize("error", [ShardFailed, SourceFailed])
+def test_a_failed_request_gives_its_pipelined_shard_back(error):
+    t = FakeTransport(pipelines=True)
+    _fetch(t, sources=("a",))
+    first_pipelined = next((i, a) for s, i, a in t.calls if a is not None)
+    t = FakeTransport(pipelines=True, fail={("a", first_pipelined[0]): error})
+    result = _fetch(t)
+    assert result.failures
+    assert first_pipelined[1] in [i for _, i, _ in t.calls]  # fetched after all, by some source
+
+
+def test_a_transport_that_does_not_pipeline_is_never_handed_a_next_shard():
+    t = FakeTransport(pipelines=False)
+    _fetch(t)
+    assert all(ahead is None for _, _, ahead in t.calls) and len(t.calls) == 12
+
+
+def test_the_destination_is_a_reused_buffer_when_given_one():
+    buffer = torch.zeros(len(DATA), dtype=torch.uint8)
+    t = FakeTransport(pipelines=True)
+    t.payloads = BytePayloads(buffer)
+    _fetch(t)
+    assert bytes(buffer.numpy()) == DATA
