@@ -87,10 +87,12 @@ def _failures(ev: list[dict[str, Any]], c: _Commits) -> dict[str, list[float]]:
         key = (st["replica_id"], st["incarnation"])
         if c.by_inc.get(key):
             out["rejoins"].append(c.by_inc[key][0] - st["t"])
+        # its first two quorums: the step it heals in (a zero gradient) and its first computing step, where
+        # a first-step effect not warmed up before check-in (paper §5) lands
         joined = [e["t"] for e in ev if e["event"] == "quorum" and (e["replica_id"], e["incarnation"]) == key]
-        s = c.extension_at(joined[0], st["replica_id"]) if joined else None
-        if s is not None:
-            out["rejoin_stalls"].append(s)
+        stalls = [s for t in joined[:2] if (s := c.extension_at(t, st["replica_id"])) is not None]
+        if stalls:
+            out["rejoin_stalls"].append(max(stalls))
     return out
 
 

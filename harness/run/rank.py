@@ -122,7 +122,7 @@ def _compute(job: RankJob, inc: RankIncarnation, rank: int, env: Any, lead: bool
         step_time_s=train.step_compute_s, rng=job.rng, state=job.shape_state, lead=lead,
         extra_s=lambda step: (job.jitter_s(inc.replica, step) + job.compute_extra_s(inc, rank, step)
                               + job.contention_extra_s()),
-        first_extra_s=(extra_first + train.first_batch_s) if restarted else 0.0,
+        first_extra_s=extra_first if restarted else 0.0,
         first_batch_s=train.first_batch_s if restarted else 0.0)
 
 

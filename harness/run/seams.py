@@ -114,30 +114,44 @@ class ObjectStoreCheckpointer:
         self.committed.append(step)
 
 
+class FirstStepCosts:
+    """What a restarted incarnation's first steps cost beyond the modeled step (paper §5): `batch_s` on its
+    first step, whether it computes or heals with a zero gradient; `extra_s` (the first-step initialization
+    not done before check-in) on its first forward, which for a replica that heals first is the step after
+    the healing one. `take` returns what a step owes and marks it paid."""
+
+    def __init__(self, *, batch_s: float, extra_s: float) -> None:
+        self.batch_s, self.extra_s = batch_s, extra_s
+
+    def take(self, *, forward: bool) -> float:
+        due, self.batch_s = self.batch_s, 0.0
+        if forward:
+            due, self.extra_s = due + self.extra_s, 0.0
+        return due
+
+
 class EmulatedCompute(ShapeOnlyTrainCompute):
     """One emulated rank's shape-only compute with the job's timing effects: a restarted replica's
-    first-step effect and first batch (paper §5), step jitter and straggler hosts (`extra_s(step)`).
+    first-step costs (`FirstStepCosts`), step jitter and straggler hosts (`extra_s(step)`).
     A mirroring rank (folded rings) computes in zero time: its lead's compute is inside the lead's
-    exchange it waits for. `first_extra_s`: added to the first forward (or, for a rank healing at its
-    first step, `first_batch_s` to its zero gradient)."""
+    exchange it waits for."""
 
     def __init__(self, *, lead: bool, first_extra_s: float, first_batch_s: float, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self._lead, self._first_extra_s, self._first_batch_s = lead, first_extra_s, first_batch_s
-        self._first = True
+        self._lead = lead
+        self._first = FirstStepCosts(batch_s=first_batch_s, extra_s=first_extra_s)
 
     def forward_backward(self, step: int = 0, samples: Any = None, seed: int | None = None) -> float:
         if not self._lead:
             return 0.0
-        first, self._first = self._first, False
-        if first and self._first_extra_s:
-            self.env.clock.sleep(self._first_extra_s)
+        if due := self._first.take(forward=True):
+            self.env.clock.sleep(due)
         return super().forward_backward(step, samples, seed)
 
     def zero_grads(self) -> None:
-        first, self._first = self._first, False
-        if self._lead and first and self._first_batch_s:
-            self.env.clock.sleep(self._first_batch_s)  # its first batch loads before it enters the all-reduce
+        due = self._first.take(forward=False)
+        if self._lead and due:
+            self.env.clock.sleep(due)  # its first batch loads before it enters the all-reduce
 
 
 class TimedCatchup:

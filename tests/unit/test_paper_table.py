@@ -116,6 +116,9 @@ def test_measure_builds_the_whole_table_from_emulated_runs() -> None:
     ett = rows["effective_training_time"]
     assert 0.0 < ett["emulated"] < ett["ftrun_detection"] <= 1.0
     assert out["scenarios"]["warmup"]["rejoin_s"] > out["scenarios"]["no_warmup"]["rejoin_s"]  # warm-up before check-in
+    # the first-step extra not warmed up lands on the joiner's first computing step: the job stalls (here the
+    # survivors' 60 s all-reduce wait limit bounds it); warmed up before check-in, it does not
+    assert rows["first_step_no_warmup_s"]["emulated"] >= 60.0 and rows["first_step_s"]["emulated"] < 1.0
     silent, crash = out["scenarios"]["silent"]["failure"], out["crash"]
     assert 55.0 <= silent["verdict_s"] <= 61.0 and 55.0 <= silent["detection_s"] <= 61.0  # the 60 s heartbeat timeout
     assert crash["verdict_s"] < 1.0  # connections reset: the lighthouse knows at once
