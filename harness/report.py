@@ -190,6 +190,8 @@ def text(f: dict[str, Any]) -> str:
         f"  effective training time {100 * f['effective_training_time']:.1f}%; where the leaders' time went: "
         + ", ".join(f"{k} {100 * v:.1f}%" for k, v in f["time_split"].items()),
     ]
+    if f.get("ranks_mirrored_per_replica"):
+        lines.insert(3, f"  ranks folded: {f['folding']}")
     if "audit_batches" in f:
         lines.append(f"  data: {f['audit_summary']}; {f['duplicate_batches']} duplicated, {f['skipped_batches']} "
                      f"skipped; catch-up {f['catchup_bytes'] / 1e6:.1f} MB in {f['catchup_fetches']} fetch(es) from up "

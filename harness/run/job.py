@@ -38,10 +38,10 @@ from ftrun.replica.tree_comm import TreeComm
 from harness.engine import EmulatedWorld
 from harness.engine.net import EmuConnection
 from harness.profile import Profile
-from harness.run.fold import Mirror
+from harness.run.fold import Mirror, represented_ranks, tree_depth_latency
 from harness.run.diagnosis import DIAGNOSIS_HOST, JobDiagnosis, ScenarioFaults
 from harness.run.faults import SCENARIO_FAULTS, CutBuilding, Kill, KillLighthouse, SlowFetch, SlowHost, check_faults
-from harness.run.options import JobOptions
+from harness.run.options import FOLD_RANKS_ABOVE, JobOptions
 from harness.run.rank import rank_main
 from harness.run.record import Recorder
 from harness.run.ledger import audit_figures
@@ -67,20 +67,22 @@ class Incarnation:
         self.replica, self.number, self.hosts = replica, number, hosts
         self.replica_id = job.replica_id(replica)
         self.world_size = p.ranks_per_replica
+        self.ranks = job.ranks  # the ranks it runs (all, or the represented ones: harness.run.fold); tree index i runs ranks[i]
         gpus = p.topology.gpus_per_host
         host_envs = [world.host_env(h) for h in hosts]
-        self.envs = [host_envs[k // gpus] for k in range(self.world_size)]
+        self.envs = [host_envs[k // gpus] for k in self.ranks]  # by tree index
         self.mirror = Mirror(self.envs[0], min(gpus, self.world_size)) if job.folded else None
+        self.tree_extra_s = job.tree_extra_s(hosts)  # per tree pass: the full tree's latency the run ranks' lacks
         self.listeners: list[Any] = []
         self.addrs: list[str] = []
         self.prewired: list[tuple[Any, list[Any]]] | None = None
         if job.options.wiring == "prewired":
-            self.prewired = _prewire(world, self.envs, hosts, gpus, job.options.fanout)
+            self.prewired = _prewire(world, self.envs, [hosts[k // gpus] for k in self.ranks], job.options.fanout)
         else:
             self.listeners = [env.net.listen("127.0.0.1:0") for env in self.envs]
             self.addrs = [ln.addr for ln in self.listeners]
-        self.live = self.world_size
-        self.tasks: list[Any] = []  # each rank's root task (its process: harness.engine freeze / kill_process)
+        self.live = len(self.ranks)
+        self.tasks: dict[int, Any] = {}  # rank -> its root task (its process: harness.engine freeze / kill_process)
         self.ledgers: dict = {}  # the ranks' shared ledger transitions (harness.run.seams.FoldedProgress)
         # a straggler among its hosts: (host index, factor, from step), or None
         self.straggler = job.straggler_on(hosts)
@@ -88,15 +90,15 @@ class Incarnation:
         self.completed = False  # its leader committed the last step
 
 
-def _prewire(world: EmulatedWorld, envs: list[Any], hosts: tuple[str, ...], gpus: int,
-             fanout: int) -> list[tuple[Any, list[Any]]]:
-    """Each rank's (parent, children) tree connections, made directly instead of by listen/connect."""
+def _prewire(world: EmulatedWorld, envs: list[Any], rank_hosts: list[str], fanout: int) -> list[tuple[Any, list[Any]]]:
+    """Each tree index's (parent, children) tree connections, made directly instead of by listen/connect;
+    rank_hosts[i]: the host of tree index i."""
     fab = world.fabric
     n = len(envs)
     links: list[tuple[Any, list[Any]]] = [(None, []) for _ in range(n)]
     for rank in range(1, n):
         parent = (rank - 1) // fanout
-        child_host, parent_host = fab.net_host(hosts[rank // gpus]), fab.net_host(hosts[parent // gpus])
+        child_host, parent_host = fab.net_host(rank_hosts[rank]), fab.net_host(rank_hosts[parent])
         up, down = EmuConnection.pair(fab, child_host, parent_host, f"{parent_host.name}:tree{parent}")
         links[rank] = (up, links[rank][1])
         links[parent][1].append(down)
@@ -154,6 +156,7 @@ class EmulatedJob:
                             if isinstance(f, SlowHost)}
         self._slow_fetch = {f.replica: f for f in options.faults if isinstance(f, SlowFetch)}
         self._num_leads = min(gpus, profile.ranks_per_replica) if self.folded else None
+        self.ranks = self._represented_ranks()
         self.lighthouse: Lighthouse | None = None
         self._lighthouses: list[Lighthouse] = []  # every start, for the quorum history
         self._lighthouse_storage: MockObjectStore | None = None  # its disk: survives a restart
@@ -168,6 +171,50 @@ class EmulatedJob:
         self.ftar_entries = 0  # leaders' entries into an all-reduce (a driver's phase signal)
 
     # -- names and models ------------------------------------------------------------------------
+    def _represented_ranks(self) -> tuple[int, ...]:
+        """The ranks each replica incarnation runs: every rank, or with rank folding (JobOptions.fold_ranks)
+        the leads and every rank a fault names (harness.run.fold.represented_ranks)."""
+        p, o = self.profile, self.options
+        n = p.ranks_per_replica
+        if o.fold_ranks == "on" and not self.folded:
+            raise ValueError("fold_ranks=on needs folded FTAR rings (ftar_detail=folded)")
+        on = self.folded and (o.fold_ranks == "on" or (o.fold_ranks == "auto" and not o.diagnose
+                                                          and n > FOLD_RANKS_ABOVE))
+        if not on:
+            return tuple(range(n))
+        targets = [f.rank for f in o.injected if isinstance(getattr(f, "rank", None), int)]
+        return represented_ranks(n, self._num_leads or 1, targets)
+
+    def folding(self) -> dict[str, Any]:
+        """What the run folded (for the report): rings run per replica, ranks run and mirrored per replica."""
+        n = self.profile.ranks_per_replica
+        run = len(self.ranks)
+        return {"ftar_rings_run_per_replica": self._num_leads or n, "ranks_run_per_replica": run,
+                "ranks_mirrored_per_replica": n - run,
+                "folding": (f"each replica runs {run} of its {n} ranks (the first host's and every fault target); "
+                            f"the other {n - run} mirror a lead's quorum, vote, FTAR and catch-up, and each "
+                            f"replica collective waits out the full {n}-rank tree's extra depth" if run < n
+                            else "every rank runs its trainer")}
+
+    def tree_extra_s(self, hosts: tuple[str, ...]) -> float:
+        """With rank folding: the latency one pass of the full replica's TreeComm takes beyond the represented
+        ranks' tree on these hosts (the ranks not run would be the deeper levels). 0 when every rank runs."""
+        n = self.profile.ranks_per_replica
+        if len(self.ranks) == n:
+            return 0.0
+        gpus, topo, net = self.profile.topology.gpus_per_host, self.topology, self.world.fabric.model.config
+        cache: dict[tuple[int, int], float] = {}
+
+        def latency(a: int, b: int) -> float:
+            key = (a // gpus, b // gpus)
+            if key not in cache:
+                cache[key] = net.latency_s(topo.hop_class(hosts[key[0]], hosts[key[1]]))
+            return cache[key]
+
+        fanout = self.options.fanout
+        full = tree_depth_latency(range(n), fanout, latency)
+        return max(0.0, full - tree_depth_latency(self.ranks, fanout, latency))
+
     def replica_id(self, replica: int) -> str:
         return f"r{replica:0{len(str(self.profile.replicas - 1))}d}"
 
@@ -270,8 +317,8 @@ class EmulatedJob:
         inc = Incarnation(self, replica, number, tuple(hosts))
         self._incarnations[replica] = inc
         self._record("start", inc)
-        inc.tasks = [inc.envs[rank].spawn(rank_main, self, inc, rank, name=f"{inc.replica_id}.{number}/rank{rank}")
-                     for rank in range(inc.world_size)]
+        inc.tasks = {rank: inc.envs[i].spawn(rank_main, self, inc, i, name=f"{inc.replica_id}.{number}/rank{rank}")
+                     for i, rank in enumerate(inc.ranks)}
 
     def _kill(self, inc: Incarnation, why: str) -> None:
         """Kill every host of the incarnation; the calling task's own host last (that raises TaskKilled)."""
