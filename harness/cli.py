@@ -61,6 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fold-ranks", choices=("auto", "on", "off"), default="auto",
                    help="with folded rings, run only each replica's first host and fault targets; the other ranks "
                         "mirror them (auto: above 256 ranks per replica)")
+    p.add_argument("--ftar-model", choices=("auto", "chunks", "analytic"), default="auto",
+                   help="analytic: each unfaulted ring all-reduce is one modeled wait per rank instead of every "
+                        "chunk (auto: above 256 ranks, when no fault can stall a ring silently)")
     p.add_argument("--comm", choices=("tree", "flat"), default="tree",
                    help="the replica's check-in / vote collectives: TreeComm or the naive FlatComm")
     p.add_argument("--wiring", choices=("auto", "connect", "prewired"), default="auto",
@@ -106,7 +109,8 @@ def job_options(profile: Profile, args: argparse.Namespace, *, kills: tuple | No
     if diagnose is not None and not diagnose > 0:
         raise UsageError(f"--diagnose SECONDS must be > 0, got {diagnose}")
     return JobOptions(steps=profile.train.steps, kills=kills, faults=faults, seed=seed, ftar_detail=args.ftar_detail,
-                      fold_ranks=getattr(args, "fold_ranks", "auto"), comm=args.comm, wiring=wiring, diagnose=diagnose is not None, diagnose_interval_s=diagnose)
+                      fold_ranks=getattr(args, "fold_ranks", "auto"),
+                      ftar_model=getattr(args, "ftar_model", "auto"), comm=args.comm, wiring=wiring, diagnose=diagnose is not None, diagnose_interval_s=diagnose)
 
 
 def execute(profile: Profile, options: JobOptions, *, progress: bool = False, out: str | None = None,

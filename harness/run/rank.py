@@ -31,6 +31,7 @@ from ftrun.train.exchange import GradientExchange
 from ftrun.train.lr import LRConfig
 from ftrun.train.trainer import FaultTolerantTrainer, StepResult, TrainerConfig, build
 from harness.run.fold import FoldedComm, LeadCatchup, LeadExchange, MirrorCatchup, MirrorExchange
+from harness.run.ring_model import AnalyticFtarEngine
 from harness.run.rank_view import RankIncarnation, RankJob
 from harness.run.seams import (EmulatedCompute, FoldedProgress, ObjectStoreCheckpointer, OverheadExchange,
                                ShapePayloads, ShapeSnapshotStore, TimedCatchup)
@@ -148,7 +149,10 @@ def _data_plane(job: RankJob, inc: RankIncarnation, rank: int, env: Any, lead: b
         exchange = MirrorExchange(mirror=mirror, rank=rank, ftar_config=job.ftar_config, timeout_s=job.mirror_timeout_s)
         return exchange, TimedCatchup(MirrorCatchup(mirror=mirror, rank=rank, timeout_s=job.mirror_timeout_s), env,
                                       on_fetch=fetched)
-    engine = FtarEngine(env=env, kernels=job.kernels(), token=job.token, config=job.ftar_config)
+    engine = (FtarEngine(env=env, kernels=job.kernels(), token=job.token, config=job.ftar_config)
+              if job.ring_board is None else
+              AnalyticFtarEngine(board=job.ring_board, cost=job.ring_cost(env.host), env=env, kernels=job.kernels(),
+                                 token=job.token, config=job.ftar_config))
     joiner_wait = job.timeouts.ftar_timeout_s + 2 * job.profile.train.step_compute_s  # others compute, then timeout
     exchange: Any = OverheadExchange(GradientExchange(engine=engine, rank=rank, joiner_wait_s=joiner_wait), env,
                                      job.ftar_overhead_s)

@@ -54,6 +54,9 @@ class RankJob(Protocol):
     lighthouse_addr: str
     finished: bool
     diagnosis: Any
+    ring_board: Any  # harness.run.ring_model.RingBoard with analytic rings, else None
+
+    def ring_cost(self, host: str) -> Any: ...
 
     def kernels(self) -> Any: ...
 
