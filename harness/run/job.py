@@ -33,7 +33,6 @@ from ftrun.catchup.manifest import align_up, ceil_div
 from ftrun.config import LighthouseConfig, Timeouts
 from ftrun.data.sampler import DataLayout
 from ftrun.env.wire import HEADER_SIZE
-from ftrun.ftar.schedule import Schedule
 from ftrun.env.base import EnvTimeout
 from ftrun.quorum.service import Lighthouse
 from ftrun.replica.tree_comm import TreeComm
@@ -44,7 +43,7 @@ from harness.run.fold import Mirror, represented_ranks, tree_depth_latency
 from harness.run.diagnosis import DIAGNOSIS_HOST, JobDiagnosis, ScenarioFaults
 from harness.run.faults import SCENARIO_FAULTS, CutBuilding, Kill, KillLighthouse, SlowFetch, SlowHost, check_faults
 from harness.run.options import ANALYTIC_RINGS_ABOVE, FOLD_RANKS_ABOVE, RING_STALLS, JobOptions
-from harness.run.ring_model import RingBoard, ring_seconds
+from harness.run.ring_model import RingBoard, StepSummary, ring_seconds
 from harness.run.rank import rank_main
 from harness.run.record import Recorder
 from harness.run.ledger import audit_figures
@@ -161,6 +160,7 @@ class EmulatedJob:
         self._num_leads = min(gpus, profile.ranks_per_replica) if self.folded else None
         self.ranks = self._represented_ranks()
         self.ring_board = RingBoard() if self._analytic_rings() else None
+        self._ring_costs: dict[tuple, float] = {}  # ring_cost's, shared by every rank (few distinct rings)
         self.lighthouse: Lighthouse | None = None
         self._lighthouses: list[Lighthouse] = []  # every start, for the quorum history
         self._lighthouse_storage: MockObjectStore | None = None  # its disk: survives a restart
@@ -197,21 +197,21 @@ class EmulatedJob:
         return (self.profile.num_ranks > ANALYTIC_RINGS_ABOVE and not o.diagnose
                 and not any(isinstance(f, RING_STALLS) for f in o.faults))
 
-    def ring_cost(self, host: str) -> Callable[[Schedule, str], float]:
-        """cost(schedule, next rank's FTAR address): modeled seconds of one all-reduce of a rank on `host`
+    def ring_cost(self, host: str) -> Callable[[StepSummary, str], float]:
+        """cost(step summary, next rank's FTAR address): modeled seconds of one all-reduce of a rank on `host`
         (ring_model.ring_seconds over the route to the next rank, its NIC shared by the host's rings)."""
         fab, net, kernels = self.world.fabric, self.world.fabric.model.config, self.kernels()
         share = min(self.profile.topology.gpus_per_host, self.profile.ranks_per_replica)
         kernel_s = lambda nbytes: kernels.launch_s + nbytes / kernels.reduce_bw  # noqa: E731
-        cache: dict[tuple[int, str], float] = {}
+        cache = self._ring_costs
 
-        def cost(sched: Schedule, next_addr: str) -> float:
+        def cost(summary: StepSummary, next_addr: str) -> float:
             peer = parse_addr(next_addr)[0] or host
-            key = (id(sched), peer)
+            route = fab.route(fab.net_host(host), fab.net_host(peer))
+            key = (summary, route.hop, route.host_rate, route.up is not None)
             if key not in cache:
-                route = fab.route(fab.net_host(host), fab.net_host(peer))
                 rate = route.host_rate / share / (net.cross_zone_oversubscription if route.up is not None else 1.0)
-                cache[key] = ring_seconds(sched, rate=rate, latency=route.latency, kernel_s=kernel_s,
+                cache[key] = ring_seconds(summary, rate=rate, latency=route.latency, kernel_s=kernel_s,
                                           overhead_bytes=net.frame_overhead_bytes + HEADER_SIZE)
             return cache[key]
         return cost

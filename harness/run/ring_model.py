@@ -35,24 +35,42 @@ from ftrun.ftar.ring import FatalError, RecoverableError
 from ftrun.ftar.schedule import Reduce, ReduceCopy, Schedule, schedule
 
 
-@lru_cache(maxsize=64)
+@lru_cache(maxsize=256)
 def _schedule(n: int, index: int, nbytes: int, elem: int, chunk_bytes: int, num_chunks: int) -> Schedule:
     return schedule(n, index, nbytes, elem_size=elem, chunk_bytes=chunk_bytes, num_chunks=num_chunks)
 
 
-def ring_seconds(sched: Schedule, *, rate: float, latency: float, kernel_s: Callable[[int], float],
+@lru_cache(maxsize=256)
+def _summary(n: int, index: int, nbytes: int, elem: int, chunk_bytes: int, num_chunks: int) -> "StepSummary":
+    return step_summary(_schedule(n, index, nbytes, elem, chunk_bytes, num_chunks))
+
+
+StepSummary = tuple[int, tuple[tuple[int, bool, int], ...]]  # (ranks, ((chunk bytes, reduces, steps), ...))
+
+
+def step_summary(sched: Schedule) -> StepSummary:
+    """What ring_seconds needs of a schedule: its ring size and how many steps move how many bytes, with or
+    without a reduce kernel (a few distinct kinds however long the schedule)."""
+    counts: dict[tuple[int, bool], int] = {}
+    for step in sched.steps:
+        key = (step.ops[0].nbytes, any(isinstance(op, (Reduce, ReduceCopy)) for op in step.ops))
+        counts[key] = counts.get(key, 0) + 1
+    return sched.num_ranks, tuple((nb, red, c) for (nb, red), c in sorted(counts.items()))
+
+
+def ring_seconds(summary: StepSummary, *, rate: float, latency: float, kernel_s: Callable[[int], float],
                  overhead_bytes: int = 0) -> float:
-    """Modeled seconds of one rank's all-reduce: each schedule step the longer of sending its chunk at `rate`
-    bytes/s and its reduce kernel (`kernel_s(nbytes)`), plus `latency` per hop of the fill (2N - 2 hops)."""
+    """Modeled seconds of one rank's all-reduce (its schedule's step_summary): each schedule step the longer
+    of sending its chunk at `rate` bytes/s and its reduce kernel (`kernel_s(nbytes)`), plus `latency` per hop
+    of the fill (2N - 2 hops)."""
     if rate <= 0 or latency < 0:
         raise ValueError(f"need rate > 0 and latency >= 0, got {rate}, {latency}")
+    num_ranks, kinds = summary
     total = 0.0
-    for step in sched.steps:
-        nbytes = step.ops[0].nbytes
+    for nbytes, reduces, count in kinds:
         wire = (nbytes + overhead_bytes) / rate
-        reduces = any(isinstance(op, (Reduce, ReduceCopy)) for op in step.ops)
-        total += max(wire, kernel_s(nbytes)) if reduces else wire
-    return total + (2 * sched.num_ranks - 2) * latency
+        total += count * (max(wire, kernel_s(nbytes)) if reduces else wire)
+    return total + (2 * num_ranks - 2) * latency
 
 
 class _Ring:
@@ -112,10 +130,10 @@ class LinkWatch:
 
 
 class AnalyticFtarEngine(FtarEngine):
-    """FtarEngine whose all_reduce is modeled per ring (see the module docstring). `cost(sched, next_addr)`:
-    this rank's modeled seconds for a schedule, sending to the rank listening at next_addr."""
+    """FtarEngine whose all_reduce is modeled per ring (see the module docstring). `cost(summary, next_addr)`:
+    this rank's modeled seconds for a schedule's step_summary, sending to the rank listening at next_addr."""
 
-    def __init__(self, *, board: RingBoard, cost: Callable[[Schedule, str], float], **kwargs: Any) -> None:
+    def __init__(self, *, board: RingBoard, cost: Callable[[StepSummary, str], float], **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._board, self._cost = board, cost
         self._ring_key: tuple = ()
@@ -150,14 +168,14 @@ class AnalyticFtarEngine(FtarEngine):
             self._fail(links, NetError(f"ring epoch {links.epoch} was aborted (a participant of its quorum hung)"))
         dt = DType.parse(dtype if dtype is not None else buf.dtype)
         n, index = self._ring
-        sched = _schedule(n, index, buf.nbytes, dt.itemsize, self.config.chunk_bytes, self.config.num_chunks)
-        if not sched.steps:
+        summary = _summary(n, index, buf.nbytes, dt.itemsize, self.config.chunk_bytes, self.config.num_chunks)
+        if not summary[1]:
             return
         self._calls += 1
         key = (*self._ring_key, self._calls)
         clock = self.env.clock
         waker = self._waker = self.env.event()
-        ring = self._board.arrive(key, n, clock.now(), self._cost(sched, self._next_addr), waker)
+        ring = self._board.arrive(key, n, clock.now(), self._cost(summary, self._next_addr), waker)
         try:
             self._wait(links, ring, waker)
         finally:

@@ -9,7 +9,7 @@ from ftrun.ftar.schedule import schedule
 from harness import cli
 from harness.profile import load_profile
 from harness.run import JobOptions, parse_inject, split_faults
-from harness.run.ring_model import RingBoard, ring_seconds
+from harness.run.ring_model import RingBoard, ring_seconds, step_summary
 
 
 class _Flag:
@@ -23,14 +23,16 @@ class _Flag:
 def test_ring_seconds_is_bandwidth_bound_or_kernel_bound_per_step_plus_the_fill():
     sched = schedule(4, 1, 4 * 2 * 1024, elem_size=4, chunk_bytes=1024, num_chunks=2)  # one partition
     steps = len(sched.steps)
+    summary = step_summary(sched)
+    assert summary[0] == 4 and sum(c for _, _, c in summary[1]) == steps
     assert steps == (2 * 4 - 2) * 2 + 2  # (2N - 2) hops x C chunks, and the last hop's receives
-    slow_wire = ring_seconds(sched, rate=1024.0, latency=0.5, kernel_s=lambda nb: 0.0)
+    slow_wire = ring_seconds(summary, rate=1024.0, latency=0.5, kernel_s=lambda nb: 0.0)
     assert slow_wire == pytest.approx(steps * 1.0 + 6 * 0.5)  # 1 s per chunk, 0.5 s per fill hop
-    slow_kernel = ring_seconds(sched, rate=1e12, latency=0.0, kernel_s=lambda nb: 2.0)
+    slow_kernel = ring_seconds(summary, rate=1e12, latency=0.0, kernel_s=lambda nb: 2.0)
     reducing = sum(1 for s in sched.steps if type(s.ops[1]).__name__ in ("Reduce", "ReduceCopy"))
     assert reducing == 3 * 2 and slow_kernel == pytest.approx(reducing * 2.0, rel=1e-6)  # N - 1 reduce hops x C
     with pytest.raises(ValueError, match="rate"):
-        ring_seconds(sched, rate=0.0, latency=0.0, kernel_s=lambda nb: 0.0)
+        ring_seconds(summary, rate=0.0, latency=0.0, kernel_s=lambda nb: 0.0)
 
 
 def test_the_board_ends_a_ring_at_the_last_arrival_plus_the_longest_duration():
