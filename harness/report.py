@@ -171,7 +171,7 @@ def text(f: dict[str, Any]) -> str:
         f"ftrun emulate {f['profile']}: {f['replicas']} replicas x {f['ranks_per_replica']} ranks = "
         f"{f['ranks']} emulated ranks, {f['steps']} steps; {f['kills']} failure(s) injected"
         + (f" ({'; '.join(f['injected'])})" if f["injected"] else ""),
-        "  real for every rank: the FaultTolerantTrainer (lighthouse quorum, Manager check-in / decision broadcast "
+        "  real for every rank run: the FaultTolerantTrainer (lighthouse quorum, Manager check-in / decision broadcast "
         f"/ 2PC commit vote over {f['replica_comm']} comm, failure detection, rejoin as behind, catch-up fetch "
         "protocol, data ledger and audit, checkpoint writer election, LR intervention)",
         f"  FTAR {f['ftar']}",
