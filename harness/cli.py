@@ -58,6 +58,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ftar-detail", choices=("folded", "full"), default=None,
                    help="full: run every chunk of every FTAR ring (default: the profile's)")
+    p.add_argument("--fold-ranks", choices=("auto", "on", "off"), default="auto",
+                   help="with folded rings, run only each replica's first host and fault targets; the other ranks "
+                        "mirror them (auto: above 256 ranks per replica)")
+    p.add_argument("--ftar-model", choices=("auto", "chunks", "analytic"), default="auto",
+                   help="analytic: each unfaulted ring all-reduce is one modeled wait per rank instead of every "
+                        "chunk (auto: above 256 ranks, when no fault can stall a ring silently)")
     p.add_argument("--comm", choices=("tree", "flat"), default="tree",
                    help="the replica's check-in / vote collectives: TreeComm or the naive FlatComm")
     p.add_argument("--wiring", choices=("auto", "connect", "prewired"), default="auto",
@@ -103,7 +109,8 @@ def job_options(profile: Profile, args: argparse.Namespace, *, kills: tuple | No
     if diagnose is not None and not diagnose > 0:
         raise UsageError(f"--diagnose SECONDS must be > 0, got {diagnose}")
     return JobOptions(steps=profile.train.steps, kills=kills, faults=faults, seed=seed, ftar_detail=args.ftar_detail,
-                      comm=args.comm, wiring=wiring, diagnose=diagnose is not None, diagnose_interval_s=diagnose)
+                      fold_ranks=getattr(args, "fold_ranks", "auto"),
+                      ftar_model=getattr(args, "ftar_model", "auto"), comm=args.comm, wiring=wiring, diagnose=diagnose is not None, diagnose_interval_s=diagnose)
 
 
 def execute(profile: Profile, options: JobOptions, *, progress: bool = False, out: str | None = None,
@@ -121,7 +128,8 @@ def execute(profile: Profile, options: JobOptions, *, progress: bool = False, ou
                        kills=[k.describe() for k in options.injected])
     f.update(wall_s=round(time.monotonic() - started, 3), cpu_s=round(time.process_time() - cpu0, 3),
              peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-             engine=job.world.stats(), shape_propagations=job.shapes.num_propagations, **job.data_figures())
+             engine=job.world.stats(), shape_propagations=job.shapes.num_propagations, **job.data_figures(),
+             **job.folding())
     if job.diagnosis is not None:
         from harness.run.diagnosis import figures as diagnosis_figures
 

@@ -173,7 +173,7 @@ def text(f: dict[str, Any]) -> str:
         f"ftrun emulate {f['profile']}: {f['replicas']} replicas x {f['ranks_per_replica']} ranks = "
         f"{f['ranks']} emulated ranks, {f['steps']} steps; {f['kills']} failure(s) injected"
         + (f" ({'; '.join(f['injected'])})" if f["injected"] else ""),
-        "  real for every rank: the FaultTolerantTrainer (lighthouse quorum, Manager check-in / decision broadcast "
+        "  real for every rank run: the FaultTolerantTrainer (lighthouse quorum, Manager check-in / decision broadcast "
         f"/ 2PC commit vote over {f['replica_comm']} comm, failure detection, rejoin as behind, catch-up fetch "
         "protocol, data ledger and audit, checkpoint writer election, LR intervention)",
         f"  FTAR {f['ftar']}",
@@ -192,6 +192,8 @@ def text(f: dict[str, Any]) -> str:
         f"  effective training time {100 * f['effective_training_time']:.1f}%; where the leaders' time went: "
         + ", ".join(f"{k} {100 * v:.1f}%" for k, v in f["time_split"].items()),
     ]
+    if f.get("ranks_mirrored_per_replica"):
+        lines.insert(3, f"  ranks folded: {f['folding']}")
     if "audit_batches" in f:
         lines.append(f"  data: {f['audit_summary']}; {f['duplicate_batches']} duplicated, {f['skipped_batches']} "
                      f"skipped; catch-up {f['catchup_bytes'] / 1e6:.1f} MB in {f['catchup_fetches']} fetch(es) from up "

@@ -174,3 +174,78 @@ class MirrorCatchup:
 
     def stop(self) -> None:
         """Nothing to stop."""
+
+
+# -- folding whole ranks: a replica runs only the ranks that differ -------------------------------
+#
+# At thousands of ranks per replica the mirrors' own trainers are the emulator's cost (each mirror's
+# quorum broadcast, commit vote and bookkeeping every step). With rank folding a replica incarnation
+# runs only its represented ranks: the leads (the first host) and every rank a fault names; the rest
+# are identical to a lead (same quorum, same vote, the lead's FTAR and catch-up) and are not started.
+# The represented ranks form the replica's TreeComm among themselves, and `FoldedComm` charges each
+# collective the latency the full tree's deeper paths add (the modeled timing of the ranks not run).
+
+
+def represented_ranks(ranks_per_replica: int, num_leads: int, targets: Sequence[int]) -> tuple[int, ...]:
+    """The ranks a folded replica runs: its leads (0..num_leads-1) and the fault targets, in rank order."""
+    if not 1 <= num_leads <= ranks_per_replica:
+        raise ValueError(f"num_leads must be in 1..{ranks_per_replica}, got {num_leads}")
+    bad = [t for t in targets if not 0 <= t < ranks_per_replica]
+    if bad:
+        raise ValueError(f"fault target ranks {bad} outside 0..{ranks_per_replica - 1}")
+    return tuple(sorted(set(range(num_leads)) | set(targets)))
+
+
+def tree_depth_latency(ranks: Sequence[int], fanout: int, latency: Any) -> float:
+    """The longest root-to-leaf latency of a TreeComm (parent of tree index i: (i - 1) // fanout) whose
+    tree index i is rank ranks[i]; `latency(rank_a, rank_b)` is one message's latency between two ranks."""
+    if fanout < 1:
+        raise ValueError(f"fanout must be >= 1, got {fanout}")
+    path = [0.0] * len(ranks)
+    for i in range(1, len(ranks)):
+        parent = (i - 1) // fanout
+        path[i] = path[parent] + latency(ranks[parent], ranks[i])
+    return max(path, default=0.0)
+
+
+# Tree passes per collective: an all-reduce goes up and down the tree; a broadcast or scatter goes down,
+# a gather up (TreeComm).
+_PASSES = {"all_reduce_int": 2, "all_gather_bytes": 2, "broadcast_bytes": 1, "scatter_bytes": 1, "gather_bytes": 1}
+
+
+class FoldedComm:
+    """The represented ranks' TreeComm, each collective followed by `extra_s` x its tree passes: the latency
+    the full replica's tree (deeper, across more racks) adds to the represented ranks' shallower one. Every
+    represented rank waits it out, as every rank of the full tree ends the collective that much later."""
+
+    def __init__(self, comm: Any, env: Any, extra_s: float) -> None:
+        if extra_s < 0:
+            raise ValueError(f"extra_s must be >= 0, got {extra_s}")
+        self._comm, self._env, self.extra_s = comm, env, extra_s
+        self.rank, self.world_size = comm.rank, comm.world_size
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._comm, name)
+
+    def _after(self, op: str, result: Any) -> Any:
+        if self.extra_s:
+            self._env.clock.sleep(self.extra_s * _PASSES[op])
+        return result
+
+    def all_reduce_int(self, values: list[int], op: Any) -> list[int]:
+        return self._after("all_reduce_int", self._comm.all_reduce_int(values, op))
+
+    def all_gather_bytes(self, data: bytes) -> list[bytes]:
+        return self._after("all_gather_bytes", self._comm.all_gather_bytes(data))
+
+    def broadcast_bytes(self, data: bytes | None, root: int = 0) -> bytes:
+        return self._after("broadcast_bytes", self._comm.broadcast_bytes(data, root))
+
+    def scatter_bytes(self, chunks: list[bytes] | None) -> bytes:
+        return self._after("scatter_bytes", self._comm.scatter_bytes(chunks))
+
+    def gather_bytes(self, data: bytes) -> list[bytes] | None:
+        return self._after("gather_bytes", self._comm.gather_bytes(data))
+
+    def close(self) -> None:
+        self._comm.close()

@@ -41,7 +41,9 @@ from harness.profile import Profile
 from harness.run.fold import Mirror
 from harness.run.diagnosis import DIAGNOSIS_HOST, JobDiagnosis, ScenarioFaults
 from harness.run.faults import SCENARIO_FAULTS, CutBuilding, Kill, KillLighthouse, SlowFetch, SlowHost, check_faults
+from harness.run.job_fold import JobFolding
 from harness.run.options import JobOptions
+from harness.run.ring_model import RingBoard
 from harness.run.rank import rank_main
 from harness.run.record import Recorder
 from harness.run.ledger import audit_figures
@@ -67,20 +69,22 @@ class Incarnation:
         self.replica, self.number, self.hosts = replica, number, hosts
         self.replica_id = job.replica_id(replica)
         self.world_size = p.ranks_per_replica
+        self.ranks = job.ranks  # the ranks it runs (all, or the represented ones: harness.run.fold); tree index i runs ranks[i]
         gpus = p.topology.gpus_per_host
         host_envs = [world.host_env(h) for h in hosts]
-        self.envs = [host_envs[k // gpus] for k in range(self.world_size)]
+        self.envs = [host_envs[k // gpus] for k in self.ranks]  # by tree index
         self.mirror = Mirror(self.envs[0], min(gpus, self.world_size)) if job.folded else None
+        self.tree_extra_s = job.tree_extra_s(hosts)  # per tree pass: the full tree's latency the run ranks' lacks
         self.listeners: list[Any] = []
         self.addrs: list[str] = []
         self.prewired: list[tuple[Any, list[Any]]] | None = None
         if job.options.wiring == "prewired":
-            self.prewired = _prewire(world, self.envs, hosts, gpus, job.options.fanout)
+            self.prewired = _prewire(world, self.envs, [hosts[k // gpus] for k in self.ranks], job.options.fanout)
         else:
             self.listeners = [env.net.listen("127.0.0.1:0") for env in self.envs]
             self.addrs = [ln.addr for ln in self.listeners]
-        self.live = self.world_size
-        self.tasks: list[Any] = []  # each rank's root task (its process: harness.engine freeze / kill_process)
+        self.live = len(self.ranks)
+        self.tasks: dict[int, Any] = {}  # rank -> its root task (its process: harness.engine freeze / kill_process)
         self.ledgers: dict = {}  # the ranks' shared ledger transitions (harness.run.seams.FoldedProgress)
         # a straggler among its hosts: (host index, factor, from step), or None
         self.straggler = job.straggler_on(hosts)
@@ -88,15 +92,15 @@ class Incarnation:
         self.completed = False  # its leader committed the last step
 
 
-def _prewire(world: EmulatedWorld, envs: list[Any], hosts: tuple[str, ...], gpus: int,
-             fanout: int) -> list[tuple[Any, list[Any]]]:
-    """Each rank's (parent, children) tree connections, made directly instead of by listen/connect."""
+def _prewire(world: EmulatedWorld, envs: list[Any], rank_hosts: list[str], fanout: int) -> list[tuple[Any, list[Any]]]:
+    """Each tree index's (parent, children) tree connections, made directly instead of by listen/connect;
+    rank_hosts[i]: the host of tree index i."""
     fab = world.fabric
     n = len(envs)
     links: list[tuple[Any, list[Any]]] = [(None, []) for _ in range(n)]
     for rank in range(1, n):
         parent = (rank - 1) // fanout
-        child_host, parent_host = fab.net_host(hosts[rank // gpus]), fab.net_host(hosts[parent // gpus])
+        child_host, parent_host = fab.net_host(rank_hosts[rank]), fab.net_host(rank_hosts[parent])
         up, down = EmuConnection.pair(fab, child_host, parent_host, f"{parent_host.name}:tree{parent}")
         links[rank] = (up, links[rank][1])
         links[parent][1].append(down)
@@ -104,7 +108,7 @@ def _prewire(world: EmulatedWorld, envs: list[Any], hosts: tuple[str, ...], gpus
     return links
 
 
-class EmulatedJob:
+class EmulatedJob(JobFolding):
     def __init__(self, profile: Profile, options: JobOptions) -> None:
         self.profile, self.options = profile, options
         self.folded = (options.ftar_detail or profile.emulation.ftar_detail) == "folded"
@@ -154,6 +158,9 @@ class EmulatedJob:
                             if isinstance(f, SlowHost)}
         self._slow_fetch = {f.replica: f for f in options.faults if isinstance(f, SlowFetch)}
         self._num_leads = min(gpus, profile.ranks_per_replica) if self.folded else None
+        self.ranks = self._represented_ranks()
+        self.ring_board = RingBoard() if self._analytic_rings() else None
+        self._ring_costs: dict[tuple, float] = {}  # ring_cost's, shared by every rank (few distinct rings)
         self.lighthouse: Lighthouse | None = None
         self._lighthouses: list[Lighthouse] = []  # every start, for the quorum history
         self._lighthouse_storage: MockObjectStore | None = None  # its disk: survives a restart
@@ -270,8 +277,8 @@ class EmulatedJob:
         inc = Incarnation(self, replica, number, tuple(hosts))
         self._incarnations[replica] = inc
         self._record("start", inc)
-        inc.tasks = [inc.envs[rank].spawn(rank_main, self, inc, rank, name=f"{inc.replica_id}.{number}/rank{rank}")
-                     for rank in range(inc.world_size)]
+        inc.tasks = {rank: inc.envs[i].spawn(rank_main, self, inc, i, name=f"{inc.replica_id}.{number}/rank{rank}")
+                     for i, rank in enumerate(inc.ranks)}
 
     def _kill(self, inc: Incarnation, why: str) -> None:
         """Kill every host of the incarnation; the calling task's own host last (that raises TaskKilled)."""

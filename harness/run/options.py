@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from harness.profile import Profile, weibull_scale_for_mean
-from harness.run.faults import (CutBuilding, Fault, Kill, KillLighthouse, SlowFetch, SlowHost, check_faults,
-                                parse_inject)
+from harness.run.faults import (CutBuilding, Fault, Hang, HostLoss, Kill, KillLighthouse, SlowFetch, SlowHost, SlowLink,
+                                check_faults, parse_inject)
 
 __all__ = ["CutBuilding", "Fault", "JobOptions", "Kill", "KillLighthouse", "SlowFetch", "SlowHost",
            "check_faults", "faults_from_profile", "kills_from_profile", "parse_inject", "split_faults"]
@@ -59,6 +59,11 @@ def split_faults(faults: tuple[Fault, ...] | list[Fault]) -> tuple[tuple[Kill, .
     return (tuple(f for f in faults if isinstance(f, Kill)), tuple(f for f in faults if not isinstance(f, Kill)))
 
 
+RING_STALLS = (CutBuilding, HostLoss, Hang, SlowLink)  # faults that stall a ring without closing it
+ANALYTIC_RINGS_ABOVE = 256  # ftar_model="auto": emulated ranks above which rings are analytic
+FOLD_RANKS_ABOVE = 256  # fold_ranks="auto": ranks per replica above which a replica runs its represented ranks
+
+
 @dataclass(frozen=True, kw_only=True)
 class JobOptions:
     """How to run one emulated job (the profile says what the cluster and the model are).
@@ -67,6 +72,13 @@ class JobOptions:
         replica (gpus_per_host rings; the others are identical and mirror their result and timing);
         "full" runs every ring (every rank). None: the profile's emulation.ftar_detail.
     comm: "tree" (TreeComm, O(log N)) or "flat" (FlatComm: every rank messages the leader).
+    fold_ranks: with folded rings, whether a replica runs only its represented ranks (the leads and every
+        fault target; harness.run.fold.represented_ranks) instead of every rank: "on", "off", or "auto" (on
+        above FOLD_RANKS_ABOVE ranks per replica, without diagnose, which wants every rank's telemetry).
+    ftar_model: "chunks" runs each all-reduce's schedule chunk by chunk; "analytic" models each ring's all-reduce
+        as one timed wait per rank (harness.run.ring_model: crashes and aborts still end it); "auto": analytic
+        above ANALYTIC_RINGS_ABOVE ranks. Analytic needs a job without faults that stall a ring silently
+        (a silent host, a hang, a building cut, a slow link) and without diagnose (per-chunk telemetry).
     wiring: "connect" builds each replica's tree through the runtime's TreeComm.build (listen /
         connect / accept on the emulated network); "prewired" hands every rank its connections
         directly (the same collectives, without the connection setup) for very large replicas.
@@ -77,6 +89,8 @@ class JobOptions:
     faults: tuple[Fault, ...] = ()  # every other injected fault (lighthouse kill, straggler, slow fetch, cut)
     seed: int = 0
     ftar_detail: Literal["folded", "full"] | None = None
+    fold_ranks: Literal["auto", "on", "off"] = "auto"
+    ftar_model: Literal["auto", "chunks", "analytic"] = "auto"
     comm: Literal["tree", "flat"] = "tree"
     wiring: Literal["connect", "prewired"] = "connect"
     fanout: int = 16
@@ -90,6 +104,15 @@ class JobOptions:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
         if self.ftar_detail not in (None, "folded", "full"):
             raise ValueError(f"ftar_detail must be folded or full, got {self.ftar_detail!r}")
+        if self.fold_ranks not in ("auto", "on", "off"):
+            raise ValueError(f"fold_ranks must be auto, on or off, got {self.fold_ranks!r}")
+        if self.fold_ranks == "on" and (self.diagnose or self.ftar_detail == "full"):
+            raise ValueError("fold_ranks=on needs folded rings and no diagnose (every rank's telemetry)")
+        if self.ftar_model not in ("auto", "chunks", "analytic"):
+            raise ValueError(f"ftar_model must be auto, chunks or analytic, got {self.ftar_model!r}")
+        if self.ftar_model == "analytic" and (self.diagnose or any(isinstance(f, RING_STALLS) for f in self.faults)):
+            raise ValueError("ftar_model=analytic needs a job without diagnose and without faults that stall a ring "
+                             "silently (cut, hang, slow link): those need ftar_model=chunks")
         if self.comm not in ("tree", "flat") or self.wiring not in ("connect", "prewired"):
             raise ValueError(f"comm must be tree|flat and wiring connect|prewired, got {self.comm}, {self.wiring}")
         if self.fanout < 2:

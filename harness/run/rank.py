@@ -30,7 +30,8 @@ from ftrun.replica.tree_comm import FlatComm, TreeComm
 from ftrun.train.exchange import GradientExchange
 from ftrun.train.lr import LRConfig
 from ftrun.train.trainer import FaultTolerantTrainer, StepResult, TrainerConfig, build
-from harness.run.fold import LeadCatchup, LeadExchange, MirrorCatchup, MirrorExchange
+from harness.run.fold import FoldedComm, LeadCatchup, LeadExchange, MirrorCatchup, MirrorExchange
+from harness.run.ring_model import AnalyticFtarEngine
 from harness.run.rank_view import RankIncarnation, RankJob
 from harness.run.seams import (EmulatedCompute, FoldedProgress, ObjectStoreCheckpointer, OverheadExchange,
                                ShapePayloads, ShapeSnapshotStore, TimedCatchup)
@@ -63,9 +64,9 @@ class TimedLighthouseClient(LighthouseClient):
         return decision
 
 
-def rank_main(job: RankJob, inc: RankIncarnation, rank: int) -> None:
-    """Task body of one rank of one replica incarnation."""
-    env = inc.envs[rank]
+def rank_main(job: RankJob, inc: RankIncarnation, index: int) -> None:
+    """Task body of one rank of one replica incarnation: rank inc.ranks[index], tree index `index`."""
+    rank, env = inc.ranks[index], inc.envs[index]
     lead = inc.mirror is None or rank < inc.mirror.num_leads
     ok = False
     try:
@@ -73,7 +74,7 @@ def rank_main(job: RankJob, inc: RankIncarnation, rank: int) -> None:
             train = job.profile.train
             env.clock.sleep(job.profile.scheduler.process_start_s
                             + (train.first_step_extra_s if train.warmup_before_checkin else 0.0))
-        _train(job, inc, rank, env, lead)
+        _train(job, inc, rank, index, env, lead)
         ok = True
     except TaskKilled:
         raise
@@ -87,20 +88,28 @@ def rank_main(job: RankJob, inc: RankIncarnation, rank: int) -> None:
         job.rank_exited(inc, rank, ok)
 
 
-def _comm(job: RankJob, inc: RankIncarnation, rank: int, env: Any) -> TreeComm:
+def _comm(job: RankJob, inc: RankIncarnation, index: int, env: Any) -> Any:
+    """The replica's comm among the ranks it runs (tree index `index`); with rank folding, a FoldedComm that
+    adds the full tree's latency (harness.run.fold)."""
+    comm = _tree(job, inc, index, env)
+    return FoldedComm(comm, env, inc.tree_extra_s) if inc.tree_extra_s else comm
+
+
+def _tree(job: RankJob, inc: RankIncarnation, index: int, env: Any) -> TreeComm:
     timeout = job.timeouts.replica_comm_s  # ranks wait in the broadcast while the leader waits for a quorum
+    size = len(inc.ranks)
     if inc.prewired is not None:
-        parent, children = inc.prewired[rank]
-        return TreeComm(rank=rank, world_size=inc.world_size, parent=parent, children=children, timeout_s=timeout,
+        parent, children = inc.prewired[index]
+        return TreeComm(rank=index, world_size=size, parent=parent, children=children, timeout_s=timeout,
                         fanout=job.options.fanout)
     cls = FlatComm if job.options.comm == "flat" else TreeComm
-    listener = inc.listeners[rank]
+    listener = inc.listeners[index]
     try:
-        return cls.build(env=env, rank=rank, world_size=inc.world_size, listener=listener, addrs=inc.addrs,
+        return cls.build(env=env, rank=index, world_size=size, listener=listener, addrs=inc.addrs,
                          fanout=job.options.fanout, timeout_s=timeout)
     finally:
         listener.close()  # the tree is wired; nothing else connects here
-        inc.listeners[rank] = None
+        inc.listeners[index] = None
 
 
 class _Marks:
@@ -140,7 +149,10 @@ def _data_plane(job: RankJob, inc: RankIncarnation, rank: int, env: Any, lead: b
         exchange = MirrorExchange(mirror=mirror, rank=rank, ftar_config=job.ftar_config, timeout_s=job.mirror_timeout_s)
         return exchange, TimedCatchup(MirrorCatchup(mirror=mirror, rank=rank, timeout_s=job.mirror_timeout_s), env,
                                       on_fetch=fetched)
-    engine = FtarEngine(env=env, kernels=job.kernels(), token=job.token, config=job.ftar_config)
+    engine = (FtarEngine(env=env, kernels=job.kernels(), token=job.token, config=job.ftar_config)
+              if job.ring_board is None else
+              AnalyticFtarEngine(board=job.ring_board, cost=job.ring_cost(env.host), env=env, kernels=job.kernels(),
+                                 token=job.token, config=job.ftar_config))
     joiner_wait = job.timeouts.ftar_timeout_s + 2 * job.profile.train.step_compute_s  # others compute, then timeout
     exchange: Any = OverheadExchange(GradientExchange(engine=engine, rank=rank, joiner_wait_s=joiner_wait), env,
                                      job.ftar_overhead_s)
@@ -154,10 +166,10 @@ def _data_plane(job: RankJob, inc: RankIncarnation, rank: int, env: Any, lead: b
     return exchange, catchup
 
 
-def _build(job: RankJob, inc: RankIncarnation, rank: int, env: Any, lead: bool,
+def _build(job: RankJob, inc: RankIncarnation, rank: int, index: int, env: Any, lead: bool,
            marks: _Marks) -> FaultTolerantTrainer:
     leader, p = rank == 0, job.profile
-    comm = _comm(job, inc, rank, env)
+    comm = _comm(job, inc, index, env)
     client = TimedLighthouseClient(job=job, env=env, addr=job.lighthouse_addr, token=job.token,
                                    replica_id=inc.replica_id, timeouts=job.timeouts) if leader else None
     if client is not None:
@@ -199,9 +211,9 @@ def _no_audit(data: bytes) -> None:
     """Ranks other than the leader write no audit records (the trainer appends on the leader only)."""
 
 
-def _train(job: RankJob, inc: RankIncarnation, rank: int, env: Any, lead: bool) -> None:
+def _train(job: RankJob, inc: RankIncarnation, rank: int, index: int, env: Any, lead: bool) -> None:
     marks = _Marks()
-    trainer = _build(job, inc, rank, env, lead, marks)
+    trainer = _build(job, inc, rank, index, env, lead, marks)
     leader = rank == 0
     trainer.manager.final_step = job.options.steps  # no early quorum request after the last step
     while trainer.step < job.options.steps and not job.finished:

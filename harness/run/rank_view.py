@@ -22,6 +22,8 @@ class RankIncarnation(Protocol):
     number: int
     replica_id: str
     world_size: int
+    ranks: tuple[int, ...]  # the ranks it runs, by tree index (all, or the represented ones with rank folding)
+    tree_extra_s: float  # rank folding: latency each tree pass adds (harness.run.fold.FoldedComm)
     envs: list[Any]
     mirror: Any  # harness.run.fold.Mirror, or None when not folded
     listeners: list[Any]
@@ -52,6 +54,9 @@ class RankJob(Protocol):
     lighthouse_addr: str
     finished: bool
     diagnosis: Any
+    ring_board: Any  # harness.run.ring_model.RingBoard with analytic rings, else None
+
+    def ring_cost(self, host: str) -> Any: ...
 
     def kernels(self) -> Any: ...
 
