@@ -275,6 +275,9 @@ class Scheduler:
         if task._token:
             task._token = 0
             self._ready.append((task, None))
+        elif any(t is task for t, _ in self._parked):  # SIGKILL ends a stopped process too
+            self._parked = [(t, v) for t, v in self._parked if t is not task]
+            self._ready.append((task, None))
 
     # -- freezing (a hung process or host: SIGSTOP / SIGCONT) -------------------------------------------
     def freeze(self, host: Host, proc: Any = None) -> None:
@@ -354,7 +357,7 @@ class Scheduler:
             if task._done:
                 continue
             frozen = task.host.frozen
-            if frozen is not None and (frozen is FROZEN_ALL or task.proc in frozen):
+            if frozen is not None and not task._kill_pending and (frozen is FROZEN_ALL or task.proc in frozen):
                 self._parked.append((task, value))  # stopped (SIGSTOP): resumes with this value on thaw
                 continue
             if charging:  # a task runs once its previous slice is paid for and a CPU lane is free

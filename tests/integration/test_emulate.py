@@ -14,7 +14,7 @@ import pytest
 
 from harness import cli
 from harness.profile import apply_overrides, load_profile
-from harness.run import JobOptions, Kill, parse_inject
+from harness.run import JobOptions, Kill, parse_inject, split_faults
 
 ROOT = Path(__file__).resolve().parents[2]
 KEYS = {"steps_committed", "get_quorum_p50_ms", "get_quorum_p99_ms", "stall_per_failure_s", "rejoin_stall_s",
@@ -110,6 +110,16 @@ def test_a_lost_host_set_is_replaced_from_spares():
     assert f["complete"] and job.scheduler.history[0].kind == "hot"
     restarted = [e for e in job.recorder.events if e["event"] == "allocated"]
     assert restarted and restarted[0]["allocation"] == "hot"
+
+
+@pytest.mark.timeout(120)
+def test_a_host_lost_for_good_ends_with_the_job():
+    """`cut` without duration=: the replica's hosts stay silent; the others train on and the job ends
+    (its frozen tasks die at the teardown, as a stopped process dies of SIGKILL)."""
+    kills, faults = split_faults([parse_inject("cut replica=1 step=3")])
+    f, job = cli.execute(ci_small(), JobOptions(steps=10, kills=kills, faults=faults))
+    assert f["steps_done"] == 10 and f["replicas_consistent"] and f["unexpected_errors"] == []
+    assert f["steps_committed"]["r1"] == 3 and f["steps_committed"]["r0"] == 10
 
 
 def test_a_kill_by_time_and_a_cold_allocation():

@@ -307,6 +307,26 @@ def test_silent_kill_is_seen_only_through_timeouts():
     assert survivor.run(body) is False
 
 
+@pytest.mark.parametrize("woken_before_kill", [False, True])
+def test_killing_a_frozen_host_ends_its_tasks_without_a_thaw(woken_before_kill):
+    """SIGKILL ends a SIGSTOPped process: a frozen task dies at the kill whether it is still blocked or was
+    woken (its timer fired) and parked, and does not wait for a thaw that never comes."""
+    w = world()
+    victim, survivor = w.host_env("victim"), w.host_env("survivor")
+
+    def body():
+        sleeper = victim.spawn(victim.clock.sleep, 1.0, name="victim-sleeper")
+        survivor.clock.sleep(0.1)
+        w.freeze("victim")
+        survivor.clock.sleep(2.0 if woken_before_kill else 0.1)  # past the sleeper's timer: it is parked
+        w.kill_host("victim")
+        assert sleeper.join(1.0)
+        return type(sleeper.exception), survivor.clock.now()
+
+    kind, t_end = survivor.run(body)
+    assert kind is TaskKilled and t_end < 3.0
+
+
 def test_kill_host_from_a_task_on_that_host_kills_the_caller():
     w = world()
     env = w.host_env("h")
