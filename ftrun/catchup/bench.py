@@ -3,10 +3,11 @@
 For each --state-mb, N source processes on 127.0.0.1 each publish the same state (float32 tensors of
 mixed sizes, same seed) on a CatchupServer. This process fetches the whole state from the first 1, 2...
 of them (into one reused buffer, every shard CRC-checked, one client whose connections persist across
-fetches as a replica's do) and reports the best of --iters. Baseline, same run, same bytes, interleaved
+fetches as a replica's do) and reports the best of --iters. With --fresh-buffer each fetch receives into
+a buffer it allocates itself, as a restarted joiner does (its pages fault in during the fetch). Baseline, same run, same bytes, interleaved
 with the fetches: one plain single-stream transfer over ftrun's real net (a bulk frame from source 0,
 received with recv_into) — no HTTP, no checksum, no sharding. Each row: state_mb, sources, gbps,
-raw_gbps and ratio = gbps / raw_gbps.
+raw_gbps and ratio = gbps / raw_gbps (the raw stream always reuses one touched buffer).
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sources", default="1,2", help="source counts, comma separated")
     p.add_argument("--iters", type=int, default=5, help="fetches per row (best is reported)")
     p.add_argument("--shard-mb", type=int, default=8, help="max shard size in MiB")
+    p.add_argument("--fresh-buffer", action="store_true",
+                   help="each fetch allocates its own receive buffer, as a restarted joiner's does")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object, last")
     p.add_argument("--_source", nargs=3, metavar=("STATE_MB", "SHARD_MB", "BASELINE"),
                    help=argparse.SUPPRESS)  # the token comes in $FTRUN_TOKEN, never on argv
@@ -147,7 +150,8 @@ def _measure(env: RealEnv, state_mb: int, counts: list[int], args: argparse.Name
     """Rows of one state size: best fetch GB/s per source count and the best raw stream, interleaved."""
     buffer = torch.zeros(state_mb << 20, dtype=torch.uint8)  # touched once, reused by every fetch
     config = CatchupConfig(max_shard_bytes=args.shard_mb << 20, timeouts=Timeouts(catchup_timeout_s=300.0))
-    transport = HttpTransport(env=env, token=token, config=config, payloads=BytePayloads(buffer))
+    payloads = BytePayloads(None if args.fresh_buffer else buffer)
+    transport = HttpTransport(env=env, token=token, config=config, payloads=payloads)
     try:
         urls = [info["urls"][str(state_mb)] for info in infos]
         raw = env.net.connect(infos[0]["baseline"][str(state_mb)], timeout=10.0)
@@ -163,8 +167,8 @@ def _measure(env: RealEnv, state_mb: int, counts: list[int], args: argparse.Name
         raw.close()
     finally:
         transport.close()
-    return [{"state_mb": state_mb, "sources": k, "gbps": best[k], "raw_gbps": best_raw, "ratio": best[k] / best_raw}
-            for k in counts]
+    return [{"state_mb": state_mb, "sources": k, "gbps": best[k], "raw_gbps": best_raw, "ratio": best[k] / best_raw,
+             "fresh_buffer": bool(args.fresh_buffer)} for k in counts]
 
 
 def _int_list(text: str, what: str) -> list[int]:
@@ -196,11 +200,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace, rows: list[dict]) -> None:
-    print(f"catch-up fetch ({args.shard_mb} MiB shards, best of {args.iters}) vs one raw TCP stream of the same "
-          f"bytes in the same run")
+    into = "a fresh buffer per fetch" if args.fresh_buffer else "one reused buffer"
+    print(f"catch-up fetch ({args.shard_mb} MiB shards, best of {args.iters}, into {into}) vs one raw TCP stream "
+          f"of the same bytes in the same run")
     print(f"{'state MiB':>9} {'sources':>7} {'GB/s':>6} {'raw GB/s':>8} {'ratio':>6}")
     for r in rows:
         print(f"{r['state_mb']:>9} {r['sources']:>7} {r['gbps']:6.2f} {r['raw_gbps']:8.2f} {r['ratio']:6.2f}")
     if args.json:
-        emit_json({"results": rows, "shard_mb": args.shard_mb, "iters": args.iters,
+        emit_json({"results": rows, "shard_mb": args.shard_mb, "iters": args.iters, "fresh_buffer": args.fresh_buffer,
                    "min_ratio": min(r["ratio"] for r in rows)})

@@ -313,16 +313,19 @@ def test_the_whole_fetch_is_bounded_by_catchup_timeout(hung_source):
 
 
 @pytest.mark.timeout(150)
-def test_bench_smoke():
+@pytest.mark.parametrize("fresh", [False, True], ids=["reused-buffer", "fresh-buffer"])
+def test_bench_smoke(fresh):
     out = subprocess.run([sys.executable, "-m", "ftrun.cli", "bench", "catchup", "--state-mb", "2,4", "--sources", "1,2",
-                          "--iters", "1", "--shard-mb", "1", "--json"], capture_output=True, text=True, cwd=ROOT,
-                         timeout=90, env={**os.environ, "PYTHONPATH": ROOT})
+                          "--iters", "1", "--shard-mb", "1", "--json"] + (["--fresh-buffer"] if fresh else []),
+                         capture_output=True, text=True, cwd=ROOT, timeout=90, env={**os.environ, "PYTHONPATH": ROOT})
     assert out.returncode == 0, out.stderr
     figures = json.loads(out.stdout.strip().splitlines()[-1])
     rows = figures["results"]
     assert [(r["state_mb"], r["sources"]) for r in rows] == [(2, 1), (2, 2), (4, 1), (4, 2)]
     assert all(r["gbps"] > 0 and r["raw_gbps"] > 0 and r["ratio"] == r["gbps"] / r["raw_gbps"] for r in rows)
     assert figures["min_ratio"] == min(r["ratio"] for r in rows)
+    assert figures["fresh_buffer"] is fresh and all(r["fresh_buffer"] is fresh for r in rows)
+    assert ("a fresh buffer per fetch" if fresh else "one reused buffer") in out.stdout
 
 
 def test_bench_lists_are_checked():
