@@ -210,12 +210,10 @@ class _Fetch:
         try:
             into = dest[shard.offset:shard.offset + shard.nbytes]
             left = self.remaining()
-            if ahead is None:
-                crc = self._link(source).shard(self.step, shard, into, min(self.config.long_poll_s, left), left)
-            else:
-                nxt = manifest.layout.shards[ahead]
-                crc = self._link(source).shard(self.step, shard, into, min(self.config.long_poll_s, left), left,
-                                               ahead=(nxt, dest[nxt.offset:nxt.offset + nxt.nbytes]))
+            nxt = None if ahead is None else manifest.layout.shards[ahead]
+            pipelined = None if nxt is None else (nxt, dest[nxt.offset:nxt.offset + nxt.nbytes])
+            crc = self._link(source).shard(self.step, shard, into, min(self.config.long_poll_s, left), left,
+                                           ahead=pipelined)
             if crc is None:  # once per shard: a link that checksummed the bytes as they arrived says so
                 crc = self.transport.crc32(into)
             if crc != manifest.crcs[index]:
