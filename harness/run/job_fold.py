@@ -9,7 +9,7 @@ from typing import Any, Callable
 from ftrun.env.wire import HEADER_SIZE
 from harness.engine.net import parse_addr
 from harness.run.fold import represented_ranks, tree_depth_latency
-from harness.run.options import ANALYTIC_RINGS_ABOVE, FOLD_RANKS_ABOVE, RING_STALLS
+from harness.run.options import ANALYTIC_RINGS_ABOVE, FOLD_RANKS_ABOVE
 from harness.run.ring_model import StepSummary, ring_seconds
 
 
@@ -48,8 +48,7 @@ class JobFolding:
         o = self.options
         if o.ftar_model != "auto":
             return o.ftar_model == "analytic"
-        return (self.profile.num_ranks > ANALYTIC_RINGS_ABOVE and not o.diagnose
-                and not any(isinstance(f, RING_STALLS) for f in o.faults))
+        return self.profile.num_ranks > ANALYTIC_RINGS_ABOVE and not o.needs_chunk_rings
 
     def ring_cost(self, host: str) -> Callable[[StepSummary, str], float]:
         """cost(step summary, next rank's FTAR address): modeled seconds of one all-reduce of a rank on `host`

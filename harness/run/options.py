@@ -99,6 +99,12 @@ class JobOptions:
     diagnose_interval_s: float | None = None  # with diagnose: run the monitor every this many seconds
     script: Any = None  # a training script's model (mocks.script.ScriptModel): its shapes replace the profile's [model]
 
+    @property
+    def needs_chunk_rings(self) -> bool:
+        """Whether all-reduces must run chunk by chunk: diagnose reads per-chunk telemetry, and a fault
+        that stalls a ring without closing it (RING_STALLS) needs the chunks a peer waits on."""
+        return self.diagnose or any(isinstance(f, RING_STALLS) for f in self.faults)
+
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
@@ -110,7 +116,7 @@ class JobOptions:
             raise ValueError("fold_ranks=on needs folded rings and no diagnose (every rank's telemetry)")
         if self.ftar_model not in ("auto", "chunks", "analytic"):
             raise ValueError(f"ftar_model must be auto, chunks or analytic, got {self.ftar_model!r}")
-        if self.ftar_model == "analytic" and (self.diagnose or any(isinstance(f, RING_STALLS) for f in self.faults)):
+        if self.ftar_model == "analytic" and self.needs_chunk_rings:
             raise ValueError("ftar_model=analytic needs a job without diagnose and without faults that stall a ring "
                              "silently (cut, hang, slow link): those need ftar_model=chunks")
         if self.comm not in ("tree", "flat") or self.wiring not in ("connect", "prewired"):
