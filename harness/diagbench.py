@@ -419,7 +419,7 @@ def run_bench(profile: Profile, *, scenarios: int, seed: int, fault_free: int,
     out = summarize(bench.results, bench.ff, diag.analysis_s, diag.telemetry())
     out.update(profile=profile.name, ranks=profile.num_ranks, seed=seed, kinds=list(kinds_for(shape)),
                max_slow_factor=round(min(10.0, shape.max_slow_factor), 2), step_s=round(bench._period, 3),
-               collections=len(diag.analysis_s),
+               collections=len(diag.analysis_s), ranks_collected_max=max(diag.ranks_collected, default=0),
                collect_s_p50=percentile(diag.pull_s, 0.5), collect_s_p99=percentile(diag.pull_s, 0.99),
                detect_s_p50=percentile([r["detect_s"] for r in bench.results], 0.5),
                virtual_s=round(job.world.now, 1), wall_s=round(time.monotonic() - wall0, 1),

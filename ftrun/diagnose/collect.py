@@ -18,6 +18,7 @@ from __future__ import annotations
 import hmac
 import logging
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -120,12 +121,20 @@ class _Service:
         raise NotImplementedError
 
 
-class TelemetryServer(_Service):
-    """Serves the summaries of the ranks of one process. `ranks`: RankInfo -> that rank's Recorder."""
+def summarize_recorder(rec: Recorder, now: float) -> tuple[np.ndarray, np.ndarray]:
+    """One rank's (SUMMARY row, HIST rows) now: what a TelemetryServer answers for it by default."""
+    return summarize(rec.records(), now)
 
-    def __init__(self, *, env: Env, token: str, ranks: dict[RankInfo, Recorder], bind: str = "127.0.0.1:0") -> None:
+
+class TelemetryServer(_Service):
+    """Serves the summaries of the ranks of one process. `ranks`: RankInfo -> that rank's Recorder;
+    `summaries(recorder, now)`: its (SUMMARY row, HIST rows), by default `summarize_recorder` (a driver
+    serving many ranks from few recorders may pass a cache of it)."""
+
+    def __init__(self, *, env: Env, token: str, ranks: dict[RankInfo, Recorder], bind: str = "127.0.0.1:0",
+                 summaries: Callable[[Recorder, float], tuple[np.ndarray, np.ndarray]] = summarize_recorder) -> None:
         super().__init__(env, token, bind, "telemetry")
-        self.ranks = ranks
+        self.ranks, self._summaries = ranks, summaries
         self.serve_s = 0.0  # time spent answering pulls (summarizing), the collection's cost on this process
 
     def register(self, collector: str, timeout: float = 5.0) -> None:
@@ -140,7 +149,7 @@ class TelemetryServer(_Service):
         now = self.env.clock.now()
         out = []
         for info, rec in self.ranks.items():
-            s, h = summarize(rec.records(), now)
+            s, h = self._summaries(rec, now)
             out.append({"key": info.key, "summary": s.tobytes(), "hist": h.tobytes(), "written": rec.written})
         self.serve_s += self.env.clock.now() - now
         return {"type": "telemetry", "now": now, "ranks": out, "serve_s": self.serve_s}
