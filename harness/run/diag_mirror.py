@@ -83,7 +83,12 @@ class MirrorTelemetry:
         self.leads = {lead for _, pairs in self.hosts for _, lead in pairs}
         self.cache = SummaryCache()
         self._recorders: dict[tuple[int, int], dict[int, Recorder]] = {}  # (replica, incarnation) -> lead -> rec
-        self.servers_started = self.register_failures = 0
+        self.servers: list[TelemetryServer] = []  # every mirrored host's, every incarnation's
+        self.register_failures = 0
+
+    @property
+    def servers_started(self) -> int:
+        return len(self.servers)
 
     @property
     def ranks_served(self) -> int:
@@ -112,7 +117,7 @@ class MirrorTelemetry:
         server = TelemetryServer(env=self.job.world.host_env(host), token=self.job.token, ranks=ranks,
                                  summaries=self.cache)
         server.start()
-        self.servers_started += 1
+        self.servers.append(server)
         try:
             server.register(self.addr, timeout=self.job.timeouts.connect_timeout_s)
         except DiagnoseError:
