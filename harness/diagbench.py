@@ -397,10 +397,12 @@ def shape_of(profile: Profile, fault_hosts: int = 0) -> Shape:
 
 
 def run_bench(profile: Profile, *, scenarios: int, seed: int, fault_free: int,
-              ftar_detail: str | None = None, progress: bool = False) -> dict[str, Any]:
+              ftar_detail: str | None = None, fold_ranks: str = "auto", progress: bool = False) -> dict[str, Any]:
     """One emulated job, `scenarios` scenarios and `fault_free` fault-free collections; the figures.
     Folded FTAR (the default above 16K ranks) places the faults on each replica's first host, the one
-    whose rings run for real (harness.run.fold)."""
+    whose rings run for real (harness.run.fold); with rank folding (`fold_ranks`, JobOptions) each replica
+    runs its first two hosts and serves the other ranks their reference lead's telemetry
+    (harness.run.diag_mirror)."""
     if ftar_detail is None and profile.num_ranks <= 16384:
         ftar_detail = "full"  # every ring real, so every rank's telemetry is its own (folding mirrors leads)
     detail = ftar_detail or profile.emulation.ftar_detail
@@ -409,7 +411,7 @@ def run_bench(profile: Profile, *, scenarios: int, seed: int, fault_free: int,
     wiring = "prewired" if profile.ranks_per_replica > 4096 else "connect"
     steps = 20 + scenarios * (SLOW_STEPS + 6) + fault_free * 3  # more than the bench can use
     options = JobOptions(steps=steps, seed=seed, diagnose=True, trace=False, ftar_detail=ftar_detail,  # type: ignore
-                         wiring=wiring)
+                         wiring=wiring, fold_ranks=fold_ranks)  # type: ignore[arg-type]
     wall0 = time.monotonic()
     job = EmulatedJob(profile, options)
     bench = _Bench(job, plan, fault_free, seed, progress=progress)
@@ -424,6 +426,7 @@ def run_bench(profile: Profile, *, scenarios: int, seed: int, fault_free: int,
                detect_s_p50=percentile([r["detect_s"] for r in bench.results], 0.5),
                virtual_s=round(job.world.now, 1), wall_s=round(time.monotonic() - wall0, 1),
                ftar_detail=detail, cpu_charging=profile.emulation.cpu_charging,
+               ranks_run_per_replica=len(job.ranks), ranks_per_replica=profile.ranks_per_replica,
                ftar_chunk_mb=round(profile.ftar.engine.chunk_bytes / (1 << 20), 3),
                fault_places="each replica's first host" if shape.place_hosts < shape.hosts_per_replica
                else "every host",
@@ -436,7 +439,8 @@ def format_table(out: dict[str, Any]) -> str:
     lines = [f"diagnose bench {out['profile']} ({out['ranks']} ranks), seed {out['seed']}: {out['scenarios']} scenarios, "
              f"{out['fault_free_runs']} fault-free collections, {out['virtual_s']} virtual s in {out['wall_s']} s wall",
              f"  FTAR {out['ftar_detail']} ({out['ftar_chunk_mb']:g} MB chunks), CPU charging "
-             f"{'on' if out['cpu_charging'] else 'off'}, faults on {out['fault_places']}",
+             f"{'on' if out['cpu_charging'] else 'off'}, faults on {out['fault_places']}, ranks run per replica "
+             f"{out['ranks_run_per_replica']} of {out['ranks_per_replica']}",
              f"  accuracy (exact culprit)  {out['accuracy']}",
              f"  candidate-set hits        {out['candidate_hits']}",
              f"  false positive runs       {out['false_positive_runs']} (false evictions {out['false_evictions']})",
@@ -469,7 +473,7 @@ def cli_run(args: Any) -> int:
     profile = build_profile(args.profile, args.overrides, steps=None, cpu_charging=args.cpu_charging)
     ff = args.scenarios // 2 if args.fault_free is None else args.fault_free
     out = run_bench(profile, scenarios=args.scenarios, seed=args.seed, fault_free=ff, progress=True,
-                    ftar_detail=args.ftar_detail)
+                    ftar_detail=args.ftar_detail, fold_ranks=getattr(args, "fold_ranks", "auto"))
     results = out.pop("results")
     if args.out:
         d = Path(args.out)

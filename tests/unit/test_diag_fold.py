@@ -84,6 +84,11 @@ def test_represented_ranks_under_diagnose_are_the_two_lead_hosts():
     assert plain.ranks == (0, 1) and plain._num_leads == 2 and plain._mirror_reference() == 0
     small = _job([], diagnose=True, ftar_detail="folded")  # at or below FOLD_RANKS_ABOVE nothing changes
     assert small.ranks == tuple(range(8)) and small._num_leads == 2 and small._mirror_reference() == 0
+    forced = _job([], diagnose=True, ftar_detail="folded", fold_ranks="on")  # unless asked (design-4k)
+    assert forced.ranks == (0, 1, 2, 3) and forced._num_leads == 4 and forced._mirror_reference() == 2
+    one_host = _job(["ranks_per_replica=2", "topology.racks_per_zone=1"], diagnose=True, ftar_detail="folded",
+                    fold_ranks="on")  # a replica of one host has no reference host: every rank runs
+    assert one_host.ranks == (0, 1) and one_host._num_leads == 2
 
 
 @pytest.mark.timeout(120)
