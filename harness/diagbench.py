@@ -11,6 +11,9 @@ history), collects every rank's telemetry over the modeled network and runs the 
 (ftrun.diagnose.analysis), scores the verdict (`score`: exact culprit, candidate set, or miss), releases
 the fault and waits for the job to train again. Between scenarios, fault-free collections count false
 positives (a verdict other than no_hang) and false evictions (the eviction rule would evict).
+A slow link that no healthy transfer waits on is reported, not scored. A rank kill lands in the step's last
+crash-detection time (`_inject_phase`): earlier, the supervisor sees the exit and stops the whole replica
+before any ring waits on the rank (meta-98k: a 5 s poll in 20 s steps).
 
 Pure parts (`draw`, `score`, `summarize`) are table-tested; `run_bench` drives the emulated job.
 """
@@ -169,6 +172,19 @@ def score(verdict: dict, truth: Truth) -> str:
     return "miss"
 
 
+def kill_phase(phase: float, detect_s: float, period_s: float) -> float:
+    """Where in a step a rank kill drawn at `phase` lands (pure): in the step's last crash-detection time,
+    1 - w (1 - phase) with w = min(1, detect_s / period_s), so the job enters the all-reduce that waits on the
+    dead rank before the supervisor sees the exit and stops the whole replica (after that no ring can single
+    the rank out, and the job knows the culprit anyway). Unchanged where a step is no longer than the detection
+    (ci-small); the last quarter of a meta-98k step (a 5 s poll in 20 s steps)."""
+    if not 0 <= phase <= 1 or detect_s < 0 or period_s <= 0:
+        raise ValueError(f"kill_phase needs phase in [0, 1], detect_s >= 0, period_s > 0; got {phase}, {detect_s}, "
+                         f"{period_s}")
+    w = min(1.0, detect_s / period_s)
+    return 1.0 - w * (1.0 - phase)
+
+
 def percentile(xs: list[float], q: float) -> float | None:
     if not xs:
         return None
@@ -297,10 +313,12 @@ class _Bench:
         job, diag = self.job, self.job.diagnosis
         if not self._healthy():
             self._wait_steps(1, 200 * self._period + 600)
-        self._after_commit(sc.phase)
+        phase = self._inject_phase(sc)
+        self._after_commit(phase)
         timeout = job.timeouts.ftar_timeout_s
         cut_s = max(2.0 * timeout, 4 * self._period)
         t_inject, step0 = self.clock.now(), job.max_step
+        killed = job._incarnations[sc.replica] if sc.kind == "kill_rank" else None
         job.scenario.apply(sc.fault(cut_s))
         verdicts = []
         if sc.kind == "kill_rank":  # collect as the job enters the next all-reduce (the ring peers find the rank
@@ -309,6 +327,7 @@ class _Bench:
             while job.ftar_entries == entries and self.clock.now() < deadline:
                 self.clock.sleep(self._period / 256)
             self.clock.sleep(self._period / 256)
+        supervisor_first = killed is not None and not killed.alive  # it stopped the replica before the collection
         if sc.kind in HANG_KINDS:
             deadline = t_inject + 2 * self._period + timeout
             poll = max(self._period / 8, 0.05)
@@ -334,18 +353,16 @@ class _Bench:
         if sc.kind == "slow_link" and v["kind"] == "no_hang":
             why = self._undetectable_link(sc.factor)
             if why:  # no wire time to compare (the analysis cannot see it): not scored, reported
-                self.unscored.append({"index": sc.index, "kind": sc.kind, "place": sc.place(), "why": why})
-                self._progress(sc, "unscored", v)
-                self._wait_steps(HIST_LEN + 1, 200 * self._period + 600)
+                self._unscored(sc, v, why, settle=HIST_LEN + 1)
                 return
         result = score(v, self._truth(sc))
         self.results.append({"seed": self.seed, "index": sc.index, "kind": sc.kind, "place": sc.place(),
-                             "phase": sc.phase, "score": result,
-                             "phase_name": "compute" if sc.phase * self._period < job.profile.train.step_compute_s
+                             "phase": round(phase, 4), "score": result,
+                             "phase_name": "compute" if phase * self._period < job.profile.train.step_compute_s
                              else "all-reduce", "verdict_kind": v["kind"],
                              "reason": v["reason"], "verdict_hosts": v.get("hosts", [])[:8],
                              "verdict_ranks": v.get("ranks", [])[:8], "collections": len(verdicts),
-                             "polls": [x["kind"] for x in verdicts][-6:],
+                             "polls": [x["kind"] for x in verdicts][-6:], "supervisor_first": supervisor_first,
                              "detect_s": round(self.clock.now() - t_inject, 3)})
         self._progress(sc, result, v)
         job.recorder.event({"event": "diagbench_scenario", "t": self.clock.now(), "step": job.max_step,
@@ -354,6 +371,20 @@ class _Bench:
         settle = HIST_LEN + 1 if sc.kind in ("slow_host", "slow_link") else 2
         if not self._wait_steps(settle, 200 * self._period + 600):
             self.skipped.append(f"scenario {sc.index}: the job did not train again in time")
+
+    def _inject_phase(self, sc: Scenario) -> float:
+        if sc.kind != "kill_rank":
+            return sc.phase
+        s = self.job.profile.scheduler
+        return kill_phase(sc.phase, s.crash_detect_s if s.crash_detect_s is not None else s.poll_interval_s,
+                          self._period)
+
+    def _unscored(self, sc: Scenario, v: dict, why: str, settle: int) -> None:
+        """A scenario the analysis cannot be asked about (reported with its verdict, not scored)."""
+        self.unscored.append({"index": sc.index, "kind": sc.kind, "place": sc.place(), "phase": sc.phase, "why": why,
+                              "verdict": v["kind"], "verdict_ranks": v.get("ranks", [])[:4]})
+        self._progress(sc, "unscored", v)
+        self._wait_steps(settle, 200 * self._period + 600)
 
     def _progress(self, sc: Scenario, result: str, v: dict) -> None:
         if self.progress:

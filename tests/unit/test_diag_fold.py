@@ -10,6 +10,7 @@ import pytest
 from ftrun.diagnose.collect import summarize_recorder
 from ftrun.diagnose.summary import HIST, SUMMARY
 from ftrun.diagnose.telemetry import Recorder
+from harness.diagbench import kill_phase
 from harness.engine import EmulatedWorld
 from harness.profile import apply_overrides, load_profile
 from harness.run import EmulatedJob, JobOptions
@@ -135,3 +136,18 @@ def test_a_mirrored_hosts_rows_are_its_reference_leads_rows_relabeled():
     figures = job.diagnosis.telemetry()
     assert figures["telemetry_ranks"] == 16 and figures["telemetry_mirrored_ranks_per_replica"] == 508
     assert figures["telemetry_mirror_servers"] == 4 * 254 and figures["telemetry_mirror_register_failures"] == 0
+
+
+@pytest.mark.parametrize("phase, detect, period, want", [
+    (0.3, 0.5, 0.5, 0.3), (0.3, 1.0, 0.5, 0.3),  # a step no longer than the detection: unchanged
+    (0.0, 5.0, 20.0, 0.75), (0.5, 5.0, 20.0, 0.875), (1.0, 5.0, 20.0, 1.0),  # meta-98k: the step's last 5 s
+    (0.2, 0.0, 20.0, 1.0),
+])
+def test_a_rank_kill_lands_within_crash_detection_of_the_next_all_reduce(phase, detect, period, want):
+    assert kill_phase(phase, detect, period) == pytest.approx(want)
+
+
+@pytest.mark.parametrize("args", [(-0.1, 5.0, 20.0), (1.1, 5.0, 20.0), (0.5, -1.0, 20.0), (0.5, 5.0, 0.0)])
+def test_kill_phase_rejects_bad_input(args):
+    with pytest.raises(ValueError, match="kill_phase"):
+        kill_phase(*args)
