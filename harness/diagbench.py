@@ -11,9 +11,10 @@ history), collects every rank's telemetry over the modeled network and runs the 
 (ftrun.diagnose.analysis), scores the verdict (`score`: exact culprit, candidate set, or miss), releases
 the fault and waits for the job to train again. Between scenarios, fault-free collections count false
 positives (a verdict other than no_hang) and false evictions (the eviction rule would evict).
-A slow link that no healthy transfer waits on is reported, not scored. A rank kill lands in the step's last
-crash-detection time (`_inject_phase`): earlier, the supervisor sees the exit and stops the whole replica
-before any ring waits on the rank (meta-98k: a 5 s poll in 20 s steps).
+A slow link that no healthy transfer waits on is reported, not scored. Where the supervisor's crash detection
+is shorter than a step (meta-98k: a 5 s poll in 20 s steps), a rank kill lands within it before the next
+all-reduce (`kill_phase`): earlier, the supervisor sees the exit and stops the whole replica before any ring
+waits on the rank, and the analysis sees a whole replica gone.
 
 Pure parts (`draw`, `score`, `summarize`) are table-tested; `run_bench` drives the emulated job.
 """
@@ -172,17 +173,22 @@ def score(verdict: dict, truth: Truth) -> str:
     return "miss"
 
 
-def kill_phase(phase: float, detect_s: float, period_s: float) -> float:
-    """Where in a step a rank kill drawn at `phase` lands (pure): in the step's last crash-detection time,
-    1 - w (1 - phase) with w = min(1, detect_s / period_s), so the job enters the all-reduce that waits on the
-    dead rank before the supervisor sees the exit and stops the whole replica (after that no ring can single
-    the rank out, and the job knows the culprit anyway). Unchanged where a step is no longer than the detection
-    (ci-small); the last quarter of a meta-98k step (a 5 s poll in 20 s steps)."""
-    if not 0 <= phase <= 1 or detect_s < 0 or period_s <= 0:
-        raise ValueError(f"kill_phase needs phase in [0, 1], detect_s >= 0, period_s > 0; got {phase}, {detect_s}, "
-                         f"{period_s}")
-    w = min(1.0, detect_s / period_s)
-    return 1.0 - w * (1.0 - phase)
+KILL_WINDOW = 0.8  # of the crash detection time: a rank kill lands this long (at most) before the all-reduce
+
+
+def kill_phase(phase: float, detect_s: float, entry_s: float, period_s: float) -> float:
+    """Where (in steps after a commit) a rank kill drawn at `phase` lands (pure). Where the supervisor's crash
+    detection is shorter than a step, the kill lands in the KILL_WINDOW x detect_s before the job next enters an
+    all-reduce (`entry_s` after the commit), at entry_s - KILL_WINDOW x detect_s x (1 - phase): the job then
+    enters the all-reduce that waits on the dead rank before the supervisor sees the exit and stops the whole
+    replica (after that no ring can single the rank out, and the job knows the culprit anyway). Else (ci-small)
+    the drawn phase, unchanged. At meta-98k (a 5 s poll in 20 s steps) the last 4 s before the all-reduce."""
+    if not 0 <= phase <= 1 or detect_s < 0 or entry_s < 0 or period_s <= 0:
+        raise ValueError(f"kill_phase needs phase in [0, 1], detect_s >= 0, entry_s >= 0, period_s > 0; got {phase}, "
+                         f"{detect_s}, {entry_s}, {period_s}")
+    if detect_s >= period_s:
+        return phase
+    return max(0.0, entry_s - KILL_WINDOW * detect_s * (1.0 - phase)) / period_s
 
 
 def percentile(xs: list[float], q: float) -> float | None:
@@ -231,6 +237,7 @@ class _Bench:
     unscored: list[dict] = field(default_factory=list)
     progress: bool = False
     healthy_input: Any = None
+    _entry_s: float | None = None  # commit to the next all-reduce entry, where rank kills need it (kill_phase)
     wall0: float = field(default_factory=time.monotonic)
 
     @property
@@ -277,6 +284,8 @@ class _Bench:
     def _warm_up(self) -> None:
         self._wait_steps(3, 100 * self._period + 600)
         self._measure_period()
+        if self._detect_s() < self._period:  # rank kills aim at the next all-reduce (kill_phase)
+            self._entry_s = self._measure_entry()
         if self.job.diagnosis.diagnose()["kind"] == "no_hang":  # a baseline of healthy wire times (not scored)
             self.healthy_input = self.job.diagnosis.collector.last_input[0]
 
@@ -286,6 +295,15 @@ class _Bench:
         self._wait_steps(2, 40 * self._period + 600)
         if self.job.max_step > s0:
             self._period = (self.clock.now() - t0) / (self.job.max_step - s0)
+
+    def _measure_entry(self) -> float:
+        """Seconds from a commit (as `_after_commit` sees it) to the job's next entry into an all-reduce."""
+        self._after_commit(0.0)
+        t0, entries = self.clock.now(), self.job.ftar_entries
+        deadline = t0 + 4 * self._period
+        while self.job.ftar_entries == entries and self.clock.now() < deadline:
+            self.clock.sleep(self._period / 256)
+        return self.clock.now() - t0
 
     def _after_commit(self, frac: float) -> None:
         """Wait for the next commit, then `frac` of a step."""
@@ -372,12 +390,15 @@ class _Bench:
         if not self._wait_steps(settle, 200 * self._period + 600):
             self.skipped.append(f"scenario {sc.index}: the job did not train again in time")
 
-    def _inject_phase(self, sc: Scenario) -> float:
-        if sc.kind != "kill_rank":
-            return sc.phase
+    def _detect_s(self) -> float:
+        """How soon the supervisor sees a rank's process exit."""
         s = self.job.profile.scheduler
-        return kill_phase(sc.phase, s.crash_detect_s if s.crash_detect_s is not None else s.poll_interval_s,
-                          self._period)
+        return s.crash_detect_s if s.crash_detect_s is not None else s.poll_interval_s
+
+    def _inject_phase(self, sc: Scenario) -> float:
+        if sc.kind != "kill_rank" or self._entry_s is None:
+            return sc.phase
+        return kill_phase(sc.phase, self._detect_s(), self._entry_s, self._period)
 
     def _unscored(self, sc: Scenario, v: dict, why: str, settle: int) -> None:
         """A scenario the analysis cannot be asked about (reported with its verdict, not scored)."""

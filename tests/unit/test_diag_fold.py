@@ -138,16 +138,17 @@ def test_a_mirrored_hosts_rows_are_its_reference_leads_rows_relabeled():
     assert figures["telemetry_mirror_servers"] == 4 * 254 and figures["telemetry_mirror_register_failures"] == 0
 
 
-@pytest.mark.parametrize("phase, detect, period, want", [
-    (0.3, 0.5, 0.5, 0.3), (0.3, 1.0, 0.5, 0.3),  # a step no longer than the detection: unchanged
-    (0.0, 5.0, 20.0, 0.75), (0.5, 5.0, 20.0, 0.875), (1.0, 5.0, 20.0, 1.0),  # meta-98k: the step's last 5 s
-    (0.2, 0.0, 20.0, 1.0),
+@pytest.mark.parametrize("phase, detect, entry, period, want", [
+    (0.3, 0.5, 0.4, 0.5, 0.3), (0.3, 1.0, 0.4, 0.5, 0.3),  # a step no longer than the detection: unchanged
+    (0.0, 5.0, 21.0, 20.0, 17.0 / 20), (0.5, 5.0, 21.0, 20.0, 19.0 / 20), (1.0, 5.0, 21.0, 20.0, 21.0 / 20),
+    (0.0, 5.0, 2.0, 20.0, 0.0), (0.2, 0.0, 21.0, 20.0, 21.0 / 20),
 ])
-def test_a_rank_kill_lands_within_crash_detection_of_the_next_all_reduce(phase, detect, period, want):
-    assert kill_phase(phase, detect, period) == pytest.approx(want)
+def test_a_rank_kill_lands_within_crash_detection_before_the_next_all_reduce(phase, detect, entry, period, want):
+    assert kill_phase(phase, detect, entry, period) == pytest.approx(want)
 
 
-@pytest.mark.parametrize("args", [(-0.1, 5.0, 20.0), (1.1, 5.0, 20.0), (0.5, -1.0, 20.0), (0.5, 5.0, 0.0)])
+@pytest.mark.parametrize("args", [(-0.1, 5.0, 1.0, 20.0), (1.1, 5.0, 1.0, 20.0), (0.5, -1.0, 1.0, 20.0),
+                                  (0.5, 5.0, -1.0, 20.0), (0.5, 5.0, 1.0, 0.0)])
 def test_kill_phase_rejects_bad_input(args):
     with pytest.raises(ValueError, match="kill_phase"):
         kill_phase(*args)
