@@ -40,7 +40,7 @@ from typing import Any, Iterable
 from ftrun.cli import UsageError, emit_json
 
 # The real worker's data-plane settings, passed to it explicitly and given to the emulator as the same keys
-# (ftrun.train.ft_worker --chunk-bytes / --shard-bytes; FTConfig.ftar, ftrun.config.FtarConfig; ftrun.config.Timeouts).
+# (ftrun.train.ft_worker --chunk-bytes / --max-shard-bytes; FTConfig.ftar, ftrun.config.FtarConfig; ftrun.config.Timeouts).
 CHUNK_BYTES, SHARD_BYTES, NUM_CHUNKS = 2048, 8192, 2
 REAL_TIMEOUTS = {"heartbeat_interval_s": 0.1, "heartbeat_timeout_s": 2.0, "commit_timeout_s": 2.0,
                  "ftar_timeout_s": 2.0, "quorum_timeout_s": 30.0, "catchup_timeout_s": 60.0, "join_timeout_s": 0.5,
@@ -236,7 +236,7 @@ def _real(args: argparse.Namespace, out: str) -> tuple[dict, list[dict]]:
            str(args.ranks_per_replica), "--steps", str(args.steps), "--min-replicas", "1",
            "--restart-delay", f"{args.restart_delay}s", *(x for spec in fault_specs(args) for x in ("--inject", spec)),
            "--out", out, "--no-progress", "--json", "-m", "ftrun.train.ft_worker",
-           "--chunk-bytes", str(CHUNK_BYTES), "--shard-bytes", str(SHARD_BYTES)]
+           "--chunk-bytes", str(CHUNK_BYTES), "--max-shard-bytes", str(SHARD_BYTES)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     try:
         figures = json.loads(proc.stdout.strip().splitlines()[-1])

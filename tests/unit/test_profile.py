@@ -3,6 +3,7 @@ validation errors name the offending key."""
 
 from __future__ import annotations
 
+import re
 import tomllib
 
 import pytest
@@ -100,6 +101,12 @@ def base() -> dict:
     ({"failures": {"mode": "scripted", "events": ["explode replica=1"]}}, "unknown fault 'explode'"),
     ({"failures": {"mode": "scripted", "events": ["kill replica=1 time=1 speed=2"]}}, "unknown fields: speed"),
     ({"topology": "big"}, "topology must be a table"),
+    ({"catchup": {"max_shard_bytes": 1000}}, "[catchup] CatchupConfig.max_shard_bytes must be a positive multiple of 64"),
+    ({"catchup": {"wait_limit_s": -1.0}}, "[catchup] CatchupConfig.wait_limit_s must be >= 0"),
+    ({"catchup": {"max_source_failures": 0}}, "[catchup] CatchupConfig.max_source_failures must be >= 1"),
+    ({"catchup": {"shard_bytes": 4096}}, "unknown key 'catchup.shard_bytes'"),
+    ({"catchup": {"timeouts": {"catchup_stall_s": 1.0}}}, "[catchup] timeouts must be left unset"),
+    ({"catchup": {"bind": "0.0.0.0:0"}}, "[catchup] bind/advertise_host must be left unset"),
 ])
 def test_validation_errors_name_the_key(patch, message):
     data = base()
@@ -110,7 +117,7 @@ def test_validation_errors_name_the_key(patch, message):
             data[key] = value
     if patch.get("failures", {}).get("mode") == "scripted" and "events" not in patch["failures"]:
         data["failures"].pop("events", None)
-    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         profile_from_dict(data)
 
 
@@ -119,6 +126,23 @@ def test_missing_required_keys_and_defaults():
         profile_from_dict({"replicas": 1, "ranks_per_replica": 1})
     p = profile_from_dict({"name": "x", "replicas": 2, "ranks_per_replica": 8})
     assert isinstance(p, Profile) and p.network == NetworkConfig() and p.num_hosts == 2
+
+
+def test_catchup_table_is_the_runtimes_catchup_config():
+    from ftrun.catchup.config import CatchupConfig
+    from harness.run.job import catchup_config_of
+
+    p = load_profile("ci-small")
+    assert p.catchup is None  # no table: the emulator cuts a rank's state into about 8 shards
+    assert catchup_config_of(p, 8 << 20) == CatchupConfig(max_shard_bytes=1 << 20, timeouts=p.timeouts)
+    q = apply_overrides(p, ["catchup.max_shard_bytes=4096", "catchup.wait_limit_s=2.5"])  # starts the table
+    assert q.catchup == CatchupConfig(max_shard_bytes=4096, wait_limit_s=2.5)
+    c = catchup_config_of(q, 8 << 20)
+    assert c.max_shard_bytes == 4096 and c.wait_limit == 2.5 and c.timeouts == q.timeouts
+    assert catchup_config_of(apply_overrides(q, ["catchup.wait_limit_s=none"]), 1).wait_limit == q.timeouts.ftar_timeout_s
+    assert apply_overrides(q, ["catchup=none"]).catchup is None
+    with pytest.raises(ValueError, match="max_shard_bytes must be a positive multiple of 64, got 100"):
+        apply_overrides(p, ["catchup.max_shard_bytes=100"])  # raised, never rounded
 
 
 def test_weibull_scale_gives_the_mean():
