@@ -4,13 +4,13 @@ A profile is a TOML file in scale_profiles/ read with tomllib into these frozen 
 dataclasses. Every section checks itself in __post_init__ and raises ValueError naming the bad field;
 the loader prefixes the section ("[ftar.engine] FtarConfig.num_chunks must be >= 1, got 0") and rejects unknown
 keys. Runtime configs are nested as they are, not renamed: `[timeouts]` is ftrun.config.Timeouts,
-`[ftar.engine]` ftrun.config.FtarConfig and `[catchup]` ftrun.catchup.config.CatchupConfig, exactly what the
-emulated runtime is given.
+`[ftar.engine]` ftrun.config.FtarConfig, `[catchup]` ftrun.catchup.config.CatchupConfig and `[checkpoint]`
+ftrun.checkpoint.policy.CheckpointConfig, exactly what the emulated runtime is given.
 Dotted overrides (`apply_overrides(p, ["ftar.engine.num_chunks=8", "replicas=4"])`) rebuild the profile
 through the same loader, so they are validated the same way.
 
 Top-level keys: name, description, seed, replicas, ranks_per_replica. Tables: [topology] [network]
-[model] [train] [timeouts] [ftar] [catchup] [checkpoint] [failures] (events: fault specs) [spares]
+[model] [train] [timeouts] [ftar] [catchup] [checkpoint] [storage] [failures] (events: fault specs) [spares]
 [scheduler] [emulation] [calibration] (+ [[calibration.values]], written by `ftrun calibrate`: each
 says how and when a key's value was measured). Every table is optional and has defaults.
 """
@@ -31,6 +31,7 @@ from typing import Any, Literal
 # harness; they are re-exported here so a profile's types come from one place.
 from ftrun import faultspec
 from ftrun.catchup.config import CatchupConfig
+from ftrun.checkpoint.policy import CheckpointConfig
 from ftrun.config import FtarConfig, Timeouts
 from mocks.config import DTYPE_BYTES, ModelConfig, SchedulerConfig  # noqa: F401
 from mocks.config import non_negative as _non_negative, one_of as _one_of, positive as _positive, require as _check
@@ -177,9 +178,10 @@ class FtarSection:
 
 
 @dataclass(frozen=True, kw_only=True)
-class CheckpointConfig:
-    every_steps: int = 100  # 0 turns persistent checkpoints off
-    loader_state_every_step: bool = True
+class StorageConfig:
+    """[storage]: what the emulator's Storage seam (the mock object store for loader_state and the audit log)
+    charges per call. Persistent checkpoints are [checkpoint], the runtime's CheckpointConfig."""
+
     # One atomic write (write, fsync, rename, fsync the folder) of a small file on the ranks' local disk:
     # loader_state every step (`ftrun calibrate` measures ftrun.storage.FileStorage).
     local_write_latency_s: float = 0.001
@@ -187,7 +189,7 @@ class CheckpointConfig:
     local_append_latency_s: float = 0.0
 
     def __post_init__(self) -> None:
-        _non_negative(self, "every_steps", "local_write_latency_s", "local_append_latency_s")
+        _non_negative(self, "local_write_latency_s", "local_append_latency_s")
 
 
 def _check_event(text: str) -> None:
@@ -324,7 +326,10 @@ class Profile:
     # wait_limit_s: timeouts.ftar_timeout_s); its timeouts are [timeouts]. No table: the emulator cuts a rank's
     # state into about 8 shards (harness.run.job.catchup_config_of).
     catchup: CatchupConfig | None = None
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    # [checkpoint]: the runtime's CheckpointConfig as it is (every_steps, keep), what FTConfig.checkpoint is;
+    # no table: no persistent checkpoints (FTConfig's None)
+    checkpoint: CheckpointConfig | None = None
+    storage: StorageConfig = field(default_factory=StorageConfig)
     failures: FailureConfig = field(default_factory=FailureConfig)
     spares: SpareConfig = field(default_factory=SpareConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -269,7 +269,7 @@ def emulated_overrides(args: argparse.Namespace, num_params: int) -> list[str]:
              f"train.steps={args.steps}", "train.min_replicas=1", "failures.mode=none",
              f"scheduler.alloc_delay_warm_s={args.restart_delay}",
              f"ftar.engine.chunk_bytes={CHUNK_BYTES}", f"ftar.engine.num_chunks={NUM_CHUNKS}",
-             "checkpoint.every_steps=0",  # the real worker runs without --checkpoint-every
+             "checkpoint=none",  # the real worker runs without --checkpoint-every
              f"emulation.cpu_charging={'true' if args.cpu_charging == 'on' else 'false'}"]
             + [f"timeouts.{key}={value}" for key, value in REAL_TIMEOUTS.items()] + toy_model_overrides(num_params))
 
@@ -283,7 +283,7 @@ def _toy_params() -> int:
 # The keys `ftrun calibrate SCRIPT` sets from the script's own runs: what the load on a shared machine moves
 # most between a calibration and the real run (re-measured just before it, with --profile and --restep).
 SCRIPT_KEYS = ("train.step_compute_s", "train.step_bookkeeping_s", "ftar.sync_overhead_s", "scheduler.process_start_s",
-               "checkpoint.local_write_latency_s", "network.crash_fin_delay_s")
+               "storage.local_write_latency_s", "network.crash_fin_delay_s")
 
 
 def restep_values(profile_path: str, ranks: int, steps: int = 30) -> dict[str, float]:
@@ -298,7 +298,7 @@ def restep_values(profile_path: str, ranks: int, steps: int = 30) -> dict[str, f
     measured = {v.key.removeprefix("measured."): v for v in (p.calibration.values if p.calibration else ())}
     figures = {f.name: f for f in _script_step("ftrun.train.ft_worker", steps, True, ranks)}
     figures["storage_write_s"] = storage_write(reps=20)  # the loader_state write, as loaded as the steps now
-    for name, key in (("storage_append_s", "checkpoint.local_append_latency_s"),
+    for name, key in (("storage_append_s", "storage.local_append_latency_s"),
                       ("tcp_one_way_us", "network.base_latency_us"), ("cpu_cores_effective", "train.shared_cpu_cores")):
         v = measured.get(key) or measured.get(name)
         if v is not None:

@@ -141,8 +141,8 @@ class EmulatedJob(JobFolding):
                                       seed=options.seed)
         env = self.world.host_env(SUPERVISOR_HOST)  # the stores' calls wait on whichever task makes them
         self.storage = MockObjectStore.local_disk(env)  # loader_state and audit logs: files next to the job
-        self.storage.write_latency_s = profile.checkpoint.local_write_latency_s
-        self.storage.append_latency_s = profile.checkpoint.local_append_latency_s
+        self.storage.write_latency_s = profile.storage.local_write_latency_s
+        self.storage.append_latency_s = profile.storage.local_append_latency_s
         self.checkpoint_storage = MockObjectStore.remote(env)  # persistent checkpoints: an object store
         self.ftar_config = replace(profile.ftar.engine, timeout_s=self.timeouts.ftar_timeout_s, transport="socket")
         self.mirror_timeout_s = 10 * (self.timeouts.ftar_timeout_s + self.timeouts.catchup_timeout_s

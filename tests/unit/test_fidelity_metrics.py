@@ -111,7 +111,7 @@ def test_both_runs_get_the_same_faults_in_the_one_grammar():
     for spec in specs:
         parse(spec), parse_inject(spec)  # both worlds accept them
     o = emulated_overrides(args, 5216)
-    assert {"replicas=4", "ranks_per_replica=2", "checkpoint.every_steps=0", "timeouts.join_timeout_s=0.5"} <= set(o)
+    assert {"replicas=4", "ranks_per_replica=2", "checkpoint=none", "timeouts.join_timeout_s=0.5"} <= set(o)
     assert fault_specs(p.parse_args(["--slow-fetch-delay", "0", "--kills", "1"])) == ["kill replica=1 step=15 at=0.5"]
 
 
