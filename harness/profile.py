@@ -459,7 +459,8 @@ def _parse_value(raw: str) -> Any:
 
 
 def _field_hint(cls: Any, name: str) -> tuple[Any, bool] | None:
-    """The type of dataclass `cls`'s field `name` (Optional unwrapped) and whether it may be None; None if no such field."""
+    """The type of dataclass `cls`'s field `name` (Optional unwrapped) and whether it may be None; None if `cls`
+    has no such field."""
     if not dataclasses.is_dataclass(cls):
         return None
     hint = typing.get_type_hints(cls).get(name)

@@ -4,10 +4,11 @@ calibrated profile, same layout, steps, kill and restart delay), the same figure
 side by side with emulated/real.
 
 Faults, the same in both: replica r1 is SIGKILLed --kills times, F x a step into its step once the job has
-committed --kill-step, --kill-step + --kill-every, ... steps (`--inject kill replica=1 step=S at=F` in both
-worlds), its state fetches are served --slow-fetch-delay slower, and it restarts after --restart-delay (real
-`--restart-delay`; emulated scheduler.alloc_delay_warm_s). One kill is as noisy as the machine's load: the
-per-fault figures are medians over the kills, and `--json` gives each one's spread over them (`spread`).
+committed --kill-step, --kill-step + --kill-step-interval, ... steps (`--inject kill replica=1 step=S at=F` in
+both worlds, F = --kill-at-fraction), its state fetches are served --slow-fetch-delay slower, and it restarts
+after --restart-delay (real `--restart-delay`; emulated scheduler.alloc_delay_warm_s). One kill is as noisy
+as the machine's load: the per-fault figures are medians over the kills, and `--json` gives each one's spread
+over them (`spread`).
 
 Figures (`metrics`, pure, over either event stream: leader/rank-0 events with replica_id, incarnation, t):
 - step_s: median time between consecutive commits of one replica incarnation;
@@ -206,12 +207,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=175)
     p.add_argument("--kill-step", type=int, default=15, help="kill replica r1 once the job committed this step")
     p.add_argument("--kills", type=int, default=4,
-                   help="kill r1 this many times, --kill-every steps apart; the per-fault figures are medians over "
-                        "them (default %(default)s)")
-    p.add_argument("--kill-every", type=int, default=40, metavar="STEPS",
-                   help="steps between one kill and the next (default %(default)s)")
-    p.add_argument("--kill-at", type=float, default=0.5, metavar="F",
-                   help="the kill comes F x a step's compute after r1's commit of --kill-step (default %(default)s)")
+                   help="kill r1 this many times, --kill-step-interval steps apart; the per-fault figures are "
+                        "medians over them (default %(default)s)")
+    # Steps and a fraction of a step, as in the fault grammar's step=S at=F: not `ftrun launch`'s --kill-every
+    # (a duration between random kills) or --kill-at (step=N[,replica=ID]), which these flags used to shadow.
+    p.add_argument("--kill-step-interval", type=int, default=40, metavar="STEPS",
+                   help="steps between one kill's step=S and the next's (default %(default)s)")
+    p.add_argument("--kill-at-fraction", type=float, default=0.5, metavar="F",
+                   help="each kill's at=F: F x a step's compute after r1's commit of step S (default %(default)s)")
     p.add_argument("--slow-fetch-delay", type=float, default=0.2, metavar="SECONDS",
                    help="r1's state fetches are served this much slower (0: no slow fetch) (default %(default)s)")
     p.add_argument("--restart-delay", type=float, default=0.5, help="seconds before the killed replica restarts")
@@ -249,13 +252,13 @@ def _real(args: argparse.Namespace, out: str) -> tuple[dict, list[dict]]:
 
 
 def kill_steps(args: argparse.Namespace) -> list[int]:
-    """The steps at which r1 is killed: --kills of them from --kill-step, --kill-every apart. Pure."""
-    return [args.kill_step + i * args.kill_every for i in range(args.kills)]
+    """The steps at which r1 is killed: --kills of them from --kill-step, --kill-step-interval apart. Pure."""
+    return [args.kill_step + i * args.kill_step_interval for i in range(args.kills)]
 
 
 def fault_specs(args: argparse.Namespace) -> list[str]:
     """The faults of both runs, in the one fault grammar (`ftrun launch --inject` / `ftrun emulate --inject`)."""
-    out = [f"kill replica=1 step={step} at={args.kill_at:g}" for step in kill_steps(args)]
+    out = [f"kill replica=1 step={step} at={args.kill_at_fraction:g}" for step in kill_steps(args)]
     if args.slow_fetch_delay > 0:
         out.append(f"slow fetch replica=1 delay={args.slow_fetch_delay:g}")
     return out
@@ -332,13 +335,13 @@ def run(args: argparse.Namespace) -> int:
     if args.replicas < 2 or args.ranks_per_replica < 1:
         raise UsageError(f"--replicas must be >= 2 and --ranks-per-replica >= 1, got {args.replicas}, "
                          f"{args.ranks_per_replica}")
-    if args.kills < 1 or args.kill_every < 1:
-        raise UsageError(f"--kills and --kill-every must be >= 1, got {args.kills}, {args.kill_every}")
+    if args.kills < 1 or args.kill_step_interval < 1:
+        raise UsageError(f"--kills and --kill-step-interval must be >= 1, got {args.kills}, {args.kill_step_interval}")
     if not 1 <= args.kill_step or kill_steps(args)[-1] >= args.steps:
-        raise UsageError(f"every kill step ({kill_steps(args)}: --kill-step + i x --kill-every) must be in "
+        raise UsageError(f"every kill step ({kill_steps(args)}: --kill-step + i x --kill-step-interval) must be in "
                          f"1..--steps-1 ({args.steps - 1})")
-    if not 0 <= args.kill_at < 1:
-        raise UsageError(f"--kill-at must be in [0, 1), got {args.kill_at}")
+    if not 0 <= args.kill_at_fraction < 1:
+        raise UsageError(f"--kill-at-fraction must be in [0, 1), got {args.kill_at_fraction}")
     if args.slow_fetch_delay < 0:
         raise UsageError(f"--slow-fetch-delay must be >= 0, got {args.slow_fetch_delay}")
     if args.restart_delay < 0:

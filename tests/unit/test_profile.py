@@ -101,7 +101,8 @@ def base() -> dict:
     ({"failures": {"mode": "scripted", "events": ["explode replica=1"]}}, "unknown fault 'explode'"),
     ({"failures": {"mode": "scripted", "events": ["kill replica=1 time=1 speed=2"]}}, "unknown fields: speed"),
     ({"topology": "big"}, "topology must be a table"),
-    ({"catchup": {"max_shard_bytes": 1000}}, "[catchup] CatchupConfig.max_shard_bytes must be a positive multiple of 64"),
+    ({"catchup": {"max_shard_bytes": 1000}},
+     "[catchup] CatchupConfig.max_shard_bytes must be a positive multiple of 64"),
     ({"catchup": {"wait_limit_s": -1.0}}, "[catchup] CatchupConfig.wait_limit_s must be >= 0"),
     ({"catchup": {"max_source_failures": 0}}, "[catchup] CatchupConfig.max_source_failures must be >= 1"),
     ({"catchup": {"shard_bytes": 4096}}, "unknown key 'catchup.shard_bytes'"),
@@ -144,7 +145,8 @@ def test_catchup_table_is_the_runtimes_catchup_config():
     assert q.catchup == CatchupConfig(max_shard_bytes=4096, wait_limit_s=2.5)
     c = catchup_config_of(q, 8 << 20)
     assert c.max_shard_bytes == 4096 and c.wait_limit == 2.5 and c.timeouts == q.timeouts
-    assert catchup_config_of(apply_overrides(q, ["catchup.wait_limit_s=none"]), 1).wait_limit == q.timeouts.ftar_timeout_s
+    unset = apply_overrides(q, ["catchup.wait_limit_s=none"])
+    assert catchup_config_of(unset, 1).wait_limit == q.timeouts.ftar_timeout_s
     assert apply_overrides(q, ["catchup=none"]).catchup is None
     with pytest.raises(ValueError, match="max_shard_bytes must be a positive multiple of 64, got 100"):
         apply_overrides(p, ["catchup.max_shard_bytes=100"])  # raised, never rounded
