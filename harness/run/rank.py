@@ -175,9 +175,8 @@ def _build(job: RankJob, inc: RankIncarnation, rank: int, index: int, env: Any, 
     if client is not None:
         client.connect()  # counted live from the start, so the first quorum waits for this replica
     exchange, catchup = _data_plane(job, inc, rank, env, lead, marks)
-    every = p.checkpoint.every_steps
     checkpointer = (ObjectStoreCheckpointer(storage=job.checkpoint_storage, state_bytes=job.state_bytes_per_rank)
-                    if every > 0 and leader else None)
+                    if p.checkpoint is not None and leader else None)
     key = f"audit/{inc.replica_id}-{inc.number}.jsonl"
     audit = AuditLog((lambda data: job.storage.append(key, data)) if leader else _no_audit)  # a log file's append
     bookkeeping = p.train.step_bookkeeping_s
@@ -195,7 +194,7 @@ def _build(job: RankJob, inc: RankIncarnation, rank: int, index: int, env: Any, 
             job.step_started(inc, step)
 
     config = TrainerConfig(replica_id=inc.replica_id, rank=rank, rng_seed=None, lr=LRConfig(policy=p.train.lr_intervention),
-                           checkpoint=CheckpointConfig(every_steps=max(every, 1)), catchup=job.catchup_config)
+                           checkpoint=p.checkpoint or CheckpointConfig(), catchup=job.catchup_config)
     trainer = build(config=config, env=env, compute=_compute(job, inc, rank, env, lead), layout=job.data_layout,
                  replica_ids=job.replica_ids, manager_config=ManagerConfig(timeouts=job.timeouts), comm=comm,
                  lighthouse=client, exchange=exchange, catchup=catchup,
