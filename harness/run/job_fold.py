@@ -10,7 +10,7 @@ from ftrun.env.wire import HEADER_SIZE
 from harness.engine.net import parse_addr
 from harness.run.fold import represented_ranks, tree_depth_latency
 from harness.run.options import ANALYTIC_RINGS_ABOVE, FOLD_RANKS_ABOVE
-from harness.run.ring_model import Cost, busy_seconds, ring_seconds
+from harness.run.ring_model import Cost, rank_cost, ring_seconds
 
 
 class JobFolding:
@@ -51,9 +51,9 @@ class JobFolding:
         return self.profile.num_ranks > ANALYTIC_RINGS_ABOVE and not o.needs_chunk_rings
 
     def ring_cost(self, host: str) -> Cost:
-        """cost(step summary, next rank's FTAR address): (modeled seconds, send busy seconds) of one all-reduce
-        of a rank on `host` (ring_model.ring_seconds and busy_seconds over the route to the next rank, its NIC
-        shared by the host's rings; the route's rate is a slowed link's, Fabric.slow_link, while it lasts)."""
+        """cost(step summary, next rank's FTAR address): the RankCost of one all-reduce of a rank on `host`
+        (ring_model.ring_seconds over the route to the next rank, its NIC shared by the host's rings, and what
+        its send busy time needs; the route's rate is a slowed link's, Fabric.slow_link, while it lasts)."""
         fab, net, kernels = self.world.fabric, self.world.fabric.model.config, self.kernels()
         share = min(self.profile.topology.gpus_per_host, self.profile.ranks_per_replica)
         kernel_s = lambda nbytes: kernels.launch_s + nbytes / kernels.reduce_bw  # noqa: E731
@@ -61,15 +61,16 @@ class JobFolding:
 
         overhead = net.frame_overhead_bytes + HEADER_SIZE
 
-        def cost(summary, next_addr: str) -> tuple[float, float]:
+        def cost(summary, next_addr: str):
             peer = parse_addr(next_addr)[0] or host
             route = fab.route(fab.net_host(host), fab.net_host(peer))
             key = (summary, route.hop, route.host_rate, route.up is not None)
             if key not in cache:
                 rate = route.host_rate / share / (net.cross_zone_oversubscription if route.up is not None else 1.0)
-                cache[key] = (ring_seconds(summary, rate=rate, latency=route.latency, kernel_s=kernel_s,
-                                           overhead_bytes=overhead),
-                              busy_seconds(summary, rate=rate, sndbuf_s=route.sndbuf_s, overhead_bytes=overhead))
+                seconds = ring_seconds(summary, rate=rate, latency=route.latency, kernel_s=kernel_s,
+                                       overhead_bytes=overhead)
+                cache[key] = rank_cost(summary, seconds=seconds, nic_rate=route.host_rate, share=share,
+                                       sndbuf_s=route.sndbuf_s, overhead_bytes=overhead)
             return cache[key]
         return cost
 

@@ -30,14 +30,14 @@ The duration (`ring_seconds`) is the schedule's modeled cost: every step of this
 longer of its chunk's transfer (the route to the next rank at the NIC's rate shared by the rank's ring
 neighbours on its host, and across zones by the oversubscription; a slowed link's rate, Fabric.slow_link)
 and its reduce kernel, plus one route latency per hop of the pipeline's fill. The send busy time
-(`busy_seconds`) is what the chunk engine measures: its sends block once the NIC backlog passes the socket
-buffer, so they spend their wire time less one buffer's worth on it.
+(`RankCost.busy`) is what the chunk engine measures: its sends block while the host NIC's backlog exceeds
+the socket buffer.
 """
 
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from ftrun.env.base import EnvTimeout, NetError
 from ftrun.ftar.engine import FtarEngine
@@ -80,15 +80,36 @@ def send_totals(summary: StepSummary) -> tuple[int, int, int]:
     return (sum(c for _, _, c in summary[1]), sum(c for _, c in summary[2]), sum(nb * c for nb, c in summary[2]))
 
 
-def busy_seconds(summary: StepSummary, *, rate: float, sndbuf_s: float, overhead_bytes: int = 0) -> float:
-    """Modeled send busy time of one rank's all-reduce, as the chunk engine measures it (ftrun.diagnose.summary:
-    per send, its completion less the later of its chunk step and the previous send's completion): a send
-    blocks while the NIC backlog exceeds the socket buffer (`sndbuf_s` of wire time), so a rank's sends spend
-    their wire time at `rate` on it, less the one buffer's worth that is absorbed (0 when it absorbs them all)."""
-    if rate <= 0 or sndbuf_s < 0:
-        raise ValueError(f"need rate > 0 and sndbuf_s >= 0, got {rate}, {sndbuf_s}")
-    wire = sum(c * (nb + overhead_bytes) / rate for nb, c in summary[2])
-    return max(0.0, wire - sndbuf_s)
+class RankCost(NamedTuple):
+    """One rank's modeled all-reduce: its duration and what its send busy time depends on (`busy`)."""
+
+    seconds: float  # ring_seconds: this rank's part of the ring's duration
+    nic_s: float  # the wire time its sends and its host's other rings' take on the host NIC
+    burst_s: float  # its busy time when the NIC keeps up with the ring (see busy)
+    sndbuf_s: float  # the socket buffer, in NIC time
+
+    def busy(self, ring_s: float) -> float:
+        """Send busy time, as the chunk engine measures it (ftrun.diagnose.summary: per send, its completion
+        less the later of its chunk step and the previous send's): a send blocks while the host NIC's backlog
+        exceeds the socket buffer. When the host NIC is the ring's bottleneck (its time is at least 90 % of
+        the ring's modeled duration `ring_s`) the backlog never drains: the sends are busy for the NIC time
+        less one buffer. Otherwise each chunk goes out in a burst with the host's other rings' chunks and
+        blocks for its mean place in the burst less the buffer (`burst_s`)."""
+        if self.nic_s >= 0.9 * ring_s:
+            return max(0.0, self.nic_s - self.sndbuf_s)
+        return self.burst_s
+
+
+def rank_cost(summary: StepSummary, *, seconds: float, nic_rate: float, share: int, sndbuf_s: float,
+              overhead_bytes: int = 0) -> RankCost:
+    """A RankCost of a step summary: `share` ranks on the host send a chunk each per step through a NIC of
+    `nic_rate` bytes/s (a slowed link's rate while it lasts) with a socket buffer of `sndbuf_s` NIC seconds."""
+    if nic_rate <= 0 or share < 1 or sndbuf_s < 0:
+        raise ValueError(f"need nic_rate > 0, share >= 1 and sndbuf_s >= 0, got {nic_rate}, {share}, {sndbuf_s}")
+    wires = [(c, (nb + overhead_bytes) / nic_rate) for nb, c in summary[2]]
+    nic = sum(c * share * w for c, w in wires)
+    burst = sum(c * max(0.0, (share + 1) / 2 * w - sndbuf_s) for c, w in wires)
+    return RankCost(seconds, nic, burst, sndbuf_s)
 
 
 def ring_seconds(summary: StepSummary, *, rate: float, latency: float, kernel_s: Callable[[int], float],
@@ -185,13 +206,12 @@ class LinkWatch:
         self.engine._link_failed(self.links, error, self.side)
 
 
-Cost = Callable[[StepSummary, str], tuple[float, float]]  # (modeled seconds, send busy seconds)
+Cost = Callable[[StepSummary, str], RankCost]
 
 
 class AnalyticFtarEngine(FtarEngine):
     """FtarEngine whose all_reduce is modeled per ring (see the module docstring). `cost(summary, next_addr)`:
-    this rank's (modeled seconds, send busy seconds) for a schedule's step_summary, sending to the rank
-    listening at next_addr. `position`: the ring position (local rank) this engine's rings have, which
+    this rank's RankCost for a schedule's step_summary, sending to the rank listening at next_addr. `position`: the ring position (local rank) this engine's rings have, which
     RingBoard.chunk_positions names (-1: never chunk by chunk)."""
 
     def __init__(self, *, board: RingBoard, cost: Cost, position: int = -1, **kwargs: Any) -> None:
@@ -244,17 +264,17 @@ class AnalyticFtarEngine(FtarEngine):
             tel.ftar_enter(links.epoch, buf.nbytes, n, index, steps)
         clock = self.env.clock
         waker = self._waker = self.env.event()
-        seconds, busy = self._cost(summary, self._next_addr)
-        ring = self._board.arrive(key, n, clock.now(), seconds, waker)
+        cost = self._cost(summary, self._next_addr)
+        ring = self._board.arrive(key, n, clock.now(), cost.seconds, waker)
         try:
-            self._wait(links, ring, waker, (steps, sends, sent_bytes, busy))
+            self._wait(links, ring, waker, (steps, sends, sent_bytes, cost))
         finally:
             self._waker = None
             self._board.leave(key, ring)
         if tel:
             tel.ftar_end(True)
 
-    def _wait(self, links: Any, ring: _Ring, waker: Any, totals: tuple[int, int, int, float]) -> None:
+    def _wait(self, links: Any, ring: _Ring, waker: Any, totals: tuple[int, int, int, RankCost]) -> None:
         clock, timeout, tel = self.env.clock, self.config.timeout_s, self.telemetry
         give_up = clock.now() + timeout
         modeled = False
@@ -264,8 +284,8 @@ class AnalyticFtarEngine(FtarEngine):
                 self._fail(links, failed[0], failed[1], entered=True)
             now = clock.now()
             if ring.end is not None and not modeled and tel:
-                steps, sends, sent_bytes, busy = totals
-                tel.ftar_model(ring.latest, ring.end, steps, sends, sent_bytes, busy)
+                steps, sends, sent_bytes, cost = totals
+                tel.ftar_model(ring.latest, ring.end, steps, sends, sent_bytes, cost.busy(ring.longest))
                 modeled = True
             if ring.end is not None and now >= ring.end:
                 return
