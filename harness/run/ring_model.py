@@ -87,15 +87,16 @@ class RankCost(NamedTuple):
     nic_s: float  # the wire time its sends and its host's other rings' take on the host NIC
     burst_s: float  # its busy time when the NIC keeps up with the ring (see busy)
     sndbuf_s: float  # the socket buffer, in NIC time
+    send_frac: float  # the fraction of its chunk steps that send (all but the last hop's)
 
     def busy(self, ring_s: float) -> float:
         """Send busy time, as the chunk engine measures it (ftrun.diagnose.summary: per send, its completion
         less the later of its chunk step and the previous send's): a send blocks while the host NIC's backlog
         exceeds the socket buffer. When the host NIC is the ring's bottleneck (its time is at least 90 % of
-        the ring's modeled duration `ring_s`) the backlog never drains: the sends are busy for the NIC time
+        the sending steps' share of the ring's modeled duration `ring_s`) the backlog never drains: the sends are busy for the NIC time
         less one buffer. Otherwise each chunk goes out in a burst with the host's other rings' chunks and
         blocks for its mean place in the burst less the buffer (`burst_s`)."""
-        if self.nic_s >= 0.9 * ring_s:
+        if self.nic_s >= 0.9 * ring_s * self.send_frac:
             return max(0.0, self.nic_s - self.sndbuf_s)
         return self.burst_s
 
@@ -109,7 +110,8 @@ def rank_cost(summary: StepSummary, *, seconds: float, nic_rate: float, share: i
     wires = [(c, (nb + overhead_bytes) / nic_rate) for nb, c in summary[2]]
     nic = sum(c * share * w for c, w in wires)
     burst = sum(c * max(0.0, (share + 1) / 2 * w - sndbuf_s) for c, w in wires)
-    return RankCost(seconds, nic, burst, sndbuf_s)
+    steps, sends, _ = send_totals(summary)
+    return RankCost(seconds, nic, burst, sndbuf_s, sends / steps if steps else 0.0)
 
 
 def ring_seconds(summary: StepSummary, *, rate: float, latency: float, kernel_s: Callable[[int], float],

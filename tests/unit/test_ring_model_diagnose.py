@@ -4,6 +4,8 @@ reads no frame, and the diagnose bench's chunk positions per fault kind."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -86,6 +88,23 @@ def test_rank_cost_busy_is_the_nic_time_when_the_nic_is_the_bottleneck_else_the_
     assert rank_cost(summary, seconds=1.0, nic_rate=1024.0, share=1, sndbuf_s=4.0).busy(100.0) == 0.0  # absorbed
     with pytest.raises(ValueError, match="nic_rate"):
         rank_cost(summary, seconds=1.0, nic_rate=0.0, share=1, sndbuf_s=0.0)
+
+
+def test_the_analytic_cost_sees_a_slowed_link_while_it_lasts():
+    job = EmulatedJob(load_profile("ci-small"), JobOptions(steps=1, ftar_model="analytic"))
+    job.kernels = lambda: SimpleNamespace(launch_s=1e-5, reduce_bw=1e12)  # loaded by run(); not what is tested
+    hosts = job.topology.training_hosts
+    a = hosts[0]
+    b = next(h for h in hosts[1:] if job.topology.location(h).zone == job.topology.location(a).zone)  # NIC-bound
+    cost = job.ring_cost(a)
+    summary = step_summary(schedule(4, 1, 64 << 20, elem_size=2, chunk_bytes=1 << 20, num_chunks=2))
+    healthy = cost(summary, f"{b}:7")
+    job.world.fabric.slow_link(a, b, 4.0)
+    slowed = cost(summary, f"{b}:7")
+    assert slowed.nic_s == pytest.approx(4 * healthy.nic_s) and slowed.seconds > 2 * healthy.seconds
+    assert slowed.busy(slowed.seconds) > 3 * healthy.busy(healthy.seconds) > 0  # what the slow-link test compares
+    job.world.fabric.slow_link(a, b, 1.0)
+    assert cost(summary, f"{b}:7") == healthy
 
 
 # -- the per-call latch ----------------------------------------------------------------------------------
