@@ -93,9 +93,9 @@ class RankCost(NamedTuple):
         """Send busy time, as the chunk engine measures it (ftrun.diagnose.summary: per send, its completion
         less the later of its chunk step and the previous send's): a send blocks while the host NIC's backlog
         exceeds the socket buffer. When the host NIC is the ring's bottleneck (its time is at least 90 % of
-        the sending steps' share of the ring's modeled duration `ring_s`) the backlog never drains: the sends are busy for the NIC time
-        less one buffer. Otherwise each chunk goes out in a burst with the host's other rings' chunks and
-        blocks for its mean place in the burst less the buffer (`burst_s`)."""
+        the sending steps' share of the ring's modeled duration `ring_s`) the backlog never drains: the sends
+        are busy for the NIC time less one buffer. Otherwise each chunk goes out in a burst with the host's
+        other rings' chunks and blocks for its mean place in the burst less the buffer (`burst_s`)."""
         if self.nic_s >= 0.9 * ring_s * self.send_frac:
             return max(0.0, self.nic_s - self.sndbuf_s)
         return self.burst_s
@@ -213,8 +213,9 @@ Cost = Callable[[StepSummary, str], RankCost]
 
 class AnalyticFtarEngine(FtarEngine):
     """FtarEngine whose all_reduce is modeled per ring (see the module docstring). `cost(summary, next_addr)`:
-    this rank's RankCost for a schedule's step_summary, sending to the rank listening at next_addr. `position`: the ring position (local rank) this engine's rings have, which
-    RingBoard.chunk_positions names (-1: never chunk by chunk)."""
+    this rank's RankCost for a schedule's step_summary, sending to the rank listening at next_addr.
+    `position`: the ring position (local rank) of this engine's rings, which RingBoard.chunk_positions
+    names (-1: never chunk by chunk)."""
 
     def __init__(self, *, board: RingBoard, cost: Cost, position: int = -1, **kwargs: Any) -> None:
         super().__init__(**kwargs)
