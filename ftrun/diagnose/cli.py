@@ -49,6 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     bench.add_argument("--ftar-detail", choices=("folded", "full"), default=None,
                        help="bench: FTAR rings emulated (default: full up to 16K ranks, else the profile's; "
                             "folded places faults on each replica's first host)")
+    bench.add_argument("--ftar-model", choices=("auto", "chunks", "analytic"), default="auto",
+                       help="bench: all-reduces chunk by chunk, or analytic (modeled per ring) except the rings each "
+                            "fault stalls (default auto: analytic above 256 ranks)")
     bench.add_argument("--cpu-charging", choices=("on", "off"), default="off",
                        help="bench: charge real CPU time to emulated hosts (default off: the bench scores verdicts, "
                             "and charging thousands of ranks' CPU on a few cores slows and perturbs virtual time)")

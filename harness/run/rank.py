@@ -151,8 +151,8 @@ def _data_plane(job: RankJob, inc: RankIncarnation, rank: int, env: Any, lead: b
                                       on_fetch=fetched)
     engine = (FtarEngine(env=env, kernels=job.kernels(), token=job.token, config=job.ftar_config)
               if job.ring_board is None else
-              AnalyticFtarEngine(board=job.ring_board, cost=job.ring_cost(env.host), env=env, kernels=job.kernels(),
-                                 token=job.token, config=job.ftar_config))
+              AnalyticFtarEngine(board=job.ring_board, cost=job.ring_cost(env.host), position=rank, env=env,
+                                 kernels=job.kernels(), token=job.token, config=job.ftar_config))
     joiner_wait = job.timeouts.ftar_timeout_s + 2 * job.profile.train.step_compute_s  # others compute, then timeout
     exchange: Any = OverheadExchange(GradientExchange(engine=engine, rank=rank, joiner_wait_s=joiner_wait), env,
                                      job.ftar_overhead_s)
