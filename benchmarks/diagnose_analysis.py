@@ -4,7 +4,7 @@ Usage: python benchmarks/diagnose_analysis.py [--replicas 12] [--ranks-per-repli
                                               [--fault-free 10] [--seed 0] [--ftar-mb 32] [--json]
 Each scenario synthesizes the telemetry summaries the collector would gather from every rank of a
 replicas x ranks job (FTAR ring per rank index across replicas) with one injected fault of a random
-kind and place (ftrun.diagnose.synth), runs the pure analysis and checks the verdict against the
+kind and place (ftrun_bench.diagnose_synth), runs the pure analysis and checks the verdict against the
 injected culprit. Fault-free runs count false positives, and the eviction rule is applied to every
 verdict to count false evictions. Also measured in the same run: the cost of one telemetry record, the
 bytes per rank held (ring buffer) and collected (summary), and an FTAR all-reduce (threads on loopback)
@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ftrun.diagnose.act import decide_eviction  # noqa: E402
 from ftrun.diagnose.analysis import CANDIDATES, NO_HANG, analyze  # noqa: E402
 from ftrun.diagnose.summary import HIST, HIST_LEN, SUMMARY  # noqa: E402
-from ftrun.diagnose.synth import KINDS, JobShape, scenario  # noqa: E402
+from ftrun_bench.diagnose_synth import KINDS, JobShape, scenario  # noqa: E402
 from ftrun.diagnose.telemetry import Recorder  # noqa: E402
 
 

@@ -1,6 +1,7 @@
 """`ftrun bench NAME ...`: benchmarks that print ratios against a baseline measured in the same run.
 
-Each benchmark lives beside the code it measures and provides `add_arguments(parser)` and `run(args)`.
+Each benchmark lives in the ftrun_bench package (not the runtime: it is loaded by name, never imported by
+ftrun/) and provides `add_arguments(parser)` and `run(args)`.
 """
 
 from __future__ import annotations
@@ -9,10 +10,10 @@ import argparse
 import importlib
 
 BENCHMARKS: dict[str, tuple[str, str]] = {
-    "ftar": ("ftrun.ftar.bench", "FTAR vs torch.distributed gloo all_reduce on loopback"),
-    "overhead": ("ftrun.replica.bench", "FT overhead per step (quorum + commit) with real replicas"),
-    "catchup": ("ftrun.catchup.bench", "catch-up state transfer bandwidth per source count"),
-    "overlap": ("ftrun.train.overlap_bench", "training steps with the exchange overlapped with backward vs after it"),
+    "ftar": ("ftrun_bench.ftar", "FTAR vs torch.distributed gloo all_reduce on loopback"),
+    "overhead": ("ftrun_bench.overhead", "FT overhead per step (quorum + commit) with real replicas"),
+    "catchup": ("ftrun_bench.catchup", "catch-up state transfer bandwidth per source count"),
+    "overlap": ("ftrun_bench.overlap", "training steps with the exchange overlapped with backward vs after it"),
 }
 
 

@@ -108,6 +108,23 @@ class Scenario:
         return self.fault(1.0).describe().split(" time=")[0]
 
 
+def chunk_positions(sc: Scenario, shape: Shape) -> frozenset[int]:
+    """The ring positions (local ranks; ring k joins rank k of every replica) a scenario's fault stalls
+    silently, which must run chunk by chunk where the job's rings are analytic (harness.run.ring_model): a
+    hung rank's; a hung host's ranks; every position for a building cut (every ring crosses buildings).
+    None for the others, which analytic rings show as they are: a slow host computes late (its ranks arrive
+    late), a slowed link slows the modeled transfer and send busy time of its rings (the route's rate), and a
+    killed rank closes its connections."""
+    if sc.kind == "hang_rank":
+        return frozenset({sc.rank})
+    if sc.kind == "hang_host":
+        first = (sc.host % shape.hosts_per_replica) * shape.gpus_per_host
+        return frozenset(range(first, min(first + shape.gpus_per_host, shape.ranks_per_replica)))
+    if sc.kind == "cut_building":
+        return frozenset(range(shape.ranks_per_replica))
+    return frozenset()
+
+
 def kinds_for(shape: Shape) -> tuple[str, ...]:
     """The kinds this job can have: a building cut needs a second building (the lighthouse is in building 0)."""
     return tuple(k for k in KINDS if k != "cut_building" or shape.buildings > 1)
@@ -327,10 +344,17 @@ class _Bench:
         inside = frozenset(h for h in hosts if topo.location(h).building == sc.building)
         return Truth(("hang",), hosts=inside, subset=True)
 
+    def _chunk_rings(self, sc: Scenario | None) -> None:
+        """With analytic rings: run the rings the scenario's fault stalls chunk by chunk (None: none)."""
+        board = self.job.ring_board
+        if board is not None:
+            board.chunk_positions = chunk_positions(sc, shape_of(self.job.profile)) if sc else frozenset()
+
     def _scenario(self, sc: Scenario) -> None:
         job, diag = self.job, self.job.diagnosis
         if not self._healthy():
             self._wait_steps(1, 200 * self._period + 600)
+        self._chunk_rings(sc)  # before the next commit: every all-reduce after it runs in its mode
         phase = self._inject_phase(sc)
         self._after_commit(phase)
         timeout = job.timeouts.ftar_timeout_s
@@ -372,6 +396,7 @@ class _Bench:
             why = self._undetectable_link(sc.factor)
             if why:  # no wire time to compare (the analysis cannot see it): not scored, reported
                 self._unscored(sc, v, why, settle=HIST_LEN + 1)
+                self._chunk_rings(None)
                 return
         result = score(v, self._truth(sc))
         self.results.append({"seed": self.seed, "index": sc.index, "kind": sc.kind, "place": sc.place(),
@@ -389,6 +414,7 @@ class _Bench:
         settle = HIST_LEN + 1 if sc.kind in ("slow_host", "slow_link") else 2
         if not self._wait_steps(settle, 200 * self._period + 600):
             self.skipped.append(f"scenario {sc.index}: the job did not train again in time")
+        self._chunk_rings(None)
 
     def _detect_s(self) -> float:
         """How soon the supervisor sees a rank's process exit."""
@@ -449,12 +475,14 @@ def shape_of(profile: Profile, fault_hosts: int = 0) -> Shape:
 
 
 def run_bench(profile: Profile, *, scenarios: int, seed: int, fault_free: int,
-              ftar_detail: str | None = None, fold_ranks: str = "auto", progress: bool = False) -> dict[str, Any]:
+              ftar_detail: str | None = None, fold_ranks: str = "auto", progress: bool = False,
+              ftar_model: str = "auto") -> dict[str, Any]:
     """One emulated job, `scenarios` scenarios and `fault_free` fault-free collections; the figures.
     Folded FTAR (the default above 16K ranks) places the faults on each replica's first host, the one
     whose rings run for real (harness.run.fold); with rank folding (`fold_ranks`, JobOptions) each replica
     runs its first two hosts and serves the other ranks their reference lead's telemetry
-    (harness.run.diag_mirror)."""
+    (harness.run.diag_mirror). `ftar_model` (JobOptions.ftar_model): with analytic rings the bench runs the
+    rings each fault stalls chunk by chunk (chunk_positions)."""
     if ftar_detail is None and profile.num_ranks <= 16384:
         ftar_detail = "full"  # every ring real, so every rank's telemetry is its own (folding mirrors leads)
     detail = ftar_detail or profile.emulation.ftar_detail
@@ -463,7 +491,8 @@ def run_bench(profile: Profile, *, scenarios: int, seed: int, fault_free: int,
     wiring = "prewired" if profile.ranks_per_replica > 4096 else "connect"
     steps = 20 + scenarios * (SLOW_STEPS + 6) + fault_free * 3  # more than the bench can use
     options = JobOptions(steps=steps, seed=seed, diagnose=True, trace=False, ftar_detail=ftar_detail,  # type: ignore
-                         wiring=wiring, fold_ranks=fold_ranks)  # type: ignore[arg-type]
+                         wiring=wiring, fold_ranks=fold_ranks, ftar_model=ftar_model,  # type: ignore[arg-type]
+                         chunks_at_faults=True)
     wall0 = time.monotonic()
     job = EmulatedJob(profile, options)
     bench = _Bench(job, plan, fault_free, seed, progress=progress)
@@ -479,6 +508,8 @@ def run_bench(profile: Profile, *, scenarios: int, seed: int, fault_free: int,
                virtual_s=round(job.world.now, 1), wall_s=round(time.monotonic() - wall0, 1),
                ftar_detail=detail, cpu_charging=profile.emulation.cpu_charging,
                ranks_run_per_replica=len(job.ranks), ranks_per_replica=profile.ranks_per_replica,
+               **{k: v for k, v in job.folding().items() if k in ("ftar_model", "analytic_all_reduces",
+                                                                   "chunked_all_reduces")},
                ftar_chunk_mb=round(profile.ftar.engine.chunk_bytes / (1 << 20), 3),
                fault_places="each replica's first host" if shape.place_hosts < shape.hosts_per_replica
                else "every host",
@@ -525,7 +556,8 @@ def cli_run(args: Any) -> int:
     profile = build_profile(args.profile, args.overrides, steps=None, cpu_charging=args.cpu_charging)
     ff = args.scenarios // 2 if args.fault_free is None else args.fault_free
     out = run_bench(profile, scenarios=args.scenarios, seed=args.seed, fault_free=ff, progress=True,
-                    ftar_detail=args.ftar_detail, fold_ranks=getattr(args, "fold_ranks", "auto"))
+                    ftar_detail=args.ftar_detail, fold_ranks=getattr(args, "fold_ranks", "auto"),
+                    ftar_model=args.ftar_model)
     results = out.pop("results")
     if args.out:
         d = Path(args.out)

@@ -3,13 +3,14 @@
 A profile is a TOML file in scale_profiles/ read with tomllib into these frozen keyword-only
 dataclasses. Every section checks itself in __post_init__ and raises ValueError naming the bad field;
 the loader prefixes the section ("[ftar.engine] FtarConfig.num_chunks must be >= 1, got 0") and rejects unknown
-keys. Runtime configs are nested as they are, not renamed: `[timeouts]` is ftrun.config.Timeouts and
-`[ftar.engine]` ftrun.config.FtarConfig, exactly what the emulated runtime is given.
+keys. Runtime configs are nested as they are, not renamed: `[timeouts]` is ftrun.config.Timeouts,
+`[ftar.engine]` ftrun.config.FtarConfig, `[catchup]` ftrun.catchup.config.CatchupConfig and `[checkpoint]`
+ftrun.checkpoint.policy.CheckpointConfig, exactly what the emulated runtime is given.
 Dotted overrides (`apply_overrides(p, ["ftar.engine.num_chunks=8", "replicas=4"])`) rebuild the profile
 through the same loader, so they are validated the same way.
 
 Top-level keys: name, description, seed, replicas, ranks_per_replica. Tables: [topology] [network]
-[model] [train] [timeouts] [ftar] [checkpoint] [failures] (events: fault specs) [spares]
+[model] [train] [timeouts] [ftar] [catchup] [checkpoint] [storage] [failures] (events: fault specs) [spares]
 [scheduler] [emulation] [calibration] (+ [[calibration.values]], written by `ftrun calibrate`: each
 says how and when a key's value was measured). Every table is optional and has defaults.
 """
@@ -29,6 +30,8 @@ from typing import Any, Literal
 # The [model] and [scheduler] sections and the field checks live in mocks.config, below both mocks and
 # harness; they are re-exported here so a profile's types come from one place.
 from ftrun import faultspec
+from ftrun.catchup.config import CatchupConfig
+from ftrun.checkpoint.policy import CheckpointConfig
 from ftrun.config import FtarConfig, Timeouts
 from mocks.config import DTYPE_BYTES, ModelConfig, SchedulerConfig  # noqa: F401
 from mocks.config import non_negative as _non_negative, one_of as _one_of, positive as _positive, require as _check
@@ -175,9 +178,10 @@ class FtarSection:
 
 
 @dataclass(frozen=True, kw_only=True)
-class CheckpointConfig:
-    every_steps: int = 100  # 0 turns persistent checkpoints off
-    loader_state_every_step: bool = True
+class StorageConfig:
+    """[storage]: what the emulator's Storage seam (the mock object store for loader_state and the audit log)
+    charges per call. Persistent checkpoints are [checkpoint], the runtime's CheckpointConfig."""
+
     # One atomic write (write, fsync, rename, fsync the folder) of a small file on the ranks' local disk:
     # loader_state every step (`ftrun calibrate` measures ftrun.storage.FileStorage).
     local_write_latency_s: float = 0.001
@@ -185,7 +189,7 @@ class CheckpointConfig:
     local_append_latency_s: float = 0.0
 
     def __post_init__(self) -> None:
-        _non_negative(self, "every_steps", "local_write_latency_s", "local_append_latency_s")
+        _non_negative(self, "local_write_latency_s", "local_append_latency_s")
 
 
 def _check_event(text: str) -> None:
@@ -282,6 +286,17 @@ class CalibrationConfig:
         _check(len(keys) == len(set(keys)), "values", "one entry per key", sorted(k for k in keys if keys.count(k) > 1))
 
 
+def _check_catchup(c: CatchupConfig | None) -> None:
+    """[catchup] leaves to the emulator what is not the catch-up's own: its timeouts and where it listens."""
+    if c is None:
+        return
+    d = CatchupConfig()
+    _check(c.timeouts == d.timeouts, "[catchup] timeouts", "left unset (the job's timeouts are [timeouts])",
+           c.timeouts)
+    _check((c.bind, c.advertise_host) == (d.bind, d.advertise_host), "[catchup] bind/advertise_host",
+           "left unset (the emulator places the servers on its modeled hosts)", (c.bind, c.advertise_host))
+
+
 def profile_value(profile: "Profile", key: str) -> Any:
     """The value at a dotted key ("ftar.engine.num_chunks", "replicas"). Raises KeyError for an unknown key."""
     node: Any = profile
@@ -307,7 +322,14 @@ class Profile:
     # commit_timeout_s, quorum_timeout_s, ...), what every emulated rank and the lighthouse are given
     timeouts: Timeouts = field(default_factory=Timeouts)
     ftar: FtarSection = field(default_factory=FtarSection)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    # [catchup]: the runtime's CatchupConfig as it is (max_shard_bytes, max_source_failures, wait_limit_s; unset
+    # wait_limit_s: timeouts.ftar_timeout_s); its timeouts are [timeouts]. No table: the emulator cuts a rank's
+    # state into about 8 shards (harness.run.job.catchup_config_of).
+    catchup: CatchupConfig | None = None
+    # [checkpoint]: the runtime's CheckpointConfig as it is (every_steps, keep), what FTConfig.checkpoint is;
+    # no table: no persistent checkpoints (FTConfig's None)
+    checkpoint: CheckpointConfig | None = None
+    storage: StorageConfig = field(default_factory=StorageConfig)
     failures: FailureConfig = field(default_factory=FailureConfig)
     spares: SpareConfig = field(default_factory=SpareConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -324,6 +346,7 @@ class Profile:
         bad += [r for r in (faultspec.parse(e).int("replica") for e in self.failures.events)
                 if r is not None and not 0 <= r < self.replicas]
         _check(not bad, "failures", f"to name replicas in 0..{self.replicas - 1}", bad)
+        _check_catchup(self.catchup)
         for v in self.calibration.values if self.calibration is not None else ():
             if v.key.startswith("measured."):
                 continue
@@ -435,8 +458,25 @@ def _parse_value(raw: str) -> Any:
         return raw
 
 
+def _field_hint(cls: Any, name: str) -> tuple[Any, bool] | None:
+    """The type of dataclass `cls`'s field `name` (Optional unwrapped) and whether it may be None; None if `cls`
+    has no such field."""
+    if not dataclasses.is_dataclass(cls):
+        return None
+    hint = typing.get_type_hints(cls).get(name)
+    if hint is None:
+        return None
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (types.UnionType, typing.Union) and type(None) in args:
+        return next(a for a in args if a is not type(None)), True
+    return hint, False
+
+
 def apply_overrides(profile: Profile, overrides: list[str] | tuple[str, ...]) -> Profile:
-    """A new profile with each "dotted.key=value" applied, validated like a loaded file.
+    """A new profile with each "dotted.key=value" applied, validated like a loaded file. A key inside an
+    optional table the profile leaves out (`checkpoint.every_steps=5` without [checkpoint]) starts that
+    table; `TABLE=none` (e.g. `checkpoint=none`) leaves an optional table out, and `KEY=none` unsets an
+    optional key.
 
     Raises:
         ValueError: malformed override, unknown key, or a value the field rejects.
@@ -450,14 +490,20 @@ def apply_overrides(profile: Profile, overrides: list[str] | tuple[str, ...]) ->
         if not sep or not key:
             raise ValueError(f"override {item!r} is not 'dotted.key=value'")
         *parents, leaf = key.split(".")
-        node = data
+        node, cls = data, Profile
         for part in parents:
-            if not isinstance(node.get(part), dict):
+            hint = _field_hint(cls, part)
+            if hint is None or not dataclasses.is_dataclass(hint[0]):
                 raise ValueError(f"unknown key '{key}' in override {item!r}")
-            node = node[part]
-        if leaf not in node:
+            node, cls = node.setdefault(part, {}), hint[0]
+        hint = _field_hint(cls, leaf)
+        if hint is None:
             raise ValueError(f"unknown key '{key}' in override {item!r}")
-        node[leaf] = _parse_value(raw.strip())
+        value = _parse_value(raw.strip())
+        if value == "none" and hint[1]:
+            node.pop(leaf, None)
+        else:
+            node[leaf] = value
         calibration = data.get("calibration")
         if isinstance(calibration, dict):  # an overridden key was no longer measured
             calibration["values"] = [v for v in calibration.get("values", []) if v.get("key") != key]

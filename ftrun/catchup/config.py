@@ -22,6 +22,7 @@ class CatchupConfig:
     wait_limit_s: paper §6.1 — how long the healthy replicas may wait for a joiner whose fetch runs past
         the end of the step before it joins one step later instead: it bounds each wait of building a
         step's FTAR ring when the quorum has a joiner, in place of ftar_timeout_s (see ftrun.catchup.wait).
+        None: timeouts.ftar_timeout_s (`wait_limit` is the value in force).
     timeouts: the job's timeouts; the client bounds a whole fetch by catchup_timeout_s and a connect by
         connect_timeout_s; catchup_long_poll_s is how long the server holds a request for a step not yet
         published, catchup_stall_s how long a silent source is given before it counts as dead.
@@ -31,7 +32,7 @@ class CatchupConfig:
     bind: str = "127.0.0.1:0"
     advertise_host: str | None = None
     max_source_failures: int = 2
-    wait_limit_s: float = 10.0
+    wait_limit_s: float | None = None
     timeouts: Timeouts = field(default_factory=Timeouts)
 
     def __post_init__(self) -> None:
@@ -42,10 +43,17 @@ class CatchupConfig:
         host, sep, port = self.bind.rpartition(":")
         if not sep or not host or not port.isdigit():
             raise ValueError(f"CatchupConfig.bind must be 'host:port', got {self.bind!r}")
-        if self.wait_limit_s < 0:
-            raise ValueError(f"CatchupConfig.wait_limit_s must be >= 0, got {self.wait_limit_s!r}")
+        if self.wait_limit_s is not None and (isinstance(self.wait_limit_s, bool) or self.wait_limit_s < 0):
+            raise ValueError(f"CatchupConfig.wait_limit_s must be >= 0 or None, got {self.wait_limit_s!r}")
+        if self.advertise_host is not None and not self.advertise_host:
+            raise ValueError("CatchupConfig.advertise_host must be a host name or None, got ''")
         if self.max_source_failures < 1:
             raise ValueError(f"CatchupConfig.max_source_failures must be >= 1, got {self.max_source_failures}")
+
+    @property
+    def wait_limit(self) -> float:
+        """The wait limit in force: wait_limit_s, else the job's FTAR timeout."""
+        return self.timeouts.ftar_timeout_s if self.wait_limit_s is None else self.wait_limit_s
 
     @property
     def long_poll_s(self) -> float:

@@ -6,13 +6,18 @@ collective, quorum ask and catch-up fetch; and `HIST_LEN` `HIST` rows, one per c
 newest last (unused rows have cid = -1): enter and done times, and the send busy time, the time the
 rank's sends to its next ring rank spent on the wire (a send's completion minus the later of its
 chunk step and the previous send's completion), the signature of a slow link.
+
+A modeled all-reduce (MODEL / MODEL_END records, the emulator's analytic rings) reads as a chunk run would:
+its progress counters are interpolated between its modeled start and end at `now` (at its end once done, at
+its failure if it failed), so a snapshot mid-all-reduce shows it moving, and its history row takes the
+modeled send busy time and bytes.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ftrun.diagnose.telemetry import RECORD, Ev, Op
+from ftrun.diagnose.telemetry import RECORD, Ev, Op, w48
 
 HIST_LEN = 8
 
@@ -59,7 +64,7 @@ def summarize(records: np.ndarray, now: float) -> tuple[np.ndarray, np.ndarray]:
     ftar = records[records["op"] == Op.FTAR]
     enters = np.flatnonzero(ftar["ev"] == Ev.ENTER)
     if enters.size:
-        _current(s, ftar[enters[-1]:])
+        _current(s, ftar[enters[-1]:], now)
         done = [ftar[a:b] for a, b in zip(enters, list(enters[1:]) + [len(ftar)])]
         done = [op for op in done if (op["ev"] == Ev.DONE).any()][-HIST_LEN:]
         for row, op in zip(h[HIST_LEN - len(done):], done):
@@ -67,27 +72,49 @@ def summarize(records: np.ndarray, now: float) -> tuple[np.ndarray, np.ndarray]:
     return s, h
 
 
-def _current(s: np.ndarray, op: np.ndarray) -> None:
+def _current(s: np.ndarray, op: np.ndarray, now: float) -> None:
     enter, ev = op[0], op["ev"]
     s["f_qid"], s["f_cid"], s["f_step"] = enter["qid"], enter["cid"], enter["step"]
     s["f_ring"], s["f_index"], s["f_total"] = enter["aux"], enter["peer"], enter["seq"]
-    s["f_enter"], s["f_last"] = enter["t"], op["t"].max()
-    steps, last_hop = ev == Ev.STEP, 2 * int(enter["aux"]) - 2
-    hops = op["aux"][steps]
-    s["f_steps"], s["f_used"], s["f_recvd"] = int(steps.sum()), int((hops > 0).sum()), int((ev == Ev.RECV).sum())
-    s["f_sends"] = int((hops < last_hop).sum())
-    s["f_sent"] = int((ev == Ev.SEND).sum())
+    s["f_enter"], s["f_last"] = enter["t"], op["t"][ev != Ev.MODEL_END].max()
     fail = np.flatnonzero(ev == Ev.FAIL)
     if fail.size:
         s["f_state"], s["f_fail_peer"] = FAILED, op["peer"][fail[0]]
     else:
         s["f_state"] = DONE if (ev == Ev.DONE).any() else RUNNING
+    model, end = np.flatnonzero(ev == Ev.MODEL), np.flatnonzero(ev == Ev.MODEL_END)
+    if model.size and end.size:
+        _modeled(s, op[model[0]], float(op["t"][end[0]]), now)
+        return
+    steps, last_hop = ev == Ev.STEP, 2 * int(enter["aux"]) - 2
+    hops = op["aux"][steps]
+    s["f_steps"], s["f_used"], s["f_recvd"] = int(steps.sum()), int((hops > 0).sum()), int((ev == Ev.RECV).sum())
+    s["f_sends"] = int((hops < last_hop).sum())
+    s["f_sent"] = int((ev == Ev.SEND).sum())
+
+
+def _modeled(s: np.ndarray, model: np.void, end: float, now: float) -> None:
+    """Progress of a modeled all-reduce: the fraction of [start, end] passed at `now` (running), at its end
+    (done) or where it failed. Every send step also receives (hop > 0) except the C hop-0 steps, and the
+    schedule's sends are its (2N - 2) C hops before the last: so received = used = sent = sends so far."""
+    start, state = float(model["t"]), int(s["f_state"][0])
+    at = min(now, end) if state == RUNNING else end if state == DONE else min(float(s["f_last"][0]), end)
+    frac = 1.0 if end <= start else min(max((at - start) / (end - start), 0.0), 1.0)
+    total, sends = int(model["seq"]), int(model["aux"])
+    done_sends = int(frac * sends)
+    s["f_steps"] = int(frac * total)
+    s["f_used"] = s["f_recvd"] = s["f_sends"] = s["f_sent"] = done_sends
+    s["f_last"] = max(float(s["f_last"][0]), at)
 
 
 def _history(row: np.void, op: np.ndarray) -> None:
     ev = op["ev"]
     row["qid"], row["cid"], row["step"], row["enter"] = op[0]["qid"], op[0]["cid"], op[0]["step"], op[0]["t"]
     row["done"] = op["t"][ev == Ev.DONE][0]
+    model, end = op[ev == Ev.MODEL], op[ev == Ev.MODEL_END]
+    if model.size and end.size:
+        row["busy"], row["sent_bytes"] = float(w48(end[:1])[0]) / 1e9, float(w48(model[:1])[0])
+        return
     produced = op["t"][(ev == Ev.STEP) & (op["aux"] < 2 * int(op[0]["aux"]) - 2)]
     sent = op["t"][ev == Ev.SEND]
     n = min(len(produced), len(sent))

@@ -14,6 +14,10 @@ when the rank knows it, else -1), `seq` (the chunk step within the all-reduce), 
 tree rank of the other side, -1 if none), `nbytes`, `aux` (see `Ev`), `part` (FTAR partition), `op`
 (Op) and `ev` (Ev).
 
+An all-reduce the emulator models instead of running it chunk by chunk (analytic rings) records ENTER,
+then its totals (MODEL and MODEL_END: start and end, chunk steps, sends, bytes and send busy time), then
+DONE or FAIL: two records where a chunk run writes thousands.
+
 `summarize(records, now)` is the pure reduction shipped to the collector: one `SUMMARY` row (the
 rank's current collectives) and `HIST_LEN` `HIST` rows (per completed all-reduce: enter and done time,
 send busy time and bytes), so the analysis at 98,304 ranks reads kilobytes, not the whole buffers.
@@ -43,6 +47,19 @@ class Ev(IntEnum):
     SEND = 4  # a chunk went out to `peer` (FTAR) / our value went up to the parent (tree)
     DONE = 5  # the collective completed on this rank
     FAIL = 6  # it failed here; `peer` is the side that failed when known
+    # A modeled all-reduce (the emulator's analytic rings) records its totals instead of per-chunk records,
+    # two records written once the ring's members have all arrived (see Recorder.ftar_model):
+    MODEL = 7  # t = modeled start; seq = chunk steps, aux = sends, peer = previous ring index, bytes sent = W48
+    MODEL_END = 8  # t = modeled end (a future time when written); send busy time in ns = W48
+
+
+# W48: a 48-bit count in a record, nbytes (u4) holding the low 32 bits and part (u2) the high 16
+W48_MAX = (1 << 48) - 1
+
+
+def w48(rows: np.ndarray) -> np.ndarray:
+    """The W48 value of records (see Ev.MODEL), as int64."""
+    return rows["nbytes"].astype(np.int64) | (rows["part"].astype(np.int64) << 32)
 
 
 RECORD = np.dtype([("t", "<f8"), ("qid", "<i4"), ("cid", "<i4"), ("step", "<i4"), ("seq", "<i4"),
@@ -112,6 +129,23 @@ class Recorder:
         self.written = i + 1
         _PACK.pack_into(self._buf, (i % self.capacity) * 40, self._now(), self._ftar[0], self._ftar[1], self.step,
                         0, peer, nbytes, 0, 0, _FTAR, _SEND)
+
+    def ftar_model(self, start: float, end: float, num_steps: int, sends: int, sent_bytes: int,
+                   busy_s: float) -> None:
+        """The current all-reduce is modeled (not run chunk by chunk): it runs from `start` to `end` with
+        `num_steps` chunk steps, `sends` of them sending, `sent_bytes` in all, and its sends spend `busy_s`
+        on the wire. summarize interpolates its progress between start and end."""
+        if not (0 <= sent_bytes <= W48_MAX and 0 <= busy_s * 1e9 <= W48_MAX and end >= start):
+            raise ValueError(f"ftar_model: need 0 <= sent_bytes, busy_s in 48 bits and end >= start, got "
+                             f"{sent_bytes}, {busy_s}, {start}..{end}")
+        epoch, cid = self._ftar
+        busy_ns = int(round(busy_s * 1e9))
+        for t, seq, nbytes, aux, peer, ev in ((start, num_steps, sent_bytes, sends, self._prev, Ev.MODEL),
+                                              (end, 0, busy_ns, 0, -1, Ev.MODEL_END)):
+            i = self.written
+            self.written = i + 1
+            _PACK.pack_into(self._buf, (i % self.capacity) * 40, t, epoch, cid, self.step, seq, peer,
+                            nbytes & 0xFFFFFFFF, aux, nbytes >> 32, Op.FTAR, ev)
 
     def ftar_end(self, ok: bool, peer: int = -1) -> None:
         self._put(self._ftar[0], self._ftar[1], 0, peer, 0, 0, 0, Op.FTAR, Ev.DONE if ok else Ev.FAIL)

@@ -32,6 +32,7 @@ from typing import Callable
 
 import torch
 
+from ftrun.catchup.config import CatchupConfig
 from ftrun.catchup.server import Fault
 from ftrun.checkpoint.policy import CheckpointConfig
 from ftrun.config import FtarConfig, Timeouts
@@ -174,7 +175,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints; 0: none")
     p.add_argument("--ftar-timeout", type=float, default=10.0)
     p.add_argument("--chunk-bytes", type=int, default=2048, help="FTAR chunk size S")
-    p.add_argument("--shard-bytes", type=int, default=8192, help="catch-up shard size")
+    p.add_argument("--max-shard-bytes", type=int, default=8192, help="catch-up shard size (CatchupConfig.max_shard_bytes)")
     p.add_argument("--log-level", default="WARNING")
     p.add_argument("--overlap-bucket-bytes", type=int, default=None,
                    help="exchange gradients in buckets of this size during backward (default: after backward)")
@@ -194,7 +195,7 @@ def config_from(args: argparse.Namespace) -> FTConfig:
     return FTConfig(batch_size=args.batch_size, seed=args.seed,
                     checkpoint=CheckpointConfig(every_steps=every) if every > 0 else None,
                     timeouts=Timeouts(ftar_timeout_s=args.ftar_timeout),
-                    ftar=FtarConfig(chunk_bytes=args.chunk_bytes, num_chunks=2), catchup_shard_bytes=args.shard_bytes,
+                    ftar=FtarConfig(chunk_bytes=args.chunk_bytes, num_chunks=2), catchup=CatchupConfig(max_shard_bytes=args.max_shard_bytes),
                     log_level=args.log_level, overlap_bucket_bytes=args.overlap_bucket_bytes)
 
 

@@ -10,7 +10,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from ftrun.catchup.config import ALIGN
+from ftrun.catchup.config import CatchupConfig
 from ftrun.checkpoint.policy import CheckpointConfig
 from ftrun.config import FtarConfig, Timeouts
 from ftrun.env.base import Env
@@ -29,9 +29,9 @@ class FTConfig:
     loader_state files (default: the launcher's, else a temp folder).
     ftar: the FTAR engine's config (ftrun.config.FtarConfig: chunk_bytes S, num_chunks C, transport); its
     timeout_s is timeouts.ftar_timeout_s (set it there: a different ftar.timeout_s raises).
-    catchup_shard_bytes: catch-up transfer unit (a multiple of 64; anything else raises).
-    catchup_wait_limit_s: how long healthy replicas wait in a step's FTAR for a joiner still fetching
-    before they retry the step with it one step later (paper §6.1; None: timeouts.ftar_timeout_s).
+    catchup: the catch-up server's and client's config (ftrun.catchup.config.CatchupConfig: max_shard_bytes,
+    max_source_failures, wait_limit_s (paper §6.1; None: timeouts.ftar_timeout_s)); its timeouts are
+    `timeouts` (a different catchup.timeouts raises) and its bind/advertise_host the launcher's network.
     reshard_after_forward: FSDP2's (False trades memory for one all-gather less per step).
     num_threads: torch intra-op threads per rank (None: torch's default). events: JSON lines on stdout.
     overlap_bucket_bytes: exchange gradients in buckets of about this many bytes during backward
@@ -45,8 +45,7 @@ class FTConfig:
     timeouts: Timeouts = field(default_factory=Timeouts)
     max_retries: int = 10
     ftar: FtarConfig = field(default_factory=lambda: FtarConfig(chunk_bytes=256 << 10, num_chunks=2))
-    catchup_shard_bytes: int = 8 << 20
-    catchup_wait_limit_s: float | None = None
+    catchup: CatchupConfig = field(default_factory=CatchupConfig)
     reshard_after_forward: bool = True
     num_threads: int | None = 1
     events: bool = True
@@ -54,12 +53,8 @@ class FTConfig:
     overlap_bucket_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("batch_size", "catchup_shard_bytes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"FTConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.catchup_shard_bytes % ALIGN:
-            raise ValueError(f"FTConfig.catchup_shard_bytes must be a multiple of {ALIGN}, "
-                             f"got {self.catchup_shard_bytes}")
+        if self.batch_size < 1:
+            raise ValueError(f"FTConfig.batch_size must be >= 1, got {self.batch_size}")
         if self.ftar.timeout_s != self.timeouts.ftar_timeout_s:
             if self.ftar.timeout_s != FtarConfig.timeout_s:
                 raise ValueError(f"FTConfig.ftar.timeout_s ({self.ftar.timeout_s}) differs from "
@@ -69,13 +64,26 @@ class FTConfig:
             raise ValueError(f"FTConfig.seed and max_retries must be >= 0, got {self.seed}, {self.max_retries}")
         if self.checkpoint is not None and not isinstance(self.checkpoint, CheckpointConfig):
             raise ValueError(f"FTConfig.checkpoint must be a CheckpointConfig or None, got {self.checkpoint!r}")
-        if self.catchup_wait_limit_s is not None and self.catchup_wait_limit_s < 0:
-            raise ValueError(f"FTConfig.catchup_wait_limit_s must be >= 0 or None, got {self.catchup_wait_limit_s}")
+        self._nest_catchup()
         b = self.overlap_bucket_bytes
         if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
             raise ValueError(f"FTConfig.overlap_bucket_bytes must be an int >= 1 or None, got {b!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"FTConfig.num_threads must be >= 1 or None, got {self.num_threads}")
+
+    def _nest_catchup(self) -> None:
+        """catchup as the job runs it: with the job's timeouts; where it listens is the launcher's to say."""
+        c = self.catchup
+        if not isinstance(c, CatchupConfig):
+            raise ValueError(f"FTConfig.catchup must be a CatchupConfig, got {c!r}")
+        defaults = CatchupConfig()
+        if (c.bind, c.advertise_host) != (defaults.bind, defaults.advertise_host):
+            raise ValueError(f"FTConfig.catchup.bind/advertise_host ({c.bind!r}, {c.advertise_host!r}) are set by "
+                             f"the launcher's network (FTRUN_BIND_HOST / FTRUN_ADVERTISE_HOST): leave them unset")
+        if c.timeouts != self.timeouts:
+            if c.timeouts != defaults.timeouts:
+                raise ValueError("FTConfig.catchup.timeouts differs from FTConfig.timeouts: set them in timeouts")
+            object.__setattr__(self, "catchup", replace(c, timeouts=self.timeouts))
 
 
 @dataclass(frozen=True, kw_only=True)

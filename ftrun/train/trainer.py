@@ -334,7 +334,7 @@ class FaultTolerantTrainer:
         """The FTAR mean into .grad; a failure is a 'no' vote. In a step with a joiner, a healthy rank
         waits for it at most the wait limit (ftrun.catchup.wait) and reports how the wait ended.
         overlapped: the exchange started during backward (`_start_overlap`); only its last buckets are left."""
-        limit = self.config.catchup.wait_limit_s
+        limit = self.config.catchup.wait_limit
         setup_timeout = exchange_wait_s(num_behind=len(q.behind), healed=q.healed, wait_limit_s=limit)  # None
         # when overlapped: an overlapped step has nobody behind (ftrun.train.overlap.may_overlap)
         try:

@@ -7,12 +7,12 @@ Kept apart from ftrun.train.api so the API module stays the user's page. Threadi
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from ftrun.catchup.config import CatchupConfig
 from ftrun.catchup.http_transport import HttpCatchup
 from ftrun.checkpoint.manifest import checkpoint_key
 from ftrun.checkpoint.policy import CheckpointConfig
@@ -86,9 +86,7 @@ def _build(*, job: RankJob, model: torch.nn.Module, optimizer: torch.optim.Optim
     closers: list[Callable] = []
     lighthouse = None
     try:
-        wait_limit = cfg.timeouts.ftar_timeout_s if cfg.catchup_wait_limit_s is None else cfg.catchup_wait_limit_s
-        catchup = CatchupConfig(max_shard_bytes=cfg.catchup_shard_bytes, wait_limit_s=wait_limit,
-                                timeouts=cfg.timeouts, bind=spec.net.bind(), advertise_host=spec.net.advertised)
+        catchup = replace(cfg.catchup, bind=spec.net.bind(), advertise_host=spec.net.advertised)
         server = HttpCatchup(env=env, token=spec.token, config=catchup, fault=hooks.catchup_fault)
         closers.append(server.stop)
         engine = FtarEngine(env=env, kernels=kernels, token=spec.token, config=cfg.ftar, bind=spec.net.bind(),

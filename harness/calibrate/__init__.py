@@ -14,7 +14,7 @@ Writes --out: the --profile (default ci-small) with the measured keys set (harne
 says which figure sets which key) and a [calibration] table where every value says how and when it was
 measured. `ftrun emulate --profile`-style loading (`ftrun emulate OUT.toml`) reads it back; the emulator
 charges the new keys (ftar.kernel_reduce_gb_s / kernel_copy_gb_s, train.catchup_fetch_extra_s,
-scheduler.crash_detect_s, network.crash_fin_delay_s, checkpoint.local_write_latency_s). `--quick` takes
+scheduler.crash_detect_s, network.crash_fin_delay_s, storage.local_write_latency_s). `--quick` takes
 fewer samples, serves the catch-up from an idle in-process server and starts children without torch
 (for tests: ~15 s of CPU).
 """

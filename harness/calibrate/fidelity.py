@@ -4,10 +4,11 @@ calibrated profile, same layout, steps, kill and restart delay), the same figure
 side by side with emulated/real.
 
 Faults, the same in both: replica r1 is SIGKILLed --kills times, F x a step into its step once the job has
-committed --kill-step, --kill-step + --kill-every, ... steps (`--inject kill replica=1 step=S at=F` in both
-worlds), its state fetches are served --slow-fetch-delay slower, and it restarts after --restart-delay (real
-`--restart-delay`; emulated scheduler.alloc_delay_warm_s). One kill is as noisy as the machine's load: the
-per-fault figures are medians over the kills, and `--json` gives each one's spread over them (`spread`).
+committed --kill-step, --kill-step + --kill-step-interval, ... steps (`--inject kill replica=1 step=S at=F` in
+both worlds, F = --kill-at-fraction), its state fetches are served --slow-fetch-delay slower, and it restarts
+after --restart-delay (real `--restart-delay`; emulated scheduler.alloc_delay_warm_s). One kill is as noisy
+as the machine's load: the per-fault figures are medians over the kills, and `--json` gives each one's spread
+over them (`spread`).
 
 Figures (`metrics`, pure, over either event stream: leader/rank-0 events with replica_id, incarnation, t):
 - step_s: median time between consecutive commits of one replica incarnation;
@@ -40,7 +41,7 @@ from typing import Any, Iterable
 from ftrun.cli import UsageError, emit_json
 
 # The real worker's data-plane settings, passed to it explicitly and given to the emulator as the same keys
-# (ftrun.train.ft_worker --chunk-bytes / --shard-bytes; FTConfig.ftar, ftrun.config.FtarConfig; ftrun.config.Timeouts).
+# (ftrun.train.ft_worker --chunk-bytes / --max-shard-bytes; FTConfig.ftar, ftrun.config.FtarConfig; ftrun.config.Timeouts).
 CHUNK_BYTES, SHARD_BYTES, NUM_CHUNKS = 2048, 8192, 2
 REAL_TIMEOUTS = {"heartbeat_interval_s": 0.1, "heartbeat_timeout_s": 2.0, "commit_timeout_s": 2.0,
                  "ftar_timeout_s": 2.0, "quorum_timeout_s": 30.0, "catchup_timeout_s": 60.0, "join_timeout_s": 0.5,
@@ -206,12 +207,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=175)
     p.add_argument("--kill-step", type=int, default=15, help="kill replica r1 once the job committed this step")
     p.add_argument("--kills", type=int, default=4,
-                   help="kill r1 this many times, --kill-every steps apart; the per-fault figures are medians over "
-                        "them (default %(default)s)")
-    p.add_argument("--kill-every", type=int, default=40, metavar="STEPS",
-                   help="steps between one kill and the next (default %(default)s)")
-    p.add_argument("--kill-at", type=float, default=0.5, metavar="F",
-                   help="the kill comes F x a step's compute after r1's commit of --kill-step (default %(default)s)")
+                   help="kill r1 this many times, --kill-step-interval steps apart; the per-fault figures are "
+                        "medians over them (default %(default)s)")
+    # Steps and a fraction of a step, as in the fault grammar's step=S at=F: not `ftrun launch`'s --kill-every
+    # (a duration between random kills) or --kill-at (step=N[,replica=ID]), which these flags used to shadow.
+    p.add_argument("--kill-step-interval", type=int, default=40, metavar="STEPS",
+                   help="steps between one kill's step=S and the next's (default %(default)s)")
+    p.add_argument("--kill-at-fraction", type=float, default=0.5, metavar="F",
+                   help="each kill's at=F: F x a step's compute after r1's commit of step S (default %(default)s)")
     p.add_argument("--slow-fetch-delay", type=float, default=0.2, metavar="SECONDS",
                    help="r1's state fetches are served this much slower (0: no slow fetch) (default %(default)s)")
     p.add_argument("--restart-delay", type=float, default=0.5, help="seconds before the killed replica restarts")
@@ -236,7 +239,7 @@ def _real(args: argparse.Namespace, out: str) -> tuple[dict, list[dict]]:
            str(args.ranks_per_replica), "--steps", str(args.steps), "--min-replicas", "1",
            "--restart-delay", f"{args.restart_delay}s", *(x for spec in fault_specs(args) for x in ("--inject", spec)),
            "--out", out, "--no-progress", "--json", "-m", "ftrun.train.ft_worker",
-           "--chunk-bytes", str(CHUNK_BYTES), "--shard-bytes", str(SHARD_BYTES)]
+           "--chunk-bytes", str(CHUNK_BYTES), "--max-shard-bytes", str(SHARD_BYTES)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     try:
         figures = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -249,13 +252,13 @@ def _real(args: argparse.Namespace, out: str) -> tuple[dict, list[dict]]:
 
 
 def kill_steps(args: argparse.Namespace) -> list[int]:
-    """The steps at which r1 is killed: --kills of them from --kill-step, --kill-every apart. Pure."""
-    return [args.kill_step + i * args.kill_every for i in range(args.kills)]
+    """The steps at which r1 is killed: --kills of them from --kill-step, --kill-step-interval apart. Pure."""
+    return [args.kill_step + i * args.kill_step_interval for i in range(args.kills)]
 
 
 def fault_specs(args: argparse.Namespace) -> list[str]:
     """The faults of both runs, in the one fault grammar (`ftrun launch --inject` / `ftrun emulate --inject`)."""
-    out = [f"kill replica=1 step={step} at={args.kill_at:g}" for step in kill_steps(args)]
+    out = [f"kill replica=1 step={step} at={args.kill_at_fraction:g}" for step in kill_steps(args)]
     if args.slow_fetch_delay > 0:
         out.append(f"slow fetch replica=1 delay={args.slow_fetch_delay:g}")
     return out
@@ -269,7 +272,7 @@ def emulated_overrides(args: argparse.Namespace, num_params: int) -> list[str]:
              f"train.steps={args.steps}", "train.min_replicas=1", "failures.mode=none",
              f"scheduler.alloc_delay_warm_s={args.restart_delay}",
              f"ftar.engine.chunk_bytes={CHUNK_BYTES}", f"ftar.engine.num_chunks={NUM_CHUNKS}",
-             "checkpoint.every_steps=0",  # the real worker runs without --checkpoint-every
+             "checkpoint=none",  # the real worker runs without --checkpoint-every
              f"emulation.cpu_charging={'true' if args.cpu_charging == 'on' else 'false'}"]
             + [f"timeouts.{key}={value}" for key, value in REAL_TIMEOUTS.items()] + toy_model_overrides(num_params))
 
@@ -283,7 +286,7 @@ def _toy_params() -> int:
 # The keys `ftrun calibrate SCRIPT` sets from the script's own runs: what the load on a shared machine moves
 # most between a calibration and the real run (re-measured just before it, with --profile and --restep).
 SCRIPT_KEYS = ("train.step_compute_s", "train.step_bookkeeping_s", "ftar.sync_overhead_s", "scheduler.process_start_s",
-               "checkpoint.local_write_latency_s", "network.crash_fin_delay_s")
+               "storage.local_write_latency_s", "network.crash_fin_delay_s")
 
 
 def restep_values(profile_path: str, ranks: int, steps: int = 30) -> dict[str, float]:
@@ -298,7 +301,7 @@ def restep_values(profile_path: str, ranks: int, steps: int = 30) -> dict[str, f
     measured = {v.key.removeprefix("measured."): v for v in (p.calibration.values if p.calibration else ())}
     figures = {f.name: f for f in _script_step("ftrun.train.ft_worker", steps, True, ranks)}
     figures["storage_write_s"] = storage_write(reps=20)  # the loader_state write, as loaded as the steps now
-    for name, key in (("storage_append_s", "checkpoint.local_append_latency_s"),
+    for name, key in (("storage_append_s", "storage.local_append_latency_s"),
                       ("tcp_one_way_us", "network.base_latency_us"), ("cpu_cores_effective", "train.shared_cpu_cores")):
         v = measured.get(key) or measured.get(name)
         if v is not None:
@@ -332,13 +335,13 @@ def run(args: argparse.Namespace) -> int:
     if args.replicas < 2 or args.ranks_per_replica < 1:
         raise UsageError(f"--replicas must be >= 2 and --ranks-per-replica >= 1, got {args.replicas}, "
                          f"{args.ranks_per_replica}")
-    if args.kills < 1 or args.kill_every < 1:
-        raise UsageError(f"--kills and --kill-every must be >= 1, got {args.kills}, {args.kill_every}")
+    if args.kills < 1 or args.kill_step_interval < 1:
+        raise UsageError(f"--kills and --kill-step-interval must be >= 1, got {args.kills}, {args.kill_step_interval}")
     if not 1 <= args.kill_step or kill_steps(args)[-1] >= args.steps:
-        raise UsageError(f"every kill step ({kill_steps(args)}: --kill-step + i x --kill-every) must be in "
+        raise UsageError(f"every kill step ({kill_steps(args)}: --kill-step + i x --kill-step-interval) must be in "
                          f"1..--steps-1 ({args.steps - 1})")
-    if not 0 <= args.kill_at < 1:
-        raise UsageError(f"--kill-at must be in [0, 1), got {args.kill_at}")
+    if not 0 <= args.kill_at_fraction < 1:
+        raise UsageError(f"--kill-at-fraction must be in [0, 1), got {args.kill_at_fraction}")
     if args.slow_fetch_delay < 0:
         raise UsageError(f"--slow-fetch-delay must be >= 0, got {args.slow_fetch_delay}")
     if args.restart_delay < 0:

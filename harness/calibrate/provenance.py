@@ -58,7 +58,7 @@ def profile_keys(figures: Mapping[str, Figure]) -> dict[str, tuple[float, str, s
                                             f"({d.value:.6g} s) minus one one-way latency ({lat.value:.3g} us)", d.samples)
     else:
         direct("network.crash_fin_delay_s", "peer_reset_s")
-    direct("checkpoint.local_write_latency_s", "storage_write_s")
+    direct("storage.local_write_latency_s", "storage_write_s")
     direct("train.shared_cpu_cores", "cpu_cores_effective",
            note=" (the rank processes of an `ftrun launch` job on this machine share them)")
     if "script_start_s" in figures:  # the script's own start, where a script was timed
@@ -73,7 +73,7 @@ def profile_keys(figures: Mapping[str, Figure]) -> dict[str, tuple[float, str, s
             f"measured.catchup_per_fetch_s ({fetch.value:.6g} s) minus the {CATCHUP_MODELED_ROUND_TRIPS} round trips "
             f"the emulated fetch already pays on the modeled network (2 x 2 x {lat.value:.3g} us), floored at 0",
             fetch.samples)
-    direct("checkpoint.local_append_latency_s", "storage_append_s")
+    direct("storage.local_append_latency_s", "storage_append_s")
     direct("ftar.sync_overhead_s", "ftar_sync_overhead_s")
     # the 2-replica run's, where timed: the runs the emulator stands in for have 2 or more replicas
     after = figures.get("script_commit_to_quorum_2_replicas_s") or figures.get("script_commit_to_quorum_s")

@@ -278,7 +278,7 @@ class EmuConnection:
     which halves the event traffic of fan-in patterns. The peer's FIN is the time `_fin_at`.
     """
 
-    __slots__ = ("_fab", "_host", "_peer", "_route", "local_addr", "peer_addr", "_inbox", "_rx",
+    __slots__ = ("_fab", "_host", "_peer", "_route", "local_addr", "peer_addr", "_inbox", "_rx", "_watch",
                  "_closed", "_fin_at", "_last_arrival", "owner", "__weakref__")
 
     def __init__(self, fab: Fabric, host: NetHost, local_addr: str, peer_addr: str) -> None:
@@ -288,6 +288,7 @@ class EmuConnection:
         self.local_addr, self.peer_addr = local_addr, peer_addr
         self._inbox: list = []
         self._rx: list = []  # the receiver blocked on this end, if any
+        self._watch: list = []  # tasks blocked in wait_closed (they read nothing)
         self._closed = False
         self._fin_at = _NEVER
         self._last_arrival = 0.0
@@ -401,6 +402,25 @@ class EmuConnection:
             now = sched.now  # just resumed: the slice has barely begun; look again
 
     # -- closing -----------------------------------------------------------------------------------
+    def wait_closed(self, timeout: float | None = None) -> None:
+        """Block until this end is closed (locally, or by a kill) or the peer's FIN has arrived, without
+        reading a frame: frames stay for recv / recv_into, so a watcher may sit beside a reader. Raises
+        PeerClosed saying which side closed; NetTimeout after `timeout` seconds with both sides open."""
+        sched = self._fab.sched
+        now = sched.vnow()
+        deadline = _NEVER if timeout is None else now + timeout
+        while True:
+            if self._closed:
+                raise PeerClosed(f"connection to {self.peer_addr} closed locally")
+            if self._fin_at <= now:
+                raise PeerClosed(f"peer {self.peer_addr} closed the connection")
+            if deadline <= now:
+                raise NetTimeout(f"connection to {self.peer_addr} still open after {timeout}s")
+            if self._fin_at < deadline:
+                sched.call_at(self._fin_at, _wake_watch, self)
+            sched.wait(self._watch, None if deadline == _NEVER else deadline - now, self, deadline)
+            now = sched.now
+
     def close(self) -> None:
         self._shutdown(send_fin=True)
 
@@ -411,7 +431,8 @@ class EmuConnection:
         self._inbox.clear()
         self._host.conns.pop(self, None)
         sched = self._fab.sched
-        waiters, self._rx = self._rx, []
+        waiters, self._rx = self._rx + self._watch, []
+        self._watch = []
         for task, token in waiters:
             sched.wake(task, token, None)
         peer = self._peer
@@ -422,6 +443,8 @@ class EmuConnection:
                 peer._fin_at = fin_at
                 if peer._rx and not peer._inbox:
                     sched.call_at(fin_at, _wake_rx, peer)
+                if peer._watch:
+                    sched.call_at(fin_at, _wake_watch, peer)
 
     @property
     def closed(self) -> bool:
@@ -435,3 +458,10 @@ def _wake_rx(conn: EmuConnection, _unused: Any = None) -> None:
     """A frame or FIN reached a blocked receiver (possibly a stale wake: the receiver re-checks)."""
     if conn._rx:
         conn._fab.sched.wake_first(conn._rx, None)
+
+
+def _wake_watch(conn: EmuConnection, _unused: Any = None) -> None:
+    """A FIN reached the tasks in wait_closed (possibly a stale wake: each re-checks)."""
+    waiters, conn._watch = conn._watch, []
+    for task, token in waiters:
+        conn._fab.sched.wake(task, token, None)

@@ -61,6 +61,15 @@ def timeouts_of(profile: Profile) -> Timeouts:
     return profile.timeouts
 
 
+def catchup_config_of(profile: Profile, state_bytes_per_rank: int) -> CatchupConfig:
+    """The job's catch-up config: the profile's [catchup] (the runtime's CatchupConfig) with the job's timeouts;
+    without one, a rank's state in about 8 shards, as the fetch plan spreads them (wait limit: the FTAR timeout)."""
+    if profile.catchup is not None:
+        return replace(profile.catchup, timeouts=timeouts_of(profile))
+    return CatchupConfig(max_shard_bytes=max(64, align_up(ceil_div(state_bytes_per_rank, 8))),
+                         timeouts=timeouts_of(profile))
+
+
 class Incarnation:
     """One start of one replica: its hosts, Envs, wiring, and how many of its ranks are still running."""
 
@@ -130,15 +139,13 @@ class EmulatedJob(JobFolding):
                                       seed=options.seed)
         env = self.world.host_env(SUPERVISOR_HOST)  # the stores' calls wait on whichever task makes them
         self.storage = MockObjectStore.local_disk(env)  # loader_state and audit logs: files next to the job
-        self.storage.write_latency_s = profile.checkpoint.local_write_latency_s
-        self.storage.append_latency_s = profile.checkpoint.local_append_latency_s
+        self.storage.write_latency_s = profile.storage.local_write_latency_s
+        self.storage.append_latency_s = profile.storage.local_append_latency_s
         self.checkpoint_storage = MockObjectStore.remote(env)  # persistent checkpoints: an object store
         self.ftar_config = replace(profile.ftar.engine, timeout_s=self.timeouts.ftar_timeout_s, transport="socket")
         self.mirror_timeout_s = 10 * (self.timeouts.ftar_timeout_s + self.timeouts.catchup_timeout_s
                                       + profile.train.step_compute_s + profile.train.first_step_extra_s)
-        self.catchup_config = CatchupConfig(  # a rank's state in about 8 shards, as the fetch plan spreads them
-            max_shard_bytes=max(64, align_up(ceil_div(self.state_bytes_per_rank, 8))),
-            wait_limit_s=self.timeouts.ftar_timeout_s, timeouts=self.timeouts)
+        self.catchup_config = catchup_config_of(profile, self.state_bytes_per_rank)
         self.finished = False
         self.max_step = 0
         self.lighthouse_addr = ""

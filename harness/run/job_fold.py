@@ -4,13 +4,13 @@ all-reduces are modeled per ring (harness.run.ring_model)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 from ftrun.env.wire import HEADER_SIZE
 from harness.engine.net import parse_addr
 from harness.run.fold import represented_ranks, tree_depth_latency
 from harness.run.options import ANALYTIC_RINGS_ABOVE, FOLD_RANKS_ABOVE
-from harness.run.ring_model import StepSummary, ring_seconds
+from harness.run.ring_model import Cost, rank_cost, ring_seconds
 
 
 class JobFolding:
@@ -73,22 +73,27 @@ class JobFolding:
             return o.ftar_model == "analytic"
         return self.profile.num_ranks > ANALYTIC_RINGS_ABOVE and not o.needs_chunk_rings
 
-    def ring_cost(self, host: str) -> Callable[[StepSummary, str], float]:
-        """cost(step summary, next rank's FTAR address): modeled seconds of one all-reduce of a rank on `host`
-        (ring_model.ring_seconds over the route to the next rank, its NIC shared by the host's rings)."""
+    def ring_cost(self, host: str) -> Cost:
+        """cost(step summary, next rank's FTAR address): the RankCost of one all-reduce of a rank on `host`
+        (ring_model.ring_seconds over the route to the next rank, its NIC shared by the host's rings, and what
+        its send busy time needs; the route's rate is a slowed link's, Fabric.slow_link, while it lasts)."""
         fab, net, kernels = self.world.fabric, self.world.fabric.model.config, self.kernels()
         share = min(self.profile.topology.gpus_per_host, self.profile.ranks_per_replica)
         kernel_s = lambda nbytes: kernels.launch_s + nbytes / kernels.reduce_bw  # noqa: E731
         cache = self._ring_costs
 
-        def cost(summary: StepSummary, next_addr: str) -> float:
+        overhead = net.frame_overhead_bytes + HEADER_SIZE
+
+        def cost(summary, next_addr: str):
             peer = parse_addr(next_addr)[0] or host
             route = fab.route(fab.net_host(host), fab.net_host(peer))
             key = (summary, route.hop, route.host_rate, route.up is not None)
             if key not in cache:
                 rate = route.host_rate / share / (net.cross_zone_oversubscription if route.up is not None else 1.0)
-                cache[key] = ring_seconds(summary, rate=rate, latency=route.latency, kernel_s=kernel_s,
-                                          overhead_bytes=net.frame_overhead_bytes + HEADER_SIZE)
+                seconds = ring_seconds(summary, rate=rate, latency=route.latency, kernel_s=kernel_s,
+                                       overhead_bytes=overhead)
+                cache[key] = rank_cost(summary, seconds=seconds, nic_rate=route.host_rate, share=share,
+                                       sndbuf_s=route.sndbuf_s, overhead_bytes=overhead)
             return cache[key]
         return cost
 
@@ -100,6 +105,7 @@ class JobFolding:
         return {"ftar_rings_run_per_replica": self._num_leads or n, "ranks_run_per_replica": run,
                 "ftar_model": "analytic" if self.ring_board is not None else "chunks",
                 "analytic_all_reduces": self.ring_board.num_rings if self.ring_board is not None else 0,
+                "chunked_all_reduces": self.ring_board.num_chunked if self.ring_board is not None else 0,
                 "ranks_mirrored_per_replica": n - run,
                 "folding": (f"each replica runs {run} of its {n} ranks ({leads} and "
                             f"every fault target); the other {n - run} mirror a lead's quorum, vote, FTAR and catch-up"

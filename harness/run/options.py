@@ -79,7 +79,8 @@ class JobOptions:
     ftar_model: "chunks" runs each all-reduce's schedule chunk by chunk; "analytic" models each ring's all-reduce
         as one timed wait per rank (harness.run.ring_model: crashes and aborts still end it); "auto": analytic
         above ANALYTIC_RINGS_ABOVE ranks. Analytic needs a job without faults that stall a ring silently
-        (a silent host, a hang, a building cut, a slow link) and without diagnose (per-chunk telemetry).
+        (a silent host, a hang, a building cut, a slow link) and without diagnose, unless chunks_at_faults
+        (see needs_chunk_rings).
     wiring: "connect" builds each replica's tree through the runtime's TreeComm.build (listen /
         connect / accept on the emulated network); "prewired" hands every rank its connections
         directly (the same collectives, without the connection setup) for very large replicas.
@@ -98,13 +99,18 @@ class JobOptions:
     trace: bool = True
     diagnose: bool = False  # root-cause telemetry on every rank and a collector (harness.run.diagnosis)
     diagnose_interval_s: float | None = None  # with diagnose: run the monitor every this many seconds
+    # with diagnose: the driver that injects faults (the diagnose bench) names the ring positions around each
+    # fault that must run chunk by chunk (RingBoard.chunk_positions), so the other rings may be analytic
+    chunks_at_faults: bool = False
     script: Any = None  # a training script's model (mocks.script.ScriptModel): its shapes replace the profile's [model]
 
     @property
     def needs_chunk_rings(self) -> bool:
-        """Whether all-reduces must run chunk by chunk: diagnose reads per-chunk telemetry, and a fault
-        that stalls a ring without closing it (RING_STALLS) needs the chunks a peer waits on."""
-        return self.diagnose or any(isinstance(f, RING_STALLS) for f in self.faults)
+        """Whether every all-reduce must run chunk by chunk: a fault that stalls a ring without closing it
+        (RING_STALLS) needs the chunks a peer waits on; so does diagnose, unless its driver runs the rings
+        around each fault it injects chunk by chunk (chunks_at_faults): analytic rings record the telemetry
+        the analysis reads of a healthy ring (harness.run.ring_model)."""
+        return (self.diagnose and not self.chunks_at_faults) or any(isinstance(f, RING_STALLS) for f in self.faults)
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -117,6 +123,8 @@ class JobOptions:
             raise ValueError("fold_ranks=on needs folded rings (ftar_detail=folded)")
         if self.ftar_model not in ("auto", "chunks", "analytic"):
             raise ValueError(f"ftar_model must be auto, chunks or analytic, got {self.ftar_model!r}")
+        if self.chunks_at_faults and not self.diagnose:
+            raise ValueError("chunks_at_faults is for diagnose runs whose driver injects the faults")
         if self.ftar_model == "analytic" and self.needs_chunk_rings:
             raise ValueError("ftar_model=analytic needs a job without diagnose and without faults that stall a ring "
                              "silently (cut, hang, slow link): those need ftar_model=chunks")

@@ -151,8 +151,8 @@ def _data_plane(job: RankJob, inc: RankIncarnation, rank: int, env: Any, lead: b
                                       on_fetch=fetched)
     engine = (FtarEngine(env=env, kernels=job.kernels(), token=job.token, config=job.ftar_config)
               if job.ring_board is None else
-              AnalyticFtarEngine(board=job.ring_board, cost=job.ring_cost(env.host), env=env, kernels=job.kernels(),
-                                 token=job.token, config=job.ftar_config))
+              AnalyticFtarEngine(board=job.ring_board, cost=job.ring_cost(env.host), position=rank, env=env,
+                                 kernels=job.kernels(), token=job.token, config=job.ftar_config))
     joiner_wait = job.timeouts.ftar_timeout_s + 2 * job.profile.train.step_compute_s  # others compute, then timeout
     exchange: Any = OverheadExchange(GradientExchange(engine=engine, rank=rank, joiner_wait_s=joiner_wait), env,
                                      job.ftar_overhead_s)
@@ -175,9 +175,8 @@ def _build(job: RankJob, inc: RankIncarnation, rank: int, index: int, env: Any, 
     if client is not None:
         client.connect()  # counted live from the start, so the first quorum waits for this replica
     exchange, catchup = _data_plane(job, inc, rank, env, lead, marks)
-    every = p.checkpoint.every_steps
     checkpointer = (ObjectStoreCheckpointer(storage=job.checkpoint_storage, state_bytes=job.state_bytes_per_rank)
-                    if every > 0 and leader else None)
+                    if p.checkpoint is not None and leader else None)
     key = f"audit/{inc.replica_id}-{inc.number}.jsonl"
     audit = AuditLog((lambda data: job.storage.append(key, data)) if leader else _no_audit)  # a log file's append
     bookkeeping = p.train.step_bookkeeping_s
@@ -195,7 +194,7 @@ def _build(job: RankJob, inc: RankIncarnation, rank: int, index: int, env: Any, 
             job.step_started(inc, step)
 
     config = TrainerConfig(replica_id=inc.replica_id, rank=rank, rng_seed=None, lr=LRConfig(policy=p.train.lr_intervention),
-                           checkpoint=CheckpointConfig(every_steps=max(every, 1)), catchup=job.catchup_config)
+                           checkpoint=p.checkpoint or CheckpointConfig(), catchup=job.catchup_config)
     trainer = build(config=config, env=env, compute=_compute(job, inc, rank, env, lead), layout=job.data_layout,
                  replica_ids=job.replica_ids, manager_config=ManagerConfig(timeouts=job.timeouts), comm=comm,
                  lighthouse=client, exchange=exchange, catchup=catchup,

@@ -329,7 +329,7 @@ def test_bench_smoke(fresh):
 
 
 def test_bench_lists_are_checked():
-    from ftrun.catchup.bench import _int_list
+    from ftrun_bench.catchup import _int_list
 
     assert _int_list("500,50,50", "--state-mb") == [50, 500]
     for bad in ("50,x", "", "0,2"):

@@ -96,6 +96,19 @@ def test_a_joiner_waits_out_a_step_longer_than_the_ftar_timeout():
     assert f["rejoin_stall_s"] <= 0.1
 
 
+def test_the_emulated_job_runs_the_profiles_checkpoint_and_catchup_configs():
+    """[checkpoint] and [catchup] are the runtime's configs: the emulated trainer writes checkpoints at that
+    cadence (none without the table) and fetches the joiner's state in shards of that size."""
+    kill = (parse_inject("kill replica=1 step=2"),)
+    f, job = cli.execute(ci_small("checkpoint.every_steps=3", "catchup.max_shard_bytes=65536"),
+                         JobOptions(steps=7, kills=kill))
+    assert f["complete"] and f["checkpoints_committed"] == 2 and f["catchup_fetches"] == 1  # steps 3 and 6
+    assert job.catchup_config.max_shard_bytes == 65536 and job.catchup_config.timeouts == job.timeouts
+    f, job = cli.execute(ci_small("checkpoint=none"), JobOptions(steps=7, kills=kill))
+    assert f["complete"] and f["checkpoints_committed"] == 0 and f["catchup_fetches"] == 1
+    assert job.catchup_config.max_shard_bytes != 65536  # no [catchup]: about 8 shards per rank
+
+
 def test_full_ftar_detail_runs_every_ring():
     f, job = _figures(0, ftar_detail="full")
     assert f["complete"] and f["ftar"].startswith("full") and f["unexpected_errors"] == []

@@ -57,7 +57,11 @@ def worker_main(argv: list[str]) -> int:
                 time.sleep(plan["seconds"])
         on_phase(self, phase, step)
 
-    ft_worker.config_from = lambda args: replace(config_from(args), catchup_wait_limit_s=ours.wait_limit)
+    def with_wait_limit(args):
+        cfg = config_from(args)
+        return replace(cfg, catchup=replace(cfg.catchup, wait_limit_s=ours.wait_limit))
+
+    ft_worker.config_from = with_wait_limit
     ft_worker.Faults.on_phase = slow_on_phase
     return ft_worker.main(rest)
 

@@ -42,7 +42,7 @@ def test_profile_keys_map_figures_with_units():
     assert keys["ftar.kernel_reduce_gb_s"][0] == 14.0 and keys["ftar.kernel_copy_gb_s"][0] == 20.0
     assert keys["scheduler.crash_detect_s"][0] == 0.0035
     assert keys["network.crash_fin_delay_s"][0] == 0.0002
-    assert keys["checkpoint.local_write_latency_s"][0] == 0.004
+    assert keys["storage.local_write_latency_s"][0] == 0.004
     assert keys["scheduler.process_start_s"][0] == 0.009
     # per fetch minus the 2 round trips (4 one-way latencies) the modeled network already charges
     assert math.isclose(keys["train.catchup_fetch_extra_s"][0], 0.002 - 4 * 40e-6)
@@ -250,7 +250,7 @@ def test_bookkeeping_hop_overhead_and_cores_are_derived_from_their_figures():
         fig("tcp_one_way_us", 10.0, "us"), fig("ftar_sync_overhead_s", 0.004), fig("cpu_cores_effective", 1.6, "cores"))})
     assert keys["train.step_bookkeeping_s"][0] == pytest.approx(0.030 - 0.016 - 1e-6 - 20e-6)
     assert keys["ftar.sync_overhead_s"][0] == 0.004 and keys["train.shared_cpu_cores"][0] == 1.6
-    assert keys["checkpoint.local_append_latency_s"][0] == 1e-6
+    assert keys["storage.local_append_latency_s"][0] == 1e-6
     keys = profile_keys({f.name: f for f in (fig("script_commit_to_quorum_s", 0.01), fig("storage_write_s", 0.016),
                                              fig("tcp_one_way_us", 10.0, "us"))})
     assert keys["train.step_bookkeeping_s"][0] == 0.0  # floored

@@ -10,7 +10,7 @@ import pytest
 from ftrun.diagnose.analysis import (CANDIDATES, HANG, NO_HANG, SLOW_HOST, SLOW_LINK, SLOW_RANK, AnalysisConfig,
                                      Layout, Snapshot, analyze)
 from ftrun.diagnose.summary import FAILED
-from ftrun.diagnose.synth import KINDS, JobShape, scenario
+from ftrun_bench.diagnose_synth import KINDS, JobShape, scenario
 from ftrun.diagnose.telemetry import Ev
 
 SHAPE = JobShape(num_replicas=4, ranks_per_replica=32, ranks_per_host=8)

@@ -111,8 +111,11 @@ def test_both_runs_get_the_same_faults_in_the_one_grammar():
     for spec in specs:
         parse(spec), parse_inject(spec)  # both worlds accept them
     o = emulated_overrides(args, 5216)
-    assert {"replicas=4", "ranks_per_replica=2", "checkpoint.every_steps=0", "timeouts.join_timeout_s=0.5"} <= set(o)
+    assert {"replicas=4", "ranks_per_replica=2", "checkpoint=none", "timeouts.join_timeout_s=0.5"} <= set(o)
     assert fault_specs(p.parse_args(["--slow-fetch-delay", "0", "--kills", "1"])) == ["kill replica=1 step=15 at=0.5"]
+    assert fault_specs(p.parse_args(["--slow-fetch-delay", "0", "--kills", "2", "--kill-step-interval", "10",
+                                     "--kill-at-fraction", "0.25"])) == ["kill replica=1 step=15 at=0.25",
+                                                                         "kill replica=1 step=25 at=0.25"]
 
 
 def two_kill_events() -> list[dict]:
@@ -185,6 +188,7 @@ def test_kills_must_fit_in_the_run():
 
     p = argparse.ArgumentParser()
     add_arguments(p)
-    for argv in (["--kills", "5", "--kill-every", "40"], ["--kills", "0"], ["--kill-every", "0"]):
+    for argv in (["--kills", "5", "--kill-step-interval", "40"], ["--kills", "0"], ["--kill-step-interval", "0"],
+                 ["--kill-at-fraction", "1.0"]):
         with pytest.raises(UsageError, match="--kill"):
             run(p.parse_args(argv))

@@ -4,6 +4,8 @@
     shadow/   the shadow loader: may import ftrun/
     mocks/    fake subsystems for emulation: may import ftrun/ and shadow/, never harness/
     harness/  the emulator and offline analysis: may import everything below it
+    ftrun_bench/  benchmarks, their workers and synthetic inputs: may import ftrun/ only, and ftrun/ never
+              imports it (`ftrun bench` loads its modules by name)
 
 and no import cycles between modules inside these packages. Every import statement counts: at module
 level, inside a function (a lazy import still closes a cycle once it runs) and under TYPE_CHECKING.
@@ -18,7 +20,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("ftrun", "harness", "mocks", "shadow")
+PACKAGES = ("ftrun", "harness", "mocks", "shadow", "ftrun_bench")
 
 # Cycles that exist today in code other engineers own, each named by its modules. The test tolerates a
 # cycle whose modules are all inside one entry; delete an entry once its cycle is broken.
@@ -78,8 +80,10 @@ def import_graph(known: dict[str, Path]) -> dict[str, dict[str, int]]:
 
 
 def layer_violations(graph: dict[str, dict[str, int]], known: dict[str, Path]) -> list[str]:
-    """Imports that go up a layer: ftrun -> harness/mocks/shadow, mocks -> harness."""
-    forbidden = {"ftrun": ("harness", "mocks", "shadow"), "mocks": ("harness",), "shadow": ("harness", "mocks")}
+    """Imports that go up a layer: ftrun -> harness/mocks/shadow/ftrun_bench, mocks -> harness, ftrun_bench ->
+    anything but ftrun."""
+    forbidden = {"ftrun": ("harness", "mocks", "shadow", "ftrun_bench"), "mocks": ("harness", "ftrun_bench"),
+                 "shadow": ("harness", "mocks", "ftrun_bench"), "ftrun_bench": ("harness", "mocks", "shadow")}
     found = []
     for module, edges in graph.items():
         top = module.split(".")[0]
@@ -167,13 +171,17 @@ def test_the_checks_catch_upward_imports_and_cycles_of_every_kind(tmp_path):
         "harness/__init__.py": "",
         "harness/x.py": "from mocks.m import Z\nfrom harness import y\n",
         "harness/y.py": "import harness.x\nimport numpy\n",
+        "ftrun/d.py": "def f():\n    from ftrun_bench import w\n",  # the runtime importing a benchmark
+        "ftrun_bench/__init__.py": "",
+        "ftrun_bench/w.py": "import ftrun.a\nimport mocks.m\n",
     })
     known = module_names(tmp_path)
     graph = import_graph(known)
     global ROOT
     saved, ROOT = ROOT, tmp_path
     try:
-        assert layer_violations(graph, known) == ["ftrun/c.py:1 imports harness.x", "mocks/m.py:3 imports harness.x"]
+        assert layer_violations(graph, known) == ["ftrun/c.py:1 imports harness.x", "ftrun/d.py:2 imports ftrun_bench.w",
+                                                  "ftrun_bench/w.py:2 imports mocks.m", "mocks/m.py:3 imports harness.x"]
     finally:
         ROOT = saved
     assert sorted(sorted(c) for c in cycles(graph)) == [["ftrun.a", "ftrun.b"],

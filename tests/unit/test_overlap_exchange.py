@@ -14,7 +14,7 @@ from ftrun.ftar.ring import RecoverableError
 from ftrun.replica.manager import StepQuorum
 from ftrun.train.grads import FlatGrads
 from ftrun.train.overlap import OverlapExchange
-from ftrun.train.overlap_bench import check_args, summarize
+from ftrun_bench.overlap import check_args, summarize
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -3,6 +3,7 @@ validation errors name the offending key."""
 
 from __future__ import annotations
 
+import re
 import tomllib
 
 import pytest
@@ -43,7 +44,7 @@ def test_the_other_profiles_match_their_seeds():
     crusoe = load_profile("crusoe-300")
     assert (crusoe.replicas, crusoe.ranks_per_replica, crusoe.num_hosts) == (30, 10, 30)
     assert crusoe.failures.mode == "periodic" and crusoe.failures.interval_s == 60.0
-    assert crusoe.train.step_compute_s == pytest.approx(11, abs=0.2) and crusoe.checkpoint.every_steps == 0
+    assert crusoe.train.step_compute_s == pytest.approx(11, abs=0.2) and crusoe.checkpoint is None
     llama = load_profile("llama3-16k")
     assert llama.num_ranks == 16_384 and 400e9 < llama.model.num_params < 410e9
     assert llama.failures.cluster_mtbf_s(llama.num_hosts) == pytest.approx(54 * 86400 / 419, rel=1e-3)
@@ -100,6 +101,18 @@ def base() -> dict:
     ({"failures": {"mode": "scripted", "events": ["explode replica=1"]}}, "unknown fault 'explode'"),
     ({"failures": {"mode": "scripted", "events": ["kill replica=1 time=1 speed=2"]}}, "unknown fields: speed"),
     ({"topology": "big"}, "topology must be a table"),
+    ({"catchup": {"max_shard_bytes": 1000}},
+     "[catchup] CatchupConfig.max_shard_bytes must be a positive multiple of 64"),
+    ({"catchup": {"wait_limit_s": -1.0}}, "[catchup] CatchupConfig.wait_limit_s must be >= 0"),
+    ({"catchup": {"max_source_failures": 0}}, "[catchup] CatchupConfig.max_source_failures must be >= 1"),
+    ({"catchup": {"shard_bytes": 4096}}, "unknown key 'catchup.shard_bytes'"),
+    ({"catchup": {"timeouts": {"catchup_stall_s": 1.0}}}, "[catchup] timeouts must be left unset"),
+    ({"catchup": {"bind": "0.0.0.0:0"}}, "[catchup] bind/advertise_host must be left unset"),
+    ({"checkpoint": {"every_steps": 0}}, "[checkpoint] CheckpointConfig.every_steps must be an int >= 1, got 0"),
+    ({"checkpoint": {"keep": 0}}, "[checkpoint] CheckpointConfig.keep must be an int >= 1, got 0"),
+    ({"checkpoint": {"every_steps": 2.5}}, "checkpoint.every_steps must be int, got 2.5"),
+    ({"checkpoint": {"local_write_latency_s": 0.1}}, "unknown key 'checkpoint.local_write_latency_s'"),
+    ({"storage": {"local_write_latency_s": -1.0}}, "[storage] local_write_latency_s must be >= 0, got -1.0"),
 ])
 def test_validation_errors_name_the_key(patch, message):
     data = base()
@@ -110,7 +123,7 @@ def test_validation_errors_name_the_key(patch, message):
             data[key] = value
     if patch.get("failures", {}).get("mode") == "scripted" and "events" not in patch["failures"]:
         data["failures"].pop("events", None)
-    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         profile_from_dict(data)
 
 
@@ -119,6 +132,37 @@ def test_missing_required_keys_and_defaults():
         profile_from_dict({"replicas": 1, "ranks_per_replica": 1})
     p = profile_from_dict({"name": "x", "replicas": 2, "ranks_per_replica": 8})
     assert isinstance(p, Profile) and p.network == NetworkConfig() and p.num_hosts == 2
+
+
+def test_catchup_table_is_the_runtimes_catchup_config():
+    from ftrun.catchup.config import CatchupConfig
+    from harness.run.job import catchup_config_of
+
+    p = load_profile("ci-small")
+    assert p.catchup is None  # no table: the emulator cuts a rank's state into about 8 shards
+    assert catchup_config_of(p, 8 << 20) == CatchupConfig(max_shard_bytes=1 << 20, timeouts=p.timeouts)
+    q = apply_overrides(p, ["catchup.max_shard_bytes=4096", "catchup.wait_limit_s=2.5"])  # starts the table
+    assert q.catchup == CatchupConfig(max_shard_bytes=4096, wait_limit_s=2.5)
+    c = catchup_config_of(q, 8 << 20)
+    assert c.max_shard_bytes == 4096 and c.wait_limit == 2.5 and c.timeouts == q.timeouts
+    unset = apply_overrides(q, ["catchup.wait_limit_s=none"])
+    assert catchup_config_of(unset, 1).wait_limit == q.timeouts.ftar_timeout_s
+    assert apply_overrides(q, ["catchup=none"]).catchup is None
+    with pytest.raises(ValueError, match="max_shard_bytes must be a positive multiple of 64, got 100"):
+        apply_overrides(p, ["catchup.max_shard_bytes=100"])  # raised, never rounded
+
+
+def test_checkpoint_table_is_the_runtimes_checkpoint_config():
+    from ftrun.checkpoint.policy import CheckpointConfig
+
+    p = load_profile("ci-small")
+    assert p.checkpoint == CheckpointConfig(every_steps=5)  # keep: the runtime's default
+    assert apply_overrides(p, ["checkpoint.keep=2"]).checkpoint == CheckpointConfig(every_steps=5, keep=2)
+    off = apply_overrides(p, ["checkpoint=none"])
+    assert off.checkpoint is None and profile_from_dict({"name": "x", "replicas": 1, "ranks_per_replica": 1}).checkpoint is None
+    assert apply_overrides(off, ["checkpoint.every_steps=7"]).checkpoint == CheckpointConfig(every_steps=7)
+    with pytest.raises(ValueError, match="every_steps must be an int >= 1, got 0"):
+        apply_overrides(p, ["checkpoint.every_steps=0"])  # off is checkpoint=none, not a zero cadence
 
 
 def test_weibull_scale_gives_the_mean():

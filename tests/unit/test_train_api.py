@@ -10,6 +10,8 @@ import sys
 import pytest
 import torch
 
+from ftrun.catchup.config import CatchupConfig
+from ftrun.config import Timeouts
 from ftrun.launch.worker_env import WorkerSpec
 from ftrun.train.api import FTConfig, FTJob, init_from_env
 from ftrun.train.job_config import steps_target as _target
@@ -29,14 +31,18 @@ def load_example():
 
 
 @pytest.mark.parametrize("bad", [dict(batch_size=0), dict(seed=-1), dict(checkpoint=5),
-                                 dict(num_threads=0), dict(max_retries=-2), dict(catchup_shard_bytes=100),
+                                 dict(num_threads=0), dict(max_retries=-2),
+                                 dict(catchup=dict(max_shard_bytes=100)), dict(catchup=dict(wait_limit_s=-1.0)),
+                                 dict(catchup=dict(bind="0.0.0.0:0")),
+                                 dict(catchup=dict(timeouts=Timeouts(catchup_stall_s=1.0))),
                                  dict(ftar=dict(num_chunks=0)), dict(ftar=dict(chunk_bytes=1000)),
                                  dict(ftar=dict(timeout_s=3.0))])
 def test_config_rejects_bad_values_rather_than_rounding_them(bad):
     from ftrun.config import FtarConfig
 
     with pytest.raises(ValueError):
-        FTConfig(**{k: FtarConfig(**v) if k == "ftar" else v for k, v in bad.items()})
+        FTConfig(**{k: FtarConfig(**v) if k == "ftar" else CatchupConfig(**v) if k == "catchup" else v
+                    for k, v in bad.items()})
 
 
 def test_config_nests_the_ftar_engines_config_with_the_jobs_ftar_timeout():
@@ -45,6 +51,16 @@ def test_config_nests_the_ftar_engines_config_with_the_jobs_ftar_timeout():
     cfg = FTConfig(timeouts=Timeouts(ftar_timeout_s=4.0), ftar=FtarConfig(chunk_bytes=4096, num_chunks=3))
     assert cfg.ftar == FtarConfig(chunk_bytes=4096, num_chunks=3, timeout_s=4.0)  # what the engine is given
     assert FTConfig(timeouts=Timeouts(ftar_timeout_s=4.0), ftar=FtarConfig(timeout_s=4.0)).ftar.timeout_s == 4.0
+
+
+def test_config_nests_the_catchup_config_with_the_jobs_timeouts():
+    t = Timeouts(ftar_timeout_s=4.0, catchup_stall_s=3.0)
+    cfg = FTConfig(timeouts=t, catchup=CatchupConfig(max_shard_bytes=4096))
+    assert cfg.catchup == CatchupConfig(max_shard_bytes=4096, timeouts=t)  # what the server and client are given
+    assert cfg.catchup.wait_limit == 4.0 and cfg.catchup.stall_s == 3.0  # no wait limit set: the FTAR timeout
+    assert FTConfig(timeouts=t, catchup=CatchupConfig(wait_limit_s=0.5)).catchup.wait_limit == 0.5
+    with pytest.raises(ValueError, match="FTConfig.catchup.timeouts"):
+        FTConfig(timeouts=t, catchup=CatchupConfig(timeouts=Timeouts(catchup_stall_s=1.0)))
 
 
 def test_step_target():

@@ -39,7 +39,7 @@ import sys
 
 from ftrun.cli import emit_json
 
-WORKER = "ftrun.train.overlap_bench_worker"
+WORKER = "ftrun_bench.overlap_worker"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

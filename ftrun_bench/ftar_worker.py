@@ -1,4 +1,4 @@
-"""One process of `ftrun bench ftar` (see ftrun/ftar/bench.py).
+"""One process of `ftrun bench ftar` (see ftrun_bench/ftar.py).
 
 argv: port procs sizes iters chunk chunks transport socket_io rank [host]: host is the address the store
 listens on and this rank binds (`--netns`: its namespace's address; default 127.0.0.1)."""

@@ -1,4 +1,4 @@
-"""One replica process of `ftrun bench overlap` (see ftrun/train/overlap_bench.py).
+"""One replica process of `ftrun bench overlap` (see ftrun_bench/overlap.py).
 
 argv: store_port config_json rank store_host bind_host. Rank 0 prints one JSON line: its steps
 ({"mode", "step_s", "exchange_s", "compute_s"}), whether both modes' parameters ended bitwise equal,

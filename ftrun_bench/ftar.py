@@ -103,7 +103,7 @@ def _run_group(procs: int, sizes: list[int], args: argparse.Namespace) -> list[d
 
 def _run_workers(procs: int, sizes: list[int], args: argparse.Namespace, port: int, where) -> list[dict]:
     """where(rank) -> (command prefix, extra worker arguments, extra environment)."""
-    cmd = [sys.executable, "-m", "ftrun.ftar.bench_worker", str(port), str(procs), ",".join(map(str, sizes)),
+    cmd = [sys.executable, "-m", "ftrun_bench.ftar_worker", str(port), str(procs), ",".join(map(str, sizes)),
            str(args.iters), str(args.chunk_kb << 10), str(args.chunks), args.transport, args.socket_io]
     workers = []
     for r in range(procs):
