@@ -133,7 +133,8 @@ class JobDiagnosis:
         if m is None:
             return {}
         return {"telemetry_mirrored_ranks_per_replica": m.ranks_served,
-                "telemetry_mirror_servers": m.servers_started, "telemetry_mirror_register_failures": m.register_failures,
+                "telemetry_mirror_servers": m.servers_started,
+                "telemetry_mirror_register_failures": m.register_failures,
                 "telemetry_mirror_summaries": {"served": m.cache.served, "computed": m.cache.computed}}
 
 
