@@ -11,6 +11,10 @@ history), collects every rank's telemetry over the modeled network and runs the 
 (ftrun.diagnose.analysis), scores the verdict (`score`: exact culprit, candidate set, or miss), releases
 the fault and waits for the job to train again. Between scenarios, fault-free collections count false
 positives (a verdict other than no_hang) and false evictions (the eviction rule would evict).
+A slow link that no healthy transfer waits on is reported, not scored. Where the supervisor's crash detection
+is shorter than a step (meta-98k: a 5 s poll in 20 s steps), a rank kill lands within it before the next
+all-reduce (`kill_phase`): earlier, the supervisor sees the exit and stops the whole replica before any ring
+waits on the rank, and the analysis sees a whole replica gone.
 
 Pure parts (`draw`, `score`, `summarize`) are table-tested; `run_bench` drives the emulated job.
 """
@@ -186,6 +190,24 @@ def score(verdict: dict, truth: Truth) -> str:
     return "miss"
 
 
+KILL_WINDOW = 0.8  # of the crash detection time: a rank kill lands this long (at most) before the all-reduce
+
+
+def kill_phase(phase: float, detect_s: float, entry_s: float, period_s: float) -> float:
+    """Where (in steps after a commit) a rank kill drawn at `phase` lands (pure). Where the supervisor's crash
+    detection is shorter than a step, the kill lands in the KILL_WINDOW x detect_s before the job next enters an
+    all-reduce (`entry_s` after the commit), at entry_s - KILL_WINDOW x detect_s x (1 - phase): the job then
+    enters the all-reduce that waits on the dead rank before the supervisor sees the exit and stops the whole
+    replica (after that no ring can single the rank out, and the job knows the culprit anyway). Else (ci-small)
+    the drawn phase, unchanged. At meta-98k (a 5 s poll in 20 s steps) the last 4 s before the all-reduce."""
+    if not 0 <= phase <= 1 or detect_s < 0 or entry_s < 0 or period_s <= 0:
+        raise ValueError(f"kill_phase needs phase in [0, 1], detect_s >= 0, entry_s >= 0, period_s > 0; got {phase}, "
+                         f"{detect_s}, {entry_s}, {period_s}")
+    if detect_s >= period_s:
+        return phase
+    return max(0.0, entry_s - KILL_WINDOW * detect_s * (1.0 - phase)) / period_s
+
+
 def percentile(xs: list[float], q: float) -> float | None:
     if not xs:
         return None
@@ -232,6 +254,7 @@ class _Bench:
     unscored: list[dict] = field(default_factory=list)
     progress: bool = False
     healthy_input: Any = None
+    _entry_s: float | None = None  # commit to the next all-reduce entry, where rank kills need it (kill_phase)
     wall0: float = field(default_factory=time.monotonic)
 
     @property
@@ -278,6 +301,8 @@ class _Bench:
     def _warm_up(self) -> None:
         self._wait_steps(3, 100 * self._period + 600)
         self._measure_period()
+        if self._detect_s() < self._period:  # rank kills aim at the next all-reduce (kill_phase)
+            self._entry_s = self._measure_entry()
         if self.job.diagnosis.diagnose()["kind"] == "no_hang":  # a baseline of healthy wire times (not scored)
             self.healthy_input = self.job.diagnosis.collector.last_input[0]
 
@@ -287,6 +312,15 @@ class _Bench:
         self._wait_steps(2, 40 * self._period + 600)
         if self.job.max_step > s0:
             self._period = (self.clock.now() - t0) / (self.job.max_step - s0)
+
+    def _measure_entry(self) -> float:
+        """Seconds from a commit (as `_after_commit` sees it) to the job's next entry into an all-reduce."""
+        self._after_commit(0.0)
+        t0, entries = self.clock.now(), self.job.ftar_entries
+        deadline = t0 + 4 * self._period
+        while self.job.ftar_entries == entries and self.clock.now() < deadline:
+            self.clock.sleep(self._period / 256)
+        return self.clock.now() - t0
 
     def _after_commit(self, frac: float) -> None:
         """Wait for the next commit, then `frac` of a step."""
@@ -321,10 +355,12 @@ class _Bench:
         if not self._healthy():
             self._wait_steps(1, 200 * self._period + 600)
         self._chunk_rings(sc)  # before the next commit: every all-reduce after it runs in its mode
-        self._after_commit(sc.phase)
+        phase = self._inject_phase(sc)
+        self._after_commit(phase)
         timeout = job.timeouts.ftar_timeout_s
         cut_s = max(2.0 * timeout, 4 * self._period)
         t_inject, step0 = self.clock.now(), job.max_step
+        killed = job._incarnations[sc.replica] if sc.kind == "kill_rank" else None
         job.scenario.apply(sc.fault(cut_s))
         verdicts = []
         if sc.kind == "kill_rank":  # collect as the job enters the next all-reduce (the ring peers find the rank
@@ -333,6 +369,7 @@ class _Bench:
             while job.ftar_entries == entries and self.clock.now() < deadline:
                 self.clock.sleep(self._period / 256)
             self.clock.sleep(self._period / 256)
+        supervisor_first = killed is not None and not killed.alive  # it stopped the replica before the collection
         if sc.kind in HANG_KINDS:
             deadline = t_inject + 2 * self._period + timeout
             poll = max(self._period / 8, 0.05)
@@ -358,19 +395,17 @@ class _Bench:
         if sc.kind == "slow_link" and v["kind"] == "no_hang":
             why = self._undetectable_link(sc.factor)
             if why:  # no wire time to compare (the analysis cannot see it): not scored, reported
-                self.unscored.append({"index": sc.index, "kind": sc.kind, "place": sc.place(), "why": why})
-                self._progress(sc, "unscored", v)
-                self._wait_steps(HIST_LEN + 1, 200 * self._period + 600)
+                self._unscored(sc, v, why, settle=HIST_LEN + 1)
                 self._chunk_rings(None)
                 return
         result = score(v, self._truth(sc))
         self.results.append({"seed": self.seed, "index": sc.index, "kind": sc.kind, "place": sc.place(),
-                             "phase": sc.phase, "score": result,
-                             "phase_name": "compute" if sc.phase * self._period < job.profile.train.step_compute_s
+                             "phase": round(phase, 4), "score": result,
+                             "phase_name": "compute" if phase * self._period < job.profile.train.step_compute_s
                              else "all-reduce", "verdict_kind": v["kind"],
                              "reason": v["reason"], "verdict_hosts": v.get("hosts", [])[:8],
                              "verdict_ranks": v.get("ranks", [])[:8], "collections": len(verdicts),
-                             "polls": [x["kind"] for x in verdicts][-6:],
+                             "polls": [x["kind"] for x in verdicts][-6:], "supervisor_first": supervisor_first,
                              "detect_s": round(self.clock.now() - t_inject, 3)})
         self._progress(sc, result, v)
         job.recorder.event({"event": "diagbench_scenario", "t": self.clock.now(), "step": job.max_step,
@@ -380,6 +415,23 @@ class _Bench:
         if not self._wait_steps(settle, 200 * self._period + 600):
             self.skipped.append(f"scenario {sc.index}: the job did not train again in time")
         self._chunk_rings(None)
+
+    def _detect_s(self) -> float:
+        """How soon the supervisor sees a rank's process exit."""
+        s = self.job.profile.scheduler
+        return s.crash_detect_s if s.crash_detect_s is not None else s.poll_interval_s
+
+    def _inject_phase(self, sc: Scenario) -> float:
+        if sc.kind != "kill_rank" or self._entry_s is None:
+            return sc.phase
+        return kill_phase(sc.phase, self._detect_s(), self._entry_s, self._period)
+
+    def _unscored(self, sc: Scenario, v: dict, why: str, settle: int) -> None:
+        """A scenario the analysis cannot be asked about (reported with its verdict, not scored)."""
+        self.unscored.append({"index": sc.index, "kind": sc.kind, "place": sc.place(), "phase": sc.phase, "why": why,
+                              "verdict": v["kind"], "verdict_ranks": v.get("ranks", [])[:4]})
+        self._progress(sc, "unscored", v)
+        self._wait_steps(settle, 200 * self._period + 600)
 
     def _progress(self, sc: Scenario, result: str, v: dict) -> None:
         if self.progress:
@@ -423,11 +475,14 @@ def shape_of(profile: Profile, fault_hosts: int = 0) -> Shape:
 
 
 def run_bench(profile: Profile, *, scenarios: int, seed: int, fault_free: int,
-              ftar_detail: str | None = None, progress: bool = False, ftar_model: str = "auto") -> dict[str, Any]:
+              ftar_detail: str | None = None, fold_ranks: str = "auto", progress: bool = False,
+              ftar_model: str = "auto") -> dict[str, Any]:
     """One emulated job, `scenarios` scenarios and `fault_free` fault-free collections; the figures.
     Folded FTAR (the default above 16K ranks) places the faults on each replica's first host, the one
-    whose rings run for real (harness.run.fold). `ftar_model` (JobOptions.ftar_model): with analytic rings
-    the bench runs the rings each fault stalls chunk by chunk (chunk_positions)."""
+    whose rings run for real (harness.run.fold); with rank folding (`fold_ranks`, JobOptions) each replica
+    runs its first two hosts and serves the other ranks their reference lead's telemetry
+    (harness.run.diag_mirror). `ftar_model` (JobOptions.ftar_model): with analytic rings the bench runs the
+    rings each fault stalls chunk by chunk (chunk_positions)."""
     if ftar_detail is None and profile.num_ranks <= 16384:
         ftar_detail = "full"  # every ring real, so every rank's telemetry is its own (folding mirrors leads)
     detail = ftar_detail or profile.emulation.ftar_detail
@@ -436,7 +491,8 @@ def run_bench(profile: Profile, *, scenarios: int, seed: int, fault_free: int,
     wiring = "prewired" if profile.ranks_per_replica > 4096 else "connect"
     steps = 20 + scenarios * (SLOW_STEPS + 6) + fault_free * 3  # more than the bench can use
     options = JobOptions(steps=steps, seed=seed, diagnose=True, trace=False, ftar_detail=ftar_detail,  # type: ignore
-                         wiring=wiring, ftar_model=ftar_model, chunks_at_faults=True)  # type: ignore[arg-type]
+                         wiring=wiring, fold_ranks=fold_ranks, ftar_model=ftar_model,  # type: ignore[arg-type]
+                         chunks_at_faults=True)
     wall0 = time.monotonic()
     job = EmulatedJob(profile, options)
     bench = _Bench(job, plan, fault_free, seed, progress=progress)
@@ -446,11 +502,12 @@ def run_bench(profile: Profile, *, scenarios: int, seed: int, fault_free: int,
     out = summarize(bench.results, bench.ff, diag.analysis_s, diag.telemetry())
     out.update(profile=profile.name, ranks=profile.num_ranks, seed=seed, kinds=list(kinds_for(shape)),
                max_slow_factor=round(min(10.0, shape.max_slow_factor), 2), step_s=round(bench._period, 3),
-               collections=len(diag.analysis_s),
+               collections=len(diag.analysis_s), ranks_collected_max=max(diag.ranks_collected, default=0),
                collect_s_p50=percentile(diag.pull_s, 0.5), collect_s_p99=percentile(diag.pull_s, 0.99),
                detect_s_p50=percentile([r["detect_s"] for r in bench.results], 0.5),
                virtual_s=round(job.world.now, 1), wall_s=round(time.monotonic() - wall0, 1),
                ftar_detail=detail, cpu_charging=profile.emulation.cpu_charging,
+               ranks_run_per_replica=len(job.ranks), ranks_per_replica=profile.ranks_per_replica,
                **{k: v for k, v in job.folding().items() if k in ("ftar_model", "analytic_all_reduces",
                                                                    "chunked_all_reduces")},
                ftar_chunk_mb=round(profile.ftar.engine.chunk_bytes / (1 << 20), 3),
@@ -465,7 +522,8 @@ def format_table(out: dict[str, Any]) -> str:
     lines = [f"diagnose bench {out['profile']} ({out['ranks']} ranks), seed {out['seed']}: {out['scenarios']} scenarios, "
              f"{out['fault_free_runs']} fault-free collections, {out['virtual_s']} virtual s in {out['wall_s']} s wall",
              f"  FTAR {out['ftar_detail']} ({out['ftar_chunk_mb']:g} MB chunks), CPU charging "
-             f"{'on' if out['cpu_charging'] else 'off'}, faults on {out['fault_places']}",
+             f"{'on' if out['cpu_charging'] else 'off'}, faults on {out['fault_places']}, ranks run per replica "
+             f"{out['ranks_run_per_replica']} of {out['ranks_per_replica']}",
              f"  accuracy (exact culprit)  {out['accuracy']}",
              f"  candidate-set hits        {out['candidate_hits']}",
              f"  false positive runs       {out['false_positive_runs']} (false evictions {out['false_evictions']})",
@@ -498,7 +556,8 @@ def cli_run(args: Any) -> int:
     profile = build_profile(args.profile, args.overrides, steps=None, cpu_charging=args.cpu_charging)
     ff = args.scenarios // 2 if args.fault_free is None else args.fault_free
     out = run_bench(profile, scenarios=args.scenarios, seed=args.seed, fault_free=ff, progress=True,
-                    ftar_detail=args.ftar_detail, ftar_model=args.ftar_model)
+                    ftar_detail=args.ftar_detail, fold_ranks=getattr(args, "fold_ranks", "auto"),
+                    ftar_model=args.ftar_model)
     results = out.pop("results")
     if args.out:
         d = Path(args.out)

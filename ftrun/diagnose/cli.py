@@ -49,6 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     bench.add_argument("--ftar-detail", choices=("folded", "full"), default=None,
                        help="bench: FTAR rings emulated (default: full up to 16K ranks, else the profile's; "
                             "folded places faults on each replica's first host)")
+    bench.add_argument("--fold-ranks", choices=("auto", "on", "off"), default="auto",
+                       help="bench: with folded rings, run only each replica's two lead hosts and serve the other "
+                            "ranks their reference lead's telemetry (default auto: above 256 ranks per replica)")
     bench.add_argument("--ftar-model", choices=("auto", "chunks", "analytic"), default="auto",
                        help="bench: all-reduces chunk by chunk, or analytic (modeled per ring) except the rings each "
                             "fault stalls (default auto: analytic above 256 ranks)")

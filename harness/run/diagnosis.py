@@ -5,8 +5,10 @@ applied to the running job, so one job runs many scenarios one after another.
 - `JobDiagnosis`: a `Collector` (ftrun.diagnose.collect, the real one) on its own host beside the
   lighthouse, and for every rank a `Recorder` attached to its real FtarEngine, TreeComm, lighthouse
   client and trainer, served by a real `TelemetryServer` on the rank's host (one per rank process: a hung
-  rank's server hangs with it). `diagnose()` pulls every server over the emulated transport (its cost is
-  in modeled time) and runs the real analysis; `telemetry()` reports the buffers' bytes and fill.
+  rank's server hangs with it). With rank folding, the ranks not run are served with their reference lead's
+  rows, one server per mirrored host (harness.run.diag_mirror). `diagnose()` pulls every server over the
+  emulated transport (its cost is in modeled time) and runs the real analysis; `telemetry()` reports the
+  buffers' bytes and fill.
 - `ScenarioFaults`: applies and releases scenario faults. A hang freezes the rank's process (or the
   host) in the engine (harness.engine.core: freeze / thaw); a slow host adds (X - 1) x a step's compute
   to the ranks on it; a slow link slows the route between two hosts both ways (Fabric.slow_link); a
@@ -24,6 +26,7 @@ from ftrun.diagnose.collect import Collector, CollectorConfig, DiagnoseError, Ra
 from ftrun.diagnose.model import AnalysisConfig
 from ftrun.diagnose.act import EvictionConfig
 from ftrun.diagnose.telemetry import DEFAULT_CAPACITY, RECORD
+from harness.run.diag_mirror import MirrorTelemetry
 from harness.run.faults import CutBuilding, Hang, HostLoss, KillRank, Release, SlowHostAt, SlowLink, resolve_host
 
 DIAGNOSIS_HOST = "diagnosis"
@@ -55,12 +58,16 @@ class JobDiagnosis:
         self.analysis_s: list[float] = []
         self.pull_s: list[float] = []  # modeled seconds per collection (pull every rank over the network)
         self.rounds = 0
+        self.mirrors: MirrorTelemetry | None = None  # the ranks not run (rank folding: harness.run.diag_mirror)
+        self.ranks_collected: list[int] = []  # ranks known to the collector, per collection
 
     def start(self) -> None:
         env = self.job.world.host_env(DIAGNOSIS_HOST)
         self.collector = Collector(env=env, token=self.job.token, config=self.config)
         self.collector.timer = time.perf_counter  # the analysis' wall time (virtual time stands still in it)
         self.addr = self.collector.start()
+        if len(self.job.ranks) < self.job.profile.ranks_per_replica:
+            self.mirrors = MirrorTelemetry(self.job, self.addr)
 
     def attach(self, inc: Any, rank: int, env: Any, *, exchange: Any, comm: Any, client: Any,
                trainer: Any) -> None:
@@ -76,6 +83,8 @@ class JobDiagnosis:
         server = TelemetryServer(env=env, token=self.job.token, ranks={info: rec})
         server.start()
         self.recorders[key], self.servers[key] = rec, server
+        if self.mirrors is not None:
+            self.mirrors.attached(inc, rank, rec)
         try:
             server.register(self.addr, timeout=self.job.timeouts.connect_timeout_s)
         except DiagnoseError:
@@ -87,6 +96,7 @@ class JobDiagnosis:
         assert self.collector is not None
         t0 = self.collector.env.clock.now()
         out = self.collector.diagnose()
+        self.ranks_collected.append(out["num_ranks"])
         self.analysis_s.append(self.collector.last_analysis_s)
         self.pull_s.append(self.collector.env.clock.now() - t0)
         return out
@@ -116,7 +126,16 @@ class JobDiagnosis:
                 "telemetry_records_per_step_max": round(max(r.written for r in recs) / steps, 1),
                 "telemetry_buffer_steps_min": round(min(r.capacity / max(r.written / steps, 1e-9) for r in recs
                                                         if r.written), 1) if any(r.written for r in recs) else None,
-                "telemetry_ranks": len(recs)}
+                "telemetry_ranks": len(recs), **self._mirror_figures()}
+
+    def _mirror_figures(self) -> dict[str, Any]:
+        m = self.mirrors
+        if m is None:
+            return {}
+        return {"telemetry_mirrored_ranks_per_replica": m.ranks_served,
+                "telemetry_mirror_servers": m.servers_started,
+                "telemetry_mirror_register_failures": m.register_failures,
+                "telemetry_mirror_summaries": {"served": m.cache.served, "computed": m.cache.computed}}
 
 
 def verdict_event(v: dict, t: float, step: int) -> dict:

@@ -6,7 +6,7 @@ participants, same failures, same hop classes), so only the ranks of each replic
 for real. Every rank still runs the real trainer (quorum, 2PC, the data ledger and the audit are
 every rank's own), but rank k >= num_leads gets:
 
-- `MirrorExchange` as its GradientExchange: `average` waits for lead k % num_leads's exchange of the
+- `MirrorExchange` as its GradientExchange: `average` waits for lead `lead_of(k)`'s exchange of the
   same call and ends with it, at the same virtual time, raising the same kind of error;
 - `MirrorCatchup` as its CatchupService: `fetch` waits for the lead's fetch and returns its result
   (the state it loads is the lead's shape-only state: the same names and sizes); publish/retire do
@@ -17,6 +17,11 @@ every rank's own), but rank k >= num_leads gets:
 Leads wrap their real exchange and catch-up in `LeadExchange`/`LeadCatchup`, which post each outcome.
 The zone links are scaled to the hosts that send (LinkModel.zone_share) so each represented host keeps
 its share of the oversubscribed uplinks.
+
+Under diagnose with rank folding the leads are two hosts (harness.run.job_fold): the first, where the
+diagnose bench places every fault, and the second, a reference host that no fault touches and that every
+other rank mirrors (`lead_of`); the diagnosis serves the ranks not run with their reference lead's
+telemetry (harness.run.diag_mirror).
 """
 
 from __future__ import annotations
@@ -34,8 +39,10 @@ class Mirror:
     outcome that cannot come.
     """
 
-    def __init__(self, env: Any, num_leads: int) -> None:
-        self._env, self.num_leads = env, num_leads
+    def __init__(self, env: Any, num_leads: int, reference: int = 0) -> None:
+        if not 0 <= reference < num_leads:
+            raise ValueError(f"Mirror reference must be in 0..{num_leads - 1}, got {reference}")
+        self._env, self.num_leads, self.reference = env, num_leads, reference
         self._results: dict[tuple, tuple[BaseException | None, Any]] = {}
         self._events: dict[tuple, Any] = {}
         self._poisoned: BaseException | None = None
@@ -59,8 +66,8 @@ class Mirror:
             ev.set()
 
     def wait(self, rank: int, kind: str, n: int, timeout: float) -> Any:
-        """The value lead (rank % num_leads) posted for its n-th `kind`; raise what it raised."""
-        key = (rank % self.num_leads, kind, n)
+        """The value lead `lead_of(rank)` posted for its n-th `kind`; raise what it raised."""
+        key = (lead_of(rank, self.num_leads, self.reference), kind, n)
         if key not in self._results:
             if self._poisoned is None and not self._event(key).wait(timeout):
                 raise EnvTimeout(f"lead rank {key[0]} posted no {kind} result within {timeout}s")
@@ -70,6 +77,19 @@ class Mirror:
         if error is not None:
             raise _fresh(error)
         return value
+
+
+def lead_of(rank: int, num_leads: int, reference: int = 0) -> int:
+    """The lead rank whose FTAR and catch-up rank `rank` mirrors (itself when it is a lead): leads are ranks
+    0..num_leads-1, and a mirror follows lead reference + rank % (num_leads - reference). With one host of
+    leads reference is 0 (rank % num_leads); under diagnose with rank folding the leads are two hosts
+    (harness.run.job_fold) and reference is the second host's first rank, so mirrors follow the reference
+    host (which no scenario fault touches), never the first host where the faults go."""
+    if not 0 <= reference < num_leads:
+        raise ValueError(f"reference must be in 0..{num_leads - 1}, got {reference}")
+    if rank < 0:
+        raise ValueError(f"rank must be >= 0, got {rank}")
+    return rank if rank < num_leads else reference + rank % (num_leads - reference)
 
 
 def _fresh(error: BaseException) -> BaseException:

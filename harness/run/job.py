@@ -82,7 +82,7 @@ class Incarnation:
         gpus = p.topology.gpus_per_host
         host_envs = [world.host_env(h) for h in hosts]
         self.envs = [host_envs[k // gpus] for k in self.ranks]  # by tree index
-        self.mirror = Mirror(self.envs[0], min(gpus, self.world_size)) if job.folded else None
+        self.mirror = Mirror(self.envs[0], job._num_leads, job._mirror_reference()) if job.folded else None
         self.tree_extra_s = job.tree_extra_s(hosts)  # per tree pass: the full tree's latency the run ranks' lacks
         self.listeners: list[Any] = []
         self.addrs: list[str] = []
@@ -122,8 +122,6 @@ class EmulatedJob(JobFolding):
         self.profile, self.options = profile, options
         self.folded = (options.ftar_detail or profile.emulation.ftar_detail) == "folded"
         self.world = EmulatedWorld.from_profile(profile, seed=options.seed)
-        if self.folded:  # only each replica's first host sends FTAR traffic: scale the zone links to match
-            self.world.fabric.model.zone_share = 1.0 / profile.hosts_per_replica
         self.topology = self.world.topology
         check_faults(options.injected, replicas=profile.replicas, ranks_per_replica=profile.ranks_per_replica,
                      buildings=profile.topology.buildings, hosts=self.topology.training_hosts)
@@ -164,7 +162,9 @@ class EmulatedJob(JobFolding):
         self._slow_hosts = {self.topology.host_of(f.replica, f.rank): f for f in options.faults
                             if isinstance(f, SlowHost)}
         self._slow_fetch = {f.replica: f for f in options.faults if isinstance(f, SlowFetch)}
-        self._num_leads = min(gpus, profile.ranks_per_replica) if self.folded else None
+        self._num_leads = self._lead_count()
+        if self.folded:  # only each replica's lead hosts send FTAR traffic: scale the zone links to match
+            self.world.fabric.model.zone_share = self._lead_hosts() / profile.hosts_per_replica
         self.ranks = self._represented_ranks()
         self.ring_board = RingBoard() if self._analytic_rings() else None
         self._ring_costs: dict[tuple, float] = {}  # ring_cost's, shared by every rank (few distinct rings)
@@ -390,18 +390,20 @@ class EmulatedJob(JobFolding):
 
     def compute_extra_s(self, inc: Incarnation, rank: int, step: int) -> float:
         """Extra compute time of `rank` at `step` on a straggler host: (factor - 1) x a step. Folded,
-        only the lead host computes, so it carries the replica's straggler wherever it is: either way the
-        job's step waits for the slowest ring of the replica."""
+        the first host's leads carry the replica's straggler wherever it is (a second, reference lead host
+        under diagnose stays healthy, as the hosts it stands for): either way the job's step waits for the
+        slowest ring of the replica."""
         if self.scenario.slow_hosts:
             gpus = self.profile.topology.gpus_per_host
             mine = inc.hosts if self._num_leads is not None else (inc.hosts[rank // gpus],)
             factor = max((self.scenario.slow_hosts.get(h, 1.0) for h in mine), default=1.0)
-            if factor > 1 and (self._num_leads is None or rank < self._num_leads):
+            if factor > 1 and (self._num_leads is None or rank < gpus):
                 return (factor - 1.0) * self.profile.train.step_compute_s
         s = inc.straggler
         if s is None or step < s[2]:
             return 0.0
-        on_it = rank < self._num_leads if self._num_leads is not None else rank // self.profile.topology.gpus_per_host == s[0]
+        gpus = self.profile.topology.gpus_per_host
+        on_it = rank < gpus if self._num_leads is not None else rank // gpus == s[0]
         return (s[1] - 1.0) * self.profile.train.step_compute_s if on_it else 0.0
 
     def contention_extra_s(self) -> float:

@@ -29,18 +29,41 @@ class JobFolding:
 
     def kernels(self) -> Any: ...
 
+    def _folds_ranks(self) -> bool:
+        """Whether a replica runs only its represented ranks (JobOptions.fold_ranks; "auto": folded rings and
+        more than FOLD_RANKS_ABOVE ranks per replica, with or without diagnose)."""
+        o = self.options
+        if o.fold_ranks == "on" and not self.folded:
+            raise ValueError("fold_ranks=on needs folded FTAR rings (ftar_detail=folded)")
+        return self.folded and (o.fold_ranks == "on" or (o.fold_ranks == "auto"
+                                                         and self.profile.ranks_per_replica > FOLD_RANKS_ABOVE))
+
+    def _lead_hosts(self) -> int:
+        """Hosts per replica whose ranks are FTAR leads (run the real engine): the first; under diagnose with
+        rank folding also the second, the reference host the ranks not run mirror (harness.run.fold.lead_of):
+        the bench's faults go on the first host, and a mirror of a faulty lead would carry the fault to every
+        rank (a hung first host would leave no healthy rank to copy)."""
+        p = self.profile
+        hosts = -(-p.ranks_per_replica // p.topology.gpus_per_host)
+        return 2 if self.options.diagnose and self._folds_ranks() and hosts >= 2 else 1
+
+    def _lead_count(self) -> int | None:
+        """The FTAR leads per replica (None: rings not folded, every rank runs FTAR)."""
+        if not self.folded:
+            return None
+        return min(self._lead_hosts() * self.profile.topology.gpus_per_host, self.profile.ranks_per_replica)
+
+    def _mirror_reference(self) -> int:
+        """The first lead the mirrors follow (harness.run.fold.lead_of): 0, or the reference host's first rank."""
+        return self.profile.topology.gpus_per_host if self._lead_hosts() == 2 else 0
+
     def _represented_ranks(self) -> tuple[int, ...]:
         """The ranks each replica incarnation runs: every rank, or with rank folding (JobOptions.fold_ranks)
         the leads and every rank a fault names (harness.run.fold.represented_ranks)."""
-        p, o = self.profile, self.options
-        n = p.ranks_per_replica
-        if o.fold_ranks == "on" and not self.folded:
-            raise ValueError("fold_ranks=on needs folded FTAR rings (ftar_detail=folded)")
-        on = self.folded and (o.fold_ranks == "on" or (o.fold_ranks == "auto" and not o.diagnose
-                                                          and n > FOLD_RANKS_ABOVE))
-        if not on:
+        n = self.profile.ranks_per_replica
+        if not self._folds_ranks():
             return tuple(range(n))
-        targets = [f.rank for f in o.injected if isinstance(getattr(f, "rank", None), int)]
+        targets = [f.rank for f in self.options.injected if isinstance(getattr(f, "rank", None), int)]
         return represented_ranks(n, self._num_leads or 1, targets)
 
     def _analytic_rings(self) -> bool:
@@ -78,13 +101,15 @@ class JobFolding:
         """What the run folded (for the report): rings run per replica, ranks run and mirrored per replica."""
         n = self.profile.ranks_per_replica
         run = len(self.ranks)
+        leads = "the first two hosts'" if self._lead_hosts() == 2 else "the first host's"
         return {"ftar_rings_run_per_replica": self._num_leads or n, "ranks_run_per_replica": run,
                 "ftar_model": "analytic" if self.ring_board is not None else "chunks",
                 "analytic_all_reduces": self.ring_board.num_rings if self.ring_board is not None else 0,
                 "chunked_all_reduces": self.ring_board.num_chunked if self.ring_board is not None else 0,
                 "ranks_mirrored_per_replica": n - run,
-                "folding": (f"each replica runs {run} of its {n} ranks (the first host's and every fault target); "
-                            f"the other {n - run} mirror a lead's quorum, vote, FTAR and catch-up, and each "
+                "folding": (f"each replica runs {run} of its {n} ranks ({leads} and "
+                            f"every fault target); the other {n - run} mirror a lead's quorum, vote, FTAR and catch-up"
+                            f"{' (and telemetry)' if self.options.diagnose else ''}, and each "
                             f"replica collective waits out the full {n}-rank tree's extra depth" if run < n
                             else "every rank runs its trainer")}
 

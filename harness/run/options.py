@@ -74,7 +74,8 @@ class JobOptions:
     comm: "tree" (TreeComm, O(log N)) or "flat" (FlatComm: every rank messages the leader).
     fold_ranks: with folded rings, whether a replica runs only its represented ranks (the leads and every
         fault target; harness.run.fold.represented_ranks) instead of every rank: "on", "off", or "auto" (on
-        above FOLD_RANKS_ABOVE ranks per replica, without diagnose, which wants every rank's telemetry).
+        above FOLD_RANKS_ABOVE ranks per replica). Under diagnose the leads are two hosts and the ranks not
+        run are served their reference lead's telemetry (harness.run.job_fold, harness.run.diag_mirror).
     ftar_model: "chunks" runs each all-reduce's schedule chunk by chunk; "analytic" models each ring's all-reduce
         as one timed wait per rank (harness.run.ring_model: crashes and aborts still end it); "auto": analytic
         above ANALYTIC_RINGS_ABOVE ranks. Analytic needs a job without faults that stall a ring silently
@@ -118,8 +119,8 @@ class JobOptions:
             raise ValueError(f"ftar_detail must be folded or full, got {self.ftar_detail!r}")
         if self.fold_ranks not in ("auto", "on", "off"):
             raise ValueError(f"fold_ranks must be auto, on or off, got {self.fold_ranks!r}")
-        if self.fold_ranks == "on" and (self.diagnose or self.ftar_detail == "full"):
-            raise ValueError("fold_ranks=on needs folded rings and no diagnose (every rank's telemetry)")
+        if self.fold_ranks == "on" and self.ftar_detail == "full":
+            raise ValueError("fold_ranks=on needs folded rings (ftar_detail=folded)")
         if self.ftar_model not in ("auto", "chunks", "analytic"):
             raise ValueError(f"ftar_model must be auto, chunks or analytic, got {self.ftar_model!r}")
         if self.chunks_at_faults and not self.diagnose:
