@@ -140,7 +140,7 @@ def test_a_mirrored_hosts_rows_are_its_reference_leads_rows_relabeled():
 
 @pytest.mark.parametrize("phase, detect, entry, period, want", [
     (0.3, 0.5, 0.4, 0.5, 0.3), (0.3, 1.0, 0.4, 0.5, 0.3),  # a step no longer than the detection: unchanged
-    (0.0, 5.0, 21.0, 20.0, 17.0 / 20), (0.5, 5.0, 21.0, 20.0, 19.0 / 20), (1.0, 5.0, 21.0, 20.0, 21.0 / 20),
+    (0.0, 5.0, 21.0, 20.0, 17.0 / 20), (0.5, 5.0, 21.0, 20.0, 18.5 / 20), (1.0, 5.0, 21.0, 20.0, 20.0 / 20),
     (0.0, 5.0, 2.0, 20.0, 0.0), (0.2, 0.0, 21.0, 20.0, 21.0 / 20),
 ])
 def test_a_rank_kill_lands_within_crash_detection_before_the_next_all_reduce(phase, detect, entry, period, want):
