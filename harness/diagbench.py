@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from ftrun.diagnose.summary import HIST_LEN
-from harness.profile import Profile
+from harness.profile import Profile, hosts_per_replica
 from harness.run import EmulatedJob, JobOptions
 from harness.run.faults import CutBuilding, Hang, KillRank, SlowHostAt, SlowLink
 
@@ -60,7 +60,7 @@ class Shape:
 
     @property
     def hosts_per_replica(self) -> int:
-        return -(-self.ranks_per_replica // self.gpus_per_host)
+        return hosts_per_replica(self.ranks_per_replica, self.gpus_per_host)
 
     @property
     def place_hosts(self) -> int:
@@ -560,7 +560,7 @@ def cli_run(args: Any) -> int:
     profile = build_profile(args.profile, args.overrides, steps=None, cpu_charging=args.cpu_charging)
     ff = args.scenarios // 2 if args.fault_free is None else args.fault_free
     out = run_bench(profile, scenarios=args.scenarios, seed=args.seed, fault_free=ff, progress=True,
-                    ftar_detail=args.ftar_detail, fold_ranks=getattr(args, "fold_ranks", "auto"),
+                    ftar_detail=args.ftar_detail, fold_ranks=args.fold_ranks,
                     ftar_model=args.ftar_model)
     results = out.pop("results")
     if args.out:

@@ -28,6 +28,7 @@ import numpy as np
 
 from ftrun.diagnose.collect import DiagnoseError, RankInfo, TelemetryServer, summarize_recorder
 from ftrun.diagnose.telemetry import Recorder
+from harness.profile import hosts_per_replica
 from harness.run.fold import lead_of
 
 
@@ -41,7 +42,7 @@ def mirrored_hosts(ranks_per_replica: int, gpus_per_host: int, run: Sequence[int
     if not set(range(num_leads)) <= running:
         raise ValueError(f"every lead 0..{num_leads - 1} must be run, got {sorted(running)[:16]}")
     out = []
-    for slot in range(-(-ranks_per_replica // gpus_per_host)):
+    for slot in range(hosts_per_replica(ranks_per_replica, gpus_per_host)):
         ranks = range(slot * gpus_per_host, min((slot + 1) * gpus_per_host, ranks_per_replica))
         pairs = tuple((k, lead_of(k, num_leads, reference)) for k in ranks if k not in running)
         if pairs:

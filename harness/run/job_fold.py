@@ -10,7 +10,7 @@ from ftrun.env.wire import HEADER_SIZE
 from harness.engine.net import parse_addr
 from harness.run.fold import represented_ranks, tree_depth_latency
 from harness.run.options import ANALYTIC_RINGS_ABOVE, FOLD_RANKS_ABOVE
-from harness.run.ring_model import Cost, rank_cost, ring_seconds
+from harness.run.ring_model import Cost, RankCost, StepSummary, rank_cost, ring_seconds
 
 
 class JobFolding:
@@ -43,9 +43,7 @@ class JobFolding:
         rank folding also the second, the reference host the ranks not run mirror (harness.run.fold.lead_of):
         the bench's faults go on the first host, and a mirror of a faulty lead would carry the fault to every
         rank (a hung first host would leave no healthy rank to copy)."""
-        p = self.profile
-        hosts = -(-p.ranks_per_replica // p.topology.gpus_per_host)
-        return 2 if self.options.diagnose and self._folds_ranks() and hosts >= 2 else 1
+        return 2 if self.options.diagnose and self._folds_ranks() and self.profile.hosts_per_replica >= 2 else 1
 
     def _lead_count(self) -> int | None:
         """The FTAR leads per replica (None: rings not folded, every rank runs FTAR)."""
@@ -84,7 +82,7 @@ class JobFolding:
 
         overhead = net.frame_overhead_bytes + HEADER_SIZE
 
-        def cost(summary, next_addr: str):
+        def cost(summary: StepSummary, next_addr: str) -> RankCost:
             peer = parse_addr(next_addr)[0] or host
             route = fab.route(fab.net_host(host), fab.net_host(peer))
             key = (summary, route.hop, route.host_rate, route.up is not None)
