@@ -174,10 +174,19 @@ class Recorder:
         self._put(0, step, 0, -1, min(nbytes, 0xFFFFFFFF), 0, 0, Op.CATCHUP, Ev.DONE if ok else Ev.FAIL)
 
     # -- reading -----------------------------------------------------------------------------------
-    def records(self) -> np.ndarray:
-        """A copy of the buffered records, oldest first."""
-        n, cap = self.written, self.capacity
-        if n <= cap:
-            return self._view[:n].copy()
-        i = n % cap
-        return np.concatenate([self._view[i:], self._view[:i]])
+    @property
+    def held(self) -> int:
+        """Records in the buffer now."""
+        return min(self.written, self.capacity)
+
+    def records(self, last: int | None = None) -> np.ndarray:
+        """A copy of the buffered records (only the newest `last` of them when given), oldest first."""
+        n = self.held if last is None else min(self.held, max(last, 0))
+        end = (self.written - 1) % self.capacity + 1 if self.written else 0  # after the newest record's slot
+        lo, hi = (end - n) * RECORD.itemsize, end * RECORD.itemsize
+        raw = self._buf[lo:hi] if lo >= 0 else self._buf[lo:] + self._buf[:hi]  # one byte copy (a structured
+        return np.frombuffer(raw, RECORD)  # concatenate costs ms per MB)
+
+    def holds(self, op: Op) -> bool:
+        """Whether the buffer holds a record of `op`."""
+        return bool((self._view["op"][:self.held] == op).any())
