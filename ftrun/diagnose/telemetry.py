@@ -187,6 +187,6 @@ class Recorder:
         raw = self._buf[lo:hi] if lo >= 0 else self._buf[lo:] + self._buf[:hi]  # one byte copy (a structured
         return np.frombuffer(raw, RECORD)  # concatenate costs ms per MB)
 
-    def holds(self, op: Op) -> bool:
+    def holds(self, op: int) -> bool:
         """Whether the buffer holds a record of `op`."""
         return bool((self._view["op"][:self.held] == op).any())
