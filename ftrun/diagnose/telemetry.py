@@ -91,6 +91,7 @@ class Recorder:
         self._seq = 0  # chunk steps completed in the current all-reduce
         self._prev = -1  # the previous rank's ring index in it
         self._tree_cid = 0
+        self._last = [-1] * (max(Op) + 1)  # per Op: the number of the last record `_put` wrote (see holds)
 
     @property
     def nbytes(self) -> int:
@@ -100,6 +101,7 @@ class Recorder:
              ev: int) -> None:
         i = self.written
         self.written = i + 1
+        self._last[op] = i
         _PACK.pack_into(self._buf, (i % self.capacity) * 40, self._now(), qid, cid, self.step, seq, peer,
                         nbytes, aux, part, op, ev)
 
@@ -188,5 +190,6 @@ class Recorder:
         return np.frombuffer(raw, RECORD)  # concatenate costs ms per MB)
 
     def holds(self, op: int) -> bool:
-        """Whether the buffer holds a record of `op`."""
-        return bool((self._view["op"][:self.held] == op).any())
+        """Whether the buffer may hold a record of `op`: False only if it holds none of `_put`'s (every TREE,
+        QUORUM and CATCHUP record, and FTAR's ENTER, DONE and FAIL; not its chunk and model records)."""
+        return self._last[op] >= max(self.written - self.capacity, 0)

@@ -138,3 +138,16 @@ def test_records_last_are_the_newest_oldest_first(written):
         got["cid"] = -5  # a copy: the buffer is untouched
     assert list(rec.records()["cid"]) == list(range(max(0, written - 16), written))
     assert rec.holds(Op.QUORUM) == (written > 0) and not rec.holds(Op.FTAR)
+
+
+def test_holds_says_whether_an_op_is_still_in_the_buffer():
+    rec = Recorder(FakeClock(), capacity=16)
+    assert not any(rec.holds(op) for op in Op)
+    rec.catchup_start(3, 2)
+    rec.ftar_enter(1, 64, 4, 0, 6)
+    assert rec.holds(Op.CATCHUP) and rec.holds(Op.FTAR) and not rec.holds(Op.TREE)
+    for i in range(15):
+        rec.quorum_ask(i)
+    assert not rec.holds(Op.CATCHUP) and rec.holds(Op.FTAR)  # the catch-up record was overwritten
+    rec.quorum_ask(15)
+    assert not rec.holds(Op.FTAR) and rec.holds(Op.QUORUM)
