@@ -71,6 +71,11 @@ class SummaryCache:
         s["now"] = now
         return s, hit[3]
 
+    def forget(self, recorders: Any) -> None:
+        """Drop the rows of recorders no longer served (a dead incarnation's): they would keep them alive."""
+        for rec in recorders:
+            self._rows.pop(id(rec), None)
+
 
 class MirrorTelemetry:
     """Serves the ranks not run of every replica incarnation once its reference leads have recorders."""
@@ -84,12 +89,16 @@ class MirrorTelemetry:
         self.leads = {lead for _, pairs in self.hosts for _, lead in pairs}
         self.cache = SummaryCache()
         self._recorders: dict[tuple[int, int], dict[int, Recorder]] = {}  # (replica, incarnation) -> lead -> rec
-        self.servers: list[TelemetryServer] = []  # every mirrored host's, every incarnation's
+        # replica -> (its latest served incarnation, that one's lead recorders, its mirrored hosts' servers):
+        # an older incarnation's are dropped, so a dead one's buffers do not stay alive
+        self._served: dict[int, tuple[int, dict[int, Recorder], list[TelemetryServer]]] = {}
+        self.servers_started = 0
         self.register_failures = 0
 
     @property
-    def servers_started(self) -> int:
-        return len(self.servers)
+    def servers(self) -> list[TelemetryServer]:
+        """The mirrored hosts' servers of each replica's latest incarnation."""
+        return [server for _, _, servers in self._served.values() for server in servers]
 
     @property
     def ranks_served(self) -> int:
@@ -107,18 +116,27 @@ class MirrorTelemetry:
 
     def _start(self, inc: Any, recorders: dict[int, Recorder]) -> None:
         world = self.job.world
+        old = self._served.get(inc.replica)
+        if old is not None and old[0] > inc.number:
+            return  # a newer incarnation serves already
+        if old is not None:
+            self.cache.forget(old[1].values())
+        self._served[inc.replica] = (inc.number, recorders, [])
         for slot, pairs in self.hosts:
             host = inc.hosts[slot]
             ranks = {RankInfo(f"{inc.replica_id}/{k}", inc.replica, k, host, inc.number): recorders[lead]
                      for k, lead in pairs}
-            world.host_env(host).spawn(self._serve, host, ranks, name=f"telemetry-{inc.replica_id}.{inc.number}-{slot}")
+            world.host_env(host).spawn(self._serve, host, ranks, inc, name=f"telemetry-{inc.replica_id}.{inc.number}-{slot}")
 
-    def _serve(self, host: str, ranks: dict[RankInfo, Recorder]) -> None:
+    def _serve(self, host: str, ranks: dict[RankInfo, Recorder], inc: Any) -> None:
         """Task body on the mirrored host: its telemetry server (its accept loop lives on as this process)."""
         server = TelemetryServer(env=self.job.world.host_env(host), token=self.job.token, ranks=ranks,
                                  summaries=self.cache)
         server.start()
-        self.servers.append(server)
+        self.servers_started += 1
+        served = self._served.get(inc.replica)
+        if served is not None and served[0] == inc.number:
+            served[2].append(server)
         try:
             server.register(self.addr, timeout=self.job.timeouts.connect_timeout_s)
         except DiagnoseError:

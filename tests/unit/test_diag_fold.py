@@ -152,3 +152,42 @@ def test_a_rank_kill_lands_within_crash_detection_before_the_next_all_reduce(pha
 def test_kill_phase_rejects_bad_input(args):
     with pytest.raises(ValueError, match="kill_phase"):
         kill_phase(*args)
+
+
+@pytest.mark.timeout(120)
+def test_a_restarted_replicas_old_mirror_servers_and_cached_rows_are_dropped():
+    """A killed incarnation's lead recorders (1 MB each) must not stay alive in the mirror servers' list or
+    the summary cache: only each replica's latest incarnation is served."""
+    from harness.run import parse_inject, split_faults
+
+    kills, faults = split_faults([parse_inject("kill replica=1 step=3")])
+    job = _job(["ranks_per_replica=32", "topology.racks_per_zone=8"], steps=30, diagnose=True,
+               ftar_detail="folded", fold_ranks="on", trace=False, kills=kills, faults=faults)
+    seen: dict = {}
+
+    def driver(j: EmulatedJob) -> None:
+        clock = j.world.clock
+        while j._num_starts[1] < 2 or j.max_step < 8:
+            clock.sleep(0.1)
+        seen["verdict"] = j.diagnosis.diagnose()
+        j.finish()
+
+    job.driver = driver
+    job.run()
+    m, live = job.diagnosis.mirrors, job.diagnosis.recorders
+    assert seen["verdict"]["num_answered"] == seen["verdict"]["num_ranks"] == 4 * 32
+    assert m.servers_started == 5 * len(m.hosts) and len(m.servers) == 4 * len(m.hosts)  # r1 started twice
+    assert {info.incarnation for s in m.servers for info in s.ranks if info.replica == 1} == {1}
+    assert all(rec is live[info.key.rsplit("/", 1)[0] + f"/{lead_of(info.rank, 4, 2)}"]
+               for s in m.servers for info, rec in s.ranks.items())
+    assert m.cache._rows and set(m.cache._rows) <= {id(r) for r in live.values()}
+
+
+def test_summary_cache_forgets_recorders():
+    world = EmulatedWorld(0, cpu_charging=False)
+    a, b, cache = _recorder(world), _recorder(world), SummaryCache()
+    cache(a, 1.0), cache(b, 1.0)
+    cache.forget([a])
+    assert set(cache._rows) == {id(b)}
+    cache(a, 2.0)
+    assert cache.computed == 3
