@@ -5,6 +5,7 @@ One `train_step()` (paper §4.1-4.4, DESIGN "The runtime, part by part"):
     q = manager.start_step()            # quorum; a behind replica heals here (`heal`: fetch + load)
     serve(q)                            # healthy + someone behind: publish the state after q.step commits
                                         # for catch-up; the writer: a persistent checkpoint of the same state
+                                        # (async_write: staged to host memory, written in the background)
     attempt = progress.start(q)         # leader: audit Attempt (before the gradient can enter FTAR)
     forward/backward on this rank's batch, gather grads into one float32 buffer
     exchange.average(q, buffer)         # FTAR mean over contributors; a healed replica sends zeros
@@ -62,7 +63,14 @@ Overlap (ftrun.train.overlap, `overlap=` in build): in a plain training step (no
 gradient) the exchange runs bucket by bucket during backward instead of after it; the vote, retries and
 the joiner paths are the ones above. The "exchange" phase is then called after backward, while the
 last buckets are still being reduced.
-Threading: one task per trainer; `heal` runs in it, called by the Manager.
+Persistent checkpoints. With CheckpointConfig.async_write (the default) the writer's ranks stage the
+state in `_serve` (a host-memory copy; the only part the step waits for) and write and commit it in a
+background task (env.spawn), at most one at a time (ftrun.checkpoint.policy); `close` waits for a write
+in flight. Synchronous writes (async_write=false) happen inside the step: a write longer than the FTAR
+timeout gets the writer dropped by the other replicas.
+
+Threading: one task per trainer; `heal` runs in it, called by the Manager. A background checkpoint
+write is a second task; it shares with the step only `_checkpointed` and the event callback.
 """
 
 from __future__ import annotations
@@ -78,13 +86,13 @@ from ftrun.catchup.fetcher import FetchResult
 from ftrun.catchup.heal import catchup_sources, should_publish
 from ftrun.catchup.transport import CatchupService
 from ftrun.catchup.wait import estimate_fetch_s, exchange_wait_s, should_wait, wait_outcome
-from ftrun.checkpoint.policy import CheckpointConfig, checkpoint_writer, should_checkpoint
+from ftrun.checkpoint.policy import CheckpointConfig, async_action, checkpoint_writer, should_checkpoint
 from ftrun.config import ManagerConfig
 from ftrun.data.audit import AuditLog
 from ftrun.data.loader_state import LoaderState, LoaderStateError, LoaderStateStore
 from ftrun.data.progress import DataProgress
 from ftrun.data.sampler import DataLayout
-from ftrun.env.base import Env
+from ftrun.env.base import Env, Task
 from ftrun.ftar.ring import RecoverableError
 from ftrun.quorum.client import LighthouseClient
 from ftrun.replica.comm import ReplicaComm
@@ -182,6 +190,7 @@ class FaultTolerantTrainer:
         self._leader = manager.comm.rank == 0
         self._published: tuple[int, str] | None = None  # (step, lineage) of the snapshot being served
         self._checkpointed = checkpointed  # (step, lineage) of a checkpoint that exists: never rewritten
+        self._writing: tuple[Task, tuple[int, str]] | None = None  # the background checkpoint write and its key
         self.last_fetch: FetchResult | None = None
         self._kept: tuple[tuple[int, str], float, Any] | None = None  # ((step, lineage), loss, gradient)
         self._compute_s: float | None = None  # the last forward/backward's seconds
@@ -244,7 +253,8 @@ class FaultTolerantTrainer:
     def _serve(self, q: StepQuorum) -> None:
         """Before the compute, the state after q.step commits: the catch-up snapshot (healthy replicas,
         when someone is behind) first, so the fetch overlaps the checkpoint write; then the persistent
-        checkpoint (its writer). Neither is redone for a retry on the same state."""
+        checkpoint (its writer: staged for a background write, or written here). Neither is redone for
+        a retry on the same state."""
         key = (q.step, self.progress.state.lineage)
         if should_publish(q) and self._published != key:
             metadata = {"step": q.step, "loader_state": self.progress.state.to_dict(), "state": self.state.metadata(),
@@ -256,20 +266,69 @@ class FaultTolerantTrainer:
         cfg = self.config
         if (self.checkpointer is not None and self._checkpointed != key and should_checkpoint(q.step, cfg.checkpoint)
                 and checkpoint_writer(q.participants) == cfg.replica_id):  # every rank: its own shards
-            self._checkpoint(q.step, key)
+            if cfg.checkpoint.async_write:
+                self._checkpoint_async(q.step, key)
+            else:
+                self._checkpoint(q.step, key)
 
     def _checkpoint(self, step: int, key: tuple[int, str]) -> None:
-        """Write the checkpoint of the state after `step` commits. A failed write costs this checkpoint
-        only (readers skip a folder without a valid manifest): it is logged, not raised."""
+        """Write the checkpoint of the state after `step` commits, inside the step. A failed write costs
+        this checkpoint only (readers skip a folder without a valid manifest): it is logged, not raised."""
         started = self.env.clock.now()
         try:
             self.checkpointer.save(step, self.progress.state)
         except Exception as e:  # storage trouble must not take the replica down; the next cadence retries
-            log.error("replica %s: checkpoint of step %d failed: %s", self.config.replica_id, step, e)
-            self._emit("checkpoint_failed", step=step, error=f"{type(e).__name__}: {e}")
+            self._checkpoint_failed(step, e)
             return
         self._checkpointed = key
         self._emit("checkpoint", step=step, seconds=self.env.clock.now() - started)
+
+    def _checkpoint_async(self, step: int, key: tuple[int, str]) -> None:
+        """Stage the state after `step` commits (the step waits for that only: "checkpoint_staged" says
+        how long) and write it in a background task (env.spawn: virtual time in the emulator), at most
+        one at a time: a cadence that finds the last write running is skipped (ftrun.checkpoint.policy).
+        A failed stage or write is logged like a failed synchronous one; the write commits last, so a
+        write that fails or dies with its process leaves no manifest."""
+        writing = self._writing[1] if self._writing is not None and self._writing[0].is_alive() else None
+        action = async_action(key, writing)
+        if action == "in_flight":  # a retry of the step whose checkpoint is being written
+            return
+        if action == "skip":
+            log.warning("replica %s: checkpoint of step %d skipped: the one of step %d is still being written",
+                        self.config.replica_id, step, writing[0])
+            self._emit("checkpoint_skipped", step=step, in_flight=writing[0])
+            return
+        started = self.env.clock.now()
+        try:
+            write = self.checkpointer.stage(step, self.progress.state)
+        except Exception as e:
+            self._checkpoint_failed(step, e)
+            return
+        self._emit("checkpoint_staged", step=step, seconds=self.env.clock.now() - started)
+        task = self.env.spawn(self._write_checkpoint, write, step, key,
+                              name=f"checkpoint-{self.config.replica_id}-{self.config.rank}-{step}")
+        self._writing = (task, key)
+
+    def _write_checkpoint(self, write: Callable[[], None], step: int, key: tuple[int, str]) -> None:
+        """The background task of `_checkpoint_async`: "checkpoint" with the write's seconds, or "checkpoint_failed"."""
+        started = self.env.clock.now()
+        try:
+            write()
+        except Exception as e:
+            self._checkpoint_failed(step, e)
+            return
+        self._checkpointed = key
+        self._emit("checkpoint", step=step, seconds=self.env.clock.now() - started, background=True)
+
+    def _checkpoint_failed(self, step: int, e: Exception) -> None:
+        log.error("replica %s: checkpoint of step %d failed: %s", self.config.replica_id, step, e)
+        self._emit("checkpoint_failed", step=step, error=f"{type(e).__name__}: {e}")
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until the background checkpoint write in flight (if any) has committed or failed."""
+        if self._writing is not None:
+            self._writing[0].join()
+            self._writing = None
 
     def _compute_and_exchange(self, q: StepQuorum, *, trains: bool) -> float | None:
         """Forward/backward (unless behind) and the FTAR mean into .grad; a failure is a 'no' vote
@@ -437,8 +496,13 @@ class FaultTolerantTrainer:
                             "rank": self.config.rank, **fields})
 
     def close(self) -> None:
-        """Leave the job: the Manager (lighthouse link, replica comm). The caller closes engine and server."""
-        self.manager.close()
+        """Leave the job: first wait for a checkpoint write in flight (it commits, or fails and leaves no
+        manifest: never a torn checkpoint that looks complete), then the Manager (lighthouse link, replica
+        comm). The caller closes engine and server."""
+        try:
+            self.wait_for_checkpoint()
+        finally:
+            self.manager.close()
 
 
 def build(*, config: TrainerConfig, env: Env, compute: Compute, layout: DataLayout, replica_ids: tuple[str, ...],
