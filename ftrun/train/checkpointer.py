@@ -47,6 +47,11 @@ class Checkpointer(Protocol):
         that persists it: run later, in a background task, it raises on a failed write and commits the
         checkpoint last. Raises what `save` raises before it writes (e.g. a fork)."""
 
+    def in_flight(self, local: bool) -> bool:
+        """Whether the writer replica still has a background write running, given whether this rank's
+        is (`local`): the same answer on every rank of the replica, so that all of them stage the next
+        checkpoint or all skip it (a collective of a sharded replica, like `stage`)."""
+
     def restore(self, layout: DataLayout, replica_ids: tuple[str, ...]) -> tuple[int, LoaderState] | None:
         """Load the latest complete checkpoint into the rank's state: (step, ledger), or None if there
         is none. Raises LoaderStateError for a checkpoint of another layout or job."""
@@ -84,6 +89,11 @@ class DcpCheckpointer:
                              loader_state=loader_state, keep=self.keep, key=self.key, extra=self.extra, comm=self.comm)
         comm, group = self._background_channel()
         return lambda: store.write(staged, comm=comm, process_group=group)
+
+    def in_flight(self, local: bool) -> bool:
+        if self.comm is None or self.comm.world_size == 1:
+            return local
+        return bool(self.comm.all_reduce_int([int(local)], "max")[0])  # ranks end their writes microseconds apart
 
     def _background_channel(self) -> tuple[ReplicaComm | None, Any]:
         """(comm, process group) of the background writes: none for a one-rank replica; for a sharded

@@ -289,7 +289,8 @@ class FaultTolerantTrainer:
         one at a time: a cadence that finds the last write running is skipped (ftrun.checkpoint.policy).
         A failed stage or write is logged like a failed synchronous one; the write commits last, so a
         write that fails or dies with its process leaves no manifest."""
-        writing = self._writing[1] if self._writing is not None and self._writing[0].is_alive() else None
+        busy = self.checkpointer.in_flight(self._writing is not None and self._writing[0].is_alive())
+        writing = self._writing[1] if busy and self._writing is not None else None  # busy: the same on every rank
         action = async_action(key, writing)
         if action == "in_flight":  # a retry of the step whose checkpoint is being written
             return

@@ -110,6 +110,9 @@ class ObjectStoreCheckpointer:
     def save(self, step: int, loader_state: LoaderState) -> None:
         self.stage(step, loader_state)()
 
+    def in_flight(self, local: bool) -> bool:
+        return local  # the replica's leader is its only writer here
+
     def stage(self, step: int, loader_state: LoaderState) -> Callable[[], None]:
         """Staging costs no modeled time (a host copy is not modeled); the write charges the store."""
         def write() -> None:
