@@ -155,7 +155,8 @@ def stage(root: str | os.PathLike, *, step: int, model: torch.nn.Module, optimiz
     comm = comm or LocalComm()
     _prepare_write(root, step, loader_state, key, comm)
     live = _state_dict(model, optimizer, {n: copy.deepcopy(obj.state_dict()) for n, obj in (extra or {}).items()})
-    return Staged(Path(root), step, loader_state, keep, key, BlockingAsyncStager(cache_staged_state_dict=False).stage(live))
+    staged = BlockingAsyncStager(cache_staged_state_dict=False).stage(live)
+    return Staged(Path(root), step, loader_state, keep, key, staged)
 
 
 def _prepare_write(root: str | os.PathLike, step: int, loader_state: ls.LoaderState, key: bytes | None,

@@ -63,14 +63,12 @@ Overlap (ftrun.train.overlap, `overlap=` in build): in a plain training step (no
 gradient) the exchange runs bucket by bucket during backward instead of after it; the vote, retries and
 the joiner paths are the ones above. The "exchange" phase is then called after backward, while the
 last buckets are still being reduced.
-Persistent checkpoints. With CheckpointConfig.async_write (the default) the writer's ranks stage the
-state in `_serve` (a host-memory copy; the only part the step waits for) and write and commit it in a
-background task (env.spawn), at most one at a time (ftrun.checkpoint.policy); `close` waits for a write
-in flight. Synchronous writes (async_write=false) happen inside the step: a write longer than the FTAR
-timeout gets the writer dropped by the other replicas.
+Persistent checkpoints (ftrun.train.checkpointing): with CheckpointConfig.async_write (the default)
+the step waits only while the writer's ranks stage the state; the write runs in a background task,
+which `close` waits for.
 
-Threading: one task per trainer; `heal` runs in it, called by the Manager. A background checkpoint
-write is a second task; it shares with the step only `_checkpointed` and the event callback.
+Threading: one task per trainer; `heal` runs in it, called by the Manager; a background checkpoint
+write is a second one (ftrun.train.checkpointing).
 """
 
 from __future__ import annotations
@@ -86,19 +84,20 @@ from ftrun.catchup.fetcher import FetchResult
 from ftrun.catchup.heal import catchup_sources, should_publish
 from ftrun.catchup.transport import CatchupService
 from ftrun.catchup.wait import estimate_fetch_s, exchange_wait_s, should_wait, wait_outcome
-from ftrun.checkpoint.policy import CheckpointConfig, async_action, checkpoint_writer, should_checkpoint
+from ftrun.checkpoint.policy import CheckpointConfig, checkpoint_writer
 from ftrun.config import ManagerConfig
 from ftrun.data.audit import AuditLog
 from ftrun.data.loader_state import LoaderState, LoaderStateError, LoaderStateStore
 from ftrun.data.progress import DataProgress
 from ftrun.data.sampler import DataLayout
-from ftrun.env.base import Env, Task
+from ftrun.env.base import Env
 from ftrun.ftar.ring import RecoverableError
 from ftrun.quorum.client import LighthouseClient
 from ftrun.replica.comm import ReplicaComm
 from ftrun.replica.endpoints import encode_endpoints
 from ftrun.replica.manager import Manager, ReplicaError, StepQuorum
 from ftrun.train.checkpointer import Checkpointer
+from ftrun.train.checkpointing import CheckpointWriter
 from ftrun.train.compute import Compute, LossFn  # noqa: F401 (LossFn re-exported)
 from ftrun.train.exchange import GradientExchange
 from ftrun.train.lr import LRConfig, lr_factor
@@ -189,8 +188,9 @@ class FaultTolerantTrainer:
         self._on_event, self._on_phase = on_event, on_phase
         self._leader = manager.comm.rank == 0
         self._published: tuple[int, str] | None = None  # (step, lineage) of the snapshot being served
-        self._checkpointed = checkpointed  # (step, lineage) of a checkpoint that exists: never rewritten
-        self._writing: tuple[Task, tuple[int, str]] | None = None  # the background checkpoint write and its key
+        self.checkpoints = CheckpointWriter(
+            checkpointer=checkpointer, config=config.checkpoint, env=env, replica_id=config.replica_id,
+            rank=config.rank, emit=self._emit, checkpointed=checkpointed) if checkpointer is not None else None
         self.last_fetch: FetchResult | None = None
         self._kept: tuple[tuple[int, str], float, Any] | None = None  # ((step, lineage), loss, gradient)
         self._compute_s: float | None = None  # the last forward/backward's seconds
@@ -263,73 +263,8 @@ class FaultTolerantTrainer:
             self.catchup.publish(q.step, tensors, metadata)
             self._snapshot_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
             self._published = key
-        cfg = self.config
-        if (self.checkpointer is not None and self._checkpointed != key and should_checkpoint(q.step, cfg.checkpoint)
-                and checkpoint_writer(q.participants) == cfg.replica_id):  # every rank: its own shards
-            if cfg.checkpoint.async_write:
-                self._checkpoint_async(q.step, key)
-            else:
-                self._checkpoint(q.step, key)
-
-    def _checkpoint(self, step: int, key: tuple[int, str]) -> None:
-        """Write the checkpoint of the state after `step` commits, inside the step. A failed write costs
-        this checkpoint only (readers skip a folder without a valid manifest): it is logged, not raised."""
-        started = self.env.clock.now()
-        try:
-            self.checkpointer.save(step, self.progress.state)
-        except Exception as e:  # storage trouble must not take the replica down; the next cadence retries
-            self._checkpoint_failed(step, e)
-            return
-        self._checkpointed = key
-        self._emit("checkpoint", step=step, seconds=self.env.clock.now() - started)
-
-    def _checkpoint_async(self, step: int, key: tuple[int, str]) -> None:
-        """Stage the state after `step` commits (the step waits for that only: "checkpoint_staged" says
-        how long) and write it in a background task (env.spawn: virtual time in the emulator), at most
-        one at a time: a cadence that finds the last write running is skipped (ftrun.checkpoint.policy).
-        A failed stage or write is logged like a failed synchronous one; the write commits last, so a
-        write that fails or dies with its process leaves no manifest."""
-        busy = self.checkpointer.in_flight(self._writing is not None and self._writing[0].is_alive())
-        writing = self._writing[1] if busy and self._writing is not None else None  # busy: the same on every rank
-        action = async_action(key, writing)
-        if action == "in_flight":  # a retry of the step whose checkpoint is being written
-            return
-        if action == "skip":
-            log.warning("replica %s: checkpoint of step %d skipped: the one of step %d is still being written",
-                        self.config.replica_id, step, writing[0])
-            self._emit("checkpoint_skipped", step=step, in_flight=writing[0])
-            return
-        started = self.env.clock.now()
-        try:
-            write = self.checkpointer.stage(step, self.progress.state)
-        except Exception as e:
-            self._checkpoint_failed(step, e)
-            return
-        self._emit("checkpoint_staged", step=step, seconds=self.env.clock.now() - started)
-        task = self.env.spawn(self._write_checkpoint, write, step, key,
-                              name=f"checkpoint-{self.config.replica_id}-{self.config.rank}-{step}")
-        self._writing = (task, key)
-
-    def _write_checkpoint(self, write: Callable[[], None], step: int, key: tuple[int, str]) -> None:
-        """The background task of `_checkpoint_async`: "checkpoint" with the write's seconds, or "checkpoint_failed"."""
-        started = self.env.clock.now()
-        try:
-            write()
-        except Exception as e:
-            self._checkpoint_failed(step, e)
-            return
-        self._checkpointed = key
-        self._emit("checkpoint", step=step, seconds=self.env.clock.now() - started, background=True)
-
-    def _checkpoint_failed(self, step: int, e: Exception) -> None:
-        log.error("replica %s: checkpoint of step %d failed: %s", self.config.replica_id, step, e)
-        self._emit("checkpoint_failed", step=step, error=f"{type(e).__name__}: {e}")
-
-    def wait_for_checkpoint(self) -> None:
-        """Block until the background checkpoint write in flight (if any) has committed or failed."""
-        if self._writing is not None:
-            self._writing[0].join()
-            self._writing = None
+        if self.checkpoints is not None:
+            self.checkpoints.at_step(q, self.progress.state)
 
     def _compute_and_exchange(self, q: StepQuorum, *, trains: bool) -> float | None:
         """Forward/backward (unless behind) and the FTAR mean into .grad; a failure is a 'no' vote
@@ -501,7 +436,8 @@ class FaultTolerantTrainer:
         manifest: never a torn checkpoint that looks complete), then the Manager (lighthouse link, replica
         comm). The caller closes engine and server."""
         try:
-            self.wait_for_checkpoint()
+            if self.checkpoints is not None:
+                self.checkpoints.wait()
         finally:
             self.manager.close()
 

@@ -5,9 +5,10 @@
 save: train two steps, checkpoint step 2 (every rank its own shards, with a user state), train a third
 step and try to checkpoint step 3 with FAULT (none | error: the last rank's write fails | die: the last
 rank is SIGKILLed after its DCP write, before the vote). async: train two steps, stage the checkpoint of
-step 2 (DcpCheckpointer.stage) and write it in a background task while training four more steps. load: restore the latest checkpoint into this
-world size (1 = a plain, unsharded model), report, then train one more step on it. Prints one JSON line of
-findings (digests of the FULL parameters and optimizer moments, so different world sizes compare).
+step 2 (DcpCheckpointer.stage) and write it in a background task while training four more steps.
+load: restore the latest checkpoint into this world size (1 = a plain, unsharded model), report, then
+train one more step on it. Prints one JSON line of findings (digests of the FULL parameters and
+optimizer moments, so different world sizes compare).
 """
 
 from __future__ import annotations

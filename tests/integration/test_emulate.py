@@ -139,12 +139,15 @@ def test_a_checkpoint_write_longer_than_the_ftar_timeout_no_longer_drops_the_wri
 def test_a_writer_killed_mid_write_leaves_no_manifest_and_the_next_writer_takes_over():
     """r0 stages the checkpoint of step 3 and is killed at step 5, its write (~2.4 s) still running: no
     manifest for step 3; the quorum without r0 elects r1, whose checkpoint of step 6 commits."""
-    profile = ci_small("checkpoint.every_steps=3", "failures.mode=none", "storage.checkpoint_bandwidth_bytes_per_s=1.4e5")
+    profile = ci_small("checkpoint.every_steps=3", "failures.mode=none",
+                       "storage.checkpoint_bandwidth_bytes_per_s=1.4e5")
     f, job = cli.execute(profile, JobOptions(steps=9, kills=(parse_inject("kill replica=0 step=5"),)))
     assert f["complete"] and f["unexpected_errors"] == []
-    events = [(e["event"], e["replica_id"], e["step"]) for e in job.recorder.events if e["event"].startswith("checkpoint")]
+    events = [(e["event"], e["replica_id"], e["step"]) for e in job.recorder.events
+              if e["event"].startswith("checkpoint")]
     assert events == [("checkpoint_staged", "r0", 3), ("checkpoint_staged", "r1", 6), ("checkpoint", "r1", 6)]
-    assert [k for k in job.checkpoint_storage.keys() if k.endswith("manifest.json")] == ["ckpt/step-00000006/manifest.json"]
+    manifests = [k for k in job.checkpoint_storage.keys() if k.endswith("manifest.json")]
+    assert manifests == ["ckpt/step-00000006/manifest.json"]
 
 
 def test_full_ftar_detail_runs_every_ring():

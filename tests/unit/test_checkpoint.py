@@ -12,7 +12,8 @@ import torch
 from ftrun.checkpoint import manifest as mf
 from ftrun.checkpoint import store
 from ftrun.checkpoint.policy import (
-    CheckpointConfig, async_action, checkpoint_writer, ledger_for_layout, parse_step_dir, prune_plan, should_checkpoint, step_dir,
+    CheckpointConfig, async_action, checkpoint_writer, ledger_for_layout, parse_step_dir, prune_plan, should_checkpoint,
+    step_dir,
 )
 from ftrun.data.loader_state import LoaderState, LoaderStateError
 from ftrun.data.sampler import DataLayout
