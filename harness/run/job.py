@@ -142,6 +142,8 @@ class EmulatedJob(JobFolding):
         self.storage.write_latency_s = profile.storage.local_write_latency_s
         self.storage.append_latency_s = profile.storage.local_append_latency_s
         self.checkpoint_storage = MockObjectStore.remote(env)  # persistent checkpoints: an object store
+        self.checkpoint_storage.write_latency_s = profile.storage.checkpoint_write_latency_s
+        self.checkpoint_storage.bandwidth = profile.storage.checkpoint_bandwidth_bytes_per_s
         self.ftar_config = replace(profile.ftar.engine, timeout_s=self.timeouts.ftar_timeout_s, transport="socket")
         self.mirror_timeout_s = 10 * (self.timeouts.ftar_timeout_s + self.timeouts.catchup_timeout_s
                                       + profile.train.step_compute_s + profile.train.first_step_extra_s)

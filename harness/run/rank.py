@@ -223,6 +223,8 @@ def _train(job: RankJob, inc: RankIncarnation, rank: int, index: int, env: Any, 
             _leader_spans(job, inc, r, (marks.quorum, marks.started, marks.exchange, marks.commit, env.clock.now()))
             if r.committed:
                 job.committed(inc, trainer.step)
+    if trainer.checkpoints is not None:
+        trainer.checkpoints.wait()  # a write still in flight commits, as a real rank's close waits for it
 
 
 def _leader_spans(job: RankJob, inc: RankIncarnation, r: StepResult, t: tuple[float, ...]) -> None:
