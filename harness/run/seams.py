@@ -98,29 +98,34 @@ class ShapeSnapshotStore:
 class ObjectStoreCheckpointer:
     """The Checkpointer seam (ftrun.train.checkpointer) over a mock object store: `state_bytes` of
     modeled data, then `ckpt/step-N/manifest.json` (the commit point: a checkpoint without it is
-    incomplete). `restore` finds none (an emulated job starts fresh)."""
+    incomplete). Staging (asynchronous checkpoints) copies `state_bytes` to host memory at `stage_bytes_per_s`
+    on `clock`. `restore` finds none (an emulated job starts fresh)."""
 
-    def __init__(self, *, storage: Any, state_bytes: int, prefix: str = "ckpt") -> None:
+    def __init__(self, *, storage: Any, state_bytes: int, clock: Any, stage_bytes_per_s: float,
+                 prefix: str = "ckpt") -> None:
         self.storage, self.state_bytes, self.prefix = storage, state_bytes, prefix
+        self.clock, self.stage_bytes_per_s = clock, stage_bytes_per_s
         self.committed: list[int] = []
 
     def restore(self, layout: DataLayout, replica_ids: tuple[str, ...]) -> tuple[int, LoaderState] | None:
         return None
 
     def save(self, step: int, loader_state: LoaderState) -> None:
-        self.stage(step, loader_state)()
+        self._write(step, loader_state)
 
     def in_flight(self, local: bool) -> bool:
         return local  # the replica's leader is its only writer here
 
     def stage(self, step: int, loader_state: LoaderState) -> Callable[[], None]:
-        """Staging costs no modeled time (a host copy is not modeled); the write charges the store."""
-        def write() -> None:
-            self.storage.charge_write(self.state_bytes)  # the model and optimizer shards
-            manifest = {"step": step, "state_bytes": self.state_bytes, "loader_state": loader_state.to_dict()}
-            self.storage.write_atomic(f"{self.prefix}/step-{step:08d}/manifest.json", json.dumps(manifest).encode())
-            self.committed.append(step)
-        return write
+        """The host copy now (the step waits for it); the write, charged to the store, when called."""
+        self.clock.sleep(self.state_bytes / self.stage_bytes_per_s)
+        return lambda: self._write(step, loader_state)
+
+    def _write(self, step: int, loader_state: LoaderState) -> None:
+        self.storage.charge_write(self.state_bytes)  # the model and optimizer shards
+        manifest = {"step": step, "state_bytes": self.state_bytes, "loader_state": loader_state.to_dict()}
+        self.storage.write_atomic(f"{self.prefix}/step-{step:08d}/manifest.json", json.dumps(manifest).encode())
+        self.committed.append(step)
 
 
 class FirstStepCosts:

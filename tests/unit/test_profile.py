@@ -115,6 +115,7 @@ def base() -> dict:
     ({"storage": {"local_write_latency_s": -1.0}}, "[storage] local_write_latency_s must be >= 0, got -1.0"),
     ({"storage": {"checkpoint_bandwidth_bytes_per_s": 0.0}},
      "[storage] checkpoint_bandwidth_bytes_per_s must be > 0, got 0.0"),
+    ({"storage": {"checkpoint_stage_bytes_per_s": -2.0}}, "[storage] checkpoint_stage_bytes_per_s must be > 0, got -2.0"),
     ({"checkpoint": {"async_write": 1}}, "checkpoint.async_write must be bool, got 1"),
 ])
 def test_validation_errors_name_the_key(patch, message):
