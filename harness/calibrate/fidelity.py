@@ -49,6 +49,7 @@ REAL_TIMEOUTS = {"heartbeat_interval_s": 0.1, "heartbeat_timeout_s": 2.0, "commi
 
 NAMES = ("step_s", "get_quorum_s", "detection_s", "stall_per_failure_s", "catchup_s", "rejoin_stall_s",
          "effective_training_time")
+FAULT_NAMES = ("detection_s", "stall_per_failure_s", "catchup_s", "rejoin_stall_s")  # per fault (`per_fault`)
 
 
 def normalize(events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -187,16 +188,60 @@ def toy_model_overrides(num_params: int) -> list[str]:
             "model.mlp_matrices=2", f"model.vocab={vocab}", "model.dtype=fp32"]
 
 
-def side_by_side(real: dict[str, float | None], emulated: dict[str, float | None]) -> dict[str, Any]:
-    """`--json`'s shape: metrics [{name, real, emulated, ratio}] and max_abs_log_ratio. Pure."""
-    rows, logs = [], []
+def repeated(runs: list[list[dict[str, Any]]], *, num_replicas: int) -> tuple[dict[str, float | None], list[dict]]:
+    """The real figures of several runs of the same job (--repeat) and each run's own: the per-fault figures
+    (`per_fault`) are medians over every run's faults together, the others (step_s, get_quorum_s,
+    effective_training_time) the median of the runs' figures. Pure."""
+    each = [metrics(ev, num_replicas=num_replicas) for ev in runs]
+    faults = pooled_faults(runs)
+    out: dict[str, float | None] = {}
+    for name in NAMES:
+        xs = faults[name] if name in FAULT_NAMES else [m[name] for m in each if m[name] is not None]
+        out[name] = median(xs) if xs else None
+    return out, each
+
+
+def pooled_faults(runs: list[list[dict[str, Any]]]) -> dict[str, list[float]]:
+    """`per_fault` of several runs, each figure's values of every run together. Pure."""
+    out: dict[str, list[float]] = {name: [] for name in FAULT_NAMES}
+    for ev in runs:
+        for name, xs in per_fault(ev).items():
+            out[name].extend(xs)
+    return out
+
+
+def noise(each: list[dict[str, float | None]]) -> dict[str, float | None]:
+    """Per figure, the real runs' spread among themselves: the largest |ln(a/b)| over pairs of runs that have
+    it (None with fewer than two): how far one real run is from another on this machine now. Pure."""
+    out: dict[str, float | None] = {}
+    for name in NAMES:
+        xs = [m[name] for m in each if m.get(name) is not None and m[name] > 0]
+        out[name] = math.log(max(xs) / min(xs)) if len(xs) >= 2 else None
+    return out
+
+
+def side_by_side(real: dict[str, float | None], emulated: dict[str, float | None],
+                 real_noise: dict[str, float | None] | None = None) -> dict[str, Any]:
+    """`--json`'s shape: metrics [{name, real, emulated, ratio}] and max_abs_log_ratio; with `real_noise`
+    (`noise` of repeated real runs), each row's `real_spread` and `inside_noise` (|ln ratio| <= real_spread)
+    and the table's `real_vs_real_max_abs_log_ratio`. Pure."""
+    rows, logs, spreads = [], [], []
     for name in NAMES:
         r, e = real.get(name), emulated.get(name)
         ratio = e / r if r is not None and e is not None and r > 0 and e > 0 else None
         if ratio is not None:
             logs.append(abs(math.log(ratio)))
-        rows.append({"name": name, "real": r, "emulated": e, "ratio": ratio})
-    return {"metrics": rows, "max_abs_log_ratio": max(logs) if logs else None}
+        row = {"name": name, "real": r, "emulated": e, "ratio": ratio}
+        if real_noise is not None:
+            sp = real_noise.get(name)
+            spreads += [sp] if sp is not None else []
+            row |= {"real_spread": sp,
+                    "inside_noise": None if sp is None or ratio is None else abs(math.log(ratio)) <= sp}
+        rows.append(row)
+    table = {"metrics": rows, "max_abs_log_ratio": max(logs) if logs else None}
+    if real_noise is not None:
+        table["real_vs_real_max_abs_log_ratio"] = max(spreads) if spreads else None
+    return table
 
 
 # -- the two runs ------------------------------------------------------------------------------------
@@ -218,6 +263,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slow-fetch-delay", type=float, default=0.2, metavar="SECONDS",
                    help="r1's state fetches are served this much slower (0: no slow fetch) (default %(default)s)")
     p.add_argument("--restart-delay", type=float, default=0.5, help="seconds before the killed replica restarts")
+    p.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="run the real job N times: its figures are medians over the runs (the per-fault ones over "
+                        "every run's faults) and each figure's real_spread, the runs' largest |ln(a/b)| among "
+                        "themselves, says which emulated/real ratios are inside this machine's noise "
+                        "(default %(default)s)")
     p.add_argument("--profile", default=None, metavar="CALIBRATED.toml",
                    help="a profile from `ftrun calibrate` (default: calibrate now, with the real per-step time of "
                         "ftrun.train.ft_worker as 1 replica x 1 rank)")
@@ -225,8 +275,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="calibrate with --quick (its crash figures then come from a child without torch, whose "
                         "teardown is much faster than a rank's)")
     p.add_argument("--restep", action="store_true",
-                   help="with --profile: re-measure the script's step, bookkeeping, all-reduce overhead, start, crash "
-                        "detection and the loader_state write just before and just after the real run (on a shared "
+                   help="with --profile: re-measure the script's step, bookkeeping, all-reduce overhead, start "
+                        "and the loader_state write just before and just after the real run (on a shared "
                         "machine the load moves them most) and emulate with the mean of the two; keep the rest")
     p.add_argument("--cpu-charging", choices=("on", "off"), default="off",
                    help="charge the emulator's real CPU time to emulated hosts (default off: deterministic)")
@@ -286,7 +336,7 @@ def _toy_params() -> int:
 # The keys `ftrun calibrate SCRIPT` sets from the script's own runs: what the load on a shared machine moves
 # most between a calibration and the real run (re-measured just before it, with --profile and --restep).
 SCRIPT_KEYS = ("train.step_compute_s", "train.step_bookkeeping_s", "ftar.sync_overhead_s", "scheduler.process_start_s",
-               "storage.local_write_latency_s", "network.crash_fin_delay_s")
+               "storage.local_write_latency_s")
 
 
 def restep_values(profile_path: str, ranks: int, steps: int = 30) -> dict[str, float]:
@@ -346,6 +396,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--slow-fetch-delay must be >= 0, got {args.slow_fetch_delay}")
     if args.restart_delay < 0:
         raise UsageError(f"--restart-delay must be >= 0, got {args.restart_delay}")
+    if args.repeat < 1:
+        raise UsageError(f"--repeat must be >= 1, got {args.repeat}")
     out = args.out or tempfile.mkdtemp(prefix="ftrun-fidelity-")
     os.makedirs(out, exist_ok=True)
     started = time.monotonic()
@@ -367,25 +419,38 @@ def run(args: argparse.Namespace) -> int:
     if args.profile is not None and args.restep:
         print("ftrun fidelity: re-measuring the script's step (1 and 2 replicas) ...", file=sys.stderr, flush=True)
         before = restep_values(profile, args.ranks_per_replica)
-    print("ftrun fidelity: real run (ftrun launch) ...", file=sys.stderr, flush=True)
-    real_f, real_ev = _real(args, os.path.join(out, "real"))
+    reals = []
+    for i in range(args.repeat):
+        print(f"ftrun fidelity: real run {i + 1} of {args.repeat} (ftrun launch) ...", file=sys.stderr, flush=True)
+        reals.append(_real(args, os.path.join(out, "real" if i == 0 else f"real-{i + 1}")))
+    real_complete = all(f.get("complete") for f, _ in reals)
+    real_evs = [ev for _, ev in reals]
     if before:
         print("ftrun fidelity: re-measuring the script's step after the real run ...", file=sys.stderr, flush=True)
         after = restep_values(profile, args.ranks_per_replica)
         restep = mean_overrides(before, after)
     print("ftrun fidelity: emulated run ...", file=sys.stderr, flush=True)
     emu_f, emu_ev, heals = _emulated(args, profile, restep)
-    real = metrics(real_ev, num_replicas=args.replicas)
-    real_spread, emu_spread = spread(per_fault(real_ev)), spread({**per_fault(emu_ev), "catchup_s": heals})
+    real, real_each = repeated(real_evs, num_replicas=args.replicas)
+    real_spread, emu_spread = spread(pooled_faults(real_evs)), spread({**per_fault(emu_ev), "catchup_s": heals})
     emulated = metrics(emu_ev, num_replicas=args.replicas, catchup_s=heals)
-    table = side_by_side(real, emulated)
+    table = side_by_side(real, emulated, noise(real_each) if args.repeat > 1 else None)
     print(f"ftrun fidelity: {args.replicas} replicas x {args.ranks_per_replica} ranks, {args.steps} steps, "
-          f"faults {'; '.join(fault_specs(args))}, restart after {args.restart_delay} s; profile {profile}")
-    print(f"  {'metric':<24} {'real':>12} {'emulated':>12} {'emu/real':>9}")
+          f"faults {'; '.join(fault_specs(args))}, restart after {args.restart_delay} s; profile {profile}; "
+          f"real runs: {args.repeat}")
+    print(f"  {'metric':<24} {'real':>12} {'emulated':>12} {'emu/real':>9}"
+          + (f" {'|ln|':>6} {'real-vs-real |ln|':>18}" if args.repeat > 1 else ""))
     for row in table["metrics"]:
         cells = [("-" if row[k] is None else f"{row[k]:.4g}") for k in ("real", "emulated", "ratio")]
-        print(f"  {row['name']:<24} {cells[0]:>12} {cells[1]:>12} {cells[2]:>9}")
-    real_ph, emu_ph = phases(real_ev), phases(emu_ev)
+        line = f"  {row['name']:<24} {cells[0]:>12} {cells[1]:>12} {cells[2]:>9}"
+        if "real_spread" in row:
+            ln = "-" if row["ratio"] is None else f"{abs(math.log(row['ratio'])):.3f}"
+            sp = "-" if row["real_spread"] is None else f"{row['real_spread']:.3f}"
+            line += f" {ln:>6} {sp:>18}" + (" (inside)" if row["inside_noise"] else "")
+        print(line)
+    real_ph = {name: median(xs) if (xs := [ph[name] for ph in map(phases, real_evs) if ph[name] is not None]) else None
+               for name in ("quorum_to_commit_s", "commit_to_quorum_s")}
+    emu_ph = phases(emu_ev)
     for name in real_ph:
         cells = [("-" if v is None else f"{v:.4g}") for v in (real_ph[name], emu_ph[name])]
         print(f"  ({name:<22} {cells[0]:>12} {cells[1]:>12})")
@@ -393,15 +458,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"  (real {name:<19} over {sp['n']} faults: {sp['min']:.4g} .. {sp['max']:.4g})")
     for key in before:
         print(f"  (restep {key:<34} before {before[key]:.4g}, after {after.get(key, float('nan')):.4g})")
-    mx = table["max_abs_log_ratio"]
-    print(f"  max |ln(emulated/real)| = {'-' if mx is None else format(mx, '.3f')}; real complete: "
-          f"{real_f.get('complete')}, emulated complete: {emu_f.get('complete')}; "
+    mx, noise_mx = table["max_abs_log_ratio"], table.get("real_vs_real_max_abs_log_ratio")
+    print(f"  max |ln(emulated/real)| = {'-' if mx is None else format(mx, '.3f')}"
+          + (f", real vs real {'-' if noise_mx is None else format(noise_mx, '.3f')}" if args.repeat > 1 else "")
+          + f"; real complete: {real_complete}, emulated complete: {emu_f.get('complete')}; "
           f"wall {time.monotonic() - started:.1f} s")
     if args.json:
         emit_json({**table, "replicas": args.replicas, "ranks_per_replica": args.ranks_per_replica,
-                   "steps": args.steps, "profile": profile, "out": out, "real_complete": real_f.get("complete"),
-                   "emulated_complete": emu_f.get("complete"),
+                   "steps": args.steps, "profile": profile, "out": out, "real_complete": real_complete,
+                   "emulated_complete": emu_f.get("complete"), "repeat": args.repeat, "real_runs": real_each,
                    "phases": {"real": real_ph, "emulated": emu_ph}, "restep": restep,
                    "restep_before": before, "restep_after": after,
                    "spread": {"real": real_spread, "emulated": emu_spread}, "kills": args.kills, "wall_s": round(time.monotonic() - started, 3)})
-    return 0 if real_f.get("complete") and emu_f.get("complete") else 1
+    return 0 if real_complete and emu_f.get("complete") else 1

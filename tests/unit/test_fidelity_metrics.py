@@ -192,3 +192,29 @@ def test_kills_must_fit_in_the_run():
                  ["--kill-at-fraction", "1.0"]):
         with pytest.raises(UsageError, match="--kill"):
             run(p.parse_args(argv))
+
+
+def test_repeated_real_runs_pool_their_faults_and_say_their_spread():
+    from harness.calibrate.fidelity import noise, pooled_faults, repeated
+
+    one, two = job_events(), two_kill_events()
+    real, each = repeated([one, two], num_replicas=3)
+    assert each == [metrics(one, num_replicas=3), metrics(two, num_replicas=3)]
+    assert pooled_faults([one, two])["detection_s"] == pytest.approx([0.05, 0.03, 0.06])
+    assert real["detection_s"] == pytest.approx(0.05)  # the median of the three kills, not of the two runs' medians
+    assert real["step_s"] == pytest.approx((each[0]["step_s"] + each[1]["step_s"]) / 2)  # the runs' median
+    sp = noise(each)
+    assert sp["detection_s"] == pytest.approx(math.log(0.05 / 0.045))
+    assert noise(each[:1])["step_s"] is None and noise([]) == {n: None for n in NAMES}
+
+
+def test_the_table_says_which_ratios_are_inside_the_real_runs_noise():
+    real = {n: 1.0 for n in NAMES}
+    emu = {n: 1.1 for n in NAMES} | {"detection_s": 2.0}
+    spreads = {n: 0.2 for n in NAMES} | {"catchup_s": None}
+    t = side_by_side(real, emu, spreads)
+    rows = {r["name"]: r for r in t["metrics"]}
+    assert rows["step_s"]["inside_noise"] is True and rows["detection_s"]["inside_noise"] is False
+    assert rows["catchup_s"]["inside_noise"] is None and rows["catchup_s"]["real_spread"] is None
+    assert t["real_vs_real_max_abs_log_ratio"] == pytest.approx(0.2)
+    assert "real_vs_real_max_abs_log_ratio" not in side_by_side(real, emu)  # one real run: no noise figure
