@@ -195,7 +195,7 @@ def measure_all(*, quick: bool, script: str | None, script_steps: int, module: b
     else:
         take("step", step_compute, reps=10 if quick else 50, warmup=3 if quick else 10)
     take("contention", concurrent_steps, max_procs=2 if quick else 4, reps=5 if quick else 15,
-         warmup=2 if quick else 3)
+         warmup=2 if quick else 3, seconds=0.2 if quick else 1.0)
     mb = 16 << 20 if quick else 128 << 20
     take("tcp", stream_pair, "tcp", pings=300 if quick else 3000, nbytes=mb, reps=3 if quick else 7)
     take("unix", stream_pair, "unix", pings=300 if quick else 3000, nbytes=mb, reps=3 if quick else 7)

@@ -328,3 +328,19 @@ def test_commit_to_quorum_of_quorums_of_so_many_replicas():
           {"event": "quorum", "t": 2.05, "step": 2, "replica_id": "r0", "participants": ["r0"]}]
     assert commit_to_quorum_s(ev) == pytest.approx([0.01, 0.05])
     assert commit_to_quorum_s(ev, participants=2) == pytest.approx([0.01])
+
+
+def test_a_timed_loop_runs_its_reps_or_longer_until_its_minimum_time():
+    """The contention probe's processes step for a minimum time, so that N of them overlap (a fixed count of
+    millisecond steps let each finish before the next started, and 4 processes on 2 cores measured ~3 cores)."""
+    import time
+
+    from harness.calibrate.measure import _median_time
+
+    calls = []
+    t, n = _median_time(lambda: calls.append(time.sleep(0.002)), reps=3)
+    assert n == len(calls) == 3 and t >= 0.002
+    calls.clear()
+    start = time.perf_counter()
+    t, n = _median_time(lambda: calls.append(time.sleep(0.002)), reps=3, min_seconds=0.05)
+    assert time.perf_counter() - start >= 0.05 and n == len(calls) >= 10
