@@ -41,11 +41,19 @@ from typing import Any, Iterable
 from ftrun.cli import UsageError, emit_json
 
 # The real worker's data-plane settings, passed to it explicitly and given to the emulator as the same keys
-# (ftrun.train.ft_worker --chunk-bytes / --max-shard-bytes; FTConfig.ftar, ftrun.config.FtarConfig; ftrun.config.Timeouts).
+# (ftrun.train.ft_worker --chunk-bytes / --max-shard-bytes; FTConfig.ftar, ftrun.config.FtarConfig).
 CHUNK_BYTES, SHARD_BYTES, NUM_CHUNKS = 2048, 8192, 2
-REAL_TIMEOUTS = {"heartbeat_interval_s": 0.1, "heartbeat_timeout_s": 2.0, "commit_timeout_s": 2.0,
-                 "ftar_timeout_s": 2.0, "quorum_timeout_s": 30.0, "catchup_timeout_s": 60.0, "join_timeout_s": 0.5,
-                 "connect_timeout_s": 10.0}
+# The real worker's timeouts (ftrun.config.Timeouts) that the emulated job is given: `real_timeouts`.
+TIMEOUT_KEYS = ("heartbeat_interval_s", "heartbeat_timeout_s", "commit_timeout_s", "ftar_timeout_s", "quorum_timeout_s",
+                "catchup_timeout_s", "join_timeout_s", "connect_timeout_s")
+
+
+def real_timeouts() -> dict[str, float]:
+    """TIMEOUT_KEYS as the real worker of `_real` configures them (ftrun.train.ft_worker's own FTConfig)."""
+    from ftrun.train.ft_worker import config_from, parse_args
+
+    timeouts = config_from(parse_args(["--steps", "1"])).timeouts
+    return {key: getattr(timeouts, key) for key in TIMEOUT_KEYS}
 
 NAMES = ("step_s", "get_quorum_s", "detection_s", "stall_per_failure_s", "catchup_s", "rejoin_stall_s",
          "effective_training_time")
@@ -324,7 +332,7 @@ def emulated_overrides(args: argparse.Namespace, num_params: int) -> list[str]:
              f"ftar.engine.chunk_bytes={CHUNK_BYTES}", f"ftar.engine.num_chunks={NUM_CHUNKS}",
              "checkpoint=none",  # the real worker runs without --checkpoint-every
              f"emulation.cpu_charging={'true' if args.cpu_charging == 'on' else 'false'}"]
-            + [f"timeouts.{key}={value}" for key, value in REAL_TIMEOUTS.items()] + toy_model_overrides(num_params))
+            + [f"timeouts.{key}={value}" for key, value in real_timeouts().items()] + toy_model_overrides(num_params))
 
 
 def _toy_params() -> int:

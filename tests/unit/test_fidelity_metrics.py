@@ -112,6 +112,11 @@ def test_both_runs_get_the_same_faults_in_the_one_grammar():
         parse(spec), parse_inject(spec)  # both worlds accept them
     o = emulated_overrides(args, 5216)
     assert {"replicas=4", "ranks_per_replica=2", "checkpoint=none", "timeouts.join_timeout_s=0.5"} <= set(o)
+    from ftrun.train.ft_worker import config_from, parse_args
+
+    worker = config_from(parse_args(["--steps", "1"])).timeouts  # the real run's worker, as `_real` starts it
+    assert {f"timeouts.ftar_timeout_s={worker.ftar_timeout_s}", f"timeouts.commit_timeout_s={worker.commit_timeout_s}",
+            f"timeouts.heartbeat_timeout_s={worker.heartbeat_timeout_s}"} <= set(o)
     assert fault_specs(p.parse_args(["--slow-fetch-delay", "0", "--kills", "1"])) == ["kill replica=1 step=15 at=0.5"]
     assert fault_specs(p.parse_args(["--slow-fetch-delay", "0", "--kills", "2", "--kill-step-interval", "10",
                                      "--kill-at-fraction", "0.25"])) == ["kill replica=1 step=15 at=0.25",
