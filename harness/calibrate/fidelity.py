@@ -283,8 +283,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="calibrate with --quick (its crash figures then come from a child without torch, whose "
                         "teardown is much faster than a rank's)")
     p.add_argument("--restep", action="store_true",
-                   help="with --profile: re-measure the script's step, bookkeeping, all-reduce overhead, start "
-                        "and the loader_state write just before and just after the real run (on a shared "
+                   help="with --profile: re-measure the script's step, bookkeeping, all-reduce overhead, start, "
+                        "the loader_state write and a killed process's teardown (peer reset) just before and just after the real run (on a shared "
                         "machine the load moves them most) and emulate with the mean of the two; keep the rest")
     p.add_argument("--cpu-charging", choices=("on", "off"), default="off",
                    help="charge the emulator's real CPU time to emulated hosts (default off: deterministic)")
@@ -341,17 +341,20 @@ def _toy_params() -> int:
     return sum(p.numel() for p in make_model(ToyConfig()).parameters())
 
 
-# The keys `ftrun calibrate SCRIPT` sets from the script's own runs: what the load on a shared machine moves
-# most between a calibration and the real run (re-measured just before it, with --profile and --restep).
+# The keys `ftrun calibrate SCRIPT` sets from the script's own runs, the loader_state write and the crash teardown:
+# what the load on a shared machine moves most between a calibration and the real run (re-measured just before
+# and after it, with --profile and --restep).
 SCRIPT_KEYS = ("train.step_compute_s", "train.step_bookkeeping_s", "ftar.sync_overhead_s", "scheduler.process_start_s",
-               "storage.local_write_latency_s")
+               "storage.local_write_latency_s", "network.crash_fin_delay_s")
 
 
 def restep_values(profile_path: str, ranks: int, steps: int = 30) -> dict[str, float]:
     """SCRIPT_KEYS measured now (the toy worker as 1 and 2 replicas of `ranks` ranks, as `ftrun calibrate -m
-    ftrun.train.ft_worker` does, and the loader_state write), the profile's other figures kept."""
+    ftrun.train.ft_worker` does, the loader_state write and a killed process's teardown), the profile's other
+    figures kept."""
     from harness.calibrate import _script_step
     from harness.calibrate.measure import Figure, storage_write
+    from harness.calibrate.procs import process_figures
     from harness.calibrate.provenance import profile_keys
     from harness.profile import load_profile
 
@@ -359,6 +362,8 @@ def restep_values(profile_path: str, ranks: int, steps: int = 30) -> dict[str, f
     measured = {v.key.removeprefix("measured."): v for v in (p.calibration.values if p.calibration else ())}
     figures = {f.name: f for f in _script_step("ftrun.train.ft_worker", steps, True, ranks)}
     figures["storage_write_s"] = storage_write(reps=20)  # the loader_state write, as loaded as the steps now
+    # the peer reset (a killed rank's FINs), as loaded now: 7 ms on this machine idle, 25 ms at load 10
+    figures.update((f.name, f) for f in process_figures(zygote_reps=5, spawn_reps=0) if f.name == "peer_reset_s")
     for name, key in (("storage_append_s", "storage.local_append_latency_s"),
                       ("tcp_one_way_us", "network.base_latency_us"), ("cpu_cores_effective", "train.shared_cpu_cores")):
         v = measured.get(key) or measured.get(name)
