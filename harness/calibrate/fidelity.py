@@ -39,6 +39,7 @@ from statistics import median
 from typing import Any, Iterable
 
 from ftrun.cli import UsageError, emit_json
+from harness.calibrate.measure import WriteSampler
 
 # The real worker's data-plane settings, passed to it explicitly and given to the emulator as the same keys
 # (ftrun.train.ft_worker --chunk-bytes / --max-shard-bytes; FTConfig.ftar, ftrun.config.FtarConfig).
@@ -283,9 +284,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="calibrate with --quick (its crash figures then come from a child without torch, whose "
                         "teardown is much faster than a rank's)")
     p.add_argument("--restep", action="store_true",
-                   help="with --profile: re-measure the script's step, bookkeeping, all-reduce overhead, start, "
-                        "the loader_state write and a killed process's teardown (peer reset) just before and just after the real run (on a shared "
-                        "machine the load moves them most) and emulate with the mean of the two; keep the rest")
+                   help="with --profile: re-measure the script's step, bookkeeping, all-reduce overhead, start "
+                        "and a killed process's teardown (peer reset) just before and just after the real run (on a shared "
+                        "machine the load moves them most) and emulate with the mean of the two, and the loader_state "
+                        "write with its median while the real runs ran (the disk swings most); keep the rest")
     p.add_argument("--cpu-charging", choices=("on", "off"), default="off",
                    help="charge the emulator's real CPU time to emulated hosts (default off: deterministic)")
     p.add_argument("--out", default=None, help="folder for the real run and the calibrated profile")
@@ -380,6 +382,17 @@ def mean_overrides(before: dict[str, float], after: dict[str, float]) -> list[st
     return [f"{k}={(before.get(k, after.get(k)) + after.get(k, before.get(k))) / 2!r}" for k in keys]
 
 
+WRITE_KEY = "storage.local_write_latency_s"
+
+
+def with_override(overrides: list[str], key: str, value: float | None) -> list[str]:
+    """`overrides` (KEY=VALUE strings) with `key` set to `value` (replaced where it is there, else added; None:
+    unchanged). Pure."""
+    if value is None:
+        return list(overrides)
+    return [o for o in overrides if o.split("=", 1)[0] != key] + [f"{key}={value!r}"]
+
+
 def _emulated(args: argparse.Namespace, profile_path: str, extra: list[str] = ()) -> tuple[dict, list[dict], list[float]]:
     from harness.cli import execute
     from harness.profile import apply_overrides, load_profile
@@ -433,15 +446,21 @@ def run(args: argparse.Namespace) -> int:
         print("ftrun fidelity: re-measuring the script's step (1 and 2 replicas) ...", file=sys.stderr, flush=True)
         before = restep_values(profile, args.ranks_per_replica)
     reals = []
-    for i in range(args.repeat):
-        print(f"ftrun fidelity: real run {i + 1} of {args.repeat} (ftrun launch) ...", file=sys.stderr, flush=True)
-        reals.append(_real(args, os.path.join(out, "real" if i == 0 else f"real-{i + 1}")))
+    sampler = WriteSampler().start() if before else None  # the loader_state write while the real runs run
+    try:
+        for i in range(args.repeat):
+            print(f"ftrun fidelity: real run {i + 1} of {args.repeat} (ftrun launch) ...", file=sys.stderr, flush=True)
+            reals.append(_real(args, os.path.join(out, "real" if i == 0 else f"real-{i + 1}")))
+    finally:
+        if sampler is not None:
+            sampler.stop()
     real_complete = all(f.get("complete") for f, _ in reals)
     real_evs = [ev for _, ev in reals]
+    write = sampler.figure() if sampler is not None else None
     if before:
         print("ftrun fidelity: re-measuring the script's step after the real run ...", file=sys.stderr, flush=True)
         after = restep_values(profile, args.ranks_per_replica)
-        restep = mean_overrides(before, after)
+        restep = with_override(mean_overrides(before, after), WRITE_KEY, write.value if write is not None else None)
     print("ftrun fidelity: emulated run ...", file=sys.stderr, flush=True)
     emu_f, emu_ev, heals = _emulated(args, profile, restep)
     real, real_each = repeated(real_evs, num_replicas=args.replicas)
@@ -471,6 +490,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"  (real {name:<19} over {sp['n']} faults: {sp['min']:.4g} .. {sp['max']:.4g})")
     for key in before:
         print(f"  (restep {key:<34} before {before[key]:.4g}, after {after.get(key, float('nan')):.4g})")
+    if write is not None:
+        print(f"  (restep {WRITE_KEY:<34} emulated with {write.value:.4g}: the median of {write.samples} writes "
+              "while the real runs ran)")
     mx, noise_mx = table["max_abs_log_ratio"], table.get("real_vs_real_max_abs_log_ratio")
     print(f"  max |ln(emulated/real)| = {'-' if mx is None else format(mx, '.3f')}"
           + (f", real vs real {'-' if noise_mx is None else format(noise_mx, '.3f')}" if args.repeat > 1 else "")
@@ -482,5 +504,6 @@ def run(args: argparse.Namespace) -> int:
                    "emulated_complete": emu_f.get("complete"), "repeat": args.repeat, "real_runs": real_each,
                    "phases": {"real": real_ph, "emulated": emu_ph}, "restep": restep,
                    "restep_before": before, "restep_after": after,
+                   "write_during_real_s": None if write is None else write.value,
                    "spread": {"real": real_spread, "emulated": emu_spread}, "kills": args.kills, "wall_s": round(time.monotonic() - started, 3)})
     return 0 if real_complete and emu_f.get("complete") else 1

@@ -411,6 +411,47 @@ def storage_write(*, reps: int = 30, nbytes: int = 1024) -> Figure:
                   f"fsync the folder) of a {nbytes} B file under {tempfile.gettempdir()}, {reps} writes", n)
 
 
+class WriteSampler:
+    """The loader_state write (as `storage_write`) timed every `period_s` in a thread while something else
+    runs: the disk of a shared machine swings (fsync 0.5 ms to 16 ms minutes apart on this one), so the write
+    a real run met is measured while it runs. `start()`, `stop()`, then `figure()`."""
+
+    def __init__(self, *, period_s: float = 0.25, nbytes: int = 1024) -> None:
+        from ftrun.storage import FileStorage
+
+        self.period_s, self.nbytes = period_s, nbytes
+        self._dir = tempfile.TemporaryDirectory(prefix="ftrun-calibrate-")
+        self._storage = FileStorage(self._dir.name)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="write-sampler", daemon=True)
+        self.times: list[float] = []
+
+    def _run(self) -> None:
+        blob, i = b"x" * self.nbytes, 0
+        while not self._stop.wait(self.period_s):
+            t0 = time.perf_counter()
+            self._storage.write_atomic(f"loader_state-{i % 2}.json", blob)
+            self.times.append(time.perf_counter() - t0)
+            i += 1
+
+    def start(self) -> "WriteSampler":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+        self._dir.cleanup()
+
+    def figure(self) -> Figure | None:
+        """The median write while it ran (None: no sample)."""
+        if not self.times:
+            return None
+        return Figure("storage_write_s", statistics.median(self.times), "s", f"median ftrun.storage.FileStorage."
+                      f"write_atomic of a {self.nbytes} B file under {tempfile.gettempdir()}, one every "
+                      f"{self.period_s:g} s while the real runs ran", len(self.times))
+
+
 def storage_append(*, reps: int = 200, nbytes: int = 256) -> Figure:
     """One ftrun.data.audit.FileAuditSink append (O_APPEND write(2), no fsync) of an audit-record-sized line."""
     from ftrun.data.audit import FileAuditSink

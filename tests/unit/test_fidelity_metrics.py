@@ -223,3 +223,25 @@ def test_the_table_says_which_ratios_are_inside_the_real_runs_noise():
     assert rows["catchup_s"]["inside_noise"] is None and rows["catchup_s"]["real_spread"] is None
     assert t["real_vs_real_max_abs_log_ratio"] == pytest.approx(0.2)
     assert "real_vs_real_max_abs_log_ratio" not in side_by_side(real, emu)  # one real run: no noise figure
+
+
+def test_the_write_measured_during_the_real_runs_replaces_the_restep_mean():
+    from harness.calibrate.fidelity import WRITE_KEY, with_override
+
+    restep = ["train.step_compute_s=0.002", f"{WRITE_KEY}=0.013"]
+    assert with_override(restep, WRITE_KEY, 0.004) == ["train.step_compute_s=0.002", f"{WRITE_KEY}=0.004"]
+    assert with_override(["a.b=1"], WRITE_KEY, 0.004) == ["a.b=1", f"{WRITE_KEY}=0.004"]
+    assert with_override(restep, WRITE_KEY, None) == restep
+
+
+def test_the_write_sampler_times_writes_while_it_runs():
+    import time
+
+    from harness.calibrate.measure import WriteSampler
+
+    sampler = WriteSampler(period_s=0.01).start()
+    time.sleep(0.3)
+    sampler.stop()
+    f = sampler.figure()
+    assert f is not None and f.name == "storage_write_s" and f.samples == len(sampler.times) >= 5 and f.value > 0
+    assert WriteSampler().figure() is None  # never started: no figure
