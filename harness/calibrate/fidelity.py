@@ -5,10 +5,13 @@ side by side with emulated/real.
 
 Faults, the same in both: replica r1 is SIGKILLed --kills times, F x a step into its step once the job has
 committed --kill-step, --kill-step + --kill-step-interval, ... steps (`--inject kill replica=1 step=S at=F` in
-both worlds, F = --kill-at-fraction), its state fetches are served --slow-fetch-delay slower, and it restarts
-after --restart-delay (real `--restart-delay`; emulated scheduler.alloc_delay_warm_s). One kill is as noisy
-as the machine's load: the per-fault figures are medians over the kills, and `--json` gives each one's spread
-over them (`spread`).
+both worlds, F = --kill-at-fraction: F x the victim's compute after its quorum, the real rank timing it on its
+own compute, the emulator on its modeled one), its state fetches are served --slow-fetch-delay slower, and it
+restarts after --restart-delay (real `--restart-delay`; emulated scheduler.alloc_delay_warm_s). One kill is as
+noisy as the machine's load: the per-fault figures are medians over the kills, and `--json` gives each one's
+spread over them (`spread`). With --repeat N the real job runs N times: the real figures are medians over the
+runs (the per-fault ones over all their faults), and each row's `real_spread` (the runs' largest |ln(a/b)|
+among themselves) and `inside_noise` say which ratios are inside this machine's own run-to-run noise.
 
 Figures (`metrics`, pure, over either event stream: leader/rank-0 events with replica_id, incarnation, t):
 - step_s: median time between consecutive commits of one replica incarnation;
