@@ -156,12 +156,12 @@ class Faults:
             self.reload()
         if phase == "started" and (plan := self._due("backward", step)) is not None and plan.at:
             self._arm_timer(plan, step)
+        if phase == "exchange" and self._forward_at is not None:  # the compute just done, timed
+            self.computes = (self.computes + [self._now() - self._forward_at])[-COMPUTE_WINDOW:]
+            self._forward_at = None
         if phase == "forward":
             self._forward_at = self._now()
             self._backward_plan = self._due("backward", step)
-        elif phase == "exchange" and self._forward_at is not None:
-            self.computes = (self.computes + [self._now() - self._forward_at])[-COMPUTE_WINDOW:]
-            self._forward_at = None
         elif phase == "exchange" and (plan := self._due("exchange", step)) is not None:
             self._fired.add(plan)  # armed: inside the all-reduce, after some chunks went around the ring
             self.kernels.die_after = 3

@@ -167,6 +167,13 @@ def test_a_kill_at_a_fraction_of_the_step_fires_that_share_of_the_ranks_compute_
     assert len(tasks) == 1  # once
 
 
+def test_timing_the_compute_leaves_an_exchange_fault_armed(monkeypatch):
+    faults, died, slept, clock = _faults(monkeypatch, "phase=exchange,step=1", None)
+    _timed_steps(faults, clock, [0.02, 0.03])
+    assert faults.computes == pytest.approx([0.02, 0.03])
+    assert faults.kernels.die_after == 3  # step 1's exchange armed the kernels' kill
+
+
 def test_a_kill_at_a_fraction_before_any_timed_compute_acts_inside_the_backward(monkeypatch):
     tasks = []
     faults, died, slept, clock = _faults(monkeypatch, "phase=backward,step=0,at=0.5", lambda fn, name: tasks.append(fn))
