@@ -427,6 +427,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--restart-delay must be >= 0, got {args.restart_delay}")
     if args.repeat < 1:
         raise UsageError(f"--repeat must be >= 1, got {args.repeat}")
+    if args.profile is not None and not os.path.isfile(args.profile):
+        raise UsageError(f"--profile {args.profile!r} is not a file")  # before a temp folder is made for the run
     out = args.out or tempfile.mkdtemp(prefix="ftrun-fidelity-")
     os.makedirs(out, exist_ok=True)
     started = time.monotonic()
@@ -440,8 +442,6 @@ def run(args: argparse.Namespace) -> int:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         if proc.returncode != 0:
             raise SystemExit(f"ftrun fidelity: calibration failed: {proc.stderr.strip()[-800:]}")
-    elif not os.path.isfile(profile):
-        raise UsageError(f"--profile {profile!r} is not a file")
     restep: list[str] = []
     before: dict[str, float] = {}
     after: dict[str, float] = {}
