@@ -117,6 +117,75 @@ def test_fault_plans_parse_and_filter():
         parse_catchup_fault("kind=corrupt,then=live")
 
 
+def test_a_die_at_fraction_of_the_step_parses_and_goes_with_the_backward_only():
+    plan = DieAt(phase="backward", step=15, replica="r1", incarnation=2, at=0.5)
+    assert parse_die_at(plan.encode()) == (plan,) and "at=0.5" in plan.encode()
+    assert "at=" not in DieAt(phase="backward").encode()
+    for bad in ("phase=backward,at=1", "phase=backward,at=-0.1", "phase=exchange,at=0.5",
+                "phase=backward,at=0.5,action=slow,seconds=1", "phase=backward,at=half"):
+        with pytest.raises(ValueError):
+            parse_die_at(bad)
+
+
+def _faults(monkeypatch, die_at: str, spawn):
+    """ft_worker.Faults of r1's rank 0 on a clock the test moves, dying into a list instead of SIGKILL."""
+    from ftrun.launch.worker_env import WorkerSpec
+    from ftrun.train import ft_worker
+
+    died, slept, clock = [], [], [0.0]
+    monkeypatch.setattr(ft_worker, "die", lambda: died.append(clock[0]))
+    spec = WorkerSpec(replica_id="r1", replica_index=1, num_replicas=3, rank=0, ranks_per_replica=1, incarnation=0,
+                      lighthouse="", token="", store_addr="", store_port=0, run_dir="")
+    faults = ft_worker.Faults(spec, die_at=die_at, catchup="", plan_file=None, sleep=slept.append,
+                              now=lambda: clock[0], spawn=spawn)
+    return faults, died, slept, clock
+
+
+def _timed_steps(faults, clock, computes):
+    for step, compute in enumerate(computes):
+        faults.on_phase("forward", step)
+        clock[0] += compute
+        faults.on_phase("exchange", step)
+
+
+def test_a_kill_at_a_fraction_of_the_step_fires_that_share_of_the_ranks_compute_after_the_step_started(
+        monkeypatch, capsys):
+    tasks = []
+    faults, died, slept, clock = _faults(monkeypatch, "phase=backward,step=3,replica=r1,at=0.5",
+                                         lambda fn, name: tasks.append(fn))
+    _timed_steps(faults, clock, [0.02, 0.04, 0.03])
+    assert faults.computes == pytest.approx([0.02, 0.04, 0.03])
+    faults.on_phase("started", 2)
+    assert tasks == []  # not due before step 3
+    faults.on_phase("started", 3)
+    assert len(tasks) == 1 and died == []
+    faults.on_phase("forward", 3)
+    faults._in_backward(None)  # the timer took the plan: the backward does not act on it
+    assert died == []
+    tasks[0]()
+    assert slept == [pytest.approx(0.5 * 0.03)] and len(died) == 1
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert line["event"] == "fault" and line["action"] == "kill" and line["step"] == 3
+    faults.on_phase("started", 4)
+    assert len(tasks) == 1  # once
+
+
+def test_timing_the_compute_leaves_an_exchange_fault_armed(monkeypatch):
+    faults, died, slept, clock = _faults(monkeypatch, "phase=exchange,step=1", None)
+    _timed_steps(faults, clock, [0.02, 0.03])
+    assert faults.computes == pytest.approx([0.02, 0.03])
+    assert faults.kernels.die_after == 3  # step 1's exchange armed the kernels' kill
+
+
+def test_a_kill_at_a_fraction_before_any_timed_compute_acts_inside_the_backward(monkeypatch):
+    tasks = []
+    faults, died, slept, clock = _faults(monkeypatch, "phase=backward,step=0,at=0.5", lambda fn, name: tasks.append(fn))
+    faults.on_phase("started", 0)
+    faults.on_phase("forward", 0)
+    faults._in_backward(None)
+    assert tasks == [] and died == [0.0] and slept == []
+
+
 def test_resume_restores_the_latest_checkpoint_and_its_ledger(tmp_path):
     from ftrun.checkpoint import store
 
