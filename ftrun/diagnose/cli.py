@@ -41,6 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     bench.add_argument("--profile", default="ci-small", help="bench: scale profile name or TOML path")
     bench.add_argument("--scenarios", type=int, default=12, help="bench: fault scenarios to run")
     bench.add_argument("--seed", type=int, default=0, help="bench: draws the scenarios (kind, place, phase)")
+    bench.add_argument("--only", default=None, metavar="K[,K...]",
+                       help="bench: run only these scenarios (0-based indexes) of the --scenarios drawn with --seed, "
+                            "each as drawn (to reproduce one cheaply; the job has not run the others before it)")
     bench.add_argument("--fault-free", type=int, default=None,
                        help="bench: fault-free collections for false positives (default: half the scenarios)")
     bench.add_argument("--set", action="append", default=[], metavar="key=value", dest="overrides",
