@@ -4,10 +4,10 @@
                                                      for a verdict now (`ftrun launch` writes OUT/lighthouse)
   ftrun diagnose --collector HOST:PORT [--json]      ask a collector for a verdict now
   ftrun diagnose --serve [--bind 127.0.0.1:29511]    run the collector (ranks register with it)
-  ftrun diagnose bench --profile P --scenarios N --seed S [--fault-free K] [--json]
+  ftrun diagnose bench --profile P --scenarios N --seed S [--fault-free K] [--only K,...] [--json]
                                                      one emulated job, N random fault scenarios one after
                                                      another, each scored against the analysis' verdict
-                                                     (harness.diagbench)
+                                                     (harness.diagbench); --only: just those of the N
 
 The job token comes from $FTRUN_TOKEN or --token-file (a file only its owner can read), never argv.
 """
