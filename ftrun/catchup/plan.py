@@ -14,6 +14,7 @@ Every plan carries a one-line reason.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Collection, Iterable, Sequence
 
 from ftrun.catchup.manifest import ceil_div
@@ -29,8 +30,12 @@ class FetchPlan:
     def sources(self) -> tuple[str, ...]:
         return tuple(src for src, _ in self.assignment)
 
+    @cached_property
+    def _by_source(self) -> dict[str, tuple[int, ...]]:
+        return dict(self.assignment)
+
     def shards_of(self, source: str) -> tuple[int, ...]:
-        return dict(self.assignment).get(source, ())
+        return self._by_source.get(source, ())  # steal asks for every source's, several times
 
     def source_of(self, shard: int) -> str | None:
         return next((src for src, shards in self.assignment if shard in shards), None)

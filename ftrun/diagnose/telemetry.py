@@ -91,6 +91,7 @@ class Recorder:
         self._seq = 0  # chunk steps completed in the current all-reduce
         self._prev = -1  # the previous rank's ring index in it
         self._tree_cid = 0
+        self._last = [-1] * (max(Op) + 1)  # per Op: the number of the last record `_put` wrote (see holds)
 
     @property
     def nbytes(self) -> int:
@@ -100,6 +101,7 @@ class Recorder:
              ev: int) -> None:
         i = self.written
         self.written = i + 1
+        self._last[op] = i
         _PACK.pack_into(self._buf, (i % self.capacity) * 40, self._now(), qid, cid, self.step, seq, peer,
                         nbytes, aux, part, op, ev)
 
@@ -174,10 +176,20 @@ class Recorder:
         self._put(0, step, 0, -1, min(nbytes, 0xFFFFFFFF), 0, 0, Op.CATCHUP, Ev.DONE if ok else Ev.FAIL)
 
     # -- reading -----------------------------------------------------------------------------------
-    def records(self) -> np.ndarray:
-        """A copy of the buffered records, oldest first."""
-        n, cap = self.written, self.capacity
-        if n <= cap:
-            return self._view[:n].copy()
-        i = n % cap
-        return np.concatenate([self._view[i:], self._view[:i]])
+    @property
+    def held(self) -> int:
+        """Records in the buffer now."""
+        return min(self.written, self.capacity)
+
+    def records(self, last: int | None = None) -> np.ndarray:
+        """A copy of the buffered records (only the newest `last` of them when given), oldest first."""
+        n = self.held if last is None else min(self.held, max(last, 0))
+        end = (self.written - 1) % self.capacity + 1 if self.written else 0  # after the newest record's slot
+        lo, hi = (end - n) * RECORD.itemsize, end * RECORD.itemsize
+        raw = self._buf[lo:hi] if lo >= 0 else self._buf[lo:] + self._buf[:hi]  # one byte copy (a structured
+        return np.frombuffer(raw, RECORD)  # concatenate costs ms per MB)
+
+    def holds(self, op: int) -> bool:
+        """Whether the buffer may hold a record of `op`: False only if it holds none of `_put`'s (every TREE,
+        QUORUM and CATCHUP record, and FTAR's ENTER, DONE and FAIL; not its chunk and model records)."""
+        return self._last[op] >= max(self.written - self.capacity, 0)

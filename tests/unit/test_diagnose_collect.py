@@ -104,3 +104,53 @@ def test_nothing_registered_or_nobody_in_a_ring_is_no_hang():
     assert analyze(snap, layout).kind == "no_hang"
     snap, layout = assemble([known(0, 0, qid=-1), known(1, 0, qid=-1)], {"r0/0", "r1/0"}, now=1.0)
     assert list(layout.ring_pos) == [-1, -1] and analyze(snap, layout).kind == "no_hang"
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("first_tail", [16, 256])
+def test_summarize_recorder_reads_the_newest_records_and_equals_summarize_of_the_buffer(seed, first_tail,
+                                                                                       monkeypatch):
+    """summarize_recorder widens its tail until it holds what summarize reads: the same rows as the whole
+    buffer's, through wraps, failed and running all-reduces, chunk runs longer than the tail, and old records
+    of an op the tail lacks (a catch-up long ago)."""
+    import random
+
+    from ftrun.diagnose import collect
+    from ftrun.diagnose.summary import summarize
+    from ftrun.diagnose.telemetry import Recorder
+
+    class Clock:
+        t = 0.0
+
+        def now(self):
+            return self.t
+
+    monkeypatch.setattr(collect, "SUMMARY_TAIL", first_tail)
+    rng, clock = random.Random(seed), Clock()
+    rec = Recorder(clock, capacity=rng.choice([64, 300, 2000]))
+    widened = 0
+    for step in range(400):
+        clock.t += 1.0
+        if rng.random() < 0.02:
+            rec.catchup_start(step, 2)
+            rec.catchup_end(step, 100, rng.random() < 0.5)
+        rec.quorum_ask(step)
+        rec.quorum_got(step, step // 50)
+        rec.tree_enter(step)
+        for _ in range(rng.choice([1, 2, 3])):
+            rec.ftar_enter(step // 50, 1 << 20, 4, 1, 6)
+            if rng.random() < 0.1:  # chunk by chunk, sometimes longer than the first tail
+                for seq in range(rng.choice([3, 40, 200])):
+                    rec.ftar_step(0, seq % 6, 512)
+                    rec.ftar_sent(2, 512)
+            else:
+                rec.ftar_model(clock.t, clock.t + 0.5, 6, 4, 2048, 0.01)
+            if rng.random() < 0.9:
+                rec.ftar_end(rng.random() < 0.85)
+        rec.tree_done(step)
+        if step % 7 == 0:
+            want = summarize(rec.records(), clock.t + 0.25)
+            got = collect.summarize_recorder(rec, clock.t + 0.25)
+            assert got[0].tobytes() == want[0].tobytes() and got[1].tobytes() == want[1].tobytes()
+            widened += collect.summary_start(rec.records(last=collect.SUMMARY_TAIL), rec.holds) is None
+    assert widened  # the widening ran (else the test shows nothing about it)

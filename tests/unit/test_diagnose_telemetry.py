@@ -122,3 +122,32 @@ def test_attach_sets_one_recorder_on_every_hooked_component():
     assert FtarEngine.telemetry is None  # the class default stays off
     with pytest.raises(TypeError, match="has no telemetry hook"):
         attach(FakeClock(), engine=object())
+
+
+@pytest.mark.parametrize("written", [0, 5, 16, 23, 40])
+def test_records_last_are_the_newest_oldest_first(written):
+    clock = FakeClock()
+    rec = Recorder(clock, capacity=16)
+    for i in range(written):
+        rec.quorum_ask(i)
+    assert rec.held == min(written, 16)
+    assert list(rec.records()["cid"]) == list(range(max(0, written - 16), written))
+    for last in (0, 1, 7, 16, 100):
+        got = rec.records(last=last)
+        assert list(got["cid"]) == list(range(written - min(last, rec.held), written))
+        got["cid"] = -5  # a copy: the buffer is untouched
+    assert list(rec.records()["cid"]) == list(range(max(0, written - 16), written))
+    assert rec.holds(Op.QUORUM) == (written > 0) and not rec.holds(Op.FTAR)
+
+
+def test_holds_says_whether_an_op_is_still_in_the_buffer():
+    rec = Recorder(FakeClock(), capacity=16)
+    assert not any(rec.holds(op) for op in Op)
+    rec.catchup_start(3, 2)
+    rec.ftar_enter(1, 64, 4, 0, 6)
+    assert rec.holds(Op.CATCHUP) and rec.holds(Op.FTAR) and not rec.holds(Op.TREE)
+    for i in range(15):
+        rec.quorum_ask(i)
+    assert not rec.holds(Op.CATCHUP) and rec.holds(Op.FTAR)  # the catch-up record was overwritten
+    rec.quorum_ask(15)
+    assert not rec.holds(Op.FTAR) and rec.holds(Op.QUORUM)
