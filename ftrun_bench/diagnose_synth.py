@@ -20,7 +20,7 @@ from ftrun.diagnose.summary import DONE, FAILED, HIST_LEN, RUNNING, empty_hist, 
 from ftrun.diagnose.telemetry import Ev
 
 KINDS = ("none", "hang_rank", "stuck_rank", "never_joined", "lost_chunk", "hang_host", "killed_rank",
-         "building_cut", "slow_host", "slow_link", "hang_in_vote", "stuck_in_vote")
+         "building_cut", "slow_host", "slow_link", "hang_in_vote", "stuck_in_vote", "hang_host_before_entry")
 _TREE_FANOUT = 16
 
 
@@ -206,6 +206,15 @@ def _inject(kind, shape, s, hist, answered, lay, j, m0, now, rng) -> Truth:
             _stall_ring(s, shape, int(r), m0, now)
         answered[ranks] = False
         return Truth(HANG, tuple(int(r) for r in ranks), tuple(sorted({int(h) for h in lay.host[ranks]})))
+    if kind == "hang_host_before_entry":  # hung early in compute: the lighthouse aborted the quorum on the lost
+        ranks = np.flatnonzero(lay.host == host)  # heartbeat before the ring peers entered the all-reduce; they
+        mates = np.flatnonzero((lay.replica == lay.replica[j]) & (lay.host != host))  # stay in the last (done),
+        s["f_state"], s["f_steps"] = DONE, s["f_total"]  # the replica's live ranks entered the next and failed
+        s["f_cid"][mates] += 1
+        s["f_state"][mates] = FAILED
+        s["f_enter"][mates] = s["f_last"][mates] = now - shape.hang_age_s + rng.uniform(0, 0.01, len(mates))
+        answered[ranks] = False
+        return Truth(HANG, tuple(int(r) for r in ranks), (host,))
     if kind == "slow_host":
         ranks = np.flatnonzero(lay.host == host)
         factor = rng.uniform(2, 10)

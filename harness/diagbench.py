@@ -212,6 +212,21 @@ def kill_phase(phase: float, detect_s: float, entry_s: float, period_s: float) -
     return max(0.0, entry_s - detect_s * (latest + (earliest - latest) * (1.0 - phase))) / period_s
 
 
+def pick(plan: list[Scenario], only: str | None) -> list[Scenario]:
+    """The scenarios `--only` names (comma-separated 0-based indexes into the drawn plan; None: all), in plan
+    order (pure)."""
+    if only is None:
+        return plan
+    try:
+        want = {int(x) for x in only.split(",") if x.strip()}
+    except ValueError:
+        raise ValueError(f"--only takes comma-separated scenario indexes, got {only!r}") from None
+    bad = sorted(k for k in want if not 0 <= k < len(plan))
+    if not want or bad:
+        raise ValueError(f"--only names scenario indexes in [0, {len(plan)}) of the drawn plan, got {only!r}")
+    return [sc for sc in plan if sc.index in want]
+
+
 def percentile(xs: list[float], q: float) -> float | None:
     if not xs:
         return None
@@ -257,6 +272,7 @@ class _Bench:
     skipped: list[str] = field(default_factory=list)
     unscored: list[dict] = field(default_factory=list)
     progress: bool = False
+    drawn: int = 0  # scenarios drawn (more than `scenarios` under --only), for the progress lines
     healthy_input: Any = None
     _entry_s: float | None = None  # commit to the next all-reduce entry, where rank kills need it (kill_phase)
     wall0: float = field(default_factory=time.monotonic)
@@ -439,7 +455,7 @@ class _Bench:
 
     def _progress(self, sc: Scenario, result: str, v: dict) -> None:
         if self.progress:
-            print(f"[{sc.index + 1}/{len(self.scenarios)}] {sc.place()} phase {sc.phase:.2f}: {result} ({v['kind']}) "
+            print(f"[{sc.index + 1}/{self.drawn or len(self.scenarios)}] {sc.place()} phase {sc.phase:.2f}: {result} ({v['kind']}) "
                   f"t={self.clock.now():.1f}s wall {time.monotonic() - self.wall0:.0f}s", file=sys.stderr, flush=True)
 
     def _undetectable_link(self, factor: float) -> str:
@@ -480,26 +496,27 @@ def shape_of(profile: Profile, fault_hosts: int = 0) -> Shape:
 
 def run_bench(profile: Profile, *, scenarios: int, seed: int, fault_free: int,
               ftar_detail: str | None = None, fold_ranks: str = "auto", progress: bool = False,
-              ftar_model: str = "auto") -> dict[str, Any]:
+              ftar_model: str = "auto", only: str | None = None) -> dict[str, Any]:
     """One emulated job, `scenarios` scenarios and `fault_free` fault-free collections; the figures.
     Folded FTAR (the default above 16K ranks) places the faults on each replica's first host, the one
     whose rings run for real (harness.run.fold); with rank folding (`fold_ranks`, JobOptions) each replica
     runs its first two hosts and serves the other ranks their reference lead's telemetry
     (harness.run.diag_mirror). `ftar_model` (JobOptions.ftar_model): with analytic rings the bench runs the
-    rings each fault stalls chunk by chunk (chunk_positions)."""
+    rings each fault stalls chunk by chunk (chunk_positions). `only` (`pick`): run just those scenarios of
+    the drawn plan."""
     if ftar_detail is None and profile.num_ranks <= 16384:
         ftar_detail = "full"  # every ring real, so every rank's telemetry is its own (folding mirrors leads)
     detail = ftar_detail or profile.emulation.ftar_detail
     shape = shape_of(profile, fault_hosts=1 if detail == "folded" else 0)
-    plan = draw(scenarios, seed, shape)
+    plan = pick(draw(scenarios, seed, shape), only)
     wiring = "prewired" if profile.ranks_per_replica > 4096 else "connect"
-    steps = 20 + scenarios * (SLOW_STEPS + 6) + fault_free * 3  # more than the bench can use
+    steps = 20 + len(plan) * (SLOW_STEPS + 6) + fault_free * 3  # more than the bench can use
     options = JobOptions(steps=steps, seed=seed, diagnose=True, trace=False, ftar_detail=ftar_detail,  # type: ignore
                          wiring=wiring, fold_ranks=fold_ranks, ftar_model=ftar_model,  # type: ignore[arg-type]
                          chunks_at_faults=True)
     wall0 = time.monotonic()
     job = EmulatedJob(profile, options)
-    bench = _Bench(job, plan, fault_free, seed, progress=progress)
+    bench = _Bench(job, plan, fault_free, seed, progress=progress, drawn=scenarios)
     job.driver = bench.run
     job.run()
     diag = job.diagnosis
@@ -559,9 +576,13 @@ def cli_run(args: Any) -> int:
         raise UsageError("--scenarios and --fault-free must be >= 0")
     profile = build_profile(args.profile, args.overrides, steps=None, cpu_charging=args.cpu_charging)
     ff = args.scenarios // 2 if args.fault_free is None else args.fault_free
+    try:
+        pick(draw(args.scenarios, args.seed, shape_of(profile)), args.only)  # a bad --only fails before the job
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     out = run_bench(profile, scenarios=args.scenarios, seed=args.seed, fault_free=ff, progress=True,
                     ftar_detail=args.ftar_detail, fold_ranks=args.fold_ranks,
-                    ftar_model=args.ftar_model)
+                    ftar_model=args.ftar_model, only=args.only)
     results = out.pop("results")
     if args.out:
         d = Path(args.out)

@@ -213,14 +213,25 @@ def _why(kind: int, r: int, snap: Snapshot) -> str:
 
 
 def _failed_rings(sub, st, snap, layout, rings) -> Verdict:
-    """A ring that aborted (a peer closed): the members that did not answer are the dead; else the pair
-    around the rank that failed first."""
+    """A ring that aborted (a peer closed, or the lighthouse aborted a hung replica's quorum): the members that
+    did not answer are the dead. Else the silent ranks of the replicas whose ranks failed: a replica whose
+    rank (its leader's host) hung before its ring peers entered the all-reduce loses its heartbeat, the
+    lighthouse aborts the quorum, the peers fail before they enter (they stay in the previous all-reduce)
+    and only the replica's own live ranks enter and fail, in rings the silent ranks are not in. Else the
+    pair around the rank that failed first."""
     dead = {int(r) for r in sub[(st == _UNKNOWN) & (sub >= 0)]}  # holes (-1) are not named
     leaves = tuple(f"ftar ring {int(g)}" for g in rings[:8]) + ((f"and {len(rings) - 8} more rings",) if len(rings) > 8 else ())
     if dead:
         names = ", ".join(layout.rank_name(r) for r in sorted(dead)[:3]) + (" ..." if len(dead) > 3 else "")
         return _named(HANG, dead, layout, [f"{names} died: did not answer and its ring aborted around it"], leaves)
     cells = sub[(st == _FAILED) & (sub >= 0)]
+    silent = np.flatnonzero(~snap.answered & (layout.ring_pos >= 0) & np.isin(layout.replica, layout.replica[cells]))
+    if silent.size:
+        names = ", ".join(layout.rank_name(int(r)) for r in silent[:3]) + (" ..." if silent.size > 3 else "")
+        return _named(HANG, set(silent.tolist()), layout,
+                      [f"{names} did not answer; {len(np.unique(cells))} other ranks of their replica entered the "
+                       f"all-reduce and it aborted before their ring peers joined (a hung replica's quorum aborted)"],
+                      leaves)
     first = int(cells[np.argmin(snap.summary["f_last"][cells])])
     return _named(CANDIDATES, {first}, layout, [f"{layout.rank_name(first)} failed first; all answered"], leaves)
 

@@ -4,10 +4,10 @@
                                                      for a verdict now (`ftrun launch` writes OUT/lighthouse)
   ftrun diagnose --collector HOST:PORT [--json]      ask a collector for a verdict now
   ftrun diagnose --serve [--bind 127.0.0.1:29511]    run the collector (ranks register with it)
-  ftrun diagnose bench --profile P --scenarios N --seed S [--fault-free K] [--json]
+  ftrun diagnose bench --profile P --scenarios N --seed S [--fault-free K] [--only K,...] [--json]
                                                      one emulated job, N random fault scenarios one after
                                                      another, each scored against the analysis' verdict
-                                                     (harness.diagbench)
+                                                     (harness.diagbench); --only: just those of the N
 
 The job token comes from $FTRUN_TOKEN or --token-file (a file only its owner can read), never argv.
 """
@@ -41,6 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     bench.add_argument("--profile", default="ci-small", help="bench: scale profile name or TOML path")
     bench.add_argument("--scenarios", type=int, default=12, help="bench: fault scenarios to run")
     bench.add_argument("--seed", type=int, default=0, help="bench: draws the scenarios (kind, place, phase)")
+    bench.add_argument("--only", default=None, metavar="K[,K...]",
+                       help="bench: run only these scenarios (0-based indexes) of the --scenarios drawn with --seed, "
+                            "each as drawn (to reproduce one cheaply; the job has not run the others before it)")
     bench.add_argument("--fault-free", type=int, default=None,
                        help="bench: fault-free collections for false positives (default: half the scenarios)")
     bench.add_argument("--set", action="append", default=[], metavar="key=value", dest="overrides",

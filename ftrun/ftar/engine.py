@@ -161,6 +161,7 @@ class FtarEngine:
         if links is None:
             raise FatalError("all_reduce before reconfigure (or after a failed one): rebuild the ring first")
         if links.epoch <= self.aborted_epoch:
+            self._record_refused(links, buf.nbytes)
             self._links = None
             links.close()
             self._drop_shared()
@@ -189,6 +190,15 @@ class FtarEngine:
             self._links = None
             self._drop_shared()
             raise
+
+    def _record_refused(self, links: RingLinks, nbytes: int) -> None:
+        """Telemetry of an all-reduce refused at entry because its ring epoch was aborted (the lighthouse's
+        notice that a participant hung came first): entered and failed at once, so the ring's records show the
+        all-reduce that failed around the hung participant, which records nothing."""
+        if self.telemetry:
+            n, index = self._ring
+            self.telemetry.ftar_enter(links.epoch, nbytes, n, index, 0)
+            self.telemetry.ftar_end(False)
 
     def _local_staging(self, sched: Schedule, data) -> np.ndarray:
         need = sched.num_slots * sched.slot_bytes

@@ -23,7 +23,8 @@ when it has no such fault (EmulatedJob.analytic_rings).
 
 Telemetry (ftrun.diagnose.telemetry, when the rank has a Recorder): ENTER at arrival; once every member has
 arrived, the modeled totals (Recorder.ftar_model: start, end, chunk steps, sends, bytes, send busy time);
-DONE at the end, or FAIL naming the side whose connection closed. summarize reads these as it reads a chunk
+DONE at the end, or FAIL naming the side whose connection closed; a call refused because its epoch was aborted
+records ENTER and FAIL at once, as the chunk engine does. summarize reads these as it reads a chunk
 run's records, its progress interpolated between start and end.
 
 The duration (`ring_seconds`) is the schedule's modeled cost: every step of this rank's schedule takes the
@@ -251,6 +252,7 @@ class AnalyticFtarEngine(FtarEngine):
         if links is None:
             raise FatalError("all_reduce before reconfigure (or after a failed one): rebuild the ring first")
         if links.epoch <= self.aborted_epoch:
+            self._record_refused(links, buf.nbytes)
             self._fail(links, NetError(f"ring epoch {links.epoch} was aborted (a participant of its quorum hung)"))
         dt = DType.parse(dtype if dtype is not None else buf.dtype)
         n, index = self._ring

@@ -57,6 +57,8 @@ def test_bench_usage_errors(capsys):
     assert "no scale profile 'nope'" in capsys.readouterr().err
     assert ftrun_cli.main(["diagnose", "bench", "--scenarios", "-1"]) == 2
     assert ftrun_cli.main(["diagnose"]) == 2
+    assert ftrun_cli.main(["diagnose", "bench", "--scenarios", "4", "--only", "4"]) == 2  # before any job runs
+    assert "--only names scenario indexes in [0, 4)" in capsys.readouterr().err
 
 
 @pytest.mark.scale

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from ftrun.env.base import PeerClosed
-from harness.diagbench import KINDS, Scenario, Shape, Truth, draw, kinds_for, score, summarize
+from harness.diagbench import KINDS, Scenario, Shape, Truth, draw, kinds_for, pick, score, summarize
 from harness.engine import EmulatedWorld
 from harness.profile import NetworkConfig
 from harness.run.faults import (CutBuilding, Hang, HostLoss, KillRank, Release, SlowHostAt, SlowLink, check_faults,
@@ -219,6 +219,16 @@ def test_draw_on_first_hosts_places_every_fault_there_and_is_the_same_draw_when_
     assert draw(48, 5, dataclasses.replace(SHAPE, fault_hosts=4)) == draw(48, 5, SHAPE)
     with pytest.raises(ValueError, match="fault_hosts"):
         dataclasses.replace(SHAPE, fault_hosts=-1)
+
+
+def test_pick_runs_the_named_scenarios_of_the_drawn_plan_as_drawn():
+    plan = draw(24, 3, SHAPE)
+    assert pick(plan, None) == plan
+    assert pick(plan, "17,2") == [plan[2], plan[17]]  # plan order, each exactly as drawn
+    assert pick(plan, " 5 ,") == [plan[5]]
+    for bad in ("24", "-1", "x", "", ","):
+        with pytest.raises(ValueError, match="--only"):
+            pick(plan, bad)
 
 
 def test_scenario_faults_and_places():

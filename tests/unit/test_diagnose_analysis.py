@@ -29,6 +29,8 @@ CASES = [
     ("slow_link", SLOW_LINK, "its sends take"),
     ("hang_in_vote", HANG, "did not answer the collector while its replica's tree collective waits on it"),
     ("stuck_in_vote", HANG, "joined its tree collective without progress: every child sent up, it did not"),
+    ("hang_host_before_entry", HANG, "did not answer; 24 other ranks of their replica entered the all-reduce and it "
+     "aborted before their ring peers joined"),
 ]
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from ftrun.diagnose.summary import FAILED, summarize
+from ftrun.diagnose.telemetry import Recorder
 from ftrun.env.real import RealEnv
 from ftrun.ftar.cpu_kernels import CpuKernels
 from ftrun.ftar.engine import FtarConfig, FtarEngine
@@ -127,6 +129,21 @@ def test_an_abort_for_a_built_ring_fails_its_next_all_reduce(env, pair):
     assert pair[0].abort(8)
     with pytest.raises(RecoverableError, match="aborted"):
         pair[0].all_reduce(np.ones(100, np.float32))
+
+
+def test_an_all_reduce_refused_for_an_aborted_epoch_is_recorded_as_entered_and_failed(env, pair):
+    """Its ring peers' records then show the all-reduce that failed around a hung participant (the lighthouse's
+    notice came before they entered), which is what the diagnosis reads; nothing recorded looked healthy."""
+    rec = pair[0].telemetry = Recorder(env.clock, capacity=64)
+    _build(env, pair, epoch=8)
+    tasks = [_run(env, lambda e=e: e.all_reduce(np.ones(100, np.float32))) for e in pair]
+    assert all(t.join(20.0) and "error" not in box for t, box in tasks)
+    assert pair[0].abort(8)
+    with pytest.raises(RecoverableError, match="aborted"):
+        pair[0].all_reduce(np.ones(100, np.float32))
+    s, h = summarize(rec.records(), env.clock.now())
+    assert (s["f_qid"][0], s["f_cid"][0], s["f_state"][0], s["f_ring"][0], s["f_index"][0]) == (8, 1, FAILED, 2, 0)
+    assert h["cid"][-1] == 0 and h["cid"][-2] == -1  # the healthy all-reduce before it is the one completed
 
 
 def test_an_abort_request_with_another_token_is_ignored(env, pair):
