@@ -24,8 +24,7 @@ the event order and all results are a pure function of the program and the seed;
 timings vary slightly from run to run (and grow if other processes compete for the CPU).
 
 Python's cyclic GC is disabled (after a gc.freeze) while the loop runs, so no collection pause is ever
-charged to a task; the loop itself collects the young generations between slices, and everything once the
-frozen objects have grown by half since the last full collection (see `_housekeeping`).
+charged to a task; the loop itself collects the young generations between slices.
 """
 
 from __future__ import annotations
@@ -46,7 +45,6 @@ FROZEN_ALL = object()  # Host.frozen: every task of the host is stopped
 _INF = float("inf")
 _GC_CHECK_EVERY = 4096  # loop iterations between looks at the GC counters
 _GC_YOUNG_THRESHOLD = 1_000_000
-_FULL_GC_GROWTH = 1.5
 _COMPACT_SLACK = 65536
 
 
@@ -121,8 +119,6 @@ class Scheduler:
     """Event loop + virtual clock. Not thread-safe: everything runs in one OS thread."""
 
     compact_slack = _COMPACT_SLACK  # stale timers tolerated beyond 4 per live task
-    young_threshold = _GC_YOUNG_THRESHOLD  # allocations between young collections
-    full_gc_growth = _FULL_GC_GROWTH  # a full collection once the frozen objects grew by this factor
 
     def __init__(self, *, cpu_charging: bool = True, cpu_scale: float = 1.0, cpu_clock: str = "thread",
                  trace: bool = False) -> None:
@@ -150,8 +146,6 @@ class Scheduler:
         self.num_resumes = 0
         self.num_events = 0
         self.num_spawned = 0
-        self.num_full_gcs = 0
-        self._full_gc_at = 0.0
 
     # -- time ---------------------------------------------------------------------------------------
     def vnow(self) -> float:
@@ -325,7 +319,6 @@ class Scheduler:
         gc_was_enabled = gc.isenabled()
         gc.disable()
         gc.freeze()
-        self._full_gc_at = self.full_gc_growth * max(gc.get_freeze_count(), self.young_threshold)
         self.running = True
         try:
             self._loop(main)
@@ -412,20 +405,11 @@ class Scheduler:
         Survivors of a young collection are frozen (moved out of the collector's view) rather than
         promoted: at 98K ranks the older generations hold millions of live objects, and scanning them
         took 14% of the run. Short-lived cycles (exceptions and their frames) die young and are still
-        collected; a cycle that dies after surviving once (e.g. the tasks of a killed replica, with their
-        1 MB telemetry buffers) is collected by a full collection once the frozen objects have grown by
-        `full_gc_growth` since the last one: each object is scanned O(1) times on average, and a long
-        run's garbage stays a fraction of what is alive (the diagnose bench kills a replica every few
-        scenarios)."""
-        if gc.get_count()[0] > self.young_threshold:
+        collected; a cycle that dies after surviving once (e.g. the tasks of a killed replica) waits for
+        the full collection after the run (run_until_done unfreezes)."""
+        if gc.get_count()[0] > _GC_YOUNG_THRESHOLD:
             gc.collect(0)
             gc.freeze()
-            if gc.get_freeze_count() > self._full_gc_at:
-                gc.unfreeze()
-                gc.collect()
-                gc.freeze()
-                self.num_full_gcs += 1
-                self._full_gc_at = self.full_gc_growth * max(gc.get_freeze_count(), self.young_threshold)
         if len(self._timers) > 4 * len(self._live) + self.compact_slack:  # most are stale: drop them
             self._timers[:] = [e for e in self._timers if e[2]._token == e[3]]
             heapq.heapify(self._timers)
