@@ -179,17 +179,26 @@ class FtarSection:
 
 @dataclass(frozen=True, kw_only=True)
 class StorageConfig:
-    """[storage]: what the emulator's Storage seam (the mock object store for loader_state and the audit log)
-    charges per call. Persistent checkpoints are [checkpoint], the runtime's CheckpointConfig."""
+    """[storage]: what the emulator's Storage seam (the mock object store for loader_state and the audit log,
+    and the remote one for persistent checkpoints) charges per call. When and how persistent checkpoints
+    are written is [checkpoint], the runtime's CheckpointConfig."""
 
     # One atomic write (write, fsync, rename, fsync the folder) of a small file on the ranks' local disk:
     # loader_state every step (`ftrun calibrate` measures ftrun.storage.FileStorage).
     local_write_latency_s: float = 0.001
     # One append to the leader's audit log (an O_APPEND write(2), no fsync: ftrun.data.audit.FileAuditSink).
     local_append_latency_s: float = 0.0
+    # The remote object store persistent checkpoints go to: first-byte latency of a put, and the bandwidth
+    # one writer rank's checkpoint is written at (assumption: 200 MB/s per rank, MockObjectStore.remote).
+    checkpoint_write_latency_s: float = 0.02
+    checkpoint_bandwidth_bytes_per_s: float = 200e6
+    # An asynchronous checkpoint's staging: the writer rank's copy of its state to host memory, the only part
+    # its step waits for (assumption: 20 GB/s, a device-to-host copy into pinned memory over PCIe Gen4/5).
+    checkpoint_stage_bytes_per_s: float = 20e9
 
     def __post_init__(self) -> None:
-        _non_negative(self, "local_write_latency_s", "local_append_latency_s")
+        _non_negative(self, "local_write_latency_s", "local_append_latency_s", "checkpoint_write_latency_s")
+        _positive(self, "checkpoint_bandwidth_bytes_per_s", "checkpoint_stage_bytes_per_s")
 
 
 def _check_event(text: str) -> None:

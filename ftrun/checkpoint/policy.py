@@ -5,13 +5,21 @@ Model and optimizer state are replicated, so one replica writes them (paper §4.
 checkpoint at step n is chosen from the quorum of step n, at its start: every participant that is not
 behind then holds the state after n committed steps (the one the checkpoint must contain), and every
 rank of every participant computes the same answer without talking to anyone.
+
+Asynchronous writes (CheckpointConfig.async_write). The writer's step is blocked only while its ranks
+stage the state (a copy in host memory); the write and the manifest commit run in the background while
+training goes on. At most one checkpoint is in flight per writer: a cadence that comes while the last
+write is still running is skipped (`async_action`), logged as a "checkpoint_skipped" event. Waiting
+instead would block the writer's step for the rest of that write, the very stall that makes the other
+replicas drop a writer whose write outlasts the FTAR timeout; a skip costs only recency (the job's
+newest checkpoint is the in-flight one, once it lands).
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
-from typing import Iterable
+from typing import Hashable, Iterable, Literal
 
 from ftrun.data.loader_state import HasStep, LoaderState, LoaderStateError
 from ftrun.data.sampler import DataLayout
@@ -21,16 +29,24 @@ STEP_DIR = re.compile(r"^step-(\d{8,})$")
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
-    """every_steps: checkpoint after every that many committed steps. keep: complete checkpoints kept."""
+    """every_steps: checkpoint after every that many committed steps. keep: complete checkpoints kept.
+    async_write: stage the state to host memory inside the step and write it in the background (see the
+    module docstring); False writes inside the step, which then lasts as long as the write. On by
+    default: a synchronous write longer than the FTAR timeout gets the writer dropped by the other
+    replicas, and the retried step's next writer is dropped the same way, one replica after another.
+    Its cost is a host-memory copy of the rank's state while the write runs."""
 
     every_steps: int = 100
     keep: int = 3
+    async_write: bool = True
 
     def __post_init__(self) -> None:
         for name in ("every_steps", "keep"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"CheckpointConfig.{name} must be an int >= 1, got {value!r}")
+        if not isinstance(self.async_write, bool):
+            raise ValueError(f"CheckpointConfig.async_write must be true or false, got {self.async_write!r}")
 
 
 def step_dir(step: int) -> str:
@@ -48,6 +64,18 @@ def parse_step_dir(name: str) -> int | None:
 def should_checkpoint(step: int, config: CheckpointConfig) -> bool:
     """Whether the state after `step` committed steps is checkpointed (never the untrained step 0)."""
     return step > 0 and step % config.every_steps == 0
+
+
+AsyncAction = Literal["stage", "in_flight", "skip"]
+
+
+def async_action(due: Hashable, in_flight: Hashable | None) -> AsyncAction:
+    """What the writer does with the checkpoint `due` (e.g. (step, lineage)) when `in_flight` is being
+    written in the background (None: nothing is): "stage" it, nothing ("in_flight": a retry of the step
+    whose checkpoint is being written), or "skip" it (one write at a time; module docstring)."""
+    if in_flight is None:
+        return "stage"
+    return "in_flight" if in_flight == due else "skip"
 
 
 def checkpoint_writer(participants: Iterable[HasStep]) -> str | None:

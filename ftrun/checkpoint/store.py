@@ -31,12 +31,18 @@ and fully verifies it; every other rank checks the manifest, `.metadata` and the
 unpickles anything and each data file before DCP reads from it, so it hashes only the files its
 shards come from.
 
+Asynchronous saves: `stage` does the part that must happen at the step boundary (the leader's checks
+and discard, agreed over the replica's control comm, and a host-memory copy of the state) and `write`
+the rest (DCP, the vote, the manifest, pruning) on whatever channel it is given, e.g. in a background
+task over a group of its own (ftrun.train.checkpointer). `save` is the two in one, without the copy.
+
 Threading: one writer per root at a time (the quorum's chosen replica); readers may run concurrently.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 import shutil
@@ -49,6 +55,7 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -120,16 +127,62 @@ def save(root: str | os.PathLike, *, step: int, model: torch.nn.Module, optimize
     A crash anywhere before the manifest is written leaves a folder that readers ignore (and a later
     prune removes).
     """
+    comm = comm or LocalComm()
+    _prepare_write(root, step, loader_state, key, comm)
+    return write(Staged(Path(root), step, loader_state, keep, key, _state_dict(model, optimizer, extra)), comm=comm)
+
+
+@dataclass(frozen=True)
+class Staged:
+    """What `write` writes: where, the ledger, and the state dict (a host-memory copy when `stage` made it)."""
+
+    root: Path
+    step: int
+    loader_state: ls.LoaderState
+    keep: int
+    key: bytes | None
+    state_dict: dict[str, Any]
+
+
+def stage(root: str | os.PathLike, *, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+          loader_state: ls.LoaderState, keep: int = 3, key: bytes | None = None,
+          extra: Mapping[str, Stateful] | None = None, comm: ReplicaComm | None = None) -> Staged:
+    """The part of an asynchronous save that blocks the step, collective over `comm` like `save` (same
+    arguments and errors): the leader's checks and the discard of the step's folder, agreed by every rank,
+    then a copy of the state in host memory (DCP's BlockingAsyncStager; the user's registered state
+    through its state_dict, deep-copied), which the optimizer can no longer change. Then
+    `write(staged, comm=...)`, e.g. in a background task, writes and commits it."""
+    comm = comm or LocalComm()
+    _prepare_write(root, step, loader_state, key, comm)
+    live = _state_dict(model, optimizer, {n: copy.deepcopy(obj.state_dict()) for n, obj in (extra or {}).items()})
+    staged = BlockingAsyncStager(cache_staged_state_dict=False).stage(live)
+    return Staged(Path(root), step, loader_state, keep, key, staged)
+
+
+def _prepare_write(root: str | os.PathLike, step: int, loader_state: ls.LoaderState, key: bytes | None,
+                   comm: ReplicaComm) -> None:
+    """The leader's fork check and discard of the step's folder, agreed by every rank of `comm`."""
     if loader_state.step != step:
         raise ValueError(f"loader_state is at step {loader_state.step}, the checkpoint is of step {step}")
+    root = Path(root)
+    _agree(comm, lambda: _prepare(root, root / step_dir(step), step, loader_state.lineage, key)
+           if comm.rank == 0 else None)
+
+
+def write(target: Staged, *, comm: ReplicaComm | None = None, process_group: Any = None) -> CheckpointInfo | None:
+    """Write `target`'s state dict into its checkpoint folder (prepared by `save` or `stage`), commit the
+    manifest once every rank wrote, prune. Collective over `comm` and, for DCP's own collectives,
+    `process_group` (None: the default group); a background write passes a group of its own, so that
+    it never interleaves with the step's collectives. Raises CheckpointError if any rank's write
+    failed; every rank raises alike."""
     comm = comm or LocalComm()
-    root, name = Path(root), step_dir(step)
-    path, leader = root / name, comm.rank == 0
-    _agree(comm, lambda: _prepare(root, path, step, loader_state.lineage, key) if leader else None)
+    root, step, loader_state, key, leader = target.root, target.step, target.loader_state, target.key, comm.rank == 0
+    name = step_dir(step)
+    path = root / name
     try:
-        sd = _state_dict(model, optimizer, extra)
         with _single_process():
-            dcp.save(sd, storage_writer=dcp.FileSystemWriter(path, sync_files=True), no_dist=comm.world_size == 1)
+            dcp.save(target.state_dict, storage_writer=dcp.FileSystemWriter(path, sync_files=True),
+                     process_group=process_group, no_dist=comm.world_size == 1)
         if leader:
             FileStorage(root).write_atomic(f"{name}/{LOADER_STATE_FILE}", ls.encode(loader_state))
         report = mf.encode_report(comm.rank, files=_own_files(path, comm.rank))
@@ -144,7 +197,7 @@ def save(root: str | os.PathLike, *, step: int, model: torch.nn.Module, optimize
         log.info("checkpoint of step %d written to %s (%d files, %d ranks)", step, path, len(manifest.files),
                  comm.world_size)
         try:
-            prune(root, keep=keep)
+            prune(root, keep=target.keep)
         except OSError as e:  # the checkpoint is committed; old ones stay until the next prune
             log.warning("pruning %s after the checkpoint of step %d failed: %s", root, step, e)
 

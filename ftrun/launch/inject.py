@@ -27,8 +27,9 @@ link, release, host=, building=) are rejected by name. Pure: parsing and the pla
 
 Kills and hangs fire once each; a due fault whose replica is down waits until it is back. Where the script
 reads the fault file (FTRUN_FAULT_FILE), a mid-step kill (at=F > 0) is carried out by the rank itself: the
-file's die_at makes it SIGKILL itself inside the backward of step S (ftrun.train.inject), which the
-supervisor's event poll cannot time within a short step; the supervisor records it as the injected kill.
+file's die_at (phase=backward with at=F, ftrun.train.inject) makes it SIGKILL itself F x its own median compute
+after its quorum for the step after S (the emulator's F x the modeled compute), which the supervisor's event
+poll cannot time within a short step; the supervisor records it as the injected kill.
 """
 
 from __future__ import annotations

@@ -298,8 +298,8 @@ class Job:
             catching_up = {r for r in self.live if r not in self.last_commit and r not in self.down_until}
             slow = self.injected.slow_fetch_for(catching_up)
             text = "" if slow is None else f"kind=slow,factor={slow.factor!r},delay={slow.delay_s!r}"
-            die_at = ";".join(f"phase=backward,step={f.at_step},replica={f.replica_id},incarnation={self.live[f.replica_id]}"
-                              for f in self.injected.self_kills() if f.replica_id in self.live)
+            die_at = ";".join(f"phase=backward,step={f.at_step},replica={f.replica_id},incarnation={self.live[f.replica_id]},"
+                              f"at={f.at_fraction!r}" for f in self.injected.self_kills() if f.replica_id in self.live)
             plan = {"catchup": text, "die_at": die_at}
             if plan != self._plan_written:
                 if self._plan_written is None or text != self._plan_written["catchup"]:

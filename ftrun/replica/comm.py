@@ -93,6 +93,14 @@ class GlooComm:
             opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
             self._pg = dist.ProcessGroupGloo(prefixed, rank, world_size, opts)
 
+    @classmethod
+    def of_group(cls, group: dist.ProcessGroup, *, rank: int, world_size: int) -> "GlooComm":
+        """A ReplicaComm over an existing gloo group of the replica's ranks (e.g. one made with
+        dist.new_group for a background checkpoint write, apart from the step's control group)."""
+        comm = cls.__new__(cls)
+        comm.rank, comm.world_size, comm._seq, comm._pg = rank, world_size, 0, group
+        return comm
+
     def _group(self) -> dist.ProcessGroup:
         if self._pg is None:
             raise ReplicaCommError("collective on a closed replica group")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 
 import torch
 
@@ -27,7 +28,9 @@ def param_hash(model: torch.nn.Module) -> str:
 
 
 def print_event(event: dict) -> None:
-    print(json.dumps(event), flush=True)
+    """One line in one write: a background checkpoint write's events may print beside the step's."""
+    sys.stdout.write(json.dumps(event) + "\n")
+    sys.stdout.flush()
 
 
 def step_event(r: StepResult, model: torch.nn.Module, now: float, *, rank: int) -> dict:

@@ -28,6 +28,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from statistics import median
 from typing import Callable
 
 import torch
@@ -42,6 +43,10 @@ from ftrun.train.api import FTConfig, Float32CpuKernels, Hooks, init_from_env
 from ftrun.train.api import param_hash  # noqa: F401 (re-exported: tests hash models with it)
 from ftrun.train.inject import DieAt, parse_catchup_fault, parse_die_at, plan_for
 from ftrun.train.toy import ToyConfig, lm_loss, make_model, make_tokens
+
+
+# Recent steps whose median compute times a DieAt's at=F.
+COMPUTE_WINDOW = 20
 
 
 def die() -> None:
@@ -81,11 +86,17 @@ class Faults:
     """
 
     def __init__(self, spec: WorkerSpec, *, die_at: str, catchup: str, plan_file: str | None,
-                 sleep: Callable[[float], None] = lambda s: None, now: Callable[[], float] = lambda: 0.0) -> None:
+                 sleep: Callable[[float], None] = lambda s: None, now: Callable[[], float] = lambda: 0.0,
+                 spawn: Callable[..., object] | None = None) -> None:
+        """sleep, now, spawn: the job's clock and tasks (Env.clock.sleep / now, Env.spawn); spawn runs a
+        DieAt's `at=F` timer (without it such a plan acts inside the backward)."""
         self.spec, self._plan_file, self._plan_mtime, self._sleep, self._now = spec, plan_file, None, sleep, now
+        self._spawn = spawn
         self.kernels = Float32Kernels()
         self._fired: set[DieAt] = set()
         self._step = 0
+        self._forward_at: float | None = None
+        self.computes: list[float] = []  # this rank's recent forward + backward times (a DieAt's at=F)
         self._set(die_at, catchup)
 
     def _set(self, die_at: str, catchup: str) -> None:
@@ -103,8 +114,10 @@ class Faults:
         """Carry out `plan` here: announce it on stdout (the supervisor counts it, and resumes a stop), then
         SIGKILL, SIGSTOP or sleep."""
         self._fired.add(plan)
-        print(json.dumps({"event": "fault", "t": self._now(), "action": plan.action, "phase": phase, "step": step,
-                          "seconds": plan.seconds, "rank": self.spec.rank}), flush=True)
+        line = json.dumps({"event": "fault", "t": self._now(), "action": plan.action, "phase": phase, "step": step,
+                           "seconds": plan.seconds, "rank": self.spec.rank})
+        sys.stdout.write(line + "\n")  # one write: an at=F timer's line never splits another task's
+        sys.stdout.flush()
         if plan.action == "kill":
             die()
         elif plan.action == "stop":
@@ -141,7 +154,13 @@ class Faults:
         self._step = step
         if phase == "quorum":
             self.reload()
+        if phase == "started" and (plan := self._due("backward", step)) is not None and plan.at:
+            self._arm_timer(plan, step)
+        if phase == "exchange" and self._forward_at is not None:  # the compute just done, timed
+            self.computes = (self.computes + [self._now() - self._forward_at])[-COMPUTE_WINDOW:]
+            self._forward_at = None
         if phase == "forward":
+            self._forward_at = self._now()
             self._backward_plan = self._due("backward", step)
         elif phase == "exchange" and (plan := self._due("exchange", step)) is not None:
             self._fired.add(plan)  # armed: inside the all-reduce, after some chunks went around the ring
@@ -149,6 +168,21 @@ class Faults:
             self.kernels.action = lambda: self._act(plan, "exchange", step)
         elif (plan := self._due(phase, step)) is not None:
             self._act(plan, phase, step)
+
+    def _arm_timer(self, plan: DieAt, step: int) -> None:
+        """A DieAt with at=F, at the step's start: act F x this rank's median compute from now, from a task
+        (the process is then wherever the step has got to). Before any compute was timed, or without a spawn,
+        the plan stays for the backward."""
+        if not self.computes or self._spawn is None:
+            return
+        self._fired.add(plan)
+        delay = plan.at * median(self.computes)
+
+        def fire() -> None:
+            self._sleep(delay)
+            self._act(plan, "backward", step)
+
+        self._spawn(fire, name=f"fault-at-{plan.at:g}")
 
     def catchup_hook(self, step: int, index: int) -> Fault | None:
         """CatchupServer fault hook (on the server's loop): spoil the first shard responses as planned."""
@@ -214,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--steps is required when FTRUN_MAX_STEPS is not set")
     with init_from_env(config_from(args)) as ft:
         faults = Faults(spec, die_at=die_at, catchup=catchup, plan_file=args.fault_file,
-                        sleep=ft.env.clock.sleep, now=ft.env.clock.now)  # a slow rank stalls on the job's clock
+                        sleep=ft.env.clock.sleep, now=ft.env.clock.now, spawn=ft.env.spawn)  # a slow rank stalls on the job's clock
 
         def loss_fn(m: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
             ft.env.clock.sleep(args.step_time)  # stands in for the compute of a real model

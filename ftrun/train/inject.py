@@ -10,7 +10,11 @@ by ';', fields by ',':
         after_commit (optimizer stepped, ledger and audit not yet written).
         `action` (default kill) says what happens there instead: kill (SIGKILL), stop (the process prints
         a {"event": "fault"} line and SIGSTOPs itself; its supervisor sends SIGCONT after `seconds`) or
-        slow (sleep `seconds` there, once). Every entry fires at most once per process.
+        slow (sleep `seconds` there, once). Every entry fires at most once per process. With phase=backward,
+        `at=F` (0 < F < 1; kill or stop) acts F x this rank's median compute (forward and backward of its
+        recent steps) after the step started (its quorum), from a timer, wherever the rank is then: a kill
+        F x a step into the step, as `ftrun launch --inject "kill ... at=F"` and the emulator mean it (before
+        any step of the process was timed, inside the backward).
     FTRUN_CATCHUP_FAULT="kind=truncate,then=die,replica=r0,incarnation=0"
         spoil the first `count` (default 1) shard responses of this rank's catch-up server: kind=corrupt
         flips a byte (the client's CRC check catches it), kind=truncate sends half and closes; then=die
@@ -39,6 +43,7 @@ class DieAt:
     rank: int | None = None  # the rank inside the replica (default: every rank)
     action: str = "kill"
     seconds: float = 0.0  # how long a stop or slow action lasts
+    at: float = 0.0  # phase=backward: act this fraction of the rank's compute after the step started (0: in backward)
 
     def __post_init__(self) -> None:
         if self.phase not in DIE_PHASES:
@@ -49,6 +54,11 @@ class DieAt:
             raise ValueError(f"DieAt.action must be one of {DIE_ACTIONS}, got {self.action!r}")
         if not 0.0 <= self.seconds <= 3600.0:
             raise ValueError(f"DieAt.seconds must be in [0, 3600], got {self.seconds}")
+        if not 0.0 <= self.at < 1.0:
+            raise ValueError(f"DieAt.at must be in [0, 1), got {self.at}")
+        if self.at and (self.phase != "backward" or self.action == "slow"):
+            raise ValueError(f"DieAt.at goes with phase=backward and action kill or stop, got phase={self.phase} "
+                             f"action={self.action}")
 
     def encode(self) -> str:
         """The FTRUN_DIE_AT entry that parses back to this plan."""
@@ -56,6 +66,8 @@ class DieAt:
                   "rank": self.rank}
         if self.action != "kill":
             fields.update(action=self.action, seconds=self.seconds)
+        if self.at:
+            fields.update(at=self.at)
         return ",".join(f"{k}={v}" for k, v in fields.items() if v is not None)
 
     def applies_to(self, replica: str, incarnation: int) -> bool:
@@ -118,15 +130,14 @@ def _opt_int(value: str | None) -> int | None:
 def parse_die_at(text: str) -> tuple[DieAt, ...]:
     """Parse FTRUN_DIE_AT (see the module docstring). Raises ValueError naming the bad part."""
     plans = []
-    for f in _entries(text, {"phase", "step", "replica", "incarnation", "rank", "action", "seconds"}):
+    for f in _entries(text, {"phase", "step", "replica", "incarnation", "rank", "action", "seconds", "at"}):
         try:
-            seconds = float(f.get("seconds", "0"))
+            seconds, at = float(f.get("seconds", "0")), float(f.get("at", "0"))
         except ValueError:
-            raise ValueError(f"bad seconds={f['seconds']!r}: expected a number") from None
+            raise ValueError(f"bad seconds={f.get('seconds')!r} or at={f.get('at')!r}: expected numbers") from None
         plans.append(DieAt(phase=f.get("phase", ""), step=int(f.get("step", "0")), replica=f.get("replica"),
                            incarnation=_opt_int(f.get("incarnation")), rank=_opt_int(f.get("rank")),
-                           action=f.get("action", "kill"),
-                           seconds=seconds))
+                           action=f.get("action", "kill"), seconds=seconds, at=at))
     return tuple(plans)
 
 

@@ -5,6 +5,7 @@ One `train_step()` (paper §4.1-4.4, DESIGN "The runtime, part by part"):
     q = manager.start_step()            # quorum; a behind replica heals here (`heal`: fetch + load)
     serve(q)                            # healthy + someone behind: publish the state after q.step commits
                                         # for catch-up; the writer: a persistent checkpoint of the same state
+                                        # (async_write: staged to host memory, written in the background)
     attempt = progress.start(q)         # leader: audit Attempt (before the gradient can enter FTAR)
     forward/backward on this rank's batch, gather grads into one float32 buffer
     exchange.average(q, buffer)         # FTAR mean over contributors; a healed replica sends zeros
@@ -62,7 +63,12 @@ Overlap (ftrun.train.overlap, `overlap=` in build): in a plain training step (no
 gradient) the exchange runs bucket by bucket during backward instead of after it; the vote, retries and
 the joiner paths are the ones above. The "exchange" phase is then called after backward, while the
 last buckets are still being reduced.
-Threading: one task per trainer; `heal` runs in it, called by the Manager.
+Persistent checkpoints (ftrun.train.checkpointing): with CheckpointConfig.async_write (the default)
+the step waits only while the writer's ranks stage the state; the write runs in a background task,
+which `close` waits for.
+
+Threading: one task per trainer; `heal` runs in it, called by the Manager; a background checkpoint
+write is a second one (ftrun.train.checkpointing).
 """
 
 from __future__ import annotations
@@ -78,7 +84,7 @@ from ftrun.catchup.fetcher import FetchResult
 from ftrun.catchup.heal import catchup_sources, should_publish
 from ftrun.catchup.transport import CatchupService
 from ftrun.catchup.wait import estimate_fetch_s, exchange_wait_s, should_wait, wait_outcome
-from ftrun.checkpoint.policy import CheckpointConfig, checkpoint_writer, should_checkpoint
+from ftrun.checkpoint.policy import CheckpointConfig, checkpoint_writer
 from ftrun.config import ManagerConfig
 from ftrun.data.audit import AuditLog
 from ftrun.data.loader_state import LoaderState, LoaderStateError, LoaderStateStore
@@ -91,6 +97,7 @@ from ftrun.replica.comm import ReplicaComm
 from ftrun.replica.endpoints import encode_endpoints
 from ftrun.replica.manager import Manager, ReplicaError, StepQuorum
 from ftrun.train.checkpointer import Checkpointer
+from ftrun.train.checkpointing import CheckpointWriter
 from ftrun.train.compute import Compute, LossFn  # noqa: F401 (LossFn re-exported)
 from ftrun.train.exchange import GradientExchange
 from ftrun.train.lr import LRConfig, lr_factor
@@ -181,7 +188,9 @@ class FaultTolerantTrainer:
         self._on_event, self._on_phase = on_event, on_phase
         self._leader = manager.comm.rank == 0
         self._published: tuple[int, str] | None = None  # (step, lineage) of the snapshot being served
-        self._checkpointed = checkpointed  # (step, lineage) of a checkpoint that exists: never rewritten
+        self.checkpoints = CheckpointWriter(
+            checkpointer=checkpointer, config=config.checkpoint, env=env, replica_id=config.replica_id,
+            rank=config.rank, emit=self._emit, checkpointed=checkpointed) if checkpointer is not None else None
         self.last_fetch: FetchResult | None = None
         self._kept: tuple[tuple[int, str], float, Any] | None = None  # ((step, lineage), loss, gradient)
         self._compute_s: float | None = None  # the last forward/backward's seconds
@@ -244,7 +253,8 @@ class FaultTolerantTrainer:
     def _serve(self, q: StepQuorum) -> None:
         """Before the compute, the state after q.step commits: the catch-up snapshot (healthy replicas,
         when someone is behind) first, so the fetch overlaps the checkpoint write; then the persistent
-        checkpoint (its writer). Neither is redone for a retry on the same state."""
+        checkpoint (its writer: staged for a background write, or written here). Neither is redone for
+        a retry on the same state."""
         key = (q.step, self.progress.state.lineage)
         if should_publish(q) and self._published != key:
             metadata = {"step": q.step, "loader_state": self.progress.state.to_dict(), "state": self.state.metadata(),
@@ -253,23 +263,8 @@ class FaultTolerantTrainer:
             self.catchup.publish(q.step, tensors, metadata)
             self._snapshot_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
             self._published = key
-        cfg = self.config
-        if (self.checkpointer is not None and self._checkpointed != key and should_checkpoint(q.step, cfg.checkpoint)
-                and checkpoint_writer(q.participants) == cfg.replica_id):  # every rank: its own shards
-            self._checkpoint(q.step, key)
-
-    def _checkpoint(self, step: int, key: tuple[int, str]) -> None:
-        """Write the checkpoint of the state after `step` commits. A failed write costs this checkpoint
-        only (readers skip a folder without a valid manifest): it is logged, not raised."""
-        started = self.env.clock.now()
-        try:
-            self.checkpointer.save(step, self.progress.state)
-        except Exception as e:  # storage trouble must not take the replica down; the next cadence retries
-            log.error("replica %s: checkpoint of step %d failed: %s", self.config.replica_id, step, e)
-            self._emit("checkpoint_failed", step=step, error=f"{type(e).__name__}: {e}")
-            return
-        self._checkpointed = key
-        self._emit("checkpoint", step=step, seconds=self.env.clock.now() - started)
+        if self.checkpoints is not None:
+            self.checkpoints.at_step(q, self.progress.state)
 
     def _compute_and_exchange(self, q: StepQuorum, *, trains: bool) -> float | None:
         """Forward/backward (unless behind) and the FTAR mean into .grad; a failure is a 'no' vote
@@ -437,8 +432,14 @@ class FaultTolerantTrainer:
                             "rank": self.config.rank, **fields})
 
     def close(self) -> None:
-        """Leave the job: the Manager (lighthouse link, replica comm). The caller closes engine and server."""
-        self.manager.close()
+        """Leave the job: first wait for a checkpoint write in flight (it commits, or fails and leaves no
+        manifest: never a torn checkpoint that looks complete), then the Manager (lighthouse link, replica
+        comm). The caller closes engine and server."""
+        try:
+            if self.checkpoints is not None:
+                self.checkpoints.wait()
+        finally:
+            self.manager.close()
 
 
 def build(*, config: TrainerConfig, env: Env, compute: Compute, layout: DataLayout, replica_ids: tuple[str, ...],

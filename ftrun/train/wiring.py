@@ -104,7 +104,8 @@ def _build(*, job: RankJob, model: torch.nn.Module, optimizer: torch.optim.Optim
                                catchup=catchup, checkpoint=checkpoint)
         checkpointer = DcpCheckpointer(root=Path(spec.run_dir) / "ckpt", model=model, optimizer=optimizer,
                                        keep=checkpoint.keep, key=checkpoint_key(spec.token), comm=job.comm,
-                                       extra=extra) if cfg.checkpoint is not None else None
+                                       extra=extra, timeout_s=cfg.timeouts.replica_comm_s) \
+            if cfg.checkpoint is not None else None
         exchange = GradientExchange(engine=engine, rank=spec.rank)
         overlapped = OverlapExchange(env=env, exchange=exchange, flat=compute.flat, bucket_bytes=overlap) \
             if overlap is not None else None

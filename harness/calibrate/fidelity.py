@@ -5,10 +5,13 @@ side by side with emulated/real.
 
 Faults, the same in both: replica r1 is SIGKILLed --kills times, F x a step into its step once the job has
 committed --kill-step, --kill-step + --kill-step-interval, ... steps (`--inject kill replica=1 step=S at=F` in
-both worlds, F = --kill-at-fraction), its state fetches are served --slow-fetch-delay slower, and it restarts
-after --restart-delay (real `--restart-delay`; emulated scheduler.alloc_delay_warm_s). One kill is as noisy
-as the machine's load: the per-fault figures are medians over the kills, and `--json` gives each one's spread
-over them (`spread`).
+both worlds, F = --kill-at-fraction: F x the victim's compute after its quorum, the real rank timing it on its
+own compute, the emulator on its modeled one), its state fetches are served --slow-fetch-delay slower, and it
+restarts after --restart-delay (real `--restart-delay`; emulated scheduler.alloc_delay_warm_s). One kill is as
+noisy as the machine's load: the per-fault figures are medians over the kills, and `--json` gives each one's
+spread over them (`spread`). With --repeat N the real job runs N times: the real figures are medians over the
+runs (the per-fault ones over all their faults), and each row's `real_spread` (the runs' largest |ln(a/b)|
+among themselves) and `inside_noise` say which ratios are inside this machine's own run-to-run noise.
 
 Figures (`metrics`, pure, over either event stream: leader/rank-0 events with replica_id, incarnation, t):
 - step_s: median time between consecutive commits of one replica incarnation;
@@ -39,16 +42,26 @@ from statistics import median
 from typing import Any, Iterable
 
 from ftrun.cli import UsageError, emit_json
+from harness.calibrate.measure import WriteSampler
 
 # The real worker's data-plane settings, passed to it explicitly and given to the emulator as the same keys
-# (ftrun.train.ft_worker --chunk-bytes / --max-shard-bytes; FTConfig.ftar, ftrun.config.FtarConfig; ftrun.config.Timeouts).
+# (ftrun.train.ft_worker --chunk-bytes / --max-shard-bytes; FTConfig.ftar, ftrun.config.FtarConfig).
 CHUNK_BYTES, SHARD_BYTES, NUM_CHUNKS = 2048, 8192, 2
-REAL_TIMEOUTS = {"heartbeat_interval_s": 0.1, "heartbeat_timeout_s": 2.0, "commit_timeout_s": 2.0,
-                 "ftar_timeout_s": 2.0, "quorum_timeout_s": 30.0, "catchup_timeout_s": 60.0, "join_timeout_s": 0.5,
-                 "connect_timeout_s": 10.0}
+# The real worker's timeouts (ftrun.config.Timeouts) that the emulated job is given: `real_timeouts`.
+TIMEOUT_KEYS = ("heartbeat_interval_s", "heartbeat_timeout_s", "commit_timeout_s", "ftar_timeout_s", "quorum_timeout_s",
+                "catchup_timeout_s", "join_timeout_s", "connect_timeout_s")
+
+
+def real_timeouts() -> dict[str, float]:
+    """TIMEOUT_KEYS as the real worker of `_real` configures them (ftrun.train.ft_worker's own FTConfig)."""
+    from ftrun.train.ft_worker import config_from, parse_args
+
+    timeouts = config_from(parse_args(["--steps", "1"])).timeouts
+    return {key: getattr(timeouts, key) for key in TIMEOUT_KEYS}
 
 NAMES = ("step_s", "get_quorum_s", "detection_s", "stall_per_failure_s", "catchup_s", "rejoin_stall_s",
          "effective_training_time")
+FAULT_NAMES = ("detection_s", "stall_per_failure_s", "catchup_s", "rejoin_stall_s")  # per fault (`per_fault`)
 
 
 def normalize(events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -187,16 +200,60 @@ def toy_model_overrides(num_params: int) -> list[str]:
             "model.mlp_matrices=2", f"model.vocab={vocab}", "model.dtype=fp32"]
 
 
-def side_by_side(real: dict[str, float | None], emulated: dict[str, float | None]) -> dict[str, Any]:
-    """`--json`'s shape: metrics [{name, real, emulated, ratio}] and max_abs_log_ratio. Pure."""
-    rows, logs = [], []
+def repeated(runs: list[list[dict[str, Any]]], *, num_replicas: int) -> tuple[dict[str, float | None], list[dict]]:
+    """The real figures of several runs of the same job (--repeat) and each run's own: the per-fault figures
+    (`per_fault`) are medians over every run's faults together, the others (step_s, get_quorum_s,
+    effective_training_time) the median of the runs' figures. Pure."""
+    each = [metrics(ev, num_replicas=num_replicas) for ev in runs]
+    faults = pooled_faults(runs)
+    out: dict[str, float | None] = {}
+    for name in NAMES:
+        xs = faults[name] if name in FAULT_NAMES else [m[name] for m in each if m[name] is not None]
+        out[name] = median(xs) if xs else None
+    return out, each
+
+
+def pooled_faults(runs: list[list[dict[str, Any]]]) -> dict[str, list[float]]:
+    """`per_fault` of several runs, each figure's values of every run together. Pure."""
+    out: dict[str, list[float]] = {name: [] for name in FAULT_NAMES}
+    for ev in runs:
+        for name, xs in per_fault(ev).items():
+            out[name].extend(xs)
+    return out
+
+
+def noise(each: list[dict[str, float | None]]) -> dict[str, float | None]:
+    """Per figure, the real runs' spread among themselves: the largest |ln(a/b)| over pairs of runs that have
+    it (None with fewer than two): how far one real run is from another on this machine now. Pure."""
+    out: dict[str, float | None] = {}
+    for name in NAMES:
+        xs = [m[name] for m in each if m.get(name) is not None and m[name] > 0]
+        out[name] = math.log(max(xs) / min(xs)) if len(xs) >= 2 else None
+    return out
+
+
+def side_by_side(real: dict[str, float | None], emulated: dict[str, float | None],
+                 real_noise: dict[str, float | None] | None = None) -> dict[str, Any]:
+    """`--json`'s shape: metrics [{name, real, emulated, ratio}] and max_abs_log_ratio; with `real_noise`
+    (`noise` of repeated real runs), each row's `real_spread` and `inside_noise` (|ln ratio| <= real_spread)
+    and the table's `real_vs_real_max_abs_log_ratio`. Pure."""
+    rows, logs, spreads = [], [], []
     for name in NAMES:
         r, e = real.get(name), emulated.get(name)
         ratio = e / r if r is not None and e is not None and r > 0 and e > 0 else None
         if ratio is not None:
             logs.append(abs(math.log(ratio)))
-        rows.append({"name": name, "real": r, "emulated": e, "ratio": ratio})
-    return {"metrics": rows, "max_abs_log_ratio": max(logs) if logs else None}
+        row = {"name": name, "real": r, "emulated": e, "ratio": ratio}
+        if real_noise is not None:
+            sp = real_noise.get(name)
+            spreads += [sp] if sp is not None else []
+            row |= {"real_spread": sp,
+                    "inside_noise": None if sp is None or ratio is None else abs(math.log(ratio)) <= sp}
+        rows.append(row)
+    table = {"metrics": rows, "max_abs_log_ratio": max(logs) if logs else None}
+    if real_noise is not None:
+        table["real_vs_real_max_abs_log_ratio"] = max(spreads) if spreads else None
+    return table
 
 
 # -- the two runs ------------------------------------------------------------------------------------
@@ -218,6 +275,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slow-fetch-delay", type=float, default=0.2, metavar="SECONDS",
                    help="r1's state fetches are served this much slower (0: no slow fetch) (default %(default)s)")
     p.add_argument("--restart-delay", type=float, default=0.5, help="seconds before the killed replica restarts")
+    p.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="run the real job N times: its figures are medians over the runs (the per-fault ones over "
+                        "every run's faults) and each figure's real_spread, the runs' largest |ln(a/b)| among "
+                        "themselves, says which emulated/real ratios are inside this machine's noise "
+                        "(default %(default)s)")
     p.add_argument("--profile", default=None, metavar="CALIBRATED.toml",
                    help="a profile from `ftrun calibrate` (default: calibrate now, with the real per-step time of "
                         "ftrun.train.ft_worker as 1 replica x 1 rank)")
@@ -225,9 +287,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="calibrate with --quick (its crash figures then come from a child without torch, whose "
                         "teardown is much faster than a rank's)")
     p.add_argument("--restep", action="store_true",
-                   help="with --profile: re-measure the script's step, bookkeeping, all-reduce overhead, start, crash "
-                        "detection and the loader_state write just before and just after the real run (on a shared "
-                        "machine the load moves them most) and emulate with the mean of the two; keep the rest")
+                   help="with --profile: re-measure the script's step, bookkeeping, all-reduce overhead, start "
+                        "and a killed process's teardown (peer reset) just before and just after the real run (on a shared "
+                        "machine the load moves them most) and emulate with the mean of the two, and the loader_state "
+                        "write with its median while the real runs ran (the disk swings most); keep the rest")
     p.add_argument("--cpu-charging", choices=("on", "off"), default="off",
                    help="charge the emulator's real CPU time to emulated hosts (default off: deterministic)")
     p.add_argument("--out", default=None, help="folder for the real run and the calibrated profile")
@@ -274,7 +337,7 @@ def emulated_overrides(args: argparse.Namespace, num_params: int) -> list[str]:
              f"ftar.engine.chunk_bytes={CHUNK_BYTES}", f"ftar.engine.num_chunks={NUM_CHUNKS}",
              "checkpoint=none",  # the real worker runs without --checkpoint-every
              f"emulation.cpu_charging={'true' if args.cpu_charging == 'on' else 'false'}"]
-            + [f"timeouts.{key}={value}" for key, value in REAL_TIMEOUTS.items()] + toy_model_overrides(num_params))
+            + [f"timeouts.{key}={value}" for key, value in real_timeouts().items()] + toy_model_overrides(num_params))
 
 
 def _toy_params() -> int:
@@ -283,17 +346,20 @@ def _toy_params() -> int:
     return sum(p.numel() for p in make_model(ToyConfig()).parameters())
 
 
-# The keys `ftrun calibrate SCRIPT` sets from the script's own runs: what the load on a shared machine moves
-# most between a calibration and the real run (re-measured just before it, with --profile and --restep).
+# The keys `ftrun calibrate SCRIPT` sets from the script's own runs, the loader_state write and the crash teardown:
+# what the load on a shared machine moves most between a calibration and the real run (re-measured just before
+# and after it, with --profile and --restep).
 SCRIPT_KEYS = ("train.step_compute_s", "train.step_bookkeeping_s", "ftar.sync_overhead_s", "scheduler.process_start_s",
                "storage.local_write_latency_s", "network.crash_fin_delay_s")
 
 
 def restep_values(profile_path: str, ranks: int, steps: int = 30) -> dict[str, float]:
     """SCRIPT_KEYS measured now (the toy worker as 1 and 2 replicas of `ranks` ranks, as `ftrun calibrate -m
-    ftrun.train.ft_worker` does, and the loader_state write), the profile's other figures kept."""
+    ftrun.train.ft_worker` does, the loader_state write and a killed process's teardown), the profile's other
+    figures kept."""
     from harness.calibrate import _script_step
     from harness.calibrate.measure import Figure, storage_write
+    from harness.calibrate.procs import process_figures
     from harness.calibrate.provenance import profile_keys
     from harness.profile import load_profile
 
@@ -301,6 +367,8 @@ def restep_values(profile_path: str, ranks: int, steps: int = 30) -> dict[str, f
     measured = {v.key.removeprefix("measured."): v for v in (p.calibration.values if p.calibration else ())}
     figures = {f.name: f for f in _script_step("ftrun.train.ft_worker", steps, True, ranks)}
     figures["storage_write_s"] = storage_write(reps=20)  # the loader_state write, as loaded as the steps now
+    # the peer reset (a killed rank's FINs), as loaded now: 7 ms on this machine idle, 25 ms at load 10
+    figures.update((f.name, f) for f in process_figures(zygote_reps=5, spawn_reps=0) if f.name == "peer_reset_s")
     for name, key in (("storage_append_s", "storage.local_append_latency_s"),
                       ("tcp_one_way_us", "network.base_latency_us"), ("cpu_cores_effective", "train.shared_cpu_cores")):
         v = measured.get(key) or measured.get(name)
@@ -315,6 +383,17 @@ def mean_overrides(before: dict[str, float], after: dict[str, float]) -> list[st
     the real run met lies between them), or the one measured. Pure."""
     keys = [k for k in SCRIPT_KEYS if k in before or k in after]
     return [f"{k}={(before.get(k, after.get(k)) + after.get(k, before.get(k))) / 2!r}" for k in keys]
+
+
+WRITE_KEY = "storage.local_write_latency_s"
+
+
+def with_override(overrides: list[str], key: str, value: float | None) -> list[str]:
+    """`overrides` (KEY=VALUE strings) with `key` set to `value` (replaced where it is there, else added; None:
+    unchanged). Pure."""
+    if value is None:
+        return list(overrides)
+    return [o for o in overrides if o.split("=", 1)[0] != key] + [f"{key}={value!r}"]
 
 
 def _emulated(args: argparse.Namespace, profile_path: str, extra: list[str] = ()) -> tuple[dict, list[dict], list[float]]:
@@ -346,6 +425,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--slow-fetch-delay must be >= 0, got {args.slow_fetch_delay}")
     if args.restart_delay < 0:
         raise UsageError(f"--restart-delay must be >= 0, got {args.restart_delay}")
+    if args.repeat < 1:
+        raise UsageError(f"--repeat must be >= 1, got {args.repeat}")
+    if args.profile is not None and not os.path.isfile(args.profile):
+        raise UsageError(f"--profile {args.profile!r} is not a file")  # before a temp folder is made for the run
     out = args.out or tempfile.mkdtemp(prefix="ftrun-fidelity-")
     os.makedirs(out, exist_ok=True)
     started = time.monotonic()
@@ -359,33 +442,50 @@ def run(args: argparse.Namespace) -> int:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         if proc.returncode != 0:
             raise SystemExit(f"ftrun fidelity: calibration failed: {proc.stderr.strip()[-800:]}")
-    elif not os.path.isfile(profile):
-        raise UsageError(f"--profile {profile!r} is not a file")
     restep: list[str] = []
     before: dict[str, float] = {}
     after: dict[str, float] = {}
     if args.profile is not None and args.restep:
         print("ftrun fidelity: re-measuring the script's step (1 and 2 replicas) ...", file=sys.stderr, flush=True)
         before = restep_values(profile, args.ranks_per_replica)
-    print("ftrun fidelity: real run (ftrun launch) ...", file=sys.stderr, flush=True)
-    real_f, real_ev = _real(args, os.path.join(out, "real"))
+    reals = []
+    sampler = WriteSampler().start() if before else None  # the loader_state write while the real runs run
+    try:
+        for i in range(args.repeat):
+            print(f"ftrun fidelity: real run {i + 1} of {args.repeat} (ftrun launch) ...", file=sys.stderr, flush=True)
+            reals.append(_real(args, os.path.join(out, "real" if i == 0 else f"real-{i + 1}")))
+    finally:
+        if sampler is not None:
+            sampler.stop()
+    real_complete = all(f.get("complete") for f, _ in reals)
+    real_evs = [ev for _, ev in reals]
+    write = sampler.figure() if sampler is not None else None
     if before:
         print("ftrun fidelity: re-measuring the script's step after the real run ...", file=sys.stderr, flush=True)
         after = restep_values(profile, args.ranks_per_replica)
-        restep = mean_overrides(before, after)
+        restep = with_override(mean_overrides(before, after), WRITE_KEY, write.value if write is not None else None)
     print("ftrun fidelity: emulated run ...", file=sys.stderr, flush=True)
     emu_f, emu_ev, heals = _emulated(args, profile, restep)
-    real = metrics(real_ev, num_replicas=args.replicas)
-    real_spread, emu_spread = spread(per_fault(real_ev)), spread({**per_fault(emu_ev), "catchup_s": heals})
+    real, real_each = repeated(real_evs, num_replicas=args.replicas)
+    real_spread, emu_spread = spread(pooled_faults(real_evs)), spread({**per_fault(emu_ev), "catchup_s": heals})
     emulated = metrics(emu_ev, num_replicas=args.replicas, catchup_s=heals)
-    table = side_by_side(real, emulated)
+    table = side_by_side(real, emulated, noise(real_each) if args.repeat > 1 else None)
     print(f"ftrun fidelity: {args.replicas} replicas x {args.ranks_per_replica} ranks, {args.steps} steps, "
-          f"faults {'; '.join(fault_specs(args))}, restart after {args.restart_delay} s; profile {profile}")
-    print(f"  {'metric':<24} {'real':>12} {'emulated':>12} {'emu/real':>9}")
+          f"faults {'; '.join(fault_specs(args))}, restart after {args.restart_delay} s; profile {profile}; "
+          f"real runs: {args.repeat}")
+    print(f"  {'metric':<24} {'real':>12} {'emulated':>12} {'emu/real':>9}"
+          + (f" {'|ln|':>6} {'real-vs-real |ln|':>18}" if args.repeat > 1 else ""))
     for row in table["metrics"]:
         cells = [("-" if row[k] is None else f"{row[k]:.4g}") for k in ("real", "emulated", "ratio")]
-        print(f"  {row['name']:<24} {cells[0]:>12} {cells[1]:>12} {cells[2]:>9}")
-    real_ph, emu_ph = phases(real_ev), phases(emu_ev)
+        line = f"  {row['name']:<24} {cells[0]:>12} {cells[1]:>12} {cells[2]:>9}"
+        if "real_spread" in row:
+            ln = "-" if row["ratio"] is None else f"{abs(math.log(row['ratio'])):.3f}"
+            sp = "-" if row["real_spread"] is None else f"{row['real_spread']:.3f}"
+            line += f" {ln:>6} {sp:>18}" + (" (inside)" if row["inside_noise"] else "")
+        print(line)
+    real_ph = {name: median(xs) if (xs := [ph[name] for ph in map(phases, real_evs) if ph[name] is not None]) else None
+               for name in ("quorum_to_commit_s", "commit_to_quorum_s")}
+    emu_ph = phases(emu_ev)
     for name in real_ph:
         cells = [("-" if v is None else f"{v:.4g}") for v in (real_ph[name], emu_ph[name])]
         print(f"  ({name:<22} {cells[0]:>12} {cells[1]:>12})")
@@ -393,15 +493,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"  (real {name:<19} over {sp['n']} faults: {sp['min']:.4g} .. {sp['max']:.4g})")
     for key in before:
         print(f"  (restep {key:<34} before {before[key]:.4g}, after {after.get(key, float('nan')):.4g})")
-    mx = table["max_abs_log_ratio"]
-    print(f"  max |ln(emulated/real)| = {'-' if mx is None else format(mx, '.3f')}; real complete: "
-          f"{real_f.get('complete')}, emulated complete: {emu_f.get('complete')}; "
+    if write is not None:
+        print(f"  (restep {WRITE_KEY:<34} emulated with {write.value:.4g}: the median of {write.samples} writes "
+              "while the real runs ran)")
+    mx, noise_mx = table["max_abs_log_ratio"], table.get("real_vs_real_max_abs_log_ratio")
+    print(f"  max |ln(emulated/real)| = {'-' if mx is None else format(mx, '.3f')}"
+          + (f", real vs real {'-' if noise_mx is None else format(noise_mx, '.3f')}" if args.repeat > 1 else "")
+          + f"; real complete: {real_complete}, emulated complete: {emu_f.get('complete')}; "
           f"wall {time.monotonic() - started:.1f} s")
     if args.json:
         emit_json({**table, "replicas": args.replicas, "ranks_per_replica": args.ranks_per_replica,
-                   "steps": args.steps, "profile": profile, "out": out, "real_complete": real_f.get("complete"),
-                   "emulated_complete": emu_f.get("complete"),
+                   "steps": args.steps, "profile": profile, "out": out, "real_complete": real_complete,
+                   "emulated_complete": emu_f.get("complete"), "repeat": args.repeat, "real_runs": real_each,
                    "phases": {"real": real_ph, "emulated": emu_ph}, "restep": restep,
                    "restep_before": before, "restep_after": after,
+                   "write_during_real_s": None if write is None else write.value,
                    "spread": {"real": real_spread, "emulated": emu_spread}, "kills": args.kills, "wall_s": round(time.monotonic() - started, 3)})
-    return 0 if real_f.get("complete") and emu_f.get("complete") else 1
+    return 0 if real_complete and emu_f.get("complete") else 1

@@ -44,13 +44,15 @@ class Figure:
     samples: int
 
 
-def _median_time(fn: Callable[[], object], reps: int) -> tuple[float, int]:
+def _median_time(fn: Callable[[], object], reps: int, min_seconds: float = 0.0) -> tuple[float, int]:
+    """The median time of `fn` over `reps` calls, or more until `min_seconds` have passed; (median, calls)."""
     times = []
-    for _ in range(reps):
+    start = time.perf_counter()
+    while len(times) < reps or time.perf_counter() - start < min_seconds:
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times), reps
+    return statistics.median(times), len(times)
 
 
 # -- compute ----------------------------------------------------------------------------------------
@@ -66,7 +68,7 @@ def step_compute(*, reps: int = 30, warmup: int = 5, batch_size: int = 8) -> Fig
         torch.set_num_threads(threads)
 
 
-def _step_compute(*, reps: int, warmup: int, batch_size: int) -> Figure:
+def _step_compute(*, reps: int, warmup: int, batch_size: int, min_seconds: float = 0.0) -> Figure:
     import torch
 
     from ftrun.train.toy import ToyConfig, lm_loss, make_model, make_tokens
@@ -87,17 +89,19 @@ def _step_compute(*, reps: int, warmup: int, batch_size: int) -> Figure:
 
     for _ in range(warmup):
         step()
-    t, n = _median_time(step, reps)
+    t, n = _median_time(step, reps, min_seconds)
     return Figure("step_s", t, "s", f"median wall time of forward + backward + AdamW step of ftrun.train.toy "
                   f"TinyLM ({sum(p.numel() for p in model.parameters())} params, batch {batch_size}, "
                   f"torch {torch.__version__}, {torch.get_num_threads()} threads) after {warmup} warm-up steps", n)
 
 
-def concurrent_steps(*, max_procs: int = 8, reps: int = 20, warmup: int = 3) -> list[Figure]:
+def concurrent_steps(*, max_procs: int = 8, reps: int = 20, warmup: int = 3, seconds: float = 1.0) -> list[Figure]:
     """How the toy LM's step slows down when N rank processes compute at once on this machine (as the
     ranks of an `ftrun launch` job do): for N = 1..max_procs, N processes forked from this one (torch
-    loaded, one thread each, as a zygote child) start together and each runs `warmup` + `reps` steps; the
-    figure is the median over the N processes of each one's median step. Then the machine's effective cores
+    loaded, one thread each, as a zygote child) start together and each runs `warmup` steps, then steps for
+    `seconds` (at least `reps` steps: the N overlap for all of it, where a fixed count of millisecond steps
+    would let them finish before the others start); the figure is the median over the N processes of each
+    one's median step. Then the machine's effective cores
     for rank processes: c in slowdown(N) = max(1, N / c), least squares over N >= 2 of t_N / t_1 = N / c
     (with the other work on the machine counted, as a real job meets it)."""
     import torch
@@ -106,21 +110,21 @@ def concurrent_steps(*, max_procs: int = 8, reps: int = 20, warmup: int = 3) -> 
     torch.set_num_threads(1)
     try:
         _step_compute(reps=1, warmup=1, batch_size=8)  # the first step's lazy imports (~10 s), once, before forking
-        times = [_concurrent_step(n, reps=reps, warmup=warmup) for n in range(1, max_procs + 1)]
+        times = [_concurrent_step(n, reps=reps, warmup=warmup, seconds=seconds) for n in range(1, max_procs + 1)]
     finally:
         torch.set_num_threads(threads)
     ratios = [(n, t / times[0]) for n, t in enumerate(times, start=1) if n >= 2]
     inverse = sum(n * r for n, r in ratios) / sum(n * n for n, _ in ratios)  # r = n x (1 / c), through 0
     out = [Figure(f"concurrent_step_s_{n}", t, "s", f"median step of the toy LM (forward + backward + AdamW, one "
-                  f"thread) over {n} forked processes computing at once, each the median of {reps} after {warmup}",
-                  n * reps) for n, t in enumerate(times, start=1)]
+                  f"thread) over {n} forked processes computing at once, each the median of its steps over "
+                  f"{seconds:g} s (at least {reps}) after {warmup}", n * reps) for n, t in enumerate(times, start=1)]
     out.append(Figure("cpu_cores_effective", 1.0 / inverse, "cores",
                       "c in slowdown(N) = N / c, least squares through 0 of t_N / t_1 over N = 2.."
                       f"{max_procs} concurrent processes (measured.concurrent_step_s_N)", max_procs - 1))
     return out
 
 
-def _concurrent_step(n: int, *, reps: int, warmup: int) -> float:
+def _concurrent_step(n: int, *, reps: int, warmup: int, seconds: float) -> float:
     go_r, go_w = os.pipe()
     res_r, res_w = os.pipe()
     pids = []
@@ -132,7 +136,7 @@ def _concurrent_step(n: int, *, reps: int, warmup: int) -> float:
                 try:
                     os.close(go_w)
                     os.read(go_r, 1)
-                    f = _step_compute(reps=reps, warmup=warmup, batch_size=8)
+                    f = _step_compute(reps=reps, warmup=warmup, batch_size=8, min_seconds=seconds)
                     os.write(res_w, f"{f.value!r}\n".encode())
                     code = 0
                 finally:
@@ -405,6 +409,47 @@ def storage_write(*, reps: int = 30, nbytes: int = 1024) -> Figure:
         t, n = _median_time(write, reps)
     return Figure("storage_write_s", t, "s", f"median ftrun.storage.FileStorage.write_atomic (write, fsync, rename, "
                   f"fsync the folder) of a {nbytes} B file under {tempfile.gettempdir()}, {reps} writes", n)
+
+
+class WriteSampler:
+    """The loader_state write (as `storage_write`) timed every `period_s` in a thread while something else
+    runs: the disk of a shared machine swings (fsync 0.5 ms to 16 ms minutes apart on this one), so the write
+    a real run met is measured while it runs. `start()`, `stop()`, then `figure()`."""
+
+    def __init__(self, *, period_s: float = 0.25, nbytes: int = 1024) -> None:
+        from ftrun.storage import FileStorage
+
+        self.period_s, self.nbytes = period_s, nbytes
+        self._dir = tempfile.TemporaryDirectory(prefix="ftrun-calibrate-")
+        self._storage = FileStorage(self._dir.name)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="write-sampler", daemon=True)
+        self.times: list[float] = []
+
+    def _run(self) -> None:
+        blob, i = b"x" * self.nbytes, 0
+        while not self._stop.wait(self.period_s):
+            t0 = time.perf_counter()
+            self._storage.write_atomic(f"loader_state-{i % 2}.json", blob)
+            self.times.append(time.perf_counter() - t0)
+            i += 1
+
+    def start(self) -> "WriteSampler":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+        self._dir.cleanup()
+
+    def figure(self) -> Figure | None:
+        """The median write while it ran (None: no sample)."""
+        if not self.times:
+            return None
+        return Figure("storage_write_s", statistics.median(self.times), "s", f"median ftrun.storage.FileStorage."
+                      f"write_atomic of a {self.nbytes} B file under {tempfile.gettempdir()}, one every "
+                      f"{self.period_s:g} s while the real runs ran", len(self.times))
 
 
 def storage_append(*, reps: int = 200, nbytes: int = 256) -> Figure:

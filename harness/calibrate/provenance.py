@@ -52,12 +52,9 @@ def profile_keys(figures: Mapping[str, Figure]) -> dict[str, tuple[float, str, s
     direct("ftar.kernel_reduce_gb_s", "ftar_reduce_gb_s")
     direct("ftar.kernel_copy_gb_s", "ftar_copy_gb_s")
     direct("scheduler.crash_detect_s", "crash_detect_s")
-    if "script_crash_detect_s" in figures and "tcp_one_way_us" in figures:  # the script's own crash, where timed
-        d, lat = figures["script_crash_detect_s"], figures["tcp_one_way_us"]
-        out["network.crash_fin_delay_s"] = (max(d.value - lat.value * 1e-6, 0.0), "s", f"measured.script_crash_detect_s "
-                                            f"({d.value:.6g} s) minus one one-way latency ({lat.value:.3g} us)", d.samples)
-    else:
-        direct("network.crash_fin_delay_s", "peer_reset_s")
+    # The OS's teardown of a killed process, not a survivor's notice of it (measured.script_crash_detect_s, which
+    # adds the survivor's own way to its next all-reduce: the emulator models that way itself).
+    direct("network.crash_fin_delay_s", "peer_reset_s")
     direct("storage.local_write_latency_s", "storage_write_s")
     direct("train.shared_cpu_cores", "cpu_cores_effective",
            note=" (the rank processes of an `ftrun launch` job on this machine share them)")

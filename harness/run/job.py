@@ -142,6 +142,8 @@ class EmulatedJob(JobFolding):
         self.storage.write_latency_s = profile.storage.local_write_latency_s
         self.storage.append_latency_s = profile.storage.local_append_latency_s
         self.checkpoint_storage = MockObjectStore.remote(env)  # persistent checkpoints: an object store
+        self.checkpoint_storage.write_latency_s = profile.storage.checkpoint_write_latency_s
+        self.checkpoint_storage.bandwidth = profile.storage.checkpoint_bandwidth_bytes_per_s
         self.ftar_config = replace(profile.ftar.engine, timeout_s=self.timeouts.ftar_timeout_s, transport="socket")
         self.mirror_timeout_s = 10 * (self.timeouts.ftar_timeout_s + self.timeouts.catchup_timeout_s
                                       + profile.train.step_compute_s + profile.train.first_step_extra_s)
@@ -348,9 +350,13 @@ class EmulatedJob(JobFolding):
         env.clock.sleep(max(kill.at_s - env.clock.now(), 0.0))  # type: ignore[operator]
         self._inject(kill)
 
-    def _kill_in_step(self, kill: Kill) -> None:
+    def _kill_in_step(self, kill: Kill, step: int) -> None:
+        """F x the victim's compute of `step` as modeled now (its contention and straggling too: what a real
+        rank's own timed compute is) from now, as `ftrun launch --inject` times a mid-step kill."""
         env = self.world.host_env(SUPERVISOR_HOST)
-        env.clock.sleep(kill.at_fraction * self.profile.train.step_compute_s)
+        inc = self._incarnations[kill.replica]
+        extra = (self.jitter_s(kill.replica, step) + self.compute_extra_s(inc, 0, step) if inc is not None else 0.0)
+        env.clock.sleep(kill.at_fraction * (self.profile.train.step_compute_s + extra + self.contention_extra_s()))
         self._inject(kill)
 
     def _lighthouse_outage(self, fault: KillLighthouse) -> None:
@@ -466,7 +472,8 @@ class EmulatedJob(JobFolding):
                 elif mine:
                     self._in_step_kills.append(kill)  # F x a step's compute into its next step (step_started)
                 else:
-                    self.world.host_env(SUPERVISOR_HOST).spawn(self._kill_in_step, kill, name=f"inject-{kill.describe()}")
+                    self.world.host_env(SUPERVISOR_HOST).spawn(self._kill_in_step, kill, self.max_step,
+                                                               name=f"inject-{kill.describe()}")
 
     def step_started(self, inc: Incarnation, step: int) -> None:
         """A leader's step began (its quorum decided): a mid-step kill of its replica starts counting F x a
@@ -474,7 +481,8 @@ class EmulatedJob(JobFolding):
         for kill in list(self._in_step_kills):
             if kill.replica == inc.replica and step >= kill.at_step:  # type: ignore[operator]
                 self._in_step_kills.remove(kill)
-                self.world.host_env(SUPERVISOR_HOST).spawn(self._kill_in_step, kill, name=f"inject-{kill.describe()}")
+                self.world.host_env(SUPERVISOR_HOST).spawn(self._kill_in_step, kill, step,
+                                                           name=f"inject-{kill.describe()}")
 
     def entering_ftar(self, inc: Incarnation, step: int) -> None:
         """A leader enters the all-reduce of `step`: fire the at=ftar kills due for its replica."""

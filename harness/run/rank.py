@@ -175,7 +175,8 @@ def _build(job: RankJob, inc: RankIncarnation, rank: int, index: int, env: Any, 
     if client is not None:
         client.connect()  # counted live from the start, so the first quorum waits for this replica
     exchange, catchup = _data_plane(job, inc, rank, env, lead, marks)
-    checkpointer = (ObjectStoreCheckpointer(storage=job.checkpoint_storage, state_bytes=job.state_bytes_per_rank)
+    checkpointer = (ObjectStoreCheckpointer(storage=job.checkpoint_storage, state_bytes=job.state_bytes_per_rank,
+                                            clock=env.clock, stage_bytes_per_s=p.storage.checkpoint_stage_bytes_per_s)
                     if p.checkpoint is not None and leader else None)
     key = f"audit/{inc.replica_id}-{inc.number}.jsonl"
     audit = AuditLog((lambda data: job.storage.append(key, data)) if leader else _no_audit)  # a log file's append
@@ -223,6 +224,8 @@ def _train(job: RankJob, inc: RankIncarnation, rank: int, index: int, env: Any, 
             _leader_spans(job, inc, r, (marks.quorum, marks.started, marks.exchange, marks.commit, env.clock.now()))
             if r.committed:
                 job.committed(inc, trainer.step)
+    if trainer.checkpoints is not None:
+        trainer.checkpoints.wait()  # a write still in flight commits, as a real rank's close waits for it
 
 
 def _leader_spans(job: RankJob, inc: RankIncarnation, r: StepResult, t: tuple[float, ...]) -> None:

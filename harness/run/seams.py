@@ -98,16 +98,30 @@ class ShapeSnapshotStore:
 class ObjectStoreCheckpointer:
     """The Checkpointer seam (ftrun.train.checkpointer) over a mock object store: `state_bytes` of
     modeled data, then `ckpt/step-N/manifest.json` (the commit point: a checkpoint without it is
-    incomplete). `restore` finds none (an emulated job starts fresh)."""
+    incomplete). Staging (asynchronous checkpoints) copies `state_bytes` to host memory at `stage_bytes_per_s`
+    on `clock`. `restore` finds none (an emulated job starts fresh)."""
 
-    def __init__(self, *, storage: Any, state_bytes: int, prefix: str = "ckpt") -> None:
+    def __init__(self, *, storage: Any, state_bytes: int, clock: Any, stage_bytes_per_s: float,
+                 prefix: str = "ckpt") -> None:
         self.storage, self.state_bytes, self.prefix = storage, state_bytes, prefix
+        self.clock, self.stage_bytes_per_s = clock, stage_bytes_per_s
         self.committed: list[int] = []
 
     def restore(self, layout: DataLayout, replica_ids: tuple[str, ...]) -> tuple[int, LoaderState] | None:
         return None
 
     def save(self, step: int, loader_state: LoaderState) -> None:
+        self._write(step, loader_state)
+
+    def in_flight(self, local: bool) -> bool:
+        return local  # the replica's leader is its only writer here
+
+    def stage(self, step: int, loader_state: LoaderState) -> Callable[[], None]:
+        """The host copy now (the step waits for it); the write, charged to the store, when called."""
+        self.clock.sleep(self.state_bytes / self.stage_bytes_per_s)
+        return lambda: self._write(step, loader_state)
+
+    def _write(self, step: int, loader_state: LoaderState) -> None:
         self.storage.charge_write(self.state_bytes)  # the model and optimizer shards
         manifest = {"step": step, "state_bytes": self.state_bytes, "loader_state": loader_state.to_dict()}
         self.storage.write_atomic(f"{self.prefix}/step-{step:08d}/manifest.json", json.dumps(manifest).encode())
@@ -215,7 +229,9 @@ class FoldedProgress(DataProgress):
 class OverheadExchange:
     """A GradientExchange that pays the real all-reduce's measured overhead (ftar.sync_overhead_s)
     after the modeled ring: a peer that dies meanwhile is still seen in the ring, as in a real run, where
-    the ranks wait inside the all-reduce. `overhead_s()`: the current overhead (it depends on the replicas up)."""
+    the ranks wait inside the all-reduce. A failed all-reduce pays it too before its error reaches the trainer
+    (a real rank's wake-ups and per-message work on the loaded machine are there whether the ring completes or
+    a dead peer's reset ends it). `overhead_s()`: the current overhead (it depends on the replicas up)."""
 
     def __init__(self, exchange: Any, env: Any, overhead_s: Callable[[], float]) -> None:
         object.__setattr__(self, "_x", exchange)
@@ -229,7 +245,14 @@ class OverheadExchange:
         setattr(self._x, name, value)
 
     def average(self, quorum: Any, grads: Any, **kwargs: Any) -> None:
-        self._x.average(quorum, grads, **kwargs)
+        try:
+            self._x.average(quorum, grads, **kwargs)
+        except Exception:
+            self._pay()
+            raise
+        self._pay()
+
+    def _pay(self) -> None:
         extra = self._overhead_s()
         if extra:
             self._env.clock.sleep(extra)

@@ -1,12 +1,14 @@
 """One rank of a K-rank FSDP2 replica for test_sharded_checkpoint.py:
 
-    python sharded_ckpt_worker.py save|load RANK WORLD PORT ROOT [FAULT]
+    python sharded_ckpt_worker.py save|async|load RANK WORLD PORT ROOT [FAULT]
 
 save: train two steps, checkpoint step 2 (every rank its own shards, with a user state), train a third
 step and try to checkpoint step 3 with FAULT (none | error: the last rank's write fails | die: the last
-rank is SIGKILLed after its DCP write, before the vote). load: restore the latest checkpoint into this
-world size (1 = a plain, unsharded model), report, then train one more step on it. Prints one JSON line of
-findings (digests of the FULL parameters and optimizer moments, so different world sizes compare).
+rank is SIGKILLed after its DCP write, before the vote). async: train two steps, stage the checkpoint of
+step 2 (DcpCheckpointer.stage) and write it in a background task while training four more steps.
+load: restore the latest checkpoint into this world size (1 = a plain, unsharded model), report, then
+train one more step on it. Prints one JSON line of findings (digests of the FULL parameters and
+optimizer moments, so different world sizes compare).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from ftrun.checkpoint.manifest import checkpoint_key
 from ftrun.data.loader_state import LoaderState
 from ftrun.data.sampler import DataLayout
 from ftrun.replica.comm import GlooComm
+from ftrun.env.real import RealEnv
+from ftrun.train.checkpointer import DcpCheckpointer
 from ftrun.train.grads import FlatGrads
 from ftrun.train.shard import init_replica_group, is_dtensor
 from sharded_state_worker import make, step
@@ -105,6 +109,23 @@ def main() -> None:
             out["second"] = "ok"
         except Exception as e:  # noqa: BLE001 (reported to the test)
             out["second"] = type(e).__name__
+    elif mode == "async":
+        for n in range(2):
+            step(model, opt, grads, rank, n)
+            counter.n += 1
+        out.update(digests(model, opt))  # the state the checkpoint of step 2 must hold
+        ckpt = DcpCheckpointer(root=root, model=model, optimizer=opt, keep=3, key=KEY, extra={"counter": counter},
+                               comm=comm, timeout_s=20)
+        env = RealEnv()
+        started = env.event()
+        write = ckpt.stage(2, ledger(2))
+        task = env.spawn(lambda: (started.set(), write()), name="checkpoint-write")
+        started.wait(10.0)
+        for n in range(2, 6):  # FSDP collectives on the default group, check-ins on the control group meanwhile
+            step(model, opt, grads, rank, n)
+            counter.n += 1
+            comm.all_reduce_int([n], "max")
+        out.update(joined=task.join(60.0), error=repr(task.exception) if task.exception else None)
     else:
         step_, state = store.restore(root, model, opt, key=KEY, extra={"counter": counter}, comm=comm)
         out.update(digests(model, opt), step=step_, ledger_step=state.step, counter=counter.n,

@@ -109,6 +109,48 @@ def test_the_emulated_job_runs_the_profiles_checkpoint_and_catchup_configs():
     assert job.catchup_config.max_shard_bytes != 65536  # no [catchup]: about 8 shards per rank
 
 
+def test_a_checkpoint_write_longer_than_the_ftar_timeout_no_longer_drops_the_writer():
+    """design-4k's step-47 stall in small: the writer's checkpoint (339,456 B per rank at 100 kB/s, ~3.4 s)
+    outlasts ci-small's 2 s FTAR timeout. Written inside the step (async_write=false), the other replicas
+    give up on the writer, drop it, and the retried step's new writer is dropped the same way; written in
+    the background, every replica trains every step and the checkpoint commits while they do."""
+    def job(async_write):
+        profile = ci_small("checkpoint.every_steps=3", f"checkpoint.async_write={async_write}", "failures.mode=none",
+                           "storage.checkpoint_bandwidth_bytes_per_s=1e5", "storage.checkpoint_stage_bytes_per_s=1e6")
+        f, job = cli.execute(profile, JobOptions(steps=8))
+        assert f["complete"] and f["unexpected_errors"] == []
+        return f, [e for e in job.recorder.events if e["event"].startswith("checkpoint") or e["event"] == "abort"]
+
+    f, events = job("false")
+    assert min(f["participants_per_step"]) == 3 and f["steps_committed"]["r0"] == 8  # r0 dropped at step 3
+    dropped = [(e["replica_id"], e["step"]) for e in events if e["event"] == "abort"]
+    assert {("r1", 3), ("r2", 3), ("r3", 3)} <= set(dropped)  # their FTAR timed out on the writer r0 ...
+    assert ("checkpoint", "r1", 3) in [(e["event"], e["replica_id"], e["step"]) for e in events]  # ... then on r1
+
+    f, events = job("true")
+    assert f["participants_per_step"] == [4] * 8 and not [e for e in events if e["event"] == "abort"]
+    assert [(e["event"], e["replica_id"], e["step"]) for e in events] == [
+        ("checkpoint_staged", "r0", 3), ("checkpoint_skipped", "r0", 6), ("checkpoint", "r0", 3)]
+    staged, _, written = events
+    assert staged["seconds"] == pytest.approx(339_456 / 1e6)  # the host copy, the only part the step waits for
+    assert written["seconds"] > 2.0  # the write outlasts the FTAR timeout, off the step
+    assert f["checkpoints_committed"] == 1
+
+
+def test_a_writer_killed_mid_write_leaves_no_manifest_and_the_next_writer_takes_over():
+    """r0 stages the checkpoint of step 3 and is killed at step 5, its write (~2.4 s) still running: no
+    manifest for step 3; the quorum without r0 elects r1, whose checkpoint of step 6 commits."""
+    profile = ci_small("checkpoint.every_steps=3", "failures.mode=none",
+                       "storage.checkpoint_bandwidth_bytes_per_s=1.4e5")
+    f, job = cli.execute(profile, JobOptions(steps=9, kills=(parse_inject("kill replica=0 step=5"),)))
+    assert f["complete"] and f["unexpected_errors"] == []
+    events = [(e["event"], e["replica_id"], e["step"]) for e in job.recorder.events
+              if e["event"].startswith("checkpoint")]
+    assert events == [("checkpoint_staged", "r0", 3), ("checkpoint_staged", "r1", 6), ("checkpoint", "r1", 6)]
+    manifests = [k for k in job.checkpoint_storage.keys() if k.endswith("manifest.json")]
+    assert manifests == ["ckpt/step-00000006/manifest.json"]
+
+
 def test_full_ftar_detail_runs_every_ring():
     f, job = _figures(0, ftar_detail="full")
     assert f["complete"] and f["ftar"].startswith("full") and f["unexpected_errors"] == []

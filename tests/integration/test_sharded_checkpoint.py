@@ -5,7 +5,9 @@ own shards, the leader commits one signed manifest over every rank's files. Its 
 then fails on one rank, once by an error (every rank raises, nothing is committed) and once by that
 rank being SIGKILLed after its DCP write, before the vote (the leader's vote fails; no manifest). Both
 leave step 2 the latest complete checkpoint, and it restores into replicas of 1 (plain model) and 4
-ranks with the full parameters, Adam moments, user state and ledger bit for bit.
+ranks with the full parameters, Adam moments, user state and ledger bit for bit. An asynchronous
+checkpoint (staged at step 2, written by a background task on a gloo group of its own while both ranks
+train on, FSDP and control collectives included) is complete and restores the state of step 2.
 """
 
 from __future__ import annotations
@@ -90,3 +92,12 @@ def test_restores_into_another_number_of_ranks(saved, world):
         assert (r["step"], r["ledger_step"], r["counter"]) == (2, 2, 2)
         assert (r["params"], r["moments"]) == (before["params"], before["moments"]), "resharded bit for bit"
         assert r["dtensor"] == (world > 1) and r["stepped"]
+
+
+def test_an_async_checkpoint_written_while_the_replica_trains_on_restores_its_step(tmp_path):
+    ranks = run("async", 2, tmp_path)
+    assert [(code, r["joined"], r["error"]) for code, r in ranks] == [(0, True, None), (0, True, None)]
+    assert store.latest_complete(tmp_path, key=KEY).step == 2
+    for code, r in run("load", 1, tmp_path):
+        assert code == 0 and (r["step"], r["ledger_step"], r["counter"]) == (2, 2, 2)
+        assert (r["params"], r["moments"]) == (ranks[0][1]["params"], ranks[0][1]["moments"]), "the state of step 2"

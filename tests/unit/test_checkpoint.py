@@ -12,7 +12,8 @@ import torch
 from ftrun.checkpoint import manifest as mf
 from ftrun.checkpoint import store
 from ftrun.checkpoint.policy import (
-    CheckpointConfig, checkpoint_writer, ledger_for_layout, parse_step_dir, prune_plan, should_checkpoint, step_dir,
+    CheckpointConfig, async_action, checkpoint_writer, ledger_for_layout, parse_step_dir, prune_plan, should_checkpoint,
+    step_dir,
 )
 from ftrun.data.loader_state import LoaderState, LoaderStateError
 from ftrun.data.sampler import DataLayout
@@ -51,7 +52,8 @@ def test_should_checkpoint(step, every, expected):
     assert should_checkpoint(step, CheckpointConfig(every_steps=every)) is expected
 
 
-@pytest.mark.parametrize(("field", "value"), [("every_steps", 0), ("keep", 0), ("keep", True), ("every_steps", 1.5)])
+@pytest.mark.parametrize(("field", "value"), [("every_steps", 0), ("keep", 0), ("keep", True), ("every_steps", 1.5),
+                                              ("async_write", 1), ("async_write", "yes")])
 def test_config_validation_names_the_field(field, value):
     with pytest.raises(ValueError, match=f"CheckpointConfig.{field}"):
         CheckpointConfig(**{field: value})
@@ -59,6 +61,17 @@ def test_config_validation_names_the_field(field, value):
 
 def test_defaults_follow_the_paper():
     assert CheckpointConfig().every_steps == 100
+    assert CheckpointConfig().async_write is True  # a write longer than the FTAR timeout must not drop the writer
+
+
+@pytest.mark.parametrize(("due", "in_flight", "action"), [
+    ((10, "L"), None, "stage"),  # nothing being written
+    ((10, "L"), (10, "L"), "in_flight"),  # the retry of the step whose checkpoint is being written
+    ((20, "L"), (10, "L"), "skip"),  # one write at a time: the next cadence does not wait for it
+    ((10, "M"), (10, "L"), "skip"),  # another lineage at the same step is another checkpoint
+])
+def test_at_most_one_checkpoint_in_flight(due, in_flight, action):
+    assert async_action(due, in_flight) == action
 
 
 PRUNE_CASES = [
@@ -179,6 +192,28 @@ def test_save_then_restore_round_trips_model_optimizer_and_loader_state(tmp_path
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
     bufs = [fresh_opt.state[p]["momentum_buffer"] for p in fresh.parameters()]
     assert all(torch.equal(a, opt.state[p]["momentum_buffer"]) for a, p in zip(bufs, model.parameters()))
+
+
+def test_a_staged_checkpoint_is_the_state_at_its_step_though_training_went_on(tmp_path):
+    model, opt = make()
+    counter = Counter(3)
+    train(model, opt, 3)
+    at_3 = ({k: v.clone() for k, v in model.state_dict().items()},
+            [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()])
+    staged = store.stage(tmp_path, step=3, model=model, optimizer=opt, loader_state=ledger(3),
+                         extra={"counter": counter})
+    train(model, opt, 2)  # the optimizer changes the live state before the write runs
+    counter.n = 5
+    assert not (tmp_path / "step-00000003" / mf.MANIFEST).exists()  # staged, not written: no checkpoint yet
+    info = store.write(staged)
+    assert info.step == 3 and not store.verify(info.path)[1]
+    fresh, fresh_opt = make(seed=9)
+    restored = Counter()
+    step, state = store.restore(tmp_path, fresh, fresh_opt, extra={"counter": restored})
+    assert step == 3 and state == ledger(3) and restored.n == 3
+    assert all(torch.equal(at_3[0][k], v) for k, v in fresh.state_dict().items())  # bit-equal to step 3
+    assert all(torch.equal(a, fresh_opt.state[p]["momentum_buffer"]) for a, p in zip(at_3[1], fresh.parameters()))
+    assert not all(torch.equal(at_3[0][k], v) for k, v in model.state_dict().items())  # training did go on
 
 
 class Counter:

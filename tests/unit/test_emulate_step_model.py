@@ -47,3 +47,40 @@ def test_the_all_reduce_overhead_is_measured_at_2_replicas_and_scales_with_the_r
         assert f["complete"]
         spans[replicas] = _quorum_to_commit(job)
     assert spans[4] - spans[2] == pytest.approx(overhead * (4 / 2 - 1), abs=0.02)  # the modeled ring is ~free
+
+
+def _kill_and_detection(overrides: list[str], at_fraction: float = 0.5) -> tuple[float, float, float]:
+    """(kill time - r1's quorum of the killed step, first error or abort of a survivor - kill, r1's compute)."""
+    from harness.calibrate.fidelity import per_fault
+
+    f, job = execute(build_profile("ci-small", ["replicas=3", *overrides], steps=8, cpu_charging=False),
+                     JobOptions(steps=8, kills=(Kill(1, at_step=3, at_fraction=at_fraction),)))
+    assert f["complete"]
+    ev = sorted((e for e in job.recorder.events if e.get("rank", 0) == 0 and "t" in e), key=lambda e: e["t"])
+    kill = next(e for e in ev if e["event"] == "kill")
+    quorum = max(e["t"] for e in ev if e["event"] == "quorum" and e.get("replica_id") == "r1" and e["t"] <= kill["t"])
+    return kill["t"] - quorum, per_fault(ev)["detection_s"][0], job.profile.train.step_compute_s
+
+
+@pytest.mark.timeout(120)
+def test_a_mid_step_kill_lands_that_share_of_the_modeled_compute_after_the_victims_step_started(monkeypatch):
+    """As `ftrun launch --inject "kill ... at=F"`'s rank times it on its own compute: with contention, F x the
+    stretched compute, not F x train.step_compute_s."""
+    from harness.run.job import EmulatedJob
+
+    into, _, compute = _kill_and_detection(["train.shared_cpu_cores=0", "train.step_compute_s=0.4"])
+    assert into == pytest.approx(0.5 * compute, abs=0.01)
+    monkeypatch.setattr(EmulatedJob, "contention_extra_s", lambda self: 0.3)  # the ranks' compute stretched by 0.3 s
+    into, _, compute = _kill_and_detection(["train.shared_cpu_cores=0", "train.step_compute_s=0.4"])
+    assert into == pytest.approx(0.5 * (compute + 0.3), abs=0.01)
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_all_reduce_pays_the_measured_overhead_before_the_survivors_see_it():
+    """A dead peer's reset ends the ring; the real ranks' wake-ups on the loaded machine are still paid
+    (ftar.sync_overhead_s x the replicas up / 2: 2 survivors)."""
+    base = ["train.shared_cpu_cores=0", "network.crash_fin_delay_s=0.05"]
+    _, without, _ = _kill_and_detection([*base, "ftar.sync_overhead_s=0"])
+    _, with_overhead, _ = _kill_and_detection([*base, "ftar.sync_overhead_s=0.3"])
+    assert without >= 0.05
+    assert with_overhead - without == pytest.approx(0.3, abs=0.02)

@@ -112,6 +112,11 @@ def test_both_runs_get_the_same_faults_in_the_one_grammar():
         parse(spec), parse_inject(spec)  # both worlds accept them
     o = emulated_overrides(args, 5216)
     assert {"replicas=4", "ranks_per_replica=2", "checkpoint=none", "timeouts.join_timeout_s=0.5"} <= set(o)
+    from ftrun.train.ft_worker import config_from, parse_args
+
+    worker = config_from(parse_args(["--steps", "1"])).timeouts  # the real run's worker, as `_real` starts it
+    assert {f"timeouts.ftar_timeout_s={worker.ftar_timeout_s}", f"timeouts.commit_timeout_s={worker.commit_timeout_s}",
+            f"timeouts.heartbeat_timeout_s={worker.heartbeat_timeout_s}"} <= set(o)
     assert fault_specs(p.parse_args(["--slow-fetch-delay", "0", "--kills", "1"])) == ["kill replica=1 step=15 at=0.5"]
     assert fault_specs(p.parse_args(["--slow-fetch-delay", "0", "--kills", "2", "--kill-step-interval", "10",
                                      "--kill-at-fraction", "0.25"])) == ["kill replica=1 step=15 at=0.25",
@@ -192,3 +197,51 @@ def test_kills_must_fit_in_the_run():
                  ["--kill-at-fraction", "1.0"]):
         with pytest.raises(UsageError, match="--kill"):
             run(p.parse_args(argv))
+
+
+def test_repeated_real_runs_pool_their_faults_and_say_their_spread():
+    from harness.calibrate.fidelity import noise, pooled_faults, repeated
+
+    one, two = job_events(), two_kill_events()
+    real, each = repeated([one, two], num_replicas=3)
+    assert each == [metrics(one, num_replicas=3), metrics(two, num_replicas=3)]
+    assert pooled_faults([one, two])["detection_s"] == pytest.approx([0.05, 0.03, 0.06])
+    assert real["detection_s"] == pytest.approx(0.05)  # the median of the three kills, not of the two runs' medians
+    assert real["step_s"] == pytest.approx((each[0]["step_s"] + each[1]["step_s"]) / 2)  # the runs' median
+    sp = noise(each)
+    assert sp["detection_s"] == pytest.approx(math.log(0.05 / 0.045))
+    assert noise(each[:1])["step_s"] is None and noise([]) == {n: None for n in NAMES}
+
+
+def test_the_table_says_which_ratios_are_inside_the_real_runs_noise():
+    real = {n: 1.0 for n in NAMES}
+    emu = {n: 1.1 for n in NAMES} | {"detection_s": 2.0}
+    spreads = {n: 0.2 for n in NAMES} | {"catchup_s": None}
+    t = side_by_side(real, emu, spreads)
+    rows = {r["name"]: r for r in t["metrics"]}
+    assert rows["step_s"]["inside_noise"] is True and rows["detection_s"]["inside_noise"] is False
+    assert rows["catchup_s"]["inside_noise"] is None and rows["catchup_s"]["real_spread"] is None
+    assert t["real_vs_real_max_abs_log_ratio"] == pytest.approx(0.2)
+    assert "real_vs_real_max_abs_log_ratio" not in side_by_side(real, emu)  # one real run: no noise figure
+
+
+def test_the_write_measured_during_the_real_runs_replaces_the_restep_mean():
+    from harness.calibrate.fidelity import WRITE_KEY, with_override
+
+    restep = ["train.step_compute_s=0.002", f"{WRITE_KEY}=0.013"]
+    assert with_override(restep, WRITE_KEY, 0.004) == ["train.step_compute_s=0.002", f"{WRITE_KEY}=0.004"]
+    assert with_override(["a.b=1"], WRITE_KEY, 0.004) == ["a.b=1", f"{WRITE_KEY}=0.004"]
+    assert with_override(restep, WRITE_KEY, None) == restep
+
+
+def test_the_write_sampler_times_writes_while_it_runs():
+    import time
+
+    from harness.calibrate.measure import WriteSampler
+
+    sampler = WriteSampler(period_s=0.01).start()
+    time.sleep(0.3)
+    sampler.stop()
+    f = sampler.figure()
+    assert f is not None and f.name == "storage_write_s" and f.samples == len(sampler.times) >= 5 and f.value > 0
+    assert WriteSampler().figure() is None  # never started: no figure

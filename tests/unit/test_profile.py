@@ -113,6 +113,10 @@ def base() -> dict:
     ({"checkpoint": {"every_steps": 2.5}}, "checkpoint.every_steps must be int, got 2.5"),
     ({"checkpoint": {"local_write_latency_s": 0.1}}, "unknown key 'checkpoint.local_write_latency_s'"),
     ({"storage": {"local_write_latency_s": -1.0}}, "[storage] local_write_latency_s must be >= 0, got -1.0"),
+    ({"storage": {"checkpoint_bandwidth_bytes_per_s": 0.0}},
+     "[storage] checkpoint_bandwidth_bytes_per_s must be > 0, got 0.0"),
+    ({"storage": {"checkpoint_stage_bytes_per_s": -2.0}}, "[storage] checkpoint_stage_bytes_per_s must be > 0, got -2.0"),
+    ({"checkpoint": {"async_write": 1}}, "checkpoint.async_write must be bool, got 1"),
 ])
 def test_validation_errors_name_the_key(patch, message):
     data = base()

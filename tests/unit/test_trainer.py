@@ -23,6 +23,7 @@ from ftrun.quorum.client import LighthouseClient
 from ftrun.quorum.service import Lighthouse
 from ftrun.replica.comm import LocalComm
 from ftrun.storage import FileStorage
+from ftrun.train.checkpointer import DcpCheckpointer
 from ftrun.train.compute import TorchCompute
 from ftrun.train.exchange import GradientExchange
 from ftrun.train.ft_worker import Float32Kernels, param_hash
@@ -33,6 +34,8 @@ from ftrun.train.resume import resume
 from ftrun.train.state import ReplicaState
 from ftrun.train.toy import ToyConfig, lm_loss, make_model, make_tokens
 from ftrun.train.trainer import TrainerConfig, build, step_seed
+from ftrun.checkpoint import store
+from ftrun.checkpoint.policy import CheckpointConfig
 
 TOY = ToyConfig(vocab=16, seq_len=8, d_model=8, hidden=16, num_samples=256, seed=3)
 DATA = make_tokens(TOY)
@@ -114,6 +117,75 @@ def test_fault_plans_parse_and_filter():
         parse_catchup_fault("kind=corrupt,then=live")
 
 
+def test_a_die_at_fraction_of_the_step_parses_and_goes_with_the_backward_only():
+    plan = DieAt(phase="backward", step=15, replica="r1", incarnation=2, at=0.5)
+    assert parse_die_at(plan.encode()) == (plan,) and "at=0.5" in plan.encode()
+    assert "at=" not in DieAt(phase="backward").encode()
+    for bad in ("phase=backward,at=1", "phase=backward,at=-0.1", "phase=exchange,at=0.5",
+                "phase=backward,at=0.5,action=slow,seconds=1", "phase=backward,at=half"):
+        with pytest.raises(ValueError):
+            parse_die_at(bad)
+
+
+def _faults(monkeypatch, die_at: str, spawn):
+    """ft_worker.Faults of r1's rank 0 on a clock the test moves, dying into a list instead of SIGKILL."""
+    from ftrun.launch.worker_env import WorkerSpec
+    from ftrun.train import ft_worker
+
+    died, slept, clock = [], [], [0.0]
+    monkeypatch.setattr(ft_worker, "die", lambda: died.append(clock[0]))
+    spec = WorkerSpec(replica_id="r1", replica_index=1, num_replicas=3, rank=0, ranks_per_replica=1, incarnation=0,
+                      lighthouse="", token="", store_addr="", store_port=0, run_dir="")
+    faults = ft_worker.Faults(spec, die_at=die_at, catchup="", plan_file=None, sleep=slept.append,
+                              now=lambda: clock[0], spawn=spawn)
+    return faults, died, slept, clock
+
+
+def _timed_steps(faults, clock, computes):
+    for step, compute in enumerate(computes):
+        faults.on_phase("forward", step)
+        clock[0] += compute
+        faults.on_phase("exchange", step)
+
+
+def test_a_kill_at_a_fraction_of_the_step_fires_that_share_of_the_ranks_compute_after_the_step_started(
+        monkeypatch, capsys):
+    tasks = []
+    faults, died, slept, clock = _faults(monkeypatch, "phase=backward,step=3,replica=r1,at=0.5",
+                                         lambda fn, name: tasks.append(fn))
+    _timed_steps(faults, clock, [0.02, 0.04, 0.03])
+    assert faults.computes == pytest.approx([0.02, 0.04, 0.03])
+    faults.on_phase("started", 2)
+    assert tasks == []  # not due before step 3
+    faults.on_phase("started", 3)
+    assert len(tasks) == 1 and died == []
+    faults.on_phase("forward", 3)
+    faults._in_backward(None)  # the timer took the plan: the backward does not act on it
+    assert died == []
+    tasks[0]()
+    assert slept == [pytest.approx(0.5 * 0.03)] and len(died) == 1
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert line["event"] == "fault" and line["action"] == "kill" and line["step"] == 3
+    faults.on_phase("started", 4)
+    assert len(tasks) == 1  # once
+
+
+def test_timing_the_compute_leaves_an_exchange_fault_armed(monkeypatch):
+    faults, died, slept, clock = _faults(monkeypatch, "phase=exchange,step=1", None)
+    _timed_steps(faults, clock, [0.02, 0.03])
+    assert faults.computes == pytest.approx([0.02, 0.03])
+    assert faults.kernels.die_after == 3  # step 1's exchange armed the kernels' kill
+
+
+def test_a_kill_at_a_fraction_before_any_timed_compute_acts_inside_the_backward(monkeypatch):
+    tasks = []
+    faults, died, slept, clock = _faults(monkeypatch, "phase=backward,step=0,at=0.5", lambda fn, name: tasks.append(fn))
+    faults.on_phase("started", 0)
+    faults.on_phase("forward", 0)
+    faults._in_backward(None)
+    assert tasks == [] and died == [0.0] and slept == []
+
+
 def test_resume_restores_the_latest_checkpoint_and_its_ledger(tmp_path):
     from ftrun.checkpoint import store
 
@@ -150,27 +222,35 @@ LAYOUT = DataLayout(dataset_size=len(DATA), num_replicas=3, ranks_per_replica=1,
 
 
 class Rep:
-    def __init__(self, env, lighthouse, rid, root):
+    def __init__(self, env, lighthouse, rid, root, *, checkpoint=None, checkpointer=None, on_phase=None):
+        """checkpoint/checkpointer(model, optimizer): persistent checkpoints (default: none).
+        on_phase(rep, phase, step): a test's own hook at every phase boundary."""
         self.rid, self.records, self.events, self.results = rid, [], [], []
         self.at_quorum = []  # (step, param hash, optimizer step count) before each attempt
         self.fail_next_backward = False
+        self._on_phase = on_phase
         self.model = make_model(TOY)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        config = TrainerConfig(replica_id=rid, catchup=CatchupConfig(max_shard_bytes=1024, timeouts=T),
+                               **({"checkpoint": checkpoint} if checkpoint is not None else {}))
         catchup = CatchupConfig(max_shard_bytes=1024, timeouts=T)
         self.server = HttpCatchup(env=env, token=TOKEN, config=catchup)
         self.engine = FtarEngine(env=env, kernels=Float32Kernels(), token=TOKEN,
                                  config=FtarConfig(chunk_bytes=512, num_chunks=2, timeout_s=T.ftar_timeout_s))
         self.trainer = build(
-            config=TrainerConfig(replica_id=rid, catchup=catchup), env=env,
+            config=config, env=env,
             compute=TorchCompute(model=self.model, optimizer=self.opt, loss_fn=self.loss, dataset=DATA),
             layout=LAYOUT, replica_ids=IDS,
             manager_config=ManagerConfig(max_retries=3, timeouts=T), comm=LocalComm(),
             lighthouse=LighthouseClient(env=env, addr=lighthouse.addr, token=TOKEN, replica_id=rid, timeouts=T),
             exchange=GradientExchange(engine=self.engine, rank=0), catchup=self.server,
             loader_store=LoaderStateStore(storage=FileStorage(root / rid)), audit=AuditLog(self.records.append),
+            checkpointer=checkpointer(self.model, self.opt) if checkpointer is not None else None,
             on_event=self.events.append, on_phase=self.on_phase)
 
     def on_phase(self, phase, step):
+        if self._on_phase is not None:
+            self._on_phase(self, phase, step)
         if phase == "quorum":
             count = self.opt.state_dict()["state"].get(0, {}).get("step")
             self.at_quorum.append((step, param_hash(self.model), None if count is None else float(count)))
@@ -240,3 +320,87 @@ def test_trainer_heals_a_late_replica_and_retries_a_failed_backward(tmp_path):
         for r in reps:
             r.close()
         lighthouse.stop()
+
+
+# -- asynchronous checkpoints: the step waits for the staging only --------------------------------------
+class GatedCheckpointer(DcpCheckpointer):
+    """A DcpCheckpointer whose background write waits until `gate` is set (training goes on meanwhile) and
+    then runs `before_write(step)` (e.g. breaks the storage) first."""
+
+    def __init__(self, *, gate, before_write=lambda step: None, **kwargs):
+        super().__init__(**kwargs)
+        self.gate, self.before_write = gate, before_write
+
+    def stage(self, step, loader_state):
+        write = super().stage(step, loader_state)
+
+        def gated():
+            assert self.gate.wait(20.0), "the gate never opened"
+            self.before_write(step)
+            write()
+        return gated
+
+
+def _async_job(tmp_path, before_write=lambda root, step: None):
+    """Three replicas train to step 5 with a checkpoint every 3 steps, written by r0 in the background; its
+    write of step 3 starts only once step 4 has committed. Returns (reps, the state of r0 at step 3's start)."""
+    env, root = RealEnv(), tmp_path / "ckpt"
+    gate, at_3 = env.event(), {}
+
+    def on_phase(rep, phase, step):
+        if rep.rid == "r0" and phase == "started" and step == 3:  # the state after 3 commits, before the compute
+            at_3["model"] = {k: v.clone() for k, v in rep.model.state_dict().items()}
+            at_3["optim"] = {p: {k: v.clone() for k, v in st.items()} for p, st in rep.opt.state.items()}
+        if rep.rid == "r0" and phase == "after_commit" and step == 4:
+            at_3["opened"] = env.clock.now()
+            gate.set()
+
+    def checkpointer(model, opt):
+        return GatedCheckpointer(root=root, model=model, optimizer=opt, keep=3, gate=gate,
+                                 before_write=lambda step: before_write(root, step))
+
+    lighthouse = Lighthouse(env=env, token=TOKEN, config=LighthouseConfig(min_replicas=3, timeouts=T))
+    lighthouse.start()
+    reps = [Rep(env, lighthouse, rid, tmp_path, checkpoint=CheckpointConfig(every_steps=3), checkpointer=checkpointer,
+                on_phase=on_phase) for rid in IDS]
+    try:
+        run(env, reps, 5)
+    finally:
+        for r in reps:
+            r.close()  # r0's close waits for its write in flight
+        lighthouse.stop()
+    return reps, at_3, root
+
+
+@pytest.mark.timeout(60)
+def test_an_async_checkpoint_is_complete_and_bit_equal_to_its_step_though_training_went_on(tmp_path):
+    reps, at_3, root = _async_job(tmp_path)
+    assert all([x.committed for x in r.results] == [True] * 5 for r in reps)  # nobody waited for the write
+    events = [e for e in reps[0].events if e["event"].startswith("checkpoint")]
+    assert [(e["event"], e["step"]) for e in events] == [("checkpoint_staged", 3), ("checkpoint", 3)]
+    assert events[0]["t"] < at_3["opened"] < events[1]["t"]  # staged at step 3, written after step 4 committed
+    assert not any(e["event"].startswith("checkpoint") for r in reps[1:] for e in r.events)  # one writer
+    info = store.latest_complete(root)
+    assert info is not None and info.step == 3 and not store.verify(info.path)[1]
+    model = make_model(ToyConfig(**{**TOY.__dict__, "seed": 99}))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step, ledger = DcpCheckpointer(root=root, model=model, optimizer=opt, keep=3).restore(LAYOUT, IDS)
+    assert step == 3 and ledger.step == 3
+    assert all(torch.equal(at_3["model"][k], v) for k, v in model.state_dict().items())
+    for p_at, p in zip(at_3["optim"], opt.state):  # Adam's moments and step count, bit for bit
+        assert all(torch.equal(at_3["optim"][p_at][k], v) for k, v in opt.state[p].items())
+    assert param_hash(model) != param_hash(reps[0].model)  # r0 trained on (steps 3 and 4) while it was written
+
+
+@pytest.mark.timeout(60)
+def test_a_background_write_that_fails_is_logged_and_leaves_no_manifest(tmp_path, caplog):
+    def break_storage(root, step):  # the step's folder cannot be made: every file write fails
+        (root / f"step-{step:08d}").write_bytes(b"not a folder")
+
+    reps, _, root = _async_job(tmp_path, before_write=break_storage)
+    assert all([x.committed for x in r.results] == [True] * 5 for r in reps)  # training went on regardless
+    events = [e for e in reps[0].events if e["event"].startswith("checkpoint")]
+    assert [(e["event"], e["step"]) for e in events] == [("checkpoint_staged", 3), ("checkpoint_failed", 3)]
+    assert "step-00000003" in events[1]["error"]  # the write names what failed
+    assert store.latest_complete(root) is None and not list(root.rglob("manifest.json"))
+    assert "checkpoint of step 3 failed" in caplog.text
