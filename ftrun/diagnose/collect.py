@@ -128,45 +128,44 @@ _FTAR, _TREE, _QUORUM, _CATCHUP, _ENTER, _DONE = map(int, (Op.FTAR, Op.TREE, Op.
 def summarize_recorder(rec: Recorder, now: float) -> tuple[np.ndarray, np.ndarray]:
     """One rank's (SUMMARY row, HIST rows) now: what a TelemetryServer answers for it by default.
     Exactly `summarize(rec.records(), now)`, from the newest records: the first SUMMARY_TAIL, four times more
-    while they lack something summarize reads, then only from where it reads (`summary_start`), so a pull
-    costs what the rank did lately, not its whole buffer (25,000 records once full: ~90 ms a rank, the
-    bench's growth with its history)."""
+    while they lack the all-reduces summarize reads, then only from where it reads (`summary_start`), with the
+    last TREE / QUORUM / CATCHUP record the tail lacks (an old catch-up) taken alone. A pull costs what the
+    rank did lately, not its whole buffer (25,000 records once full: ~90 ms a rank, the bench's growth with
+    its history)."""
     n, held = SUMMARY_TAIL, rec.held
-    while n < held:
+    while True:
         tail = rec.records(last=n)
-        start = summary_start(tail, rec.holds)
+        start = summary_start(tail, rec.holds(_FTAR) if n < held else False)
         if start is not None:
-            return summarize(tail[start:], now)
+            break
         n *= 4
-    records = rec.records()
-    return summarize(records[summary_start(records, lambda op: False) or 0:], now)  # nothing older
+    tail = tail[start:]
+    older = [rec.last_record(op) for op in (_TREE, _QUORUM, _CATCHUP) if not (tail["op"] == op).any()]
+    older = [r for r in older if r is not None]
+    return summarize(np.concatenate([*older, tail]) if older else tail, now)
 
 
-def summary_start(tail: np.ndarray, holds: Callable[[int], bool]) -> int | None:
-    """Where in a buffer's newest records `tail` begins what `summarize` reads of the whole buffer, which holds
-    records older than the tail where `holds(op)` (True when unsure: it then widens); None if the tail lacks
-    some of it (pure). summarize reads the last
-    TREE, QUORUM and CATCHUP record (the tail must have one of each the buffer has), the FTAR records from the
-    last ENTER (the current all-reduce) and the last HIST_LEN all-reduces with a DONE, each from its ENTER to
-    the next: HIST_LEN of them starting in the tail are the buffer's last ones (a record before the tail's
-    first ENTER belongs to an older one). With fewer, only the whole buffer (holds nothing older) will do."""
+def summary_start(tail: np.ndarray, older_ftar: bool) -> int | None:
+    """Where in a buffer's newest records `tail` begins what `summarize` reads of them, None if the buffer's
+    older records (`older_ftar`: they may hold an FTAR ENTER) are needed too (pure). summarize reads the last
+    TREE, QUORUM and CATCHUP record, the FTAR records from the last ENTER (the current all-reduce) and the
+    last HIST_LEN all-reduces with a DONE, each from its ENTER to the next: HIST_LEN of them starting in the
+    tail are the buffer's last ones (a record before the tail's first ENTER belongs to an older one)."""
     ops = tail["op"]
     firsts = []
     for op in (_TREE, _QUORUM, _CATCHUP):
         at = np.flatnonzero(ops == op)
         if at.size:
             firsts.append(int(at[-1]))
-        elif holds(op):
-            return None
     ftar = np.flatnonzero(ops == _FTAR)
     ev = tail["ev"][ftar]
     enters = np.flatnonzero(ev == _ENTER)
     if enters.size:
         finished = np.flatnonzero(np.add.reduceat(ev == _DONE, enters) > 0)
-        if len(finished) < HIST_LEN and holds(_FTAR):
+        if len(finished) < HIST_LEN and older_ftar:
             return None
         firsts.append(int(ftar[enters[finished[-HIST_LEN]] if len(finished) >= HIST_LEN else enters[0]]))
-    elif holds(_FTAR):
+    elif older_ftar:
         return None
     return min(firsts, default=len(tail))
 

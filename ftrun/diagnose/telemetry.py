@@ -189,6 +189,12 @@ class Recorder:
         raw = self._buf[lo:hi] if lo >= 0 else self._buf[lo:] + self._buf[:hi]  # one byte copy (a structured
         return np.frombuffer(raw, RECORD)  # concatenate costs ms per MB)
 
+    def last_record(self, op: int) -> np.ndarray | None:
+        """The newest record of a TREE, QUORUM or CATCHUP `op` (every one goes through `_put`) as one row, if
+        the buffer still holds it."""
+        i = self._last[op]
+        return self._view[i % self.capacity:i % self.capacity + 1].copy() if self.holds(op) else None
+
     def holds(self, op: int) -> bool:
         """Whether the buffer may hold a record of `op`: False only if it holds none of `_put`'s (every TREE,
         QUORUM and CATCHUP record, and FTAR's ENTER, DONE and FAIL; not its chunk and model records)."""

@@ -151,3 +151,20 @@ def test_holds_says_whether_an_op_is_still_in_the_buffer():
     assert not rec.holds(Op.CATCHUP) and rec.holds(Op.FTAR)  # the catch-up record was overwritten
     rec.quorum_ask(15)
     assert not rec.holds(Op.FTAR) and rec.holds(Op.QUORUM)
+
+
+def test_last_record_is_the_newest_of_its_op_while_held():
+    clock = FakeClock()
+    rec = Recorder(clock, capacity=16)
+    assert rec.last_record(Op.CATCHUP) is None
+    rec.catchup_start(3, 2)
+    rec.catchup_end(3, 100, True)
+    for i in range(14):
+        rec.quorum_ask(i)
+    got = rec.last_record(Op.CATCHUP)
+    assert got.dtype == RECORD and len(got) == 1 and (got["ev"][0], got["cid"][0]) == (Ev.DONE, 3)
+    assert rec.last_record(Op.QUORUM)["cid"][0] == 13
+    rec.quorum_ask(14)  # overwrites the catch-up's first record
+    assert rec.last_record(Op.CATCHUP)["ev"][0] == Ev.DONE
+    rec.quorum_ask(15)  # and its last
+    assert rec.last_record(Op.CATCHUP) is None
