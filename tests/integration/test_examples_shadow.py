@@ -18,9 +18,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 # own_loop_plain.py is the plain-PyTorch "before" of own_loop.py (the port diff): it starts no ftrun job.
 EXAMPLES = sorted(p for p in (ROOT / "examples").glob("*.py") if p.name != "own_loop_plain.py")
-# Enough steps for the killed replica to come back: own_loop.py's tiny MLP models ~7 ms steps at ci-small's
-# FLOP rate, and a restart takes about 1 s of modeled time (detection, allocation, process start).
-STEPS = 150
+# Enough steps for the killed replica to come back: own_loop.py's tiny MLP models ~6 ms steps at ci-small's
+# FLOP rate (checkpoint writes are off the step since they went asynchronous), and a restart takes about 1 s of
+# modeled time (detection, allocation, process start): 300 steps are ~1.9 modeled s.
+STEPS = 300
 
 
 def emulate(script: Path, tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
