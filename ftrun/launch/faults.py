@@ -84,14 +84,18 @@ class KillPlan:
         step: the job's highest committed step; up: replicas whose processes run; healthy: those of them
         that have committed since they last started (default: all of `up`). Only a replica whose loss
         leaves at least `min_up` healthy replicas is a candidate, so the job never loses its last copies
-        of the state. A due kill without a candidate waits (it happens once there is one)."""
+        of the state. A due kill without a candidate waits (it happens once there is one); so does an
+        at-step kill whose named replica is not a candidate yet (another replica is never killed in its place)."""
         healthy_set = set(up if healthy is None else healthy)
         candidates = sorted(r for r in up if len(healthy_set - {r}) >= self.min_up)
         if not candidates:
             return None
         if self._pending_steps and step >= self._pending_steps[0].step:
-            target = self._pending_steps.pop(0).replica
-            return target if target in candidates else self._rng.choice(candidates)
+            target = self._pending_steps[0].replica
+            if target is not None and target not in candidates:
+                return None
+            self._pending_steps.pop(0)
+            return target if target is not None else self._rng.choice(candidates)
         if self._next_at is not None and now >= self._next_at:
             self._next_at = self._after(now)
             self.num_timed_kills += 1

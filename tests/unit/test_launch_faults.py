@@ -35,6 +35,18 @@ def test_kill_at_step_targets_the_named_replica_once():
     assert plan.due(1.0, 100, up) is None
 
 
+def test_a_named_kill_waits_for_its_replica_instead_of_killing_another():
+    """r2 is down (or killing it would leave too few healthy replicas): the kill waits for r2; it never
+    falls on r0 or r1 in its place."""
+    plan = KillPlan(at_steps=[KillAt.parse("step=5,replica=r2")], min_up=1, seed=0)
+    plan.start(0.0)
+    assert plan.due(1.0, 5, ["r0", "r1"]) is None  # r2 not up
+    assert plan.due(1.0, 6, ["r0", "r1", "r2"], healthy=["r2"]) is None  # its loss would leave none healthy
+    assert plan.pending == [KillAt(5, "r2")]
+    assert plan.due(1.0, 7, ["r0", "r1", "r2"], healthy=["r0", "r2"]) == "r2"
+    assert plan.pending == []
+
+
 def test_random_kills_are_deterministic_with_a_seed():
     def schedule(seed):
         plan = KillPlan(random_mean_s=5.0, seed=seed)
