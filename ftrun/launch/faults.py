@@ -2,7 +2,7 @@
 
 Policies: every fixed interval (`--kill-every 60s`), exponential inter-arrival times with a mean
 (`--kill-random-mean 15s`), or at given steps (`--kill-at step=40[,replica=r1]`). Victims are drawn
-with a seeded generator among the replicas that are up; a kill waits while killing would leave fewer
+with a seeded generator among the replicas that are up, unless `--kill-at` names one; a kill waits while killing would leave fewer
 than `min_up` healthy replicas (committed since their last start), so injection never takes the job
 below its quorum nor kills the last replicas that hold the current state.
 """
