@@ -41,6 +41,7 @@ from ftrun.launch.worker_env import WorkerSpec
 from ftrun.launch.zygote_child import claim
 from ftrun.train.api import FTConfig, Float32CpuKernels, Hooks, init_from_env
 from ftrun.train.api import param_hash  # noqa: F401 (re-exported: tests hash models with it)
+from ftrun.train.events import print_event
 from ftrun.train.inject import DieAt, parse_catchup_fault, parse_die_at, plan_for
 from ftrun.train.toy import ToyConfig, lm_loss, make_model, make_tokens
 
@@ -114,10 +115,8 @@ class Faults:
         """Carry out `plan` here: announce it on stdout (the supervisor counts it, and resumes a stop), then
         SIGKILL, SIGSTOP or sleep."""
         self._fired.add(plan)
-        line = json.dumps({"event": "fault", "t": self._now(), "action": plan.action, "phase": phase, "step": step,
-                           "seconds": plan.seconds, "rank": self.spec.rank})
-        sys.stdout.write(line + "\n")  # one write: an at=F timer's line never splits another task's
-        sys.stdout.flush()
+        print_event({"event": "fault", "t": self._now(), "action": plan.action, "phase": phase, "step": step,
+                     "seconds": plan.seconds, "rank": self.spec.rank})  # one write: never split by an at=F timer's task
         if plan.action == "kill":
             die()
         elif plan.action == "stop":

@@ -182,7 +182,7 @@ class FaultTolerantTrainer:
                  checkpointed: tuple[int, str] | None = None, on_event: EventFn | None = None,
                  on_phase: PhaseFn | None = None, overlap: OverlapExchange | None = None) -> None:
         self.config, self.env, self.compute, self.progress, self.manager = config, env, compute, progress, manager
-        self.exchange, self.catchup, self.checkpointer = exchange, catchup, checkpointer
+        self.exchange, self.catchup = exchange, catchup
         self.loader_store, self.audit = loader_store, audit
         self.state = compute.state
         self._on_event, self._on_phase = on_event, on_phase
