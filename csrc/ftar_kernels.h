@@ -23,13 +23,14 @@
 extern "C" {
 #endif
 
-#define FTAR_ABI_VERSION 1
+#define FTAR_ABI_VERSION 2
 
 /* Return codes. */
 #define FTAR_OK 0
 #define FTAR_ERR_INVALID_DTYPE 1    /* dtype code unknown, or not valid for this op */
 #define FTAR_ERR_INVALID_ARGUMENT 2 /* NULL pointer with count > 0, count < 0, misaligned pointer */
 #define FTAR_ERR_INVALID_LAUNCH 3   /* blocks or threads out of range */
+#define FTAR_ERR_INVALID_VARIANT 4  /* variant is not one of FTAR_VARIANT_* */
 #define FTAR_ERR_CUDA_BASE 1000     /* FTAR_ERR_CUDA_BASE + cudaError_t: the launch failed */
 
 /* dtype codes (ftrun.ftar.kernels.DType). FTAR_BYTE is valid for ftar_copy only. */
@@ -49,19 +50,26 @@ extern "C" {
 #define FTAR_MAX_THREADS 512
 #define FTAR_MAX_BLOCKS 65535
 
+/* Kernel variants (`variant` of the data launchers; ftrun.ftar.cuda_kernels.VARIANTS):
+ * REGISTERS: each thread keeps FTAR_UNROLL_LOADS 16-byte loads per operand in registers (the default);
+ * STAGED: each thread keeps its loads in flight in a ring of shared-memory stages filled by cp.async,
+ * sized to the device's opt-in shared memory per block (sm_80 and newer). Results are identical. */
+#define FTAR_VARIANT_REGISTERS 0
+#define FTAR_VARIANT_STAGED 1
+
 typedef void* ftar_stream_t; /* a cudaStream_t; NULL is the legacy default stream */
 
 /* dst[i] = src[i] for count elements of dtype (bytes copied exactly). */
 int ftar_copy(void* dst, const void* src, int64_t count, int dtype, const int32_t* guard,
-              int blocks, int threads, ftar_stream_t stream);
+              int blocks, int threads, int variant, ftar_stream_t stream);
 
 /* dst[i] += src[i]. dst and src must not overlap. */
 int ftar_reduce(void* dst, const void* src, int64_t count, int dtype, const int32_t* guard,
-                int blocks, int threads, ftar_stream_t stream);
+                int blocks, int threads, int variant, ftar_stream_t stream);
 
 /* v = dst[i] + src[i]; dst[i] = v; out[i] = v. out may equal src; no other overlap. */
 int ftar_reduce_copy(void* dst, const void* src, void* out, int64_t count, int dtype,
-                     const int32_t* guard, int blocks, int threads, ftar_stream_t stream);
+                     const int32_t* guard, int blocks, int threads, int variant, ftar_stream_t stream);
 
 /*
  * One thread polls *flag (host-pinned, written by a CPU thread) until it is >= expected

@@ -14,16 +14,24 @@ With the few SMs FTAR runs on (FT-HSDP §4.2: 2 x 512), the kernel cannot reach 
 three ceilings apply to the memory traffic; the lowest wins:
 - hbm: the device's DRAM bandwidth;
 - sm: blocks x what one SM can move (L2 <-> SM bytes per clock x clock);
-- latency (Little's law): the bytes each thread has in flight (kUnroll 16-byte loads per operand it
-  reads) x threads x blocks / DRAM latency, for the loads, scaled by traffic / loads for the stores.
+- latency (Little's law): the load bytes in flight x blocks / DRAM latency, scaled by traffic / loads
+  for the stores. Variant 0 (registers) keeps kUnroll 16-byte loads per operand it reads per thread;
+  variant 1 (staged) keeps all but the stage being consumed of its shared-memory ring (`stage_plan`).
+Neither variant keeps its loads in flight all the time (variant 0 drains them before it stores), so
+the latency ceiling is an upper bound.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ftrun.ftar.kernels import check_variant
+
 VEC_BYTES = 16  # csrc/ftar_bodies.cuh kVecBytes
-UNROLL = 4  # csrc/ftar_bodies.cuh kUnroll
+UNROLL = 8  # csrc/ftar_bodies.cuh kUnroll (FTAR_UNROLL_LOADS)
+MAX_STAGES = 16  # csrc/ftar_bodies.cuh kMaxStages
+MAX_STAGE_VECS = 8  # csrc/ftar_bodies.cuh kMaxStageVecs
+SMEM_OPTIN_SM90 = 232448  # opt-in shared memory per block on sm_90 (227 KB), what the staged launcher asks for
 
 # op -> (elements read, elements written) per element of payload
 TRAFFIC = {"copy": (1, 1), "reduce": (2, 1), "reduce_copy": (2, 2)}
@@ -39,9 +47,10 @@ class DeviceModel:
     num_sms: int
     sm_gbps: float  # bytes one SM moves to and from L2 per second, in GB/s
     latency_ns: float  # DRAM load latency under load
+    smem_per_block: int = SMEM_OPTIN_SM90  # opt-in shared memory per block, bytes (the staged ring's budget)
 
     def __post_init__(self) -> None:
-        for field in ("hbm_gbps", "sm_gbps", "latency_ns"):
+        for field in ("hbm_gbps", "sm_gbps", "latency_ns", "smem_per_block"):
             if not getattr(self, field) > 0:
                 raise ValueError(f"DeviceModel.{field} must be > 0, got {getattr(self, field)}")
         if self.num_sms < 1:
@@ -62,20 +71,43 @@ def device_for(gpu_name: str | None) -> DeviceModel:
     return DEVICES["h200"] if "h200" in name else DEVICES["h100"]
 
 
+def stage_plan(operands: int, threads: int, smem_budget: int) -> tuple[int, int]:
+    """(stages, vectors per operand per thread per stage) of the staged variant's ring, as
+    csrc/ftar_bodies.cuh plan_stages computes it; (0, 0) when not even two stages fit (the launcher
+    then runs variant 0). tests/unit/test_csrc_host_kernels.py checks the two agree."""
+    slots = smem_budget // (operands * threads * VEC_BYTES)
+    if slots < 2:
+        return 0, 0
+    vecs = min(-(-slots // MAX_STAGES), MAX_STAGE_VECS)
+    return min(slots // vecs, MAX_STAGES), vecs
+
+
+def load_bytes_in_flight(reads: int, threads: int, variant: int, device: DeviceModel) -> int:
+    """Load bytes one block keeps in flight at most: variant 0's registers or variant 1's ring less
+    the stage being consumed."""
+    check_variant(variant)
+    stages, vecs = stage_plan(reads, threads, device.smem_per_block) if variant == 1 else (0, 0)
+    if stages == 0:
+        return threads * UNROLL * VEC_BYTES * reads
+    return (stages - 1) * vecs * reads * threads * VEC_BYTES
+
+
 @dataclass(frozen=True)
 class Estimate:
     op: str
     itemsize: int
     blocks: int
     threads: int
+    variant: int
     bytes_per_elem: int  # bytes moved (read + written) per element
     mem_gbps: float  # modeled memory traffic
     payload_gbps: float  # modeled payload (op's nbytes per second, what the benchmark's GB/s counts)
     limit: str  # "hbm", "sm" or "latency": the ceiling that binds
 
 
-def estimate(op: str, itemsize: int, blocks: int, threads: int, device: DeviceModel) -> Estimate:
-    """The model's GB/s for one op at one launch shape. Raises ValueError for an unknown op or shape."""
+def estimate(op: str, itemsize: int, blocks: int, threads: int, device: DeviceModel, variant: int = 0) -> Estimate:
+    """The model's GB/s for one op at one launch shape and kernel variant (0: registers, 1: staged).
+    Raises ValueError for an unknown op, shape or variant."""
     if op not in TRAFFIC:
         raise ValueError(f"unknown op {op!r}; expected one of {sorted(TRAFFIC)}")
     if itemsize not in (1, 2, 4):
@@ -83,7 +115,7 @@ def estimate(op: str, itemsize: int, blocks: int, threads: int, device: DeviceMo
     if blocks < 1 or threads < 1:
         raise ValueError(f"blocks and threads must be >= 1, got {blocks} x {threads}")
     reads, writes = TRAFFIC[op]
-    in_flight = blocks * threads * UNROLL * VEC_BYTES * reads  # load bytes outstanding
+    in_flight = blocks * load_bytes_in_flight(reads, threads, variant, device)  # load bytes outstanding
     ceilings = {
         "hbm": device.hbm_gbps,
         "sm": min(blocks, device.num_sms) * device.sm_gbps,
@@ -91,6 +123,6 @@ def estimate(op: str, itemsize: int, blocks: int, threads: int, device: DeviceMo
     }
     limit = min(ceilings, key=ceilings.__getitem__)
     mem = ceilings[limit]
-    return Estimate(op=op, itemsize=itemsize, blocks=blocks, threads=threads,
+    return Estimate(op=op, itemsize=itemsize, blocks=blocks, threads=threads, variant=variant,
                     bytes_per_elem=(reads + writes) * itemsize, mem_gbps=mem,
                     payload_gbps=mem / (reads + writes), limit=limit)

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from ftrun.ftar.roofline import DEVICES, DeviceModel, device_for, estimate
+from ftrun.ftar.roofline import DEVICES, DeviceModel, device_for, estimate, load_bytes_in_flight
 
 DEV = DeviceModel(name="test", hbm_gbps=1000.0, num_sms=4, sm_gbps=100.0, latency_ns=1000.0)
 
 
 @pytest.mark.parametrize("op, itemsize, blocks, threads, bytes_per_elem, mem_gbps, limit", [
-    # in flight = blocks x threads x 4 x 16 x reads; latency ceiling = in flight / 1000 ns x (r + w) / r
-    ("copy", 4, 1, 32, 8, 4.096, "latency"),  # 2048 B / 1000 ns x 2
-    ("reduce", 4, 1, 32, 12, 6.144, "latency"),  # 4096 B / 1000 ns x 1.5
-    ("reduce_copy", 2, 1, 32, 8, 8.192, "latency"),  # 4096 B / 1000 ns x 2
-    ("reduce", 2, 2, 1024, 6, 200.0, "sm"),  # latency 393 GB/s; 2 SMs x 100
+    # in flight = blocks x threads x 8 x 16 x reads; latency ceiling = in flight / 1000 ns x (r + w) / r
+    ("copy", 4, 1, 32, 8, 8.192, "latency"),  # 4096 B / 1000 ns x 2
+    ("reduce", 4, 1, 32, 12, 12.288, "latency"),  # 8192 B / 1000 ns x 1.5
+    ("reduce_copy", 2, 1, 32, 8, 16.384, "latency"),  # 8192 B / 1000 ns x 2
+    ("reduce", 2, 2, 1024, 6, 200.0, "sm"),  # latency 786 GB/s; 2 SMs x 100
     ("copy", 1, 8, 1024, 2, 400.0, "sm"),  # blocks beyond the SM count share the 4 SMs
     ("reduce", 4, 64, 1024, 12, 400.0, "sm"),
 ])
@@ -32,9 +32,17 @@ def test_hbm_bounds_a_wide_launch():
     assert (e.limit, e.mem_gbps) == ("hbm", 50.0)
 
 
-def test_default_launch_on_h100_is_latency_bound_below_the_sm_ceiling():
-    e = estimate("reduce", 4, 2, 512, DEVICES["h100"])
-    assert e.limit == "latency" and e.mem_gbps < 2 * DEVICES["h100"].sm_gbps
+def test_staged_variant_keeps_its_ring_less_one_stage_in_flight():
+    # reduce at 512 threads in 227 KB: 14 stages of 1 vector per operand; 13 x 2 x 512 x 16 B in flight
+    assert load_bytes_in_flight(2, 512, 1, DEVICES["h100"]) == 13 * 2 * 512 * 16
+    assert load_bytes_in_flight(2, 512, 0, DEVICES["h100"]) == 8 * 2 * 512 * 16  # registers: 8 loads per operand
+    small = DeviceModel(name="small smem", hbm_gbps=1000.0, num_sms=4, sm_gbps=100.0, latency_ns=1000.0,
+                        smem_per_block=1024)
+    assert load_bytes_in_flight(2, 512, 1, small) == load_bytes_in_flight(2, 512, 0, small)  # falls back
+    dev = DeviceModel(name="fast sm", hbm_gbps=5000.0, num_sms=132, sm_gbps=10000.0, latency_ns=700.0)
+    registers, staged = (estimate("reduce", 4, 2, 512, dev, variant=v) for v in (0, 1))
+    assert staged.limit == registers.limit == "latency"
+    assert staged.mem_gbps == pytest.approx(registers.mem_gbps * 13 / 8)
 
 
 @pytest.mark.parametrize("name, key", [("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100"), (None, "h100")])
@@ -46,10 +54,11 @@ def test_device_for_a_torch_name(name, key):
     (("scatter", 4, 1, 1), "unknown op"),
     (("copy", 3, 1, 1), "itemsize"),
     (("copy", 4, 0, 1), "blocks and threads"),
+    (("copy", 4, 1, 1, DEV, 2), "variant=2 is not a kernel variant"),
 ])
 def test_bad_arguments_say_what_is_wrong(args, match):
     with pytest.raises(ValueError, match=match):
-        estimate(*args, DEV)
+        estimate(*args) if len(args) > 4 else estimate(*args, DEV)
 
 
 def test_device_model_checks_its_fields():
