@@ -2,9 +2,11 @@
 same run: `dst.copy_(src)`, `dst.add_(src)`, and add_ + copy_ for the fused reduce_copy.
 
 Usage: python benchmarks/cuda_kernels.py [--size-mb 64] [--blocks 1,2,4,8,16,32] [--threads 512]
-                                        [--dtypes float32,float16,bfloat16] [--iters 50] [--json]
+                                        [--dtypes float32,float16,bfloat16] [--variants 0] [--iters 50] [--json]
 GB/s counts payload bytes (the op's nbytes per second); mem GB/s counts every byte read and
 written (copy 2x, reduce 3x, reduce_copy 4x payload). ratio = ours / torch (torch uses every SM).
+--variants picks the kernel variants measured in the same run (0: registers, 1: shared-memory stages;
+ftrun.ftar.kernels.VARIANTS); every row carries its `variant`.
 Each row also shows the roofline model's GB/s for that op, dtype and launch (ftrun/ftar/roofline.py:
 bytes moved per element and the binding ceiling: hbm, per-SM bandwidth or bytes in flight / latency),
 and `of_model` = measured / model. Without a GPU or the built library it says why and prints the
@@ -23,10 +25,20 @@ from typing import Any, Callable
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ftrun.ftar import cuda_kernels  # noqa: E402
-from ftrun.ftar.kernels import DType, KernelUnavailableError  # noqa: E402
+from ftrun.ftar.kernels import VARIANTS, DType, KernelUnavailableError, check_variant  # noqa: E402
 from ftrun.ftar.roofline import DEVICES, DeviceModel, device_for, estimate  # noqa: E402
 
 TRAFFIC = {"copy": 2, "reduce": 3, "reduce_copy": 4}
+
+
+def parse_variants(text: str) -> list[int]:
+    try:
+        variants = [int(v) for v in text.split(",")]
+        for v in variants:
+            check_variant(v)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--variants {text!r}: {e}") from e
+    return variants
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -35,6 +47,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--blocks", default="1,2,4,8,16,32")
     p.add_argument("--threads", type=int, default=cuda_kernels.DEFAULT_THREADS)
     p.add_argument("--dtypes", default="float32,float16,bfloat16")
+    p.add_argument("--variants", type=parse_variants, default=[cuda_kernels.DEFAULT_VARIANT],
+                   help="comma-separated kernel variants: " + ", ".join(f"{k} {v}" for k, v in VARIANTS.items()))
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--model-device", choices=sorted(DEVICES), default=None,
                    help="device the model assumes (default: the GPU's name, else h100)")
@@ -43,16 +57,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def model_rows(args: argparse.Namespace, device: DeviceModel) -> list[dict[str, Any]]:
-    """The roofline model for every (op, dtype, blocks) the benchmark measures."""
+    """The roofline model for every (op, dtype, blocks, variant) the benchmark measures."""
     rows = []
     for name in args.dtypes.split(","):
         dtype = DType.parse(name)
         for blocks in (int(b) for b in args.blocks.split(",")):
-            for op in TRAFFIC:
-                e = estimate(op, dtype.itemsize, blocks, args.threads, device)
-                rows.append({"op": op, "dtype": dtype.name.lower(), "blocks": blocks, "threads": args.threads,
-                             "bytes_per_elem": e.bytes_per_elem, "model_gbps": e.payload_gbps,
-                             "model_mem_gbps": e.mem_gbps, "model_limit": e.limit})
+            for variant in args.variants:
+                for op in TRAFFIC:
+                    e = estimate(op, dtype.itemsize, blocks, args.threads, device, variant)
+                    rows.append({"op": op, "dtype": dtype.name.lower(), "blocks": blocks, "threads": args.threads,
+                                 "variant": variant, "bytes_per_elem": e.bytes_per_elem,
+                                 "model_gbps": e.payload_gbps, "model_mem_gbps": e.mem_gbps,
+                                 "model_limit": e.limit})
     return rows
 
 
@@ -60,7 +76,8 @@ def print_model(rows: list[dict[str, Any]], device: DeviceModel) -> None:
     print(f"ROOFLINE MODEL ONLY (nothing measured): {device.name}, HBM {device.hbm_gbps:g} GB/s, "
           f"{device.sm_gbps:g} GB/s per SM, {device.latency_ns:g} ns latency, {rows[0]['threads']} threads per block")
     for r in rows:
-        print(f"{r['op']:12s} {r['dtype']:9s} blocks={r['blocks']:<4d} {r['bytes_per_elem']:2d} B/elem moved  "
+        print(f"{r['op']:12s} {r['dtype']:9s} blocks={r['blocks']:<4d} v{r['variant']} "
+              f"{r['bytes_per_elem']:2d} B/elem moved  "
               f"model {r['model_gbps']:8.1f} GB/s (mem {r['model_mem_gbps']:7.1f}, {r['model_limit']}-bound)")
 
 
@@ -98,23 +115,25 @@ def measure(args: argparse.Namespace, torch: Any) -> list[dict[str, Any]]:
         dst, src, out = (torch.full((count,), 1e-3, dtype=tdtype, device="cuda") for _ in range(3))
         baseline: dict[str, float] = {}
         for blocks in (int(b) for b in args.blocks.split(",")):
-            k = cuda_kernels.CudaKernels(blocks=blocks, threads=args.threads)
-            for op, (ours, theirs) in ops(torch, k, dst, src, out, nbytes, dtype).items():
-                if op not in baseline:
-                    baseline[op] = time_per_call(torch, theirs, args.iters)
-                t = time_per_call(torch, ours, args.iters)
-                rows.append({"op": op, "dtype": dtype.name.lower(), "blocks": blocks, "threads": args.threads,
-                             "gbps": nbytes / t / 1e9, "mem_gbps": TRAFFIC[op] * nbytes / t / 1e9,
-                             "torch_gbps": nbytes / baseline[op] / 1e9, "ratio": baseline[op] / t})
+            for variant in args.variants:
+                k = cuda_kernels.CudaKernels(blocks=blocks, threads=args.threads, variant=variant)
+                for op, (ours, theirs) in ops(torch, k, dst, src, out, nbytes, dtype).items():
+                    if op not in baseline:
+                        baseline[op] = time_per_call(torch, theirs, args.iters)
+                    t = time_per_call(torch, ours, args.iters)
+                    rows.append({"op": op, "dtype": dtype.name.lower(), "blocks": blocks, "threads": args.threads,
+                                 "variant": variant, "gbps": nbytes / t / 1e9,
+                                 "mem_gbps": TRAFFIC[op] * nbytes / t / 1e9,
+                                 "torch_gbps": nbytes / baseline[op] / 1e9, "ratio": baseline[op] / t})
     return rows
 
 
 def with_model(rows: list[dict[str, Any]], model: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Measured rows joined with the model's row of the same op, dtype and blocks."""
-    by_key = {(m["op"], m["dtype"], m["blocks"]): m for m in model}
+    """Measured rows joined with the model's row of the same op, dtype, blocks and variant."""
+    by_key = {(m["op"], m["dtype"], m["blocks"], m["variant"]): m for m in model}
     out = []
     for r in rows:
-        m = by_key[(r["op"], r["dtype"], r["blocks"])]
+        m = by_key[(r["op"], r["dtype"], r["blocks"], r["variant"])]
         out.append(r | {k: m[k] for k in ("bytes_per_elem", "model_gbps", "model_limit")}
                    | {"of_model": r["gbps"] / m["model_gbps"]})
     return out
@@ -141,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = with_model(measure(args, torch), model_rows(args, model_device))
     print(f"{device}, {args.size_mb:g} MB per op, {args.threads} threads per block; model: {model_device.name}")
     for r in rows:
-        print(f"{r['op']:12s} {r['dtype']:9s} blocks={r['blocks']:<4d} {r['gbps']:8.1f} GB/s "
+        print(f"{r['op']:12s} {r['dtype']:9s} blocks={r['blocks']:<4d} v{r['variant']} {r['gbps']:8.1f} GB/s "
               f"(mem {r['mem_gbps']:7.1f})  model {r['model_gbps']:8.1f} ({r['model_limit']}, "
               f"{r['of_model']:.2f} of it)  torch {r['torch_gbps']:8.1f} GB/s  ratio {r['ratio']:.2f}")
     if args.json:
