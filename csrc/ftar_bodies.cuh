@@ -293,6 +293,36 @@ FTAR_HD int64_t stage_slot(StagePlan sp, int stage, int operand, int v, int thre
   return ((static_cast<int64_t>(stage) * sp.operands + operand) * sp.vecs + v) * sp.threads + thread;
 }
 
+// The tiles of block `block` (of `blocks`): tile i of the block starts at vector first_vec(i).
+struct BlockTiles {
+  int64_t tile_vecs;  // threads x vecs
+  int64_t mine;       // tiles this block takes
+  int64_t block, blocks;
+
+  FTAR_HD BlockTiles(int64_t num_vecs, StagePlan sp, int64_t block_, int64_t blocks_)
+      : tile_vecs(static_cast<int64_t>(sp.threads) * sp.vecs), mine(0), block(block_), blocks(blocks_) {
+    const int64_t tiles = (num_vecs + tile_vecs - 1) / tile_vecs;
+    mine = block < tiles ? (tiles - 1 - block) / blocks + 1 : 0;
+  }
+  FTAR_HD int64_t first_vec(int64_t i) const { return (block + i * blocks) * tile_vecs; }
+};
+
+// Thread `thread`'s part of a tile that has landed in `stage`: combine, store to dst (and out).
+template <typename E, Op kOp>
+FTAR_HD void consume_stage(Vec* dv, Vec* ov, int64_t num_vecs, StagePlan sp, const Vec* smem, int stage,
+                           int64_t first_vec, int thread) {
+  constexpr int kSrc = kLoadedOperands<kOp> - 1;  // operand 0 is dst when it is loaded
+  for (int v = 0; v < sp.vecs; ++v) {
+    const int64_t j = first_vec + static_cast<int64_t>(v) * sp.threads + thread;
+    if (j >= num_vecs) break;
+    Vec d{};
+    if constexpr (kOp != Op::kCopy) d = smem[stage_slot(sp, stage, 0, v, thread)];
+    const Vec r = combine<E, kOp>(d, smem[stage_slot(sp, stage, kSrc, v, thread)]);
+    dv[j] = r;
+    if constexpr (kOp == Op::kReduceCopy) ov[j] = r;
+  }
+}
+
 // Thread `thread` of block `block` (of `blocks`): the scalar ends, then its tiles through the ring.
 // `async` is the copy engine: copy16(smem slot, global vector) starts a copy, commit() closes the
 // group of copies started since the last commit, wait(n) returns once at most n groups are pending.
@@ -303,19 +333,16 @@ FTAR_HD void staged_thread(typename E::T* dst, const typename E::T* src, typenam
   if (guarded(guard)) return;
   scalar_ends<E, kOp>(dst, src, out, plan, block * sp.threads + thread, blocks * sp.threads);
 
-  constexpr int kSrc = kLoadedOperands<kOp> - 1;  // operand 0 is dst when it is loaded
+  constexpr int kSrc = kLoadedOperands<kOp> - 1;
   Vec* dv = reinterpret_cast<Vec*>(dst + plan.head);
   const Vec* sv = reinterpret_cast<const Vec*>(src + plan.head);
   Vec* ov = kOp == Op::kReduceCopy ? reinterpret_cast<Vec*>(out + plan.head) : nullptr;
-  const int64_t tile_vecs = static_cast<int64_t>(sp.threads) * sp.vecs;
-  const int64_t tiles = (plan.num_vecs + tile_vecs - 1) / tile_vecs;
-  const int64_t mine = block < tiles ? (tiles - 1 - block) / blocks + 1 : 0;  // tiles this block takes
-  auto vec_index = [&](int64_t i, int v) { return (block + i * blocks) * tile_vecs + v * sp.threads + thread; };
+  const BlockTiles tiles(plan.num_vecs, sp, block, blocks);
   auto issue = [&](int64_t i) {  // the i-th of the block's tiles into stage i % stages; always one group
-    if (i < mine) {
+    if (i < tiles.mine) {
       const int stage = static_cast<int>(i % sp.stages);
       for (int v = 0; v < sp.vecs; ++v) {
-        const int64_t j = vec_index(i, v);
+        const int64_t j = tiles.first_vec(i) + static_cast<int64_t>(v) * sp.threads + thread;
         if (j >= plan.num_vecs) break;
         async.copy16(smem + stage_slot(sp, stage, kSrc, v, thread), sv + j);
         if constexpr (kOp != Op::kCopy) async.copy16(smem + stage_slot(sp, stage, 0, v, thread), dv + j);
@@ -324,19 +351,11 @@ FTAR_HD void staged_thread(typename E::T* dst, const typename E::T* src, typenam
     async.commit();
   };
   for (int i = 0; i + 1 < sp.stages; ++i) issue(i);
-  for (int64_t i = 0; i < mine; ++i) {
+  for (int64_t i = 0; i < tiles.mine; ++i) {
     issue(i + sp.stages - 1);  // refills the stage consumed in iteration i - 1
     async.wait(sp.stages - 1);  // groups complete in order: tile i has landed
-    const int stage = static_cast<int>(i % sp.stages);
-    for (int v = 0; v < sp.vecs; ++v) {
-      const int64_t j = vec_index(i, v);
-      if (j >= plan.num_vecs) break;
-      Vec d{};
-      if constexpr (kOp != Op::kCopy) d = smem[stage_slot(sp, stage, 0, v, thread)];
-      const Vec r = combine<E, kOp>(d, smem[stage_slot(sp, stage, kSrc, v, thread)]);
-      dv[j] = r;
-      if constexpr (kOp == Op::kReduceCopy) ov[j] = r;
-    }
+    consume_stage<E, kOp>(dv, ov, plan.num_vecs, sp, smem, static_cast<int>(i % sp.stages), tiles.first_vec(i),
+                          thread);
   }
   async.wait(0);
 }
@@ -394,7 +413,7 @@ int dispatch(int dtype, int64_t count, int blocks, int threads, int variant, Run
   const int rc = check_launch(blocks, threads);
   if (rc != FTAR_OK) return rc;
   if (count < 0) return FTAR_ERR_INVALID_ARGUMENT;
-  if (variant != FTAR_VARIANT_REGISTERS && variant != FTAR_VARIANT_STAGED) return FTAR_ERR_INVALID_VARIANT;
+  if (variant < FTAR_VARIANT_REGISTERS || variant > FTAR_VARIANT_BULK) return FTAR_ERR_INVALID_VARIANT;
   const OpTag<kOp> op{};
   if constexpr (kOp == Op::kCopy) {
     switch (dtype) {

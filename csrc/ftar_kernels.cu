@@ -5,7 +5,8 @@
 // each thread issues kUnroll independent 16-byte loads per operand before it computes or stores,
 // which keeps enough bytes in flight per SM to approach HBM bandwidth with a handful of warps.
 // Variant 1 (staged) keeps its loads in flight in shared memory instead: a ring of cp.async stages
-// per thread, as large as the block's opt-in shared memory allows (ftar::staged_thread).
+// per thread, as large as the block's opt-in shared memory allows (ftar::staged_thread); variant 2
+// (bulk, sm_90) fills the same ring with one bulk copy per tile and operand (bulk_kernel).
 
 #include "ftar_kernels.h"
 
@@ -63,6 +64,112 @@ struct CpAsync {
   }
 };
 
+__device__ __forceinline__ uint64_t global_timer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// -- variant 2: Hopper bulk copies -----------------------------------------------------------------
+// Thread 0 loads each tile with one cp.async.bulk per operand (the TMA unit moves it, no per-thread
+// copies) and an mbarrier per stage counts the bytes in; every thread waits for the stage, consumes
+// its slots (ftar::consume_stage, the same layout as variant 1), and a block barrier frees the stage
+// for thread 0 to refill. The mbarriers and the block's guard flag sit in the first kBarrierBytes of
+// dynamic shared memory, the ring after them.
+constexpr int kBarrierBytes = 256;  // ftar::kMaxStages x 8-byte mbarriers, then the guard flag
+static_assert(ftar::kMaxStages * 8 + 4 <= kBarrierBytes, "one mbarrier per stage and the flag");
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+constexpr uint64_t kBulkWaitLimitNs = 4000000000ull;  // a stage that never lands traps instead of hanging
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void bulk_load(void* smem, const void* global, uint32_t bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+               :
+               : "r"(smem_addr(smem)), "l"(global), "r"(bytes), "r"(smem_addr(bar))
+               : "memory");
+}
+
+__device__ __forceinline__ void bar_expect(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ bool bar_try_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(done)
+      : "r"(smem_addr(bar)), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+
+__device__ __forceinline__ void bar_wait(uint64_t* bar, uint32_t parity) {
+  if (bar_try_wait(bar, parity)) return;
+  const uint64_t start = global_timer_ns();
+  while (!bar_try_wait(bar, parity)) {
+    if (global_timer_ns() - start > kBulkWaitLimitNs) __trap();
+  }
+}
+#endif
+
+template <typename E, Op kOp>
+__global__ void __launch_bounds__(FTAR_MAX_THREADS)
+    bulk_kernel(typename E::T* dst, const typename E::T* src, typename E::T* out, ftar::Plan plan,
+                ftar::StagePlan sp, const int32_t* guard) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(128) unsigned char raw[];
+  uint64_t* full = reinterpret_cast<uint64_t*>(raw);
+  int& skip = *reinterpret_cast<int*>(raw + ftar::kMaxStages * 8);
+  ftar::Vec* smem = reinterpret_cast<ftar::Vec*>(raw + kBarrierBytes);
+  const int thread = static_cast<int>(threadIdx.x);
+  if (thread == 0) {
+    skip = ftar::guarded(guard);  // one read for the whole block: all threads reach the same barriers
+    for (int s = 0; s < sp.stages; ++s) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_addr(full + s)) : "memory");
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  if (skip) return;
+  ftar::scalar_ends<E, kOp>(dst, src, out, plan, static_cast<int64_t>(blockIdx.x) * sp.threads + thread,
+                            static_cast<int64_t>(gridDim.x) * sp.threads);
+
+  constexpr int kSrc = ftar::kLoadedOperands<kOp> - 1;
+  ftar::Vec* dv = reinterpret_cast<ftar::Vec*>(dst + plan.head);
+  const ftar::Vec* sv = reinterpret_cast<const ftar::Vec*>(src + plan.head);
+  ftar::Vec* ov = kOp == Op::kReduceCopy ? reinterpret_cast<ftar::Vec*>(out + plan.head) : nullptr;
+  const ftar::BlockTiles tiles(plan.num_vecs, sp, blockIdx.x, gridDim.x);
+  auto issue = [&](int64_t i) {  // thread 0: tile i into stage i % stages
+    const int stage = static_cast<int>(i % sp.stages);
+    const int64_t first = tiles.first_vec(i);
+    const int64_t n = plan.num_vecs - first < tiles.tile_vecs ? plan.num_vecs - first : tiles.tile_vecs;
+    const uint32_t bytes = static_cast<uint32_t>(n * ftar::kVecBytes);
+    bar_expect(full + stage, bytes * ftar::kLoadedOperands<kOp>);
+    bulk_load(smem + ftar::stage_slot(sp, stage, kSrc, 0, 0), sv + first, bytes, full + stage);
+    if constexpr (kOp != Op::kCopy) {
+      bulk_load(smem + ftar::stage_slot(sp, stage, 0, 0, 0), dv + first, bytes, full + stage);
+    }
+  };
+  if (thread == 0) {
+    for (int64_t i = 0; i < sp.stages && i < tiles.mine; ++i) issue(i);
+  }
+  for (int64_t i = 0; i < tiles.mine; ++i) {
+    const int stage = static_cast<int>(i % sp.stages);
+    bar_wait(full + stage, static_cast<uint32_t>((i / sp.stages) & 1));
+    ftar::consume_stage<E, kOp>(dv, ov, plan.num_vecs, sp, smem, stage, tiles.first_vec(i), thread);
+    __syncthreads();  // every thread is done with the stage
+    if (thread == 0 && i + sp.stages < tiles.mine) issue(i + sp.stages);
+  }
+#else
+  __trap();  // the launcher runs this kernel on sm_90 and newer only
+#endif
+}
+
 template <typename E, Op kOp>
 __global__ void __launch_bounds__(FTAR_MAX_THREADS)
     staged_kernel(typename E::T* dst, const typename E::T* src, typename E::T* out, ftar::Plan plan,
@@ -71,12 +178,6 @@ __global__ void __launch_bounds__(FTAR_MAX_THREADS)
   CpAsync async;
   ftar::staged_thread<E, kOp>(dst, src, out, plan, stages, smem, async, guard, blockIdx.x, gridDim.x,
                               static_cast<int>(threadIdx.x));
-}
-
-__device__ __forceinline__ uint64_t global_timer_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
 }
 
 __global__ void wait_flag_kernel(const volatile int64_t* flag, int64_t expected, int64_t timeout_ns,
@@ -95,21 +196,25 @@ int cuda_status(cudaError_t err) { return err == cudaSuccess ? FTAR_OK : FTAR_ER
 
 int launch_status() { return cuda_status(cudaGetLastError()); }
 
-// The stage ring for this launch: the device's opt-in shared memory per block (227 KB on sm_90,
-// 163 KB on sm_80), opted in for this kernel. stages == 0 when not even two stages fit.
-template <typename E, Op kOp>
-int plan_staged_launch(int threads, ftar::StagePlan* sp) {
-  int device = 0, optin = 0;
+// The stage ring for a staged (1) or bulk (2) launch: the device's opt-in shared memory per block
+// (227 KB on sm_90, 163 KB on sm_80), opted in for `kernel`. stages == 0 when not even two stages fit.
+template <Op kOp, typename Kernel>
+int plan_staged_launch(Kernel kernel, int variant, int threads, ftar::StagePlan* sp, int* smem_bytes) {
+  int device = 0, optin = 0, major = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
   if (err != cudaSuccess) return cuda_status(err);
-  *sp = ftar::plan_stages(ftar::kLoadedOperands<kOp>, threads, optin);
+  if (variant == FTAR_VARIANT_BULK && major < 9) return FTAR_ERR_INVALID_VARIANT;
+  const int reserved = variant == FTAR_VARIANT_BULK ? kBarrierBytes : 0;
+  *sp = ftar::plan_stages(ftar::kLoadedOperands<kOp>, threads, optin - reserved);
   if (sp->stages == 0) return FTAR_OK;
-  return cuda_status(cudaFuncSetAttribute(staged_kernel<E, kOp>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          static_cast<int>(ftar::stage_smem_bytes(*sp))));
+  *smem_bytes = reserved + static_cast<int>(ftar::stage_smem_bytes(*sp));
+  return cuda_status(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, *smem_bytes));
 }
 
-// Checks (ftar::dispatch, ftar::plan_region), then one kernel launch on `stream`.
+// Checks (ftar::dispatch, ftar::plan_region), then one kernel launch on `stream`: `variant`'s kernel,
+// or variant 0's when the shared memory holds fewer than two stages.
 template <Op kOp>
 int launch(void* dst, const void* src, void* out, int64_t count, int dtype, const int32_t* guard, int blocks,
            int threads, int variant, ftar_stream_t stream) {
@@ -121,15 +226,20 @@ int launch(void* dst, const void* src, void* out, int64_t count, int dtype, cons
     int rc = ftar::plan_region(dst, src, out, kOp == Op::kReduceCopy, count, sizeof(T), &plan);
     if (rc != FTAR_OK) return rc;
     const auto s = static_cast<cudaStream_t>(stream);
-    ftar::StagePlan sp{};
-    if (variant == FTAR_VARIANT_STAGED && (rc = plan_staged_launch<E, kOp>(threads, &sp)) != FTAR_OK) return rc;
-    if (sp.stages > 0) {
-      staged_kernel<E, kOp><<<blocks, threads, ftar::stage_smem_bytes(sp), s>>>(
-          static_cast<T*>(dst), static_cast<const T*>(src), static_cast<T*>(out), plan, sp, guard);
-    } else {
-      elementwise_kernel<E, kOp><<<blocks, threads, 0, s>>>(static_cast<T*>(dst), static_cast<const T*>(src),
-                                                           static_cast<T*>(out), plan, guard);
+    auto* d = static_cast<T*>(dst);
+    auto* sr = static_cast<const T*>(src);
+    auto* o = static_cast<T*>(out);
+    if (variant != FTAR_VARIANT_REGISTERS) {
+      const auto kernel = variant == FTAR_VARIANT_BULK ? bulk_kernel<E, kOp> : staged_kernel<E, kOp>;
+      ftar::StagePlan sp{};
+      int smem = 0;
+      if ((rc = plan_staged_launch<kOp>(kernel, variant, threads, &sp, &smem)) != FTAR_OK) return rc;
+      if (sp.stages > 0) {
+        kernel<<<blocks, threads, smem, s>>>(d, sr, o, plan, sp, guard);
+        return launch_status();
+      }
     }
+    elementwise_kernel<E, kOp><<<blocks, threads, 0, s>>>(d, sr, o, plan, guard);
     return launch_status();
   });
 }
@@ -172,7 +282,8 @@ const char* ftar_error_string(int code) {
     case FTAR_ERR_INVALID_LAUNCH:
       return "invalid launch configuration: blocks must be 1..65535 and threads 1..512";
     case FTAR_ERR_INVALID_VARIANT:
-      return "invalid kernel variant: expected 0 (registers) or 1 (shared-memory stages)";
+      return "invalid kernel variant: expected 0 (registers), 1 (shared-memory stages) or 2 (bulk copies, sm_90 "
+             "and newer only)";
     default:
       break;
   }

@@ -30,7 +30,7 @@ extern "C" {
 #define FTAR_ERR_INVALID_DTYPE 1    /* dtype code unknown, or not valid for this op */
 #define FTAR_ERR_INVALID_ARGUMENT 2 /* NULL pointer with count > 0, count < 0, misaligned pointer */
 #define FTAR_ERR_INVALID_LAUNCH 3   /* blocks or threads out of range */
-#define FTAR_ERR_INVALID_VARIANT 4  /* variant is not one of FTAR_VARIANT_* */
+#define FTAR_ERR_INVALID_VARIANT 4  /* variant is not one of FTAR_VARIANT_*, or not for this device */
 #define FTAR_ERR_CUDA_BASE 1000     /* FTAR_ERR_CUDA_BASE + cudaError_t: the launch failed */
 
 /* dtype codes (ftrun.ftar.kernels.DType). FTAR_BYTE is valid for ftar_copy only. */
@@ -53,9 +53,12 @@ extern "C" {
 /* Kernel variants (`variant` of the data launchers; ftrun.ftar.cuda_kernels.VARIANTS):
  * REGISTERS: each thread keeps FTAR_UNROLL_LOADS 16-byte loads per operand in registers (the default);
  * STAGED: each thread keeps its loads in flight in a ring of shared-memory stages filled by cp.async,
- * sized to the device's opt-in shared memory per block (sm_80 and newer). Results are identical. */
+ * sized to the device's opt-in shared memory per block (sm_80 and newer);
+ * BULK: the same ring filled by one bulk copy (TMA) per tile and operand, mbarrier-tracked (sm_90 and
+ * newer; FTAR_ERR_INVALID_VARIANT on older devices). Results are identical. */
 #define FTAR_VARIANT_REGISTERS 0
 #define FTAR_VARIANT_STAGED 1
+#define FTAR_VARIANT_BULK 2
 
 typedef void* ftar_stream_t; /* a cudaStream_t; NULL is the legacy default stream */
 

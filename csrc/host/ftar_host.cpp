@@ -50,6 +50,7 @@ int run_grid(void* dst, const void* src, void* out, int64_t count, int dtype, co
     using E = decltype(elem);
     using T = typename E::T;
     if (count == 0) return FTAR_OK;
+    if (variant == FTAR_VARIANT_BULK) return FTAR_ERR_INVALID_VARIANT;  // as on a GPU before sm_90: no bulk copies
     ftar::Plan plan;
     const int rc = ftar::plan_region(dst, src, out, kOp == Op::kReduceCopy, count, sizeof(T), &plan);
     if (rc != FTAR_OK) return rc;

@@ -29,8 +29,10 @@ from typing import Any, Protocol, runtime_checkable
 
 MAX_THREADS = 512  # csrc/ftar_kernels.h FTAR_MAX_THREADS (the kernels' __launch_bounds__)
 MAX_BLOCKS = 65535  # csrc/ftar_kernels.h FTAR_MAX_BLOCKS
-# csrc/ftar_kernels.h FTAR_VARIANT_*: where the CUDA kernels keep their loads in flight (same results).
-VARIANTS = {0: "registers", 1: "staged"}
+# csrc/ftar_kernels.h FTAR_VARIANT_*: where the CUDA kernels keep their loads in flight (same results):
+# registers, a shared-memory ring filled by per-thread cp.async, or the same ring filled by bulk copies
+# (sm_90 and newer).
+VARIANTS = {0: "registers", 1: "staged", 2: "bulk"}
 DEFAULT_VARIANT = 0
 
 

@@ -16,7 +16,8 @@ three ceilings apply to the memory traffic; the lowest wins:
 - sm: blocks x what one SM can move (L2 <-> SM bytes per clock x clock);
 - latency (Little's law): the load bytes in flight x blocks / DRAM latency, scaled by traffic / loads
   for the stores. Variant 0 (registers) keeps kUnroll 16-byte loads per operand it reads per thread;
-  variant 1 (staged) keeps all but the stage being consumed of its shared-memory ring (`stage_plan`).
+  variants 1 (staged) and 2 (bulk) keep all but the stage being consumed of their shared-memory ring
+  (`stage_plan`).
 Neither variant keeps its loads in flight all the time (variant 0 drains them before it stores), so
 the latency ceiling is an upper bound.
 """
@@ -31,7 +32,8 @@ VEC_BYTES = 16  # csrc/ftar_bodies.cuh kVecBytes
 UNROLL = 8  # csrc/ftar_bodies.cuh kUnroll (FTAR_UNROLL_LOADS)
 MAX_STAGES = 16  # csrc/ftar_bodies.cuh kMaxStages
 MAX_STAGE_VECS = 8  # csrc/ftar_bodies.cuh kMaxStageVecs
-SMEM_OPTIN_SM90 = 232448  # opt-in shared memory per block on sm_90 (227 KB), what the staged launcher asks for
+SMEM_OPTIN_SM90 = 232448  # opt-in shared memory per block on sm_90 (227 KB), what the staged launchers ask for
+BULK_RESERVED = 256  # csrc/ftar_kernels.cu kBarrierBytes: the bulk variant's mbarriers before its ring
 
 # op -> (elements read, elements written) per element of payload
 TRAFFIC = {"copy": (1, 1), "reduce": (2, 1), "reduce_copy": (2, 2)}
@@ -83,10 +85,11 @@ def stage_plan(operands: int, threads: int, smem_budget: int) -> tuple[int, int]
 
 
 def load_bytes_in_flight(reads: int, threads: int, variant: int, device: DeviceModel) -> int:
-    """Load bytes one block keeps in flight at most: variant 0's registers or variant 1's ring less
-    the stage being consumed."""
+    """Load bytes one block keeps in flight at most: variant 0's registers, or variant 1's or 2's ring
+    less the stage being consumed."""
     check_variant(variant)
-    stages, vecs = stage_plan(reads, threads, device.smem_per_block) if variant == 1 else (0, 0)
+    reserved = BULK_RESERVED if variant == 2 else 0
+    stages, vecs = stage_plan(reads, threads, device.smem_per_block - reserved) if variant else (0, 0)
     if stages == 0:
         return threads * UNROLL * VEC_BYTES * reads
     return (stages - 1) * vecs * reads * threads * VEC_BYTES
@@ -106,7 +109,7 @@ class Estimate:
 
 
 def estimate(op: str, itemsize: int, blocks: int, threads: int, device: DeviceModel, variant: int = 0) -> Estimate:
-    """The model's GB/s for one op at one launch shape and kernel variant (0: registers, 1: staged).
+    """The model's GB/s for one op at one launch shape and kernel variant (0: registers, 1: staged, 2: bulk).
     Raises ValueError for an unknown op, shape or variant."""
     if op not in TRAFFIC:
         raise ValueError(f"unknown op {op!r}; expected one of {sorted(TRAFFIC)}")

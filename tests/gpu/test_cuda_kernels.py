@@ -1,7 +1,7 @@
 """The csrc/ CUDA kernels against torch references: every dtype, odd sizes, misaligned offsets,
 launch shapes, the guard word and the flag wait's ok / timeout / abort paths, for each kernel
-variant (0: registers, 1: shared-memory stages). Skips without a CUDA GPU or without
-csrc/build/libftar_kernels.so (`bash csrc/build.sh`)."""
+variant (0: registers, 1: shared-memory stages, 2: bulk copies, sm_90 and newer). Skips without a
+CUDA GPU or without csrc/build/libftar_kernels.so (`bash csrc/build.sh`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from ftrun.ftar import cuda_kernels  # noqa: E402
-from ftrun.ftar.kernels import DType, WaitStatus  # noqa: E402
+from ftrun.ftar.kernels import DType, KernelError, WaitStatus  # noqa: E402
 
 if not torch.cuda.is_available():
     pytest.skip("no CUDA GPU", allow_module_level=True)
@@ -26,7 +26,9 @@ TORCH = {DType.FLOAT32: torch.float32, DType.FLOAT16: torch.float16, DType.BFLOA
 TOL = {DType.FLOAT32: (1e-6, 1e-6), DType.FLOAT16: (1e-3, 1e-3), DType.BFLOAT16: (1e-2, 1e-2)}  # rtol, atol
 COUNTS = [1, 7, 8, 1023, 4097, (1 << 20) + 3]
 SHAPES = [(1, 32), (2, 512), (8, 256), (3, 7)]  # (blocks, threads)
-VARIANTS = sorted(cuda_kernels.VARIANTS)
+HOPPER = torch.cuda.get_device_capability()[0] >= 9
+# bulk copies need sm_90; ids v0, v1, v2 select a variant's tests with -k
+VARIANTS = [pytest.param(v, id=f"v{v}") for v in sorted(cuda_kernels.VARIANTS) if v != 2 or HOPPER]
 
 
 def randn(count: int, dtype: DType, seed: int) -> torch.Tensor:
@@ -178,23 +180,32 @@ def test_bad_launch_shape_is_rejected_before_launch():
         cuda_kernels.CudaKernels(blocks=0)
     with pytest.raises(ValueError):
         cuda_kernels.CudaKernels(threads=2048)
-    with pytest.raises(ValueError, match="variant=2 is not a kernel variant"):
-        cuda_kernels.CudaKernels(variant=2)
+    with pytest.raises(ValueError, match="variant=3 is not a kernel variant"):
+        cuda_kernels.CudaKernels(variant=3)
 
 
+@pytest.mark.skipif(HOPPER, reason="bulk copies run on this GPU")
+def test_bulk_variant_is_refused_before_sm_90():
+    k = cuda_kernels.CudaKernels(variant=2)
+    with pytest.raises(KernelError, match="sm_90") as info:
+        k.copy(torch.zeros(64, device="cuda"), 0, torch.ones(64, device="cuda"), 0, 256)
+    assert info.value.code == 4
+
+
+@pytest.mark.parametrize("variant", [p for p in VARIANTS if p.values[0] != 0])
 @pytest.mark.parametrize("dtype", list(DType))
 @pytest.mark.parametrize("shape", [(2, 512), (1, 32), (132, 512)])
-def test_staged_variant_is_bit_identical_to_registers_on_a_large_reduce(dtype, shape):
+def test_staged_variants_are_bit_identical_to_registers_on_a_large_reduce_copy(variant, dtype, shape):
     """Many tiles per block: the stage ring wraps around many times."""
     count = (48 << 20) // dtype.itemsize + 5  # 48 MB, odd tail
     a, b = randn(count, dtype, 7), randn(count, dtype, 8)
-    results = []
-    for variant in VARIANTS:
+    results = {}
+    for v in (0, variant):
         dst, out = a.clone(), torch.zeros_like(a)
-        k = cuda_kernels.CudaKernels(blocks=shape[0], threads=shape[1], variant=variant)
+        k = cuda_kernels.CudaKernels(blocks=shape[0], threads=shape[1], variant=v)
         k.reduce_copy(dst, 0, b, 0, out, 0, count * dtype.itemsize, dtype)
         k.synchronize()
         assert torch.equal(dst, out)
-        results.append(dst)
-    assert torch.equal(results[0], results[1])
-    assert_close(results[1], a + b, dtype)
+        results[v] = dst
+    assert torch.equal(results[variant], results[0])
+    assert_close(results[0], a + b, dtype)

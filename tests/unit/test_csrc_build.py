@@ -52,7 +52,7 @@ def test_library_exports_the_abi(library):
     (lambda lib: lib.reduce(0, 32, 4, int(DType.BFLOAT16), None, 2, 512, 1, 0), 2),  # NULL dst
     (lambda lib: lib.reduce_copy(16, 32, 0, 4, int(DType.FLOAT32), None, 2, 512, 0, 0), 2),  # NULL out
     (lambda lib: lib.reduce(18, 32, 4, int(DType.FLOAT32), None, 2, 512, 1, 0), 2),  # misaligned float32
-    (lambda lib: lib.reduce(16, 32, 4, int(DType.FLOAT32), None, 2, 512, 2, 0), 4),  # unknown variant
+    (lambda lib: lib.reduce(16, 32, 4, int(DType.FLOAT32), None, 2, 512, 3, 0), 4),  # unknown variant
     (lambda lib: lib.copy(16, 32, 4, 3, None, 2, 512, -1, 0), 4),
     (lambda lib: lib.wait_flag(0, 1, 10, 64, 0), 2),
     (lambda lib: lib.wait_flag(64, 1, -1, 64, 0), 2),

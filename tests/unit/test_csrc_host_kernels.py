@@ -236,7 +236,9 @@ def test_staged_runs_what_does_not_fit_two_stages_through_variant_0(lib):
     (lambda lib, p: lib.ftar_host_reduce(None, p, 4, 2, None, 2, 512, 1, 1 << 20), 2),  # NULL dst
     (lambda lib, p: lib.ftar_host_reduce_copy(p, p, None, 4, 0, None, 2, 512, 0, 0), 2),  # NULL out
     (lambda lib, p: lib.ftar_host_reduce(p + 2, p, 4, 0, None, 2, 512, 1, 1 << 20), 2),  # misaligned float32
-    (lambda lib, p: lib.ftar_host_reduce(p, p, 4, 0, None, 2, 512, 2, 1 << 20), 4),  # unknown variant
+    (lambda lib, p: lib.ftar_host_reduce(p, p, 4, 0, None, 2, 512, 3, 1 << 20), 4),  # unknown variant
+    (lambda lib, p: lib.ftar_host_copy(p, p, 4, 0, None, 2, 512, -1, 1 << 20), 4),
+    (lambda lib, p: lib.ftar_host_copy(p, p, 4, 0, None, 2, 512, 2, 1 << 20), 4),  # bulk: the host has no TMA
 ])
 def test_launch_checks_match_the_cuda_launchers(lib, call, code):
     buf = np.zeros(64, np.uint8)

@@ -35,6 +35,8 @@ def test_hbm_bounds_a_wide_launch():
 def test_staged_variant_keeps_its_ring_less_one_stage_in_flight():
     # reduce at 512 threads in 227 KB: 14 stages of 1 vector per operand; 13 x 2 x 512 x 16 B in flight
     assert load_bytes_in_flight(2, 512, 1, DEVICES["h100"]) == 13 * 2 * 512 * 16
+    assert load_bytes_in_flight(2, 512, 2, DEVICES["h100"]) == 13 * 2 * 512 * 16  # bulk: the same ring
+    assert load_bytes_in_flight(1, 512, 2, DEVICES["h100"]) == 13 * 2 * 512 * 16  # copy: 14 x 2 vectors
     assert load_bytes_in_flight(2, 512, 0, DEVICES["h100"]) == 8 * 2 * 512 * 16  # registers: 8 loads per operand
     small = DeviceModel(name="small smem", hbm_gbps=1000.0, num_sms=4, sm_gbps=100.0, latency_ns=1000.0,
                         smem_per_block=1024)
@@ -54,7 +56,7 @@ def test_device_for_a_torch_name(name, key):
     (("scatter", 4, 1, 1), "unknown op"),
     (("copy", 3, 1, 1), "itemsize"),
     (("copy", 4, 0, 1), "blocks and threads"),
-    (("copy", 4, 1, 1, DEV, 2), "variant=2 is not a kernel variant"),
+    (("copy", 4, 1, 1, DEV, 3), "variant=3 is not a kernel variant"),
 ])
 def test_bad_arguments_say_what_is_wrong(args, match):
     with pytest.raises(ValueError, match=match):
