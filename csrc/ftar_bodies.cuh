@@ -258,7 +258,7 @@ FTAR_UNROLL
 // The vector region is cut into tiles of threads x vecs vectors; block b takes tiles b, b + blocks,
 // ...; vector v of a thread's slots in a tile is tile * threads * vecs + v * threads + thread, so a
 // warp's copies and stores are contiguous.
-constexpr int kMaxStages = 16;    // cp.async.wait_group takes an immediate: FTAR_HD wait() switches on 0..15
+constexpr int kMaxStages = FTAR_MAX_STAGES;  // cp.async.wait_group takes an immediate: CpAsync::wait switches
 constexpr int kMaxStageVecs = 8;  // per operand per thread per stage
 
 struct StagePlan {
@@ -272,15 +272,16 @@ template <Op kOp>
 constexpr int kLoadedOperands = kOp == Op::kCopy ? 1 : 2;
 
 // The ring for `threads` threads in at most `smem_budget` bytes of shared memory per block: as many
-// vector slots per thread as fit, spread over at most kMaxStages stages of at most kMaxStageVecs.
-FTAR_HD StagePlan plan_stages(int operands, int threads, int64_t smem_budget) {
+// vector slots per thread as fit, spread over at most `max_stages` (2..kMaxStages) stages of at most
+// kMaxStageVecs vectors (the fewest vectors per stage that stay within `max_stages`).
+FTAR_HD StagePlan plan_stages(int operands, int threads, int64_t smem_budget, int max_stages = kMaxStages) {
   const int64_t unit = static_cast<int64_t>(operands) * threads * kVecBytes;  // one vector per operand per thread
   const int64_t slots = unit > 0 ? smem_budget / unit : 0;
   if (slots < 2) return StagePlan{0, 0, operands, threads};
-  int64_t vecs = (slots + kMaxStages - 1) / kMaxStages;
+  int64_t vecs = (slots + max_stages - 1) / max_stages;
   if (vecs > kMaxStageVecs) vecs = kMaxStageVecs;
   int64_t stages = slots / vecs;
-  if (stages > kMaxStages) stages = kMaxStages;
+  if (stages > max_stages) stages = max_stages;
   return StagePlan{static_cast<int>(stages), static_cast<int>(vecs), operands, threads};
 }
 

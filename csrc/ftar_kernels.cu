@@ -12,6 +12,7 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 
 #include "ftar_bodies.cuh"
@@ -196,8 +197,11 @@ int cuda_status(cudaError_t err) { return err == cudaSuccess ? FTAR_OK : FTAR_ER
 
 int launch_status() { return cuda_status(cudaGetLastError()); }
 
+std::atomic<int> g_stage_smem_limit{0}, g_max_stages{0};  // ftar_set_stage_limits; 0: no limit
+
 // The stage ring for a staged (1) or bulk (2) launch: the device's opt-in shared memory per block
-// (227 KB on sm_90, 163 KB on sm_80), opted in for `kernel`. stages == 0 when not even two stages fit.
+// (227 KB on sm_90, 163 KB on sm_80) within ftar_set_stage_limits, opted in for `kernel`. stages == 0
+// when not even two stages fit.
 template <Op kOp, typename Kernel>
 int plan_staged_launch(Kernel kernel, int variant, int threads, ftar::StagePlan* sp, int* smem_bytes) {
   int device = 0, optin = 0, major = 0;
@@ -206,8 +210,11 @@ int plan_staged_launch(Kernel kernel, int variant, int threads, ftar::StagePlan*
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
   if (err != cudaSuccess) return cuda_status(err);
   if (variant == FTAR_VARIANT_BULK && major < 9) return FTAR_ERR_INVALID_VARIANT;
+  const int limit = g_stage_smem_limit.load(std::memory_order_relaxed);
+  const int max_stages = g_max_stages.load(std::memory_order_relaxed);
   const int reserved = variant == FTAR_VARIANT_BULK ? kBarrierBytes : 0;
-  *sp = ftar::plan_stages(ftar::kLoadedOperands<kOp>, threads, optin - reserved);
+  *sp = ftar::plan_stages(ftar::kLoadedOperands<kOp>, threads, (limit > 0 && limit < optin ? limit : optin) - reserved,
+                          max_stages > 0 ? max_stages : ftar::kMaxStages);
   if (sp->stages == 0) return FTAR_OK;
   *smem_bytes = reserved + static_cast<int>(ftar::stage_smem_bytes(*sp));
   return cuda_status(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, *smem_bytes));
@@ -269,6 +276,15 @@ int ftar_wait_flag(const int64_t* flag, int64_t expected, int64_t timeout_ns, in
   if (!ftar::aligned(flag, sizeof(int64_t)) || !ftar::aligned(status, sizeof(int32_t))) return FTAR_ERR_INVALID_ARGUMENT;
   wait_flag_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(flag, expected, timeout_ns, status);
   return launch_status();
+}
+
+int ftar_set_stage_limits(int smem_bytes, int max_stages) {
+  if (smem_bytes < 0 || max_stages < 0 || max_stages == 1 || max_stages > FTAR_MAX_STAGES) {
+    return FTAR_ERR_INVALID_ARGUMENT;
+  }
+  g_stage_smem_limit.store(smem_bytes);
+  g_max_stages.store(max_stages);
+  return FTAR_OK;
 }
 
 const char* ftar_error_string(int code) {

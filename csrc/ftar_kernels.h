@@ -59,6 +59,7 @@ extern "C" {
 #define FTAR_VARIANT_REGISTERS 0
 #define FTAR_VARIANT_STAGED 1
 #define FTAR_VARIANT_BULK 2
+#define FTAR_MAX_STAGES 16 /* the most stages a ring has */
 
 typedef void* ftar_stream_t; /* a cudaStream_t; NULL is the legacy default stream */
 
@@ -82,6 +83,14 @@ int ftar_reduce_copy(void* dst, const void* src, void* out, int64_t count, int d
  */
 int ftar_wait_flag(const int64_t* flag, int64_t expected, int64_t timeout_ns, int32_t* status,
                    ftar_stream_t stream);
+
+/*
+ * Tuning (process-wide, for benchmarks): the staged and bulk variants' rings use at most
+ * `smem_bytes` of shared memory per block (0: all the device lets a block opt in to) and at most
+ * `max_stages` stages (0: FTAR_MAX_STAGES; else 2..FTAR_MAX_STAGES). Applies to later launches.
+ * Returns FTAR_ERR_INVALID_ARGUMENT for a value out of range. Not synchronized with launches.
+ */
+int ftar_set_stage_limits(int smem_bytes, int max_stages);
 
 /* A static message for any code the launchers return (CUDA's own text for CUDA errors). */
 const char* ftar_error_string(int code);

@@ -98,8 +98,8 @@ int ftar_host_reduce_copy(void* dst, const void* src, void* out, int64_t count, 
 }
 
 // The stage ring the staged launchers use for `smem_budget` bytes per block.
-void ftar_host_stage_plan(int operands, int threads, int64_t smem_budget, int* stages, int* vecs) {
-  const ftar::StagePlan sp = ftar::plan_stages(operands, threads, smem_budget);
+void ftar_host_stage_plan(int operands, int threads, int64_t smem_budget, int max_stages, int* stages, int* vecs) {
+  const ftar::StagePlan sp = ftar::plan_stages(operands, threads, smem_budget, max_stages);
   *stages = sp.stages;
   *vecs = sp.vecs;
 }

@@ -47,6 +47,7 @@ DEFAULT_BLOCKS = 2  # FT-HSDP §4.2: two SMs hide copy/reduce behind the network
 DEFAULT_THREADS = 512
 ABI_VERSION = 2  # csrc/ftar_kernels.h FTAR_ABI_VERSION
 BYTE_DTYPE = 3  # csrc/ftar_kernels.h FTAR_BYTE (copy only)
+MAX_STAGES = 16  # csrc/ftar_kernels.h FTAR_MAX_STAGES
 
 _c_void_p, _c_int, _c_i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 _SIGNATURES = {
@@ -79,6 +80,7 @@ class FtarLibrary:
                 fn.argtypes, fn.restype = argtypes, ctypes.c_int
             self._lib.ftar_error_string.argtypes, self._lib.ftar_error_string.restype = [_c_int], ctypes.c_char_p
             self._lib.ftar_abi_version.restype = ctypes.c_int
+            self._lib.ftar_set_stage_limits.argtypes, self._lib.ftar_set_stage_limits.restype = [_c_int, _c_int], _c_int
         except AttributeError as e:
             raise KernelUnavailableError(f"{path} lacks an FTAR symbol ({e}); rebuild it") from e
         version = self._lib.ftar_abi_version()
@@ -107,6 +109,14 @@ class FtarLibrary:
                     blocks: int, threads: int, variant: int, stream: int) -> None:
         code = self._lib.ftar_reduce_copy(dst, src, out, count, dtype, guard, blocks, threads, variant, stream)
         self._check("ftar_reduce_copy", code)
+
+    def set_stage_limits(self, smem_bytes: int = 0, max_stages: int = 0) -> None:
+        """Tuning, process-wide: later staged (1) and bulk (2) launches use at most `smem_bytes` of
+        shared memory per block and `max_stages` stages (0: the device's opt-in maximum, 16 stages).
+        Raises ValueError for a negative value or max_stages of 1 or above 16."""
+        if smem_bytes < 0 or not (max_stages == 0 or 2 <= max_stages <= MAX_STAGES):
+            raise ValueError(f"smem_bytes={smem_bytes} must be >= 0 and max_stages={max_stages} 0 or 2..{MAX_STAGES}")
+        self._check("ftar_set_stage_limits", self._lib.ftar_set_stage_limits(smem_bytes, max_stages))
 
     def wait_flag(self, flag: int, expected: int, timeout_ns: int, status: int, stream: int) -> None:
         self._check("ftar_wait_flag", self._lib.ftar_wait_flag(flag, expected, timeout_ns, status, stream))

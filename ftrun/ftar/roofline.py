@@ -30,7 +30,7 @@ from ftrun.ftar.kernels import check_variant
 
 VEC_BYTES = 16  # csrc/ftar_bodies.cuh kVecBytes
 UNROLL = 8  # csrc/ftar_bodies.cuh kUnroll (FTAR_UNROLL_LOADS)
-MAX_STAGES = 16  # csrc/ftar_bodies.cuh kMaxStages
+MAX_STAGES = 16  # csrc/ftar_kernels.h FTAR_MAX_STAGES
 MAX_STAGE_VECS = 8  # csrc/ftar_bodies.cuh kMaxStageVecs
 SMEM_OPTIN_SM90 = 232448  # opt-in shared memory per block on sm_90 (227 KB), what the staged launchers ask for
 BULK_RESERVED = 256  # csrc/ftar_kernels.cu kBarrierBytes: the bulk variant's mbarriers before its ring
@@ -73,23 +73,24 @@ def device_for(gpu_name: str | None) -> DeviceModel:
     return DEVICES["h200"] if "h200" in name else DEVICES["h100"]
 
 
-def stage_plan(operands: int, threads: int, smem_budget: int) -> tuple[int, int]:
-    """(stages, vectors per operand per thread per stage) of the staged variant's ring, as
+def stage_plan(operands: int, threads: int, smem_budget: int, max_stages: int = MAX_STAGES) -> tuple[int, int]:
+    """(stages, vectors per operand per thread per stage) of the staged variants' ring, as
     csrc/ftar_bodies.cuh plan_stages computes it; (0, 0) when not even two stages fit (the launcher
     then runs variant 0). tests/unit/test_csrc_host_kernels.py checks the two agree."""
     slots = smem_budget // (operands * threads * VEC_BYTES)
     if slots < 2:
         return 0, 0
-    vecs = min(-(-slots // MAX_STAGES), MAX_STAGE_VECS)
-    return min(slots // vecs, MAX_STAGES), vecs
+    vecs = min(-(-slots // max_stages), MAX_STAGE_VECS)
+    return min(slots // vecs, max_stages), vecs
 
 
-def load_bytes_in_flight(reads: int, threads: int, variant: int, device: DeviceModel) -> int:
+def load_bytes_in_flight(reads: int, threads: int, variant: int, device: DeviceModel,
+                         max_stages: int = MAX_STAGES) -> int:
     """Load bytes one block keeps in flight at most: variant 0's registers, or variant 1's or 2's ring
-    less the stage being consumed."""
+    (at most `max_stages` stages in device.smem_per_block) less the stage being consumed."""
     check_variant(variant)
     reserved = BULK_RESERVED if variant == 2 else 0
-    stages, vecs = stage_plan(reads, threads, device.smem_per_block - reserved) if variant else (0, 0)
+    stages, vecs = stage_plan(reads, threads, device.smem_per_block - reserved, max_stages) if variant else (0, 0)
     if stages == 0:
         return threads * UNROLL * VEC_BYTES * reads
     return (stages - 1) * vecs * reads * threads * VEC_BYTES
@@ -108,9 +109,11 @@ class Estimate:
     limit: str  # "hbm", "sm" or "latency": the ceiling that binds
 
 
-def estimate(op: str, itemsize: int, blocks: int, threads: int, device: DeviceModel, variant: int = 0) -> Estimate:
-    """The model's GB/s for one op at one launch shape and kernel variant (0: registers, 1: staged, 2: bulk).
-    Raises ValueError for an unknown op, shape or variant."""
+def estimate(op: str, itemsize: int, blocks: int, threads: int, device: DeviceModel, variant: int = 0,
+             max_stages: int = MAX_STAGES) -> Estimate:
+    """The model's GB/s for one op at one launch shape and kernel variant (0: registers, 1: staged, 2: bulk;
+    the staged ones' ring of at most `max_stages` stages). Raises ValueError for an unknown op, shape or
+    variant."""
     if op not in TRAFFIC:
         raise ValueError(f"unknown op {op!r}; expected one of {sorted(TRAFFIC)}")
     if itemsize not in (1, 2, 4):
@@ -118,7 +121,7 @@ def estimate(op: str, itemsize: int, blocks: int, threads: int, device: DeviceMo
     if blocks < 1 or threads < 1:
         raise ValueError(f"blocks and threads must be >= 1, got {blocks} x {threads}")
     reads, writes = TRAFFIC[op]
-    in_flight = blocks * load_bytes_in_flight(reads, threads, variant, device)  # load bytes outstanding
+    in_flight = blocks * load_bytes_in_flight(reads, threads, variant, device, max_stages)  # load bytes outstanding
     ceilings = {
         "hbm": device.hbm_gbps,
         "sm": min(blocks, device.num_sms) * device.sm_gbps,

@@ -64,6 +64,20 @@ def test_launchers_reject_bad_arguments_with_a_message(library, call, code):
     assert library.error_string(code) in str(info.value)
 
 
+@pytest.mark.parametrize("smem_bytes, max_stages", [(-1, 0), (0, 1), (0, 17), (0, -2)])
+def test_stage_limits_out_of_range_are_refused(library, smem_bytes, max_stages):
+    with pytest.raises(ValueError, match="max_stages"):
+        library.set_stage_limits(smem_bytes, max_stages)
+    with pytest.raises(KernelError) as info:  # the C entry point checks on its own
+        library._check("ftar_set_stage_limits", library._lib.ftar_set_stage_limits(smem_bytes, max_stages))
+    assert info.value.code == 2
+
+
+def test_stage_limits_in_range_are_taken(library):
+    library.set_stage_limits(65536, 4)
+    library.set_stage_limits(0, 0)  # back to the defaults
+
+
 def test_empty_ranges_launch_nothing(library):
     for variant in cuda_kernels.VARIANTS:
         library.reduce(0, 0, 0, int(DType.FLOAT32), None, 2, 512, variant, 0)

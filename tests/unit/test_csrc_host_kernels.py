@@ -58,7 +58,7 @@ def lib(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
                        "ftar_host_wait_decision": [i64, i64, i64, i64]}.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, ctypes.c_int
-    lib.ftar_host_stage_plan.argtypes, lib.ftar_host_stage_plan.restype = [i32, i32, i64, p, p], None
+    lib.ftar_host_stage_plan.argtypes, lib.ftar_host_stage_plan.restype = [i32, i32, i64, i32, p, p], None
     lib.ftar_host_float_to_half.argtypes, lib.ftar_host_float_to_half.restype = [ctypes.c_float], ctypes.c_uint16
     lib.ftar_host_float_to_bf16.argtypes, lib.ftar_host_float_to_bf16.restype = [ctypes.c_float], ctypes.c_uint16
     lib.ftar_host_half_to_float.argtypes, lib.ftar_host_half_to_float.restype = [ctypes.c_uint16], ctypes.c_float
@@ -202,21 +202,23 @@ def test_guard_word_skips_the_work(lib, variant):
     np.testing.assert_array_equal(dst.view, reference_sum(a, b, DType.FLOAT32))
 
 
-@pytest.mark.parametrize("operands, threads, budget, want", [
-    (2, 512, 232448, (14, 1)),  # reduce, 2 x 512 on sm_90 (227 KB opt-in): 14 stages of 16 KB
-    (2, 512, 166912, (10, 1)),  # sm_80 (163 KB)
-    (1, 512, 232448, (14, 2)),  # copy loads src only: 28 slots as 14 stages of 2 vectors
-    (2, 32, 232448, (16, 8)),  # few threads: the caps (16 stages of 8 vectors)
-    (2, 256, 232448, (14, 2)),
-    (2, 512, 2 * 16384, (2, 1)),  # the smallest ring
-    (2, 512, 2 * 16384 - 1, (0, 0)),  # not even two stages: variant 0 runs instead
-    (1, 7, 17 * 7 * 16, (8, 2)),  # 17 slots: 2 vectors per stage (the fewest within 16 stages), 8 stages
+@pytest.mark.parametrize("operands, threads, budget, max_stages, want", [
+    (2, 512, 232448, 16, (14, 1)),  # reduce, 2 x 512 on sm_90 (227 KB opt-in): 14 stages of 16 KB
+    (2, 512, 166912, 16, (10, 1)),  # sm_80 (163 KB)
+    (1, 512, 232448, 16, (14, 2)),  # copy loads src only: 28 slots as 14 stages of 2 vectors
+    (2, 32, 232448, 16, (16, 8)),  # few threads: the caps (16 stages of 8 vectors)
+    (2, 256, 232448, 16, (14, 2)),
+    (2, 512, 2 * 16384, 16, (2, 1)),  # the smallest ring
+    (2, 512, 2 * 16384 - 1, 16, (0, 0)),  # not even two stages: variant 0 runs instead
+    (1, 7, 17 * 7 * 16, 16, (8, 2)),  # 17 slots: 2 vectors per stage (the fewest within 16 stages), 8 stages
+    (2, 512, 232448, 4, (3, 4)),  # at most 4 stages: 14 slots as 3 stages of 4 vectors
+    (1, 512, 232448, 2, (2, 8)),  # 2 stages: capped at 8 vectors each
 ])
-def test_stage_plan_fills_the_budget_within_the_caps(lib, operands, threads, budget, want):
+def test_stage_plan_fills_the_budget_within_the_caps(lib, operands, threads, budget, max_stages, want):
     stages, vecs = ctypes.c_int(-1), ctypes.c_int(-1)
-    lib.ftar_host_stage_plan(operands, threads, budget, ctypes.byref(stages), ctypes.byref(vecs))
+    lib.ftar_host_stage_plan(operands, threads, budget, max_stages, ctypes.byref(stages), ctypes.byref(vecs))
     assert (stages.value, vecs.value) == want
-    assert stage_plan(operands, threads, budget) == want  # the roofline model's copy of the plan
+    assert stage_plan(operands, threads, budget, max_stages) == want  # the roofline model's copy of the plan
 
 
 def test_staged_runs_what_does_not_fit_two_stages_through_variant_0(lib):
