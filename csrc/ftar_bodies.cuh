@@ -324,6 +324,20 @@ FTAR_HD void consume_stage(Vec* dv, Vec* ov, int64_t num_vecs, StagePlan sp, con
   }
 }
 
+// The same for a stage that a bulk copy stores: a reduction leaves its result in the dst slots
+// (operand 0), where a copy's data already is.
+template <typename E, Op kOp>
+FTAR_HD void reduce_stage_in_place(int64_t num_vecs, StagePlan sp, Vec* smem, int stage, int64_t first_vec,
+                                   int thread) {
+  if constexpr (kOp != Op::kCopy) {
+    for (int v = 0; v < sp.vecs; ++v) {
+      if (first_vec + static_cast<int64_t>(v) * sp.threads + thread >= num_vecs) break;
+      Vec& d = smem[stage_slot(sp, stage, 0, v, thread)];
+      d = combine<E, kOp>(d, smem[stage_slot(sp, stage, 1, v, thread)]);
+    }
+  }
+}
+
 // Thread `thread` of block `block` (of `blocks`): the scalar ends, then its tiles through the ring.
 // `async` is the copy engine: copy16(smem slot, global vector) starts a copy, commit() closes the
 // group of copies started since the last commit, wait(n) returns once at most n groups are pending.

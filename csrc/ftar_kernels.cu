@@ -73,10 +73,12 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
 
 // -- variant 2: Hopper bulk copies -----------------------------------------------------------------
 // Thread 0 loads each tile with one cp.async.bulk per operand (the TMA unit moves it, no per-thread
-// copies) and an mbarrier per stage counts the bytes in; every thread waits for the stage, consumes
-// its slots (ftar::consume_stage, the same layout as variant 1), and a block barrier frees the stage
-// for thread 0 to refill. The mbarriers and the block's guard flag sit in the first kBarrierBytes of
-// dynamic shared memory, the ring after them.
+// copies) and an mbarrier per stage counts the bytes in; every thread waits for the stage and leaves
+// its slots' results in the stage (ftar::reduce_stage_in_place, the same layout as variant 1); after a
+// proxy fence and a block barrier thread 0 stores the tile with one bulk copy per output (so the
+// SM's store path carries no per-thread stores either), and refills the stage of the tile before once
+// that tile's store has read it. The mbarriers and the block's guard flag sit in the first
+// kBarrierBytes of dynamic shared memory, the ring after them.
 constexpr int kBarrierBytes = 256;  // ftar::kMaxStages x 8-byte mbarriers, then the guard flag
 static_assert(ftar::kMaxStages * 8 + 4 <= kBarrierBytes, "one mbarrier per stage and the flag");
 
@@ -92,6 +94,26 @@ __device__ __forceinline__ void bulk_load(void* smem, const void* global, uint32
                :
                : "r"(smem_addr(smem)), "l"(global), "r"(bytes), "r"(smem_addr(bar))
                : "memory");
+}
+
+__device__ __forceinline__ void bulk_store(void* global, const void* smem, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(global), "r"(smem_addr(smem)),
+               "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+
+// Until at most one bulk store group (the newest) still reads shared memory.
+__device__ __forceinline__ void bulk_wait_read_all_but_newest() {
+  asm volatile("cp.async.bulk.wait_group.read 1;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+
+// Makes this thread's shared-memory writes visible to bulk copies (the async proxy).
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
 __device__ __forceinline__ void bar_expect(uint64_t* bar, uint32_t bytes) {
@@ -161,11 +183,26 @@ __global__ void __launch_bounds__(FTAR_MAX_THREADS)
   }
   for (int64_t i = 0; i < tiles.mine; ++i) {
     const int stage = static_cast<int>(i % sp.stages);
+    const int64_t first = tiles.first_vec(i);
     bar_wait(full + stage, static_cast<uint32_t>((i / sp.stages) & 1));
-    ftar::consume_stage<E, kOp>(dv, ov, plan.num_vecs, sp, smem, stage, tiles.first_vec(i), thread);
-    __syncthreads();  // every thread is done with the stage
-    if (thread == 0 && i + sp.stages < tiles.mine) issue(i + sp.stages);
+    ftar::reduce_stage_in_place<E, kOp>(plan.num_vecs, sp, smem, stage, first, thread);
+    fence_proxy_async();
+    __syncthreads();  // the tile's results are in shared memory
+    if (thread == 0) {
+      const ftar::Vec* result = smem + ftar::stage_slot(sp, stage, 0, 0, 0);
+      const int64_t n = plan.num_vecs - first < tiles.tile_vecs ? plan.num_vecs - first : tiles.tile_vecs;
+      const auto bytes = static_cast<uint32_t>(n * ftar::kVecBytes);
+      bulk_store(dv + first, result, bytes);
+      if constexpr (kOp == Op::kReduceCopy) bulk_store(ov + first, result, bytes);
+      bulk_commit();
+      const int64_t done = i - 1;  // the tile before: once its store has read the stage, refill it
+      if (done >= 0 && done + sp.stages < tiles.mine) {
+        bulk_wait_read_all_but_newest();
+        issue(done + sp.stages);
+      }
+    }
   }
+  if (thread == 0) bulk_wait_all();  // the stores are done before the kernel is
 #else
   __trap();  // the launcher runs this kernel on sm_90 and newer only
 #endif

@@ -54,8 +54,9 @@ extern "C" {
  * REGISTERS: each thread keeps FTAR_UNROLL_LOADS 16-byte loads per operand in registers (the default);
  * STAGED: each thread keeps its loads in flight in a ring of shared-memory stages filled by cp.async,
  * sized to the device's opt-in shared memory per block (sm_80 and newer);
- * BULK: the same ring filled by one bulk copy (TMA) per tile and operand, mbarrier-tracked (sm_90 and
- * newer; FTAR_ERR_INVALID_VARIANT on older devices). Results are identical. */
+ * BULK: the same ring filled by one bulk copy (TMA) per tile and operand, mbarrier-tracked, and the
+ * results stored from it by bulk copies too (sm_90 and newer; FTAR_ERR_INVALID_VARIANT on older
+ * devices). Results are identical. */
 #define FTAR_VARIANT_REGISTERS 0
 #define FTAR_VARIANT_STAGED 1
 #define FTAR_VARIANT_BULK 2
