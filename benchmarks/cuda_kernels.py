@@ -11,7 +11,8 @@ ftrun.ftar.kernels.VARIANTS); every row carries its `variant`. --stage-limits KB
 staged variants (1, 2) once per limit on their ring (shared memory per block in KB, most stages; 0 for
 the default), rows carry `stage_limit_kb` and `max_stages`.
 Each row also shows the roofline model's GB/s for that op, dtype and launch (ftrun/ftar/roofline.py:
-bytes moved per element and the binding ceiling: hbm, per-SM bandwidth or bytes in flight / latency),
+bytes moved per element and the binding ceiling: hbm, per-SM traffic, per-SM stores or bytes in flight /
+latency),
 and `of_model` = measured / model. Without a GPU or the built library it says why and prints the
 model alone, labelled as a model (exit 0; the JSON line then has "skipped" and "model").
 With --json the last line is one JSON object.
@@ -104,7 +105,7 @@ def launch_label(r: dict[str, Any]) -> str:
 
 def print_model(rows: list[dict[str, Any]], device: DeviceModel) -> None:
     print(f"ROOFLINE MODEL ONLY (nothing measured): {device.name}, HBM {device.hbm_gbps:g} GB/s, "
-          f"{device.sm_gbps:g} GB/s per SM, {device.latency_ns:g} ns latency, {rows[0]['threads']} threads per block")
+          f"{device.sm_gbps:g} GB/s moved and {device.sm_store_gbps:g} stored per SM, {device.latency_ns:g} ns latency, {rows[0]['threads']} threads per block")
     for r in rows:
         print(f"{r['op']:12s} {r['dtype']:9s} blocks={r['blocks']:<4d} {launch_label(r)} "
               f"{r['bytes_per_elem']:2d} B/elem moved  "

@@ -11,9 +11,10 @@ Each does at most one add per element, so every op is memory bound: at 0.33 flop
 the roofline's ridge point is two orders of magnitude away.
 
 With the few SMs FTAR runs on (FT-HSDP §4.2: 2 x 512), the kernel cannot reach HBM bandwidth, and
-three ceilings apply to the memory traffic; the lowest wins:
+four ceilings apply to the memory traffic; the lowest wins:
 - hbm: the device's DRAM bandwidth;
-- sm: blocks x what one SM can move (L2 <-> SM bytes per clock x clock);
+- sm: blocks x what one SM moves to and from L2 (reads + writes);
+- store: blocks x what one SM writes, scaled by traffic / writes;
 - latency (Little's law): the load bytes in flight x blocks / DRAM latency, scaled by traffic / loads
   for the stores. Variant 0 (registers) keeps kUnroll 16-byte loads per operand it reads per thread;
   variants 1 (staged) and 2 (bulk) keep all but the stage being consumed of their shared-memory ring
@@ -41,18 +42,19 @@ TRAFFIC = {"copy": (1, 1), "reduce": (2, 1), "reduce_copy": (2, 2)}
 
 @dataclass(frozen=True, kw_only=True)
 class DeviceModel:
-    """What the model assumes about a GPU. hbm_gbps and num_sms are the vendor's figures; per-SM
-    bandwidth and latency are typical values, not measurements of this device."""
+    """What the model assumes about a GPU. hbm_gbps and num_sms are the vendor's figures; latency is
+    a typical value; the per-SM rates are what the DEVICES entries say they are."""
 
     name: str
     hbm_gbps: float
     num_sms: int
-    sm_gbps: float  # bytes one SM moves to and from L2 per second, in GB/s
+    sm_gbps: float  # bytes one SM moves to and from L2 per second (reads + writes), in GB/s
     latency_ns: float  # DRAM load latency under load
+    sm_store_gbps: float = float("inf")  # bytes one SM writes per second, in GB/s
     smem_per_block: int = SMEM_OPTIN_SM90  # opt-in shared memory per block, bytes (the staged ring's budget)
 
     def __post_init__(self) -> None:
-        for field in ("hbm_gbps", "sm_gbps", "latency_ns", "smem_per_block"):
+        for field in ("hbm_gbps", "sm_gbps", "latency_ns", "smem_per_block", "sm_store_gbps"):
             if not getattr(self, field) > 0:
                 raise ValueError(f"DeviceModel.{field} must be > 0, got {getattr(self, field)}")
         if self.num_sms < 1:
@@ -60,10 +62,16 @@ class DeviceModel:
 
 
 # NVIDIA datasheets: H100 SXM5 3.35 TB/s HBM3 and 132 SMs; H200 4.8 TB/s HBM3e and 132 SMs.
-# sm_gbps: 128 B/clock at 1.75 GHz; latency_ns: a loaded DRAM round trip (assumed, see above).
+# Per-SM rates measured on an H200 (GPU run of 2026-11-27, benchmarks/cuda_kernels.py --size-mb 256, fp32,
+# one block of 512 threads, variant 0): copy 48.8 GB/s payload (97.6 moved), reduce 39.8 (119.5 moved),
+# reduce_copy 24.4 (97.6 moved): one SM writes at most ~48.8 GB/s and moves at most ~119.5 GB/s in all;
+# 2 blocks give exactly twice that, and the H100 80GB HBM3 gave the same 2-block figures (README).
+# latency_ns: a loaded DRAM round trip (assumed).
 DEVICES = {
-    "h100": DeviceModel(name="H100 SXM (model)", hbm_gbps=3350.0, num_sms=132, sm_gbps=224.0, latency_ns=700.0),
-    "h200": DeviceModel(name="H200 (model)", hbm_gbps=4800.0, num_sms=132, sm_gbps=224.0, latency_ns=700.0),
+    "h100": DeviceModel(name="H100 SXM (model)", hbm_gbps=3350.0, num_sms=132, sm_gbps=119.5, latency_ns=700.0,
+                        sm_store_gbps=48.8),
+    "h200": DeviceModel(name="H200 (model)", hbm_gbps=4800.0, num_sms=132, sm_gbps=119.5, latency_ns=700.0,
+                        sm_store_gbps=48.8),
 }
 
 
@@ -106,7 +114,7 @@ class Estimate:
     bytes_per_elem: int  # bytes moved (read + written) per element
     mem_gbps: float  # modeled memory traffic
     payload_gbps: float  # modeled payload (op's nbytes per second, what the benchmark's GB/s counts)
-    limit: str  # "hbm", "sm" or "latency": the ceiling that binds
+    limit: str  # "hbm", "sm", "store" or "latency": the ceiling that binds
 
 
 def estimate(op: str, itemsize: int, blocks: int, threads: int, device: DeviceModel, variant: int = 0,
@@ -122,9 +130,11 @@ def estimate(op: str, itemsize: int, blocks: int, threads: int, device: DeviceMo
         raise ValueError(f"blocks and threads must be >= 1, got {blocks} x {threads}")
     reads, writes = TRAFFIC[op]
     in_flight = blocks * load_bytes_in_flight(reads, threads, variant, device, max_stages)  # load bytes outstanding
+    sms = min(blocks, device.num_sms)
     ceilings = {
         "hbm": device.hbm_gbps,
-        "sm": min(blocks, device.num_sms) * device.sm_gbps,
+        "sm": sms * device.sm_gbps,
+        "store": sms * device.sm_store_gbps * (reads + writes) / writes,
         "latency": in_flight / device.latency_ns * (reads + writes) / reads,  # bytes/ns == GB/s
     }
     limit = min(ceilings, key=ceilings.__getitem__)

@@ -26,6 +26,17 @@ def test_estimate_picks_the_lowest_ceiling(op, itemsize, blocks, threads, bytes_
     assert e.payload_gbps == pytest.approx(mem_gbps / reads_writes)
 
 
+def test_per_sm_stores_bound_copy_and_reduce_copy_on_the_measured_devices():
+    # H200, 1 block: copy 48.8 and reduce_copy 24.4 GB/s payload (store-bound), reduce 39.8 (traffic-bound)
+    dev = DEVICES["h200"]
+    got = {op: estimate(op, 4, 1, 512, dev) for op in ("copy", "reduce", "reduce_copy")}
+    assert {op: e.limit for op, e in got.items()} == {"copy": "store", "reduce": "sm", "reduce_copy": "store"}
+    assert got["copy"].payload_gbps == pytest.approx(dev.sm_store_gbps)
+    assert got["reduce_copy"].payload_gbps == pytest.approx(dev.sm_store_gbps / 2)
+    assert got["reduce"].payload_gbps == pytest.approx(dev.sm_gbps / 3)
+    assert estimate("reduce", 4, 2, 512, dev).payload_gbps < 100  # DESIGN's 200 GB/s at 2 SMs is out of reach
+
+
 def test_hbm_bounds_a_wide_launch():
     dev = DeviceModel(name="slow hbm", hbm_gbps=50.0, num_sms=132, sm_gbps=200.0, latency_ns=100.0)
     e = estimate("reduce", 4, 132, 1024, dev)
