@@ -2,14 +2,9 @@
 same run: `dst.copy_(src)`, `dst.add_(src)`, and add_ + copy_ for the fused reduce_copy.
 
 Usage: python benchmarks/cuda_kernels.py [--size-mb 64] [--blocks 1,2,4,8,16,32] [--threads 512]
-                                        [--dtypes float32,float16,bfloat16] [--variants 0] [--iters 50]
-                                        [--stage-limits 0:0] [--json]
+                                        [--dtypes float32,float16,bfloat16] [--iters 50] [--json]
 GB/s counts payload bytes (the op's nbytes per second); mem GB/s counts every byte read and
 written (copy 2x, reduce 3x, reduce_copy 4x payload). ratio = ours / torch (torch uses every SM).
---variants picks the kernel variants measured in the same run (0: registers, 1: shared-memory stages;
-ftrun.ftar.kernels.VARIANTS); every row carries its `variant`. --stage-limits KB:STAGES,... runs the
-staged variants (1, 2) once per limit on their ring (shared memory per block in KB, most stages; 0 for
-the default), rows carry `stage_limit_kb` and `max_stages`.
 Each row also shows the roofline model's GB/s for that op, dtype and launch (ftrun/ftar/roofline.py:
 bytes moved per element and the binding ceiling: hbm, per-SM traffic, per-SM stores or bytes in flight /
 latency),
@@ -23,45 +18,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ftrun.ftar import cuda_kernels  # noqa: E402
-from ftrun.ftar.kernels import VARIANTS, DType, KernelUnavailableError, check_variant  # noqa: E402
-from ftrun.ftar.roofline import DEVICES, MAX_STAGES, DeviceModel, device_for, estimate  # noqa: E402
+from ftrun.ftar.kernels import DType, KernelUnavailableError  # noqa: E402
+from ftrun.ftar.roofline import DEVICES, DeviceModel, device_for, estimate  # noqa: E402
 
 TRAFFIC = {"copy": 2, "reduce": 3, "reduce_copy": 4}
-
-
-def parse_variants(text: str) -> list[int]:
-    try:
-        variants = [int(v) for v in text.split(",")]
-        for v in variants:
-            check_variant(v)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"--variants {text!r}: {e}") from e
-    return variants
-
-
-def parse_stage_limits(text: str) -> list[tuple[int, int]]:
-    try:
-        limits = [tuple(int(x) for x in item.split(":")) for item in text.split(",")]
-        if any(len(lim) != 2 or lim[0] < 0 or not (lim[1] == 0 or 2 <= lim[1] <= cuda_kernels.MAX_STAGES)
-               for lim in limits):
-            raise ValueError("each item is KB:STAGES with KB >= 0 and STAGES 0 or 2..16")
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"--stage-limits {text!r}: {e}") from e
-    return limits
-
-
-def launches(args: argparse.Namespace) -> list[tuple[int, int, int, int]]:
-    """(blocks, variant, stage_limit_kb, max_stages) in the order measured; variant 0 has no ring."""
-    return [(blocks, variant, kb, stages) for blocks in (int(b) for b in args.blocks.split(","))
-            for variant in args.variants
-            for kb, stages in (args.stage_limits if variant else [(0, 0)])]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -70,10 +36,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--blocks", default="1,2,4,8,16,32")
     p.add_argument("--threads", type=int, default=cuda_kernels.DEFAULT_THREADS)
     p.add_argument("--dtypes", default="float32,float16,bfloat16")
-    p.add_argument("--variants", type=parse_variants, default=[cuda_kernels.DEFAULT_VARIANT],
-                   help="comma-separated kernel variants: " + ", ".join(f"{k} {v}" for k, v in VARIANTS.items()))
-    p.add_argument("--stage-limits", type=parse_stage_limits, default=[(0, 0)],
-                   help="KB:STAGES,... limits on the staged variants' ring (0: default)")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--model-device", choices=sorted(DEVICES), default=None,
                    help="device the model assumes (default: the GPU's name, else h100)")
@@ -82,33 +44,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def model_rows(args: argparse.Namespace, device: DeviceModel) -> list[dict[str, Any]]:
-    """The roofline model for every (op, dtype, launch) the benchmark measures."""
+    """The roofline model for every (op, dtype, blocks) the benchmark measures."""
     rows = []
     for name in args.dtypes.split(","):
         dtype = DType.parse(name)
-        for blocks, variant, kb, stages in launches(args):
-            dev = replace(device, smem_per_block=min(device.smem_per_block, kb * 1024)) if kb else device
+        for blocks in (int(b) for b in args.blocks.split(",")):
             for op in TRAFFIC:
-                e = estimate(op, dtype.itemsize, blocks, args.threads, dev, variant, stages or MAX_STAGES)
+                e = estimate(op, dtype.itemsize, blocks, args.threads, device)
                 rows.append({"op": op, "dtype": dtype.name.lower(), "blocks": blocks, "threads": args.threads,
-                             "variant": variant, "stage_limit_kb": kb, "max_stages": stages,
                              "bytes_per_elem": e.bytes_per_elem, "model_gbps": e.payload_gbps,
                              "model_mem_gbps": e.mem_gbps, "model_limit": e.limit})
     return rows
 
 
-def launch_label(r: dict[str, Any]) -> str:
-    if not r["variant"]:
-        return "v0"
-    return f"v{r['variant']}" + (f"[{r['stage_limit_kb']}K:{r['max_stages']}]" if r["stage_limit_kb"] or r["max_stages"] else "")
-
-
 def print_model(rows: list[dict[str, Any]], device: DeviceModel) -> None:
     print(f"ROOFLINE MODEL ONLY (nothing measured): {device.name}, HBM {device.hbm_gbps:g} GB/s, "
-          f"{device.sm_gbps:g} GB/s moved and {device.sm_store_gbps:g} stored per SM, {device.latency_ns:g} ns latency, {rows[0]['threads']} threads per block")
+          f"{device.sm_gbps:.1f} GB/s moved and {device.sm_store_gbps:.1f} stored per SM, {device.latency_ns:g} ns latency, {rows[0]['threads']} threads per block")
     for r in rows:
-        print(f"{r['op']:12s} {r['dtype']:9s} blocks={r['blocks']:<4d} {launch_label(r)} "
-              f"{r['bytes_per_elem']:2d} B/elem moved  "
+        print(f"{r['op']:12s} {r['dtype']:9s} blocks={r['blocks']:<4d} {r['bytes_per_elem']:2d} B/elem moved  "
               f"model {r['model_gbps']:8.1f} GB/s (mem {r['model_mem_gbps']:7.1f}, {r['model_limit']}-bound)")
 
 
@@ -136,7 +89,6 @@ def ops(torch: Any, k: Any, dst: Any, src: Any, out: Any, nbytes: int, dtype: DT
 
 
 def measure(args: argparse.Namespace, torch: Any) -> list[dict[str, Any]]:
-    lib = cuda_kernels.load_library()
     nbytes = int(args.size_mb * (1 << 20)) // 4 * 4
     rows = []
     for name in args.dtypes.split(","):
@@ -146,28 +98,24 @@ def measure(args: argparse.Namespace, torch: Any) -> list[dict[str, Any]]:
         # Small values: repeated adds stay finite for every dtype.
         dst, src, out = (torch.full((count,), 1e-3, dtype=tdtype, device="cuda") for _ in range(3))
         baseline: dict[str, float] = {}
-        for blocks, variant, kb, stages in launches(args):
-            lib.set_stage_limits(kb * 1024, stages)
-            k = cuda_kernels.CudaKernels(blocks=blocks, threads=args.threads, variant=variant)
+        for blocks in (int(b) for b in args.blocks.split(",")):
+            k = cuda_kernels.CudaKernels(blocks=blocks, threads=args.threads)
             for op, (ours, theirs) in ops(torch, k, dst, src, out, nbytes, dtype).items():
                 if op not in baseline:
                     baseline[op] = time_per_call(torch, theirs, args.iters)
                 t = time_per_call(torch, ours, args.iters)
                 rows.append({"op": op, "dtype": dtype.name.lower(), "blocks": blocks, "threads": args.threads,
-                             "variant": variant, "stage_limit_kb": kb, "max_stages": stages,
                              "gbps": nbytes / t / 1e9, "mem_gbps": TRAFFIC[op] * nbytes / t / 1e9,
                              "torch_gbps": nbytes / baseline[op] / 1e9, "ratio": baseline[op] / t})
-        lib.set_stage_limits(0, 0)
     return rows
 
 
 def with_model(rows: list[dict[str, Any]], model: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Measured rows joined with the model's row of the same op, dtype and launch."""
-    key = ("op", "dtype", "blocks", "variant", "stage_limit_kb", "max_stages")
-    by_key = {tuple(m[k] for k in key): m for m in model}
+    """Measured rows joined with the model's row of the same op, dtype and blocks."""
+    by_key = {(m["op"], m["dtype"], m["blocks"]): m for m in model}
     out = []
     for r in rows:
-        m = by_key[tuple(r[k] for k in key)]
+        m = by_key[(r["op"], r["dtype"], r["blocks"])]
         out.append(r | {k: m[k] for k in ("bytes_per_elem", "model_gbps", "model_limit")}
                    | {"of_model": r["gbps"] / m["model_gbps"]})
     return out
@@ -194,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = with_model(measure(args, torch), model_rows(args, model_device))
     print(f"{device}, {args.size_mb:g} MB per op, {args.threads} threads per block; model: {model_device.name}")
     for r in rows:
-        print(f"{r['op']:12s} {r['dtype']:9s} blocks={r['blocks']:<4d} {launch_label(r)} {r['gbps']:8.1f} GB/s "
+        print(f"{r['op']:12s} {r['dtype']:9s} blocks={r['blocks']:<4d} {r['gbps']:8.1f} GB/s "
               f"(mem {r['mem_gbps']:7.1f})  model {r['model_gbps']:8.1f} ({r['model_limit']}, "
               f"{r['of_model']:.2f} of it)  torch {r['torch_gbps']:8.1f} GB/s  ratio {r['ratio']:.2f}")
     if args.json:

@@ -198,29 +198,16 @@ FTAR_HD void scalar_op(typename E::T* dst, const typename E::T* src, typename E:
   }
 }
 
-// The scalar head [0, head) and tail [head + num_vecs * per_vec, count), grid-strided over every thread.
-template <typename E, Op kOp>
-FTAR_HD void scalar_ends(typename E::T* dst, const typename E::T* src, typename E::T* out, Plan plan, int64_t tid,
-                         int64_t nthreads) {
-  constexpr int64_t kPerVec = kVecBytes / sizeof(typename E::T);
-  for (int64_t i = tid; i < plan.head; i += nthreads) scalar_op<E, kOp>(dst, src, out, i);
-  for (int64_t i = plan.head + plan.num_vecs * kPerVec + tid; i < plan.count; i += nthreads) {
-    scalar_op<E, kOp>(dst, src, out, i);
-  }
-}
-
-FTAR_HD bool guarded(const int32_t* guard) {
-  return guard != nullptr && *reinterpret_cast<const volatile int32_t*>(guard) != 0;
-}
-
 // Thread `tid` of `nthreads`: grid-stride over the head, then kUnroll vectors per operand per
 // iteration (all loads before any store), the leftover vectors, then the tail. No __restrict__: out
 // may be src, which is safe because each element is read before it is written, by the same thread.
 template <typename E, Op kOp>
 FTAR_HD void elementwise_thread(typename E::T* dst, const typename E::T* src, typename E::T* out, Plan plan,
                                 const int32_t* guard, int64_t tid, int64_t nthreads) {
-  if (guarded(guard)) return;
-  scalar_ends<E, kOp>(dst, src, out, plan, tid, nthreads);
+  using T = typename E::T;
+  if (guard != nullptr && *reinterpret_cast<const volatile int32_t*>(guard) != 0) return;
+  constexpr int64_t kPerVec = kVecBytes / sizeof(T);
+  for (int64_t i = tid; i < plan.head; i += nthreads) scalar_op<E, kOp>(dst, src, out, i);
 
   Vec* dv = reinterpret_cast<Vec*>(dst + plan.head);
   const Vec* sv = reinterpret_cast<const Vec*>(src + plan.head);
@@ -247,132 +234,9 @@ FTAR_UNROLL
     dv[p] = v;
     if constexpr (kOp == Op::kReduceCopy) ov[p] = v;
   }
-}
-
-// -- the staged variant (variant 1) ---------------------------------------------------------------
-// Instead of registers, each thread keeps its loads in flight in shared memory: a ring of `stages`
-// stages, each holding `vecs` 16-byte vectors per loaded operand (src; dst too for the reductions)
-// per thread, filled by asynchronous copies (cp.async on the GPU). A thread loads and consumes only
-// its own slots, so the pipeline needs no barrier between threads: it waits for its own copies.
-//
-// The vector region is cut into tiles of threads x vecs vectors; block b takes tiles b, b + blocks,
-// ...; vector v of a thread's slots in a tile is tile * threads * vecs + v * threads + thread, so a
-// warp's copies and stores are contiguous.
-constexpr int kMaxStages = FTAR_MAX_STAGES;  // cp.async.wait_group takes an immediate: CpAsync::wait switches
-constexpr int kMaxStageVecs = 8;  // per operand per thread per stage
-
-struct StagePlan {
-  int stages;    // 0: the budget holds fewer than two stages, use variant 0
-  int vecs;      // 16-byte vectors per operand per thread per stage
-  int operands;  // loaded operands: 1 (copy: src) or 2 (dst and src)
-  int threads;
-};
-
-template <Op kOp>
-constexpr int kLoadedOperands = kOp == Op::kCopy ? 1 : 2;
-
-// The ring for `threads` threads in at most `smem_budget` bytes of shared memory per block: as many
-// vector slots per thread as fit, spread over at most `max_stages` (2..kMaxStages) stages of at most
-// kMaxStageVecs vectors (the fewest vectors per stage that stay within `max_stages`).
-FTAR_HD StagePlan plan_stages(int operands, int threads, int64_t smem_budget, int max_stages = kMaxStages) {
-  const int64_t unit = static_cast<int64_t>(operands) * threads * kVecBytes;  // one vector per operand per thread
-  const int64_t slots = unit > 0 ? smem_budget / unit : 0;
-  if (slots < 2) return StagePlan{0, 0, operands, threads};
-  int64_t vecs = (slots + max_stages - 1) / max_stages;
-  if (vecs > kMaxStageVecs) vecs = kMaxStageVecs;
-  int64_t stages = slots / vecs;
-  if (stages > max_stages) stages = max_stages;
-  return StagePlan{static_cast<int>(stages), static_cast<int>(vecs), operands, threads};
-}
-
-FTAR_HD int64_t stage_smem_bytes(StagePlan sp) {
-  return static_cast<int64_t>(sp.stages) * sp.vecs * sp.operands * sp.threads * kVecBytes;
-}
-
-// Slot of (stage, operand, v) for `thread`, in units of Vec: a warp's 16-byte accesses are contiguous.
-FTAR_HD int64_t stage_slot(StagePlan sp, int stage, int operand, int v, int thread) {
-  return ((static_cast<int64_t>(stage) * sp.operands + operand) * sp.vecs + v) * sp.threads + thread;
-}
-
-// The tiles of block `block` (of `blocks`): tile i of the block starts at vector first_vec(i).
-struct BlockTiles {
-  int64_t tile_vecs;  // threads x vecs
-  int64_t mine;       // tiles this block takes
-  int64_t block, blocks;
-
-  FTAR_HD BlockTiles(int64_t num_vecs, StagePlan sp, int64_t block_, int64_t blocks_)
-      : tile_vecs(static_cast<int64_t>(sp.threads) * sp.vecs), mine(0), block(block_), blocks(blocks_) {
-    const int64_t tiles = (num_vecs + tile_vecs - 1) / tile_vecs;
-    mine = block < tiles ? (tiles - 1 - block) / blocks + 1 : 0;
+  for (int64_t i = plan.head + plan.num_vecs * kPerVec + tid; i < plan.count; i += nthreads) {
+    scalar_op<E, kOp>(dst, src, out, i);
   }
-  FTAR_HD int64_t first_vec(int64_t i) const { return (block + i * blocks) * tile_vecs; }
-};
-
-// Thread `thread`'s part of a tile that has landed in `stage`: combine, store to dst (and out).
-template <typename E, Op kOp>
-FTAR_HD void consume_stage(Vec* dv, Vec* ov, int64_t num_vecs, StagePlan sp, const Vec* smem, int stage,
-                           int64_t first_vec, int thread) {
-  constexpr int kSrc = kLoadedOperands<kOp> - 1;  // operand 0 is dst when it is loaded
-  for (int v = 0; v < sp.vecs; ++v) {
-    const int64_t j = first_vec + static_cast<int64_t>(v) * sp.threads + thread;
-    if (j >= num_vecs) break;
-    Vec d{};
-    if constexpr (kOp != Op::kCopy) d = smem[stage_slot(sp, stage, 0, v, thread)];
-    const Vec r = combine<E, kOp>(d, smem[stage_slot(sp, stage, kSrc, v, thread)]);
-    dv[j] = r;
-    if constexpr (kOp == Op::kReduceCopy) ov[j] = r;
-  }
-}
-
-// The same for a stage that a bulk copy stores: a reduction leaves its result in the dst slots
-// (operand 0), where a copy's data already is.
-template <typename E, Op kOp>
-FTAR_HD void reduce_stage_in_place(int64_t num_vecs, StagePlan sp, Vec* smem, int stage, int64_t first_vec,
-                                   int thread) {
-  if constexpr (kOp != Op::kCopy) {
-    for (int v = 0; v < sp.vecs; ++v) {
-      if (first_vec + static_cast<int64_t>(v) * sp.threads + thread >= num_vecs) break;
-      Vec& d = smem[stage_slot(sp, stage, 0, v, thread)];
-      d = combine<E, kOp>(d, smem[stage_slot(sp, stage, 1, v, thread)]);
-    }
-  }
-}
-
-// Thread `thread` of block `block` (of `blocks`): the scalar ends, then its tiles through the ring.
-// `async` is the copy engine: copy16(smem slot, global vector) starts a copy, commit() closes the
-// group of copies started since the last commit, wait(n) returns once at most n groups are pending.
-template <typename E, Op kOp, typename Async>
-FTAR_HD void staged_thread(typename E::T* dst, const typename E::T* src, typename E::T* out, Plan plan,
-                           StagePlan sp, Vec* smem, Async& async, const int32_t* guard, int64_t block,
-                           int64_t blocks, int thread) {
-  if (guarded(guard)) return;
-  scalar_ends<E, kOp>(dst, src, out, plan, block * sp.threads + thread, blocks * sp.threads);
-
-  constexpr int kSrc = kLoadedOperands<kOp> - 1;
-  Vec* dv = reinterpret_cast<Vec*>(dst + plan.head);
-  const Vec* sv = reinterpret_cast<const Vec*>(src + plan.head);
-  Vec* ov = kOp == Op::kReduceCopy ? reinterpret_cast<Vec*>(out + plan.head) : nullptr;
-  const BlockTiles tiles(plan.num_vecs, sp, block, blocks);
-  auto issue = [&](int64_t i) {  // the i-th of the block's tiles into stage i % stages; always one group
-    if (i < tiles.mine) {
-      const int stage = static_cast<int>(i % sp.stages);
-      for (int v = 0; v < sp.vecs; ++v) {
-        const int64_t j = tiles.first_vec(i) + static_cast<int64_t>(v) * sp.threads + thread;
-        if (j >= plan.num_vecs) break;
-        async.copy16(smem + stage_slot(sp, stage, kSrc, v, thread), sv + j);
-        if constexpr (kOp != Op::kCopy) async.copy16(smem + stage_slot(sp, stage, 0, v, thread), dv + j);
-      }
-    }
-    async.commit();
-  };
-  for (int i = 0; i + 1 < sp.stages; ++i) issue(i);
-  for (int64_t i = 0; i < tiles.mine; ++i) {
-    issue(i + sp.stages - 1);  // refills the stage consumed in iteration i - 1
-    async.wait(sp.stages - 1);  // groups complete in order: tile i has landed
-    consume_stage<E, kOp>(dv, ov, plan.num_vecs, sp, smem, static_cast<int>(i % sp.stages), tiles.first_vec(i),
-                          thread);
-  }
-  async.wait(0);
 }
 
 // What the flag wait does with one poll: a status, or -1 to poll again. `elapsed_ns` is measured
@@ -422,13 +286,12 @@ template <Op kOp>
 using OpTag = std::integral_constant<Op, kOp>;
 
 // Calls run(E{}, OpTag<kOp>{}) with the element type for (op, dtype) after the checks every launcher
-// makes, in this order: launch shape, count, variant, dtype. A count of 0 launches nothing.
+// makes, in this order: launch shape, count, dtype. A count of 0 launches nothing.
 template <Op kOp, typename Run>
-int dispatch(int dtype, int64_t count, int blocks, int threads, int variant, Run&& run) {
+int dispatch(int dtype, int64_t count, int blocks, int threads, Run&& run) {
   const int rc = check_launch(blocks, threads);
   if (rc != FTAR_OK) return rc;
   if (count < 0) return FTAR_ERR_INVALID_ARGUMENT;
-  if (variant < FTAR_VARIANT_REGISTERS || variant > FTAR_VARIANT_BULK) return FTAR_ERR_INVALID_VARIANT;
   const OpTag<kOp> op{};
   if constexpr (kOp == Op::kCopy) {
     switch (dtype) {

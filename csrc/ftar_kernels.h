@@ -23,14 +23,13 @@
 extern "C" {
 #endif
 
-#define FTAR_ABI_VERSION 2
+#define FTAR_ABI_VERSION 1
 
 /* Return codes. */
 #define FTAR_OK 0
 #define FTAR_ERR_INVALID_DTYPE 1    /* dtype code unknown, or not valid for this op */
 #define FTAR_ERR_INVALID_ARGUMENT 2 /* NULL pointer with count > 0, count < 0, misaligned pointer */
 #define FTAR_ERR_INVALID_LAUNCH 3   /* blocks or threads out of range */
-#define FTAR_ERR_INVALID_VARIANT 4  /* variant is not one of FTAR_VARIANT_*, or not for this device */
 #define FTAR_ERR_CUDA_BASE 1000     /* FTAR_ERR_CUDA_BASE + cudaError_t: the launch failed */
 
 /* dtype codes (ftrun.ftar.kernels.DType). FTAR_BYTE is valid for ftar_copy only. */
@@ -50,31 +49,19 @@ extern "C" {
 #define FTAR_MAX_THREADS 512
 #define FTAR_MAX_BLOCKS 65535
 
-/* Kernel variants (`variant` of the data launchers; ftrun.ftar.cuda_kernels.VARIANTS):
- * REGISTERS: each thread keeps FTAR_UNROLL_LOADS 16-byte loads per operand in registers (the default);
- * STAGED: each thread keeps its loads in flight in a ring of shared-memory stages filled by cp.async,
- * sized to the device's opt-in shared memory per block (sm_80 and newer);
- * BULK: the same ring filled by one bulk copy (TMA) per tile and operand, mbarrier-tracked, and the
- * results stored from it by bulk copies too (sm_90 and newer; FTAR_ERR_INVALID_VARIANT on older
- * devices). Results are identical. */
-#define FTAR_VARIANT_REGISTERS 0
-#define FTAR_VARIANT_STAGED 1
-#define FTAR_VARIANT_BULK 2
-#define FTAR_MAX_STAGES 16 /* the most stages a ring has */
-
 typedef void* ftar_stream_t; /* a cudaStream_t; NULL is the legacy default stream */
 
 /* dst[i] = src[i] for count elements of dtype (bytes copied exactly). */
 int ftar_copy(void* dst, const void* src, int64_t count, int dtype, const int32_t* guard,
-              int blocks, int threads, int variant, ftar_stream_t stream);
+              int blocks, int threads, ftar_stream_t stream);
 
 /* dst[i] += src[i]. dst and src must not overlap. */
 int ftar_reduce(void* dst, const void* src, int64_t count, int dtype, const int32_t* guard,
-                int blocks, int threads, int variant, ftar_stream_t stream);
+                int blocks, int threads, ftar_stream_t stream);
 
 /* v = dst[i] + src[i]; dst[i] = v; out[i] = v. out may equal src; no other overlap. */
 int ftar_reduce_copy(void* dst, const void* src, void* out, int64_t count, int dtype,
-                     const int32_t* guard, int blocks, int threads, int variant, ftar_stream_t stream);
+                     const int32_t* guard, int blocks, int threads, ftar_stream_t stream);
 
 /*
  * One thread polls *flag (host-pinned, written by a CPU thread) until it is >= expected
@@ -84,14 +71,6 @@ int ftar_reduce_copy(void* dst, const void* src, void* out, int64_t count, int d
  */
 int ftar_wait_flag(const int64_t* flag, int64_t expected, int64_t timeout_ns, int32_t* status,
                    ftar_stream_t stream);
-
-/*
- * Tuning (process-wide, for benchmarks): the staged and bulk variants' rings use at most
- * `smem_bytes` of shared memory per block (0: all the device lets a block opt in to) and at most
- * `max_stages` stages (0: FTAR_MAX_STAGES; else 2..FTAR_MAX_STAGES). Applies to later launches.
- * Returns FTAR_ERR_INVALID_ARGUMENT for a value out of range. Not synchronized with launches.
- */
-int ftar_set_stage_limits(int smem_bytes, int max_stages);
 
 /* A static message for any code the launchers return (CUDA's own text for CUDA errors). */
 const char* ftar_error_string(int code);

@@ -19,8 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from ftrun.ftar.kernels import (
-    DEFAULT_VARIANT,
-    VARIANTS,
     DType,
     KernelError,
     KernelUnavailableError,
@@ -28,18 +26,15 @@ from ftrun.ftar.kernels import (
     check_elements,
     check_launch_shape,
     check_region,
-    check_variant,
 )
 
 __all__ = [
     "CudaKernels",
     "DEFAULT_BLOCKS",
     "DEFAULT_THREADS",
-    "DEFAULT_VARIANT",
     "KernelError",
     "KernelUnavailableError",
     "ShapeOnlyKernels",
-    "VARIANTS",
     "WaitStatus",
     "default_library_path",
     "is_available",
@@ -102,21 +97,18 @@ class ShapeOnlyKernels:
 
 class CudaKernels(ShapeOnlyKernels):
     """Stand-in for `ftrun.ftar.cuda_kernels.CudaKernels` with the same constructor and methods;
-    the modeling parameters are extra keyword arguments. `stream`, `library`, `guard` and `variant`
-    are kept but unused (`variant` is checked). Defaults are the csrc/ kernels measured on an H200 (benchmarks/cuda_kernels.py, fp32,
+    the modeling parameters are extra keyword arguments. `stream`, `library` and `guard` are kept
+    but unused. Defaults are the csrc/ kernels measured on an H200 (benchmarks/cuda_kernels.py, fp32,
     256 MB): reduce 79.5 GB/s at 2 blocks x 512 threads, copy 1.22x that, reduce 1.34 TB/s on all SMs."""
 
     def __init__(self, *, stream: Any = None, blocks: int = DEFAULT_BLOCKS, threads: int = DEFAULT_THREADS,
-                 library: str | Path | None = None, guard: Any = None, variant: int = DEFAULT_VARIANT,
-                 reduce_bw_per_block: float = 39.7e9, peak_reduce_bw: float = 1.34e12,
-                 launch_s: float = 5e-6) -> None:
+                 library: str | Path | None = None, guard: Any = None, reduce_bw_per_block: float = 39.7e9,
+                 peak_reduce_bw: float = 1.34e12, launch_s: float = 5e-6) -> None:
         check_launch_shape(blocks, threads)
-        check_variant(variant)
         # Fewer threads per block keep fewer bytes in flight; scale down below the paper's 512.
         reduce_bw = min(reduce_bw_per_block * blocks * min(1.0, threads / DEFAULT_THREADS), peak_reduce_bw)
         super().__init__(copy_bw=1.22 * reduce_bw, reduce_bw=reduce_bw, launch_s=launch_s)
         self.stream, self.blocks, self.threads, self.guard = stream, blocks, threads, guard
-        self.variant = variant
         self.library = library
 
     def wait_flag(self, flag: Any, expected: int, timeout_s: float, status: Any) -> float:

@@ -18,8 +18,6 @@ from pathlib import Path
 from typing import Any
 
 from ftrun.ftar.kernels import (
-    DEFAULT_VARIANT,
-    VARIANTS,
     DType,
     KernelError,
     KernelUnavailableError,
@@ -27,17 +25,14 @@ from ftrun.ftar.kernels import (
     check_elements,
     check_launch_shape,
     check_region,
-    check_variant,
 )
 
 __all__ = [
     "CudaKernels",
     "DEFAULT_BLOCKS",
     "DEFAULT_THREADS",
-    "DEFAULT_VARIANT",
     "KernelError",
     "KernelUnavailableError",
-    "VARIANTS",
     "WaitStatus",
     "default_library_path",
     "is_available",
@@ -45,15 +40,14 @@ __all__ = [
 
 DEFAULT_BLOCKS = 2  # FT-HSDP §4.2: two SMs hide copy/reduce behind the network
 DEFAULT_THREADS = 512
-ABI_VERSION = 2  # csrc/ftar_kernels.h FTAR_ABI_VERSION
+ABI_VERSION = 1  # csrc/ftar_kernels.h FTAR_ABI_VERSION
 BYTE_DTYPE = 3  # csrc/ftar_kernels.h FTAR_BYTE (copy only)
-MAX_STAGES = 16  # csrc/ftar_kernels.h FTAR_MAX_STAGES
 
 _c_void_p, _c_int, _c_i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 _SIGNATURES = {
-    "ftar_copy": [_c_void_p, _c_void_p, _c_i64, _c_int, _c_void_p, _c_int, _c_int, _c_int, _c_void_p],
-    "ftar_reduce": [_c_void_p, _c_void_p, _c_i64, _c_int, _c_void_p, _c_int, _c_int, _c_int, _c_void_p],
-    "ftar_reduce_copy": [_c_void_p, _c_void_p, _c_void_p, _c_i64, _c_int, _c_void_p, _c_int, _c_int, _c_int,
+    "ftar_copy": [_c_void_p, _c_void_p, _c_i64, _c_int, _c_void_p, _c_int, _c_int, _c_void_p],
+    "ftar_reduce": [_c_void_p, _c_void_p, _c_i64, _c_int, _c_void_p, _c_int, _c_int, _c_void_p],
+    "ftar_reduce_copy": [_c_void_p, _c_void_p, _c_void_p, _c_i64, _c_int, _c_void_p, _c_int, _c_int,
                          _c_void_p],
     "ftar_wait_flag": [_c_void_p, _c_i64, _c_i64, _c_void_p, _c_void_p],
 }
@@ -80,7 +74,6 @@ class FtarLibrary:
                 fn.argtypes, fn.restype = argtypes, ctypes.c_int
             self._lib.ftar_error_string.argtypes, self._lib.ftar_error_string.restype = [_c_int], ctypes.c_char_p
             self._lib.ftar_abi_version.restype = ctypes.c_int
-            self._lib.ftar_set_stage_limits.argtypes, self._lib.ftar_set_stage_limits.restype = [_c_int, _c_int], _c_int
         except AttributeError as e:
             raise KernelUnavailableError(f"{path} lacks an FTAR symbol ({e}); rebuild it") from e
         version = self._lib.ftar_abi_version()
@@ -96,27 +89,17 @@ class FtarLibrary:
             raise KernelError(f"{name} failed with code {code}: {self.error_string(code)}", code)
 
     def copy(self, dst: int, src: int, count: int, dtype: int, guard: int | None, blocks: int,
-             threads: int, variant: int, stream: int) -> None:
-        code = self._lib.ftar_copy(dst, src, count, dtype, guard, blocks, threads, variant, stream)
-        self._check("ftar_copy", code)
+             threads: int, stream: int) -> None:
+        self._check("ftar_copy", self._lib.ftar_copy(dst, src, count, dtype, guard, blocks, threads, stream))
 
     def reduce(self, dst: int, src: int, count: int, dtype: int, guard: int | None, blocks: int,
-               threads: int, variant: int, stream: int) -> None:
-        code = self._lib.ftar_reduce(dst, src, count, dtype, guard, blocks, threads, variant, stream)
-        self._check("ftar_reduce", code)
+               threads: int, stream: int) -> None:
+        self._check("ftar_reduce", self._lib.ftar_reduce(dst, src, count, dtype, guard, blocks, threads, stream))
 
     def reduce_copy(self, dst: int, src: int, out: int, count: int, dtype: int, guard: int | None,
-                    blocks: int, threads: int, variant: int, stream: int) -> None:
-        code = self._lib.ftar_reduce_copy(dst, src, out, count, dtype, guard, blocks, threads, variant, stream)
+                    blocks: int, threads: int, stream: int) -> None:
+        code = self._lib.ftar_reduce_copy(dst, src, out, count, dtype, guard, blocks, threads, stream)
         self._check("ftar_reduce_copy", code)
-
-    def set_stage_limits(self, smem_bytes: int = 0, max_stages: int = 0) -> None:
-        """Tuning, process-wide: later staged (1) and bulk (2) launches use at most `smem_bytes` of
-        shared memory per block and `max_stages` stages (0: the device's opt-in maximum, 16 stages).
-        Raises ValueError for a negative value or max_stages of 1 or above 16."""
-        if smem_bytes < 0 or not (max_stages == 0 or 2 <= max_stages <= MAX_STAGES):
-            raise ValueError(f"smem_bytes={smem_bytes} must be >= 0 and max_stages={max_stages} 0 or 2..{MAX_STAGES}")
-        self._check("ftar_set_stage_limits", self._lib.ftar_set_stage_limits(smem_bytes, max_stages))
 
     def wait_flag(self, flag: int, expected: int, timeout_ns: int, status: int, stream: int) -> None:
         self._check("ftar_wait_flag", self._lib.ftar_wait_flag(flag, expected, timeout_ns, status, stream))
@@ -176,24 +159,22 @@ class CudaKernels:
     Args: stream: an int cudaStream_t, an object with `.cuda_stream` (torch.cuda.Stream), or None
     for torch's current stream at construction; blocks, threads: the launch shape of the data
     kernels; library: path of libftar_kernels.so; guard: optional status word (int address or
-    tensor) that makes every data kernel a no-op once nonzero (see `wait_flag`); variant: a key of
-    VARIANTS, where the data kernels keep their loads in flight (0: registers, 1: shared-memory stages).
-    Raises: KernelUnavailableError without a GPU or library; ValueError on a bad launch shape or variant.
+    tensor) that makes every data kernel a no-op once nonzero (see `wait_flag`).
+    Raises: KernelUnavailableError without a GPU or library; ValueError on a bad launch shape.
     Threading: one caller at a time.
     """
 
     computes_values = True
 
     def __init__(self, *, stream: Any = None, blocks: int = DEFAULT_BLOCKS, threads: int = DEFAULT_THREADS,
-                 library: str | Path | None = None, guard: Any = None, variant: int = DEFAULT_VARIANT) -> None:
+                 library: str | Path | None = None, guard: Any = None) -> None:
         check_launch_shape(blocks, threads)
-        check_variant(variant)
         torch = _require_gpu()
         self._lib = load_library(library)
         if stream is None:
             stream = torch.cuda.current_stream()
         self.stream = int(getattr(stream, "cuda_stream", stream))
-        self.blocks, self.threads, self.variant = blocks, threads, variant
+        self.blocks, self.threads = blocks, threads
         self.guard = None if guard is None else _address(guard, 0)
 
     def copy(self, dst: Any, dst_offset: int, src: Any, src_offset: int, nbytes: int) -> float:
@@ -202,8 +183,7 @@ class CudaKernels:
         # The widest element that divides both addresses and the size: 4-byte words when possible.
         width = next(w for w in (4, 2, 1) if (d | s | nbytes) % w == 0)
         code = {4: DType.FLOAT32, 2: DType.FLOAT16, 1: BYTE_DTYPE}[width]
-        self._lib.copy(d, s, nbytes // width, int(code), self.guard, self.blocks, self.threads, self.variant,
-                       self.stream)
+        self._lib.copy(d, s, nbytes // width, int(code), self.guard, self.blocks, self.threads, self.stream)
         return 0.0
 
     def reduce(self, dst: Any, dst_offset: int, src: Any, src_offset: int, nbytes: int,
@@ -212,8 +192,7 @@ class CudaKernels:
         count = check_elements(nbytes, dtype)
         d = _region("dst", dst, dst_offset, nbytes)
         s = _region("src", src, src_offset, nbytes)
-        self._lib.reduce(d, s, count, int(dtype), self.guard, self.blocks, self.threads, self.variant,
-                         self.stream)
+        self._lib.reduce(d, s, count, int(dtype), self.guard, self.blocks, self.threads, self.stream)
         return 0.0
 
     def reduce_copy(self, dst: Any, dst_offset: int, src: Any, src_offset: int, out: Any,
@@ -223,8 +202,7 @@ class CudaKernels:
         d = _region("dst", dst, dst_offset, nbytes)
         s = _region("src", src, src_offset, nbytes)
         o = _region("out", out, out_offset, nbytes)
-        self._lib.reduce_copy(d, s, o, count, int(dtype), self.guard, self.blocks, self.threads,
-                              self.variant, self.stream)
+        self._lib.reduce_copy(d, s, o, count, int(dtype), self.guard, self.blocks, self.threads, self.stream)
         return 0.0
 
     def wait_flag(self, flag: Any, expected: int, timeout_s: float, status: Any) -> float:

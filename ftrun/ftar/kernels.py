@@ -29,24 +29,12 @@ from typing import Any, Protocol, runtime_checkable
 
 MAX_THREADS = 512  # csrc/ftar_kernels.h FTAR_MAX_THREADS (the kernels' __launch_bounds__)
 MAX_BLOCKS = 65535  # csrc/ftar_kernels.h FTAR_MAX_BLOCKS
-# csrc/ftar_kernels.h FTAR_VARIANT_*: where the CUDA kernels keep their loads in flight (same results):
-# registers, a shared-memory ring filled by per-thread cp.async, or the same ring filled by bulk copies
-# (sm_90 and newer).
-VARIANTS = {0: "registers", 1: "staged", 2: "bulk"}
-DEFAULT_VARIANT = 0
 
 
 def check_launch_shape(blocks: int, threads: int) -> None:
     """Raise ValueError unless (blocks, threads) is a launch shape the csrc/ kernels accept."""
     if not (1 <= blocks <= MAX_BLOCKS and 1 <= threads <= MAX_THREADS):
         raise ValueError(f"blocks={blocks} must be 1..{MAX_BLOCKS} and threads={threads} 1..{MAX_THREADS}")
-
-
-def check_variant(variant: int) -> None:
-    """Raise ValueError unless `variant` is a key of VARIANTS."""
-    if isinstance(variant, bool) or variant not in VARIANTS:
-        choices = ", ".join(f"{k} ({v})" for k, v in VARIANTS.items())
-        raise ValueError(f"variant={variant!r} is not a kernel variant; expected one of {choices}")
 
 
 class KernelError(RuntimeError):

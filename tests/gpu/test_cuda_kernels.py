@@ -1,7 +1,6 @@
 """The csrc/ CUDA kernels against torch references: every dtype, odd sizes, misaligned offsets,
-launch shapes, the guard word and the flag wait's ok / timeout / abort paths, for each kernel
-variant (0: registers, 1: shared-memory stages, 2: bulk copies, sm_90 and newer). Skips without a
-CUDA GPU or without csrc/build/libftar_kernels.so (`bash csrc/build.sh`)."""
+launch shapes, the guard word and the flag wait's ok / timeout / abort paths. Skips without a CUDA
+GPU or without csrc/build/libftar_kernels.so (`bash csrc/build.sh`)."""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from ftrun.ftar import cuda_kernels  # noqa: E402
-from ftrun.ftar.kernels import DType, KernelError, WaitStatus  # noqa: E402
+from ftrun.ftar.kernels import DType, WaitStatus  # noqa: E402
 
 if not torch.cuda.is_available():
     pytest.skip("no CUDA GPU", allow_module_level=True)
@@ -25,10 +24,7 @@ pytestmark = pytest.mark.gpu
 TORCH = {DType.FLOAT32: torch.float32, DType.FLOAT16: torch.float16, DType.BFLOAT16: torch.bfloat16}
 TOL = {DType.FLOAT32: (1e-6, 1e-6), DType.FLOAT16: (1e-3, 1e-3), DType.BFLOAT16: (1e-2, 1e-2)}  # rtol, atol
 COUNTS = [1, 7, 8, 1023, 4097, (1 << 20) + 3]
-SHAPES = [(1, 32), (2, 512), (8, 256), (3, 7)]  # (blocks, threads)
-HOPPER = torch.cuda.get_device_capability()[0] >= 9
-# bulk copies need sm_90; ids v0, v1, v2 select a variant's tests with -k
-VARIANTS = [pytest.param(v, id=f"v{v}") for v in sorted(cuda_kernels.VARIANTS) if v != 2 or HOPPER]
+SHAPES = [(1, 32), (2, 512), (8, 256)]  # (blocks, threads)
 
 
 def randn(count: int, dtype: DType, seed: int) -> torch.Tensor:
@@ -49,54 +45,50 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: DType) -> None:
     torch.testing.assert_close(got.float(), want.float(), rtol=rtol, atol=atol)
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("dtype", list(DType))
 @pytest.mark.parametrize("count", COUNTS)
 @pytest.mark.parametrize("offsets", [(0, 0), (1, 1), (1, 0), (0, 3), (5, 2)])
-def test_reduce_matches_torch_add(variant, dtype, count, offsets):
+def test_reduce_matches_torch_add(dtype, count, offsets):
     a, b = randn(count, dtype, 1), randn(count, dtype, 2)
     dst, src = with_offset(a, offsets[0]), with_offset(b, offsets[1])
     want = a + b  # torch also accumulates half types in float32
-    k = cuda_kernels.CudaKernels(variant=variant)
+    k = cuda_kernels.CudaKernels()
     k.reduce(dst, 0, src, 0, count * dtype.itemsize, dtype)
     k.synchronize()
     assert_close(dst, want, dtype)
     assert torch.equal(src, b)
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("dtype", list(DType))
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("count", [4097, (1 << 20) + 3])
-def test_reduce_copy_matches_add_then_copy_for_every_launch_shape(variant, dtype, shape, count):
+def test_reduce_copy_matches_add_then_copy_for_every_launch_shape(dtype, shape, count):
     a, b = randn(count, dtype, 3), randn(count, dtype, 4)
     dst, src, out = a.clone(), b.clone(), torch.zeros_like(a)
-    k = cuda_kernels.CudaKernels(blocks=shape[0], threads=shape[1], variant=variant)
+    k = cuda_kernels.CudaKernels(blocks=shape[0], threads=shape[1])
     k.reduce_copy(dst, 0, src, 0, out, 0, count * dtype.itemsize, dtype)
     k.synchronize()
     assert_close(dst, a + b, dtype)
     assert torch.equal(dst, out)
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("dtype", list(DType))
-def test_reduce_copy_may_write_out_over_src(variant, dtype):
+def test_reduce_copy_may_write_out_over_src(dtype):
     a, b = randn(100_003, dtype, 5), randn(100_003, dtype, 6)
     slot, data = a.clone(), b.clone()
-    k = cuda_kernels.CudaKernels(variant=variant)
+    k = cuda_kernels.CudaKernels()
     k.reduce_copy(slot, 0, data, 0, data, 0, a.numel() * dtype.itemsize, dtype)
     k.synchronize()
     assert_close(data, a + b, dtype)
     assert torch.equal(slot, data)
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("nbytes", [1, 2, 3, 4, 17, 4096, (1 << 20) + 5])
 @pytest.mark.parametrize("offsets", [(0, 0), (1, 1), (3, 0), (2, 6)])
-def test_copy_moves_exact_bytes(variant, nbytes, offsets):
+def test_copy_moves_exact_bytes(nbytes, offsets):
     src = torch.randint(0, 256, (nbytes + 16,), dtype=torch.uint8, device="cuda")
     dst = torch.zeros(nbytes + 16, dtype=torch.uint8, device="cuda")
-    k = cuda_kernels.CudaKernels(variant=variant)
+    k = cuda_kernels.CudaKernels()
     k.copy(dst, offsets[0], src, offsets[1], nbytes)
     k.synchronize()
     want = torch.zeros_like(dst)
@@ -104,11 +96,10 @@ def test_copy_moves_exact_bytes(variant, nbytes, offsets):
     assert torch.equal(dst, want)
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_copy_works_between_pinned_host_and_device_memory(variant):
+def test_copy_works_between_pinned_host_and_device_memory():
     host = torch.arange(1000, dtype=torch.float32).pin_memory()
     dev = torch.zeros(1000, dtype=torch.float32, device="cuda")
-    k = cuda_kernels.CudaKernels(variant=variant)
+    k = cuda_kernels.CudaKernels()
     k.copy(dev, 0, host, 0, 4000)
     k.reduce(host, 0, dev, 0, 4000, DType.FLOAT32)  # a staging slot in pinned memory += data
     k.synchronize()
@@ -159,11 +150,10 @@ def test_negative_flag_aborts_the_wait():
     assert status.item() == WaitStatus.ABORTED
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_guard_skips_work_queued_behind_a_failed_wait(variant):
+def test_guard_skips_work_queued_behind_a_failed_wait():
     flag, status = pinned_flag(0)
     dst, src = torch.ones(4096, device="cuda"), torch.ones(4096, device="cuda")
-    k = cuda_kernels.CudaKernels(stream=torch.cuda.Stream(), guard=status, variant=variant)
+    k = cuda_kernels.CudaKernels(stream=torch.cuda.Stream(), guard=status)
     k.wait_flag(flag, 1, 0.01, status)
     k.reduce(dst, 0, src, 0, dst.numel() * 4, DType.FLOAT32)
     k.synchronize()
@@ -180,32 +170,3 @@ def test_bad_launch_shape_is_rejected_before_launch():
         cuda_kernels.CudaKernels(blocks=0)
     with pytest.raises(ValueError):
         cuda_kernels.CudaKernels(threads=2048)
-    with pytest.raises(ValueError, match="variant=3 is not a kernel variant"):
-        cuda_kernels.CudaKernels(variant=3)
-
-
-@pytest.mark.skipif(HOPPER, reason="bulk copies run on this GPU")
-def test_bulk_variant_is_refused_before_sm_90():
-    k = cuda_kernels.CudaKernels(variant=2)
-    with pytest.raises(KernelError, match="sm_90") as info:
-        k.copy(torch.zeros(64, device="cuda"), 0, torch.ones(64, device="cuda"), 0, 256)
-    assert info.value.code == 4
-
-
-@pytest.mark.parametrize("variant", [p for p in VARIANTS if p.values[0] != 0])
-@pytest.mark.parametrize("dtype", list(DType))
-@pytest.mark.parametrize("shape", [(2, 512), (1, 32), (132, 512)])
-def test_staged_variants_are_bit_identical_to_registers_on_a_large_reduce_copy(variant, dtype, shape):
-    """Many tiles per block: the stage ring wraps around many times."""
-    count = (48 << 20) // dtype.itemsize + 5  # 48 MB, odd tail
-    a, b = randn(count, dtype, 7), randn(count, dtype, 8)
-    results = {}
-    for v in (0, variant):
-        dst, out = a.clone(), torch.zeros_like(a)
-        k = cuda_kernels.CudaKernels(blocks=shape[0], threads=shape[1], variant=v)
-        k.reduce_copy(dst, 0, b, 0, out, 0, count * dtype.itemsize, dtype)
-        k.synchronize()
-        assert torch.equal(dst, out)
-        results[v] = dst
-    assert torch.equal(results[variant], results[0])
-    assert_close(results[0], a + b, dtype)

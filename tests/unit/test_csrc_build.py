@@ -38,22 +38,19 @@ def test_library_exports_the_abi(library):
     assert library.error_string(0) == "ok"
     assert "dtype" in library.error_string(1)
     assert "unknown" in library.error_string(999)
-    assert "variant" in library.error_string(4)
     assert library.error_string(1000 + 2)  # a CUDA error: CUDA's own text, no GPU needed
 
 
 @pytest.mark.parametrize("call, code", [
-    (lambda lib: lib.reduce(16, 32, 4, 99, None, 2, 512, 0, 0), 1),  # unknown dtype
-    (lambda lib: lib.reduce_copy(16, 32, 48, 4, 3, None, 2, 512, 1, 0), 1),  # bytes cannot be reduced
-    (lambda lib: lib.copy(16, 32, 4, 7, None, 2, 512, 0, 0), 1),
-    (lambda lib: lib.reduce(16, 32, 4, int(DType.FLOAT32), None, 0, 512, 0, 0), 3),  # no blocks
-    (lambda lib: lib.copy(16, 32, 4, int(DType.FLOAT16), None, 2, 2048, 0, 0), 3),  # too many threads
-    (lambda lib: lib.reduce(16, 32, -1, int(DType.FLOAT32), None, 2, 512, 0, 0), 2),  # negative count
-    (lambda lib: lib.reduce(0, 32, 4, int(DType.BFLOAT16), None, 2, 512, 1, 0), 2),  # NULL dst
-    (lambda lib: lib.reduce_copy(16, 32, 0, 4, int(DType.FLOAT32), None, 2, 512, 0, 0), 2),  # NULL out
-    (lambda lib: lib.reduce(18, 32, 4, int(DType.FLOAT32), None, 2, 512, 1, 0), 2),  # misaligned float32
-    (lambda lib: lib.reduce(16, 32, 4, int(DType.FLOAT32), None, 2, 512, 3, 0), 4),  # unknown variant
-    (lambda lib: lib.copy(16, 32, 4, 3, None, 2, 512, -1, 0), 4),
+    (lambda lib: lib.reduce(16, 32, 4, 99, None, 2, 512, 0), 1),  # unknown dtype
+    (lambda lib: lib.reduce_copy(16, 32, 48, 4, 3, None, 2, 512, 0), 1),  # bytes cannot be reduced
+    (lambda lib: lib.copy(16, 32, 4, 7, None, 2, 512, 0), 1),
+    (lambda lib: lib.reduce(16, 32, 4, int(DType.FLOAT32), None, 0, 512, 0), 3),  # no blocks
+    (lambda lib: lib.copy(16, 32, 4, int(DType.FLOAT16), None, 2, 2048, 0), 3),  # too many threads
+    (lambda lib: lib.reduce(16, 32, -1, int(DType.FLOAT32), None, 2, 512, 0), 2),  # negative count
+    (lambda lib: lib.reduce(0, 32, 4, int(DType.BFLOAT16), None, 2, 512, 0), 2),  # NULL dst
+    (lambda lib: lib.reduce_copy(16, 32, 0, 4, int(DType.FLOAT32), None, 2, 512, 0), 2),  # NULL out
+    (lambda lib: lib.reduce(18, 32, 4, int(DType.FLOAT32), None, 2, 512, 0), 2),  # misaligned float32
     (lambda lib: lib.wait_flag(0, 1, 10, 64, 0), 2),
     (lambda lib: lib.wait_flag(64, 1, -1, 64, 0), 2),
 ])
@@ -64,21 +61,6 @@ def test_launchers_reject_bad_arguments_with_a_message(library, call, code):
     assert library.error_string(code) in str(info.value)
 
 
-@pytest.mark.parametrize("smem_bytes, max_stages", [(-1, 0), (0, 1), (0, 17), (0, -2)])
-def test_stage_limits_out_of_range_are_refused(library, smem_bytes, max_stages):
-    with pytest.raises(ValueError, match="max_stages"):
-        library.set_stage_limits(smem_bytes, max_stages)
-    with pytest.raises(KernelError) as info:  # the C entry point checks on its own
-        library._check("ftar_set_stage_limits", library._lib.ftar_set_stage_limits(smem_bytes, max_stages))
-    assert info.value.code == 2
-
-
-def test_stage_limits_in_range_are_taken(library):
-    library.set_stage_limits(65536, 4)
-    library.set_stage_limits(0, 0)  # back to the defaults
-
-
 def test_empty_ranges_launch_nothing(library):
-    for variant in cuda_kernels.VARIANTS:
-        library.reduce(0, 0, 0, int(DType.FLOAT32), None, 2, 512, variant, 0)
-        library.copy(0, 0, 0, 3, None, 2, 512, variant, 0)
+    library.reduce(0, 0, 0, int(DType.FLOAT32), None, 2, 512, 0)
+    library.copy(0, 0, 0, 3, None, 2, 512, 0)

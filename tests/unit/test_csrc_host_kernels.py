@@ -4,9 +4,7 @@ accept, odd sizes, misaligned heads and tails, several launch shapes, the guard 
 checks. No GPU and no nvcc needed: this runs in every CI run.
 
 Each buffer sits between canary bytes, so a thread that writes outside its range fails the test, and
-a reduce that visits an element twice (or never) gives a wrong sum. The staged variant (1) runs with a
-copy engine that delays each asynchronous copy until the wait that retires it (ftar_host.cpp), over
-rings from two stages to the largest, so a stage read too early or refilled too soon shows."""
+a reduce that visits an element twice (or never) gives a wrong sum."""
 
 from __future__ import annotations
 
@@ -19,7 +17,6 @@ import numpy as np
 import pytest
 
 from ftrun.ftar.kernels import DType
-from ftrun.ftar.roofline import stage_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCE = ROOT / "csrc" / "host" / "ftar_host.cpp"
@@ -34,13 +31,6 @@ PAD = 64  # canary bytes on each side of every buffer
 COUNTS = [1, 3, 7, 8, 9, 31, 64, 1000, 4099]
 SHAPES = [(1, 1), (1, 32), (2, 512), (3, 7)]  # (blocks, threads); 3 x 7 = 21 threads, an odd stride
 OFFSETS = [(0, 0, 0), (1, 1, 1), (1, 0, 0), (0, 3, 3), (5, 2, 1), (7, 7, 7)]  # elements, dst/src/out
-# (variant, slots): the staged variant gets `slots` vectors per thread per loaded operand of reduce
-# (twice that for copy) of shared memory: rings of 2 and 3 stages, 13 stages of 1 and 3 vectors, the cap.
-VARIANTS = [(0, 0), (1, 2), (1, 3), (1, 13), (1, 40), (1, 1000)]
-
-
-def smem_budget(slots: int, threads: int) -> int:
-    return slots * 2 * threads * 16
 
 
 @pytest.fixture(scope="module")
@@ -51,14 +41,13 @@ def lib(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lib = ctypes.CDLL(str(out))
     p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    for name, args in {"ftar_host_copy": [p, p, i64, i32, p, i32, i32, i32, i64],
-                       "ftar_host_reduce": [p, p, i64, i32, p, i32, i32, i32, i64],
-                       "ftar_host_reduce_copy": [p, p, p, i64, i32, p, i32, i32, i32, i64],
+    for name, args in {"ftar_host_copy": [p, p, i64, i32, p, i32, i32],
+                       "ftar_host_reduce": [p, p, i64, i32, p, i32, i32],
+                       "ftar_host_reduce_copy": [p, p, p, i64, i32, p, i32, i32],
                        "ftar_host_plan": [p, p, p, i32, i64, i64, p, p],
                        "ftar_host_wait_decision": [i64, i64, i64, i64]}.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, ctypes.c_int
-    lib.ftar_host_stage_plan.argtypes, lib.ftar_host_stage_plan.restype = [i32, i32, i64, i32, p, p], None
     lib.ftar_host_float_to_half.argtypes, lib.ftar_host_float_to_half.restype = [ctypes.c_float], ctypes.c_uint16
     lib.ftar_host_float_to_bf16.argtypes, lib.ftar_host_float_to_bf16.restype = [ctypes.c_float], ctypes.c_uint16
     lib.ftar_host_half_to_float.argtypes, lib.ftar_host_half_to_float.restype = [ctypes.c_uint16], ctypes.c_float
@@ -114,60 +103,55 @@ def reference_sum(a: np.ndarray, b: np.ndarray, dtype: DType) -> np.ndarray:
 
 
 def run(lib, op: str, dst: Padded, src: Padded, out: Padded | None, count: int, dtype: int,
-        blocks: int, threads: int, guard=None, variant: tuple[int, int] = (0, 0)) -> int:
+        blocks: int, threads: int, guard=None) -> int:
     g = None if guard is None else guard.ctypes.data
-    tail = (blocks, threads, variant[0], smem_budget(variant[1], threads))
     if op == "reduce_copy":
-        return lib.ftar_host_reduce_copy(dst.ptr, src.ptr, out.ptr if out else None, count, dtype, g, *tail)
-    return getattr(lib, f"ftar_host_{op}")(dst.ptr, src.ptr, count, dtype, g, *tail)
+        return lib.ftar_host_reduce_copy(dst.ptr, src.ptr, out.ptr if out else None, count, dtype, g, blocks, threads)
+    return getattr(lib, f"ftar_host_{op}")(dst.ptr, src.ptr, count, dtype, g, blocks, threads)
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("dtype", list(DType))
 @pytest.mark.parametrize("offsets", OFFSETS)
 @pytest.mark.parametrize("blocks, threads", SHAPES)
-def test_reduce_and_reduce_copy_match_numpy(lib, variant, dtype, offsets, blocks, threads):
+def test_reduce_and_reduce_copy_match_numpy(lib, dtype, offsets, blocks, threads):
     for count in COUNTS:
         a, b = values(dtype, count, 1), values(dtype, count, 2)
         want = reference_sum(a, b, dtype)
         dst, src = Padded(a, offsets[0]), Padded(b, offsets[1])
-        assert run(lib, "reduce", dst, src, None, count, int(dtype), blocks, threads, variant=variant) == 0
+        assert run(lib, "reduce", dst, src, None, count, int(dtype), blocks, threads) == 0
         np.testing.assert_array_equal(dst.view.view(np.uint8), want.view(np.uint8), err_msg=f"reduce n={count}")
         np.testing.assert_array_equal(src.view, b)
 
         dst, src, out = Padded(a, offsets[0]), Padded(b, offsets[1]), Padded(np.zeros_like(a), offsets[2])
-        assert run(lib, "reduce_copy", dst, src, out, count, int(dtype), blocks, threads, variant=variant) == 0
+        assert run(lib, "reduce_copy", dst, src, out, count, int(dtype), blocks, threads) == 0
         np.testing.assert_array_equal(dst.view.view(np.uint8), want.view(np.uint8))
         np.testing.assert_array_equal(out.view.view(np.uint8), want.view(np.uint8))
         for buf in (dst, src, out):
             buf.assert_canaries()
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("dtype", list(DType))
 @pytest.mark.parametrize("offset", [0, 1, 3])
-def test_reduce_copy_may_write_over_its_source(lib, variant, dtype, offset):
+def test_reduce_copy_may_write_over_its_source(lib, dtype, offset):
     """The schedule's ReduceCopy passes the same region as src and out."""
     count = 1001
     a, b = values(dtype, count, 3), values(dtype, count, 4)
     dst, src = Padded(a, offset), Padded(b, offset)
-    assert lib.ftar_host_reduce_copy(dst.ptr, src.ptr, src.ptr, count, int(dtype), None, 1, 16, variant[0],
-                                     smem_budget(variant[1], 16)) == 0
+    assert lib.ftar_host_reduce_copy(dst.ptr, src.ptr, src.ptr, count, int(dtype), None, 2, 512) == 0
     want = reference_sum(a, b, dtype).view(np.uint8)
     np.testing.assert_array_equal(dst.view.view(np.uint8), want)
     np.testing.assert_array_equal(src.view.view(np.uint8), want)
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("dtype, itemsize", [(0, 4), (1, 2), (2, 2), (BYTE, 1)])
 @pytest.mark.parametrize("offsets", [(0, 0), (1, 1), (3, 0), (0, 5)])
 @pytest.mark.parametrize("blocks, threads", SHAPES)
-def test_copy_moves_every_byte_exactly(lib, variant, dtype, itemsize, offsets, blocks, threads):
+def test_copy_moves_every_byte_exactly(lib, dtype, itemsize, offsets, blocks, threads):
     for count in COUNTS:
         src_vals = np.random.default_rng(count).integers(0, 256, count * itemsize, dtype=np.uint8)
         src_vals = src_vals.view({4: np.uint32, 2: np.uint16, 1: np.uint8}[itemsize])
         dst, src = Padded(np.zeros_like(src_vals), offsets[0]), Padded(src_vals, offsets[1])
-        assert run(lib, "copy", dst, src, None, count, dtype, blocks, threads, variant=variant) == 0
+        assert run(lib, "copy", dst, src, None, count, dtype, blocks, threads) == 0
         np.testing.assert_array_equal(dst.view, src_vals)
         dst.assert_canaries()
         src.assert_canaries()
@@ -192,55 +176,25 @@ def test_plan_splits_head_vectors_tail(lib, addrs, count, elem, need_out, want):
     assert (head.value, vecs.value) == want
 
 
-@pytest.mark.parametrize("variant", [(0, 0), (1, 4)])
-def test_guard_word_skips_the_work(lib, variant):
+def test_guard_word_skips_the_work(lib):
     a, b = values(DType.FLOAT32, 100, 1), values(DType.FLOAT32, 100, 2)
     dst, src = Padded(a, 0), Padded(b, 0)
-    assert run(lib, "reduce", dst, src, None, 100, 0, 2, 32, guard=np.array([1], np.int32), variant=variant) == 0
+    assert run(lib, "reduce", dst, src, None, 100, 0, 2, 32, guard=np.array([1], np.int32)) == 0
     np.testing.assert_array_equal(dst.view, a)
-    assert run(lib, "reduce", dst, src, None, 100, 0, 2, 32, guard=np.array([0], np.int32), variant=variant) == 0
+    assert run(lib, "reduce", dst, src, None, 100, 0, 2, 32, guard=np.array([0], np.int32)) == 0
     np.testing.assert_array_equal(dst.view, reference_sum(a, b, DType.FLOAT32))
 
 
-@pytest.mark.parametrize("operands, threads, budget, max_stages, want", [
-    (2, 512, 232448, 16, (14, 1)),  # reduce, 2 x 512 on sm_90 (227 KB opt-in): 14 stages of 16 KB
-    (2, 512, 166912, 16, (10, 1)),  # sm_80 (163 KB)
-    (1, 512, 232448, 16, (14, 2)),  # copy loads src only: 28 slots as 14 stages of 2 vectors
-    (2, 32, 232448, 16, (16, 8)),  # few threads: the caps (16 stages of 8 vectors)
-    (2, 256, 232448, 16, (14, 2)),
-    (2, 512, 2 * 16384, 16, (2, 1)),  # the smallest ring
-    (2, 512, 2 * 16384 - 1, 16, (0, 0)),  # not even two stages: variant 0 runs instead
-    (1, 7, 17 * 7 * 16, 16, (8, 2)),  # 17 slots: 2 vectors per stage (the fewest within 16 stages), 8 stages
-    (2, 512, 232448, 4, (3, 4)),  # at most 4 stages: 14 slots as 3 stages of 4 vectors
-    (1, 512, 232448, 2, (2, 8)),  # 2 stages: capped at 8 vectors each
-])
-def test_stage_plan_fills_the_budget_within_the_caps(lib, operands, threads, budget, max_stages, want):
-    stages, vecs = ctypes.c_int(-1), ctypes.c_int(-1)
-    lib.ftar_host_stage_plan(operands, threads, budget, max_stages, ctypes.byref(stages), ctypes.byref(vecs))
-    assert (stages.value, vecs.value) == want
-    assert stage_plan(operands, threads, budget, max_stages) == want  # the roofline model's copy of the plan
-
-
-def test_staged_runs_what_does_not_fit_two_stages_through_variant_0(lib):
-    a, b = values(DType.FLOAT16, 999, 1), values(DType.FLOAT16, 999, 2)
-    dst, src = Padded(a, 1), Padded(b, 1)
-    assert lib.ftar_host_reduce(dst.ptr, src.ptr, 999, int(DType.FLOAT16), None, 2, 32, 1, 100) == 0
-    np.testing.assert_array_equal(dst.view, reference_sum(a, b, DType.FLOAT16))
-
-
 @pytest.mark.parametrize("call, code", [
-    (lambda lib, p: lib.ftar_host_reduce(p, p, 4, 99, None, 2, 512, 0, 0), 1),  # unknown dtype
-    (lambda lib, p: lib.ftar_host_reduce_copy(p, p, p, 4, BYTE, None, 2, 512, 1, 1 << 20), 1),  # bytes: no reduce
-    (lambda lib, p: lib.ftar_host_copy(p, p, 4, 7, None, 2, 512, 0, 0), 1),
-    (lambda lib, p: lib.ftar_host_reduce(p, p, 4, 0, None, 0, 512, 0, 0), 3),  # no blocks
-    (lambda lib, p: lib.ftar_host_copy(p, p, 4, 1, None, 2, 2048, 1, 1 << 20), 3),  # too many threads
-    (lambda lib, p: lib.ftar_host_reduce(p, p, -1, 0, None, 2, 512, 0, 0), 2),  # negative count
-    (lambda lib, p: lib.ftar_host_reduce(None, p, 4, 2, None, 2, 512, 1, 1 << 20), 2),  # NULL dst
-    (lambda lib, p: lib.ftar_host_reduce_copy(p, p, None, 4, 0, None, 2, 512, 0, 0), 2),  # NULL out
-    (lambda lib, p: lib.ftar_host_reduce(p + 2, p, 4, 0, None, 2, 512, 1, 1 << 20), 2),  # misaligned float32
-    (lambda lib, p: lib.ftar_host_reduce(p, p, 4, 0, None, 2, 512, 3, 1 << 20), 4),  # unknown variant
-    (lambda lib, p: lib.ftar_host_copy(p, p, 4, 0, None, 2, 512, -1, 1 << 20), 4),
-    (lambda lib, p: lib.ftar_host_copy(p, p, 4, 0, None, 2, 512, 2, 1 << 20), 4),  # bulk: the host has no TMA
+    (lambda lib, p: lib.ftar_host_reduce(p, p, 4, 99, None, 2, 512), 1),  # unknown dtype
+    (lambda lib, p: lib.ftar_host_reduce_copy(p, p, p, 4, BYTE, None, 2, 512), 1),  # bytes cannot be reduced
+    (lambda lib, p: lib.ftar_host_copy(p, p, 4, 7, None, 2, 512), 1),
+    (lambda lib, p: lib.ftar_host_reduce(p, p, 4, 0, None, 0, 512), 3),  # no blocks
+    (lambda lib, p: lib.ftar_host_copy(p, p, 4, 1, None, 2, 2048), 3),  # too many threads
+    (lambda lib, p: lib.ftar_host_reduce(p, p, -1, 0, None, 2, 512), 2),  # negative count
+    (lambda lib, p: lib.ftar_host_reduce(None, p, 4, 2, None, 2, 512), 2),  # NULL dst
+    (lambda lib, p: lib.ftar_host_reduce_copy(p, p, None, 4, 0, None, 2, 512), 2),  # NULL out
+    (lambda lib, p: lib.ftar_host_reduce(p + 2, p, 4, 0, None, 2, 512), 2),  # misaligned float32
 ])
 def test_launch_checks_match_the_cuda_launchers(lib, call, code):
     buf = np.zeros(64, np.uint8)
@@ -250,9 +204,8 @@ def test_launch_checks_match_the_cuda_launchers(lib, call, code):
 
 
 def test_empty_ranges_do_nothing(lib):
-    for variant in (0, 1):
-        assert lib.ftar_host_reduce(None, None, 0, 0, None, 2, 512, variant, 1 << 20) == 0
-        assert lib.ftar_host_copy(None, None, 0, BYTE, None, 2, 512, variant, 1 << 20) == 0
+    assert lib.ftar_host_reduce(None, None, 0, 0, None, 2, 512) == 0
+    assert lib.ftar_host_copy(None, None, 0, BYTE, None, 2, 512) == 0
 
 
 @pytest.mark.parametrize("flag, expected, elapsed, timeout, want", [
