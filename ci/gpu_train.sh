@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Training on a CUDA GPU (FTConfig.device): tests/gpu/test_gpu_train.py, then the step time of
+# examples/train_llama_tiny.py under `ftrun launch` (3 replicas x 1 rank, no kills) with --device cuda
+# (all three replicas on cuda:0) against --device cpu (one torch thread per rank), same model and seed.
+# About 3 minutes on a 16-core H100/H200 host. Extra packages (faker) come from the caller's PYTHONPATH.
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+python3 -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda,
+torch.cuda.get_device_name() if torch.cuda.is_available() else "(no GPU)")'
+uptime
+
+timeout 300 python3 -m pytest -q -s -rs -x tests/gpu/test_gpu_train.py --durations=6
+echo "pytest tests/gpu/test_gpu_train.py rc=$?"
+
+MODEL=(--dim 256 --layers 2 --heads 8 --seq-len 128 --batch-size 8 --corpus-chars 200000)
+CACHE=$(mktemp -d /tmp/ftrun-gpu-train-cache.XXXX)
+python3 -c "from tests.unit.test_train_api import load_example; load_example().load_tokens('$CACHE', seed=0, num_chars=200000)"
+for device in cuda cpu; do
+  out=$(mktemp -d /tmp/ftrun-gpu-train-$device.XXXX)
+  timeout 150 python3 -m ftrun.cli launch --replicas 3 --steps 40 --out "$out" --json --no-progress \
+    examples/train_llama_tiny.py --device $device "${MODEL[@]}" --cache-dir "$CACHE" > "$out/figures.json"
+  echo "launch --device $device rc=$? (out $out)"
+  python3 -c "import json, sys; f = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
+print(sys.argv[2], {k: f.get(k) for k in ('complete', 'steps_reached', 'median_step_s', 'wall_s', 'final_loss',
+                                            'replicas_identical', 'identity_checks', 'duplicate_batches')})" \
+    "$out/figures.json" $device
+done
+uptime
