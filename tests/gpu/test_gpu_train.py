@@ -8,6 +8,8 @@
   while a replica is missing so the job cannot end before the restarted one is back.
 - One standalone process on the GPU against one on the CPU, same seed: the first steps' losses agree.
 - A persistent checkpoint restores the model, the optimizer state and the registered state onto the GPU.
+- `ft.train()` with the exchange overlapped with backward ends bitwise where one exchange after backward
+  does, and a job resumed from a background-written checkpoint trains on to the same parameters.
 
 Skips without a CUDA GPU. FTRUN_TEST_DEVICE=cpu runs the same checks on the CPU (a dry run of the
 test itself, not part of the CPU suite). The corpus of the Llama example is made here (faker) and
@@ -33,6 +35,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from ftrun.checkpoint.policy import CheckpointConfig  # noqa: E402
+from ftrun.train.api import Hooks  # noqa: E402
 from tests.integration.test_launch import ROOT, launch, python_path  # noqa: E402
 from tests.integration.test_own_loop import check_identical_and_exactly_once, events_of  # noqa: E402
 from tests.unit.test_own_optimizer import ACCUM, MICRO, Ema, Pairs, job_for, lambda_of, parts  # noqa: E402
@@ -172,3 +175,39 @@ def test_a_checkpoint_restores_model_optimizer_and_user_state_onto_the_gpu(tmp_p
             (F.mse_loss(model(x), y) / ACCUM).backward()
         assert opt.step() and job.step == 5
         assert all(p.device == torch.device(WANT) for p in model.parameters())
+
+
+def train_mlp(run_dir, steps: int, **config):
+    """`ft.train()` of the MLP of test_own_optimizer on the device, one replica of one rank; returns the
+    TrainResult and the steps it trained."""
+    data = Pairs()
+    dataset = torch.cat([data.x, data.y], dim=1)  # a row: 5 inputs, 1 target
+    trained = []
+
+    def on_model(model: torch.nn.Module) -> None:
+        assert all(p.device == torch.device(WANT) for p in model.parameters())
+
+    run_dir.mkdir(exist_ok=True)
+    with job_for(run_dir, device=DEVICE, **config) as job:
+        result = job.train(model_fn=lambda: parts()[0], optimizer_fn=lambda ps: torch.optim.AdamW(ps, lr=0.05),
+                           loss_fn=lambda model, batch: F.mse_loss(model(batch[:, :5]), batch[:, 5:]),
+                           dataset=dataset, steps=steps, hooks=Hooks(on_model=on_model,
+                                                                     on_step=lambda r: trained.append(r.step)))
+        assert job.device == torch.device(WANT)
+    assert result.ok, result.error
+    return result, trained
+
+
+@pytest.mark.timeout(120)
+def test_overlapped_exchange_and_background_checkpoints_on_the_gpu(tmp_path):
+    """`ft.train()` on the device with the exchange overlapped with backward (each gradient copied to the
+    host buffer by its hook) ends at the same parameters as one exchange after backward; a job resumed
+    from its background-written checkpoint (staged off the device) trains on to the same parameters."""
+    plain, _ = train_mlp(tmp_path / "plain", 8)
+    overlapped, _ = train_mlp(tmp_path / "overlap", 8, overlap_bucket_bytes=64)
+    assert overlapped.param_hash == plain.param_hash
+    ckpt = CheckpointConfig(every_steps=3)
+    train_mlp(tmp_path / "ckpt", 5, checkpoint=ckpt)
+    resumed, trained = train_mlp(tmp_path / "ckpt", 8, checkpoint=ckpt)
+    assert trained[0] == 3 and trained[-1] == 7  # restored after step 3, then steps 3..7 on the device
+    assert resumed.param_hash == plain.param_hash
