@@ -10,7 +10,7 @@ python3 -c 'import torch; print("torch", torch.__version__, "CUDA", torch.versio
 torch.cuda.get_device_name() if torch.cuda.is_available() else "(no GPU)")'
 uptime
 
-timeout 300 python3 -m pytest -q -s -rs -x tests/gpu/test_gpu_train.py --durations=6
+timeout 300 python3 -m pytest -q -s -rs tests/gpu/test_gpu_train.py --durations=6
 echo "pytest tests/gpu/test_gpu_train.py rc=$?"
 
 MODEL=(--dim 256 --layers 2 --heads 8 --seq-len 128 --batch-size 8 --corpus-chars 200000)
