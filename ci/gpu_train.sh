@@ -16,11 +16,20 @@ echo "pytest tests/gpu/test_gpu_train.py rc=$?"
 MODEL=(--dim 256 --layers 2 --heads 8 --seq-len 128 --batch-size 8 --corpus-chars 200000)
 CACHE=$(mktemp -d /tmp/ftrun-gpu-train-cache.XXXX)
 python3 -c "from tests.unit.test_train_api import load_example; load_example().load_tokens('$CACHE', seed=0, num_chars=200000)"
-for device in cuda cpu; do
+# "cuda spawn" runs only if the forked (zygote) cuda launch failed: tells a fork/CUDA problem from others
+for device in cuda "cuda spawn" cpu; do
+  set -- $device
+  device=$1; extra=()
+  if [ $# -gt 1 ]; then
+    [ "${cuda_rc:-0}" -eq 0 ] && continue
+    extra=(--start-method spawn)
+  fi
   out=$(mktemp -d /tmp/ftrun-gpu-train-$device.XXXX)
-  timeout 150 python3 -m ftrun.cli launch --replicas 3 --steps 40 --out "$out" --json --no-progress \
+  timeout 150 python3 -m ftrun.cli launch --replicas 3 --steps 40 --out "$out" --json --no-progress "${extra[@]}" \
     examples/train_llama_tiny.py --device $device "${MODEL[@]}" --cache-dir "$CACHE" > "$out/figures.json"
-  echo "launch --device $device rc=$? (out $out)"
+  rc=$?
+  [ "$device" = cuda ] && [ ${#extra[@]} -eq 0 ] && cuda_rc=$rc
+  echo "launch --device $device ${extra[*]} rc=$rc (out $out)"
   python3 -c "import json, sys; f = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
 print(sys.argv[2], {k: f.get(k) for k in ('complete', 'steps_reached', 'median_step_s', 'wall_s', 'final_loss',
                                             'replicas_identical', 'identity_checks', 'duplicate_batches')})" \
