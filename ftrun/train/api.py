@@ -21,8 +21,8 @@ optimizer over the (sharded) parameters and runs FaultTolerantTrainer steps unti
 quorum, catch-up of a restarted replica, forward/backward on this rank's batch (`dataset[indices]`, a
 deterministic, resumable, exactly-once order), FTAR across replicas, two-phase commit. On stdout it
 prints JSON event lines: the Manager's and trainer's (rank 0: quorum, heal, commit, abort, error,
-catchup, checkpoint) and every rank's own: ready (with the rank's device), step (loss; param_hash, sha256 of this rank's
-parameter bytes, after a commit), final, failed. `ftrun launch` reads rank 0's.
+catchup, checkpoint) and every rank's own: ready (with the rank's device), step (loss; param_hash,
+sha256 of this rank's parameter bytes, after a commit), final, failed. `ftrun launch` reads rank 0's.
 
 One job per process: `init_from_env` makes the replica's ranks the process's default process group
 (FSDP2 needs one). Only `init_from_env` reads the environment.
@@ -164,8 +164,8 @@ class FTJob:
         model = self._make_model(lambda: model, shard_fn)
         elsewhere = sorted({str(p.device) for p in model.parameters()} - {str(self.device)})
         if elsewhere:
-            raise ValueError(f"wrap: the model has parameters on {elsewhere}, FTConfig.device is {self.config.device!r} "
-                             f"({self.device}): set FTConfig.device to where the model trains")
+            raise ValueError(f"wrap: the model has parameters on {elsewhere}, FTConfig.device is "
+                             f"{self.config.device!r} ({self.device}): set FTConfig.device to where the model trains")
         if self.mesh is not None:  # FSDP2 replaced the parameters: point the groups at the sharded ones
             params = dict(model.named_parameters())
             for group, group_names in zip(optimizer.param_groups, names):

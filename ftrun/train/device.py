@@ -48,7 +48,8 @@ def resolve_device(name: str, *, local_rank: int, device_count: int) -> torch.de
         return torch.device("cuda", local_rank % device_count)
     index = int(name.split(":")[1])
     if index >= device_count:
-        raise ValueError(f"FTConfig.device={name!r} but torch sees {device_count} CUDA GPU(s) (cuda:0..cuda:{device_count - 1})")
+        raise ValueError(f"FTConfig.device={name!r} but torch sees {device_count} CUDA GPU(s) "
+                         f"(cuda:0..cuda:{device_count - 1})")
     return torch.device("cuda", index)
 
 

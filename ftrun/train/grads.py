@@ -40,7 +40,8 @@ class FlatGrads:
             raise ValueError("FlatGrads needs at least one trainable parameter")
         devices = {local(p).device for p in self.params}
         if len(devices) > 1:
-            raise ValueError(f"FlatGrads needs every trainable parameter on one device, got {sorted(map(str, devices))}")
+            raise ValueError(f"FlatGrads needs every trainable parameter on one device, got "
+                             f"{sorted(map(str, devices))}")
         self.device = devices.pop()
         sizes = [local(p).numel() for p in self.params]
         self.buffer = host_buffer(sum(sizes), self.device)  # C-contiguous: what GradientExchange.average takes
@@ -87,7 +88,7 @@ class FlatGrads:
         """Buffer <- gradients (cast to float32). Armed: only the parameters not copied by their hook,
         each then reported to on_ready; disarms."""
         sink, self._sink = self._sink, None
-        copied = []
+        filled = []
         with torch.no_grad():
             for i, (p, view) in enumerate(zip(self.params, self._views)):
                 if sink is not None and self._fired[i]:
@@ -96,10 +97,10 @@ class FlatGrads:
                     view.zero_()
                 else:
                     view.copy_(local(p.grad), non_blocking=True)  # queued on a GPU; a plain copy on CPU
-                copied.append(i)
+                filled.append(i)
         synchronize(self.device)
         if sink is not None:
-            for i in copied:
+            for i in filled:
                 sink(i)
 
     def scatter(self) -> None:
