@@ -73,7 +73,7 @@ def loss_curve(out) -> list[float]:
 def test_llama_three_replicas_on_one_gpu_kill_restart_bitwise(tmp_path, monkeypatch):
     args = [*small_llama(tmp_path), "--device", DEVICE]
     monkeypatch.setenv("OWN_LOOP_SCRIPT", LLAMA)
-    monkeypatch.setenv("OWN_LOOP_MISSING_WAIT_S", "0.3")
+    monkeypatch.setenv("OWN_LOOP_MISSING_WAIT_S", "0.5")  # ~15 s of slowed steps for the restart
     f = launch(tmp_path, "--replicas", "3", "--ranks-per-replica", "1", "--steps", "40", "--kill-at",
                "step=12,replica=r1", "--restart-delay", "0.2s", "--timeout", "120s", WORKER, *args, timeout=140)
     assert f["complete"], f["incomplete_reasons"]
@@ -94,7 +94,7 @@ def test_llama_three_replicas_on_one_gpu_kill_restart_bitwise(tmp_path, monkeypa
 
 @pytest.mark.timeout(150)
 def test_own_loop_three_replicas_on_one_gpu_kill_restart_bitwise(tmp_path, monkeypatch):
-    monkeypatch.setenv("OWN_LOOP_MISSING_WAIT_S", "0.3")
+    monkeypatch.setenv("OWN_LOOP_MISSING_WAIT_S", "0.5")  # ~15 s of slowed steps for the restart
     f = launch(tmp_path, "--replicas", "3", "--steps", "40", "--kill-at", "step=10,replica=r1",
                "--restart-delay", "0.2s", "--timeout", "120s", WORKER, "--device", DEVICE, timeout=140)
     check_identical_and_exactly_once(f, tmp_path, kills=1, victims={"r1"})
