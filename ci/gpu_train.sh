@@ -13,6 +13,21 @@ uptime
 timeout 300 python3 -m pytest -q -s -rs tests/gpu/test_gpu_train.py --durations=6
 echo "pytest tests/gpu/test_gpu_train.py rc=$?"
 
+# Why the launcher's fork server finds more than one thread here (it then spawns rank processes): the
+# threads (their names) after each stage of the zygote's preload, with the zygote's environment.
+OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 timeout 60 python3 - <<'PY'
+import os
+def threads():
+    return sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
+import torch
+print("zygote threads after import torch:", threads())
+import torch._dynamo  # noqa: F401
+print("zygote threads after import torch._dynamo:", threads())
+from ftrun.launch.zygote import preload
+preload("examples/train_llama_tiny.py", module=False)
+print("zygote threads after the preload (imports + warm-up step):", threads())
+PY
+
 MODEL=(--dim 256 --layers 2 --heads 8 --seq-len 128 --batch-size 8 --corpus-chars 200000)
 CACHE=$(mktemp -d /tmp/ftrun-gpu-train-cache.XXXX)
 python3 -c "from tests.unit.test_train_api import load_example; load_example().load_tokens('$CACHE', seed=0, num_chars=200000)"
