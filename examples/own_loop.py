@@ -3,6 +3,7 @@
     ftrun launch --replicas 3 --steps 120 examples/own_loop.py
     ftrun launch --replicas 2 --ranks-per-replica 2 --steps 60 examples/own_loop.py   # FSDP2 inside
     python examples/own_loop.py --steps 100                 # standalone: one replica of one rank
+    ftrun launch --replicas 3 --steps 120 examples/own_loop.py --device cuda   # each rank on its GPU
 
 `diff examples/own_loop_plain.py examples/own_loop.py` is the whole port (at most 20 lines, kept so by
 tests/unit/test_own_loop_port.py): `job.wrap` (FSDP2 inside the replica, FTAR across), the sampler
@@ -90,7 +91,8 @@ def warmup_cosine(warmup: int, total: int):
 @torch.no_grad()
 def evaluate(model: nn.Module, loader: DataLoader) -> float:
     model.eval()
-    losses = [F.mse_loss(model(x), y).item() for x, y in loader]
+    device = next(model.parameters()).device
+    losses = [F.mse_loss(model(x.to(device)), y.to(device)).item() for x, y in loader]
     model.train()
     return sum(losses) / len(losses)
 
@@ -102,7 +104,7 @@ def forever(loader: DataLoader):
 
 def train(args: argparse.Namespace, job: ftrun.train.FTJob) -> None:
     train_set, val_set = Regression(4096, seed=1), Regression(256, seed=2)
-    model = Net()
+    model = Net().to(args.device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     model, opt = job.wrap(model, opt)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(WARMUP, args.steps))
@@ -117,7 +119,7 @@ def train(args: argparse.Namespace, job: ftrun.train.FTJob) -> None:
         opt.zero_grad()
         total = 0.0
         for _ in range(ACCUM):
-            x, y = next(batches)
+            x, y = (t.to(args.device) for t in next(batches))
             loss = F.mse_loss(model(x), y) / ACCUM
             loss.backward()
             total += loss.item()
@@ -135,13 +137,14 @@ def train(args: argparse.Namespace, job: ftrun.train.FTJob) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--device", default="cpu", help="cpu, cuda (this rank's GPU) or cuda:N")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
-    with ftrun.train.init_from_env(ftrun.train.FTConfig(batch_size=MICRO * ACCUM)) as job:
-        args = parse_args(argv)
+    args = parse_args(argv)
+    with ftrun.train.init_from_env(ftrun.train.FTConfig(batch_size=MICRO * ACCUM, device=args.device)) as job:
         args.steps = job.max_steps or args.steps  # ftrun launch --steps
         train(args, job)
 

@@ -1,6 +1,6 @@
 """A plain PyTorch training loop: the "before" of examples/own_loop.py (the same loop on ftrun).
 
-    python examples/own_loop_plain.py --steps 100
+    python examples/own_loop_plain.py --steps 100 [--device cuda]
 
 A custom model (an MLP with dropout), AdamW, a warmup + cosine LR schedule (LambdaLR), gradient
 clipping, gradient accumulation over 2 micro-batches, a torch Dataset + DataLoader, an EMA of the
@@ -86,7 +86,8 @@ def warmup_cosine(warmup: int, total: int):
 @torch.no_grad()
 def evaluate(model: nn.Module, loader: DataLoader) -> float:
     model.eval()
-    losses = [F.mse_loss(model(x), y).item() for x, y in loader]
+    device = next(model.parameters()).device
+    losses = [F.mse_loss(model(x.to(device)), y.to(device)).item() for x, y in loader]
     model.train()
     return sum(losses) / len(losses)
 
@@ -98,7 +99,7 @@ def forever(loader: DataLoader):
 
 def train(args: argparse.Namespace) -> None:
     train_set, val_set = Regression(4096, seed=1), Regression(256, seed=2)
-    model = Net()
+    model = Net().to(args.device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(WARMUP, args.steps))
     ema = EMA(model, decay=0.9)
@@ -110,7 +111,7 @@ def train(args: argparse.Namespace) -> None:
         opt.zero_grad()
         total = 0.0
         for _ in range(ACCUM):
-            x, y = next(batches)
+            x, y = (t.to(args.device) for t in next(batches))
             loss = F.mse_loss(model(x), y) / ACCUM
             loss.backward()
             total += loss.item()
@@ -127,6 +128,7 @@ def train(args: argparse.Namespace) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--device", default="cpu", help="cpu, cuda (this rank's GPU) or cuda:N")
     return parser.parse_args(argv)
 
 

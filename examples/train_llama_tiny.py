@@ -2,6 +2,7 @@
 
     ftrun launch --replicas 3 --ranks-per-replica 2 --steps 200 examples/train_llama_tiny.py
     python examples/train_llama_tiny.py --steps 50          # standalone: one replica of one rank
+    ftrun launch --replicas 3 --steps 200 examples/train_llama_tiny.py --device cuda   # one GPU per rank
 
 The model: token embedding, N blocks of (RMSNorm -> causal self-attention with rotary position
 embeddings via F.scaled_dot_product_attention -> RMSNorm -> SwiGLU MLP), final RMSNorm and an output
@@ -201,6 +202,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="cpu, cuda (this rank's GPU: cuda:{LOCAL_RANK %% GPUs}) or cuda:N; "
+                   "a GPU takes one rank per replica")
     p.add_argument("--corpus-chars", type=int, default=400_000)
     p.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "ftrun"))
     p.add_argument("--verbose", action="store_true", help="a loss line every 10 steps on stderr (rank 0)")
@@ -213,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = LlamaConfig(dim=args.dim, num_layers=args.layers, num_heads=args.heads,
                       ffn_hidden=(8 * args.dim // 3 + 3) // 4 * 4, max_seq_len=args.seq_len)
     dataset = windows(load_tokens(args.cache_dir, seed=args.seed, num_chars=args.corpus_chars), args.seq_len)
-    config = ftrun.train.FTConfig(batch_size=args.batch_size, seed=args.seed, log_level=args.log_level)
+    config = ftrun.train.FTConfig(batch_size=args.batch_size, seed=args.seed, log_level=args.log_level,
+                                  device=args.device)
     with ftrun.train.init_from_env(config) as ft:
         def report(r) -> None:
             if args.verbose and ft.rank == 0 and r.committed and r.loss is not None and r.step % 10 == 0:

@@ -77,6 +77,11 @@ class FTJob:
         return self.spec.max_steps
 
     @property
+    def device(self) -> torch.device:
+        """Where the script's process runs its model: the CPU (the emulated ranks train shape-only)."""
+        return torch.device("cpu")
+
+    @property
     def step(self) -> int:
         """Steps committed: 0 until the emulated job ran, then the steps it committed."""
         return self._own_loop("step").step

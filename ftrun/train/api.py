@@ -21,8 +21,8 @@ optimizer over the (sharded) parameters and runs FaultTolerantTrainer steps unti
 quorum, catch-up of a restarted replica, forward/backward on this rank's batch (`dataset[indices]`, a
 deterministic, resumable, exactly-once order), FTAR across replicas, two-phase commit. On stdout it
 prints JSON event lines: the Manager's and trainer's (rank 0: quorum, heal, commit, abort, error,
-catchup, checkpoint) and every rank's own: ready, step (loss; param_hash, sha256 of this rank's
-parameter bytes, after a commit), final, failed. `ftrun launch` reads rank 0's.
+catchup, checkpoint) and every rank's own: ready (with the rank's device), step (loss; param_hash,
+sha256 of this rank's parameter bytes, after a commit), final, failed. `ftrun launch` reads rank 0's.
 
 One job per process: `init_from_env` makes the replica's ranks the process's default process group
 (FSDP2 needs one). Only `init_from_env` reads the environment.
@@ -49,6 +49,7 @@ from ftrun.launch.worker_env import WorkerSpec
 from ftrun.net import WILDCARDS
 from ftrun.replica.comm import LocalComm, ReplicaComm
 from ftrun.replica.manager import JobFinished, ReplicaError
+from ftrun.train.device import rank_device
 from ftrun.train.events import param_hash, print_event, step_event  # noqa: F401 (re-exported)
 from ftrun.train.job_config import FTConfig, Hooks, TrainResult, steps_target  # noqa: F401 (the public API names FTConfig, Hooks, TrainResult here)
 from ftrun.train.own import FTOptimizer, FTSampler, OwnLoop, StepOutcome
@@ -95,9 +96,14 @@ def init_from_env(config: FTConfig | None = None, *, environ: Mapping[str, str] 
                           run_dir=config.run_dir or tempfile.mkdtemp(prefix="ftrun-run-"))
     if config.run_dir is not None:
         spec = replace(spec, run_dir=config.run_dir)
-    return FTJob(config=config, spec=spec, env=env, lighthouse=lighthouse,
-                 startup={"forked": _float_or_none(environ.get("FTRUN_FORKED_AT")), "init": started,
-                          "prepared": prepared})
+    try:
+        return FTJob(config=config, spec=spec, env=env, lighthouse=lighthouse,
+                     startup={"forked": _float_or_none(environ.get("FTRUN_FORKED_AT")), "init": started,
+                              "prepared": prepared})
+    except BaseException:  # e.g. a CUDA device without a GPU: leave no lighthouse behind
+        if lighthouse is not None:
+            lighthouse.stop()
+        raise
 
 
 class FTJob:
@@ -112,6 +118,10 @@ class FTJob:
         self._trained = False
         self._user = UserState()
         self._own: OwnLoop | None = None  # the user's own loop (job.wrap), see ftrun.train.own
+        self.device = rank_device(config.device, local_rank=spec.rank)  # the model's and batches' (job.device)
+        if self.device.type != "cpu" and spec.ranks_per_replica > 1:
+            raise ValueError(f"FTConfig.device={config.device!r} with {spec.ranks_per_replica} ranks per replica: "
+                             "FSDP2 inside a replica runs on CPU (gloo) only; use one rank per replica on a GPU")
         if spec.ranks_per_replica > 1:
             self.comm, self.mesh = _join_replica(spec, config.timeouts)
         # When this process was forked (by the zygote; None otherwise), entered init_from_env and had
@@ -136,8 +146,10 @@ class FTJob:
         """The model, FSDP2-sharded over the replica's ranks when it has more than one (`shard_fn`
         overrides the default units), and the optimizer as an FTOptimizer (ftrun.train.own). The
         optimizer must not have stepped yet; under FSDP2 its param groups are pointed at the sharded
-        parameters (same hyperparameters). Build the model the same way in every replica (the job
-        seeds torch with FTConfig.seed in init_from_env). Once per job, instead of `train`."""
+        parameters (same hyperparameters). The model is moved to `job.device` (FTConfig.device; in
+        place, so the optimizer keeps its parameters): move the batches there too. Build the model the
+        same way in every replica (the job seeds torch with FTConfig.seed in init_from_env). Once per
+        job, instead of `train`."""
         if self._trained or self._own is not None:
             raise RuntimeError("FTJob.wrap runs once per job, and not together with FTJob.train")
         if not isinstance(model, torch.nn.Module) or not isinstance(optimizer, torch.optim.Optimizer):
@@ -150,6 +162,10 @@ class FTJob:
         if any(n is None for group in names for n in group):
             raise ValueError("wrap: the optimizer holds parameters that are not the model's")
         model = self._make_model(lambda: model, shard_fn)
+        elsewhere = sorted({str(p.device) for p in model.parameters()} - {str(self.device)})
+        if elsewhere:
+            raise ValueError(f"wrap: the model has parameters on {elsewhere}, FTConfig.device is "
+                             f"{self.config.device!r} ({self.device}): set FTConfig.device to where the model trains")
         if self.mesh is not None:  # FSDP2 replaced the parameters: point the groups at the sharded ones
             params = dict(model.named_parameters())
             for group, group_names in zip(optimizer.param_groups, names):
@@ -265,6 +281,8 @@ class FTJob:
             model = model_fn()
         if not isinstance(model, torch.nn.Module):
             raise ValueError(f"model_fn must return a torch.nn.Module, got {type(model).__name__}")
+        if self.device.type != "cpu":
+            model.to(self.device)  # in place: the parameters keep their identity (an optimizer of wrap holds them)
         if self.mesh is not None:
             if shard_fn is not None:
                 shard_fn(model, self.mesh)
@@ -275,7 +293,8 @@ class FTJob:
     def _loop(self, trainer, target: Callable[[], int], hooks: Hooks) -> TrainResult:
         who = {"rank": self.rank}
         self.emit({"event": "ready", "t": self.env.clock.now(), "step": trainer.step, "pid": os.getpid(),
-                   "lineage": trainer.progress.state.lineage, "startup": self.startup, **who})
+                   "lineage": trainer.progress.state.lineage, "startup": self.startup, "device": str(self.device),
+                   **who})
         try:
             while trainer.step < (final := target()):
                 trainer.manager.final_step = final  # no early quorum request after the last step

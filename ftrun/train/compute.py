@@ -22,6 +22,7 @@ from typing import Any, Callable, Protocol
 import numpy as np
 import torch
 
+from ftrun.train.device import to_device
 from ftrun.train.grads import FlatGrads
 from ftrun.train.lr import scaled_lr
 from ftrun.train.shard import reset_iteration
@@ -65,16 +66,19 @@ class TorchCompute:
     """A torch model, its optimizer and loss over an in-memory dataset (whole model, or FSDP2 shards).
 
     state/grads: default ReplicaState/FlatGrads over the model's (local) tensors.
+    device: where the model is (ftrun.train.device; the caller moved it there): each batch is taken from
+    the dataset (which stays where it is) and moved there; the gradient buffer is on the host (FlatGrads).
     Raises ValueError if `dataset` has fewer than `min_samples` samples. The user's own loop
     (ftrun.train.own) has no loss_fn or dataset: its backward runs outside, and `gather` collects it.
     """
 
     def __init__(self, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn | None,
                  dataset: torch.Tensor | None, min_samples: int = 0, state: TrainState | None = None,
-                 flat: FlatGrads | None = None) -> None:
+                 flat: FlatGrads | None = None, device: torch.device = torch.device("cpu")) -> None:
         if dataset is not None and len(dataset) < min_samples:
             raise ValueError(f"dataset has {len(dataset)} samples, the layout {min_samples}")
         self.model, self.optimizer, self.loss_fn, self.dataset = model, optimizer, loss_fn, dataset
+        self.device = device
         self.state = state if state is not None else ReplicaState(model=model, optimizer=optimizer)
         self.flat = flat if flat is not None else FlatGrads(model.parameters())
         self.grads = self.flat.buffer
@@ -85,7 +89,10 @@ class TorchCompute:
             torch.manual_seed(seed)
         self.model.zero_grad(set_to_none=True)
         self._in_step = True
-        loss = self.loss_fn(self.model, self.dataset[torch.from_numpy(samples())])
+        batch = self.dataset[torch.from_numpy(samples())]
+        if self.device.type != "cpu":
+            batch = to_device(batch, self.device)
+        loss = self.loss_fn(self.model, batch)
         loss.backward()
         self.flat.gather()
         return float(loss.detach())

@@ -23,7 +23,7 @@ def param_hash(model: torch.nn.Module) -> str:
     """sha256 of this rank's parameter bytes (its local shards under FSDP2), in named_parameters order."""
     h = hashlib.sha256()
     for _, p in model.named_parameters():
-        h.update(local(p).detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        h.update(local(p).detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 

@@ -14,6 +14,11 @@ Overlap (ftrun.train.overlap): `arm(on_ready)` makes the next backward copy each
 its slice as soon as autograd has accumulated it (a post-accumulate-grad hook) and call on_ready(i); the
 `gather` after that backward fills only the parameters whose hook did not fire (no gradient: zeros) and
 disarms. Threading: one task per instance; the hooks run on autograd's thread (the caller's on CPU).
+
+On a GPU (every parameter on one CUDA device, ftrun.train.device) the buffer is page-locked host memory:
+`gather` queues every device-to-host copy and synchronizes once before the buffer is read; a hook's copy
+is synchronous (its slice is sent as soon as on_ready returns); `scatter` copies host-to-device
+synchronously, so the exchange may write the buffer again at once.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Callable, Iterable
 import numpy as np
 import torch
 
+from ftrun.train.device import host_buffer, synchronize
 from ftrun.train.shard import like, local
 
 
@@ -32,8 +38,13 @@ class FlatGrads:
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
             raise ValueError("FlatGrads needs at least one trainable parameter")
+        devices = {local(p).device for p in self.params}
+        if len(devices) > 1:
+            raise ValueError(f"FlatGrads needs every trainable parameter on one device, got "
+                             f"{sorted(map(str, devices))}")
+        self.device = devices.pop()
         sizes = [local(p).numel() for p in self.params]
-        self.buffer = np.zeros(sum(sizes), np.float32)  # C-contiguous: what GradientExchange.average takes
+        self.buffer = host_buffer(sum(sizes), self.device)  # C-contiguous: what GradientExchange.average takes
         flat = torch.from_numpy(self.buffer)
         offsets = np.cumsum([0] + sizes)
         self._views = [flat[a:b].view(local(p).shape) for p, a, b in zip(self.params, offsets[:-1], offsets[1:])]
@@ -77,6 +88,7 @@ class FlatGrads:
         """Buffer <- gradients (cast to float32). Armed: only the parameters not copied by their hook,
         each then reported to on_ready; disarms."""
         sink, self._sink = self._sink, None
+        filled = []
         with torch.no_grad():
             for i, (p, view) in enumerate(zip(self.params, self._views)):
                 if sink is not None and self._fired[i]:
@@ -84,9 +96,12 @@ class FlatGrads:
                 if p.grad is None:
                     view.zero_()
                 else:
-                    view.copy_(local(p.grad))
-                if sink is not None:
-                    sink(i)
+                    view.copy_(local(p.grad), non_blocking=True)  # queued on a GPU; a plain copy on CPU
+                filled.append(i)
+        synchronize(self.device)
+        if sink is not None:
+            for i in filled:
+                sink(i)
 
     def scatter(self) -> None:
         """Gradients <- buffer (cast to each parameter's dtype)."""

@@ -17,6 +17,7 @@ from ftrun.env.base import Env
 from ftrun.ftar.kernels import Kernels
 from ftrun.launch.worker_env import WorkerSpec
 from ftrun.replica.comm import ReplicaComm
+from ftrun.train.device import check_device_name
 from ftrun.train.lr import LRConfig
 from ftrun.train.trainer import PhaseFn, StepResult
 
@@ -35,7 +36,10 @@ class FTConfig:
     reshard_after_forward: FSDP2's (False trades memory for one all-gather less per step).
     num_threads: torch intra-op threads per rank (None: torch's default). events: JSON lines on stdout.
     overlap_bucket_bytes: exchange gradients in buckets of about this many bytes during backward
-    (ftrun.train.overlap; one rank per replica, `train` only); None: one exchange after backward."""
+    (ftrun.train.overlap; one rank per replica, `train` only); None: one exchange after backward.
+    device: where each rank trains (ftrun.train.device): "cpu", "cuda" (the rank's GPU,
+    cuda:{LOCAL_RANK % GPUs}) or "cuda:N"; the model, optimizer state and batches live there, the
+    cross-replica FTAR reduces a host copy of the gradients. A CUDA device takes one rank per replica."""
 
     batch_size: int = 8
     seed: int = 0
@@ -51,6 +55,7 @@ class FTConfig:
     events: bool = True
     log_level: str = "WARNING"
     overlap_bucket_bytes: int | None = None
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -70,6 +75,7 @@ class FTConfig:
             raise ValueError(f"FTConfig.overlap_bucket_bytes must be an int >= 1 or None, got {b!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"FTConfig.num_threads must be >= 1 or None, got {self.num_threads}")
+        check_device_name(self.device)
 
     def _nest_catchup(self) -> None:
         """catchup as the job runs it: with the job's timeouts; where it listens is the launcher's to say."""
@@ -107,6 +113,7 @@ class RankJob(Protocol):
     spec: WorkerSpec
     env: Env
     comm: ReplicaComm
+    device: torch.device  # where the model is (ftrun.train.device)
 
     def emit(self, event: dict) -> None: ...
 

@@ -74,6 +74,7 @@ class Job(Protocol):
     spec: Any  # WorkerSpec
     env: Any  # RealEnv
     comm: Any  # ReplicaComm
+    device: Any  # torch.device: where the model is
 
     @property
     def rank(self) -> int: ...
@@ -112,7 +113,7 @@ class OwnLoop:
             self.trainer.manager.final_step = self.job.max_steps  # no early quorum request after it
             self.job.emit({"event": "ready", "t": self.job.env.clock.now(), "step": self.trainer.step,
                            "lineage": self.trainer.progress.state.lineage, "startup": self.job.startup,
-                           "rank": self.job.rank})
+                           "device": str(self.job.device), "rank": self.job.rank})
         return self.trainer
 
     def close(self, *, clean: bool) -> None:

@@ -8,6 +8,9 @@ uses the `TrainState` protocol; other layouts plug in their own class.
 Names: "model.<state_dict key>" for parameters and buffers, "optim.<param fqn>.<state key>" for the
 optimizer's tensor state. The optimizer's non-tensor per-parameter state and its param groups (LR, the
 LR helper's base LR, betas, ...) travel in the metadata, which must be JSON (the snapshot never pickles).
+On a GPU (FTConfig.device) `tensors()` are the device tensors (the catch-up snapshot copies them to host
+memory) and a load copies the fetched host tensors onto the device: the model's in place, the optimizer's
+through `Optimizer.load_state_dict`, which puts each state tensor on its parameter's device.
 Loading copies into the live tensors (parameters keep their identity, so the optimizer still holds
 them; a shard is copied into the DTensor's local tensor, which FSDP2's all-gather reads) and rebuilds
 the optimizer state with `Optimizer.load_state_dict` (per-element state of a sharded parameter wrapped

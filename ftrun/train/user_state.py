@@ -119,9 +119,10 @@ class UserState:
         live: dict[str, torch.Tensor] = {}
         for name, obj in self.objects.items():
             flatten_live(obj.state_dict(), PREFIX + name, live)
-        # clone: a torch state dict may keep the tensor it is given, and the fetch buffer is reused;
-        # a local shard goes back into a DTensor like the live entry it replaces
-        own = {k: like(live[k], v.clone()) if k in live else v.clone() for k, v in tensors.items()}
+        # a copy: a torch state dict may keep the tensor it is given, and the fetch buffer is reused; on the
+        # live entry's device (a GPU's); a local shard goes back into a DTensor like the live entry it replaces
+        own = {k: like(live[k], v.to(local(live[k]).device, copy=True)) if k in live else v.clone()
+               for k, v in tensors.items()}
         for name, obj in self.objects.items():
             obj.load_state_dict(unflatten(skeleton[name], own))
 

@@ -50,7 +50,7 @@ def build_trainer(*, job: RankJob, model: torch.nn.Module, optimizer: torch.opti
     Raises ValueError for a dataset or spec that does not fit the job."""
     layout = _layout(job, len(dataset))
     compute = TorchCompute(model=model, optimizer=optimizer, loss_fn=loss_fn, dataset=dataset,
-                           min_samples=layout.dataset_size)
+                           min_samples=layout.dataset_size, device=job.device)
     return _build(job=job, model=model, optimizer=optimizer, compute=compute, layout=layout, hooks=hooks,
                   kernels=kernels,
                   overlap=job.config.overlap_bucket_bytes if job.spec.ranks_per_replica == 1 else None)
@@ -63,7 +63,8 @@ def build_own_trainer(*, job: RankJob, model: torch.nn.Module, optimizer: torch.
     computes the gradients), the registered state carried by catch-up and checkpoints."""
     layout = _layout(job, dataset_size)
     state = WithUserState(ReplicaState(model=model, optimizer=optimizer), user)
-    compute = TorchCompute(model=model, optimizer=optimizer, loss_fn=None, dataset=None, state=state)
+    compute = TorchCompute(model=model, optimizer=optimizer, loss_fn=None, dataset=None, state=state,
+                           device=job.device)
     return _build(job=job, model=model, optimizer=optimizer, compute=compute, layout=layout, hooks=hooks,
                   kernels=kernels, extra=user.objects)
 

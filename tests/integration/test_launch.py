@@ -31,11 +31,16 @@ def leftovers(run_dir: str) -> list[psutil.Process]:
     return found
 
 
+def python_path() -> str:
+    """PYTHONPATH for a subprocess: this checkout first, then the caller's (e.g. a folder of extra wheels)."""
+    return os.pathsep.join([ROOT] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
+
+
 def launch(out, *args: str, timeout: float = 100.0) -> dict:
     """Run `ftrun launch --json --out OUT ARGS`; returns its figures; asserts that nothing was left running."""
     proc = subprocess.run([sys.executable, "-m", "ftrun.cli", "launch", "--out", str(out), "--json", "--no-progress",
                            *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": ROOT})
+                          env={**os.environ, "PYTHONPATH": python_path()})
     left = leftovers(str(out))
     for p in left:
         p.kill()
