@@ -78,6 +78,7 @@ class RealConnection:
         self._sock = sock
         self._hello_limit, self._on_event = hello_limit, on_event
         self._rx: bytearray | None = None  # a control message being received
+        self._wait_all = False  # held (ftrun.env.real_bulk): a blocking recv takes the rest of a frame at once
         self._send_lock = threading.Lock()
         self._header = bytearray(wire.HEADER_SIZE)
         self._closed = False
@@ -131,8 +132,9 @@ class RealConnection:
         return RealPump(self, inc)
 
     def hold_bulk(self, timeout: float) -> "BlockingBulk":
-        """Blocking bulk sends and receives on this connection, each bounded by `timeout`, until the
-        holder's `release()` (see ftrun.env.real_bulk); nothing but close() may use it meanwhile."""
+        """Bulk sends and receives on this connection that block in the kernel (at most `timeout` per
+        call) until the holder's `release()` (see ftrun.env.real_bulk); nothing but close() may use the
+        connection meanwhile."""
         from ftrun.env.real_bulk import BlockingBulk
 
         return BlockingBulk(self, timeout)
@@ -203,8 +205,11 @@ class RealConnection:
         while got < view.nbytes:
             self._check_open()
             try:
-                n = self._sock.recv_into(view[got:got + _RECV_STEP])
-            except BlockingIOError:
+                if self._wait_all:
+                    n = self._sock.recv_into(view[got:], 0, socket.MSG_WAITALL)
+                else:
+                    n = self._sock.recv_into(view[got:got + _RECV_STEP])
+            except BlockingIOError:  # nothing yet (held: nothing within the kernel's timeout)
                 if not self._wait(self._rpoll, deadline):
                     mid_frame = started or got > 0
                     if mid_frame:

@@ -12,24 +12,8 @@ import numpy as np
 import pytest
 
 from ftrun.env.base import NetTimeout, PeerClosed, ProtocolError
-from ftrun.env.real_net import RealNetwork
 
 pytestmark = pytest.mark.timeout(30)
-
-
-@pytest.fixture
-def ring2():
-    """Two ranks' links: a.next -> b.prev and b.next -> a.prev (two TCP connections)."""
-    net = RealNetwork()
-    la, lb = net.listen("127.0.0.1:0"), net.listen("127.0.0.1:0")
-    a_next, b_next = net.connect(lb.addr, 5.0), net.connect(la.addr, 5.0)
-    b_prev, a_prev = lb.accept(5.0), la.accept(5.0)
-    conns = [a_next, a_prev, b_next, b_prev]
-    yield a_next, a_prev, b_next, b_prev
-    for c in conns:
-        c.close()
-    la.close()
-    lb.close()
 
 
 def _in_thread(fn):
@@ -55,10 +39,10 @@ def test_both_ranks_exchange_frames_many_times_their_small_socket_buffers(ring2)
 
     def rank(name, nxt, prev):
         out, inc = nxt.hold_bulk(10.0), prev.hold_bulk(10.0)
-        sender, sent = _in_thread(lambda: [out.send_bytes(f) for f in frames])
+        sender, sent = _in_thread(lambda: [out.send_bytes(f, 10.0) for f in frames])
         for f in frames:
             buf = np.empty_like(f)
-            inc.recv_into(buf)
+            inc.recv_into(buf, 10.0)
             got[name].append(buf)
         sender.join(10.0)
         assert "error" not in sent
@@ -79,13 +63,13 @@ def test_held_frames_are_ordinary_bulk_frames_and_release_restores_non_blocking(
     a_next, _, _, b_prev = ring2
     payload = np.arange(1 << 20, dtype=np.uint8)
     out = a_next.hold_bulk(5.0)
-    out.send_bytes(payload)
+    out.send_bytes(payload, 5.0)
     buf = np.empty_like(payload)
     b_prev.recv_into(memoryview(buf), timeout=5.0)  # RealConnection's own (poll) receive
     np.testing.assert_array_equal(buf, payload)
     inc = b_prev.hold_bulk(5.0)
     a_next.send_bytes(payload[::-1].copy())  # RealConnection's own send, while a_next is held: same frames
-    inc.recv_into(buf)
+    inc.recv_into(buf, 5.0)
     np.testing.assert_array_equal(buf, payload[::-1])
     out.release()
     inc.release()
@@ -99,11 +83,12 @@ def test_held_frames_are_ordinary_bulk_frames_and_release_restores_non_blocking(
 
 
 def test_a_receive_with_nothing_sent_times_out_and_leaves_the_connection_open(ring2):
+    """The kernel's timeout ends the blocked call; the poll() wait behind it ends at the deadline."""
     _, _, _, b_prev = ring2
     inc = b_prev.hold_bulk(0.3)
     t0 = time.monotonic()
     with pytest.raises(NetTimeout, match="timed out"):
-        inc.recv_into(np.empty(1024, np.uint8))
+        inc.recv_into(np.empty(1024, np.uint8), 0.3)
     assert 0.25 <= time.monotonic() - t0 < 2.0
     assert not b_prev.closed  # no byte of a frame was read: the stream is intact
 
@@ -113,7 +98,7 @@ def test_a_receive_that_times_out_mid_frame_closes_the_connection(ring2):
     a_next._sock.sendall(b"\x02" + (1 << 20).to_bytes(8, "big") + b"x" * 1000)  # header + part of a payload
     inc = b_prev.hold_bulk(0.3)
     with pytest.raises(NetTimeout, match="mid-frame"):
-        inc.recv_into(np.empty(1 << 20, np.uint8))
+        inc.recv_into(np.empty(1 << 20, np.uint8), 0.3)
     assert b_prev.closed
 
 
@@ -123,7 +108,7 @@ def test_a_send_the_peer_never_reads_times_out_and_closes(ring2):
     out = a_next.hold_bulk(0.3)
     t0 = time.monotonic()
     with pytest.raises(NetTimeout, match="send"):
-        out.send_bytes(np.zeros(64 << 20, np.uint8))  # far more than both socket buffers hold
+        out.send_bytes(np.zeros(64 << 20, np.uint8), 0.3)  # far more than both socket buffers hold
     assert 0.25 <= time.monotonic() - t0 < 2.0
     assert a_next.closed
 
@@ -134,10 +119,10 @@ def test_close_from_another_task_wakes_a_blocked_call_at_once(ring2, side):
     a_next.set_buffer_bytes(128 << 10)
     if side == "receiver":
         conn, held = b_prev, b_prev.hold_bulk(20.0)
-        call = lambda: held.recv_into(np.empty(1 << 20, np.uint8))  # noqa: E731
+        call = lambda: held.recv_into(np.empty(1 << 20, np.uint8), 20.0)  # noqa: E731
     else:
         conn, held = a_next, a_next.hold_bulk(20.0)
-        call = lambda: held.send_bytes(np.zeros(64 << 20, np.uint8))  # noqa: E731
+        call = lambda: held.send_bytes(np.zeros(64 << 20, np.uint8), 20.0)  # noqa: E731
     t, res = _in_thread(call)
     time.sleep(0.3)
     assert t.is_alive()  # blocked in the kernel
@@ -152,7 +137,7 @@ def test_close_from_another_task_wakes_a_blocked_call_at_once(ring2, side):
 def test_a_peer_that_goes_away_is_peer_closed(ring2):
     a_next, _, _, b_prev = ring2
     inc = b_prev.hold_bulk(10.0)
-    t, res = _in_thread(lambda: inc.recv_into(np.empty(1 << 20, np.uint8)))
+    t, res = _in_thread(lambda: inc.recv_into(np.empty(1 << 20, np.uint8), 10.0))
     time.sleep(0.2)
     a_next._sock.shutdown(socket.SHUT_RDWR)  # as the kernel does for a killed process
     t.join(5.0)
@@ -164,7 +149,7 @@ def test_a_frame_of_another_size_is_a_protocol_error_and_closes(ring2):
     a_next.send_bytes(np.zeros(100, np.uint8))
     inc = b_prev.hold_bulk(5.0)
     with pytest.raises(ProtocolError, match="100"):
-        inc.recv_into(np.empty(200, np.uint8))
+        inc.recv_into(np.empty(200, np.uint8), 5.0)
     assert b_prev.closed
 
 
