@@ -13,6 +13,8 @@ import pytest
 
 from ftrun.env.base import NetTimeout, PeerClosed, ProtocolError
 
+from tests.unit.conftest import FRAMES, receive_frames
+
 pytestmark = pytest.mark.timeout(30)
 
 
@@ -30,33 +32,21 @@ def _in_thread(fn):
     return t, out
 
 
-def test_both_ranks_exchange_frames_many_times_their_small_socket_buffers(ring2):
-    a_next, a_prev, b_next, b_prev = ring2
+def test_both_ranks_exchange_frames_many_times_their_small_socket_buffers(ring2, both_ranks_exchange):
     for c in ring2:
         c.set_buffer_bytes(128 << 10)
-    frames = [np.random.default_rng(i).integers(0, 256, 3_000_001 + i, dtype=np.uint8) for i in range(6)]
-    got = {"a": [], "b": []}
 
-    def rank(name, nxt, prev):
+    def rank(nxt, prev):
         out, inc = nxt.hold_bulk(10.0), prev.hold_bulk(10.0)
-        sender, sent = _in_thread(lambda: [out.send_bytes(f, 10.0) for f in frames])
-        for f in frames:
-            buf = np.empty_like(f)
-            inc.recv_into(buf, 10.0)
-            got[name].append(buf)
+        sender, sent = _in_thread(lambda: [out.send_bytes(f, 10.0) for f in FRAMES])
+        got = receive_frames(inc.recv_into)
         sender.join(10.0)
         assert "error" not in sent
         out.release()
         inc.release()
+        return got
 
-    t, res = _in_thread(lambda: rank("b", b_next, b_prev))
-    rank("a", a_next, a_prev)
-    t.join(10.0)
-    assert "error" not in res, res
-    for name in "ab":
-        assert len(got[name]) == len(frames)
-        for want, have in zip(frames, got[name]):
-            np.testing.assert_array_equal(have, want)
+    both_ranks_exchange(rank)
 
 
 def test_held_frames_are_ordinary_bulk_frames_and_release_restores_non_blocking(ring2):
