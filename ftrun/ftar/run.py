@@ -12,8 +12,9 @@ frames while it waits for the next one to arrive: no thread hand-offs per chunk.
 drains the queue of outgoing frames so the rank receives while it sends; in shared mode an ack task frees
 slots as the next rank acknowledges them. With "blocking" (the default), when both links are sockets and
 the connections offer `hold_bulk` (ftrun.env.real_bulk), both tasks move each frame in one blocking call
-that waits in the kernel, and the holds are released when the all-reduce ends. A staging slot is rewritten only once its previous send is complete (socket) or acknowledged
-(shared), which also caps the bytes in flight per peer at 2 x C x S.
+that waits in the kernel, and the holds are released when the all-reduce ends. A staging slot is rewritten
+only once its previous send is complete (socket) or acknowledged (shared), which also caps the bytes in
+flight per peer at 2 x C x S.
 
 Buffers are numpy uint8 arrays, or, with shape-only kernels (emulation), stand-ins whose slices are what
 the Env's connections send and receive for those bytes (harness.engine.ShapeOnly). Kernel calls return
