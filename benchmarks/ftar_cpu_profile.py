@@ -1,7 +1,7 @@
 """Where an FTAR all-reduce's wall time goes on this machine, next to gloo's, in the same processes.
 
-P processes on 127.0.0.1 each build a gloo group and two FTAR rings over sockets (socket_io "threads" and
-"pump"), then alternate the three all-reduces iteration by iteration (same load for all three). Per
+P processes on 127.0.0.1 each build a gloo group and one FTAR ring over sockets per socket_io ("blocking",
+"threads", "pump"), then alternate the all-reduces iteration by iteration (same load for all). Per
 all-reduce and rank: wall seconds, CPU seconds (user + system, every thread), voluntary context switches,
 and run-queue wait (seconds the process's threads were runnable but not running, /proc/*/schedstat).
 On a shared machine, wall = CPU + run-queue wait + sleep; this shows which one dominates.
@@ -22,7 +22,8 @@ import time
 
 import numpy as np
 
-VARIANTS = ("threads", "pump", "gloo")
+SOCKET_IO = ("blocking", "threads", "pump")
+VARIANTS = (*SOCKET_IO, "gloo")
 
 
 def _usage() -> tuple[float, int, float]:
@@ -50,7 +51,7 @@ def worker(port: int, procs: int, rank: int, size: int, iters: int) -> None:
     gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, procs, datetime.timedelta(seconds=120))
     engines = {io: FtarEngine(env=env, kernels=CpuKernels(), token="profile",
                               config=FtarConfig(timeout_s=120.0, transport="socket", socket_io=io))
-               for io in ("threads", "pump")}
+               for io in SOCKET_IO}
     for io, engine in engines.items():
         store.set(f"{io}/{rank}", engine.addr)
     for io, engine in engines.items():
@@ -59,8 +60,8 @@ def worker(port: int, procs: int, rank: int, size: int, iters: int) -> None:
     source = np.random.default_rng(rank).standard_normal(size // 4).astype(np.float32)
     buf = torch.empty(size // 4, dtype=torch.float32)
     arr = buf.numpy()
-    run = {"threads": lambda: engines["threads"].all_reduce(arr), "pump": lambda: engines["pump"].all_reduce(arr),
-           "gloo": lambda: gloo.allreduce([buf]).wait()}
+    run = {io: engine.all_reduce for io, engine in engines.items()}
+    run["gloo"] = lambda _: gloo.allreduce([buf]).wait()
     got: dict[str, list] = {v: [] for v in VARIANTS}
     for i in range(iters + 1):
         for v in VARIANTS:
@@ -68,7 +69,7 @@ def worker(port: int, procs: int, rank: int, size: int, iters: int) -> None:
             gloo.barrier().wait()
             c0, s0, w0 = _usage()
             t0 = time.perf_counter()
-            run[v]()
+            run[v](arr)
             wall = time.perf_counter() - t0
             c1, s1, w1 = _usage()
             if i:  # iteration 0 warms up

@@ -98,6 +98,9 @@ class ManagerConfig:
             raise ValueError(f"ManagerConfig.ask_ahead must be a bool, got {self.ask_ahead!r}")
 
 
+MIN_SOCKET_BUFFER_BYTES = 128 << 10
+
+
 @dataclass(frozen=True, kw_only=True)
 class FtarConfig:
     """The FTAR engine's settings, the one place FTAR chunking is named: FTConfig (`ftar`) and the scale
@@ -107,9 +110,16 @@ class FtarConfig:
     num_chunks: int = 4  # C: chunks in flight per peer
     timeout_s: float = 10.0  # any single wait inside an all-reduce
     transport: str = "auto"  # "auto": shared slots with same-host neighbours; "socket": bulk frames only
-    # Socket links: "threads" sends from a helper task while this one receives; "pump" drives both
-    # directions from one task when the Env's connections offer it (ftrun.env.real_pump), else threads.
-    socket_io: str = "threads"
+    # Socket links: "blocking" is "threads" with each chunk sent and received in one blocking call
+    # when the Env's connections offer it (ftrun.env.real_bulk); "threads" sends from a helper task
+    # while this one receives, waiting in poll(); "pump" drives both directions from one task when the
+    # Env's connections offer it (ftrun.env.real_pump). Both fall back to "threads".
+    socket_io: str = "blocking"
+    # Socket buffers (send and receive) of a ring link whose ends are on one machine (transport "socket"
+    # or network namespaces): small, so the bytes the sender's kernel copies in are still in the shared
+    # cache when the receiver's copies them out; 0 keeps the connection's (4 MiB). Links between
+    # machines keep theirs: there the window must cover the bandwidth-delay product.
+    local_socket_buffer_bytes: int = 256 << 10
 
     def __post_init__(self) -> None:
         if self.chunk_bytes < 16 or self.chunk_bytes % 16:
@@ -120,8 +130,12 @@ class FtarConfig:
             raise ValueError(f"FtarConfig.timeout_s must be > 0, got {self.timeout_s}")
         if self.transport not in ("auto", "socket"):
             raise ValueError(f"FtarConfig.transport must be 'auto' or 'socket', got {self.transport!r}")
-        if self.socket_io not in ("threads", "pump"):
-            raise ValueError(f"FtarConfig.socket_io must be 'threads' or 'pump', got {self.socket_io!r}")
+        if self.socket_io not in ("blocking", "threads", "pump"):
+            raise ValueError(f"FtarConfig.socket_io must be 'blocking', 'threads' or 'pump', got {self.socket_io!r}")
+        if self.local_socket_buffer_bytes and self.local_socket_buffer_bytes < MIN_SOCKET_BUFFER_BYTES:
+            raise ValueError(f"FtarConfig.local_socket_buffer_bytes must be 0 or >= {MIN_SOCKET_BUFFER_BYTES} (a "
+                             f"window under two loopback segments of 64 KiB stalls the link), got "
+                             f"{self.local_socket_buffer_bytes}")
 
     @property
     def staging_bytes(self) -> int:

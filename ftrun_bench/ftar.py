@@ -26,6 +26,7 @@ import sys
 import torch.distributed as dist
 
 from ftrun.cli import emit_json
+from ftrun.config import FtarConfig
 
 
 def parse_size(text: str) -> int:
@@ -44,8 +45,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunks", type=int, default=4, help="FTAR chunks in flight C")
     p.add_argument("--transport", choices=["auto", "socket"], default="auto",
                    help="auto: shared staging between same-host neighbours; socket: bulk frames over TCP only")
-    p.add_argument("--socket-io", choices=["threads", "pump"], default="threads",
-                   help="socket links: a sender thread per link, or one task pumping both directions")
+    p.add_argument("--socket-io", choices=["blocking", "threads", "pump"], default=FtarConfig.socket_io,
+                   help="socket links: a sender thread per link with blocking calls (default) or waiting in "
+                        "poll(), or one task pumping both directions")
+    p.add_argument("--local-socket-buffer-kb", type=int, default=FtarConfig.local_socket_buffer_bytes >> 10,
+                   help="socket buffers of FTAR links within one machine, KiB; 0 keeps the connections' 4 MiB "
+                        "(default: %(default)s)")
     p.add_argument("--netns", action="store_true", help="one network namespace per process (needs root)")
     p.add_argument("--netns-rate", type=float, default=0.0, metavar="MBIT",
                    help="with --netns: bandwidth cap per link and direction, 0 for none (default: %(default)s)")
@@ -76,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         emit_json({"results": rows, "min_ratio": min(r["ratio"] for r in rows),
                    "min_cpu_ratio": min(r["cpu_ratio"] for r in rows), "transport": args.transport,
-                   "socket_io": args.socket_io, "hosts": max(counts) if args.netns else 1, "shaping": shaping})
+                   "socket_io": args.socket_io, "local_socket_buffer_kb": args.local_socket_buffer_kb, "hosts": max(counts) if args.netns else 1, "shaping": shaping})
     return 0
 
 
@@ -104,7 +109,8 @@ def _run_group(procs: int, sizes: list[int], args: argparse.Namespace) -> list[d
 def _run_workers(procs: int, sizes: list[int], args: argparse.Namespace, port: int, where) -> list[dict]:
     """where(rank) -> (command prefix, extra worker arguments, extra environment)."""
     cmd = [sys.executable, "-m", "ftrun_bench.ftar_worker", str(port), str(procs), ",".join(map(str, sizes)),
-           str(args.iters), str(args.chunk_kb << 10), str(args.chunks), args.transport, args.socket_io]
+           str(args.iters), str(args.chunk_kb << 10), str(args.chunks), args.transport, args.socket_io,
+           str(args.local_socket_buffer_kb << 10)]
     workers = []
     for r in range(procs):
         prefix, extra, env = where(r)

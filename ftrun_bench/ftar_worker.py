@@ -1,7 +1,8 @@
 """One process of `ftrun bench ftar` (see ftrun_bench/ftar.py).
 
-argv: port procs sizes iters chunk chunks transport socket_io rank [host]: host is the address the store
-listens on and this rank binds (`--netns`: its namespace's address; default 127.0.0.1)."""
+argv: port procs sizes iters chunk chunks transport socket_io local_socket_buffer_bytes rank [store_host
+bind_host]: the address the store listens on and the one this rank binds (`--netns`: host 0's and its
+namespace's; default 127.0.0.1)."""
 
 from __future__ import annotations
 
@@ -26,15 +27,16 @@ def _cpu_s() -> float:
 
 
 def main() -> int:
-    port, procs, sizes, iters, chunk, chunks, transport, socket_io, rank = sys.argv[1:10]
-    store_host, bind_host = (sys.argv[10], sys.argv[11]) if len(sys.argv) > 11 else ("127.0.0.1", "127.0.0.1")
+    port, procs, sizes, iters, chunk, chunks, transport, socket_io, local_buffer, rank = sys.argv[1:11]
+    store_host, bind_host = (sys.argv[11], sys.argv[12]) if len(sys.argv) > 12 else ("127.0.0.1", "127.0.0.1")
     procs, iters, rank = int(procs), int(iters), int(rank)
     env = RealEnv()
     store = dist.TCPStore(store_host, int(port), procs + 1, False, timeout=datetime.timedelta(seconds=120))
     gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, procs, datetime.timedelta(seconds=120))
     engine = FtarEngine(env=env, kernels=CpuKernels(), token="bench",
                         config=FtarConfig(chunk_bytes=int(chunk), num_chunks=int(chunks), timeout_s=60.0,
-                                          transport=transport, socket_io=socket_io), bind=f"{bind_host}:0")
+                                          transport=transport, socket_io=socket_io,
+                                          local_socket_buffer_bytes=int(local_buffer)), bind=f"{bind_host}:0")
     store.set(f"ftar/{rank}", engine.addr)
     ring = [store.get(f"ftar/{r}").decode() for r in range(procs)]
     engine.reconfigure(epoch=1, ring=ring, index=rank)

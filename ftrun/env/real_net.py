@@ -24,6 +24,7 @@ from ftrun.env.base import ConnectError, EnvTimeout, Message, NetTimeout, PeerCl
 from ftrun.env import wire
 
 if TYPE_CHECKING:
+    from ftrun.env.real_bulk import BlockingBulk
     from ftrun.env.real_pump import RealPump
 
 _SOCK_BUF = 4 * 1024 * 1024
@@ -51,8 +52,12 @@ def _format(family: int, sockaddr: object) -> str:
 def _tune(sock: socket.socket) -> None:
     if sock.family == socket.AF_INET:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCK_BUF)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCK_BUF)
+    _set_buffers(sock, _SOCK_BUF)
+
+
+def _set_buffers(sock: socket.socket, nbytes: int) -> None:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, nbytes)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, nbytes)
 
 
 class RealConnection:
@@ -73,6 +78,7 @@ class RealConnection:
         self._sock = sock
         self._hello_limit, self._on_event = hello_limit, on_event
         self._rx: bytearray | None = None  # a control message being received
+        self._wait_all = False  # held (ftrun.env.real_bulk): a blocking recv takes the rest of a frame at once
         self._send_lock = threading.Lock()
         self._header = bytearray(wire.HEADER_SIZE)
         self._closed = False
@@ -124,6 +130,21 @@ class RealConnection:
         from ftrun.env.real_pump import RealPump
 
         return RealPump(self, inc)
+
+    def hold_bulk(self, timeout: float) -> "BlockingBulk":
+        """Bulk sends and receives on this connection that block in the kernel (at most `timeout` per
+        call) until the holder's `release()` (see ftrun.env.real_bulk); nothing but close() may use the
+        connection meanwhile."""
+        from ftrun.env.real_bulk import BlockingBulk
+
+        return BlockingBulk(self, timeout)
+
+    def set_buffer_bytes(self, nbytes: int) -> None:
+        """Set the socket's send and receive buffers (SO_SNDBUF / SO_RCVBUF; the kernel doubles them)."""
+        if nbytes <= 0:
+            raise ValueError(f"socket buffer size must be > 0, got {nbytes}")
+        self._check_open()
+        _set_buffers(self._sock, nbytes)
 
     # -- receiving -----------------------------------------------------------------------------
     def recv(self, timeout: float | None) -> Message:
@@ -184,8 +205,11 @@ class RealConnection:
         while got < view.nbytes:
             self._check_open()
             try:
-                n = self._sock.recv_into(view[got:got + _RECV_STEP])
-            except BlockingIOError:
+                if self._wait_all:
+                    n = self._sock.recv_into(view[got:], 0, socket.MSG_WAITALL)
+                else:
+                    n = self._sock.recv_into(view[got:got + _RECV_STEP])
+            except BlockingIOError:  # nothing yet (held: nothing within the kernel's timeout)
                 if not self._wait(self._rpoll, deadline):
                     mid_frame = started or got > 0
                     if mid_frame:

@@ -31,7 +31,7 @@ from ftrun.ftar.kernels import DType, Kernels
 from ftrun.ftar.ring import FatalError, RecoverableError, RingLinks, RingListener, abort_request, connect_ring
 from ftrun.ftar.run import RingRun
 from ftrun.ftar.schedule import Schedule, schedule
-from ftrun.ftar.shm import SharedSlots, host_identity
+from ftrun.ftar.shm import SharedSlots, host_identity, same_machine
 
 
 @lru_cache(maxsize=64)
@@ -126,12 +126,15 @@ class FtarEngine:
         me = host_identity()
         links.prev.send({"host": me})
         offer = links.prev.recv(timeout=t) if joining else None
-        share_out = links.next.recv(timeout=t)["host"] == me and self.config.transport == "auto"
+        next_host = links.next.recv(timeout=t)["host"]
+        share_out = next_host == me and self.config.transport == "auto"
         if share_out:
             self._own_slots = SharedSlots.create(self.config.staging_bytes, tag=f"e{links.epoch}")
         links.next.send({"host": me, "shm": self._own_slots.path if share_out else None})
         if offer is None:
             offer = links.prev.recv(timeout=t)
+        for conn, host in ((links.next, next_host), (links.prev, offer["host"])):
+            self._size_buffers(conn, host, me)
         shm = offer["shm"]
         if shm is not None:
             self._prev_slots = SharedSlots.attach(str(shm), self.config.staging_bytes)
@@ -143,6 +146,13 @@ class FtarEngine:
         if share_out and attached:
             self._own_slots.unlink()  # both sides have it mapped: nothing to leave behind in /dev/shm
         self.transports = ("shared" if shm is not None else "socket", "shared" if share_out else "socket")
+
+    def _size_buffers(self, conn, host: str, me: str) -> None:
+        """Small socket buffers on a link within this machine (FtarConfig.local_socket_buffer_bytes)."""
+        size = self.config.local_socket_buffer_bytes
+        set_buffer_bytes = getattr(conn, "set_buffer_bytes", None)  # real connections only
+        if size and set_buffer_bytes is not None and same_machine(str(host), me):
+            set_buffer_bytes(size)
 
     def _drop_shared(self) -> None:
         for slots in (self._own_slots, self._prev_slots):
@@ -181,7 +191,7 @@ class FtarEngine:
         staging = self._own_slots.array if self._own_slots is not None else self._local_staging(sched, data)
         run = RingRun(env=self.env, kernels=self.kernels, links=links, sched=sched, data=data,
                       dtype=dt, staging=staging, out_shared=self._own_slots is not None, timeout=self.config.timeout_s,
-                      pump=self.config.socket_io == "pump",
+                      socket_io=self.config.socket_io,
                       prev_slots=self._prev_slots.array if self._prev_slots is not None else None)
         run.telemetry = self.telemetry
         try:

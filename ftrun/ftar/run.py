@@ -10,8 +10,11 @@ This task receives and computes in schedule order. With `pump` (FtarConfig.socke
 links are sockets and the connections offer `duplex` (ftrun.env.real_pump), this one task also pushes the queued
 frames while it waits for the next one to arrive: no thread hand-offs per chunk. Otherwise a sender task
 drains the queue of outgoing frames so the rank receives while it sends; in shared mode an ack task frees
-slots as the next rank acknowledges them. A staging slot is rewritten only once its previous send is complete (socket) or acknowledged
-(shared), which also caps the bytes in flight per peer at 2 x C x S.
+slots as the next rank acknowledges them. With "blocking" (the default), when both links are sockets and
+the connections offer `hold_bulk` (ftrun.env.real_bulk), both tasks move each frame in one blocking call
+that waits in the kernel, and the holds are released when the all-reduce ends. A staging slot is rewritten
+only once its previous send is complete (socket) or acknowledged (shared), which also caps the bytes in
+flight per peer at 2 x C x S.
 
 Buffers are numpy uint8 arrays, or, with shape-only kernels (emulation), stand-ins whose slices are what
 the Env's connections send and receive for those bytes (harness.engine.ShapeOnly). Kernel calls return
@@ -35,7 +38,7 @@ class RingRun:
 
     def __init__(self, *, env, kernels: Kernels, links: RingLinks, sched: Schedule, data: np.ndarray, dtype: DType,
                  staging: np.ndarray, prev_slots: np.ndarray | None, out_shared: bool, timeout: float,
-                 pump: bool = False) -> None:
+                 socket_io: str = "threads") -> None:
         self.env, self.k, self.links, self.sched, self.data, self.dt = env, kernels, links, sched, data, dtype
         self.staging, self.prev_slots, self.out_shared, self.timeout = staging, prev_slots, out_shared, timeout
         self.slot_free = [env.event() for _ in range(sched.num_slots)]
@@ -43,13 +46,23 @@ class RingRun:
             ev.set()
         self.sends = env.queue()
         self.error: BaseException | None = None
-        duplex = getattr(links.next, "duplex", None) if pump else None
         both_sockets = prev_slots is None and not out_shared and isinstance(data, np.ndarray)
-        self.pump = duplex(links.prev) if duplex is not None and both_sockets else None
+        duplex = getattr(links.next, "duplex", None) if socket_io == "pump" and both_sockets else None
+        self.pump = duplex(links.prev) if duplex is not None else None
+        # Where bulk frames go out and come in: the links, or (blocking) holds on them for this all-reduce.
+        self.out, self.inc, self.held = links.next, links.prev, []
+        self.blocking = socket_io == "blocking" and both_sockets and hasattr(links.next, "hold_bulk")
         self.slot_ticket = [0] * sched.num_slots  # pump mode: a slot is free once its send's ticket went
 
     # -- driver --------------------------------------------------------------------------------
     def go(self) -> None:
+        if self.blocking:
+            try:
+                self.held.append(self.links.next.hold_bulk(self.timeout))
+                self.held.append(self.links.prev.hold_bulk(self.timeout))
+            except NetError as e:
+                self._fail(e)
+            self.out, self.inc = self.held
         helpers = [] if self.pump is not None else [self.env.spawn(self._send_loop, name="ftar-send")]
         if self.out_shared:
             helpers.append(self.env.spawn(self._ack_loop, self.sched.num_sends, name="ftar-acks"))
@@ -67,6 +80,8 @@ class RingRun:
         finally:
             self.sends.put(None)
             finished = all(h.join(timeout=self.timeout) for h in helpers)
+            for held in self.held:
+                held.release()
             # Let go of the buffers at once: shared staging is unmapped when the last view goes.
             self.staging = self.prev_slots = self.data = None  # type: ignore[assignment]
         if self.error is None and not finished:
@@ -159,7 +174,7 @@ class RingRun:
         if self.pump is not None:
             self.pump.recv_into(target, self.timeout)
         else:
-            self.links.prev.recv_into(target, timeout=self.timeout)
+            self.inc.recv_into(target, timeout=self.timeout)
 
     def _charge(self, seconds: float) -> None:
         """Wait out the device time a kernel models (shape-only kernels; real ones return 0.0)."""
@@ -192,7 +207,7 @@ class RingRun:
                 if isinstance(payload, dict):  # shared slot: sent once the next rank acks it (_ack_loop)
                     self.links.next.send(payload, timeout=self.timeout)
                 else:
-                    self.links.next.send_bytes(payload, timeout=self.timeout)
+                    self.out.send_bytes(payload, timeout=self.timeout)
                     self.slot_free[slot].set()
                     if self.telemetry: self.telemetry.ftar_sent(self.sched.next_rank, getattr(payload, "nbytes", 0))
             except NetError as e:

@@ -39,6 +39,12 @@ def host_identity() -> str:
     return f"{os.uname().nodename}/{boot}/{netns}"
 
 
+def same_machine(a: str, b: str) -> bool:
+    """Whether two host_identity() values are one machine (one kernel boot), network namespaces aside:
+    the processes then share CPUs and caches even when their ring link crosses namespaces. Pure."""
+    return a.rpartition("/")[0] == b.rpartition("/")[0]
+
+
 def _pid_of(name: str) -> int | None:
     """ftrun-ftar-{tag}-{pid}-{hex} -> pid (tags contain no '-')."""
     parts = name.split("-")

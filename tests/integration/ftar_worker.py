@@ -21,8 +21,9 @@ from ftrun.ftar.engine import FtarConfig, FtarEngine
 
 
 def io_config(transport: str) -> dict:
-    """FTAR_TRANSPORT: auto, socket, or socket+pump (socket links driven by one task)."""
-    return {"transport": "socket", "socket_io": "pump"} if transport == "socket+pump" else {"transport": transport}
+    """FTAR_TRANSPORT: auto, socket, or socket+IO with IO an FtarConfig.socket_io (threads, pump)."""
+    kind, _, io = transport.partition("+")
+    return {"transport": kind, "socket_io": io} if io else {"transport": kind}
 from ftrun.ftar.ring import FtarError
 
 

@@ -39,11 +39,14 @@ def build(env, engs, epoch=1):
     assert errors == [None] * len(engs)
 
 
-TRANSPORTS = ["auto", "socket", "socket+pump"]  # socket+pump: socket links driven by one task (real_pump)
+# socket: links with blocking bulk calls (real_bulk, the default); socket+threads: a sender task waiting in
+# poll(); socket+pump: socket links driven by one task (real_pump)
+TRANSPORTS = ["auto", "socket", "socket+threads", "socket+pump"]
 
 
 def io_config(transport: str) -> dict:
-    return {"transport": "socket", "socket_io": "pump"} if transport == "socket+pump" else {"transport": transport}
+    kind, _, io = transport.partition("+")
+    return {"transport": kind, "socket_io": io} if io else {"transport": kind}
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -112,6 +115,40 @@ def test_abort_travels_the_ring_and_survivors_reconfigure(transport):
     env.clock.sleep(0.2)
     gc.collect()
     assert (threading.active_count(), len(os.listdir("/proc/self/fd"))) == before  # nothing leaked
+
+
+@pytest.mark.parametrize("same_machine", [True, False])
+def test_socket_links_within_one_machine_get_the_small_buffers(same_machine, monkeypatch):
+    """Small socket buffers keep a same-machine link's bytes in cache between the two kernels' copies;
+    links between machines keep the connection's 4 MiB (the window must cover the bandwidth-delay product)."""
+    from ftrun.ftar import engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "same_machine", lambda a, b: same_machine)
+    env = RealEnv()
+    engs = engines(env, 2, FtarConfig(chunk_bytes=1 << 16, num_chunks=2, timeout_s=10.0, transport="socket",
+                                      local_socket_buffer_bytes=256 << 10))
+    build(env, engs)
+    for e in engs:
+        for conn in (e._links.next, e._links.prev):
+            got = [conn._sock.getsockopt(socket.SOL_SOCKET, o) for o in (socket.SO_SNDBUF, socket.SO_RCVBUF)]
+            if same_machine:
+                assert got == [2 * (256 << 10)] * 2  # Linux doubles what it is given
+            else:
+                assert min(got) > 2 * (256 << 10)
+    bufs = [np.full(1 << 20, i + 1, np.float32) for i in range(2)]
+    assert in_parallel(env, [lambda i=i: engs[i].all_reduce(bufs[i]) for i in range(2)]) == [None, None]
+    assert all((b == 3).all() for b in bufs)
+    for e in engs:
+        assert not e._links.next._sock.getblocking()  # the all-reduce's holds were released
+        e.close()
+
+
+def test_config_rejects_bad_socket_settings():
+    with pytest.raises(ValueError, match="socket_io"):
+        FtarConfig(socket_io="select")
+    with pytest.raises(ValueError, match="local_socket_buffer_bytes"):
+        FtarConfig(local_socket_buffer_bytes=64 << 10)
+    assert FtarConfig(local_socket_buffer_bytes=0).local_socket_buffer_bytes == 0
 
 
 def test_bad_arguments_are_fatal():

@@ -32,3 +32,12 @@ def test_create_sweeps_first_and_unlink_leaves_nothing(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == [os.path.basename(slots.path)]
     slots.close()
     assert os.listdir(tmp_path) == []
+
+
+def test_same_machine_ignores_only_the_network_namespace():
+    me = shm.host_identity()
+    node, boot, netns = me.split("/", 2)
+    assert shm.same_machine(me, me)
+    assert shm.same_machine(me, f"{node}/{boot}/net:[4026532999]")  # another namespace on this machine
+    assert not shm.same_machine(me, f"{node}/another-boot/{netns}")
+    assert not shm.same_machine(me, f"other-node/{boot}/{netns}")

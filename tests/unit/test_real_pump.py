@@ -10,50 +10,23 @@ import pytest
 
 from ftrun.env import wire
 from ftrun.env.base import NetTimeout, PeerClosed, ProtocolError
-from ftrun.env.real_net import RealNetwork
+
+from tests.unit.conftest import FRAMES, receive_frames
 
 pytestmark = pytest.mark.timeout(30)
 
 
-@pytest.fixture
-def ring2():
-    """Two ranks' links: a.next -> b.prev and b.next -> a.prev (two TCP connections)."""
-    net = RealNetwork()
-    la, lb = net.listen("127.0.0.1:0"), net.listen("127.0.0.1:0")
-    a_next, b_next = net.connect(lb.addr, 5.0), net.connect(la.addr, 5.0)
-    b_prev, a_prev = lb.accept(5.0), la.accept(5.0)
-    conns = [a_next, a_prev, b_next, b_prev]
-    yield a_next, a_prev, b_next, b_prev
-    for c in conns:
-        c.close()
-    la.close()
-    lb.close()
-
-
-def test_two_pumps_exchange_many_frames_larger_than_the_socket_buffers(ring2):
-    a_next, a_prev, b_next, b_prev = ring2
-    frames = [np.random.default_rng(i).integers(0, 256, 3_000_001 + i, dtype=np.uint8) for i in range(6)]
-    got = {"a": [], "b": []}
-
-    def rank(name, nxt, prev):
+def test_two_pumps_exchange_many_frames_larger_than_the_socket_buffers(both_ranks_exchange):
+    def rank(nxt, prev):
         pump = nxt.duplex(prev)
-        tickets = [pump.send(f) for f in frames]  # ~18 MB queued: only progress on both sides drains it
-        assert pump.num_sent < len(frames)
-        for f in frames:
-            buf = np.empty_like(f)
-            pump.recv_into(buf, 10.0)
-            got[name].append(buf)
+        tickets = [pump.send(f) for f in FRAMES]  # ~18 MB queued: only progress on both sides drains it
+        assert pump.num_sent < len(FRAMES)
+        got = receive_frames(pump.recv_into)
         pump.flush(10.0)
-        assert pump.num_sent == tickets[-1] == len(frames)
+        assert pump.num_sent == tickets[-1] == len(FRAMES)
+        return got
 
-    t = threading.Thread(target=rank, args=("b", b_next, b_prev))
-    t.start()
-    rank("a", a_next, a_prev)
-    t.join(10.0)
-    for name in "ab":
-        assert len(got[name]) == len(frames)
-        for want, have in zip(frames, got[name]):
-            np.testing.assert_array_equal(have, want)
+    both_ranks_exchange(rank)
 
 
 def test_pump_frames_are_ordinary_bulk_frames(ring2):
