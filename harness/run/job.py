@@ -99,6 +99,7 @@ class Incarnation:
         self.straggler = job.straggler_on(hosts)
         self.alive = True  # False once killed or failed (its ranks may still be unwinding)
         self.completed = False  # its leader committed the last step
+        self.has_committed = False  # its leader committed a step (until then it is catching up)
 
 
 def _prewire(world: EmulatedWorld, envs: list[Any], rank_hosts: list[str], fanout: int) -> list[tuple[Any, list[Any]]]:
@@ -433,10 +434,16 @@ class EmulatedJob(JobFolding):
         up = sum(1 for inc in self._incarnations if inc is not None and inc.alive)
         return self.profile.ftar.sync_overhead_s * up / 2 if up > 1 else 0.0
 
-    def slow_fetch(self, inc: Incarnation) -> tuple[float, float] | None:
-        """(factor, delay_s) of a slow fetch fault of the replica: F x the modeled transfer, plus D."""
-        slow = self._slow_fetch.get(inc.replica)
-        return None if slow is None else (slow.factor, slow.delay_s)
+    def slow_fetch(self) -> tuple[float, float] | None:
+        """(factor, delay_s) of the slow fetch fault in force now (F x the modeled transfer, plus D), or None. As
+        `ftrun launch --inject` applies it: every catch-up source serves slowly while the fault's replica is catching
+        up (up, and no commit since its start), so a fetch meets it whichever replica makes it (a replica starting
+        late while that one has not committed yet, too)."""
+        for replica, f in self._slow_fetch.items():
+            inc = self._incarnations[replica]
+            if inc is not None and inc.alive and not inc.has_committed:
+                return f.factor, f.delay_s
+        return None
 
     def data_figures(self) -> dict[str, Any]:
         """The exactly-once audit over every leader's records, catch-up and checkpoint figures."""
@@ -448,6 +455,7 @@ class EmulatedJob(JobFolding):
         """A leader committed: its replica has trained `step` steps."""
         now, last = self.world.now, self.last_commit.get(inc.replica)
         self.last_commit[inc.replica] = (step, now)
+        inc.has_committed = True
         if last is not None:
             self._commit_gaps = (self._commit_gaps + [now - last[1]])[-20:]  # the recent step period (contention)
         if step >= self.options.steps:

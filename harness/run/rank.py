@@ -161,7 +161,7 @@ def _data_plane(job: RankJob, inc: RankIncarnation, rank: int, env: Any, lead: b
     net = NetCatchup(env=env, token=job.token, config=job.catchup_config, payloads=ShapePayloads(),
                      store=lambda on_change: ShapeSnapshotStore(max_shard_bytes=job.catchup_config.max_shard_bytes,
                                                                 on_change=on_change))
-    catchup: Any = TimedCatchup(net, env, on_fetch=fetched, slow=job.slow_fetch(inc),
+    catchup: Any = TimedCatchup(net, env, on_fetch=fetched, slow=job.slow_fetch,
                                 extra_s=job.profile.train.catchup_fetch_extra_s)
     if mirror is not None:
         exchange, catchup = LeadExchange(exchange, mirror, rank), LeadCatchup(catchup, mirror, rank)

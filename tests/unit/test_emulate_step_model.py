@@ -8,6 +8,7 @@ import pytest
 from ftrun.cli import UsageError
 from harness.cli import build_profile, execute
 from harness.run import JobOptions, Kill
+from harness.run.options import parse_inject
 
 
 def _leader_events(job, replica_id: str) -> list[dict]:
@@ -47,6 +48,27 @@ def test_a_replica_whose_first_start_is_later_joins_behind_and_heals():
     _, together = execute(build_profile("ci-small", [], steps=8, cpu_charging=False), JobOptions(steps=8))
     first = next(e for e in _leader_events(together, "r0") if e["event"] == "quorum")
     assert first["participants"] == ["r0", "r1", "r2", "r3"] and not any(e["event"] == "heal" for e in together.recorder.events)
+
+
+@pytest.mark.timeout(120)
+def test_a_slow_fetch_slows_every_fetch_while_its_replica_catches_up():
+    """As `ftrun launch --inject "slow fetch replica=1"`: the sources serve slowly while r1 is catching up (up, no
+    commit since its start), so r3, starting late with it, heals slowly too; neither heal is slow without it."""
+    def heals(extra: list[str]) -> dict[str, float]:
+        profile = build_profile("ci-small", ["scheduler.first_start_s=[0.0, 2.5, 0.0, 2.5]"], steps=10,
+                                cpu_charging=False)
+        f, job = execute(profile, JobOptions(steps=10, faults=tuple(parse_inject(x) for x in extra)))
+        assert f["complete"]
+        out = {}
+        for rid in ("r1", "r3"):
+            ev = _leader_events(job, rid)
+            heal = next(e for e in ev if e["event"] == "heal")
+            out[rid] = heal["t"] - max(e["t"] for e in ev if e["event"] == "quorum" and e["t"] <= heal["t"])
+        return out
+
+    slow, fast = heals(["slow fetch replica=1 delay=1.5"]), heals([])
+    assert max(fast.values()) < 1.0
+    assert slow["r1"] >= 1.5 and slow["r3"] >= 1.5
 
 
 @pytest.mark.parametrize("offsets", ["[0.0, 1.0]", "[0.0, 0.0, 0.0, -1.0]"])
