@@ -475,10 +475,14 @@ class EmulatedJob(JobFolding):
             mine = kill.replica == inc.replica and step >= kill.at_step  # type: ignore[operator]
             if mine or self.max_step > kill.at_step:  # type: ignore[operator]
                 self._pending_step_kills.remove(kill)
+                victim = self._incarnations[kill.replica]
                 if mine and kill.at_fraction == 0:
                     self._inject(kill)  # now, before its leader asks for the next quorum (kills this task too)
-                elif mine:
-                    self._in_step_kills.append(kill)  # F x a step's compute into its next step (step_started)
+                elif mine or (kill.at_fraction > 0 and (victim is None or not victim.alive or not victim.has_committed)):
+                    # F x a step's compute into its next step (step_started); a victim that is down or restarting
+                    # meanwhile is killed in its next incarnation's first step, as `ftrun launch --inject` kills it
+                    # (the self-kill waits for the replica's own step S or later, whichever incarnation runs it)
+                    self._in_step_kills.append(kill)
                 else:
                     self.world.host_env(SUPERVISOR_HOST).spawn(self._kill_in_step, kill, self.max_step,
                                                                name=f"inject-{kill.describe()}")
@@ -491,6 +495,7 @@ class EmulatedJob(JobFolding):
                 self._in_step_kills.remove(kill)
                 self.world.host_env(SUPERVISOR_HOST).spawn(self._kill_in_step, kill, step,
                                                            name=f"inject-{kill.describe()}")
+                break  # one per step start: another one due waits for the next incarnation's step
 
     def entering_ftar(self, inc: Incarnation, step: int) -> None:
         """A leader enters the all-reduce of `step`: fire the at=ftar kills due for its replica."""

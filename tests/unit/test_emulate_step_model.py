@@ -71,6 +71,23 @@ def test_a_slow_fetch_slows_every_fetch_while_its_replica_catches_up():
     assert slow["r1"] >= 1.5 and slow["r3"] >= 1.5
 
 
+@pytest.mark.timeout(120)
+def test_a_step_kill_due_while_its_replica_is_down_kills_its_next_incarnation():
+    """As `ftrun launch --inject "kill replica=1 step=S at=F"`: the self-kill waits for the replica's own step S or
+    later, so a kill due while it is down (or restarting) kills its next incarnation in its first step instead of
+    being skipped; two due then take one incarnation each."""
+    profile = build_profile("ci-small", ["scheduler.alloc_delay_warm_s=3"], steps=30, cpu_charging=False)
+    kills = tuple(Kill(1, at_step=s, at_fraction=0.5) for s in (3, 5, 6))  # 5 and 6 fall due while r1 is down
+    f, job = execute(profile, JobOptions(steps=30, kills=kills))
+    assert f["complete"]
+    killed = [e for e in job.recorder.events if e["event"] == "kill" and e.get("replica_id") == "r1"]
+    assert [e["incarnation"] for e in killed] == [0, 1, 2]
+    assert not any(e["event"] == "kill_skipped" for e in job.recorder.events)
+    for e in killed[1:]:  # each restarted incarnation was killed in a step it started, not while starting
+        assert any(q["event"] == "quorum" and q["t"] < e["t"] for q in _leader_events(job, "r1")
+                   if q.get("incarnation") == e["incarnation"])
+
+
 @pytest.mark.parametrize("offsets", ["[0.0, 1.0]", "[0.0, 0.0, 0.0, -1.0]"])
 def test_first_start_offsets_are_one_per_replica_and_not_negative(offsets):
     with pytest.raises(UsageError, match="first_start_s"):
