@@ -177,6 +177,7 @@ class EmulatedJob(JobFolding):
         self._lighthouse_down = False
         self.scheduler: MockScheduler | None = None
         self._in_step_kills: list[Kill] = []  # mid-step kills waiting for their replica's next step to begin
+        self._restart_kills: list[Kill] = []  # step kills that fell due while their replica was down or restarting
         self._commit_gaps: list[float] = []
         self.diagnosis = JobDiagnosis(self) if options.diagnose else None
         self.scenario = ScenarioFaults(self)
@@ -478,11 +479,12 @@ class EmulatedJob(JobFolding):
                 victim = self._incarnations[kill.replica]
                 if mine and kill.at_fraction == 0:
                     self._inject(kill)  # now, before its leader asks for the next quorum (kills this task too)
-                elif mine or (kill.at_fraction > 0 and (victim is None or not victim.alive or not victim.has_committed)):
-                    # F x a step's compute into its next step (step_started); a victim that is down or restarting
-                    # meanwhile is killed in its next incarnation's first step, as `ftrun launch --inject` kills it
-                    # (the self-kill waits for the replica's own step S or later, whichever incarnation runs it)
-                    self._in_step_kills.append(kill)
+                elif mine:
+                    self._in_step_kills.append(kill)  # F x a step's compute into its next step (step_started)
+                elif kill.at_fraction > 0 and (victim is None or not victim.alive or not victim.has_committed):
+                    # down or restarting: as `ftrun launch --inject` kills it, in its own step S or later, whichever
+                    # incarnation runs it: the next one's first trained step (step_forward)
+                    self._restart_kills.append(kill)
                 else:
                     self.world.host_env(SUPERVISOR_HOST).spawn(self._kill_in_step, kill, self.max_step,
                                                                name=f"inject-{kill.describe()}")
@@ -495,7 +497,17 @@ class EmulatedJob(JobFolding):
                 self._in_step_kills.remove(kill)
                 self.world.host_env(SUPERVISOR_HOST).spawn(self._kill_in_step, kill, step,
                                                            name=f"inject-{kill.describe()}")
-                break  # one per step start: another one due waits for the next incarnation's step
+
+    def step_forward(self, inc: Incarnation, step: int) -> None:
+        """A leader's forward began: a step kill that fell due while its replica was down or restarting kills this
+        incarnation here, F x a step's compute into it (a real restarted rank has timed no compute yet and dies in
+        this first trained step's backward); one per step, another one waits for the next incarnation."""
+        for kill in list(self._restart_kills):
+            if kill.replica == inc.replica and step >= kill.at_step:  # type: ignore[operator]
+                self._restart_kills.remove(kill)
+                self.world.host_env(SUPERVISOR_HOST).spawn(self._kill_in_step, kill, step,
+                                                           name=f"inject-{kill.describe()}")
+                break
 
     def entering_ftar(self, inc: Incarnation, step: int) -> None:
         """A leader enters the all-reduce of `step`: fire the at=ftar kills due for its replica."""

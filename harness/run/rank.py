@@ -197,6 +197,8 @@ def _build(job: RankJob, inc: RankIncarnation, rank: int, index: int, env: Any, 
             job.entering_ftar(inc, step)
         elif phase == "started" and leader:
             job.step_started(inc, step)
+        elif phase == "forward" and leader:
+            job.step_forward(inc, step)
 
     config = TrainerConfig(replica_id=inc.replica_id, rank=rank, rng_seed=None, lr=LRConfig(policy=p.train.lr_intervention),
                            checkpoint=p.checkpoint or CheckpointConfig(), catchup=job.catchup_config)

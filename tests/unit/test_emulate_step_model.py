@@ -83,9 +83,9 @@ def test_a_step_kill_due_while_its_replica_is_down_kills_its_next_incarnation():
     killed = [e for e in job.recorder.events if e["event"] == "kill" and e.get("replica_id") == "r1"]
     assert [e["incarnation"] for e in killed] == [0, 1, 2]
     assert not any(e["event"] == "kill_skipped" for e in job.recorder.events)
-    for e in killed[1:]:  # each restarted incarnation was killed in a step it started, not while starting
-        assert any(q["event"] == "quorum" and q["t"] < e["t"] for q in _leader_events(job, "r1")
-                   if q.get("incarnation") == e["incarnation"])
+    for e in killed[1:]:  # each restarted incarnation was killed in its first trained step (after its heal)
+        ev = [x for x in _leader_events(job, "r1") if x.get("incarnation") == e["incarnation"]]
+        assert any(x["event"] == "heal" and x["t"] < e["t"] for x in ev)
 
 
 @pytest.mark.parametrize("offsets", ["[0.0, 1.0]", "[0.0, 0.0, 0.0, -1.0]"])
