@@ -6,7 +6,8 @@ Usage: python benchmarks/cuda_kernels.py [--size-mb 64] [--blocks 1,2,4,8,16,32]
 GB/s counts payload bytes (the op's nbytes per second); mem GB/s counts every byte read and
 written (copy 2x, reduce 3x, reduce_copy 4x payload). ratio = ours / torch (torch uses every SM).
 Each row also shows the roofline model's GB/s for that op, dtype and launch (ftrun/ftar/roofline.py:
-bytes moved per element and the binding ceiling: hbm, per-SM bandwidth or bytes in flight / latency),
+bytes moved per element and the binding ceiling: hbm, per-SM traffic, per-SM stores or bytes in flight /
+latency),
 and `of_model` = measured / model. Without a GPU or the built library it says why and prints the
 model alone, labelled as a model (exit 0; the JSON line then has "skipped" and "model").
 With --json the last line is one JSON object.
@@ -58,7 +59,7 @@ def model_rows(args: argparse.Namespace, device: DeviceModel) -> list[dict[str, 
 
 def print_model(rows: list[dict[str, Any]], device: DeviceModel) -> None:
     print(f"ROOFLINE MODEL ONLY (nothing measured): {device.name}, HBM {device.hbm_gbps:g} GB/s, "
-          f"{device.sm_gbps:g} GB/s per SM, {device.latency_ns:g} ns latency, {rows[0]['threads']} threads per block")
+          f"{device.sm_gbps:.1f} GB/s moved and {device.sm_store_gbps:.1f} stored per SM, {device.latency_ns:g} ns latency, {rows[0]['threads']} threads per block")
     for r in rows:
         print(f"{r['op']:12s} {r['dtype']:9s} blocks={r['blocks']:<4d} {r['bytes_per_elem']:2d} B/elem moved  "
               f"model {r['model_gbps']:8.1f} GB/s (mem {r['model_mem_gbps']:7.1f}, {r['model_limit']}-bound)")

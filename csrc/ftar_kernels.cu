@@ -103,7 +103,7 @@ const char* ftar_error_string(int code) {
     case FTAR_ERR_INVALID_ARGUMENT:
       return "invalid argument: NULL or misaligned pointer, or negative count/timeout";
     case FTAR_ERR_INVALID_LAUNCH:
-      return "invalid launch configuration: blocks must be 1..65535 and threads 1..1024";
+      return "invalid launch configuration: blocks must be 1..65535 and threads 1..512";
     default:
       break;
   }
