@@ -50,6 +50,8 @@ def test_metrics_of_a_stream_with_a_kill_and_a_rejoin():
     assert m["stall_per_failure_s"] == pytest.approx(0.2)
     assert m["rejoin_stall_s"] == pytest.approx(0.05)
     assert m["catchup_s"] == pytest.approx(0.02)
+    started_late = [*job_events(), {"event": "catchup", "t": 0.05, "replica_id": "r2", "incarnation": 0, "seconds": 0.001}]
+    assert metrics(started_late, num_replicas=3)["catchup_s"] == pytest.approx(0.02)  # not the failure's catch-up
     assert 0.5 < m["effective_training_time"] < 1.0
 
 
