@@ -142,8 +142,9 @@ class TrainConfig:
     # does; `ftrun calibrate` measures the effective figure): while N ranks are up, a step's compute takes
     # max(1, N / shared_cpu_cores) x step_compute_s. 0: every rank has CPUs of its own.
     shared_cpu_cores: float = 0.0
-    # Per step, between a commit and the next quorum request, the script's own work the emulator does not
-    # model (the step event and its parameter hash, logging): `ftrun calibrate SCRIPT` measures it.
+    # Per step, between a step's end (a commit, or an aborted attempt: a real rank's loop runs either way) and the
+    # next quorum request, the script's own work the emulator does not model (the step event and its parameter
+    # hash, logging, wake-ups): `ftrun calibrate SCRIPT` measures it after commits.
     step_bookkeeping_s: float = 0.0
 
     def __post_init__(self) -> None:
@@ -355,6 +356,8 @@ class Profile:
         bad += [r for r in (faultspec.parse(e).int("replica") for e in self.failures.events)
                 if r is not None and not 0 <= r < self.replicas]
         _check(not bad, "failures", f"to name replicas in 0..{self.replicas - 1}", bad)
+        _check(len(self.scheduler.first_start_s) in (0, self.replicas), "scheduler.first_start_s",
+               f"empty or one value per replica ({self.replicas})", list(self.scheduler.first_start_s))
         _check_catchup(self.catchup)
         for v in self.calibration.values if self.calibration is not None else ():
             if v.key.startswith("measured."):

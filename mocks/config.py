@@ -80,9 +80,15 @@ class SchedulerConfig:
     # Seconds from a crash to the supervisor noticing it (a process supervisor sees its child exit at
     # once; `ftrun calibrate` measures it). None: at the supervisor's next poll_interval_s tick.
     crash_detect_s: float | None = None
+    # Per replica, seconds from the job's start to its first incarnation's ranks starting (a real launcher
+    # forks the rank processes one after another: the first replica can train alone while the others start,
+    # and they join behind and heal; `ftrun fidelity` takes them from its real runs). (): all at once.
+    first_start_s: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         non_negative(self, "alloc_delay_cold_s", "alloc_delay_warm_s", "process_start_s")
+        bad = [s for s in self.first_start_s if not s >= 0]
+        require(not bad, "first_start_s", "seconds >= 0", bad)
         positive(self, "poll_interval_s")
         require(self.crash_detect_s is None or self.crash_detect_s >= 0, "crash_detect_s", ">= 0",
                 self.crash_detect_s)

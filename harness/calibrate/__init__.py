@@ -35,8 +35,8 @@ from pathlib import Path
 from statistics import median
 
 from ftrun.cli import UsageError, emit_json
-from harness.calibrate.measure import (Figure, catchup_costs, concurrent_steps, ftar_kernels, shm_bandwidth, step_compute,
-                                       storage_append, storage_write, stream_pair)
+from harness.calibrate.measure import (Figure, WriteSampler, catchup_costs, concurrent_steps, ftar_kernels, shm_bandwidth,
+                                       step_compute, storage_append, storage_write, stream_pair)
 from harness.calibrate.procs import process_figures
 from harness.calibrate.provenance import calibrated_document, to_toml
 
@@ -126,6 +126,19 @@ def _script_events(script: str, steps: int, module: bool, ranks: int, replicas: 
 
 
 def _script_step(script: str, steps: int, module: bool = False, ranks: int = 1) -> list[Figure]:
+    """The script's step figures (the module docstring), and `script_write_s`: the loader_state write as the
+    script's runs met it (sampled while they ran: a shared machine's disk is slower under the job's own load than
+    alone, and the commit-to-quorum those runs measure holds the writer's write as it was then)."""
+    sampler = WriteSampler().start()
+    try:
+        out = _script_runs(script, steps, module, ranks)
+    finally:
+        sampler.stop()
+    write = sampler.figure("script_write_s", f"{script} ran as 1 and 2 replicas x {ranks} ranks")
+    return out + ([write] if write is not None else [])
+
+
+def _script_runs(script: str, steps: int, module: bool, ranks: int) -> list[Figure]:
     figures, events = _script_events(script, steps, module, ranks, 1)
     spans, after = quorum_to_commit_s(events), commit_to_quorum_s(events)
     period = figures.get("median_step_s")

@@ -7,7 +7,10 @@ Faults, the same in both: replica r1 is SIGKILLed --kills times, F x a step into
 committed --kill-step, --kill-step + --kill-step-interval, ... steps (`--inject kill replica=1 step=S at=F` in
 both worlds, F = --kill-at-fraction: F x the victim's compute after its quorum, the real rank timing it on its
 own compute, the emulator on its modeled one), its state fetches are served --slow-fetch-delay slower, and it
-restarts after --restart-delay (real `--restart-delay`; emulated scheduler.alloc_delay_warm_s). One kill is as
+restarts after --restart-delay (real `--restart-delay`; emulated scheduler.alloc_delay_warm_s). The replicas start
+as the real runs' did (`ftrun launch` forks the ranks one after another: the first replica trains alone until the
+others are up, and they join behind and heal): each starts in the emulated job at its median offset in the real
+runs (`start_offsets`, scheduler.first_start_s). One kill is as
 noisy as the machine's load: the per-fault figures are medians over the kills, and `--json` gives each one's
 spread over them (`spread`). With --repeat N the real job runs N times: the real figures are medians over the
 runs (the per-fault ones over all their faults), and each row's `real_spread` (the runs' largest |ln(a/b)|
@@ -20,7 +23,9 @@ Figures (`metrics`, pure, over either event stream: leader/rank-0 events with re
   none (the lighthouse dropped the replica before the next quorum), to the first quorum without it;
 - stall_per_failure_s: the time a failure loses: the longest commit-to-commit interval of a surviving replica
   containing the kill, less that replica's step just before it (`per_fault`);
-- catchup_s: median catch-up fetch time (real: the trainer's catchup event; emulated: the heal span);
+- catchup_s: median catch-up fetch time of a restarted replica (real: the trainer's catchup event; emulated: the
+  heal span), the failure's catch-up: a replica that started late and healed at the job's start is left out (those
+  fetches are fast unless the slow fetch is on, and mixed in they flip the median with the number of rejoins);
 - rejoin_stall_s: the same as the stall, for the interval containing the restarted replica's first quorum;
 - effective_training_time: committed non-healed replica-steps x step_s over replicas x (first quorum to
   last commit).
@@ -42,6 +47,7 @@ from statistics import median
 from typing import Any, Iterable
 
 from ftrun.cli import UsageError, emit_json
+from ftrun.launch.checks import replica_ids
 from harness.calibrate.measure import WriteSampler
 
 # The real worker's data-plane settings, passed to it explicitly and given to the emulator as the same keys
@@ -118,7 +124,8 @@ def _per_fault(ev: list[dict[str, Any]], commits: dict, quorums: dict) -> dict[s
         return gap - median(before)
 
     out: dict[str, list[float]] = {"detection_s": [], "stall_per_failure_s": [], "rejoin_stall_s": [],
-                                   "catchup_s": [e["seconds"] for e in ev if e["event"] == "catchup" and "seconds" in e]}
+                                   "catchup_s": [e["seconds"] for e in ev if e["event"] == "catchup" and "seconds" in e
+                                                 and e.get("incarnation", 0) > 0]}  # a restarted replica's
     for k in (e for e in ev if e["event"] == "kill"):
         rid = k["replica_id"]
         noticed = [e["t"] for e in ev if e["t"] >= k["t"] and e.get("replica_id") != rid
@@ -189,6 +196,27 @@ def phases(events: Iterable[dict[str, Any]]) -> dict[str, float | None]:
                 q2c.append(e["t"] - last[key].pop("quorum"))
             last[key]["commit"] = e["t"]
     return {"quorum_to_commit_s": median(q2c) if q2c else None, "commit_to_quorum_s": median(c2q) if c2q else None}
+
+
+def start_offsets(runs: list[list[dict[str, Any]]], replica_ids: list[str]) -> list[float] | None:
+    """Per replica (in `replica_ids` order), when its first incarnation's rank 0 was ready, after the first
+    replica's (a real launcher starts the rank processes one after another): the median over the runs that
+    have every replica's ready event, less the smallest of those medians (the first starts at 0). None when no
+    run has them. The emulated job starts each replica that much later (scheduler.first_start_s). Pure."""
+    per: dict[str, list[float]] = defaultdict(list)
+    for ev in runs:
+        ready = {}
+        for e in ev:
+            if e.get("event") == "ready" and e.get("rank", 0) == 0 and e.get("incarnation", 0) == 0:
+                ready.setdefault(e.get("replica_id"), e["t"])
+        if all(rid in ready for rid in replica_ids):
+            first = min(ready[rid] for rid in replica_ids)
+            for rid in replica_ids:
+                per[rid].append(ready[rid] - first)
+    if not per:
+        return None
+    medians = [median(per[rid]) for rid in replica_ids]
+    return [m - min(medians) for m in medians]
 
 
 def toy_model_overrides(num_params: int) -> list[str]:
@@ -366,7 +394,8 @@ def restep_values(profile_path: str, ranks: int, steps: int = 30) -> dict[str, f
     p = load_profile(profile_path)
     measured = {v.key.removeprefix("measured."): v for v in (p.calibration.values if p.calibration else ())}
     figures = {f.name: f for f in _script_step("ftrun.train.ft_worker", steps, True, ranks)}
-    figures["storage_write_s"] = storage_write(reps=20)  # the loader_state write, as loaded as the steps now
+    if "script_write_s" not in figures:  # no write sampled while the script ran: one timed now
+        figures["storage_write_s"] = storage_write(reps=20)
     # the peer reset (a killed rank's FINs), as loaded now: 7 ms on this machine idle, 25 ms at load 10
     figures.update((f.name, f) for f in process_figures(zygote_reps=5, spawn_reps=0) if f.name == "peer_reset_s")
     for name, key in (("storage_append_s", "storage.local_append_latency_s"),
@@ -406,7 +435,8 @@ def _emulated(args: argparse.Namespace, profile_path: str, extra: list[str] = ()
     p = apply_overrides(base, [*emulated_overrides(args, _toy_params()), *extra])
     kills, others = split_faults([parse_inject(spec) for spec in fault_specs(args)])
     f, job = execute(p, JobOptions(steps=args.steps, kills=kills, faults=others))
-    heals = [b - a for _, _, name, a, b in (job.recorder.spans or []) if name == "ftrun::catchup::heal"]
+    heals = [b - a for _, number, name, a, b in (job.recorder.spans or [])
+             if name == "ftrun::catchup::heal" and number > 0]  # a restarted replica's (per_fault's catchup_s)
     return f, job.recorder.events, heals
 
 
@@ -464,8 +494,10 @@ def run(args: argparse.Namespace) -> int:
         print("ftrun fidelity: re-measuring the script's step after the real run ...", file=sys.stderr, flush=True)
         after = restep_values(profile, args.ranks_per_replica)
         restep = with_override(mean_overrides(before, after), WRITE_KEY, write.value if write is not None else None)
+    offsets = start_offsets(real_evs, replica_ids(args.replicas))
+    starts = [] if offsets is None else [f"scheduler.first_start_s={offsets!r}"]
     print("ftrun fidelity: emulated run ...", file=sys.stderr, flush=True)
-    emu_f, emu_ev, heals = _emulated(args, profile, restep)
+    emu_f, emu_ev, heals = _emulated(args, profile, [*restep, *starts])
     real, real_each = repeated(real_evs, num_replicas=args.replicas)
     real_spread, emu_spread = spread(pooled_faults(real_evs)), spread({**per_fault(emu_ev), "catchup_s": heals})
     emulated = metrics(emu_ev, num_replicas=args.replicas, catchup_s=heals)
@@ -491,6 +523,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"  ({name:<22} {cells[0]:>12} {cells[1]:>12})")
     for name, sp in real_spread.items():
         print(f"  (real {name:<19} over {sp['n']} faults: {sp['min']:.4g} .. {sp['max']:.4g})")
+    if offsets is not None:
+        print(f"  (first start of each replica, median of the real runs: {', '.join(f'{o:.3f}' for o in offsets)} s)")
     for key in before:
         print(f"  (restep {key:<34} before {before[key]:.4g}, after {after.get(key, float('nan')):.4g})")
     if write is not None:
@@ -506,7 +540,7 @@ def run(args: argparse.Namespace) -> int:
                    "steps": args.steps, "profile": profile, "out": out, "real_complete": real_complete,
                    "emulated_complete": emu_f.get("complete"), "repeat": args.repeat, "real_runs": real_each,
                    "phases": {"real": real_ph, "emulated": emu_ph}, "restep": restep,
-                   "restep_before": before, "restep_after": after,
+                   "restep_before": before, "restep_after": after, "first_start_s": offsets,
                    "write_during_real_s": None if write is None else write.value,
                    "spread": {"real": real_spread, "emulated": emu_spread}, "kills": args.kills, "wall_s": round(time.monotonic() - started, 3)})
     return 0 if real_complete and emu_f.get("complete") else 1

@@ -443,13 +443,13 @@ class WriteSampler:
         self._thread.join(timeout=30)
         self._dir.cleanup()
 
-    def figure(self) -> Figure | None:
-        """The median write while it ran (None: no sample)."""
+    def figure(self, name: str = "storage_write_s", during: str = "the real runs") -> Figure | None:
+        """The median write while it ran (None: no sample), as figure `name`; `during`: what ran meanwhile."""
         if not self.times:
             return None
-        return Figure("storage_write_s", statistics.median(self.times), "s", f"median ftrun.storage.FileStorage."
+        return Figure(name, statistics.median(self.times), "s", f"median ftrun.storage.FileStorage."
                       f"write_atomic of a {self.nbytes} B file under {tempfile.gettempdir()}, one every "
-                      f"{self.period_s:g} s while the real runs ran", len(self.times))
+                      f"{self.period_s:g} s while {during} ran", len(self.times))
 
 
 def storage_append(*, reps: int = 200, nbytes: int = 256) -> Figure:

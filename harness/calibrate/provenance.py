@@ -55,7 +55,8 @@ def profile_keys(figures: Mapping[str, Figure]) -> dict[str, tuple[float, str, s
     # The OS's teardown of a killed process, not a survivor's notice of it (measured.script_crash_detect_s, which
     # adds the survivor's own way to its next all-reduce: the emulator models that way itself).
     direct("network.crash_fin_delay_s", "peer_reset_s")
-    direct("storage.local_write_latency_s", "storage_write_s")
+    # the write as the script's runs met it, where sampled while they ran (the job's own load slows the disk)
+    direct("storage.local_write_latency_s", "script_write_s" if "script_write_s" in figures else "storage_write_s")
     direct("train.shared_cpu_cores", "cpu_cores_effective",
            note=" (the rank processes of an `ftrun launch` job on this machine share them)")
     if "script_start_s" in figures:  # the script's own start, where a script was timed
@@ -74,13 +75,13 @@ def profile_keys(figures: Mapping[str, Figure]) -> dict[str, tuple[float, str, s
     direct("ftar.sync_overhead_s", "ftar_sync_overhead_s")
     # the 2-replica run's, where timed: the runs the emulator stands in for have 2 or more replicas
     after = figures.get("script_commit_to_quorum_2_replicas_s") or figures.get("script_commit_to_quorum_s")
-    write = figures.get("storage_write_s")
+    write = figures.get("script_write_s") or figures.get("storage_write_s")  # the write those runs met
     if after is not None and write is not None and lat is not None:
         append = figures["storage_append_s"].value if "storage_append_s" in figures else 0.0
         out["train.step_bookkeeping_s"] = (
             max(after.value - write.value - append - 2 * lat.value * 1e-6, 0.0), "s",
             f"measured.{after.name} ({after.value:.6g} s) minus what the emulator charges there itself: "
-            f"one loader_state write (storage_write_s {write.value:.6g} s), one audit append ({append:.3g} s) and the "
+            f"one loader_state write ({write.name} {write.value:.6g} s), one audit append ({append:.3g} s) and the "
             f"quorum round trip (2 x {lat.value:.3g} us), floored at 0", after.samples)
     out.update(_without_contention(figures, out))
     if "tcp_one_way_us" in figures:
@@ -118,7 +119,7 @@ def _without_contention(figures: Mapping[str, Figure], keys: Mapping[str, tuple]
 
 # Figures that set a key one to one are recorded under that key only.
 _ONE_TO_ONE = {"step_s", "cpu_cores_effective", "storage_append_s", "ftar_sync_overhead_s", "ftar_reduce_gb_s", "ftar_copy_gb_s", "crash_detect_s", "tcp_one_way_us", "peer_reset_s",
-               "storage_write_s"}
+               "storage_write_s", "script_write_s"}
 
 
 def calibrated_document(base: Mapping[str, Any], figures: Mapping[str, Figure], *, measured_at: str, host: str,
@@ -139,8 +140,10 @@ def calibrated_document(base: Mapping[str, Any], figures: Mapping[str, Figure], 
         node[leaf] = value
         values.append({"key": key, "value": float(value), "unit": unit, "method": method,
                        "measured_at": measured_at, "samples": samples})
+    # storage_write_s alone, where the key took the write the script's runs met instead: recorded as measured
+    alone = {"storage_write_s"} if "script_write_s" in figures else set()
     for name, f in figures.items():
-        if name not in _ONE_TO_ONE:
+        if name not in _ONE_TO_ONE or name in alone:
             values.append({"key": f"measured.{name}", "value": float(f.value), "unit": f.unit, "method": f.method,
                            "measured_at": measured_at, "samples": f.samples})
     doc["calibration"] = {"measured_at": measured_at, "host": host, "command": command, "quick": quick,

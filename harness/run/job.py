@@ -99,6 +99,7 @@ class Incarnation:
         self.straggler = job.straggler_on(hosts)
         self.alive = True  # False once killed or failed (its ranks may still be unwinding)
         self.completed = False  # its leader committed the last step
+        self.has_committed = False  # its leader committed a step (until then it is catching up)
 
 
 def _prewire(world: EmulatedWorld, envs: list[Any], rank_hosts: list[str], fanout: int) -> list[tuple[Any, list[Any]]]:
@@ -176,6 +177,7 @@ class EmulatedJob(JobFolding):
         self._lighthouse_down = False
         self.scheduler: MockScheduler | None = None
         self._in_step_kills: list[Kill] = []  # mid-step kills waiting for their replica's next step to begin
+        self._restart_kills: list[Kill] = []  # step kills that fell due while their replica was down or restarting
         self._commit_gaps: list[float] = []
         self.diagnosis = JobDiagnosis(self) if options.diagnose else None
         self.scenario = ScenarioFaults(self)
@@ -433,10 +435,16 @@ class EmulatedJob(JobFolding):
         up = sum(1 for inc in self._incarnations if inc is not None and inc.alive)
         return self.profile.ftar.sync_overhead_s * up / 2 if up > 1 else 0.0
 
-    def slow_fetch(self, inc: Incarnation) -> tuple[float, float] | None:
-        """(factor, delay_s) of a slow fetch fault of the replica: F x the modeled transfer, plus D."""
-        slow = self._slow_fetch.get(inc.replica)
-        return None if slow is None else (slow.factor, slow.delay_s)
+    def slow_fetch(self) -> tuple[float, float] | None:
+        """(factor, delay_s) of the slow fetch fault in force now (F x the modeled transfer, plus D), or None. As
+        `ftrun launch --inject` applies it: every catch-up source serves slowly while the fault's replica is catching
+        up (up, and no commit since its start), so a fetch meets it whichever replica makes it (a replica starting
+        late while that one has not committed yet, too)."""
+        for replica, f in self._slow_fetch.items():
+            inc = self._incarnations[replica]
+            if inc is not None and inc.alive and not inc.has_committed:
+                return f.factor, f.delay_s
+        return None
 
     def data_figures(self) -> dict[str, Any]:
         """The exactly-once audit over every leader's records, catch-up and checkpoint figures."""
@@ -448,6 +456,7 @@ class EmulatedJob(JobFolding):
         """A leader committed: its replica has trained `step` steps."""
         now, last = self.world.now, self.last_commit.get(inc.replica)
         self.last_commit[inc.replica] = (step, now)
+        inc.has_committed = True
         if last is not None:
             self._commit_gaps = (self._commit_gaps + [now - last[1]])[-20:]  # the recent step period (contention)
         if step >= self.options.steps:
@@ -467,10 +476,15 @@ class EmulatedJob(JobFolding):
             mine = kill.replica == inc.replica and step >= kill.at_step  # type: ignore[operator]
             if mine or self.max_step > kill.at_step:  # type: ignore[operator]
                 self._pending_step_kills.remove(kill)
+                victim = self._incarnations[kill.replica]
                 if mine and kill.at_fraction == 0:
                     self._inject(kill)  # now, before its leader asks for the next quorum (kills this task too)
                 elif mine:
                     self._in_step_kills.append(kill)  # F x a step's compute into its next step (step_started)
+                elif kill.at_fraction > 0 and (victim is None or not victim.alive or not victim.has_committed):
+                    # down or restarting: as `ftrun launch --inject` kills it, in its own step S or later, whichever
+                    # incarnation runs it: the next one's first trained step (step_forward)
+                    self._restart_kills.append(kill)
                 else:
                     self.world.host_env(SUPERVISOR_HOST).spawn(self._kill_in_step, kill, self.max_step,
                                                                name=f"inject-{kill.describe()}")
@@ -483,6 +497,17 @@ class EmulatedJob(JobFolding):
                 self._in_step_kills.remove(kill)
                 self.world.host_env(SUPERVISOR_HOST).spawn(self._kill_in_step, kill, step,
                                                            name=f"inject-{kill.describe()}")
+
+    def step_forward(self, inc: Incarnation, step: int) -> None:
+        """A leader's forward began: a step kill that fell due while its replica was down or restarting kills this
+        incarnation here, F x a step's compute into it (a real restarted rank has timed no compute yet and dies in
+        this first trained step's backward); one per step, another one waits for the next incarnation."""
+        for kill in list(self._restart_kills):
+            if kill.replica == inc.replica and step >= kill.at_step:  # type: ignore[operator]
+                self._restart_kills.remove(kill)
+                self.world.host_env(SUPERVISOR_HOST).spawn(self._kill_in_step, kill, step,
+                                                           name=f"inject-{kill.describe()}")
+                break
 
     def entering_ftar(self, inc: Incarnation, step: int) -> None:
         """A leader enters the all-reduce of `step`: fire the at=ftar kills due for its replica."""

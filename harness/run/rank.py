@@ -74,6 +74,8 @@ def rank_main(job: RankJob, inc: RankIncarnation, index: int) -> None:
             train = job.profile.train
             env.clock.sleep(job.profile.scheduler.process_start_s
                             + (train.first_step_extra_s if train.warmup_before_checkin else 0.0))
+        elif job.profile.scheduler.first_start_s:  # the job's own start, replica by replica (a real launcher's)
+            env.clock.sleep(job.profile.scheduler.first_start_s[inc.replica])
         _train(job, inc, rank, index, env, lead)
         ok = True
     except TaskKilled:
@@ -115,11 +117,11 @@ def _tree(job: RankJob, inc: RankIncarnation, index: int, env: Any) -> TreeComm:
 class _Marks:
     """When this rank passed the phases of its current step (virtual seconds)."""
 
-    __slots__ = ("quorum", "started", "exchange", "commit", "decided", "committed")
+    __slots__ = ("quorum", "started", "exchange", "commit", "decided", "stepped")
 
     def __init__(self) -> None:
         self.quorum = self.started = self.exchange = self.commit = self.decided = 0.0
-        self.committed = False  # whether this rank's previous step committed
+        self.stepped = False  # whether this rank has ended a step (committed or aborted)
 
 
 def _compute(job: RankJob, inc: RankIncarnation, rank: int, env: Any, lead: bool) -> EmulatedCompute:
@@ -159,7 +161,7 @@ def _data_plane(job: RankJob, inc: RankIncarnation, rank: int, env: Any, lead: b
     net = NetCatchup(env=env, token=job.token, config=job.catchup_config, payloads=ShapePayloads(),
                      store=lambda on_change: ShapeSnapshotStore(max_shard_bytes=job.catchup_config.max_shard_bytes,
                                                                 on_change=on_change))
-    catchup: Any = TimedCatchup(net, env, on_fetch=fetched, slow=job.slow_fetch(inc),
+    catchup: Any = TimedCatchup(net, env, on_fetch=fetched, slow=job.slow_fetch,
                                 extra_s=job.profile.train.catchup_fetch_extra_s)
     if mirror is not None:
         exchange, catchup = LeadExchange(exchange, mirror, rank), LeadCatchup(catchup, mirror, rank)
@@ -183,8 +185,10 @@ def _build(job: RankJob, inc: RankIncarnation, rank: int, index: int, env: Any, 
     bookkeeping = p.train.step_bookkeeping_s
 
     def on_phase(phase: str, step: int) -> None:
-        if phase == "quorum" and bookkeeping and lead and marks.committed:
-            env.clock.sleep(bookkeeping)  # the script's own per-step work after a commit (measured); none after an abort
+        if phase == "quorum" and bookkeeping and lead and marks.stepped:
+            # the script's own per-step work between a step's end and the next quorum request (measured after a
+            # commit; a real rank's loop pays it after an aborted attempt too: its step event, hooks, wake-ups)
+            env.clock.sleep(bookkeeping)
         if phase in ("quorum", "started", "exchange"):
             setattr(marks, phase, env.clock.now())
         elif phase == "before_commit":
@@ -193,6 +197,8 @@ def _build(job: RankJob, inc: RankIncarnation, rank: int, index: int, env: Any, 
             job.entering_ftar(inc, step)
         elif phase == "started" and leader:
             job.step_started(inc, step)
+        elif phase == "forward" and leader:
+            job.step_forward(inc, step)
 
     config = TrainerConfig(replica_id=inc.replica_id, rank=rank, rng_seed=None, lr=LRConfig(policy=p.train.lr_intervention),
                            checkpoint=p.checkpoint or CheckpointConfig(), catchup=job.catchup_config)
@@ -218,7 +224,7 @@ def _train(job: RankJob, inc: RankIncarnation, rank: int, index: int, env: Any, 
     trainer.manager.final_step = job.options.steps  # no early quorum request after the last step
     while trainer.step < job.options.steps and not job.finished:
         r = trainer.train_step()
-        marks.committed = r.committed
+        marks.stepped = True
         job.recorder.rank_started_step(r.quorum_id, r.step, marks.quorum, marks.decided if r.healed else marks.started)
         if leader:
             _leader_spans(job, inc, r, (marks.quorum, marks.started, marks.exchange, marks.commit, env.clock.now()))

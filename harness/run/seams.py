@@ -170,13 +170,14 @@ class EmulatedCompute(ShapeOnlyTrainCompute):
 
 class TimedCatchup:
     """A CatchupService that reports each fetch to the emulator: `on_fetch(t_start, t_end)` (the
-    decision arrived at t_start: catching up is not part of get_quorum), and slows it as a slow-fetch
-    fault says: (factor - 1) x the modeled fetch, plus delay_s. `extra_s` is charged once per fetch: the
+    decision arrived at t_start: catching up is not part of get_quorum), and slows it as the slow-fetch
+    fault in force when it starts says (`slow()`: (factor, delay_s) or None): (factor - 1) x the modeled
+    fetch, plus delay_s. `extra_s` is charged once per fetch: the
     real client and server's per-request work the modeled transport does not do (the profile's
     train.catchup_fetch_extra_s, from `ftrun calibrate`)."""
 
     def __init__(self, service: Any, env: Any, *, on_fetch: Callable[[float, float], None],
-                 slow: tuple[float, float] | None = None, extra_s: float = 0.0) -> None:
+                 slow: Callable[[], tuple[float, float] | None] | None = None, extra_s: float = 0.0) -> None:
         self._s, self._env, self._on_fetch, self._slow = service, env, on_fetch, slow
         self._extra_s = extra_s
         self.url = service.url
@@ -189,12 +190,13 @@ class TimedCatchup:
 
     def fetch(self, step: int, sources: Any) -> Any:
         t0 = self._env.clock.now()
+        slow = self._slow() if self._slow is not None else None
         try:
             result = self._s.fetch(step, sources)
             if self._extra_s:
                 self._env.clock.sleep(self._extra_s)
-            if self._slow is not None:
-                factor, delay = self._slow
+            if slow is not None:
+                factor, delay = slow
                 self._env.clock.sleep((factor - 1.0) * (self._env.clock.now() - t0) + delay)
             return result
         finally:

@@ -344,3 +344,20 @@ def test_a_timed_loop_runs_its_reps_or_longer_until_its_minimum_time():
     start = time.perf_counter()
     t, n = _median_time(lambda: calls.append(time.sleep(0.002)), reps=3, min_seconds=0.05)
     assert time.perf_counter() - start >= 0.05 and n == len(calls) >= 10
+
+
+def test_the_write_the_scripts_runs_met_sets_the_write_and_the_bookkeeping():
+    """The script's commit-to-quorum holds the writer's write as the disk was during those runs (slower under
+    the job's own load than alone): the bookkeeping leaves out that write, not an idle disk's."""
+    figures = {f.name: f for f in (fig("script_commit_to_quorum_2_replicas_s", 0.020), fig("storage_write_s", 0.001),
+                                   fig("script_write_s", 0.008), fig("tcp_one_way_us", 10.0, "us"))}
+    keys = profile_keys(figures)
+    assert keys["train.step_bookkeeping_s"][0] == pytest.approx(0.020 - 0.008 - 20e-6)
+    assert "script_write_s" in keys["train.step_bookkeeping_s"][2]
+    assert keys["storage.local_write_latency_s"][0] == 0.008
+    doc = calibrated_document(_to_dict(load_profile("ci-small")), figures, measured_at=AT, host="box",
+                              command="ftrun calibrate --out x.toml", quick=True)
+    recorded = {v["key"]: v["value"] for v in doc["calibration"]["values"]}
+    assert recorded["measured.storage_write_s"] == 0.001 and "measured.script_write_s" not in recorded
+    assert profile_keys({k: v for k, v in figures.items() if k != "script_write_s"})[
+        "storage.local_write_latency_s"][0] == 0.001

@@ -50,6 +50,8 @@ def test_metrics_of_a_stream_with_a_kill_and_a_rejoin():
     assert m["stall_per_failure_s"] == pytest.approx(0.2)
     assert m["rejoin_stall_s"] == pytest.approx(0.05)
     assert m["catchup_s"] == pytest.approx(0.02)
+    started_late = [*job_events(), {"event": "catchup", "t": 0.05, "replica_id": "r2", "incarnation": 0, "seconds": 0.001}]
+    assert metrics(started_late, num_replicas=3)["catchup_s"] == pytest.approx(0.02)  # not the failure's catch-up
     assert 0.5 < m["effective_training_time"] < 1.0
 
 
@@ -245,3 +247,18 @@ def test_the_write_sampler_times_writes_while_it_runs():
     f = sampler.figure()
     assert f is not None and f.name == "storage_write_s" and f.samples == len(sampler.times) >= 5 and f.value > 0
     assert WriteSampler().figure() is None  # never started: no figure
+
+
+def test_start_offsets_are_each_replicas_median_ready_after_the_first():
+    from harness.calibrate.fidelity import start_offsets
+
+    def ready(rid: str, t: float, rank: int = 0, incarnation: int = 0) -> dict:
+        return {"event": "ready", "t": t, "replica_id": rid, "rank": rank, "incarnation": incarnation}
+
+    runs = [[ready("r0", 10.0), ready("r1", 10.2), ready("r1", 10.1, rank=1), ready("r2", 10.3),
+             ready("r1", 12.0, incarnation=1)],  # a restart's ready and other ranks' are not the start
+            [ready("r1", 5.0), ready("r0", 5.1), ready("r2", 5.5)],
+            [ready("r0", 1.0), ready("r1", 1.3)]]  # r2 never ready: the run says nothing
+    # per replica: r0 (0, 0.1) -> 0.05, r1 (0.2, 0) -> 0.1, r2 (0.3, 0.5) -> 0.4; less the smallest, 0.05
+    assert start_offsets(runs, ["r0", "r1", "r2"]) == pytest.approx([0.0, 0.05, 0.35])
+    assert start_offsets([[ready("r0", 1.0)]], ["r0", "r1"]) is None
