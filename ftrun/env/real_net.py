@@ -65,8 +65,8 @@ def _past(deadline: float | None) -> bool:
 
 
 class RealConnection:
-    """Non-blocking socket plus one poll object per direction, so a sender and a receiver can wait
-    concurrently, each with its own deadline.
+    """Non-blocking socket (blocking while held, see ftrun.env.real_bulk) plus one poll object per
+    direction, so a sender and a receiver can wait concurrently, each with its own deadline.
 
     close() from another thread must wake a task blocked in poll(), but Linux wakes no poll on close(),
     and shutdown() of a connection the peer already reset may fail without raising an event. So each
@@ -82,7 +82,7 @@ class RealConnection:
         self._sock = sock
         self._hello_limit, self._on_event = hello_limit, on_event
         self._rx: bytearray | None = None  # a control message being received
-        self._wait_all = False  # held (ftrun.env.real_bulk): a blocking recv takes the rest of a frame at once
+        self._wait_all = False  # held (ftrun.env.real_bulk): blocking calls; a recv takes the rest of a frame
         self._send_lock = threading.Lock()
         self._header = bytearray(wire.HEADER_SIZE)
         self._closed = False
