@@ -132,7 +132,10 @@ class FtarConfig:
             raise ValueError(f"FtarConfig.transport must be 'auto' or 'socket', got {self.transport!r}")
         if self.socket_io not in ("blocking", "threads", "pump"):
             raise ValueError(f"FtarConfig.socket_io must be 'blocking', 'threads' or 'pump', got {self.socket_io!r}")
-        if self.local_socket_buffer_bytes and self.local_socket_buffer_bytes < MIN_SOCKET_BUFFER_BYTES:
+        b = self.local_socket_buffer_bytes
+        if not isinstance(b, int) or isinstance(b, bool):  # setsockopt would refuse it at every ring's setup
+            raise ValueError(f"FtarConfig.local_socket_buffer_bytes must be an int, got {b!r}")
+        if b and b < MIN_SOCKET_BUFFER_BYTES:
             raise ValueError(f"FtarConfig.local_socket_buffer_bytes must be 0 or >= {MIN_SOCKET_BUFFER_BYTES} (a "
                              f"window under two loopback segments of 64 KiB stalls the link), got "
                              f"{self.local_socket_buffer_bytes}")

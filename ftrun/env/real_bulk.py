@@ -11,7 +11,9 @@ copies interleave without Python in between; with small socket buffers on same-m
 (benchmarks/results/ftar_socket.md).
 
 The calls are RealConnection's own send_bytes / recv_into (same frames, errors and deadlines): a call the
-kernel's timeout ends with nothing moved falls back to their poll() wait, which ends at the deadline.
+kernel's timeout ends with nothing moved falls back to their poll() wait, which ends at the deadline; one
+it ends with part of a frame moved is a timeout once the deadline has passed (a peer that trickles bytes
+cannot stretch a frame past it).
 close() from another task shuts the socket down, which wakes a blocked call at once (PeerClosed).
 Nothing but close() may use the connection between `RealConnection.hold_bulk` and `release`.
 """
@@ -36,7 +38,8 @@ class BlockingBulk:
         self._conn = conn
         conn._check_open()
         whole = int(timeout)
-        limit = struct.pack("ll", whole, int((timeout - whole) * 1e6))  # struct timeval
+        micros = max(int((timeout - whole) * 1e6), 0 if whole else 1)  # a zero timeval never times out
+        limit = struct.pack("ll", whole, micros)  # struct timeval
         try:
             conn._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
             conn._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)

@@ -17,7 +17,7 @@ import socket
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, NoReturn
 
 from ftrun.env.admission import Admission, ListenLimits
 from ftrun.env.base import ConnectError, EnvTimeout, Message, NetTimeout, PeerClosed, ProtocolError
@@ -60,9 +60,13 @@ def _set_buffers(sock: socket.socket, nbytes: int) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, nbytes)
 
 
+def _past(deadline: float | None) -> bool:
+    return deadline is not None and time.monotonic() >= deadline
+
+
 class RealConnection:
-    """Non-blocking socket plus one poll object per direction, so a sender and a receiver can wait
-    concurrently, each with its own deadline.
+    """Non-blocking socket (blocking while held, see ftrun.env.real_bulk) plus one poll object per
+    direction, so a sender and a receiver can wait concurrently, each with its own deadline.
 
     close() from another thread must wake a task blocked in poll(), but Linux wakes no poll on close(),
     and shutdown() of a connection the peer already reset may fail without raising an event. So each
@@ -78,7 +82,7 @@ class RealConnection:
         self._sock = sock
         self._hello_limit, self._on_event = hello_limit, on_event
         self._rx: bytearray | None = None  # a control message being received
-        self._wait_all = False  # held (ftrun.env.real_bulk): a blocking recv takes the rest of a frame at once
+        self._wait_all = False  # held (ftrun.env.real_bulk): blocking calls; a recv takes the rest of a frame
         self._send_lock = threading.Lock()
         self._header = bytearray(wire.HEADER_SIZE)
         self._closed = False
@@ -112,8 +116,7 @@ class RealConnection:
                     sent = self._sock.sendmsg(left)
                 except BlockingIOError:
                     if not self._wait(self._wpoll, deadline):
-                        self.close()  # part of a frame may be on the wire: the stream is unusable
-                        raise NetTimeout(f"send to {self.peer_addr} timed out after {timeout}s") from None
+                        self._send_timed_out(timeout)
                     continue
                 except OSError as e:
                     self._lost("sending", e)
@@ -123,6 +126,12 @@ class RealConnection:
                     sent -= take
                     if not left[0].nbytes:
                         left.pop(0)
+                if left and self._wait_all and _past(deadline):  # held: the kernel's timeout ended a part
+                    self._send_timed_out(timeout)
+
+    def _send_timed_out(self, timeout: float | None) -> NoReturn:
+        self.close()  # part of a frame may be on the wire: the stream is unusable
+        raise NetTimeout(f"send to {self.peer_addr} timed out after {timeout}s") from None
 
     def duplex(self, inc: "RealConnection") -> "RealPump":
         """A pump that sends bulk frames on this connection while it receives them from `inc` (both
@@ -211,11 +220,7 @@ class RealConnection:
                     n = self._sock.recv_into(view[got:got + _RECV_STEP])
             except BlockingIOError:  # nothing yet (held: nothing within the kernel's timeout)
                 if not self._wait(self._rpoll, deadline):
-                    mid_frame = started or got > 0
-                    if mid_frame:
-                        self.close()
-                    raise NetTimeout(f"receive from {self.peer_addr} timed out after {timeout}s"
-                                     + (" mid-frame; connection closed" if mid_frame else "")) from None
+                    self._recv_timed_out(timeout, mid_frame=started or got > 0)
                 continue
             except OSError as e:
                 self._lost("receiving", e)
@@ -224,6 +229,14 @@ class RealConnection:
                 self.close()
                 raise PeerClosed(f"peer {self.peer_addr} closed the connection")
             got += n
+            if got < view.nbytes and self._wait_all and _past(deadline):  # held: the kernel's timeout ended a part
+                self._recv_timed_out(timeout, mid_frame=True)
+
+    def _recv_timed_out(self, timeout: float | None, mid_frame: bool) -> NoReturn:
+        if mid_frame:
+            self.close()
+        raise NetTimeout(f"receive from {self.peer_addr} timed out after {timeout}s"
+                         + (" mid-frame; connection closed" if mid_frame else "")) from None
 
     def _wait(self, poller: select.poll, deadline: float | None) -> bool:
         """Wait until the socket is ready (or hung up); False if the deadline passed first."""

@@ -152,6 +152,9 @@ def test_config_rejects_bad_socket_settings():
         FtarConfig(socket_io="select")
     with pytest.raises(ValueError, match="local_socket_buffer_bytes"):
         FtarConfig(local_socket_buffer_bytes=64 << 10)
+    for bad in (262144.0, "256k", True):  # a float passed, then failed every ring's negotiation (setsockopt)
+        with pytest.raises(ValueError, match="local_socket_buffer_bytes must be an int"):
+            FtarConfig(local_socket_buffer_bytes=bad)
     assert FtarConfig(local_socket_buffer_bytes=0).local_socket_buffer_bytes == 0
 
 
