@@ -1,7 +1,7 @@
 """Where an FTAR all-reduce's wall time goes on this machine, next to gloo's, in the same processes.
 
 P processes on 127.0.0.1 each build a gloo group and one FTAR ring over sockets per socket_io ("blocking",
-"threads", "pump"), then alternate the all-reduces iteration by iteration (same load for all). Per
+"threads"), then alternate the all-reduces iteration by iteration (same load for all). Per
 all-reduce and rank: wall seconds, CPU seconds (user + system, every thread), voluntary context switches,
 and run-queue wait (seconds the process's threads were runnable but not running, /proc/*/schedstat).
 On a shared machine, wall = CPU + run-queue wait + sleep; this shows which one dominates.
@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-SOCKET_IO = ("blocking", "threads", "pump")
+SOCKET_IO = ("blocking", "threads")
 VARIANTS = (*SOCKET_IO, "gloo")
 
 

@@ -111,9 +111,8 @@ class FtarConfig:
     timeout_s: float = 10.0  # any single wait inside an all-reduce
     transport: str = "auto"  # "auto": shared slots with same-host neighbours; "socket": bulk frames only
     # Socket links: "blocking" is "threads" with each chunk sent and received in one blocking call
-    # when the Env's connections offer it (ftrun.env.real_bulk); "threads" sends from a helper task
-    # while this one receives, waiting in poll(); "pump" drives both directions from one task when the
-    # Env's connections offer it (ftrun.env.real_pump). Both fall back to "threads".
+    # when the Env's connections offer it (ftrun.env.real_bulk), else "threads"; "threads" sends from
+    # a helper task while this one receives, waiting in poll().
     socket_io: str = "blocking"
     # Socket buffers (send and receive) of a ring link whose ends are on one machine (transport "socket"
     # or network namespaces): small, so the bytes the sender's kernel copies in are still in the shared
@@ -130,8 +129,8 @@ class FtarConfig:
             raise ValueError(f"FtarConfig.timeout_s must be > 0, got {self.timeout_s}")
         if self.transport not in ("auto", "socket"):
             raise ValueError(f"FtarConfig.transport must be 'auto' or 'socket', got {self.transport!r}")
-        if self.socket_io not in ("blocking", "threads", "pump"):
-            raise ValueError(f"FtarConfig.socket_io must be 'blocking', 'threads' or 'pump', got {self.socket_io!r}")
+        if self.socket_io not in ("blocking", "threads"):
+            raise ValueError(f"FtarConfig.socket_io must be 'blocking' or 'threads', got {self.socket_io!r}")
         b = self.local_socket_buffer_bytes
         if not isinstance(b, int) or isinstance(b, bool):  # setsockopt would refuse it at every ring's setup
             raise ValueError(f"FtarConfig.local_socket_buffer_bytes must be an int, got {b!r}")

@@ -45,9 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunks", type=int, default=4, help="FTAR chunks in flight C")
     p.add_argument("--transport", choices=["auto", "socket"], default="auto",
                    help="auto: shared staging between same-host neighbours; socket: bulk frames over TCP only")
-    p.add_argument("--socket-io", choices=["blocking", "threads", "pump"], default=FtarConfig.socket_io,
+    p.add_argument("--socket-io", choices=["blocking", "threads"], default=FtarConfig.socket_io,
                    help="socket links: a sender thread per link with blocking calls (default) or waiting in "
-                        "poll(), or one task pumping both directions")
+                        "poll()")
     p.add_argument("--local-socket-buffer-kb", type=int, default=FtarConfig.local_socket_buffer_bytes >> 10,
                    help="socket buffers of FTAR links within one machine, KiB; 0 keeps the connections' 4 MiB "
                         "(default: %(default)s)")

@@ -25,7 +25,6 @@ from ftrun.env import wire
 
 if TYPE_CHECKING:
     from ftrun.env.real_bulk import BlockingBulk
-    from ftrun.env.real_pump import RealPump
 
 _SOCK_BUF = 4 * 1024 * 1024
 # One recv() copies at most this much: a huge read holds the socket lock while it copies and stalls the
@@ -132,13 +131,6 @@ class RealConnection:
     def _send_timed_out(self, timeout: float | None) -> NoReturn:
         self.close()  # part of a frame may be on the wire: the stream is unusable
         raise NetTimeout(f"send to {self.peer_addr} timed out after {timeout}s") from None
-
-    def duplex(self, inc: "RealConnection") -> "RealPump":
-        """A pump that sends bulk frames on this connection while it receives them from `inc` (both
-        directions of a ring link from one thread; see ftrun.env.real_pump)."""
-        from ftrun.env.real_pump import RealPump
-
-        return RealPump(self, inc)
 
     def hold_bulk(self, timeout: float) -> "BlockingBulk":
         """Bulk sends and receives on this connection that block in the kernel (at most `timeout` per

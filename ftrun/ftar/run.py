@@ -6,15 +6,13 @@ Each link has a transport chosen when the ring was built:
 - shared (same host): the sender's staging slots are mapped by the receiver; a Send is a small control
   message naming slot and seq, the receiver reads the bytes in place and acknowledges the slot.
 
-This task receives and computes in schedule order. With `pump` (FtarConfig.socket_io = "pump"), when both
-links are sockets and the connections offer `duplex` (ftrun.env.real_pump), this one task also pushes the queued
-frames while it waits for the next one to arrive: no thread hand-offs per chunk. Otherwise a sender task
-drains the queue of outgoing frames so the rank receives while it sends; in shared mode an ack task frees
-slots as the next rank acknowledges them. With "blocking" (the default), when both links are sockets and
-the connections offer `hold_bulk` (ftrun.env.real_bulk), both tasks move each frame in one blocking call
-that waits in the kernel, and the holds are released when the all-reduce ends. A staging slot is rewritten
-only once its previous send is complete (socket) or acknowledged (shared), which also caps the bytes in
-flight per peer at 2 x C x S.
+This task receives and computes in schedule order; a sender task drains the queue of outgoing frames so
+the rank receives while it sends, and in shared mode an ack task frees slots as the next rank acknowledges
+them. With FtarConfig.socket_io = "blocking" (the default), when both links are sockets and the
+connections offer `hold_bulk` (ftrun.env.real_bulk), both tasks move each frame in one blocking call that
+waits in the kernel, and the holds are released when the all-reduce ends ("threads": they wait in poll()).
+A staging slot is rewritten only once its previous send is complete (socket) or acknowledged (shared),
+which also caps the bytes in flight per peer at 2 x C x S.
 
 Buffers are numpy uint8 arrays, or, with shape-only kernels (emulation), stand-ins whose slices are what
 the Env's connections send and receive for those bytes (harness.engine.ShapeOnly). Kernel calls return
@@ -47,12 +45,9 @@ class RingRun:
         self.sends = env.queue()
         self.error: BaseException | None = None
         both_sockets = prev_slots is None and not out_shared and isinstance(data, np.ndarray)
-        duplex = getattr(links.next, "duplex", None) if socket_io == "pump" and both_sockets else None
-        self.pump = duplex(links.prev) if duplex is not None else None
         # Where bulk frames go out and come in: the links, or (blocking) holds on them for this all-reduce.
         self.out, self.inc, self.held = links.next, links.prev, []
         self.blocking = socket_io == "blocking" and both_sockets and hasattr(links.next, "hold_bulk")
-        self.slot_ticket = [0] * sched.num_slots  # pump mode: a slot is free once its send's ticket went
 
     # -- driver --------------------------------------------------------------------------------
     def go(self) -> None:
@@ -63,15 +58,13 @@ class RingRun:
             except NetError as e:
                 self._fail(e)
             self.out, self.inc = self.held
-        helpers = [] if self.pump is not None else [self.env.spawn(self._send_loop, name="ftar-send")]
+        helpers = [self.env.spawn(self._send_loop, name="ftar-send")]
         if self.out_shared:
             helpers.append(self.env.spawn(self._ack_loop, self.sched.num_sends, name="ftar-acks"))
         try:
             for step in self.sched.steps:
                 self._run_step(step.ops)
                 if self.telemetry: self.telemetry.ftar_step(step.partition, step.hop, step.ops[0].nbytes)
-            if self.pump is not None:
-                self.pump.flush(self.timeout)
         except (NetError, EnvTimeout) as e:
             self._fail(e)
         except (KernelError, ValueError) as e:
@@ -125,11 +118,11 @@ class RingRun:
         if isinstance(local, CopyFromSlot):  # socket, all-gather: receive straight into place
             self._wait_slot(recv.slot)
             target = self._region(local.offset, local.nbytes)
-            self._recv_into(target)
+            self.inc.recv_into(target, timeout=self.timeout)
             if self.telemetry: self.telemetry.ftar_recv(recv.nbytes)
             return target
         self._wait_slot(recv.slot)
-        self._recv_into(self.staging[slot_off:slot_off + recv.nbytes])
+        self.inc.recv_into(self.staging[slot_off:slot_off + recv.nbytes], timeout=self.timeout)
         if self.telemetry: self.telemetry.ftar_recv(recv.nbytes)
         if isinstance(local, Reduce):
             self._charge(self.k.reduce(self.staging, slot_off, self.data, local.offset, local.nbytes, self.dt))
@@ -164,17 +157,9 @@ class RingRun:
                 self._charge(self.k.copy(self.staging, slot_off, out, 0, send.nbytes))
             self.slot_free[send.slot].clear()
             self.sends.put((send.slot, {"s": send.seq, "slot": send.slot}))
-        elif self.pump is not None:
-            self.slot_ticket[send.slot] = self.pump.send(out)
         else:
             self.slot_free[send.slot].clear()
             self.sends.put((send.slot, out))
-
-    def _recv_into(self, target) -> None:
-        if self.pump is not None:
-            self.pump.recv_into(target, self.timeout)
-        else:
-            self.inc.recv_into(target, timeout=self.timeout)
 
     def _charge(self, seconds: float) -> None:
         """Wait out the device time a kernel models (shape-only kernels; real ones return 0.0)."""
@@ -185,9 +170,6 @@ class RingRun:
         return self.data[offset:offset + nbytes]
 
     def _wait_slot(self, slot: int) -> None:
-        if self.pump is not None:
-            self.pump.wait_sent(self.slot_ticket[slot], self.timeout)
-            return
         if not self.slot_free[slot].wait(timeout=self.timeout):
             raise EnvTimeout(f"slot {slot} was not released within {self.timeout}s")
         if self.error is not None:

@@ -21,7 +21,7 @@ from ftrun.ftar.engine import FtarConfig, FtarEngine
 
 
 def io_config(transport: str) -> dict:
-    """FTAR_TRANSPORT: auto, socket, or socket+IO with IO an FtarConfig.socket_io (threads, pump)."""
+    """FTAR_TRANSPORT: auto, socket, or socket+IO with IO an FtarConfig.socket_io (blocking, threads)."""
     kind, _, io = transport.partition("+")
     return {"transport": kind, "socket_io": io} if io else {"transport": kind}
 from ftrun.ftar.ring import FtarError

@@ -40,8 +40,8 @@ def build(env, engs, epoch=1):
 
 
 # socket: links with blocking bulk calls (real_bulk, the default); socket+threads: a sender task waiting in
-# poll(); socket+pump: socket links driven by one task (real_pump)
-TRANSPORTS = ["auto", "socket", "socket+threads", "socket+pump"]
+# poll()
+TRANSPORTS = ["auto", "socket", "socket+threads"]
 
 
 def io_config(transport: str) -> dict:
@@ -148,8 +148,9 @@ def test_socket_links_within_one_machine_get_the_small_buffers(same_machine, mon
 
 
 def test_config_rejects_bad_socket_settings():
-    with pytest.raises(ValueError, match="socket_io"):
-        FtarConfig(socket_io="select")
+    for bad in ("select", "pump"):  # pump: a mode that was removed
+        with pytest.raises(ValueError, match="socket_io must be 'blocking' or 'threads'"):
+            FtarConfig(socket_io=bad)
     with pytest.raises(ValueError, match="local_socket_buffer_bytes"):
         FtarConfig(local_socket_buffer_bytes=64 << 10)
     for bad in (262144.0, "256k", True):  # a float passed, then failed every ring's negotiation (setsockopt)

@@ -1,6 +1,6 @@
 """Blocking bulk holds on ring links (ftrun/env/real_bulk.py): frames larger than the socket buffers go both
 ways, interoperate with plain send_bytes / recv_into, honour their deadlines, wake at once on close(), and
-hand the connection back in non-blocking mode."""
+hand the connection back in non-blocking mode; a peer that closes mid-frame is PeerClosed, held or not."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import time
 import numpy as np
 import pytest
 
+from ftrun.env import wire
 from ftrun.env.base import NetTimeout, PeerClosed, ProtocolError
 
 from tests.unit.conftest import FRAMES, receive_frames
@@ -132,6 +133,21 @@ def test_a_peer_that_goes_away_is_peer_closed(ring2):
     a_next._sock.shutdown(socket.SHUT_RDWR)  # as the kernel does for a killed process
     t.join(5.0)
     assert isinstance(res.get("error"), PeerClosed), res
+
+
+@pytest.mark.parametrize("held", [True, False])
+def test_a_peer_closing_mid_frame_is_peer_closed_and_closes(ring2, held):
+    a_next, _, _, b_prev = ring2
+    a_next.send_bytes(b"y" * 10)
+    a_next._sock.sendall(wire.bulk_header(20) + b"z" * 5)  # then 5 of a 20-byte frame's bytes
+    a_next.close()
+    recv_into = b_prev.hold_bulk(5.0).recv_into if held else b_prev.recv_into
+    first = bytearray(10)
+    recv_into(memoryview(first), 5.0)
+    assert bytes(first) == b"y" * 10
+    with pytest.raises(PeerClosed, match="closed the connection"):
+        recv_into(memoryview(bytearray(20)), 5.0)
+    assert b_prev.closed
 
 
 def test_a_frame_of_another_size_is_a_protocol_error_and_closes(ring2):
