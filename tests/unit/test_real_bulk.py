@@ -4,6 +4,7 @@ hand the connection back in non-blocking mode; a peer that closes mid-frame is P
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -168,8 +169,11 @@ def test_holding_a_closed_connection_is_peer_closed(ring2):
         ring2[1].hold_bulk(0.0)
 
 
-def _trickle(action, stop: threading.Event) -> threading.Thread:
-    """Run `action` every 50 ms until `stop` is set: a peer that keeps a held call moving, slowly."""
+@contextlib.contextmanager
+def _trickling(action):
+    """Inside the block, `action` runs every 50 ms: a peer that keeps a held call moving, slowly."""
+    stop = threading.Event()
+
     def run():
         while not stop.wait(0.05):
             try:
@@ -178,23 +182,22 @@ def _trickle(action, stop: threading.Event) -> threading.Thread:
                 return
     t = threading.Thread(target=run)
     t.start()
-    return t
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join(5.0)
 
 
 def test_a_peer_that_trickles_a_frame_in_cannot_stretch_a_held_receive_past_its_deadline(ring2):
     a_next, _, _, b_prev = ring2
     a_next._sock.sendall(b"\x02" + (1 << 20).to_bytes(8, "big"))  # the header of a 1 MiB frame
-    stop = threading.Event()
-    t = _trickle(lambda: a_next._sock.sendall(b"x" * 100), stop)
-    inc = b_prev.hold_bulk(0.3)
-    t0 = time.monotonic()
-    try:
+    with _trickling(lambda: a_next._sock.sendall(b"x" * 100)):
+        inc = b_prev.hold_bulk(0.3)
+        t0 = time.monotonic()
         with pytest.raises(NetTimeout, match="mid-frame"):
             inc.recv_into(np.empty(1 << 20, np.uint8), 0.3)
         assert time.monotonic() - t0 < 1.5  # the deadline, not the peer's pace (which would take 50 min)
-    finally:
-        stop.set()
-        t.join(5.0)
     assert b_prev.closed
 
 
@@ -202,17 +205,12 @@ def test_a_peer_that_reads_slowly_cannot_stretch_a_held_send_past_its_deadline(r
     a_next, _, _, b_prev = ring2
     a_next.set_buffer_bytes(128 << 10)
     b_prev.set_buffer_bytes(128 << 10)
-    stop = threading.Event()
-    t = _trickle(lambda: b_prev._sock.recv(64 << 10), stop)
-    out = a_next.hold_bulk(0.3)
-    t0 = time.monotonic()
-    try:
+    with _trickling(lambda: b_prev._sock.recv(64 << 10)):
+        out = a_next.hold_bulk(0.3)
+        t0 = time.monotonic()
         with pytest.raises(NetTimeout, match="send"):
             out.send_bytes(np.zeros(64 << 20, np.uint8), 0.3)  # ~50 s at the reader's pace
         assert time.monotonic() - t0 < 1.5
-    finally:
-        stop.set()
-        t.join(5.0)
     assert a_next.closed
 
 
