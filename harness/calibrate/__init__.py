@@ -8,7 +8,9 @@ one-way latency and bandwidth, shared-memory bandwidth, how the step slows with 
 once (the machine's effective cores for ranks), the real HTTP catch-up's cost per fetch and per
 byte (from a source process that trains meanwhile), a local atomic file write (loader_state, audit), the
 CPU FTAR kernels' reduce and copy throughput, zygote-forked and spawned process start, and crash
-detection (SIGKILL to the launcher seeing the exit, and to a TCP peer seeing the reset).
+detection (SIGKILL to the launcher seeing the exit, and to a TCP peer seeing the reset; with SCRIPT, also a
+killed rank of the script, from its kill to its job's lighthouse losing the connection: that teardown, slower
+than an idle child's, sets network.crash_fin_delay_s).
 
 Writes --out: the --profile (default ci-small) with the measured keys set (harness.calibrate.provenance
 says which figure sets which key) and a [calibration] table where every value says how and when it was
