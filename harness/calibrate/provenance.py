@@ -55,7 +55,8 @@ def profile_keys(figures: Mapping[str, Figure]) -> dict[str, tuple[float, str, s
     # The OS's teardown of a killed process, not a survivor's notice of it (measured.script_crash_detect_s, which
     # adds the survivor's own way to its next all-reduce: the emulator models that way itself): a killed rank of
     # the script as its job's lighthouse saw it reset, where timed (a training rank's teardown under the job's
-    # load took 13-55 ms where an idle child's took 8-11 ms), else the idle child's.
+    # load took 11-81 ms in 64 kills at load 4-10, an idle child's 8-19 ms: benchmarks/results/fidelity.md), else the
+    # idle child's.
     direct("network.crash_fin_delay_s", "script_peer_reset_s" if "script_peer_reset_s" in figures else "peer_reset_s")
     # the write as the script's runs met it, where sampled while they ran (the job's own load slows the disk)
     direct("storage.local_write_latency_s", "script_write_s" if "script_write_s" in figures else "storage_write_s")

@@ -233,7 +233,7 @@ class OverheadExchange:
     after the modeled ring: a peer that dies meanwhile is still seen in the ring, as in a real run, where
     the ranks wait inside the all-reduce. A failed all-reduce does not pay it: its error reaches the trainer when
     the dead peer's reset arrives (real 3 x 1 and 3 x 2 runs: every survivor's error came within a few ms of the
-    lighthouse's loss of the killed replica's connection, 13-55 ms after the kill, while the overhead was 8-15 ms;
+    lighthouse's loss of the killed replica's connection, 11-81 ms after the kill, while the overhead was 5-15 ms;
     the reset's delay is network.crash_fin_delay_s, a killed rank's teardown). `overhead_s()`: the current
     overhead (it depends on the replicas up)."""
 
