@@ -8,7 +8,9 @@ one-way latency and bandwidth, shared-memory bandwidth, how the step slows with 
 once (the machine's effective cores for ranks), the real HTTP catch-up's cost per fetch and per
 byte (from a source process that trains meanwhile), a local atomic file write (loader_state, audit), the
 CPU FTAR kernels' reduce and copy throughput, zygote-forked and spawned process start, and crash
-detection (SIGKILL to the launcher seeing the exit, and to a TCP peer seeing the reset).
+detection (SIGKILL to the launcher seeing the exit, and to a TCP peer seeing the reset; with SCRIPT, also a
+killed rank of the script, from its kill to its job's lighthouse losing the connection: that teardown, slower
+than an idle child's, sets network.crash_fin_delay_s).
 
 Writes --out: the --profile (default ci-small) with the measured keys set (harness.calibrate.provenance
 says which figure sets which key) and a [calibration] table where every value says how and when it was
@@ -106,9 +108,26 @@ def crash_detections(events: list[dict]) -> list[float]:
     return out
 
 
+def teardowns(trace: dict) -> list[float]:
+    """Per kill of a `ftrun launch` job's trace.json (its "kill" instants), the time until the lighthouse lost
+    that replica's leader connection ("member_lost", why "lost": the connection reset): the killed rank's OS
+    teardown as the job's load made it. A kill with no such loss after it is left out. Pure."""
+    ev = trace.get("traceEvents") or []
+    kills = sorted((e["ts"], e["args"].get("replica_id")) for e in ev if e.get("name") == "kill" and "args" in e)
+    lost = sorted((e["ts"], e["args"].get("replica_id")) for e in ev if e.get("cat") == "quorum"
+                  and str(e.get("name", "")).startswith("member_lost") and e.get("args", {}).get("why") == "lost")
+    out = []
+    for t, rid in kills:
+        seen = next((u for u, r in lost if r == rid and u >= t), None)
+        if seen is not None:
+            out.append((seen - t) / 1e6)  # trace.json's microseconds
+    return out
+
+
 def _script_events(script: str, steps: int, module: bool, ranks: int, replicas: int,
-                   extra: tuple[str, ...] = ()) -> tuple[dict, list[dict]]:
-    """(figures, events) of SCRIPT run by `ftrun launch` as `replicas` x `ranks` (fault-free unless `extra` says)."""
+                   extra: tuple[str, ...] = ()) -> tuple[dict, list[dict], dict]:
+    """(figures, events, trace.json) of SCRIPT run by `ftrun launch` as `replicas` x `ranks` (fault-free unless
+    `extra` says)."""
     with tempfile.TemporaryDirectory(prefix="ftrun-calibrate-") as out:
         cmd = [sys.executable, "-m", "ftrun.cli", "launch", "--replicas", str(replicas), "--ranks-per-replica", str(ranks),
                "--min-replicas", "1", "--steps", str(steps), "--out", out, "--no-progress", "--json", *extra]
@@ -119,10 +138,15 @@ def _script_events(script: str, steps: int, module: bool, ranks: int, replicas: 
             figures = json.loads(lines[-1])
             with open(os.path.join(out, "events.jsonl")) as f:
                 events = [json.loads(line) for line in f if line.strip()]
+            trace_path = os.path.join(out, "trace.json")
+            trace = {}
+            if os.path.exists(trace_path):
+                with open(trace_path) as f:
+                    trace = json.load(f)
         except (IndexError, json.JSONDecodeError, OSError):
             raise UsageError(f"SCRIPT {script}: `ftrun launch` printed no figures (exit {proc.returncode}): "
                              f"{proc.stderr.strip()[-500:]}") from None
-    return figures, events
+    return figures, events, trace
 
 
 def _script_step(script: str, steps: int, module: bool = False, ranks: int = 1) -> list[Figure]:
@@ -139,7 +163,7 @@ def _script_step(script: str, steps: int, module: bool = False, ranks: int = 1) 
 
 
 def _script_runs(script: str, steps: int, module: bool, ranks: int) -> list[Figure]:
-    figures, events = _script_events(script, steps, module, ranks, 1)
+    figures, events, _ = _script_events(script, steps, module, ranks, 1)
     spans, after = quorum_to_commit_s(events), commit_to_quorum_s(events)
     period = figures.get("median_step_s")
     if not spans or not period:
@@ -163,10 +187,12 @@ def _ftar_hop(script: str, steps: int, module: bool, ranks: int, one_replica_s: 
     `steps` steps) r1 is killed CRASH_KILLS times, `steps` steps apart, and restarted at once: the script's start
     (restart to its rank 0's ready event: the fork, the script's imports and set-up) is measured there, and, as
     r1 dies mid-step, how long r0 takes to notice, the median over the kills (one kill is as noisy as the machine's
-    load): for reading, not a profile key (r0's notice waits for its own way to the all-reduce, which the emulator
-    models; the FINs' delay is the peer reset of `process_figures`)."""
+    load): for reading, not a profile key (r0's notice can wait for its own way to the all-reduce, which the emulator
+    models); and the killed rank's teardown, from the kill to the lighthouse's loss of its connection (`teardowns`):
+    the FINs' delay of a real rank of the script, under the job's own load."""
     kills = [x for i in range(1, CRASH_KILLS + 1) for x in ("--inject", f"kill replica=1 step={i * steps} at=0.5")]
-    _, events = _script_events(script, (CRASH_KILLS + 1) * steps, module, ranks, 2, (*kills, "--restart-delay", "0s"))
+    _, events, trace = _script_events(script, (CRASH_KILLS + 1) * steps, module, ranks, 2,
+                                      (*kills, "--restart-delay", "0s"))
     spans = quorum_to_commit_s(events)
     if not spans:
         return []
@@ -182,11 +208,16 @@ def _ftar_hop(script: str, steps: int, module: bool, ranks: int, one_replica_s: 
                      f"(`--inject kill ... at=0.5`) of the time to the first abort or error of r0 after it ({script} as 2 "
                      f"replicas x {ranks} ranks: the killed rank's teardown and the survivor's notice)",
                      len(noticed))] if noticed else []
+    down = teardowns(trace)
+    teardown = [Figure("script_peer_reset_s", median(down), "s", f"median over {len(down)} mid-step kills of r1 "
+                       f"(`--inject kill ... at=0.5`) of the time from the kill to the lighthouse's loss of r1's "
+                       f"connection (its reset: the killed rank's OS teardown under the job's own load; {script} as 2 "
+                       f"replicas x {ranks} ranks)", len(down))] if down else []
     after = commit_to_quorum_s(events, participants=2)
     after_2 = [Figure("script_commit_to_quorum_2_replicas_s", median(after), "s", f"median time from a step's commit to "
                       f"the next step's quorum of 2 replicas, {script} as 2 replicas x {ranks} ranks (a 1-replica run's "
                       "is longer on a loaded machine: its rank never waits in an all-reduce)", len(after))] if after else []
-    return started + detect + after_2 + [Figure("script_step_2_replicas_s", two, "s", f"median time from a step's quorum to its commit of {script} "
+    return started + detect + teardown + after_2 + [Figure("script_step_2_replicas_s", two, "s", f"median time from a step's quorum to its commit of {script} "
                    f"run by `ftrun launch --replicas 2 --ranks-per-replica {ranks} --steps {steps}`", len(spans)),
             Figure("ftar_sync_overhead_s", max(two - one_replica_s, 0.0), "s",
                    f"measured.script_step_2_replicas_s ({two:.6g} s) minus the one-replica step ({one_replica_s:.6g} s), "

@@ -30,6 +30,10 @@ Figures (`metrics`, pure, over either event stream: leader/rank-0 events with re
 - effective_training_time: committed non-healed replica-steps x step_s over replicas x (first quorum to
   last commit).
 `max_abs_log_ratio` is the largest |ln(emulated/real)| over the figures both runs have (> 0).
+
+For reading a stall miss, `stall_phases` cuts each failure's stalled interval at the events both worlds emit
+(commit, quorum, kill, error, abort); the run prints their medians side by side, `--json` gives them as
+`stall_phases`, and `--out` keeps the emulated events (emulated/events.jsonl) beside the real runs'.
 """
 
 from __future__ import annotations
@@ -110,18 +114,26 @@ def _by_incarnation(ev: list[dict[str, Any]]) -> tuple[dict, dict]:
     return commits, quorums
 
 
+def _stalled(commits: dict, t: float, exclude: str) -> tuple[float, tuple[str, int], int] | None:
+    """The stall at time t: (gap, incarnation, i) of the longest commit-to-commit interval cs[i] -> cs[i + 1]
+    containing t of a replica other than `exclude` that has commit gaps before it; None without one."""
+    around = [(b[1] - a[1], key, i) for key, cs in commits.items() if key[0] != exclude
+              for i, (a, b) in enumerate(zip(cs, cs[1:])) if a[1] <= t <= b[1] and i > 0]
+    return max(around) if around else None
+
+
+def _gaps_before(cs: list[tuple[int, float]], i: int) -> list[float]:
+    """The (up to) LOCAL_GAPS commit gaps that end at commit cs[i]."""
+    window = cs[max(i - LOCAL_GAPS, 0):i + 1]
+    return [y[1] - x[1] for x, y in zip(window, window[1:])]
+
+
 def _per_fault(ev: list[dict[str, Any]], commits: dict, quorums: dict) -> dict[str, list[float]]:
     """per_fault over normalized events and their `_by_incarnation` index (metrics builds it once)."""
 
     def lost_at(t: float, exclude: str) -> float | None:
-        around = [(b[1] - a[1], [y[1] - x[1] for x, y in zip(cs[max(i - LOCAL_GAPS, 0):i], cs[max(i - LOCAL_GAPS, 0) + 1:i + 1])])
-                  for (rid, _), cs in commits.items() if rid != exclude
-                  for i, (a, b) in enumerate(zip(cs, cs[1:])) if a[1] <= t <= b[1]]
-        around = [(gap, before) for gap, before in around if before]
-        if not around:
-            return None
-        gap, before = max(around)
-        return gap - median(before)
+        hit = _stalled(commits, t, exclude)
+        return None if hit is None else hit[0] - median(_gaps_before(commits[hit[1]], hit[2]))
 
     out: dict[str, list[float]] = {"detection_s": [], "stall_per_failure_s": [], "rejoin_stall_s": [],
                                    "catchup_s": [e["seconds"] for e in ev if e["event"] == "catchup" and "seconds" in e
@@ -143,6 +155,67 @@ def _per_fault(ev: list[dict[str, Any]], commits: dict, quorums: dict) -> dict[s
             if s is not None:
                 out["rejoin_stall_s"].append(s)
     return out
+
+
+STALL_PHASES = ("commit_to_quorum", "quorum_to_kill", "detection", "vote", "requorum", "more_quorums", "retry_step")
+
+
+def stall_phases(events: Iterable[dict[str, Any]]) -> list[dict[str, float | None]]:
+    """Per kill (time order), where the stalled survivor's interval goes (`per_fault`'s stall: the survivor
+    whose commit-to-commit interval containing the kill is longest), cut at its own events: its commit before
+    the kill -> its quorum of the step (`commit_to_quorum`) -> the kill (`quorum_to_kill`; negative when the
+    kill came before that quorum) -> its first error or abort (`detection`) -> its abort (`vote`) -> its next
+    quorum (`requorum`: the bookkeeping, the lighthouse's wait for the membership change, the reply) -> its last
+    quorum before the commit (`more_quorums`: retries past the first, 0 with none) -> the commit
+    (`retry_step`). A phase whose end event is missing is None and its time goes to the next phase present.
+    Also `step`, the median of the LOCAL_GAPS commit gaps before the interval (what the stall subtracts), and
+    its parts `step_commit_to_quorum` / `step_quorum_to_commit` (medians over those steps), and `stall`
+    (the interval less `step`). Pure."""
+    ev = normalize(events)
+    commits, _ = _by_incarnation(ev)
+    out = []
+    for k in (e for e in ev if e["event"] == "kill"):
+        hit = _stalled(commits, k["t"], k["replica_id"])
+        if hit is None:
+            continue
+        gap, key, i = hit
+        cs = commits[key]
+        (_, t_a), (_, t_b) = cs[i], cs[i + 1]
+        mine = [e for e in ev if (e.get("replica_id"), e.get("incarnation", 0)) == key and t_a < e["t"] <= t_b]
+        quorums = [e["t"] for e in mine if e["event"] == "quorum"]
+        q0 = quorums[0] if quorums and quorums[0] <= k["t"] else None
+        noticed = next((e["t"] for e in mine if e["t"] >= k["t"] and e["event"] in ("error", "abort")), None)
+        abort = next((e["t"] for e in mine if noticed is not None and e["t"] >= noticed and e["event"] == "abort"), None)
+        after = [t for t in quorums if t >= (abort if abort is not None else k["t"])]
+        marks = [("commit_to_quorum", q0), ("quorum_to_kill", k["t"]), ("detection", noticed), ("vote", abort),
+                 ("requorum", after[0] if after else None), ("more_quorums", after[-1] if after else None),
+                 ("retry_step", t_b)]
+        row: dict[str, float | None] = {}
+        last = t_a
+        for name, t in marks:
+            row[name] = None if t is None else t - last
+            last = last if t is None else t
+        window = cs[max(i - LOCAL_GAPS, 0):i + 1]
+        parts = []  # per step of the window: (its commit -> its next quorum, that quorum -> the next commit)
+        for (_, x), (_, y) in zip(window, window[1:]):
+            q = next((e["t"] for e in ev if e["event"] == "quorum" and x < e["t"] <= y
+                      and (e.get("replica_id"), e.get("incarnation", 0)) == key), None)
+            if q is not None:
+                parts.append((q - x, y - q))
+        row["step"] = median(_gaps_before(cs, i))
+        row["step_commit_to_quorum"] = median(a for a, _ in parts) if parts else None
+        row["step_quorum_to_commit"] = median(b for _, b in parts) if parts else None
+        row["stall"] = gap - row["step"]
+        out.append(row)
+    return out
+
+
+STALL_COLUMNS = (*STALL_PHASES, "step", "step_commit_to_quorum", "step_quorum_to_commit", "stall")
+
+
+def stall_phase_medians(rows: list[dict[str, float | None]]) -> dict[str, float | None]:
+    """Per column of `stall_phases` rows (of one or more runs), the median over the faults that have it. Pure."""
+    return {c: median(xs) if (xs := [r[c] for r in rows if r.get(c) is not None]) else None for c in STALL_COLUMNS}
 
 
 def metrics(events: Iterable[dict[str, Any]], *, num_replicas: int,
@@ -396,8 +469,8 @@ def restep_values(profile_path: str, ranks: int, steps: int = 30) -> dict[str, f
     figures = {f.name: f for f in _script_step("ftrun.train.ft_worker", steps, True, ranks)}
     if "script_write_s" not in figures:  # no write sampled while the script ran: one timed now
         figures["storage_write_s"] = storage_write(reps=20)
-    # the peer reset (a killed rank's FINs), as loaded now: 7 ms on this machine idle, 25 ms at load 10
-    figures.update((f.name, f) for f in process_figures(zygote_reps=5, spawn_reps=0) if f.name == "peer_reset_s")
+    if "script_peer_reset_s" not in figures:  # the script's killed rank's teardown not seen: an idle child's, now
+        figures.update((f.name, f) for f in process_figures(zygote_reps=5, spawn_reps=0) if f.name == "peer_reset_s")
     for name, key in (("storage_append_s", "storage.local_append_latency_s"),
                       ("tcp_one_way_us", "network.base_latency_us"), ("cpu_cores_effective", "train.shared_cpu_cores")):
         v = measured.get(key) or measured.get(name)
@@ -438,6 +511,10 @@ def _emulated(args: argparse.Namespace, profile_path: str, extra: list[str] = ()
     heals = [b - a for _, number, name, a, b in (job.recorder.spans or [])
              if name == "ftrun::catchup::heal" and number > 0]  # a restarted replica's (per_fault's catchup_s)
     return f, job.recorder.events, heals
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -498,6 +575,9 @@ def run(args: argparse.Namespace) -> int:
     starts = [] if offsets is None else [f"scheduler.first_start_s={offsets!r}"]
     print("ftrun fidelity: emulated run ...", file=sys.stderr, flush=True)
     emu_f, emu_ev, heals = _emulated(args, profile, [*restep, *starts])
+    os.makedirs(os.path.join(out, "emulated"), exist_ok=True)  # beside real/events.jsonl, for reading a miss
+    with open(os.path.join(out, "emulated", "events.jsonl"), "w") as f:
+        f.writelines(json.dumps(e, default=str) + "\n" for e in emu_ev)
     real, real_each = repeated(real_evs, num_replicas=args.replicas)
     real_spread, emu_spread = spread(pooled_faults(real_evs)), spread({**per_fault(emu_ev), "catchup_s": heals})
     emulated = metrics(emu_ev, num_replicas=args.replicas, catchup_s=heals)
@@ -523,6 +603,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"  ({name:<22} {cells[0]:>12} {cells[1]:>12})")
     for name, sp in real_spread.items():
         print(f"  (real {name:<19} over {sp['n']} faults: {sp['min']:.4g} .. {sp['max']:.4g})")
+    stall_ph = {"real": stall_phase_medians([row for ev in real_evs for row in stall_phases(ev)]),
+                "emulated": stall_phase_medians(stall_phases(emu_ev))}
+    print("  (where a failure's stall goes, ms, medians over the faults: "
+          + "; ".join(f"{c} {_ms(stall_ph['real'][c])} / {_ms(stall_ph['emulated'][c])}" for c in STALL_COLUMNS)
+          + " (real / emulated))")
     if offsets is not None:
         print(f"  (first start of each replica, median of the real runs: {', '.join(f'{o:.3f}' for o in offsets)} s)")
     for key in before:
@@ -539,7 +624,7 @@ def run(args: argparse.Namespace) -> int:
         emit_json({**table, "replicas": args.replicas, "ranks_per_replica": args.ranks_per_replica,
                    "steps": args.steps, "profile": profile, "out": out, "real_complete": real_complete,
                    "emulated_complete": emu_f.get("complete"), "repeat": args.repeat, "real_runs": real_each,
-                   "phases": {"real": real_ph, "emulated": emu_ph}, "restep": restep,
+                   "phases": {"real": real_ph, "emulated": emu_ph}, "stall_phases": stall_ph, "restep": restep,
                    "restep_before": before, "restep_after": after, "first_start_s": offsets,
                    "write_during_real_s": None if write is None else write.value,
                    "spread": {"real": real_spread, "emulated": emu_spread}, "kills": args.kills, "wall_s": round(time.monotonic() - started, 3)})

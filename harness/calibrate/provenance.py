@@ -53,8 +53,11 @@ def profile_keys(figures: Mapping[str, Figure]) -> dict[str, tuple[float, str, s
     direct("ftar.kernel_copy_gb_s", "ftar_copy_gb_s")
     direct("scheduler.crash_detect_s", "crash_detect_s")
     # The OS's teardown of a killed process, not a survivor's notice of it (measured.script_crash_detect_s, which
-    # adds the survivor's own way to its next all-reduce: the emulator models that way itself).
-    direct("network.crash_fin_delay_s", "peer_reset_s")
+    # adds the survivor's own way to its next all-reduce: the emulator models that way itself): a killed rank of
+    # the script as its job's lighthouse saw it reset, where timed (a training rank's teardown under the job's
+    # load took 11-81 ms in 64 kills at load 4-10, an idle child's 8-19 ms: benchmarks/results/fidelity.md), else the
+    # idle child's.
+    direct("network.crash_fin_delay_s", "script_peer_reset_s" if "script_peer_reset_s" in figures else "peer_reset_s")
     # the write as the script's runs met it, where sampled while they ran (the job's own load slows the disk)
     direct("storage.local_write_latency_s", "script_write_s" if "script_write_s" in figures else "storage_write_s")
     direct("train.shared_cpu_cores", "cpu_cores_effective",
@@ -119,7 +122,7 @@ def _without_contention(figures: Mapping[str, Figure], keys: Mapping[str, tuple]
 
 # Figures that set a key one to one are recorded under that key only.
 _ONE_TO_ONE = {"step_s", "cpu_cores_effective", "storage_append_s", "ftar_sync_overhead_s", "ftar_reduce_gb_s", "ftar_copy_gb_s", "crash_detect_s", "tcp_one_way_us", "peer_reset_s",
-               "storage_write_s", "script_write_s"}
+               "storage_write_s", "script_write_s", "script_peer_reset_s"}
 
 
 def calibrated_document(base: Mapping[str, Any], figures: Mapping[str, Figure], *, measured_at: str, host: str,
@@ -140,8 +143,9 @@ def calibrated_document(base: Mapping[str, Any], figures: Mapping[str, Figure], 
         node[leaf] = value
         values.append({"key": key, "value": float(value), "unit": unit, "method": method,
                        "measured_at": measured_at, "samples": samples})
-    # storage_write_s alone, where the key took the write the script's runs met instead: recorded as measured
-    alone = {"storage_write_s"} if "script_write_s" in figures else set()
+    # storage_write_s / peer_reset_s, where the key took the script's own figure instead: recorded as measured
+    alone = ({"storage_write_s"} if "script_write_s" in figures else set()) | (
+        {"peer_reset_s"} if "script_peer_reset_s" in figures else set())
     for name, f in figures.items():
         if name not in _ONE_TO_ONE or name in alone:
             values.append({"key": f"measured.{name}", "value": float(f.value), "unit": f.unit, "method": f.method,

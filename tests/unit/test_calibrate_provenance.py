@@ -282,6 +282,18 @@ def test_the_crash_teardown_is_the_peers_reset_not_the_scripts_notice():
     assert "network.crash_fin_delay_s" not in profile_keys({"script_crash_detect_s": fig("script_crash_detect_s", 0.1)})
 
 
+def test_the_crash_teardown_is_the_scripts_own_killed_rank_where_timed():
+    """A killed training rank's teardown under its job's load (the lighthouse's loss of its connection:
+    script_peer_reset_s) sets the FINs' delay over an idle child's (peer_reset_s), which is then recorded as
+    measured."""
+    figures = {f.name: f for f in (fig("peer_reset_s", 0.008), fig("script_peer_reset_s", 0.02))}
+    assert profile_keys(figures)["network.crash_fin_delay_s"][0] == 0.02
+    doc = calibrated_document({"name": "ci-small"}, figures, measured_at="now", host="h", command="c", quick=False)
+    recorded = {v["key"]: v["value"] for v in doc["calibration"]["values"]}
+    assert recorded["network.crash_fin_delay_s"] == 0.02 and recorded["measured.peer_reset_s"] == 0.008
+    assert "measured.script_peer_reset_s" not in recorded
+
+
 def test_crash_detection_is_per_kill_the_survivors_first_notice():
     from harness.calibrate import crash_detections
 

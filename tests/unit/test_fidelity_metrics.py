@@ -262,3 +262,63 @@ def test_start_offsets_are_each_replicas_median_ready_after_the_first():
     # per replica: r0 (0, 0.1) -> 0.05, r1 (0.2, 0) -> 0.1, r2 (0.3, 0.5) -> 0.4; less the smallest, 0.05
     assert start_offsets(runs, ["r0", "r1", "r2"]) == pytest.approx([0.0, 0.05, 0.35])
     assert start_offsets([[ready("r0", 1.0)]], ["r0", "r1"]) is None
+
+
+def stalled_step_events() -> list[dict]:
+    """r0 and r2 train 0.1 s steps (commit -> quorum 0.02 s, quorum -> commit 0.08 s); r1 is killed 0.03 s into
+    step 12. r0 errors 0.02 s after the kill, aborts 1 ms later, has its next quorum 4 ms after that and commits
+    the retried step 0.07 s after it; r2 does the same 5 ms sooner (a shorter interval: not the stall)."""
+    ev: list[dict] = []
+    for rid, early in (("r0", 0.0), ("r2", 0.005)):
+        t = 0.0
+        for step in range(20):
+            ev.append({"event": "quorum", "t": t + 0.02, "replica_id": rid, "step": step})
+            if step == 12:
+                kill = t + 0.05
+                ev += [{"event": "error", "t": kill + 0.02 - early, "replica_id": rid},
+                       {"event": "abort", "t": kill + 0.021 - early, "replica_id": rid},
+                       {"event": "quorum", "t": kill + 0.025 - early, "replica_id": rid, "step": step}]
+                t = kill + 0.095 - early
+            else:
+                t += 0.1
+            ev.append({"event": "commit", "t": t, "replica_id": rid, "step": step + 1})
+    ev.append({"event": "kill", "t": 1.25, "replica_id": "r1", "incarnation": 0})
+    return ev
+
+
+def test_stall_phases_cut_the_stalled_interval_at_both_worlds_events():
+    from harness.calibrate.fidelity import STALL_PHASES, per_fault, stall_phase_medians, stall_phases
+
+    ev = stalled_step_events()
+    [row] = stall_phases(ev)
+    assert row["commit_to_quorum"] == pytest.approx(0.02)
+    assert row["quorum_to_kill"] == pytest.approx(0.03)
+    assert row["detection"] == pytest.approx(0.02)
+    assert row["vote"] == pytest.approx(0.001)
+    assert row["requorum"] == pytest.approx(0.004)
+    assert row["more_quorums"] == pytest.approx(0.0)
+    assert row["retry_step"] == pytest.approx(0.07)
+    assert row["step"] == pytest.approx(0.1)
+    assert row["step_commit_to_quorum"] == pytest.approx(0.02) and row["step_quorum_to_commit"] == pytest.approx(0.08)
+    assert sum(row[p] for p in STALL_PHASES) - row["step"] == pytest.approx(row["stall"])
+    assert row["stall"] == pytest.approx(per_fault(ev)["stall_per_failure_s"][0]) == pytest.approx(0.045)
+    no_abort = [e for e in ev if not (e["event"] == "abort" and e["replica_id"] == "r0")]
+    [row] = stall_phases(no_abort)  # a missing boundary: its phase is None, its time goes to the next one
+    assert row["vote"] is None and row["requorum"] == pytest.approx(0.005)
+    med = stall_phase_medians([row, {**row, "vote": 0.003}])
+    assert med["vote"] == pytest.approx(0.003) and med["stall"] == pytest.approx(0.045)
+
+
+def test_teardowns_are_each_kill_to_the_lighthouses_loss_of_that_replica():
+    from harness.calibrate import teardowns
+
+    trace = {"traceEvents": [
+        {"name": "kill", "cat": "job", "ph": "i", "ts": 1000.0, "args": {"replica_id": "r1"}},
+        {"name": "member_lost r0", "cat": "quorum", "ph": "i", "ts": 2000.0, "args": {"replica_id": "r0", "why": "lost"}},
+        {"name": "member_lost r1", "cat": "quorum", "ph": "i", "ts": 15000.0, "args": {"replica_id": "r1", "why": "lost"}},
+        {"name": "kill", "cat": "job", "ph": "i", "ts": 50000.0, "args": {"replica_id": "r1"}},
+        {"name": "member_lost r1", "cat": "quorum", "ph": "i", "ts": 60000.0, "args": {"replica_id": "r1", "why": "hung"}},
+        {"name": "member_lost r1", "cat": "quorum", "ph": "i", "ts": 75000.0, "args": {"replica_id": "r1", "why": "lost"}},
+        {"name": "kill", "cat": "job", "ph": "i", "ts": 90000.0, "args": {"replica_id": "r1"}}]}  # never seen lost
+    assert teardowns(trace) == pytest.approx([0.014, 0.025])
+    assert teardowns({}) == []
