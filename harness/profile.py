@@ -179,7 +179,8 @@ class FtarSection:
     kernel_copy_gb_s: float = 0.0
     # Per cross-replica all-reduce, what a real one costs beyond the modeled network and kernels (waiting for
     # the slower peer, the runtime's per-message work and wake-ups: `ftrun calibrate SCRIPT` measures the
-    # script as 2 replicas against 1). 0: none.
+    # script as 2 replicas against 1, less what of that rise lands in the compute, train.replica_compute_extra_s).
+    # 0: none.
     sync_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:

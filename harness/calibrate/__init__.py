@@ -10,13 +10,17 @@ byte (from a source process that trains meanwhile), a local atomic file write (l
 CPU FTAR kernels' reduce and copy throughput, zygote-forked and spawned process start, and crash
 detection (SIGKILL to the launcher seeing the exit, and to a TCP peer seeing the reset; with SCRIPT, also a
 killed rank of the script, from its kill to its job's lighthouse losing the connection: that teardown, slower
-than an idle child's, sets network.crash_fin_delay_s).
+than an idle child's, sets network.crash_fin_delay_s). The script's runs print every rank's phase events
+(FTRUN_PHASE_EVENTS=1): from them, a rank's compute phase at 1 and 2 replicas (their difference beyond the
+contention model sets train.replica_compute_extra_s) and, with more than one rank, the commit vote over the
+replica's comm (network.replica_collective_pass_s) and the decision broadcast's lag (for reading).
 
 Writes --out: the --profile (default ci-small) with the measured keys set (harness.calibrate.provenance
 says which figure sets which key) and a [calibration] table where every value says how and when it was
 measured. `ftrun emulate --profile`-style loading (`ftrun emulate OUT.toml`) reads it back; the emulator
 charges the new keys (ftar.kernel_reduce_gb_s / kernel_copy_gb_s, train.catchup_fetch_extra_s,
-scheduler.crash_detect_s, network.crash_fin_delay_s, storage.local_write_latency_s). `--quick` takes
+scheduler.crash_detect_s, network.crash_fin_delay_s, storage.local_write_latency_s,
+network.replica_collective_pass_s, train.replica_compute_extra_s). `--quick` takes
 fewer samples, serves the catch-up from an idle in-process server and starts children without torch
 (for tests: ~15 s of CPU).
 """
