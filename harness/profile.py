@@ -97,10 +97,15 @@ class NetworkConfig:
     # A crashed process's connections are reset this long after the crash (the OS tearing the process
     # down; `ftrun calibrate` measures SIGKILL -> the peer's EOF). 0: at once (one latency later).
     crash_fin_delay_s: float = 0.0
+    # Per tree pass of a collective over a replica's comm (the decision's broadcast, the commit vote's
+    # all-reduce), what a real one costs beyond the modeled network (gloo's own work and wake-ups on a loaded
+    # machine: `ftrun calibrate SCRIPT --script-ranks K` measures the script's commit vote). 0: none.
+    replica_collective_pass_s: float = 0.0
 
     def __post_init__(self) -> None:
         _positive(self, "base_latency_us", "host_nic_gbps", "loopback_gbps", "send_buffer_kib")
-        _non_negative(self, "same_host_factor", "frame_overhead_bytes", "latency_jitter", "crash_fin_delay_s")
+        _non_negative(self, "same_host_factor", "frame_overhead_bytes", "latency_jitter", "crash_fin_delay_s",
+                      "replica_collective_pass_s")
         _check(self.cross_zone_oversubscription >= 1, "cross_zone_oversubscription", ">= 1",
                self.cross_zone_oversubscription)
         _check(self.latency_jitter < 1, "latency_jitter", "< 1", self.latency_jitter)
@@ -146,11 +151,16 @@ class TrainConfig:
     # next quorum request, the script's own work the emulator does not model (the step event and its parameter
     # hash, logging, wake-ups): `ftrun calibrate SCRIPT` measures it after commits.
     step_bookkeeping_s: float = 0.0
+    # Per step, the compute a rank's forward and backward gain from a second replica up beyond the contention
+    # above (the other replicas' ranks computing on the same CPUs); with R up, R / 2 of it (as
+    # ftar.sync_overhead_s). `ftrun calibrate SCRIPT` measures it: the script's compute phase as 2 replicas
+    # against 1. 0: none.
+    replica_compute_extra_s: float = 0.0
 
     def __post_init__(self) -> None:
         _positive(self, "step_compute_s", "steps", "min_replicas")
         _non_negative(self, "first_step_extra_s", "first_batch_s", "step_jitter", "catchup_fetch_extra_s",
-                      "shared_cpu_cores", "step_bookkeeping_s")
+                      "shared_cpu_cores", "step_bookkeeping_s", "replica_compute_extra_s")
         _one_of(self, "lr_intervention", ("none", "linear", "sqrt"))
         _check(self.step_jitter < 1, "step_jitter", "< 1", self.step_jitter)
 
@@ -169,7 +179,8 @@ class FtarSection:
     kernel_copy_gb_s: float = 0.0
     # Per cross-replica all-reduce, what a real one costs beyond the modeled network and kernels (waiting for
     # the slower peer, the runtime's per-message work and wake-ups: `ftrun calibrate SCRIPT` measures the
-    # script as 2 replicas against 1). 0: none.
+    # script as 2 replicas against 1, less what of that rise lands in the compute, train.replica_compute_extra_s).
+    # 0: none.
     sync_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:

@@ -76,6 +76,12 @@ def init_from_env(config: FTConfig | None = None, *, environ: Mapping[str, str] 
     prepared = claim()  # a zygote's prepared spare: wait here until it is given a rank (no-op elsewhere)
     config = config or FTConfig()
     environ = os.environ if environ is None else environ
+    phase_events = environ.get("FTRUN_PHASE_EVENTS", "")
+    if phase_events not in ("", "0", "1"):
+        raise ValueError(f"FTRUN_PHASE_EVENTS must be 1 (print every rank's phase events), 0 or unset, got "
+                         f"{phase_events!r}")
+    if phase_events == "1":
+        config = replace(config, phase_events=True)
     setup_logging(config.log_level)
     torch.manual_seed(config.seed)  # a model the user's own loop builds next is the same in every replica
     if config.num_threads is not None:

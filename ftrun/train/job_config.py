@@ -35,6 +35,9 @@ class FTConfig:
     `timeouts` (a different catchup.timeouts raises) and its bind/advertise_host the launcher's network.
     reshard_after_forward: FSDP2's (False trades memory for one all-gather less per step).
     num_threads: torch intra-op threads per rank (None: torch's default). events: JSON lines on stdout.
+    phase_events: besides them, every rank prints {"event": "phase", "t", "phase", "step", "rank"} at each phase
+    boundary of a step (ftrun.train.trainer's PHASES; `ftrun calibrate SCRIPT` reads where a step's time goes
+    from them); FTRUN_PHASE_EVENTS=1 in the environment turns it on (init_from_env).
     overlap_bucket_bytes: exchange gradients in buckets of about this many bytes during backward
     (ftrun.train.overlap; one rank per replica, `train` only); None: one exchange after backward.
     device: where each rank trains (ftrun.train.device): "cpu", "cuda" (the rank's GPU, cuda:{slot % GPUs},
@@ -54,6 +57,7 @@ class FTConfig:
     reshard_after_forward: bool = True
     num_threads: int | None = 1
     events: bool = True
+    phase_events: bool = False
     log_level: str = "WARNING"
     overlap_bucket_bytes: int | None = None
     device: str = "cpu"

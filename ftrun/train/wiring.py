@@ -31,7 +31,7 @@ from ftrun.train.exchange import GradientExchange
 from ftrun.train.job_config import Hooks, RankJob
 from ftrun.train.overlap import OverlapExchange
 from ftrun.train.state import ReplicaState
-from ftrun.train.trainer import FaultTolerantTrainer, LossFn, TrainerConfig, build
+from ftrun.train.trainer import FaultTolerantTrainer, LossFn, PhaseFn, TrainerConfig, build
 from ftrun.train.user_state import UserState, WithUserState
 from ftrun.train.warm import announce, shapes_spec
 
@@ -115,7 +115,7 @@ def _build(*, job: RankJob, model: torch.nn.Module, optimizer: torch.optim.Optim
             manager_config=ManagerConfig(max_retries=cfg.max_retries, timeouts=cfg.timeouts),
             comm=job.comm, lighthouse=lighthouse, exchange=exchange,
             catchup=server, loader_store=LoaderStateStore(storage=FileStorage(spec.run_dir)),
-            audit=AuditLog(sink), checkpointer=checkpointer, on_event=job.emit, on_phase=hooks.on_phase,
+            audit=AuditLog(sink), checkpointer=checkpointer, on_event=job.emit, on_phase=_phase_hook(job, hooks.on_phase),
             overlap=overlapped)
         if lighthouse is not None and spec.ranks_per_replica > 1:  # a frozen rank stops the leader's heartbeats
             t = cfg.timeouts
@@ -154,3 +154,18 @@ def _no_audit(data: bytes) -> None:
     """Ranks other than the leader write no audit records (the trainer appends on the leader only)."""
 
 
+
+
+def _phase_hook(job: RankJob, on_phase: PhaseFn | None) -> PhaseFn | None:
+    """The trainer's phase hook: the user's (Hooks.on_phase), after this rank's "phase" event where
+    FTConfig.phase_events asks for them (printed first: the user's hook may end the process)."""
+    if not job.config.phase_events:
+        return on_phase
+    clock, rank = job.env.clock, job.spec.rank
+
+    def hook(phase: str, step: int) -> None:
+        job.emit({"event": "phase", "t": clock.now(), "phase": phase, "step": step, "rank": rank})
+        if on_phase is not None:
+            on_phase(phase, step)
+
+    return hook

@@ -10,13 +10,17 @@ byte (from a source process that trains meanwhile), a local atomic file write (l
 CPU FTAR kernels' reduce and copy throughput, zygote-forked and spawned process start, and crash
 detection (SIGKILL to the launcher seeing the exit, and to a TCP peer seeing the reset; with SCRIPT, also a
 killed rank of the script, from its kill to its job's lighthouse losing the connection: that teardown, slower
-than an idle child's, sets network.crash_fin_delay_s).
+than an idle child's, sets network.crash_fin_delay_s). The script's runs print every rank's phase events
+(FTRUN_PHASE_EVENTS=1): from them, a rank's compute phase at 1 and 2 replicas (their difference beyond the
+contention model sets train.replica_compute_extra_s) and, with more than one rank, the commit vote over the
+replica's comm (network.replica_collective_pass_s) and the decision broadcast's lag (for reading).
 
 Writes --out: the --profile (default ci-small) with the measured keys set (harness.calibrate.provenance
 says which figure sets which key) and a [calibration] table where every value says how and when it was
 measured. `ftrun emulate --profile`-style loading (`ftrun emulate OUT.toml`) reads it back; the emulator
 charges the new keys (ftar.kernel_reduce_gb_s / kernel_copy_gb_s, train.catchup_fetch_extra_s,
-scheduler.crash_detect_s, network.crash_fin_delay_s, storage.local_write_latency_s). `--quick` takes
+scheduler.crash_detect_s, network.crash_fin_delay_s, storage.local_write_latency_s,
+network.replica_collective_pass_s, train.replica_compute_extra_s). `--quick` takes
 fewer samples, serves the catch-up from an idle in-process server and starts children without torch
 (for tests: ~15 s of CPU).
 """
@@ -92,6 +96,56 @@ def quorum_to_commit_s(events: list[dict]) -> list[float]:
     return out
 
 
+def phase_spans(events: list[dict], start: str, end: str) -> list[float]:
+    """Per attempt of a step on every rank (its "phase" events, FTConfig.phase_events), the time from its `start`
+    phase to its next `end` phase of the same step (e.g. "forward" -> "exchange": the rank's compute). Pure."""
+    began: dict[tuple, tuple[int, float]] = {}
+    out = []
+    for e in sorted((e for e in events if e.get("event") == "phase" and "t" in e), key=lambda e: e["t"]):
+        key = (e.get("replica_id"), e.get("incarnation", 0), e.get("rank", 0))
+        if e["phase"] == start:
+            began[key] = (e["step"], e["t"])
+        elif e["phase"] == end and key in began and began[key][0] == e["step"]:
+            out.append(e["t"] - began.pop(key)[1])
+    return out
+
+
+def _at_commits(events: list[dict], phase: str) -> list[tuple[float, dict[int, float]]]:
+    """Per leader commit of a replica of more than one rank: (its time, {rank: that rank's last `phase` event of
+    the committed step before it}); only commits where every rank of the replica has one. Pure."""
+    marks: dict[tuple, dict[int, list[float]]] = {}
+    ranks: dict[tuple, set[int]] = {}
+    for e in events:
+        if e.get("event") == "phase" and "t" in e:
+            key = (e.get("replica_id"), e.get("incarnation", 0))
+            ranks.setdefault(key, set()).add(e.get("rank", 0))
+            if e.get("phase") == phase:
+                marks.setdefault(key + (e["step"],), {}).setdefault(e.get("rank", 0), []).append(e["t"])
+    out = []
+    for c in (e for e in events if e.get("event") == "commit" and e.get("rank", 0) == 0 and "t" in e):
+        key = (c.get("replica_id"), c.get("incarnation", 0))
+        by_rank = marks.get(key + (c["step"] - 1,), {})  # a commit event names the step it commits to
+        last = {r: max((t for t in ts if t <= c["t"]), default=None) for r, ts in by_rank.items()}
+        if len(ranks.get(key, ())) > 1 and set(last) == ranks[key] and None not in last.values():
+            out.append((c["t"], last))
+    return out
+
+
+def commit_votes(events: list[dict]) -> list[float]:
+    """Per committed step of a replica of more than one rank, the commit vote (the Manager's all-reduce of the
+    ranks' votes over the replica's comm, gloo for real): from the last rank's "before_commit" phase to the
+    leader's commit event, so a wait for a later rank is not in it. Pure."""
+    return [t - max(last.values()) for t, last in _at_commits(events, "before_commit")]
+
+
+def decision_broadcasts(events: list[dict]) -> list[float]:
+    """Per committed step of a replica of more than one rank, how much later than its leader the other ranks
+    had the quorum decision (the leader's broadcast over the replica's comm): the latest of their "started"
+    phases less the leader's. Pure."""
+    return [max(t for r, t in last.items() if r != 0) - last[0]
+            for _, last in _at_commits(events, "started") if 0 in last]
+
+
 # Kills of the 2-replica run whose median is the script's crash detection.
 CRASH_KILLS = 3
 
@@ -132,7 +186,8 @@ def _script_events(script: str, steps: int, module: bool, ranks: int, replicas: 
         cmd = [sys.executable, "-m", "ftrun.cli", "launch", "--replicas", str(replicas), "--ranks-per-replica", str(ranks),
                "--min-replicas", "1", "--steps", str(steps), "--out", out, "--no-progress", "--json", *extra]
         cmd += ["-m", script] if module else [script]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        env = {**os.environ, "FTRUN_PHASE_EVENTS": "1"}  # every rank's phases: where its step's time goes
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
         lines = proc.stdout.strip().splitlines()
         try:
             figures = json.loads(lines[-1])
@@ -177,7 +232,26 @@ def _script_runs(script: str, steps: int, module: bool, ranks: int) -> list[Figu
                    "the step's CPU contention is that of this many ranks)", 1),
             *([Figure("script_commit_to_quorum_s", median(after), "s", f"median time from a step's commit to the next "
                       f"step's quorum of {how}", len(after))] if after else []),
+            *phase_figures(events, how, ""),
             *_ftar_hop(script, steps, module, ranks, median(spans))]
+
+
+def phase_figures(events: list[dict], how: str, suffix: str) -> list[Figure]:
+    """From the phase events of `how`'s run: the ranks' compute (`script_compute{suffix}`), and with more than one
+    rank the commit vote (`script_commit_vote{suffix}`) and the decision broadcast's lag
+    (`script_decision_broadcast{suffix}`), medians (the module's pure functions say how each is cut)."""
+    out = []
+    for name, xs, what in (
+            (f"script_compute{suffix}_s", phase_spans(events, "forward", "exchange"), "from a rank's forward phase "
+             "to its exchange phase (its forward, backward and gradient gather), over every rank's steps"),
+            (f"script_commit_vote{suffix}_s", commit_votes(events), "from the last rank's before_commit phase to "
+             "the leader's commit event (the commit vote, an all-reduce over the replica's gloo comm)"),
+            (f"script_decision_broadcast{suffix}_s", decision_broadcasts(events), "of the other ranks' started "
+             "phase less the leader's (the quorum decision's broadcast over the replica's gloo comm)")):
+        if xs:
+            out.append(Figure(name, median(xs), "s", f"median time {what}, {how} with FTRUN_PHASE_EVENTS=1",
+                              len(xs)))
+    return out
 
 
 def _ftar_hop(script: str, steps: int, module: bool, ranks: int, one_replica_s: float) -> list[Figure]:
@@ -213,11 +287,12 @@ def _ftar_hop(script: str, steps: int, module: bool, ranks: int, one_replica_s: 
                        f"(`--inject kill ... at=0.5`) of the time from the kill to the lighthouse's loss of r1's "
                        f"connection (its reset: the killed rank's OS teardown under the job's own load; {script} as 2 "
                        f"replicas x {ranks} ranks)", len(down))] if down else []
+    phased = phase_figures(events, f"{script} as 2 replicas x {ranks} ranks", "_2_replicas")
     after = commit_to_quorum_s(events, participants=2)
     after_2 = [Figure("script_commit_to_quorum_2_replicas_s", median(after), "s", f"median time from a step's commit to "
                       f"the next step's quorum of 2 replicas, {script} as 2 replicas x {ranks} ranks (a 1-replica run's "
                       "is longer on a loaded machine: its rank never waits in an all-reduce)", len(after))] if after else []
-    return started + detect + teardown + after_2 + [Figure("script_step_2_replicas_s", two, "s", f"median time from a step's quorum to its commit of {script} "
+    return started + detect + teardown + after_2 + phased + [Figure("script_step_2_replicas_s", two, "s", f"median time from a step's quorum to its commit of {script} "
                    f"run by `ftrun launch --replicas 2 --ranks-per-replica {ranks} --steps {steps}`", len(spans)),
             Figure("ftar_sync_overhead_s", max(two - one_replica_s, 0.0), "s",
                    f"measured.script_step_2_replicas_s ({two:.6g} s) minus the one-replica step ({one_replica_s:.6g} s), "

@@ -271,6 +271,18 @@ def phases(events: Iterable[dict[str, Any]]) -> dict[str, float | None]:
     return {"quorum_to_commit_s": median(q2c) if q2c else None, "commit_to_quorum_s": median(c2q) if c2q else None}
 
 
+def rank_phases(runs: list[list[dict[str, Any]]]) -> dict[str, float | None]:
+    """From the real runs' every-rank phase events (FTRUN_PHASE_EVENTS), medians over all their steps: a rank's
+    compute (forward -> exchange), its all-reduce (exchange -> before_commit), the commit vote and the decision
+    broadcast's lag (harness.calibrate's pure cuts). For reading, not a fidelity figure. Pure."""
+    from harness.calibrate import commit_votes, decision_broadcasts, phase_spans
+
+    cuts = {"compute_s": lambda ev: phase_spans(ev, "forward", "exchange"),
+            "all_reduce_s": lambda ev: phase_spans(ev, "exchange", "before_commit"),
+            "commit_vote_s": commit_votes, "decision_broadcast_s": decision_broadcasts}
+    return {name: median(xs) if (xs := [x for ev in runs for x in cut(ev)]) else None for name, cut in cuts.items()}
+
+
 def start_offsets(runs: list[list[dict[str, Any]]], replica_ids: list[str]) -> list[float] | None:
     """Per replica (in `replica_ids` order), when its first incarnation's rank 0 was ready, after the first
     replica's (a real launcher starts the rank processes one after another): the median over the runs that
@@ -404,7 +416,8 @@ def _real(args: argparse.Namespace, out: str) -> tuple[dict, list[dict]]:
            "--restart-delay", f"{args.restart_delay}s", *(x for spec in fault_specs(args) for x in ("--inject", spec)),
            "--out", out, "--no-progress", "--json", "-m", "ftrun.train.ft_worker",
            "--chunk-bytes", str(CHUNK_BYTES), "--max-shard-bytes", str(SHARD_BYTES)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    env = {**os.environ, "FTRUN_PHASE_EVENTS": "1"}  # every rank's phases, for reading where a step goes
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     try:
         figures = json.loads(proc.stdout.strip().splitlines()[-1])
     except (IndexError, json.JSONDecodeError):
@@ -451,13 +464,14 @@ def _toy_params() -> int:
 # what the load on a shared machine moves most between a calibration and the real run (re-measured just before
 # and after it, with --profile and --restep).
 SCRIPT_KEYS = ("train.step_compute_s", "train.step_bookkeeping_s", "ftar.sync_overhead_s", "scheduler.process_start_s",
-               "storage.local_write_latency_s", "network.crash_fin_delay_s")
+               "storage.local_write_latency_s", "network.crash_fin_delay_s", "network.replica_collective_pass_s",
+               "train.replica_compute_extra_s")
 
 
-def restep_values(profile_path: str, ranks: int, steps: int = 30) -> dict[str, float]:
+def restep_values(profile_path: str, ranks: int, steps: int = 30) -> tuple[dict[str, float], dict[str, float]]:
     """SCRIPT_KEYS measured now (the toy worker as 1 and 2 replicas of `ranks` ranks, as `ftrun calibrate -m
     ftrun.train.ft_worker` does, the loader_state write and a killed process's teardown), the profile's other
-    figures kept."""
+    figures kept; and the figures they were derived from, by name."""
     from harness.calibrate import _script_step
     from harness.calibrate.measure import Figure, storage_write
     from harness.calibrate.procs import process_figures
@@ -477,7 +491,7 @@ def restep_values(profile_path: str, ranks: int, steps: int = 30) -> dict[str, f
         if v is not None:
             figures[name] = Figure(name, v.value, v.unit, v.method, v.samples)
     keys = profile_keys(figures)
-    return {key: keys[key][0] for key in SCRIPT_KEYS if key in keys}
+    return {key: keys[key][0] for key in SCRIPT_KEYS if key in keys}, {name: f.value for name, f in figures.items()}
 
 
 def mean_overrides(before: dict[str, float], after: dict[str, float]) -> list[str]:
@@ -552,9 +566,11 @@ def run(args: argparse.Namespace) -> int:
     restep: list[str] = []
     before: dict[str, float] = {}
     after: dict[str, float] = {}
+    figures_before: dict[str, float] = {}
+    figures_after: dict[str, float] = {}
     if args.profile is not None and args.restep:
         print("ftrun fidelity: re-measuring the script's step (1 and 2 replicas) ...", file=sys.stderr, flush=True)
-        before = restep_values(profile, args.ranks_per_replica)
+        before, figures_before = restep_values(profile, args.ranks_per_replica)
     reals = []
     sampler = WriteSampler().start() if before else None  # the loader_state write while the real runs run
     try:
@@ -569,7 +585,7 @@ def run(args: argparse.Namespace) -> int:
     write = sampler.figure() if sampler is not None else None
     if before:
         print("ftrun fidelity: re-measuring the script's step after the real run ...", file=sys.stderr, flush=True)
-        after = restep_values(profile, args.ranks_per_replica)
+        after, figures_after = restep_values(profile, args.ranks_per_replica)
         restep = with_override(mean_overrides(before, after), WRITE_KEY, write.value if write is not None else None)
     offsets = start_offsets(real_evs, replica_ids(args.replicas))
     starts = [] if offsets is None else [f"scheduler.first_start_s={offsets!r}"]
@@ -598,9 +614,11 @@ def run(args: argparse.Namespace) -> int:
     real_ph = {name: median(xs) if (xs := [ph[name] for ph in map(phases, real_evs) if ph[name] is not None]) else None
                for name in ("quorum_to_commit_s", "commit_to_quorum_s")}
     emu_ph = phases(emu_ev)
+    rank_ph = rank_phases(real_evs)
     for name in real_ph:
         cells = [("-" if v is None else f"{v:.4g}") for v in (real_ph[name], emu_ph[name])]
         print(f"  ({name:<22} {cells[0]:>12} {cells[1]:>12})")
+    print("  (real ranks' phases, ms, medians: " + "; ".join(f"{k} {_ms(v)}" for k, v in rank_ph.items()) + ")")
     for name, sp in real_spread.items():
         print(f"  (real {name:<19} over {sp['n']} faults: {sp['min']:.4g} .. {sp['max']:.4g})")
     stall_ph = {"real": stall_phase_medians([row for ev in real_evs for row in stall_phases(ev)]),
@@ -624,8 +642,9 @@ def run(args: argparse.Namespace) -> int:
         emit_json({**table, "replicas": args.replicas, "ranks_per_replica": args.ranks_per_replica,
                    "steps": args.steps, "profile": profile, "out": out, "real_complete": real_complete,
                    "emulated_complete": emu_f.get("complete"), "repeat": args.repeat, "real_runs": real_each,
-                   "phases": {"real": real_ph, "emulated": emu_ph}, "stall_phases": stall_ph, "restep": restep,
-                   "restep_before": before, "restep_after": after, "first_start_s": offsets,
+                   "phases": {"real": real_ph, "emulated": emu_ph}, "real_rank_phases": rank_ph, "stall_phases": stall_ph, "restep": restep,
+                   "restep_before": before, "restep_after": after,
+                   "restep_figures": {"before": figures_before, "after": figures_after}, "first_start_s": offsets,
                    "write_during_real_s": None if write is None else write.value,
                    "spread": {"real": real_spread, "emulated": emu_spread}, "kills": args.kills, "wall_s": round(time.monotonic() - started, 3)})
     return 0 if real_complete and emu_f.get("complete") else 1

@@ -86,11 +86,31 @@ def profile_keys(figures: Mapping[str, Figure]) -> dict[str, tuple[float, str, s
             f"measured.{after.name} ({after.value:.6g} s) minus what the emulator charges there itself: "
             f"one loader_state write ({write.name} {write.value:.6g} s), one audit append ({append:.3g} s) and the "
             f"quorum round trip (2 x {lat.value:.3g} us), floored at 0", after.samples)
+    vote = figures.get("script_commit_vote_2_replicas_s") or figures.get("script_commit_vote_s")
+    if vote is not None and lat is not None:
+        out["network.replica_collective_pass_s"] = (
+            collective_pass_s(vote.value, lat.value), "s",
+            f"(measured.{vote.name} ({vote.value:.6g} s) minus the 2 one-way latencies ({lat.value:.3g} us) the "
+            "emulated tree all-reduce already pays) / 2 passes, floored at 0: what a pass of a collective over the "
+            "replica's gloo comm costs on this machine beyond the modeled network", vote.samples)
     out.update(_without_contention(figures, out))
     if "tcp_one_way_us" in figures:
         for key, value in ONE_MACHINE.items():
             out[key] = (value, "", "derived, not measured: on one machine every hop is 127.0.0.1", 1)
     return out
+
+
+# Tree passes of the collectives of one step over a replica's comm that the emulator charges
+# network.replica_collective_pass_s for on the leader's way from quorum to commit (harness.run.fold.FoldedComm):
+# the decision's broadcast (1: its other ranks start that much later, and the vote waits for them) and the commit
+# vote's all-reduce (2).
+STEP_PASSES = 3
+
+
+def collective_pass_s(vote_s: float, one_way_us: float) -> float:
+    """One pass of a collective over the replica's comm beyond the modeled network: the measured vote (an
+    all-reduce, 2 passes) less its 2 modeled one-way latencies, halved, floored at 0. Pure."""
+    return max(vote_s - 2 * one_way_us * 1e-6, 0.0) / 2
 
 
 def _without_contention(figures: Mapping[str, Figure], keys: Mapping[str, tuple]) -> dict[str, tuple]:
@@ -99,7 +119,11 @@ def _without_contention(figures: Mapping[str, Figure], keys: Mapping[str, tuple]
     the script's 1-replica step of K ranks already met the contention of K ranks, its 2-replica step that of
     2K, so step_compute_s = step / max(1, K u / c) and the overhead is the 2-replica step less
     step_compute_s x max(1, 2K u / c). u: the share of a step a rank computes, (step + bookkeeping) / the
-    script's step period. Only with the script's ranks, its period and the machine's cores measured."""
+    script's step period. Only with the script's ranks, its period and the machine's cores measured. With the
+    phase figures: each step also less its collectives over the replica's comm (STEP_PASSES x the pass cost
+    its own run's vote gives: the emulator charges them in the comm), and of the 2-replica step's rise, what lands
+    in a rank's compute phase (its measured rise from 1 to 2 replicas beyond the contention model's) is
+    train.replica_compute_extra_s, the rest ftar.sync_overhead_s."""
     need = ("step_s", "script_ranks", "script_step_period_s", "cpu_cores_effective")
     if not all(name in figures for name in need) or figures["cpu_cores_effective"].value <= 0:
         return {}
@@ -107,16 +131,43 @@ def _without_contention(figures: Mapping[str, Figure], keys: Mapping[str, tuple]
     c = figures["cpu_cores_effective"].value
     bookkeeping = keys.get("train.step_bookkeeping_s", (0.0,))[0]
     u = min(1.0, (one.value + bookkeeping) / figures["script_step_period_s"].value)
-    base = one.value / max(1.0, k * u / c)
+    lat = figures["tcp_one_way_us"].value if "tcp_one_way_us" in figures else 0.0
+
+    def comm_s(name: str) -> float:  # the collectives the emulator charges in a step, as the run `name` met them
+        f = figures.get(name)
+        return 0.0 if f is None or k < 2 else STEP_PASSES * collective_pass_s(f.value, lat)
+
+    comm_1 = comm_s("script_commit_vote_s")
+    base = max(one.value - comm_1, 0.0) / max(1.0, k * u / c)
     why = f"(K = {k:g} ranks, u = {u:.3g}, c = {c:.3g} cores)"
-    out = {"train.step_compute_s": (base, "s", f"{one.method} ({one.value:.6g} s), divided by the contention of its "
-                                    f"K ranks, max(1, K u / c) {why}", one.samples)}
+    less = (f" less the step's collectives over the replica's comm as that run met them ({STEP_PASSES} passes of "
+            f"measured.script_commit_vote_s / 2: {comm_1:.6g} s)") if comm_1 else ""
+    out = {"train.step_compute_s": (base, "s", f"{one.method} ({one.value:.6g} s){less}, divided by the contention "
+                                    f"of its K ranks, max(1, K u / c) {why}", one.samples)}
     two = figures.get("script_step_2_replicas_s")
-    if two is not None:
-        out["ftar.sync_overhead_s"] = (
-            max(two.value - base * max(1.0, 2 * k * u / c), 0.0), "s",
-            f"measured.script_step_2_replicas_s ({two.value:.6g} s) minus the step of 2K ranks under contention, "
-            f"step_compute_s x max(1, 2K u / c) {why}, floored at 0", two.samples)
+    if two is None:
+        return out
+    comm_2 = comm_s("script_commit_vote_2_replicas_s")
+    rise = max(two.value - comm_2 - base * max(1.0, 2 * k * u / c), 0.0)
+    what = (f"measured.script_step_2_replicas_s ({two.value:.6g} s) less its collectives over the replica's comm "
+            f"({comm_2:.6g} s) and the step of 2K ranks under contention, step_compute_s x max(1, 2K u / c) {why}, "
+            "floored at 0")
+    c1, c2 = figures.get("script_compute_s"), figures.get("script_compute_2_replicas_s")
+    if c1 is None or c2 is None:
+        out["ftar.sync_overhead_s"] = (rise, "s", what, two.samples)
+        return out
+    # Where the rise lands: a rank's compute phase grows with a second replica (the other replica's ranks compute
+    # on the same CPUs); that part is compute, the rest is the all-reduce's overhead.
+    modeled = base * (max(1.0, 2 * k * u / c) - max(1.0, k * u / c))  # the compute's rise the contention model makes
+    compute = min(max(c2.value - c1.value - modeled, 0.0), rise)
+    out["train.replica_compute_extra_s"] = (
+        compute, "s", f"measured.script_compute_2_replicas_s ({c2.value:.6g} s) less measured.script_compute_s "
+        f"({c1.value:.6g} s: a rank's compute phase at 2 replicas and at 1) and the rise the contention model "
+        f"charges between K and 2K ranks ({modeled:.6g} s), within [0, the 2-replica step's rise {rise:.6g} s]: "
+        f"{what}", min(c1.samples, c2.samples))
+    out["ftar.sync_overhead_s"] = (rise - compute, "s", f"the 2-replica step's rise ({rise:.6g} s: {what}) less "
+                                   f"what of it lands in the compute (train.replica_compute_extra_s {compute:.6g} s)",
+                                   two.samples)
     return out
 
 

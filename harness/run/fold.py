@@ -236,20 +236,24 @@ _PASSES = {"all_reduce_int": 2, "all_gather_bytes": 2, "broadcast_bytes": 1, "sc
 class FoldedComm:
     """The represented ranks' TreeComm, each collective followed by `extra_s` x its tree passes: the latency
     the full replica's tree (deeper, across more racks) adds to the represented ranks' shallower one. Every
-    represented rank waits it out, as every rank of the full tree ends the collective that much later."""
+    represented rank waits it out, as every rank of the full tree ends the collective that much later.
+    `pass_s` x its passes too: what a pass of a real collective over the replica's comm costs beyond the modeled
+    network (network.replica_collective_pass_s), paid by every rank but the root of a broadcast or scatter (a
+    root's send returns; its receivers have the data that much later)."""
 
-    def __init__(self, comm: Any, env: Any, extra_s: float) -> None:
-        if extra_s < 0:
-            raise ValueError(f"extra_s must be >= 0, got {extra_s}")
-        self._comm, self._env, self.extra_s = comm, env, extra_s
+    def __init__(self, comm: Any, env: Any, extra_s: float, pass_s: float = 0.0) -> None:
+        if extra_s < 0 or pass_s < 0:
+            raise ValueError(f"extra_s and pass_s must be >= 0, got {extra_s}, {pass_s}")
+        self._comm, self._env, self.extra_s, self.pass_s = comm, env, extra_s, pass_s
         self.rank, self.world_size = comm.rank, comm.world_size
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._comm, name)
 
-    def _after(self, op: str, result: Any) -> Any:
-        if self.extra_s:
-            self._env.clock.sleep(self.extra_s * _PASSES[op])
+    def _after(self, op: str, result: Any, root: int | None = None) -> Any:
+        due = (self.extra_s + (self.pass_s if self.rank != root else 0.0)) * _PASSES[op]
+        if due:
+            self._env.clock.sleep(due)
         return result
 
     def all_reduce_int(self, values: list[int], op: Any) -> list[int]:
@@ -259,10 +263,10 @@ class FoldedComm:
         return self._after("all_gather_bytes", self._comm.all_gather_bytes(data))
 
     def broadcast_bytes(self, data: bytes | None, root: int = 0) -> bytes:
-        return self._after("broadcast_bytes", self._comm.broadcast_bytes(data, root))
+        return self._after("broadcast_bytes", self._comm.broadcast_bytes(data, root), root)
 
     def scatter_bytes(self, chunks: list[bytes] | None) -> bytes:
-        return self._after("scatter_bytes", self._comm.scatter_bytes(chunks))
+        return self._after("scatter_bytes", self._comm.scatter_bytes(chunks), 0)
 
     def gather_bytes(self, data: bytes) -> list[bytes] | None:
         return self._after("gather_bytes", self._comm.gather_bytes(data))

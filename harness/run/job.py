@@ -358,7 +358,8 @@ class EmulatedJob(JobFolding):
         env = self.world.host_env(SUPERVISOR_HOST)
         inc = self._incarnations[kill.replica]
         extra = (self.jitter_s(kill.replica, step) + self.compute_extra_s(inc, 0, step) if inc is not None else 0.0)
-        env.clock.sleep(kill.at_fraction * (self.profile.train.step_compute_s + extra + self.contention_extra_s()))
+        env.clock.sleep(kill.at_fraction * (self.profile.train.step_compute_s + extra + self.contention_extra_s()
+                                            + self.replica_compute_extra_s()))
         self._inject(kill)
 
     def _lighthouse_outage(self, fault: KillLighthouse) -> None:
@@ -432,8 +433,17 @@ class EmulatedJob(JobFolding):
         """The all-reduce's measured overhead while more than one replica is up (seams.OverheadExchange charges
         it after the modeled ring): ftar.sync_overhead_s is measured with 2 replicas; with R up it is R / 2 of
         that (each replica's rank wakes for its ring steps on the shared CPUs: more replicas, more wake-ups)."""
+        return self._per_replica_up(self.profile.ftar.sync_overhead_s)
+
+    def replica_compute_extra_s(self) -> float:
+        """The compute a step gains from the other replicas up (train.replica_compute_extra_s, measured with 2
+        replicas: R / 2 of it with R up, as the all-reduce's overhead): their ranks compute on the same CPUs."""
+        return self._per_replica_up(self.profile.train.replica_compute_extra_s)
+
+    def _per_replica_up(self, at_two_s: float) -> float:
+        """`at_two_s`, measured with 2 replicas up, scaled to the replicas up now (R / 2; 0 with one)."""
         up = sum(1 for inc in self._incarnations if inc is not None and inc.alive)
-        return self.profile.ftar.sync_overhead_s * up / 2 if up > 1 else 0.0
+        return at_two_s * up / 2 if up > 1 else 0.0
 
     def slow_fetch(self) -> tuple[float, float] | None:
         """(factor, delay_s) of the slow fetch fault in force now (F x the modeled transfer, plus D), or None. As

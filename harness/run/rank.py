@@ -91,10 +91,12 @@ def rank_main(job: RankJob, inc: RankIncarnation, index: int) -> None:
 
 
 def _comm(job: RankJob, inc: RankIncarnation, index: int, env: Any) -> Any:
-    """The replica's comm among the ranks it runs (tree index `index`); with rank folding, a FoldedComm that
-    adds the full tree's latency (harness.run.fold)."""
+    """The replica's comm among the ranks it runs (tree index `index`); a FoldedComm that adds, with rank folding,
+    the full tree's latency (harness.run.fold), and with more than one rank, what a real collective costs per pass
+    (network.replica_collective_pass_s)."""
     comm = _tree(job, inc, index, env)
-    return FoldedComm(comm, env, inc.tree_extra_s) if inc.tree_extra_s else comm
+    pass_s = job.profile.network.replica_collective_pass_s if len(inc.ranks) > 1 else 0.0
+    return FoldedComm(comm, env, inc.tree_extra_s, pass_s) if inc.tree_extra_s or pass_s else comm
 
 
 def _tree(job: RankJob, inc: RankIncarnation, index: int, env: Any) -> TreeComm:
@@ -132,7 +134,7 @@ def _compute(job: RankJob, inc: RankIncarnation, rank: int, env: Any, lead: bool
         env=env, model=p.model, ranks_per_replica=p.ranks_per_replica, cache=job.shapes,
         step_time_s=train.step_compute_s, rng=job.rng, state=job.shape_state, lead=lead,
         extra_s=lambda step: (job.jitter_s(inc.replica, step) + job.compute_extra_s(inc, rank, step)
-                              + job.contention_extra_s()),
+                              + job.contention_extra_s() + job.replica_compute_extra_s()),
         first_extra_s=extra_first if restarted else 0.0,
         first_batch_s=train.first_batch_s if restarted else 0.0)
 

@@ -373,3 +373,74 @@ def test_the_write_the_scripts_runs_met_sets_the_write_and_the_bookkeeping():
     assert recorded["measured.storage_write_s"] == 0.001 and "measured.script_write_s" not in recorded
     assert profile_keys({k: v for k, v in figures.items() if k != "script_write_s"})[
         "storage.local_write_latency_s"][0] == 0.001
+
+
+def _phase(rid: str, rank: int, phase: str, step: int, t: float) -> dict:
+    return {"event": "phase", "replica_id": rid, "incarnation": 0, "rank": rank, "phase": phase, "step": step, "t": t}
+
+
+# One replica of 2 ranks: step 0 committed (the commit event names step 1); step 1 aborted once, then committed.
+PHASED = [
+    _phase("r0", 0, "started", 0, 1.000), _phase("r0", 1, "started", 0, 1.002),
+    _phase("r0", 0, "forward", 0, 1.001), _phase("r0", 1, "forward", 0, 1.003),
+    _phase("r0", 0, "exchange", 0, 1.011), _phase("r0", 1, "exchange", 0, 1.015),
+    _phase("r0", 0, "before_commit", 0, 1.020), _phase("r0", 1, "before_commit", 0, 1.024),
+    {"event": "commit", "replica_id": "r0", "incarnation": 0, "step": 1, "t": 1.028},
+    _phase("r0", 0, "started", 1, 2.000), _phase("r0", 1, "started", 1, 2.001),
+    _phase("r0", 0, "forward", 1, 2.001), _phase("r0", 1, "forward", 1, 2.002),
+    _phase("r0", 0, "before_commit", 1, 2.030), _phase("r0", 1, "before_commit", 1, 2.031),  # its exchange failed
+    {"event": "abort", "replica_id": "r0", "incarnation": 0, "step": 1, "t": 2.033},
+    _phase("r0", 0, "started", 1, 3.000), _phase("r0", 1, "started", 1, 3.003),
+    _phase("r0", 0, "forward", 1, 3.001), _phase("r0", 1, "forward", 1, 3.004),
+    _phase("r0", 0, "exchange", 1, 3.021), _phase("r0", 1, "exchange", 1, 3.024),
+    _phase("r0", 0, "before_commit", 1, 3.030), _phase("r0", 1, "before_commit", 1, 3.032),
+    {"event": "commit", "replica_id": "r0", "incarnation": 0, "step": 2, "t": 3.038},
+]
+
+
+def test_phase_spans_votes_and_broadcasts_of_every_ranks_phase_events():
+    from harness.calibrate import commit_votes, decision_broadcasts, phase_spans
+
+    # forward -> exchange per attempt; the aborted attempt's forward has no exchange: left out
+    assert sorted(phase_spans(PHASED, "forward", "exchange")) == pytest.approx([0.010, 0.012, 0.020, 0.020])
+    # from the last rank's before_commit of the committed attempt to the leader's commit
+    assert commit_votes(PHASED) == pytest.approx([0.004, 0.006])
+    assert decision_broadcasts(PHASED) == pytest.approx([0.002, 0.003])
+    one_rank = [e for e in PHASED if e.get("rank", 0) == 0]  # a replica of one rank has no vote over a comm
+    assert commit_votes(one_rank) == [] and decision_broadcasts(one_rank) == []
+
+
+def test_the_vote_sets_the_collective_pass_and_leaves_the_step_and_overhead():
+    from harness.calibrate.provenance import STEP_PASSES, collective_pass_s
+
+    assert collective_pass_s(0.004, 10.0) == pytest.approx((0.004 - 20e-6) / 2)
+    assert collective_pass_s(10e-6, 10.0) == 0.0
+    base = [fig("step_s", 0.016), fig("script_step_period_s", 0.016), fig("cpu_cores_effective", 2.0, "cores"),
+            fig("script_step_2_replicas_s", 0.036), fig("script_ranks", 2, "ranks"), fig("tcp_one_way_us", 0.0, "us")]
+    votes = [fig("script_commit_vote_s", 0.004), fig("script_commit_vote_2_replicas_s", 0.002)]
+    keys = profile_keys({f.name: f for f in [*base, *votes]})
+    assert keys["network.replica_collective_pass_s"][0] == pytest.approx(0.001)  # the 2-replica run's vote
+    # each run's own collectives out of its step: 3 x 2 ms of the 1-replica step, 3 x 1 ms of the 2-replica one
+    assert keys["train.step_compute_s"][0] == pytest.approx(0.016 - STEP_PASSES * 0.002)
+    assert keys["ftar.sync_overhead_s"][0] == pytest.approx(0.036 - STEP_PASSES * 0.001 - 2 * 0.010)
+    assert "network.replica_collective_pass_s" not in profile_keys({f.name: f for f in base})
+
+
+def test_the_2_replica_steps_rise_goes_to_the_compute_as_far_as_the_compute_phase_rose():
+    base = [fig("step_s", 0.010), fig("script_step_period_s", 0.010), fig("cpu_cores_effective", 2.0, "cores"),
+            fig("script_step_2_replicas_s", 0.030), fig("script_ranks", 1, "ranks")]
+    # 1 rank computing all the time (u = 1) on 2 cores: no modeled contention at 1 or 2 ranks; the rise is 20 ms
+    keys = profile_keys({f.name: f for f in [*base, fig("script_compute_s", 0.008),
+                                             fig("script_compute_2_replicas_s", 0.015)]})
+    assert keys["train.replica_compute_extra_s"][0] == pytest.approx(0.007)
+    assert keys["ftar.sync_overhead_s"][0] == pytest.approx(0.020 - 0.007)
+    # a compute phase that rose by more than the step: all of the step's rise, none left for the all-reduce
+    keys = profile_keys({f.name: f for f in [*base, fig("script_compute_s", 0.008),
+                                             fig("script_compute_2_replicas_s", 0.040)]})
+    assert keys["train.replica_compute_extra_s"][0] == pytest.approx(0.020)
+    assert keys["ftar.sync_overhead_s"][0] == pytest.approx(0.0)
+    # one that fell: nothing
+    keys = profile_keys({f.name: f for f in [*base, fig("script_compute_s", 0.008),
+                                             fig("script_compute_2_replicas_s", 0.006)]})
+    assert keys["train.replica_compute_extra_s"][0] == 0.0 and keys["ftar.sync_overhead_s"][0] == pytest.approx(0.020)
+    assert "train.replica_compute_extra_s" not in profile_keys({f.name: f for f in base})  # without the phases

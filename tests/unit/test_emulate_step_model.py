@@ -152,3 +152,39 @@ def test_a_failed_all_reduce_ends_at_the_dead_peers_reset_without_the_overhead()
     assert without == pytest.approx(0.2, abs=0.02)  # the survivors wait in the ring for the reset
     assert with_overhead == pytest.approx(without, abs=0.005)
     assert slower_teardown - with_overhead == pytest.approx(0.2, abs=0.02)
+
+
+@pytest.mark.timeout(120)
+def test_the_replica_compute_extra_lands_in_the_compute_and_scales_with_the_replicas_up():
+    """train.replica_compute_extra_s (measured at 2 replicas) is compute: the step grows by R / 2 of it with R up,
+    and a mid-step kill, timed on the victim's compute, lands F x that compute in."""
+    extra = 0.2
+    spans = {}
+    for replicas in (2, 4):
+        overrides = [f"train.replica_compute_extra_s={extra}", f"replicas={replicas}", "train.shared_cpu_cores=0"]
+        f, job = execute(build_profile("ci-small", overrides, steps=4, cpu_charging=False), JobOptions(steps=4))
+        assert f["complete"]
+        spans[replicas] = _quorum_to_commit(job)
+    assert spans[4] - spans[2] == pytest.approx(extra * (4 / 2 - 1), abs=0.02)
+    base = ["train.shared_cpu_cores=0", "train.step_compute_s=0.4"]
+    into, _, compute = _kill_and_detection([*base, f"train.replica_compute_extra_s={extra}"])
+    assert into == pytest.approx(0.5 * (compute + extra * 3 / 2), abs=0.01)  # 3 replicas up at the kill
+
+
+@pytest.mark.timeout(120)
+def test_the_replica_collective_pass_is_charged_on_the_steps_collectives_of_a_multi_rank_replica():
+    """network.replica_collective_pass_s per tree pass: the decision's broadcast (1, its receivers) and the commit
+    vote (2) put STEP_PASSES of it between a leader's quorum and its commit; one rank per replica has no
+    collective over a comm and pays nothing."""
+    from harness.calibrate.provenance import STEP_PASSES
+
+    spans = {}
+    for ranks in (1, 2):
+        for pass_s in (0.0, 0.1):
+            overrides = [f"network.replica_collective_pass_s={pass_s}", "replicas=2", f"ranks_per_replica={ranks}",
+                         f"topology.gpus_per_host={ranks}", "train.shared_cpu_cores=0"]
+            f, job = execute(build_profile("ci-small", overrides, steps=4, cpu_charging=False), JobOptions(steps=4))
+            assert f["complete"]
+            spans[ranks, pass_s] = _quorum_to_commit(job)
+    assert spans[1, 0.1] == pytest.approx(spans[1, 0.0], abs=1e-6)
+    assert spans[2, 0.1] - spans[2, 0.0] == pytest.approx(STEP_PASSES * 0.1, abs=0.02)

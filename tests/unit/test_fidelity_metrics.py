@@ -322,3 +322,23 @@ def test_teardowns_are_each_kill_to_the_lighthouses_loss_of_that_replica():
         {"name": "kill", "cat": "job", "ph": "i", "ts": 90000.0, "args": {"replica_id": "r1"}}]}  # never seen lost
     assert teardowns(trace) == pytest.approx([0.014, 0.025])
     assert teardowns({}) == []
+
+
+def test_rank_phases_are_medians_over_every_runs_ranks_steps():
+    from harness.calibrate.fidelity import rank_phases
+
+    def run(compute: float) -> list[dict]:
+        ev = []
+        for rank, lag in ((0, 0.0), (1, 0.002)):
+            for phase, t in (("started", 1.0), ("forward", 1.001), ("exchange", 1.001 + compute),
+                             ("before_commit", 1.011 + compute)):
+                ev.append({"event": "phase", "replica_id": "r0", "rank": rank, "phase": phase, "step": 0,
+                           "t": t + lag})
+        ev.append({"event": "commit", "replica_id": "r0", "rank": 0, "step": 1, "t": 1.016 + compute})
+        return ev
+
+    ph = rank_phases([run(0.010), run(0.020)])
+    assert ph["compute_s"] == pytest.approx(0.015) and ph["all_reduce_s"] == pytest.approx(0.010)
+    assert ph["commit_vote_s"] == pytest.approx(0.003) and ph["decision_broadcast_s"] == pytest.approx(0.002)
+    assert rank_phases([[]]) == {"compute_s": None, "all_reduce_s": None, "commit_vote_s": None,
+                                 "decision_broadcast_s": None}

@@ -75,6 +75,37 @@ def test_folded_comm_adds_the_full_trees_latency_per_pass():
         FoldedComm(object(), env, -1.0)
 
 
+def test_folded_comm_charges_a_real_collectives_pass_except_to_a_broadcasts_root():
+    world = EmulatedWorld(0, cpu_charging=False)
+    env = world.host_env("h0")
+
+    def body():
+        results = {}
+
+        def rank(r):
+            comm = TreeComm.build(env=env, rank=r, world_size=2, listener=listeners[r], addrs=addrs, timeout_s=5)
+            folded = FoldedComm(comm, env, 0.0, 0.25)
+            t0 = env.clock.now()
+            folded.all_reduce_int([r], "min")
+            t1 = env.clock.now()
+            folded.broadcast_bytes(b"go" if r == 0 else None)
+            results[r] = (t1 - t0, env.clock.now() - t1)
+            folded.close()
+
+        listeners = [env.net.listen("127.0.0.1:0"), env.net.listen("127.0.0.1:0")]
+        addrs = [ln.addr for ln in listeners]
+        tasks = [env.spawn(rank, r, name=f"r{r}") for r in range(2)]
+        for t in tasks:
+            assert t.join(timeout=10)
+        return results
+
+    results = world.run_on("h0", body)
+    assert all(0.5 <= reduce_s < 0.51 for reduce_s, _ in results.values())  # 2 passes, every rank
+    assert results[0][1] < 0.01 and 0.25 <= results[1][1] < 0.26  # the root's send returns; its receiver pays
+    with pytest.raises(ValueError, match="pass_s"):
+        FoldedComm(object(), env, 0.0, -1.0)
+
+
 def _run(fold: str, inject: str, *overrides: str) -> tuple[dict, object]:
     profile = apply_overrides(load_profile("ci-small"), list(overrides))
     kills, faults = split_faults([parse_inject(inject)])

@@ -78,6 +78,26 @@ def test_incomplete_launcher_environment_is_refused():
         init_from_env(FTConfig(num_threads=None), environ={"FTRUN_REPLICA_ID": "r0"})
 
 
+def test_a_bad_phase_events_setting_is_refused_naming_it():
+    with pytest.raises(ValueError, match="FTRUN_PHASE_EVENTS must be 1"):
+        init_from_env(FTConfig(num_threads=None), environ={"FTRUN_PHASE_EVENTS": "yes"})
+
+
+def test_phase_events_come_before_the_users_phase_hook_and_only_when_asked():
+    from types import SimpleNamespace
+
+    from ftrun.train.wiring import _phase_hook
+
+    seen = []
+    job = SimpleNamespace(config=FTConfig(phase_events=True), env=SimpleNamespace(clock=SimpleNamespace(now=lambda: 7.0)),
+                          spec=SimpleNamespace(rank=1), emit=seen.append)
+    hook = _phase_hook(job, lambda phase, step: seen.append((phase, step)))
+    hook("forward", 3)
+    assert seen == [{"event": "phase", "t": 7.0, "phase": "forward", "step": 3, "rank": 1}, ("forward", 3)]
+    user = lambda phase, step: None  # noqa: E731
+    assert _phase_hook(SimpleNamespace(config=FTConfig()), user) is user
+
+
 def test_torchrun_without_replica_settings_is_refused_not_run_alone():
     torchrun = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "GROUP_RANK": "0", "TORCHELASTIC_RUN_ID": "x",
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
