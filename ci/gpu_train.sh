@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Training on a CUDA GPU (FTConfig.device): tests/gpu/test_gpu_train.py, then the step time of
 # examples/train_llama_tiny.py under `ftrun launch` (3 replicas x 1 rank, no kills) with --device cuda
-# (all three replicas on cuda:0) against --device cpu (one torch thread per rank), same model and seed.
+# (replica i on cuda:{i % GPUs}: all three on cuda:0 with one GPU) against --device cpu (one torch thread
+# per rank), same model and seed.
 # About 3 minutes on a 16-core H100/H200 host. Extra packages (faker) come from the caller's PYTHONPATH.
 set -u
 cd "$(dirname "$0")/.."

@@ -202,7 +202,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu", help="cpu, cuda (this rank's GPU: cuda:{LOCAL_RANK %% GPUs}) or cuda:N; "
+    p.add_argument("--device", default="cpu", help="cpu, cuda (this rank's GPU: cuda:{host slot %% GPUs}) or cuda:N; "
                    "a GPU takes one rank per replica")
     p.add_argument("--corpus-chars", type=int, default=400_000)
     p.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "ftrun"))

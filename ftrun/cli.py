@@ -43,6 +43,31 @@ def emit_json(figures: dict) -> None:
     print(json.dumps(figures, sort_keys=True, default=float), flush=True)
 
 
+def add_emulation_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup, *, prefix: str = "",
+                            ftar_detail_default: str = "the profile's", cpu_charging: str | None = None,
+                            cpu_charging_default: str = "the profile's") -> None:
+    """The emulator's run flags, one definition for `ftrun emulate` (harness.cli) and `ftrun diagnose bench`
+    (ftrun.diagnose.cli): --set, --ftar-detail, --fold-ranks, --ftar-model, --cpu-charging (harness.run's
+    JobOptions and the profile's [emulation]). `prefix` starts every help text (the bench's "bench: ");
+    `ftar_detail_default` and `cpu_charging_default` say in the help what the command does without the
+    flag; `cpu_charging` is the flag's default value (None: the profile's)."""
+    p.add_argument("--set", action="append", default=[], metavar="key=value", dest="overrides",
+                   help=f"{prefix}override a profile key, e.g. --set train.step_compute_s=2")
+    p.add_argument("--ftar-detail", choices=("folded", "full"), default=None,
+                   help=f"{prefix}full: run every chunk of every FTAR ring; folded: the rings of one host per replica, "
+                        f"the others mirroring them (default: {ftar_detail_default})")
+    p.add_argument("--fold-ranks", choices=("auto", "on", "off"), default="auto",
+                   help=f"{prefix}with folded rings, run only each replica's lead host and fault targets; the other "
+                        "ranks mirror them (with diagnosis: two lead hosts, the others served their reference lead's "
+                        "telemetry) (default auto: above 256 ranks per replica)")
+    p.add_argument("--ftar-model", choices=("auto", "chunks", "analytic"), default="auto",
+                   help=f"{prefix}chunks: all-reduces chunk by chunk; analytic: each ring's all-reduce one modeled "
+                        "wait per rank (default auto: analytic above 256 ranks, chunk by chunk where a fault can "
+                        "stall a ring silently)")
+    p.add_argument("--cpu-charging", choices=("on", "off"), default=cpu_charging,
+                   help=f"{prefix}charge real CPU time to emulated hosts (default: {cpu_charging_default})")
+
+
 def setup_logging(level: str = "INFO") -> None:
     """Set up logging once, at the entry point."""
     logging.basicConfig(

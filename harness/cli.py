@@ -32,7 +32,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from ftrun.cli import UsageError, emit_json
+from ftrun.cli import UsageError, add_emulation_arguments, emit_json
 from harness import report
 from harness.profile import PROFILE_DIR, Profile, apply_overrides, load_profile
 from harness.run import EmulatedJob, JobOptions, check_faults, faults_from_profile, parse_inject, split_faults
@@ -53,23 +53,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fault to inject, in the one fault grammar of `ftrun launch --inject` and the profiles' "
                         "[failures] events (ftrun/faultspec.py: kill, kill lighthouse, hang, cut, slow host|link|"
                         "fetch, release); repeatable; replaces the profile's failure model")
-    p.add_argument("--set", action="append", default=[], metavar="key=value", dest="overrides",
-                   help="override a profile key, e.g. --set train.step_compute_s=2")
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--ftar-detail", choices=("folded", "full"), default=None,
-                   help="full: run every chunk of every FTAR ring (default: the profile's)")
-    p.add_argument("--fold-ranks", choices=("auto", "on", "off"), default="auto",
-                   help="with folded rings, run only each replica's first host and fault targets; the other ranks "
-                        "mirror them (auto: above 256 ranks per replica)")
-    p.add_argument("--ftar-model", choices=("auto", "chunks", "analytic"), default="auto",
-                   help="analytic: each unfaulted ring all-reduce is one modeled wait per rank instead of every "
-                        "chunk (auto: above 256 ranks, when no fault can stall a ring silently)")
+    add_emulation_arguments(p)
     p.add_argument("--comm", choices=("tree", "flat"), default="tree",
                    help="the replica's check-in / vote collectives: TreeComm or the naive FlatComm")
     p.add_argument("--wiring", choices=("auto", "connect", "prewired"), default="auto",
                    help="how replica trees are wired (auto: prewired above 4096 ranks per replica)")
-    p.add_argument("--cpu-charging", choices=("on", "off"), default=None,
-                   help="charge real CPU time to emulated hosts (default: the profile's)")
     p.add_argument("--sweep", default=None, metavar="ranks=1k,8k,32k,98k")
     p.add_argument("--out", default=None, metavar="DIR", help="write PNG plots, trace.json and report.json here")
     p.add_argument("--diagnose", nargs="?", type=float, const=2.0, default=None, metavar="SECONDS",

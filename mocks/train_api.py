@@ -78,7 +78,8 @@ class FTJob:
 
     @property
     def device(self) -> torch.device:
-        """Where the script's process runs its model: the CPU (the emulated ranks train shape-only)."""
+        """Where the script's process runs its model: the CPU (the emulated ranks train shape-only; what a
+        script asks for on a GPU is made there too, shadow.cuda_tensors)."""
         return torch.device("cpu")
 
     @property

@@ -9,7 +9,8 @@ loader that executes the mock's code in a fresh module object carrying the real 
 code imports and runs unchanged, and the mock module itself is never modified. Real modules imported
 before the context are set aside (sys.modules and their parent package's attribute) and put back on
 exit; shadow modules are dropped on exit. `torch.cuda` is replaced by a shim object (sys.modules and
-the `torch.cuda` attribute) and restored on exit, when torch is installed.
+the `torch.cuda` attribute) and restored on exit, when torch is installed; with it, tensors asked for on a
+CUDA device are made on the host (shadow.cuda_tensors, a torch function mode of the entering thread).
 
 Only one context may be active at a time (the import system is process-wide); nesting raises
 RuntimeError. Modules imported inside the context that bound a shadow module by name keep it.
@@ -68,6 +69,7 @@ class _Active:
     def __init__(self) -> None:
         self.saved_modules: dict[str, Any] = {}
         self.saved_attrs: list[tuple[Any, str, Any]] = []
+        self.mode: Any = None  # the torch function mode entered (cuda_tensors.HostTensors)
         self.finder: ShadowFinder | None = None
         self.session: Any = None
 
@@ -140,6 +142,8 @@ def _set_aside(undo: _Active, name: str) -> None:
 def _install_cuda_shim(undo: _Active, devices: int) -> None:
     try:
         import torch
+
+        from shadow.cuda_tensors import HostTensors
     except ImportError:
         return  # nothing to shim: code that needs torch.cuda needs torch first
     real = sys.modules.get("torch.cuda")
@@ -148,9 +152,13 @@ def _install_cuda_shim(undo: _Active, devices: int) -> None:
     undo.saved_attrs.append((torch, "cuda", getattr(torch, "cuda", _MISSING)))
     sys.modules["torch.cuda"] = shim
     torch.cuda = shim  # type: ignore[assignment]
+    undo.mode = HostTensors()
+    undo.mode.__enter__()
 
 
 def _restore(undo: _Active, registry: Registry) -> None:
+    if undo.mode is not None:
+        undo.mode.__exit__(None, None, None)
     if undo.finder is not None and undo.finder in sys.meta_path:
         sys.meta_path.remove(undo.finder)
     for real in registry.modules:  # drop the shadow modules imported inside the context

@@ -21,6 +21,7 @@ import signal
 import stat
 import sys
 
+from ftrun.cli import add_emulation_arguments
 from ftrun.diagnose.collect import Collector, CollectorConfig, DiagnoseError, request
 from ftrun.env.real import RealEnv
 
@@ -46,21 +47,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                             "each as drawn (to reproduce one cheaply; the job has not run the others before it)")
     bench.add_argument("--fault-free", type=int, default=None,
                        help="bench: fault-free collections for false positives (default: half the scenarios)")
-    bench.add_argument("--set", action="append", default=[], metavar="key=value", dest="overrides",
-                       help="bench: override a profile key")
     bench.add_argument("--out", default=None, metavar="DIR", help="bench: write every scenario's result here")
-    bench.add_argument("--ftar-detail", choices=("folded", "full"), default=None,
-                       help="bench: FTAR rings emulated (default: full up to 16K ranks, else the profile's; "
-                            "folded places faults on each replica's first host)")
-    bench.add_argument("--fold-ranks", choices=("auto", "on", "off"), default="auto",
-                       help="bench: with folded rings, run only each replica's two lead hosts and serve the other "
-                            "ranks their reference lead's telemetry (default auto: above 256 ranks per replica)")
-    bench.add_argument("--ftar-model", choices=("auto", "chunks", "analytic"), default="auto",
-                       help="bench: all-reduces chunk by chunk, or analytic (modeled per ring) except the rings each "
-                            "fault stalls (default auto: analytic above 256 ranks)")
-    bench.add_argument("--cpu-charging", choices=("on", "off"), default="off",
-                       help="bench: charge real CPU time to emulated hosts (default off: the bench scores verdicts, "
-                            "and charging thousands of ranks' CPU on a few cores slows and perturbs virtual time)")
+    add_emulation_arguments(
+        bench, prefix="bench: ", cpu_charging="off",
+        ftar_detail_default="full up to 16K ranks, else the profile's; folded places faults on each replica's first host",
+        cpu_charging_default="off: the bench scores verdicts, and charging thousands of ranks' CPU on a few cores "
+                             "slows and perturbs virtual time")
 
 
 def job_token(path: str | None) -> str:

@@ -101,7 +101,7 @@ class Job:
         return WorkerSpec(replica_id=f"r{i}", replica_index=i, num_replicas=self.args.replicas, rank=0,
                           ranks_per_replica=self.args.ranks_per_replica, incarnation=0, lighthouse=self.lighthouse.addr,
                           token=self.token, store_addr="127.0.0.1", store_port=self.store.port, run_dir=self.out,
-                          max_steps=self.args.steps)
+                          max_steps=self.args.steps, host_slot=i * self.args.ranks_per_replica)  # all on this host
 
     def launcher_for(self, rid: str, launcher: Launcher) -> Launcher:
         return launcher

@@ -29,7 +29,7 @@ from ftrun.launch.job import Job
 from ftrun.launch.host_faults import place_replicas
 from ftrun.launch.procs import Launcher
 from ftrun.launch.remote import RemoteLauncher
-from ftrun.launch.worker_env import WorkerSpec
+from ftrun.launch.worker_env import WorkerSpec, first_host_slots
 from ftrun.net import NetConfig, load_token
 from ftrun.quorum.service import Lighthouse
 
@@ -104,6 +104,7 @@ class MultiHostJob(Job):
     def __init__(self, env, args, out, launcher, *, inject, say, hosts: list[str]) -> None:
         self.host_addrs = hosts
         self.lighthouse_host, self.placement = place_replicas(args.replicas, len(hosts))
+        self.first_slots = first_host_slots(self.placement, args.ranks_per_replica)
         job = os.path.basename(os.path.normpath(out)) or "job"
         self.remotes = {i: RemoteLauncher(env, f"{hosts[i]}:{args.agent_port}", load_token(os.environ), job=job,
                                           run_dir=out) for i in sorted(set(self.placement.values())) if i != 0}
@@ -131,7 +132,8 @@ class MultiHostJob(Job):
         return WorkerSpec(replica_id=f"r{i}", replica_index=i, num_replicas=self.args.replicas, rank=0,
                           ranks_per_replica=self.args.ranks_per_replica, incarnation=0, lighthouse=self.lighthouse.addr,
                           token=self.token, store_addr=self.host_addrs[host], store_port=self.stores[host],
-                          run_dir=self.out, max_steps=self.args.steps, net=NetConfig(bind_host=self.host_addrs[host]))
+                          run_dir=self.out, max_steps=self.args.steps, net=NetConfig(bind_host=self.host_addrs[host]),
+                          host_slot=self.first_slots[f"r{i}"])
 
     def launcher_for(self, rid: str, launcher: Launcher) -> Launcher:
         host = self.placement[rid]

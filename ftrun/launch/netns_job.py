@@ -86,7 +86,8 @@ class NetnsJob(Job):
         return WorkerSpec(replica_id=f"r{i}", replica_index=i, num_replicas=self.args.replicas, rank=0,
                           ranks_per_replica=self.args.ranks_per_replica, incarnation=0, lighthouse=self.lighthouse.addr,
                           token=self.token, store_addr=h.addr, store_port=self.stores[h.index].port, run_dir=self.out,
-                          max_steps=self.args.steps, net=NetConfig(bind_host=h.addr))
+                          max_steps=self.args.steps, net=NetConfig(bind_host=h.addr),
+                          host_slot=i * self.args.ranks_per_replica)  # the namespaces share this machine's GPUs
 
     def launcher_for(self, rid: str, launcher: Launcher) -> Launcher:
         i = self.placement[rid]

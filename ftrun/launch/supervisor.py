@@ -32,7 +32,7 @@ class ReplicaProcesses:
     def start(self) -> None:
         self.procs, outs = [], []
         for rank in range(self.spec.ranks_per_replica):
-            spec = replace(self.spec, rank=rank)
+            spec = self.spec.for_rank(rank)
             base = os.path.join(self._log_dir, f"{spec.replica_id}.{spec.incarnation}.{rank}")
             outs.append(base + ".out")
             self.procs.append(self._launcher.start(self.argv, env={**os.environ, **spec.to_environ()},

@@ -3,12 +3,16 @@
 Two launchers set it:
 - `ftrun launch` sets torchrun's names for the whole job (RANK and WORLD_SIZE global, GROUP_RANK the
   replica, LOCAL_RANK the rank inside it) plus FTRUN_REPLICA_INDEX / FTRUN_REPLICA_RANK /
-  FTRUN_RANKS_PER_REPLICA, which say the replica layout outright.
+  FTRUN_RANKS_PER_REPLICA, which say the replica layout outright, and FTRUN_HOST_SLOT: the rank's place
+  among all the ranks it starts on this host (replicas placed there in index order, their ranks in
+  order), by which FTConfig.device="cuda" picks the rank's GPU, so replicas sharing a host spread over
+  its GPUs.
 - One `torchrun` per replica (plus `ftrun lighthouse`): torchrun's world is one replica, so RANK and
   WORLD_SIZE are the rank inside the replica and the replica's size, and GROUP_RANK is the node inside
   the replica (not the replica). The replica's identity comes from ftrun's settings: FTRUN_REPLICA_ID
   ("r<i>"), FTRUN_NUM_REPLICAS, FTRUN_LIGHTHOUSE, the token (FTRUN_TOKEN or FTRUN_TOKEN_FILE). torchrun's
   restarts (TORCHELASTIC_RESTART_COUNT) are the replica's incarnations; MASTER_ADDR/PORT is its store.
+  Its LOCAL_RANK (the rank among the ranks torchrun starts on this node) is the host slot.
 The network identity (FTRUN_BIND_HOST, FTRUN_ADVERTISE_HOST) is ftrun.net.NetConfig. Only entry points
 call `WorkerSpec.from_environ`.
 """
@@ -17,7 +21,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping
 
 from ftrun.launch.slurm_plan import SLURM_HELP
@@ -33,8 +37,8 @@ _REPLICA_ID = re.compile(r"^r(0|[1-9][0-9]*)$")
 # every rank of a job): a zygote's prepared spare runs a script without them until it is claimed.
 IDENTITY_VARS = frozenset({
     "RANK", "LOCAL_RANK", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
-    "FTRUN_REPLICA_ID", "FTRUN_REPLICA_INDEX", "FTRUN_REPLICA_RANK", "FTRUN_BIND_HOST", "FTRUN_ADVERTISE_HOST",
-    "FTRUN_FORKED_AT",
+    "FTRUN_REPLICA_ID", "FTRUN_REPLICA_INDEX", "FTRUN_REPLICA_RANK", "FTRUN_HOST_SLOT", "FTRUN_BIND_HOST",
+    "FTRUN_ADVERTISE_HOST", "FTRUN_FORKED_AT",
 })
 
 
@@ -54,7 +58,24 @@ class WorkerSpec:
     max_steps: int | None = None  # stop after this many committed steps (None: the script decides)
     diagnose: str | None = None  # the diagnosis collector to serve telemetry to (FTRUN_DIAGNOSE; None: off)
     fault_file: str | None = None  # `ftrun launch --inject`'s fault plan for the script (FTRUN_FAULT_FILE)
+    # this rank's place among the ranks started on its host (FTRUN_HOST_SLOT, or torchrun's LOCAL_RANK);
+    # None: no launcher said (see device_slot)
+    host_slot: int | None = None
     net: NetConfig = field(default_factory=NetConfig)
+
+    @property
+    def device_slot(self) -> int:
+        """The slot FTConfig.device="cuda" picks this rank's GPU by (cuda:{slot % GPUs}, ftrun.train.device):
+        the host slot, or the rank inside the replica where no launcher gave one."""
+        return self.rank if self.host_slot is None else self.host_slot
+
+    def for_rank(self, rank: int) -> "WorkerSpec":
+        """The spec of rank `rank` of this rank's replica: its host slot moves with the rank (a replica's
+        ranks take consecutive slots), the rest is the replica's."""
+        if not 0 <= rank < self.ranks_per_replica:
+            raise ValueError(f"rank {rank} is outside a replica of {self.ranks_per_replica} ranks")
+        slot = None if self.host_slot is None else self.host_slot - self.rank + rank
+        return replace(self, rank=rank, host_slot=slot)
 
     def to_environ(self) -> dict[str, str]:
         """What `ftrun launch` sets for this rank (torchrun's names for the whole job, plus ftrun's)."""
@@ -79,6 +100,7 @@ class WorkerSpec:
             **({"FTRUN_MAX_STEPS": str(self.max_steps)} if self.max_steps is not None else {}),
             **({"FTRUN_DIAGNOSE": self.diagnose} if self.diagnose else {}),
             **({"FTRUN_FAULT_FILE": self.fault_file} if self.fault_file else {}),
+            **({"FTRUN_HOST_SLOT": str(self.host_slot)} if self.host_slot is not None else {}),
         }
 
     @classmethod
@@ -97,9 +119,11 @@ class WorkerSpec:
         if "FTRUN_RANKS_PER_REPLICA" in environ:  # ftrun launch: the layout is explicit
             size = _int(environ, "FTRUN_RANKS_PER_REPLICA", minimum=1)
             rank = _int(environ, "FTRUN_REPLICA_RANK") if "FTRUN_REPLICA_RANK" in environ else _int(environ, "LOCAL_RANK")
+            slot_var = "FTRUN_HOST_SLOT"
         else:  # one torchrun per replica (or a hand-started rank): torchrun's world is the replica
             size = _int(environ, "WORLD_SIZE", minimum=1, default=1)
             rank = _int(environ, "RANK", default=0)
+            slot_var = "FTRUN_HOST_SLOT" if "FTRUN_HOST_SLOT" in environ else "LOCAL_RANK"
         if rank >= size:
             raise ValueError(f"rank {rank} is outside a replica of {size} ranks (RANK/WORLD_SIZE)")
         token = load_token(environ)
@@ -114,7 +138,23 @@ class WorkerSpec:
             run_dir=environ.get("FTRUN_RUN_DIR", "."),
             max_steps=_int(environ, "FTRUN_MAX_STEPS") if "FTRUN_MAX_STEPS" in environ else None,
             net=NetConfig.from_environ(environ), diagnose=environ.get("FTRUN_DIAGNOSE") or None,
+            host_slot=_int(environ, slot_var) if slot_var in environ else None,
         )
+
+
+def first_host_slots(placement: Mapping[str, int], ranks_per_replica: int) -> dict[str, int]:
+    """Replica id -> the host slot of its rank 0, for replicas placed on hosts (replica id "r<i>" -> host
+    index): on each host, the replicas placed there in index order, each taking `ranks_per_replica`
+    consecutive slots. Pure."""
+    if ranks_per_replica < 1:
+        raise ValueError(f"ranks_per_replica must be >= 1, got {ranks_per_replica}")
+    taken: dict[int, int] = {}
+    first = {}
+    for rid in sorted(placement, key=_index):
+        host = placement[rid]
+        first[rid] = taken.get(host, 0)
+        taken[host] = first[rid] + ranks_per_replica
+    return first
 
 
 def _need(environ: Mapping[str, str], name: str) -> str:

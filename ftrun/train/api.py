@@ -118,7 +118,7 @@ class FTJob:
         self._trained = False
         self._user = UserState()
         self._own: OwnLoop | None = None  # the user's own loop (job.wrap), see ftrun.train.own
-        self.device = rank_device(config.device, local_rank=spec.rank)  # the model's and batches' (job.device)
+        self.device = rank_device(config.device, slot=spec.device_slot)  # the model's and batches' (job.device)
         if self.device.type != "cpu" and spec.ranks_per_replica > 1:
             raise ValueError(f"FTConfig.device={config.device!r} with {spec.ranks_per_replica} ranks per replica: "
                              "FSDP2 inside a replica runs on CPU (gloo) only; use one rank per replica on a GPU")
@@ -294,7 +294,7 @@ class FTJob:
         who = {"rank": self.rank}
         self.emit({"event": "ready", "t": self.env.clock.now(), "step": trainer.step, "pid": os.getpid(),
                    "lineage": trainer.progress.state.lineage, "startup": self.startup, "device": str(self.device),
-                   **who})
+                   "host_slot": self.spec.device_slot, **who})
         try:
             while trainer.step < (final := target()):
                 trainer.manager.final_step = final  # no early quorum request after the last step

@@ -1,14 +1,16 @@
 """Where a rank trains (FTConfig.device) and the few CUDA calls the real trainer makes.
 
     check_device_name(name)                                   "cpu", "cuda" or "cuda:N"; else ValueError
-    resolve_device(name, local_rank=, device_count=)          pure: the torch.device a rank trains on
-    rank_device(name, local_rank)                             the same with this host's GPUs; selects it
+    resolve_device(name, slot=, device_count=)                pure: the torch.device a rank trains on
+    rank_device(name, slot)                                   the same with this host's GPUs; selects it
     host_buffer(numel, device)                                float32 zeros, page-locked for a GPU
     synchronize(device)                                       wait for the device's queued work (none on CPU)
     to_device(batch, device)                                  a batch's tensors (nested in tuples, lists, dicts) moved
 
-"cuda" is the rank's GPU: cuda:{LOCAL_RANK % device_count}, LOCAL_RANK being the rank inside its
-replica as `ftrun launch` sets it (ftrun.launch.worker_env). "cuda:N" names the GPU. The model, its
+"cuda" is the rank's GPU: cuda:{slot % device_count}, the slot being the rank's place among the ranks
+started on its host (WorkerSpec.device_slot: FTRUN_HOST_SLOT from `ftrun launch`, which counts every
+replica it places on the host, so replicas sharing a host spread over its GPUs; torchrun's LOCAL_RANK;
+else the rank inside its replica). "cuda:N" names the GPU. The model, its
 optimizer state and the batches live there; the cross-replica FTAR still reduces a host buffer
 (ftrun.train.grads: device-to-host after backward, host-to-device before the optimizer step).
 
@@ -34,8 +36,9 @@ def check_device_name(name: object) -> str:
     return name
 
 
-def resolve_device(name: str, *, local_rank: int, device_count: int) -> torch.device:
-    """The device a rank trains on. device_count: the CUDA GPUs this process sees (0: none).
+def resolve_device(name: str, *, slot: int, device_count: int) -> torch.device:
+    """The device a rank trains on. slot: the rank's host slot (module docstring); device_count: the CUDA
+    GPUs this process sees (0: none).
     Raises ValueError for a bad name, a CUDA device without a GPU, or a GPU index out of range."""
     check_device_name(name)
     if name == "cpu":
@@ -43,9 +46,9 @@ def resolve_device(name: str, *, local_rank: int, device_count: int) -> torch.de
     if device_count < 1:
         raise ValueError(f"FTConfig.device={name!r} but torch sees no CUDA GPU (torch.cuda.is_available() is False)")
     if name == "cuda":
-        if local_rank < 0:
-            raise ValueError(f"FTConfig.device='cuda': local rank {local_rank} must be >= 0")
-        return torch.device("cuda", local_rank % device_count)
+        if slot < 0:
+            raise ValueError(f"FTConfig.device='cuda': host slot {slot} must be >= 0")
+        return torch.device("cuda", slot % device_count)
     index = int(name.split(":")[1])
     if index >= device_count:
         raise ValueError(f"FTConfig.device={name!r} but torch sees {device_count} CUDA GPU(s) "
@@ -53,10 +56,10 @@ def resolve_device(name: str, *, local_rank: int, device_count: int) -> torch.de
     return torch.device("cuda", index)
 
 
-def rank_device(name: str, *, local_rank: int) -> torch.device:
+def rank_device(name: str, *, slot: int) -> torch.device:
     """resolve_device with the GPUs this process sees; a CUDA device becomes the current one."""
     count = torch.cuda.device_count() if name != "cpu" and torch.cuda.is_available() else 0
-    device = resolve_device(name, local_rank=local_rank, device_count=count)
+    device = resolve_device(name, slot=slot, device_count=count)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     return device

@@ -37,9 +37,10 @@ class FTConfig:
     num_threads: torch intra-op threads per rank (None: torch's default). events: JSON lines on stdout.
     overlap_bucket_bytes: exchange gradients in buckets of about this many bytes during backward
     (ftrun.train.overlap; one rank per replica, `train` only); None: one exchange after backward.
-    device: where each rank trains (ftrun.train.device): "cpu", "cuda" (the rank's GPU,
-    cuda:{LOCAL_RANK % GPUs}) or "cuda:N"; the model, optimizer state and batches live there, the
-    cross-replica FTAR reduces a host copy of the gradients. A CUDA device takes one rank per replica."""
+    device: where each rank trains (ftrun.train.device): "cpu", "cuda" (the rank's GPU, cuda:{slot % GPUs},
+    slot: its place among the ranks started on its host) or "cuda:N"; the model, optimizer state and
+    batches live there, the cross-replica FTAR reduces a host copy of the gradients. A CUDA device takes
+    one rank per replica."""
 
     batch_size: int = 8
     seed: int = 0

@@ -113,7 +113,8 @@ class OwnLoop:
             self.trainer.manager.final_step = self.job.max_steps  # no early quorum request after it
             self.job.emit({"event": "ready", "t": self.job.env.clock.now(), "step": self.trainer.step,
                            "lineage": self.trainer.progress.state.lineage, "startup": self.job.startup,
-                           "device": str(self.job.device), "rank": self.job.rank})
+                           "device": str(self.job.device), "host_slot": self.job.spec.device_slot,
+                           "rank": self.job.rank})
         return self.trainer
 
     def close(self, *, clean: bool) -> None:

@@ -1,6 +1,7 @@
 """Every script in examples/ runs unchanged under the shadow loader at profile scale (`ftrun emulate SCRIPT
---profile ci-small --inject "kill replica=3 step=5" --json`): its imports of torch (dynamo and inductor
-included) see the torch.cuda shim, its `ftrun.train` calls reach mocks.train_api, and its model, built on
+--profile ci-small --inject "kill replica=3 step=5" --json`), as written and with `--script-args "--device
+cuda"` (its tensors for the GPU made on the host, shadow.cuda_tensors): its imports of torch (dynamo and
+inductor included) see the torch.cuda shim, its `ftrun.train` calls reach mocks.train_api, and its model, built on
 meta (ft.train) or traced for one step (its own loop), trains on every one of the profile's 32 emulated
 ranks through the real trainer: the killed replica restarts, catches up from its peers and rejoins, and the
 exactly-once audit over every leader's records is clean."""
@@ -31,9 +32,11 @@ def emulate(script: Path, tmp_path: Path, *extra: str) -> subprocess.CompletedPr
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
 @pytest.mark.parametrize("script", EXAMPLES, ids=[p.name for p in EXAMPLES])
-def test_example_trains_every_emulated_rank_and_the_killed_replica_rejoins(script, tmp_path):
-    out = emulate(script, tmp_path, "--steps", str(STEPS), "--inject", "kill replica=3 step=5", "--json")
+def test_example_trains_every_emulated_rank_and_the_killed_replica_rejoins(script, device, tmp_path):
+    out = emulate(script, tmp_path, "--steps", str(STEPS), "--inject", "kill replica=3 step=5", "--json",
+                  "--script-args", f"--device {device}")
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert "under the shadow loader" in out.stderr and "torch.cuda shimmed" in out.stderr
     assert "ftrun.train.api -> mocks.train_api" in out.stderr

@@ -17,6 +17,7 @@ from ftrun.env.real import RealEnv
 from ftrun.ftar.cpu_kernels import CpuKernels
 from ftrun.ftar.engine import FtarConfig, FtarEngine
 from ftrun.ftar.ring import FatalError, RecoverableError
+from tests.integration.ftar_worker import io_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = FtarConfig(chunk_bytes=4096, num_chunks=2, timeout_s=5.0)
@@ -42,11 +43,6 @@ def build(env, engs, epoch=1):
 # socket: links with blocking bulk calls (real_bulk, the default); socket+threads: a sender task waiting in
 # poll()
 TRANSPORTS = ["auto", "socket", "socket+threads"]
-
-
-def io_config(transport: str) -> dict:
-    kind, _, io = transport.partition("+")
-    return {"transport": kind, "socket_io": io} if io else {"transport": kind}
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

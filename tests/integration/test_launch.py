@@ -64,6 +64,9 @@ def test_launch_kills_at_a_step_restarts_and_reports(tmp_path):
     assert kill["replica_id"] == "r1" and kill["step"] >= 8
     assert any(e["event"] == "commit" and e["replica_id"] == "r1" and e["incarnation"] == 1 for e in events), \
         "the restarted replica rejoined and committed"
+    # each replica's rank on its own host slot (its GPU with --device cuda), the restarted one on its old one
+    assert sorted((e["replica_id"], e["incarnation"], e["host_slot"]) for e in events if e["event"] == "ready") == \
+        [("r0", 0, 0), ("r1", 0, 1), ("r1", 1, 1), ("r2", 0, 2)]
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["step"] for r in rows] == list(range(len(rows))) and len(rows) >= 60
     assert any(len(r["replicas_committed"]) == 2 for r in rows) and rows[-1]["replicas_committed"] == ["r0", "r1", "r2"]
@@ -106,6 +109,36 @@ rid, inc = os.environ["FTRUN_REPLICA_ID"], int(os.environ["TORCHELASTIC_RESTART_
 for step in range(steps):
     print(json.dumps({"event": "commit", "step": step + 1, "t": float(step), "pid": os.getpid()}), flush=True)
 '''
+
+
+SLOT_SCRIPT = '''
+import json, os
+from ftrun.launch.worker_env import WorkerSpec
+from ftrun.train.device import resolve_device
+
+spec = WorkerSpec.from_environ(os.environ)  # as init_from_env reads it
+print(json.dumps({"event": "ready", "t": 0.0, "step": 0, "host_slot": spec.device_slot, "local_rank": os.environ["LOCAL_RANK"],
+                  "cuda": str(resolve_device("cuda", slot=spec.device_slot, device_count=4))}), flush=True)
+for step in range(int(os.environ["FTRUN_MAX_STEPS"])):
+    print(json.dumps({"event": "commit", "step": step + 1, "t": float(step)}), flush=True)
+'''
+
+
+@pytest.mark.timeout(60)
+def test_launch_gives_every_rank_on_the_host_its_own_slot(tmp_path):
+    """3 replicas x 2 ranks on one host: six ranks, slots 0..5 (replica by replica), so "cuda" on a 4-GPU host
+    is cuda:0..3 then cuda:0..1, where every replica used to take cuda:0 and cuda:1; LOCAL_RANK stays the rank
+    inside the replica, as torchrun's."""
+    script = tmp_path / "slots.py"
+    script.write_text(SLOT_SCRIPT)
+    f = launch(tmp_path / "out", "--replicas", "3", "--ranks-per-replica", "2", "--steps", "3", "--timeout", "40s",
+               str(script))
+    assert f["complete"]
+    ready = [json.loads(line) for line in open(tmp_path / "out" / "events.jsonl")]
+    got = sorted((e["replica_id"], e["rank"], e["local_rank"], e["host_slot"], e["cuda"]) for e in ready
+                 if e["event"] == "ready")
+    assert got == [("r0", 0, "0", 0, "cuda:0"), ("r0", 1, "1", 1, "cuda:1"), ("r1", 0, "0", 2, "cuda:2"),
+                   ("r1", 1, "1", 3, "cuda:3"), ("r2", 0, "0", 4, "cuda:0"), ("r2", 1, "1", 5, "cuda:1")]
 
 
 @pytest.mark.timeout(60)

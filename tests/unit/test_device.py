@@ -14,13 +14,13 @@ from ftrun.train.device import check_device_name, host_buffer, resolve_device, s
 from ftrun.train.grads import FlatGrads
 
 
-@pytest.mark.parametrize("name, local_rank, count, want", [
+@pytest.mark.parametrize("name, slot, count, want", [
     ("cpu", 3, 0, "cpu"), ("cpu", 0, 8, "cpu"),
     ("cuda", 0, 1, "cuda:0"), ("cuda", 2, 1, "cuda:0"), ("cuda", 5, 4, "cuda:1"), ("cuda", 3, 8, "cuda:3"),
     ("cuda:0", 7, 1, "cuda:0"), ("cuda:3", 0, 4, "cuda:3"),
 ])
-def test_resolve_device(name, local_rank, count, want):
-    assert resolve_device(name, local_rank=local_rank, device_count=count) == torch.device(want)
+def test_resolve_device(name, slot, count, want):
+    assert resolve_device(name, slot=slot, device_count=count) == torch.device(want)
 
 
 @pytest.mark.parametrize("bad", ["gpu", "CUDA", "cuda:", "cuda:-1", "cuda:01", "cuda:x", "cpu:0", " cpu", "", None, 0,
@@ -36,14 +36,14 @@ def test_bad_device_names_are_refused_naming_the_value(bad):
 @pytest.mark.parametrize("name", ["cuda", "cuda:0", "cuda:2"])
 def test_a_cuda_device_without_a_gpu_is_refused(name):
     with pytest.raises(ValueError, match=rf"FTConfig.device='{name}' but torch sees no CUDA GPU"):
-        resolve_device(name, local_rank=0, device_count=0)
+        resolve_device(name, slot=0, device_count=0)
 
 
 def test_a_gpu_index_beyond_the_hosts_gpus_is_refused():
     with pytest.raises(ValueError, match=r"FTConfig.device='cuda:2' but torch sees 2 CUDA GPU\(s\) \(cuda:0..cuda:1\)"):
-        resolve_device("cuda:2", local_rank=0, device_count=2)
-    with pytest.raises(ValueError, match="local rank -1"):
-        resolve_device("cuda", local_rank=-1, device_count=2)
+        resolve_device("cuda:2", slot=0, device_count=2)
+    with pytest.raises(ValueError, match="host slot -1"):
+        resolve_device("cuda", slot=-1, device_count=2)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a GPU")

@@ -88,6 +88,50 @@ def test_torch_cuda_shim_inside_only():
     assert torch.cuda is real_cuda and sys.modules["torch.cuda"] is real_cuda
 
 
+def test_tensors_for_a_gpu_are_made_on_the_host_inside_only():
+    import torch
+
+    with shadow.active(load_profile("ci-small")):
+        model = torch.nn.Linear(2, 3).to("cuda")
+        assert model.weight.device.type == "cpu" and model.cuda(1).bias.device.type == "cpu"
+        x = torch.zeros(3, device="cuda:1", pin_memory=True)
+        assert x.device.type == "cpu" and not x.is_pinned() and x.pin_memory() is x
+        assert torch.ones(2).to("cuda", non_blocking=True).device.type == "cpu"
+        assert torch.ones(2).to(device=torch.device("cuda", 1)).device.type == "cpu"
+        assert torch.ones(2).to(0).device.type == "cpu" and torch.full((2,), 1.0, device=0).device.type == "cpu"
+        half = torch.ones(2).to(torch.device("cuda", 1), torch.float16)
+        assert half.dtype == torch.float16 and half.device.type == "cpu"
+        assert torch.randn_like(torch.ones(2), device="cuda").device.type == "cpu"
+        assert torch.ones(2).to("meta").is_meta and torch.ones(2).to(torch.float64).dtype == torch.float64
+        with torch.device("meta"):  # a model built on meta (mocks.script.meta_model) stays there
+            assert torch.nn.Linear(2, 2).to("cuda").weight.is_meta
+        assert torch.empty(2, device="meta").cuda().is_meta
+    if not torch.cuda.is_available():  # after the context a CUDA tensor needs a GPU again
+        with pytest.raises((AssertionError, RuntimeError)):
+            torch.ones(1).to("cuda")
+
+
+def test_the_device_seam_runs_unchanged_under_the_shim():
+    """ftrun.train.device, as a rank of a script run with FTConfig.device="cuda" calls it: its GPU (ci-small's
+    hosts have 2), the current device, a pinned host buffer, synchronize and batches moved."""
+    import numpy as np
+    import torch
+
+    from ftrun.train.device import host_buffer, rank_device, synchronize, to_device
+
+    with shadow.active(load_profile("ci-small")):
+        device = rank_device("cuda", slot=3)
+        assert device == torch.device("cuda", 1) and torch.cuda.current_device() == 1
+        assert rank_device("cuda:0", slot=3) == torch.device("cuda", 0) and torch.cuda.current_device() == 0
+        buf = host_buffer(4, device)
+        assert isinstance(buf, np.ndarray) and buf.dtype == np.float32 and not buf.any()
+        synchronize(device)
+        batch = to_device({"x": torch.ones(2), "y": [torch.zeros(1)]}, device)
+        assert batch["x"].device.type == "cpu" and batch["y"][0].device.type == "cpu"
+        with pytest.raises(ValueError, match="torch sees 2 CUDA GPU"):
+            rank_device("cuda:2", slot=0)
+
+
 def test_contexts_do_not_nest_and_a_failing_body_still_restores():
     import torch
 

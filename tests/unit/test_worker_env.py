@@ -6,8 +6,10 @@ import os
 
 import pytest
 
-from ftrun.launch.worker_env import TORCHRUN_HELP, WorkerSpec
+from ftrun.launch.host_faults import place_replicas
+from ftrun.launch.worker_env import TORCHRUN_HELP, WorkerSpec, first_host_slots
 from ftrun.net import NetConfig
+from ftrun.train.device import resolve_device
 
 FT = {"FTRUN_LIGHTHOUSE": "10.0.0.1:29510", "FTRUN_TOKEN": "tok"}
 
@@ -59,7 +61,7 @@ def _spec(**kw):
 
 @pytest.mark.parametrize("spec", [_spec(), _spec(net=NetConfig(bind_host="0.0.0.0", advertise_host="10.3.0.4")),
                                   _spec(rank=0, ranks_per_replica=1, replica_index=0, replica_id="r0", max_steps=None),
-                                  _spec(diagnose="127.0.0.1:29511")])
+                                  _spec(diagnose="127.0.0.1:29511"), _spec(host_slot=5), _spec(host_slot=0)])
 def test_ftrun_launch_environment_round_trips(spec):
     environ = spec.to_environ()
     assert environ["RANK"] == str(spec.replica_index * spec.ranks_per_replica + spec.rank)  # job-wide, as torchrun
@@ -105,3 +107,61 @@ def test_token_from_a_private_file(tmp_path):
     os.chmod(path, 0o644)
     with pytest.raises(ValueError, match="chmod 600"):
         WorkerSpec.from_environ(environ)
+
+
+# -- the host slot: which GPU FTConfig.device="cuda" picks ---------------------------------------------
+
+def test_a_replicas_ranks_take_consecutive_host_slots():
+    first = _spec(rank=0, ranks_per_replica=3, host_slot=6)
+    assert [first.for_rank(r).host_slot for r in range(3)] == [6, 7, 8]
+    assert first.for_rank(2).for_rank(1) == first.for_rank(1) and first.for_rank(2).rank == 2
+    assert _spec(rank=0, host_slot=None).for_rank(1).host_slot is None
+    with pytest.raises(ValueError, match="rank 2 is outside a replica of 2 ranks"):
+        _spec().for_rank(2)
+
+
+def test_first_host_slots_count_the_replicas_placed_before_on_the_same_host():
+    assert first_host_slots({f"r{i}": 0 for i in range(3)}, 1) == {"r0": 0, "r1": 1, "r2": 2}
+    assert first_host_slots({f"r{i}": 0 for i in range(3)}, 2) == {"r0": 0, "r1": 2, "r2": 4}
+    # `ftrun launch --hosts`: replicas round-robin over hosts 1..3; r10 comes after r2 (index order, not text)
+    _, placement = place_replicas(11, 4)
+    slots = first_host_slots(placement, 2)
+    assert [slots[f"r{i}"] for i in (1, 4, 7, 10)] == [0, 2, 4, 6]  # host 1's replicas
+    assert [slots[f"r{i}"] for i in (2, 5, 8)] == [0, 2, 4]  # host 2's
+    with pytest.raises(ValueError, match="ranks_per_replica must be >= 1"):
+        first_host_slots(placement, 0)
+
+
+@pytest.mark.parametrize("replicas, ranks, gpus, want", [
+    (3, 1, 8, ["cuda:0", "cuda:1", "cuda:2"]),  # used to be cuda:0 three times
+    (2, 2, 4, ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]),
+    (5, 1, 2, ["cuda:0", "cuda:1", "cuda:0", "cuda:1", "cuda:0"]),  # more ranks than GPUs: round robin
+])
+def test_replicas_on_one_host_spread_over_its_gpus(replicas, ranks, gpus, want):
+    """What `ftrun launch` on one host sets (Job.spec: host slot i * ranks) -> the environment -> the rank's
+    spec -> its device."""
+    got = []
+    for i in range(replicas):
+        replica = _spec(replica_id=f"r{i}", replica_index=i, num_replicas=replicas, rank=0, ranks_per_replica=ranks,
+                        host_slot=i * ranks)
+        for r in range(ranks):
+            spec = WorkerSpec.from_environ(replica.for_rank(r).to_environ())
+            assert spec.rank == r and int(replica.for_rank(r).to_environ()["LOCAL_RANK"]) == r  # torchrun's meaning
+            got.append(str(resolve_device("cuda", slot=spec.device_slot, device_count=gpus)))
+    assert got == want
+
+
+def test_the_slot_under_torchrun_is_its_local_rank_and_without_a_launcher_the_rank():
+    ids = dict(FTRUN_REPLICA_ID="r0", FTRUN_NUM_REPLICAS="2", **FT)
+    # a replica over two nodes: rank 3 of the replica is the second rank on its node
+    spec = WorkerSpec.from_environ(torchrun(rank=3, world=4, local_rank=1, group_rank=1, **ids))
+    assert (spec.rank, spec.host_slot, spec.device_slot) == (3, 1, 1)
+    explicit = WorkerSpec.from_environ(torchrun(rank=3, world=4, local_rank=1, FTRUN_HOST_SLOT="5", **ids))
+    assert explicit.device_slot == 5  # set by hand (or a wrapper): it wins
+    by_hand = WorkerSpec.from_environ({"FTRUN_REPLICA_ID": "r1", "FTRUN_NUM_REPLICAS": "2", **FT})
+    assert by_hand.host_slot is None and by_hand.device_slot == 0
+    assert _spec(rank=1, host_slot=None).device_slot == 1
+    with pytest.raises(ValueError, match="FTRUN_HOST_SLOT='x' is not an integer"):
+        WorkerSpec.from_environ({**_spec(host_slot=1).to_environ(), "FTRUN_HOST_SLOT": "x"})
+    with pytest.raises(ValueError, match="FTRUN_HOST_SLOT=-1 must be >= 0"):
+        WorkerSpec.from_environ({**_spec(host_slot=1).to_environ(), "FTRUN_HOST_SLOT": "-1"})

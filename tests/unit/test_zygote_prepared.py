@@ -40,7 +40,7 @@ def test_template_drops_only_the_identity_variables():
     assert template_of(req) == {"argv": ["-m", "w"], "cwd": "/x", "env": {"FTRUN_TOKEN": "t", "PATH": "/bin"}}
     other = {**req, "env": {**req["env"], "RANK": "0", "FTRUN_REPLICA_ID": "r2", "FTRUN_FORKED_AT": "1.0"}}
     assert template_of(other) == template_of(req)  # another rank of the same job: the same template
-    assert {"RANK", "LOCAL_RANK", "FTRUN_REPLICA_ID", "TORCHELASTIC_RESTART_COUNT"} <= IDENTITY_VARS
+    assert {"RANK", "LOCAL_RANK", "FTRUN_REPLICA_ID", "TORCHELASTIC_RESTART_COUNT", "FTRUN_HOST_SLOT"} <= IDENTITY_VARS
     assert "FTRUN_TOKEN" not in IDENTITY_VARS and "FTRUN_NUM_REPLICAS" not in IDENTITY_VARS
 
 
