@@ -117,10 +117,8 @@ class FtarConfig:
     # Socket buffers (send and receive) of a ring link whose ends are on one machine (transport "socket"
     # or network namespaces): small, so the bytes the sender's kernel copies in are still in the shared
     # cache when the receiver's copies them out; 0 keeps the connection's (4 MiB). Links between
-    # machines keep theirs: there the window must cover the bandwidth-delay product. 128 KiB (the floor)
-    # spent 5-8% less CPU per all-reduce than 256 KiB at 4 processes on 2 cores, 96 KiB no less
-    # (benchmarks/results/ftar_socket.md).
-    local_socket_buffer_bytes: int = MIN_SOCKET_BUFFER_BYTES
+    # machines keep theirs: there the window must cover the bandwidth-delay product.
+    local_socket_buffer_bytes: int = 256 << 10
 
     def __post_init__(self) -> None:
         if self.chunk_bytes < 16 or self.chunk_bytes % 16:
