@@ -2,7 +2,8 @@
 
 P processes on 127.0.0.1 each build a gloo group and one FTAR ring over sockets per socket_io ("blocking",
 "threads"), then alternate the all-reduces iteration by iteration (same load for all). Per
-all-reduce and rank: wall seconds, CPU seconds (user + system, every thread), voluntary context switches,
+all-reduce and rank: wall seconds, CPU seconds (user + system, every thread; and the system part: the
+kernel's socket copies and TCP), voluntary context switches,
 and run-queue wait (seconds the process's threads were runnable but not running, /proc/*/schedstat).
 On a shared machine, wall = CPU + run-queue wait + sleep; this shows which one dominates.
 
@@ -26,7 +27,7 @@ SOCKET_IO = ("blocking", "threads")
 VARIANTS = (*SOCKET_IO, "gloo")
 
 
-def _usage() -> tuple[float, int, float]:
+def _usage() -> tuple[float, float, int, float]:
     r = resource.getrusage(resource.RUSAGE_SELF)
     wait = 0
     for tid in os.listdir("/proc/self/task"):
@@ -35,7 +36,7 @@ def _usage() -> tuple[float, int, float]:
                 wait += int(f.read().split()[1])
         except OSError:
             pass  # the thread ended meanwhile
-    return r.ru_utime + r.ru_stime, r.ru_nvcsw, wait / 1e9
+    return r.ru_utime + r.ru_stime, r.ru_stime, r.ru_nvcsw, wait / 1e9
 
 
 def worker(port: int, procs: int, rank: int, size: int, iters: int) -> None:
@@ -67,13 +68,13 @@ def worker(port: int, procs: int, rank: int, size: int, iters: int) -> None:
         for v in VARIANTS:
             np.copyto(arr, source)
             gloo.barrier().wait()
-            c0, s0, w0 = _usage()
+            c0, k0, s0, w0 = _usage()
             t0 = time.perf_counter()
             run[v](arr)
             wall = time.perf_counter() - t0
-            c1, s1, w1 = _usage()
+            c1, k1, s1, w1 = _usage()
             if i:  # iteration 0 warms up
-                got[v].append((wall, c1 - c0, s1 - s0, w1 - w0))
+                got[v].append((wall, c1 - c0, s1 - s0, w1 - w0, k1 - k0))
     for engine in engines.values():
         engine.close()
     print(json.dumps({v: [float(x) for x in np.median(np.array(rows), axis=0)] for v, rows in got.items()}), flush=True)
@@ -107,8 +108,9 @@ def main() -> int:
         cols = np.mean([r[v] for r in per_rank], axis=0)  # medians per rank, averaged over ranks
         wall = max(r[v][0] for r in per_rank)
         rows.append({"variant": v, "procs": args.procs, "size_mb": args.size_mb, "wall_s": wall,
-                     "cpu_s": cols[1], "voluntary_switches": cols[2], "runqueue_wait_s": cols[3]})
-        print(f"{v:8s} P={args.procs} {args.size_mb} MB: wall {wall * 1e3:7.1f} ms  cpu/rank {cols[1] * 1e3:6.1f} ms  "
+                     "cpu_s": cols[1], "sys_s": cols[4], "voluntary_switches": cols[2], "runqueue_wait_s": cols[3]})
+        print(f"{v:8s} P={args.procs} {args.size_mb} MB: wall {wall * 1e3:7.1f} ms  cpu/rank {cols[1] * 1e3:6.1f} ms "
+              f"(sys {cols[4] * 1e3:6.1f})  "
               f"runqueue wait/rank {cols[3] * 1e3:7.1f} ms  voluntary switches/rank {cols[2]:5.0f}")
     if args.json:
         print(json.dumps({"results": rows, "load_avg_1m": os.getloadavg()[0]}))
