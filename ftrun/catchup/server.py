@@ -205,13 +205,13 @@ class CatchupServer:
         transport.set_write_buffer_limits(high=0)
         writer = await resp.prepare(request)
         await writer.drain()
-        if transport.is_closing():
-            return resp
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         if fault is not None and fault.delay_s and shard.index == 0:
             log.warning("catch-up: a slow source: step %d waits %.3fs", published.step, fault.delay_s)
             await asyncio.sleep(fault.delay_s)
+        if transport.is_closing():
+            return resp
         sock = transport.get_extra_info("socket").dup()  # the loop's sock_sendall refuses a transport's own fd
         try:
             sock.setblocking(False)
@@ -221,6 +221,9 @@ class CatchupServer:
                     return resp
                 count = min(_SEND_CHUNK, shard.offset + shard.nbytes - start)
                 await loop.sock_sendall(sock, published.buffer.mem[start:start + count])
+        except ConnectionError:  # the client went away mid-shard: nobody to answer
+            transport.abort()
+            return resp
         finally:
             sock.close()
         if fault is not None and fault.factor > 1.0:  # a throttled source: the shard takes factor x as long
