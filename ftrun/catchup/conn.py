@@ -4,10 +4,7 @@ An asyncio BufferedProtocol: the event loop `recv_into`s the socket directly int
 `get_buffer` hands out. While a response head is awaited that is a small head buffer; once the head
 parses, the caller's `pick_body(head)` names the body's buffer (for a shard: its slice of the
 destination tensor), and the rest of the body is received into it with no copy. The CRC32 of the body is
-computed as bytes arrive, while they are still in cache: a body larger than RECV_STEP is checksummed on
-the connection's worker thread, a piece of at least RECV_STEP bytes at a time and in arrival order
-(ISA-L releases the GIL), so the next piece is received meanwhile; its response is complete once its
-last piece is checksummed. A smaller body is checksummed where it arrives.
+computed as bytes arrive, while they are still in cache.
 
 Requests may be pipelined: `send` writes a request while earlier ones are still being answered, and
 the responses are taken in order (each into its own `pick_body` buffer), so the server starts the next
@@ -22,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -34,7 +30,7 @@ PickBody = Callable[[ResponseHead], memoryview]
 # One receive copies at most this much of a body, as ftrun.env.real_net's bulk receives do: a larger
 # read holds the socket while it copies (stalling a loopback sender), and the CRC32 of a 1 MiB piece
 # runs on bytes still in cache (50 MiB from 2 sources, load ~7 on 2 cores: median 0.94 GB/s in two runs
-# against 0.62-0.76 with reads up to the whole remaining body). Also the size of a checksummed piece.
+# against 0.62-0.76 with reads up to the whole remaining body).
 RECV_STEP = 1 << 20
 
 
@@ -63,16 +59,6 @@ class _Request:
     pick_body: PickBody
 
 
-class _BodyCrc:
-    """The running CRC32 of a body whose pieces are checksummed on the connection's worker thread."""
-
-    def __init__(self) -> None:
-        self.value = 0
-
-    def add(self, piece: memoryview) -> None:
-        self.value = crc32(piece, self.value)
-
-
 class HttpConnection(asyncio.BufferedProtocol):
     def __init__(self, host: str, port: int, token: str) -> None:
         self.host, self.port, self._token = host, port, token
@@ -83,9 +69,7 @@ class HttpConnection(asyncio.BufferedProtocol):
         self._queue: deque[_Request] = deque()  # requests sent, not answered yet; the first is being received
         self._response_head: ResponseHead | None = None
         self._body = memoryview(b"")
-        self._pos = self._crc_from = 0  # body bytes received; the first not yet handed to a checksum
-        self._body_crc: _BodyCrc | None = None  # set once part of the body went to the worker
-        self._crc_worker: ThreadPoolExecutor | None = None  # one thread: pieces are checksummed in order
+        self._pos = self._crc = 0
         self.received = 0  # bytes received on this connection (the stall watchdog watches it)
         self._request_start = 0
 
@@ -138,8 +122,7 @@ class HttpConnection(asyncio.BufferedProtocol):
                 raise SourceStalled(f"{self.host}:{self.port} sent nothing for {allowed:g}s")
 
     def close(self) -> None:
-        """Abort the connection; requests in progress are cancelled (one whose body is complete still
-        gets its response once its checksum is)."""
+        """Abort the connection; requests in progress are cancelled."""
         self._state = "closed"
         while self._queue:
             future = self._queue.popleft().future
@@ -147,7 +130,6 @@ class HttpConnection(asyncio.BufferedProtocol):
                 future.cancel()
         if self._transport is not None:
             self._transport.abort()
-        self._stop_worker()
 
     # -- asyncio.BufferedProtocol --------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -178,7 +160,6 @@ class HttpConnection(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         got, state = self._got(), self._state
         self._state = "closed"
-        self._stop_worker()
         if state in ("head", "body"):
             self._fail(ConnectionLost(f"{self.host}:{self.port} closed the connection after {got} bytes "
                                       f"of the response" + (f" ({exc})" if exc else ""), got=got))
@@ -203,7 +184,7 @@ class HttpConnection(asyncio.BufferedProtocol):
             if body.nbytes != head.content_length:
                 raise CatchupPeerError(f"body buffer of {body.nbytes} bytes for a {head.content_length}-byte body")
             take = min(self._head_len - end, body.nbytes)
-            self._response_head, self._body, self._pos, self._crc_from, self._body_crc = head, body, 0, 0, None
+            self._response_head, self._body, self._pos, self._crc = head, body, 0, 0
             self._state = "body"
             body[:take] = self._head[end:end + take]
             rest = self._head[end + take:self._head_len]
@@ -216,13 +197,10 @@ class HttpConnection(asyncio.BufferedProtocol):
                 self._head_len, self._request_start = len(rest), self.received - len(rest)
 
     def _take_body(self, nbytes: int) -> None:
-        self._pos += nbytes
+        pos = self._pos
+        self._crc = crc32(self._body[pos:pos + nbytes], self._crc)
+        self._pos = pos + nbytes
         if self._pos < self._body.nbytes:
-            if self._pos - self._crc_from >= RECV_STEP:  # a piece for the worker
-                if self._body_crc is None:
-                    self._body_crc = _BodyCrc()
-                self._checksum_piece(self._body_crc.add, self._body[self._crc_from:self._pos])
-                self._crc_from = self._pos
             return
         request = self._queue.popleft()
         if not self._response_head.keep_alive:
@@ -231,41 +209,11 @@ class HttpConnection(asyncio.BufferedProtocol):
             self._state, self._head_len, self._request_start = "head", 0, self.received
         else:
             self._state = "idle"
-        head, body, tail, body_crc = self._response_head, self._body, self._body[self._crc_from:], self._body_crc
-        if body_crc is None:  # no piece went to the worker (a body of about RECV_STEP at most): checksummed here
-            self._resolve(request, Response(head, body, crc32(tail)))
-        else:  # the worker answers once it has checksummed the pieces before the tail, and the tail
-            loop = asyncio.get_running_loop()
-            self._checksum_piece(self._answer_checked, loop, request, head, body, body_crc, tail)
+        if not request.future.done():
+            request.future.set_result(Response(self._response_head, self._body, self._crc))
         if self._state == "closing":
             self._fail(ConnectionLost(f"{self.host}:{self.port} closed the connection before answering", got=0))
             self._transport.close()
-
-    def _checksum_piece(self, fn, *args) -> None:
-        if self._crc_worker is None:
-            self._crc_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="catchup-crc")
-        self._crc_worker.submit(fn, *args)
-
-    def _answer_checked(self, loop: asyncio.AbstractEventLoop, request: _Request, head: ResponseHead,
-                        body: memoryview, body_crc: _BodyCrc, tail: memoryview) -> None:
-        """On the worker: the last piece's checksum, then the response, on the loop."""
-        body_crc.add(tail)
-        try:
-            loop.call_soon_threadsafe(self._resolve, request, Response(head, body, body_crc.value))
-        except RuntimeError:  # the loop is closed: nobody waits for the response any more
-            pass
-
-    @staticmethod
-    def _resolve(request: _Request, response: Response) -> None:
-        if not request.future.done():
-            request.future.set_result(response)
-
-    def _stop_worker(self) -> None:
-        """Pieces already handed over are still checksummed (their responses still arrive); then the
-        thread ends (it needs nothing from the loop, so waiting for it here cannot deadlock)."""
-        if self._crc_worker is not None:
-            self._crc_worker.shutdown(wait=True)
-            self._crc_worker = None
 
     def _fail(self, error: Exception) -> None:
         """The first outstanding request gets `error`; the ones behind it were never answered."""
