@@ -5,7 +5,7 @@ buffer and the per-tensor views into it are reused while the state's layout stay
 steady-state publish allocates nothing), then checksums the shards in a background task: the CRC32
 (ftrun.catchup.checksum, ISA-L) releases the GIL, so the caller goes on (e.g. to its optimizer step) as soon as the copy is done. The
 snapshot becomes servable when the checksums are. The buffer lives in an anonymous in-memory file
-(memfd) so the server can send shards with sendfile, without copying them through Python. It is not
+(memfd); the server sends shards straight from its mapping, without copying them through Python. It is not
 page-locked: a GPU state's device-to-host copy goes through pageable memory (registering the mapping
 with cudaHostRegister would pin it; that belongs with the CUDA code, not here).
 
@@ -55,7 +55,7 @@ def availability(step: int, *, ready: int | None, pending: int | None, newest: i
 
 
 class _FlatBuffer:
-    """A flat uint8 CPU tensor backed by an anonymous in-memory file (sendfile-able)."""
+    """A flat uint8 CPU tensor backed by an anonymous in-memory file."""
 
     def __init__(self, nbytes: int) -> None:
         if hasattr(os, "memfd_create"):

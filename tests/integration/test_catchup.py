@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -22,7 +23,9 @@ from ftrun.catchup.errors import CatchupAuthError, CatchupError, CatchupStepErro
 from ftrun.catchup.fetcher import fetch_with
 from ftrun.catchup.heal import make_heal
 from ftrun.catchup.http_transport import HttpTransport
+from ftrun.catchup.checksum import crc32
 from ftrun.catchup.server import CatchupServer, Fault
+from ftrun.catchup.wire import HEAD_END, encode_get, parse_head, split_url
 from ftrun.config import Timeouts
 from ftrun.env.real import RealEnv
 from ftrun.quorum.decide import Participant
@@ -139,6 +142,32 @@ def test_a_transport_keeps_its_connections_between_fetches(servers):
     assert transport._idle == {} and all(c.usable is False for c in conns.values())
 
 
+def test_pipelined_shards_arrive_whole_behind_their_heads_when_the_client_reads_late(servers):
+    """A shard's body goes from the snapshot's memory straight to the socket, once its head has left
+    the transport: a client that pipelines every request and then reads nothing for a while (the
+    server's socket buffer fills, so a head may find it full) still gets each head followed by exactly
+    its shard's bytes."""
+    (srv,), urls = servers(1, config=CatchupConfig(max_shard_bytes=16 << 10, timeouts=CONFIG.timeouts))
+    publish_all([srv])  # about 140 shards: many chances for a head to find the socket buffer full
+    srv.wait_ready()
+    shards, crcs = srv.store.lookup(7)[1].manifest.layout.shards, srv.store.lookup(7)[1].manifest.crcs
+    host, port = split_url(urls[0])
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window: the server must wait
+        sock.settimeout(10.0)
+        sock.connect((host, port))
+        sock.sendall(b"".join(encode_get(host, port, f"/catchup/7/shard/{s.index}", TOKEN) for s in shards))
+        time.sleep(0.3)
+        stream = sock.makefile("rb")
+        for shard, crc in zip(shards, crcs):
+            head = b""
+            while not head.endswith(HEAD_END):
+                head += stream.read(1)
+            parsed = parse_head(head)
+            assert (parsed.status, parsed.content_length) == (200, shard.nbytes)
+            assert crc32(stream.read(shard.nbytes)) == crc
+
+
 def test_corrupted_shard_is_caught_by_crc_and_fetched_from_another_source(servers):
     srv, urls = servers(1, fault=once("corrupt"))
     srv2, urls2 = servers(1)
@@ -166,7 +195,9 @@ def test_a_bad_shard_from_the_only_source_is_retried_there(servers):
 
 SOURCE_CHILD = """
 import os, signal, sys
+from ftrun.catchup.checksum import crc32
 from ftrun.catchup.server import CatchupServer, Fault
+from ftrun.catchup.wire import HEAD_END, encode_get, parse_head, split_url
 from ftrun.env.real import RealEnv
 from tests.integration.test_catchup import CONFIG, STATE, TOKEN
 def die_mid_shard(step, index):  # half of the first shard goes out, then the process is SIGKILLed

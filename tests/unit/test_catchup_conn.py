@@ -170,3 +170,21 @@ def test_a_large_body_is_received_in_bounded_pieces_and_arrives_whole():
         assert bytes(dest) == big and (await future).crc32 == zlib.crc32(big)
 
     run(body)
+
+
+def test_pipelined_large_bodies_get_each_its_own_crc_and_are_answered_in_order():
+    a = bytes(range(256)) * ((RECV_STEP * 5 // 2) // 256)
+    b = bytes(reversed(range(256))) * ((RECV_STEP * 3 // 2 + 512) // 256)
+
+    async def body(conn, transport):
+        (da, pa), (db, pb) = into(len(a)), into(len(b))
+        first, second = conn.send("/a", pa), conn.send("/b", pb)
+        first_done_before = []
+        second.add_done_callback(lambda f: first_done_before.append(first.done()))
+        feed(conn, response(a) + response(b), 64 << 10)
+        got = [await first, await second]
+        await asyncio.sleep(0)  # the done callback
+        assert first_done_before == [True] and bytes(da) == a and bytes(db) == b
+        assert [r.crc32 for r in got] == [zlib.crc32(a), zlib.crc32(b)]
+
+    run(body)
