@@ -7,7 +7,7 @@ kernel's socket copies and TCP), voluntary context switches,
 and run-queue wait (seconds the process's threads were runnable but not running, /proc/*/schedstat).
 On a shared machine, wall = CPU + run-queue wait + sleep; this shows which one dominates.
 
-    python benchmarks/ftar_cpu_profile.py --procs 2 --size-mb 64 --iters 5 [--json]
+    python benchmarks/ftar_cpu_profile.py --procs 2 --size-mb 64 --iters 5 [--chunk-kb 256 --chunks 2] [--json]
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import sys
 import time
 
 import numpy as np
+
+from ftrun.config import FtarConfig
 
 SOCKET_IO = ("blocking", "threads")
 VARIANTS = (*SOCKET_IO, "gloo")
@@ -39,19 +41,20 @@ def _usage() -> tuple[float, float, int, float]:
     return r.ru_utime + r.ru_stime, r.ru_stime, r.ru_nvcsw, wait / 1e9
 
 
-def worker(port: int, procs: int, rank: int, size: int, iters: int) -> None:
+def worker(port: int, procs: int, rank: int, size: int, iters: int, chunk_bytes: int, num_chunks: int) -> None:
     import torch
     import torch.distributed as dist
 
     from ftrun.env.real import RealEnv
     from ftrun.ftar.cpu_kernels import CpuKernels
-    from ftrun.ftar.engine import FtarConfig, FtarEngine
+    from ftrun.ftar.engine import FtarEngine
 
     env = RealEnv()
     store = dist.TCPStore("127.0.0.1", port, procs + 1, False, timeout=datetime.timedelta(seconds=120))
     gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, procs, datetime.timedelta(seconds=120))
     engines = {io: FtarEngine(env=env, kernels=CpuKernels(), token="profile",
-                              config=FtarConfig(timeout_s=120.0, transport="socket", socket_io=io))
+                              config=FtarConfig(timeout_s=120.0, transport="socket", socket_io=io,
+                                                chunk_bytes=chunk_bytes, num_chunks=num_chunks))
                for io in SOCKET_IO}
     for io, engine in engines.items():
         store.set(f"{io}/{rank}", engine.addr)
@@ -85,6 +88,8 @@ def main() -> int:
     p.add_argument("--procs", type=int, default=2)
     p.add_argument("--size-mb", type=int, default=64)
     p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--chunk-kb", type=int, default=FtarConfig.chunk_bytes >> 10, help="FTAR chunk size S in KiB")
+    p.add_argument("--chunks", type=int, default=FtarConfig.num_chunks, help="FTAR chunks in flight per peer C")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     import torch.distributed as dist
@@ -92,7 +97,8 @@ def main() -> int:
     store = dist.TCPStore("127.0.0.1", 0, args.procs + 1, True, timeout=datetime.timedelta(seconds=120),
                           wait_for_workers=False)
     workers = [subprocess.Popen([sys.executable, __file__, "--worker", str(store.port), str(args.procs), str(r),
-                                 str(args.size_mb << 20), str(args.iters)], stdout=subprocess.PIPE, text=True)
+                                 str(args.size_mb << 20), str(args.iters),
+                                 str(args.chunk_kb << 10), str(args.chunks)], stdout=subprocess.PIPE, text=True)
                for r in range(args.procs)]
     try:
         outs = [w.communicate(timeout=1800)[0] for w in workers]
@@ -107,7 +113,8 @@ def main() -> int:
     for v in VARIANTS:
         cols = np.mean([r[v] for r in per_rank], axis=0)  # medians per rank, averaged over ranks
         wall = max(r[v][0] for r in per_rank)
-        rows.append({"variant": v, "procs": args.procs, "size_mb": args.size_mb, "wall_s": wall,
+        rows.append({"variant": v, "procs": args.procs, "size_mb": args.size_mb, "chunk_kb": args.chunk_kb,
+                     "chunks": args.chunks, "wall_s": wall,
                      "cpu_s": cols[1], "sys_s": cols[4], "voluntary_switches": cols[2], "runqueue_wait_s": cols[3]})
         print(f"{v:8s} P={args.procs} {args.size_mb} MB: wall {wall * 1e3:7.1f} ms  cpu/rank {cols[1] * 1e3:6.1f} ms "
               f"(sys {cols[4] * 1e3:6.1f})  "
@@ -119,7 +126,6 @@ def main() -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        port, procs, rank, size, iters = map(int, sys.argv[2:7])
-        worker(port, procs, rank, size, iters)
+        worker(*map(int, sys.argv[2:9]))
         sys.exit(0)
     sys.exit(main())

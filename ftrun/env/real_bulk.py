@@ -1,7 +1,8 @@
 """Blocking bulk frames on a connection that one user holds for a while (an FTAR ring link during one
 all-reduce): the socket is put in blocking mode with SO_SNDTIMEO / SO_RCVTIMEO, so a frame goes out with
-one sendmsg (header + payload) and its payload comes in with one recv(MSG_WAITALL); `release` puts the
-socket back in non-blocking mode.
+one sendmsg (header + payload) and comes in with one recvmsg(MSG_WAITALL) into the header and the
+receiver's buffer (the receiver knows the size; the header is checked when the call returns, so a frame of
+another size or kind is a ProtocolError); `release` puts the socket back in non-blocking mode.
 
 Why: RealConnection waits in poll() and copies at most 1 MiB per recv, so a chunk costs a return to
 Python and two system calls for every piece that arrives (on loopback, every 64 KiB segment). Held, one

@@ -159,11 +159,11 @@ class RealConnection:
         payload = bytearray(min(length, wire.ALLOC_STEP))
         self._rx = payload
         try:
-            self._read_exact(memoryview(payload), deadline, timeout, started=True)
+            self._read_exact([memoryview(payload)], deadline, timeout, started=True)
             while len(payload) < length:  # grow only once what was allocated has arrived
                 received = len(payload)
                 payload.extend(bytes(wire.next_alloc(received, length)))
-                self._read_exact(memoryview(payload)[received:], deadline, timeout, started=True)
+                self._read_exact([memoryview(payload)[received:]], deadline, timeout, started=True)
         finally:
             self._rx = None
         self._greeted()
@@ -184,32 +184,47 @@ class RealConnection:
     def recv_into(self, buf: memoryview, timeout: float | None) -> None:
         view = memoryview(buf).cast("B")
         deadline = None if timeout is None else time.monotonic() + timeout
-        kind, length = self._read_header(deadline, timeout)
-        try:
-            wire.expect_kind(kind, wire.KIND_BULK, length, view.nbytes)
-        except Exception:
-            self.close()  # the unread payload makes the stream unusable
-            raise
-        self._read_exact(view, deadline, timeout, started=True)
+
+        def check(kind: int, length: int) -> None:
+            try:
+                wire.expect_kind(kind, wire.KIND_BULK, length, view.nbytes)
+            except Exception:
+                self.close()  # the unread (or wrongly read) payload makes the stream unusable
+                raise
+
+        # Held, the payload's size is known: header and payload come in with one recvmsg. The header is
+        # checked as soon as a call returns with it, so a frame of another size or kind is still a
+        # ProtocolError (once the buffers are full or the hold's timeout ends the call).
+        self._read_exact([memoryview(self._header), view] if self._wait_all else [memoryview(self._header)],
+                         deadline, timeout, started=False, on_header=check)
+        if not self._wait_all:
+            self._read_exact([view], deadline, timeout, started=True)
         self._greeted()
 
     def _read_header(self, deadline: float | None, timeout: float | None) -> tuple[int, int]:
-        self._read_exact(memoryview(self._header), deadline, timeout, started=False)
+        self._read_exact([memoryview(self._header)], deadline, timeout, started=False)
+        return self._parse_header()
+
+    def _parse_header(self) -> tuple[int, int]:
         try:
             return wire.parse_header(self._header)
         except Exception:
             self.close()
             raise
 
-    def _read_exact(self, view: memoryview, deadline: float | None, timeout: float | None, started: bool) -> None:
-        got = 0
-        while got < view.nbytes:
+    def _read_exact(self, parts: list[memoryview], deadline: float | None, timeout: float | None, started: bool,
+                    on_header: Callable[[int, int], None] | None = None) -> None:
+        """Fill `parts` in order from the stream: held, all of them with recvmsg(MSG_WAITALL) calls; else
+        one recv of at most _RECV_STEP at a time. `on_header(kind, length)`: parts[0] is a frame header,
+        parsed and handed over as soon as it is in (before more of the frame is waited for)."""
+        got, total = 0, sum(p.nbytes for p in parts)
+        while got < total:
             self._check_open()
             try:
                 if self._wait_all:
-                    n = self._sock.recv_into(view[got:], 0, socket.MSG_WAITALL)
+                    n = self._sock.recvmsg_into(parts, 0, socket.MSG_WAITALL)[0]
                 else:
-                    n = self._sock.recv_into(view[got:got + _RECV_STEP])
+                    n = self._sock.recv_into(parts[0][:_RECV_STEP])
             except BlockingIOError:  # nothing yet (held: nothing within the kernel's timeout)
                 if not self._wait(self._rpoll, deadline):
                     self._recv_timed_out(timeout, mid_frame=started or got > 0)
@@ -220,8 +235,14 @@ class RealConnection:
                 self._check_open()
                 self.close()
                 raise PeerClosed(f"peer {self.peer_addr} closed the connection")
+            if on_header is not None and got < wire.HEADER_SIZE <= got + n:
+                on_header(*self._parse_header())
             got += n
-            if got < view.nbytes and self._wait_all and _past(deadline):  # held: the kernel's timeout ended a part
+            while parts and n >= parts[0].nbytes:
+                n -= parts.pop(0).nbytes
+            if n:
+                parts[0] = parts[0][n:]
+            if got < total and self._wait_all and _past(deadline):  # held: the kernel's timeout ended a part
                 self._recv_timed_out(timeout, mid_frame=True)
 
     def _recv_timed_out(self, timeout: float | None, mid_frame: bool) -> NoReturn:

@@ -160,6 +160,29 @@ def test_a_frame_of_another_size_is_a_protocol_error_and_closes(ring2):
     assert b_prev.closed
 
 
+def test_a_shorter_frame_with_more_behind_it_is_a_protocol_error_at_once(ring2):
+    """Held, header and payload come in with one call: the header is still checked when that call returns,
+    here as soon as the bytes behind the short frame fill the buffers, long before the hold's timeout."""
+    a_next, _, _, b_prev = ring2
+    a_next.send_bytes(np.zeros(100, np.uint8))
+    a_next.send_bytes(np.ones(300, np.uint8))
+    inc = b_prev.hold_bulk(10.0)
+    t0 = time.monotonic()
+    with pytest.raises(ProtocolError, match="expected a bulk frame of 200 bytes, got 100"):
+        inc.recv_into(np.empty(200, np.uint8), 10.0)
+    assert time.monotonic() - t0 < 2.0
+    assert b_prev.closed
+
+
+def test_a_control_message_where_a_held_bulk_frame_is_expected_is_a_protocol_error(ring2):
+    a_next, _, _, b_prev = ring2
+    a_next.send({"ack": 1})
+    inc = b_prev.hold_bulk(0.5)
+    with pytest.raises(ProtocolError, match="expected a bulk frame, got a control message"):
+        inc.recv_into(np.empty(1 << 20, np.uint8), 0.5)
+    assert b_prev.closed
+
+
 def test_holding_a_closed_connection_is_peer_closed(ring2):
     a_next = ring2[0]
     a_next.close()
