@@ -326,6 +326,8 @@ def test_teardowns_are_each_kill_to_the_lighthouses_loss_of_that_replica():
         {"name": "kill", "cat": "job", "ph": "i", "ts": 90000.0, "args": {"replica_id": "r1"}}]}  # never seen lost
     assert teardowns(trace) == pytest.approx([0.014, 0.025])
     assert teardowns({}) == []
+    unseen_first = {"traceEvents": [e for e in trace["traceEvents"] if e["ts"] != 15000.0]}
+    assert teardowns(unseen_first) == pytest.approx([0.025])  # not 0.074: the next kill's loss is the next kill's
 
 
 def test_rank_phases_are_medians_over_every_runs_ranks_steps():
