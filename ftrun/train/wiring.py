@@ -154,8 +154,6 @@ def _no_audit(data: bytes) -> None:
     """Ranks other than the leader write no audit records (the trainer appends on the leader only)."""
 
 
-
-
 def _phase_hook(job: RankJob, on_phase: PhaseFn | None) -> PhaseFn | None:
     """The trainer's phase hook: the user's (Hooks.on_phase), after this rank's "phase" event where
     FTConfig.phase_events asks for them (printed first: the user's hook may end the process)."""

@@ -165,14 +165,16 @@ def crash_detections(events: list[dict]) -> list[float]:
 def teardowns(trace: dict) -> list[float]:
     """Per kill of a `ftrun launch` job's trace.json (its "kill" instants), the time until the lighthouse lost
     that replica's leader connection ("member_lost", why "lost": the connection reset): the killed rank's OS
-    teardown as the job's load made it. A kill with no such loss after it is left out. Pure."""
+    teardown as the job's load made it. A kill with no such loss before that replica's next kill is left out
+    (a later loss is the later kill's). Pure."""
     ev = trace.get("traceEvents") or []
     kills = sorted((e["ts"], e["args"].get("replica_id")) for e in ev if e.get("name") == "kill" and "args" in e)
     lost = sorted((e["ts"], e["args"].get("replica_id")) for e in ev if e.get("cat") == "quorum"
                   and str(e.get("name", "")).startswith("member_lost") and e.get("args", {}).get("why") == "lost")
     out = []
     for t, rid in kills:
-        seen = next((u for u, r in lost if r == rid and u >= t), None)
+        until = next((u for u, r in kills if r == rid and u > t), float("inf"))
+        seen = next((u for u, r in lost if r == rid and t <= u < until), None)
         if seen is not None:
             out.append((seen - t) / 1e6)  # trace.json's microseconds
     return out

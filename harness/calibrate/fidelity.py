@@ -163,9 +163,9 @@ STALL_PHASES = ("commit_to_quorum", "quorum_to_kill", "detection", "vote", "requ
 def stall_phases(events: Iterable[dict[str, Any]]) -> list[dict[str, float | None]]:
     """Per kill (time order), where the stalled survivor's interval goes (`per_fault`'s stall: the survivor
     whose commit-to-commit interval containing the kill is longest), cut at its own events: its commit before
-    the kill -> its quorum of the step (`commit_to_quorum`) -> the kill (`quorum_to_kill`; negative when the
-    kill came before that quorum) -> its first error or abort (`detection`) -> its abort (`vote`) -> its next
-    quorum (`requorum`: the bookkeeping, the lighthouse's wait for the membership change, the reply) -> its last
+    the kill -> its quorum of the step (`commit_to_quorum`; None when the kill came before that quorum) -> the
+    kill (`quorum_to_kill`, never negative) -> its first error or abort (`detection`) -> its abort (`vote`) -> its
+    next quorum (`requorum`: the bookkeeping, the lighthouse's wait for the membership change, the reply) -> its last
     quorum before the commit (`more_quorums`: retries past the first, 0 with none) -> the commit
     (`retry_step`). A phase whose end event is missing is None and its time goes to the next phase present.
     Also `step`, the median of the LOCAL_GAPS commit gaps before the interval (what the stall subtracts), and

@@ -102,15 +102,21 @@ def _quorum_to_commit(job) -> float:
     return median(quorum_to_commit_s([e for e in job.recorder.events if e.get("rank", 0) == 0]))
 
 
-@pytest.mark.timeout(120)
-def test_the_all_reduce_overhead_is_measured_at_2_replicas_and_scales_with_the_replicas_up():
-    overhead = 0.2
+def _spans_at_2_and_4_replicas(override: str) -> dict[int, float]:
+    """{replicas: the leaders' median quorum-to-commit} of 4-step ci-small runs with `override`, no contention."""
     spans = {}
     for replicas in (2, 4):
-        overrides = [f"ftar.sync_overhead_s={overhead}", f"replicas={replicas}", "train.shared_cpu_cores=0"]
+        overrides = [override, f"replicas={replicas}", "train.shared_cpu_cores=0"]
         f, job = execute(build_profile("ci-small", overrides, steps=4, cpu_charging=False), JobOptions(steps=4))
         assert f["complete"]
         spans[replicas] = _quorum_to_commit(job)
+    return spans
+
+
+@pytest.mark.timeout(120)
+def test_the_all_reduce_overhead_is_measured_at_2_replicas_and_scales_with_the_replicas_up():
+    overhead = 0.2
+    spans = _spans_at_2_and_4_replicas(f"ftar.sync_overhead_s={overhead}")
     assert spans[4] - spans[2] == pytest.approx(overhead * (4 / 2 - 1), abs=0.02)  # the modeled ring is ~free
 
 
@@ -159,12 +165,7 @@ def test_the_replica_compute_extra_lands_in_the_compute_and_scales_with_the_repl
     """train.replica_compute_extra_s (measured at 2 replicas) is compute: the step grows by R / 2 of it with R up,
     and a mid-step kill, timed on the victim's compute, lands F x that compute in."""
     extra = 0.2
-    spans = {}
-    for replicas in (2, 4):
-        overrides = [f"train.replica_compute_extra_s={extra}", f"replicas={replicas}", "train.shared_cpu_cores=0"]
-        f, job = execute(build_profile("ci-small", overrides, steps=4, cpu_charging=False), JobOptions(steps=4))
-        assert f["complete"]
-        spans[replicas] = _quorum_to_commit(job)
+    spans = _spans_at_2_and_4_replicas(f"train.replica_compute_extra_s={extra}")
     assert spans[4] - spans[2] == pytest.approx(extra * (4 / 2 - 1), abs=0.02)
     base = ["train.shared_cpu_cores=0", "train.step_compute_s=0.4"]
     into, _, compute = _kill_and_detection([*base, f"train.replica_compute_extra_s={extra}"])

@@ -307,6 +307,10 @@ def test_stall_phases_cut_the_stalled_interval_at_both_worlds_events():
     assert row["vote"] is None and row["requorum"] == pytest.approx(0.005)
     med = stall_phase_medians([row, {**row, "vote": 0.003}])
     assert med["vote"] == pytest.approx(0.003) and med["stall"] == pytest.approx(0.045)
+    early_kill = [{**e, "t": 1.21} if e["event"] == "kill" else e for e in ev]  # before r0's quorum (1.22)
+    [row] = stall_phases(early_kill)  # no phase is negative: that quorum is not the step's before the kill
+    assert row["commit_to_quorum"] is None and row["quorum_to_kill"] == pytest.approx(0.01)
+    assert row["detection"] == pytest.approx(0.06) and row["requorum"] == pytest.approx(0.004)
 
 
 def test_teardowns_are_each_kill_to_the_lighthouses_loss_of_that_replica():
@@ -322,6 +326,8 @@ def test_teardowns_are_each_kill_to_the_lighthouses_loss_of_that_replica():
         {"name": "kill", "cat": "job", "ph": "i", "ts": 90000.0, "args": {"replica_id": "r1"}}]}  # never seen lost
     assert teardowns(trace) == pytest.approx([0.014, 0.025])
     assert teardowns({}) == []
+    unseen_first = {"traceEvents": [e for e in trace["traceEvents"] if e["ts"] != 15000.0]}
+    assert teardowns(unseen_first) == pytest.approx([0.025])  # not 0.074: the next kill's loss is the next kill's
 
 
 def test_rank_phases_are_medians_over_every_runs_ranks_steps():

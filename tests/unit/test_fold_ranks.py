@@ -41,41 +41,9 @@ def test_tree_depth_latency_is_the_longest_root_to_leaf_path():
         tree_depth_latency(range(3), 0, hop)
 
 
-def test_folded_comm_adds_the_full_trees_latency_per_pass():
-    world = EmulatedWorld(0, cpu_charging=False)
-    env = world.host_env("h0")
-
-    def body():
-        listener = env.net.listen("127.0.0.1:0")
-        results = {}
-
-        def rank(r):
-            comm = TreeComm.build(env=env, rank=r, world_size=2, listener=listeners[r], addrs=addrs, timeout_s=5)
-            folded = FoldedComm(comm, env, 0.5)
-            t0 = env.clock.now()
-            got = folded.all_reduce_int([r + 1], "max")
-            t1 = env.clock.now()
-            data = folded.broadcast_bytes(b"hi" if r == 0 else None)
-            t2 = env.clock.now()
-            results[r] = (got, data, t1 - t0, t2 - t1, folded.rank, folded.world_size)
-            folded.close()
-
-        listeners = [listener, env.net.listen("127.0.0.1:0")]
-        addrs = [ln.addr for ln in listeners]
-        tasks = [env.spawn(rank, r, name=f"r{r}") for r in range(2)]
-        for t in tasks:
-            assert t.join(timeout=10)
-        return results
-
-    results = world.run_on("h0", body)
-    for r, (got, data, reduce_s, bcast_s, rank, size) in results.items():
-        assert got == [2] and data == b"hi" and (rank, size) == (r, 2)
-        assert 1.0 <= reduce_s < 1.01 and 0.5 <= bcast_s < 0.51  # two passes, then one, plus the real hops
-    with pytest.raises(ValueError, match="extra_s"):
-        FoldedComm(object(), env, -1.0)
-
-
-def test_folded_comm_charges_a_real_collectives_pass_except_to_a_broadcasts_root():
+def _on_two_folded_ranks(extra_s: float, pass_s: float, steps) -> tuple[dict, object]:
+    """({rank: steps(folded comm, rank, clock)} of 2 ranks on one emulated host, their TreeComm in a FoldedComm(extra_s,
+    pass_s)), and the host's env."""
     world = EmulatedWorld(0, cpu_charging=False)
     env = world.host_env("h0")
 
@@ -84,12 +52,8 @@ def test_folded_comm_charges_a_real_collectives_pass_except_to_a_broadcasts_root
 
         def rank(r):
             comm = TreeComm.build(env=env, rank=r, world_size=2, listener=listeners[r], addrs=addrs, timeout_s=5)
-            folded = FoldedComm(comm, env, 0.0, 0.25)
-            t0 = env.clock.now()
-            folded.all_reduce_int([r], "min")
-            t1 = env.clock.now()
-            folded.broadcast_bytes(b"go" if r == 0 else None)
-            results[r] = (t1 - t0, env.clock.now() - t1)
+            folded = FoldedComm(comm, env, extra_s, pass_s)
+            results[r] = steps(folded, r, env.clock)
             folded.close()
 
         listeners = [env.net.listen("127.0.0.1:0"), env.net.listen("127.0.0.1:0")]
@@ -99,7 +63,34 @@ def test_folded_comm_charges_a_real_collectives_pass_except_to_a_broadcasts_root
             assert t.join(timeout=10)
         return results
 
-    results = world.run_on("h0", body)
+    return world.run_on("h0", body), env
+
+
+def test_folded_comm_adds_the_full_trees_latency_per_pass():
+    def steps(folded, r, clock):
+        t0 = clock.now()
+        got = folded.all_reduce_int([r + 1], "max")
+        t1 = clock.now()
+        data = folded.broadcast_bytes(b"hi" if r == 0 else None)
+        return got, data, t1 - t0, clock.now() - t1, folded.rank, folded.world_size
+
+    results, env = _on_two_folded_ranks(0.5, 0.0, steps)
+    for r, (got, data, reduce_s, bcast_s, rank, size) in results.items():
+        assert got == [2] and data == b"hi" and (rank, size) == (r, 2)
+        assert 1.0 <= reduce_s < 1.01 and 0.5 <= bcast_s < 0.51  # two passes, then one, plus the real hops
+    with pytest.raises(ValueError, match="extra_s"):
+        FoldedComm(object(), env, -1.0)
+
+
+def test_folded_comm_charges_a_real_collectives_pass_except_to_a_broadcasts_root():
+    def steps(folded, r, clock):
+        t0 = clock.now()
+        folded.all_reduce_int([r], "min")
+        t1 = clock.now()
+        folded.broadcast_bytes(b"go" if r == 0 else None)
+        return t1 - t0, clock.now() - t1
+
+    results, env = _on_two_folded_ranks(0.0, 0.25, steps)
     assert all(0.5 <= reduce_s < 0.51 for reduce_s, _ in results.values())  # 2 passes, every rank
     assert results[0][1] < 0.01 and 0.25 <= results[1][1] < 0.26  # the root's send returns; its receiver pays
     with pytest.raises(ValueError, match="pass_s"):
