@@ -42,7 +42,7 @@ from ftrun.env.base import Env
 
 log = logging.getLogger("ftrun.heal")
 
-_SEND_CHUNK = 8 << 20  # sendfile granularity: a replaced snapshot stops a transfer within this many bytes
+_SEND_CHUNK = 8 << 20  # one write of a shard's body: a replaced snapshot stops a transfer within this many bytes
 
 
 @dataclass(frozen=True)
@@ -202,9 +202,11 @@ class CatchupServer:
             return await _send_faulty(resp, transport, published, shard, fault)
         # The body goes straight from the snapshot to the socket (below), so the head must have left the
         # transport's buffer first: with no buffer allowed, the writer's drain waits until it has.
+        low, high = transport.get_write_buffer_limits()
         transport.set_write_buffer_limits(high=0)
         writer = await resp.prepare(request)
         await writer.drain()
+        transport.set_write_buffer_limits(high=high, low=low)  # later responses on the connection buffer as before
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         if fault is not None and fault.delay_s and shard.index == 0:
@@ -220,8 +222,15 @@ class CatchupServer:
                     transport.abort()  # a publish or retire replaced the snapshot: the client retries elsewhere
                     return resp
                 count = min(_SEND_CHUNK, shard.offset + shard.nbytes - start)
-                await loop.sock_sendall(sock, published.buffer.mem[start:start + count])
+                # A client that stops reading holds a piece no longer than an idle connection may stay.
+                await asyncio.wait_for(loop.sock_sendall(sock, published.buffer.mem[start:start + count]),
+                                       self.guard.limits.idle_timeout_s)
         except ConnectionError:  # the client went away mid-shard: nobody to answer
+            transport.abort()
+            return resp
+        except asyncio.TimeoutError:
+            log.warning("catch-up: a client read nothing of step %d shard %d for %.1fs: connection dropped",
+                        published.step, shard.index, self.guard.limits.idle_timeout_s)
             transport.abort()
             return resp
         finally:

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -97,6 +98,41 @@ def test_idle_and_slow_header_connections_are_closed_by_the_server(catchup_serve
         idle.close()
         slow.close()
     assert server.guard.num_open == 0
+
+
+def test_a_client_that_stops_reading_mid_shard_is_dropped_and_the_server_serves_on(caplog):
+    """The body goes straight from the snapshot to the socket; a client that asks for a 32 MB shard and reads
+    nothing holds that write no longer than the idle timeout, and the next client gets the state."""
+    env = RealEnv()
+    server = CatchupServer(env=env, token=TOKEN, limits=HttpLimits(idle_timeout_s=0.3, warn_every_s=3600),
+                           config=CatchupConfig(max_shard_bytes=32 << 20))
+    url = server.start()
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    state = {"w": torch.arange(8 << 20, dtype=torch.float32)}  # 32 MB: far more than both socket buffers
+    server.publish(3, state)
+    server.wait_ready(10.0)
+    try:
+        with socket.create_connection((host, int(port)), timeout=10) as stuck, caplog.at_level(logging.WARNING):
+            stuck.sendall(get("/catchup/3/shard/0"))
+            deadline = time.monotonic() + 10.0
+            while not [r for r in caplog.records if "read nothing of step 3 shard 0" in r.getMessage()]:
+                assert time.monotonic() < deadline, "the server never dropped a client that reads nothing"
+                time.sleep(0.05)
+            received, ended = 0, False
+            while time.monotonic() < deadline + 10.0:  # what was already sent drains, then the connection ends
+                try:
+                    chunk = stuck.recv(1 << 20)
+                except ConnectionResetError:
+                    chunk = b""
+                if not chunk:
+                    ended = True
+                    break
+                received += len(chunk)
+            assert ended and received < 32 << 20, (ended, received)
+        result = fetch(3, [url], TOKEN, Timeouts(catchup_timeout_s=20.0), config=FETCH)
+        assert torch.equal(result.tensors["w"], state["w"])
+    finally:
+        server.stop()
 
 
 def _worker(cap: int):
