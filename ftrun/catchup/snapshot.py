@@ -4,9 +4,10 @@
 buffer and the per-tensor views into it are reused while the state's layout stays the same, so a
 steady-state publish allocates nothing), then checksums the shards in a background task: the CRC32
 (ftrun.catchup.checksum, ISA-L) releases the GIL, so the caller goes on (e.g. to its optimizer step) as soon as the copy is done. The
-snapshot becomes servable when the checksums are. The buffer lives in an anonymous in-memory file
-(memfd); the server sends shards straight from its mapping, without copying them through Python. It is not
-page-locked: a GPU state's device-to-host copy goes through pageable memory (registering the mapping
+snapshot becomes servable when the checksums are. The buffer is an anonymous mapping asking for transparent huge pages (a
+first publish into a fresh 4 KiB-page buffer faults page by page on the critical path of a joiner:
+50 MB took 40-70 ms at load ~1 on 2 cores, against ~6 ms in 2 MiB pages); the server sends shards
+straight from it, without copying them through Python. It is not page-locked: a GPU state's device-to-host copy goes through pageable memory (registering the mapping
 with cudaHostRegister would pin it; that belongs with the CUDA code, not here).
 
 Threading: publish/retire/close from one task (the training loop); `lookup` from any task (the server's
@@ -18,8 +19,6 @@ from __future__ import annotations
 
 import json
 import mmap
-import os
-import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -54,17 +53,24 @@ def availability(step: int, *, ready: int | None, pending: int | None, newest: i
     return Availability("wait", 404, f"step {step} is not published; this source has {have}")
 
 
+def anonymous_buffer(nbytes: int) -> mmap.mmap:
+    """A private anonymous mapping of `nbytes` (at least 1) in transparent huge pages where the kernel
+    offers them (THP "madvise" or "always"): its first touch costs one fault per 2 MiB, not per 4 KiB."""
+    buf = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            buf.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # a kernel without THP: 4 KiB pages
+            pass
+    return buf
+
+
 class _FlatBuffer:
-    """A flat uint8 CPU tensor backed by an anonymous in-memory file."""
+    """A flat uint8 CPU tensor over an anonymous mapping (anonymous_buffer)."""
 
     def __init__(self, nbytes: int) -> None:
-        if hasattr(os, "memfd_create"):
-            self.file = os.fdopen(os.memfd_create("ftrun-catchup", os.MFD_CLOEXEC), "r+b", buffering=0)
-        else:  # not Linux: a temporary file serves the same purpose
-            self.file = tempfile.TemporaryFile()
         self.capacity = nbytes
-        os.ftruncate(self.file.fileno(), max(nbytes, 1))
-        self._mmap = mmap.mmap(self.file.fileno(), max(nbytes, 1))
+        self._mmap = anonymous_buffer(nbytes)
         self.mem = memoryview(self._mmap)[:nbytes]
         self.flat = torch.frombuffer(self._mmap, dtype=torch.uint8)[:nbytes]
 
@@ -75,7 +81,6 @@ class _FlatBuffer:
             self._mmap.close()
         except BufferError:  # a view is still held somewhere; the mapping goes with it
             pass
-        self.file.close()
 
 
 @dataclass(frozen=True)
