@@ -3,11 +3,14 @@
 `SnapshotStore.publish(step, state)` copies a flat dict name -> tensor into a preallocated buffer (the
 buffer and the per-tensor views into it are reused while the state's layout stays the same, so a
 steady-state publish allocates nothing), then checksums the shards in a background task: the CRC32
-(ftrun.catchup.checksum, ISA-L) releases the GIL, so the caller goes on (e.g. to its optimizer step) as soon as the copy is done. The
-snapshot becomes servable when the checksums are. The buffer is an anonymous mapping asking for transparent huge pages (a
-first publish into a fresh 4 KiB-page buffer faults page by page on the critical path of a joiner:
-50 MB took 40-70 ms at load ~1 on 2 cores, against ~6 ms in 2 MiB pages); the server sends shards
-straight from it, without copying them through Python. It is not page-locked: a GPU state's device-to-host copy goes through pageable memory (registering the mapping
+(ftrun.catchup.checksum, ISA-L) releases the GIL, so the caller goes on (e.g. to its optimizer step) as
+soon as the copy is done. The snapshot becomes servable when the checksums are. The buffer is a private
+anonymous mapping: a first publish faults it in on a joiner's critical path, and 50 MB faulted and
+copied in ~30 ms here against ~42 ms for the memfd it replaced (load ~2, 2 cores). Transparent huge
+pages (MADV_HUGEPAGE) were tried: ~15 ms in isolation, but a fresh process's first publish then took
+120-140 ms in one launch (likely the kernel compacting memory for them: THP defrag is "madvise" here).
+The server sends shards straight from the buffer, without copying them through Python. It is not
+page-locked: a GPU state's device-to-host copy goes through pageable memory (registering the mapping
 with cudaHostRegister would pin it; that belongs with the CUDA code, not here).
 
 Threading: publish/retire/close from one task (the training loop); `lookup` from any task (the server's
@@ -54,15 +57,8 @@ def availability(step: int, *, ready: int | None, pending: int | None, newest: i
 
 
 def anonymous_buffer(nbytes: int) -> mmap.mmap:
-    """A private anonymous mapping of `nbytes` (at least 1) in transparent huge pages where the kernel
-    offers them (THP "madvise" or "always"): its first touch costs one fault per 2 MiB, not per 4 KiB."""
-    buf = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            buf.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:  # a kernel without THP: 4 KiB pages
-            pass
-    return buf
+    """A private anonymous mapping of `nbytes` (at least 1)."""
+    return mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
 
 class _FlatBuffer:
