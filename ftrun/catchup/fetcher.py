@@ -2,18 +2,22 @@
 
     result = fetch_with(env, transport, step, sources, config)
 
-The manifest comes from the first source that has the step (each asked in turn, long-polling up to
-long_poll_s for it to be published). The shards are then fetched concurrently, one task per source,
-per the pure fetch plan (ftrun.catchup.plan); each lands in its slice of one destination buffer and is
-checked against the manifest's CRC32 (once: the link's checksum of the bytes as they arrived, if it
-computed one). A source that runs out of shards steals the untouched tail of the busiest one's
-(plan.steal), so a slow source delays the fetch by one shard at most (two over a transport that
-pipelines: the next shard's request goes out behind the one in flight, so the source sends it with no
-round trip in between). A bad shard is retried from another source; a source that
-cannot be reached, stalls, no longer has the step, or sent max_source_failures bad shards is dropped
-and its unfinished shards re-planned onto the others. When no source is left: CatchupError naming what
-failed at each. A refused token raises CatchupAuthError at once; no source having the step raises
-CatchupStepError; the whole fetch is bounded by catchup_timeout_s (CatchupTimeout).
+Every source is asked for the manifest at once, one task per source, each long-polling up to
+long_poll_s for the step to be published; the first manifest to arrive is the fetch's (the sources
+publish the same state at about the same time, but one may be slower: its first publish, or a busy
+source). The shards are then fetched concurrently, each source's task going on from its manifest, per
+the pure fetch plan (ftrun.catchup.plan) over every source that has not failed its manifest yet; each
+lands in its slice of one destination buffer and is checked against the manifest's CRC32 (once: the
+link's checksum of the bytes as they arrived, if it computed one). A source that runs out of shards
+steals the untouched tail of the busiest one's (plan.steal), so a slow source (or one whose manifest
+comes late) delays the fetch by one shard at most (two over a transport that pipelines: the next
+shard's request goes out behind the one in flight, so the source sends it with no round trip in
+between). A bad shard is retried from another source; a source that cannot be reached, stalls, no
+longer has the step, or sent max_source_failures bad shards is dropped and its unfinished shards
+re-planned onto the others (so is one whose manifest fails after the plan was made). When no source is
+left: CatchupError naming what failed at each. A refused token raises CatchupAuthError at once; no
+source having the step raises CatchupStepError; the whole fetch is bounded by catchup_timeout_s
+(CatchupTimeout).
 
 The transport (ftrun.catchup.transport) is all that differs between HTTP, framed env.net messages and
 the emulator's shape-only payloads. Threading: runs in the calling task plus one task per source.
@@ -74,9 +78,13 @@ class _Fetch:
         self.bytes_by_source = {s: 0 for s in sources}
         self.done: set[int] = set()
         self.inflight: set[int] = set()
+        self.manifest: Manifest | None = None
+        self.manifest_errors: dict[str, CatchupError] = {}  # source -> why it gave no manifest
+        self.dest: Any = None
         self.plan: FetchPlan | None = None
         self.lock, self.changed = env.lock(), env.event()
         self.fatal: BaseException | None = None
+        self.stopped = False  # the fetch is over: the tasks exit
 
     def remaining(self) -> float:
         return max(0.0, self.deadline - self.env.clock.now())
@@ -84,16 +92,56 @@ class _Fetch:
     def run(self) -> FetchResult:
         start = self.env.clock.now()
         self.deadline = start + self.config.timeouts.catchup_timeout_s
+        tasks = [self.env.spawn(self._source, src, name=f"catchup-fetch-{i}")
+                 for i, src in enumerate(self.sources)]
         try:
-            manifest = self._manifest()
+            manifest = self._await(lambda: self.manifest is not None
+                                   or len(self.manifest_errors) == len(self.sources))
+            if manifest is None:
+                raise self._no_manifest()
             dest = self.transport.destination(manifest.layout.total_bytes)
-            self._shards(manifest, dest)
+            with self.lock:
+                self.dest = dest
+                self._plan(manifest)
+            shards = manifest.layout.shards
+            self._await(lambda: len(self.done) == len(shards) or not self.plan.sources)
+            if len(self.done) < len(shards):
+                raise CatchupError(f"step {self.step}: {len(shards) - len(self.done)} of {len(shards)} shards "
+                                   f"could not be fetched; every source failed: {self._failure_text()}")
         finally:
-            for link in list(self.links.values()):
-                link.close()
+            self._stop(tasks)
         return FetchResult(self.step, self.transport.views(dest, manifest.layout), manifest.metadata,
                            manifest.layout.total_bytes, self.env.clock.now() - start, self.bytes_by_source,
                            tuple(self.failures))
+
+    def _await(self, ready: Any) -> Manifest | None:
+        """Wait until ready() (checked with the lock held); raises the fatal error or CatchupTimeout.
+        Returns the manifest (None if there is none yet)."""
+        while True:
+            with self.lock:
+                if self.fatal is not None:
+                    raise self.fatal
+                if ready():
+                    return self.manifest
+                changed = self.changed
+            if self.remaining() <= 0:
+                raise self._timeout()
+            changed.wait(timeout=max(self.remaining(), 0.001))
+
+    def _stop(self, tasks: list[Any]) -> None:
+        """End the tasks: a source still long-polling its manifest, or one that failed, is cut off."""
+        with self.lock:
+            self.stopped = True
+            self._notify()
+        if not all(task.join(timeout=0.001) for task in tasks):
+            self._close_links()  # unblocks the tasks; they exit
+        for task in tasks:
+            task.join(timeout=self.config.stall_s)
+        self._close_links()
+
+    def _close_links(self) -> None:
+        for source in list(self.links):
+            self._drop_link(source)
 
     def _timeout(self) -> CatchupTimeout:
         num = len(self.plan.sizes) if self.plan else "?"
@@ -112,62 +160,78 @@ class _Fetch:
             link.close()
 
     # -- manifest ------------------------------------------------------------------------------
-    def _manifest(self) -> Manifest:
-        """The manifest from the first source that has the step; the ones before it are skipped."""
-        step_errors: list[CatchupStepError] = []
-        errors: list[CatchupError] = []
-        for i, source in enumerate(self.sources):
-            if self.remaining() <= 0 and i > 0:
-                raise self._timeout()
-            wait = min(self.config.long_poll_s, self.remaining())
-            try:
-                manifest = self._link(source).manifest(self.step, wait, self.remaining())
-            except CatchupAuthError:
-                raise
-            except CatchupError as e:
-                if self.remaining() <= 0:
-                    raise self._timeout() from None
-                if isinstance(e, CatchupStepError):
-                    step_errors.append(e)
-                else:
+    def _source(self, source: str) -> None:
+        """One source's task: its manifest (the first to arrive is the fetch's), then its shards."""
+        try:
+            self._manifest_then_shards(source)
+        except BaseException as e:  # a bug, not a source's failure: the fetch ends with it
+            with self.lock:
+                self.fatal = self.fatal or e
+                self._notify()
+
+    def _manifest_then_shards(self, source: str) -> None:
+        if self.stopped:
+            return
+        try:
+            manifest = self._link(source).manifest(self.step, min(self.config.long_poll_s, self.remaining()),
+                                                   self.remaining())
+        except CatchupAuthError as e:
+            with self.lock:
+                self.fatal = self.fatal or e
+                self._notify()
+            return
+        except CatchupError as e:
+            with self.lock:
+                if self.stopped:
+                    return
+                self.manifest_errors[source] = e
+                self.failures.append(f"skipped {source}: {type(e).__name__}: {e}")
+                if not isinstance(e, CatchupStepError):
                     self._drop_link(source)
-                    errors.append(CatchupError(f"{source}: {type(e).__name__}: {e}"))
-                continue
-            self.failures += [f"skipped {e}" for e in step_errors + errors]
-            self.usable = self.sources[i:]
-            return manifest
-        text = "; ".join(str(e) for e in step_errors + errors)
-        if step_errors and not errors:
-            first = step_errors[0]
-            raise CatchupStepError(f"no source has step {self.step}: {text}", status=first.status, have=first.have)
-        raise CatchupError(f"no manifest for step {self.step} from any source: {text}")
+                if self.plan is not None and source in self.plan.sources:
+                    self.plan = replan(self.plan, source, self.done)
+                    log.warning("catch-up step %d: skipped %s (%s); %s", self.step, source, e, self.plan.reason)
+                self._notify()
+            return
+        with self.lock:
+            if self.manifest is None:
+                self.manifest = manifest
+                self._notify()
+        self._await_plan()
+        if self.plan is not None and not self.stopped and self.fatal is None:
+            self._worker(source, self.manifest, self.dest)
+
+    def _await_plan(self) -> None:
+        while True:
+            with self.lock:
+                if self.plan is not None or self.stopped or self.fatal is not None:
+                    return
+                changed = self.changed
+            changed.wait(timeout=max(self.remaining(), 0.001))
+            if self.remaining() <= 0:
+                return
+
+    def _plan(self, manifest: Manifest) -> None:
+        """The fetch plan over every source that has not failed its manifest (called with the lock held)."""
+        usable = [s for s in self.sources if s not in self.manifest_errors]
+        self.plan = plan_fetch([s.nbytes for s in manifest.layout.shards], usable)
+        log.info("catch-up step %d: %s", self.step, self.plan.reason)
+        self._notify()
+
+    def _no_manifest(self) -> CatchupError:
+        errors = [self.manifest_errors[s] for s in self.sources]
+        text = "; ".join(str(e) if isinstance(e, CatchupStepError) else f"{s}: {type(e).__name__}: {e}"
+                         for s, e in zip(self.sources, errors))
+        if all(isinstance(e, CatchupStepError) for e in errors):
+            first = errors[0]
+            return CatchupStepError(f"no source has step {self.step}: {text}", status=first.status, have=first.have)
+        return CatchupError(f"no manifest for step {self.step} from any source: {text}")
 
     # -- shards --------------------------------------------------------------------------------
-    def _shards(self, manifest: Manifest, dest: Any) -> None:
-        shards = manifest.layout.shards
-        self.plan = plan_fetch([s.nbytes for s in shards], self.usable)
-        log.info("catch-up step %d: %s", self.step, self.plan.reason)
-        tasks = [self.env.spawn(self._worker, src, manifest, dest, name=f"catchup-fetch-{i}")
-                 for i, src in enumerate(self.usable)]
-        for task in tasks:
-            if not task.join(timeout=self.remaining() + 0.001) or self.remaining() <= 0:
-                self.fatal = self.fatal or self._timeout()
-                for link in list(self.links.values()):
-                    link.close()  # unblocks the workers; they exit
-                self._notify()
-                for t in tasks:
-                    t.join(timeout=self.config.stall_s)
-                break
-        if self.fatal is not None:
-            raise self.fatal
-        if len(self.done) < len(shards):
-            raise CatchupError(f"step {self.step}: {len(shards) - len(self.done)} of {len(shards)} shards could "
-                               f"not be fetched; every source failed: {self._failure_text()}")
-
     def _worker(self, source: str, manifest: Manifest, dest: Any) -> None:
         shards = manifest.layout.shards
         ahead: int | None = None  # this source's next shard, claimed and requested behind the one in flight
-        while self.fatal is None:
+        while self.fatal is None and not self.stopped:
             with self.lock:
                 index, ahead = ahead, None
                 if index is None:
@@ -182,6 +246,8 @@ class _Fetch:
                         self.inflight.add(ahead)
             if index is None:
                 changed.wait(timeout=max(self.remaining(), 0.001))
+                if self.remaining() <= 0:
+                    return
                 continue
             if not self._fetch_one(source, manifest, dest, index, ahead) and ahead is not None:
                 with self.lock:  # its request went with the failed one's connection: back to the plan

@@ -67,9 +67,13 @@ def rank_device(name: str, *, slot: int) -> torch.device:
 
 def host_buffer(numel: int, device: torch.device) -> np.ndarray:
     """A C-contiguous float32 numpy array of zeros; page-locked (pinned) when `device` is a GPU, so its
-    copies to and from the device are DMA transfers."""
+    copies to and from the device are DMA transfers. On the host its pages are touched here (when the
+    trainer is built, before the replica checks in), not on the first step's critical path: a joiner's
+    first zero_grads of a 17 MB buffer took 34 ms of page faults at load ~1 on 2 cores."""
     if device.type == "cpu":
-        return np.zeros(numel, np.float32)
+        buffer = np.empty(numel, np.float32)
+        buffer.fill(0)
+        return buffer
     return torch.zeros(numel, dtype=torch.float32, pin_memory=True).numpy()
 
 

@@ -103,3 +103,45 @@ def test_the_destination_is_a_reused_buffer_when_given_one():
     t.payloads = BytePayloads(buffer)
     _fetch(t)
     assert bytes(buffer.numpy()) == DATA
+
+
+class LateManifestLink(FakeLink):
+    """Source "a" answers its manifest only once source "b" has taken every shard it may (the plan leaves
+    a source that has not started its first shard), then with `late` (a manifest, or an error to raise)."""
+
+    def manifest(self, step, wait_s, limit_s):
+        if self.source == "a":
+            assert self.t.b_done.wait(5), "the fetch waited for a's manifest before fetching from b"
+            if isinstance(self.t.late, Exception):
+                raise self.t.late
+        return MANIFEST
+
+    def shard(self, step, shard, into, wait_s, limit_s, ahead=None):
+        out = super().shard(step, shard, into, wait_s, limit_s, ahead)
+        if sum(s == "b" for s, _, _ in self.t.calls) == len(LAYOUT.shards) - 1:
+            self.t.b_done.set()
+        return out
+
+
+class LateManifestTransport(FakeTransport):
+    def __init__(self, late) -> None:
+        super().__init__(pipelines=True)
+        self.late, self.b_done = late, RealEnv().event()
+
+    def open(self, source):
+        return LateManifestLink(self, source)
+
+
+@pytest.mark.parametrize("late", [MANIFEST, SourceFailed("a stalled")], ids=["late", "fails-late"])
+def test_the_first_manifest_to_arrive_starts_the_fetch(late):
+    """Every source is asked at once: a source slow to publish delays the fetch by its one shard at most,
+    and one whose manifest fails after the plan is made has its shards re-planned onto the others."""
+    t = LateManifestTransport(late)
+    result = _fetch(t)
+    by = _by_source(t.calls)
+    assert len(by["b"]) >= len(LAYOUT.shards) - 1, by
+    assert sorted(i for _, i, _ in t.calls) == list(range(12))  # each shard fetched once
+    if isinstance(late, Exception):
+        assert "a" not in by and result.failures[0].startswith("skipped a: SourceFailed: a stalled")
+    else:
+        assert len(by["a"]) == 1 and not result.failures
