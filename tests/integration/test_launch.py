@@ -112,13 +112,22 @@ for step in range(steps):
 
 
 SLOT_SCRIPT = '''
-import json, os
+import json, os, time
 from ftrun.launch.worker_env import WorkerSpec
 from ftrun.train.device import resolve_device
 
 spec = WorkerSpec.from_environ(os.environ)  # as init_from_env reads it
 print(json.dumps({"event": "ready", "t": 0.0, "step": 0, "host_slot": spec.device_slot, "local_rank": os.environ["LOCAL_RANK"],
                   "cuda": str(resolve_device("cuda", slot=spec.device_slot, device_count=4))}), flush=True)
+# The job is complete when every replica's rank 0 has committed its steps, and the launcher then stops the
+# other ranks: rank 0 commits only once its replica's other rank has said it is ready (a marker file).
+marker = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"ready-{spec.replica_id}-{spec.rank}")
+open(marker, "w").close()
+if spec.rank == 0:
+    other = marker[:-1] + "1"
+    deadline = time.monotonic() + 30.0
+    while not os.path.exists(other) and time.monotonic() < deadline:
+        time.sleep(0.01)
 for step in range(int(os.environ["FTRUN_MAX_STEPS"])):
     print(json.dumps({"event": "commit", "step": step + 1, "t": float(step)}), flush=True)
 '''
