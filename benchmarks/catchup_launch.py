@@ -32,7 +32,10 @@ def main() -> int:
     p.add_argument("--json", action="store_true")
     p.add_argument("--out", help="keep the job's output (events.jsonl, logs) in this new directory")
     args = p.parse_args()
-    out_dir = contextlib.nullcontext(args.out) if args.out else tempfile.TemporaryDirectory(prefix="ftrun-catchup-launch-")
+    if args.out:
+        out_dir = contextlib.nullcontext(args.out)
+    else:
+        out_dir = tempfile.TemporaryDirectory(prefix="ftrun-catchup-launch-")
     with out_dir as out:
         cmd = [sys.executable, "-m", "ftrun.cli", "launch", "--replicas", "3", "--steps", str(args.steps),
                "--out", out, "--no-progress", "--timeout", "600s"]
