@@ -88,7 +88,7 @@ class FtarEngine:
             self._building = (epoch, building)
         try:
             links = connect_ring(self.env, self._listener, self._token, epoch=epoch, ring=ring, index=index,
-                                 timeout=t, building=building)
+                                 timeout=t, building=building, aborted=lambda: epoch <= self.aborted_epoch)
             if len(ring) > 1:
                 try:
                     self._negotiate(links, t, joining=joining)
