@@ -1,6 +1,6 @@
 """How long a joiner's healthy peers wait for its catch-up, in a real `ftrun launch` (issue 15 item 1).
 
-    python benchmarks/catchup_launch.py [--steps 40] [--kill-at 10,25] [--json]
+    python benchmarks/catchup_launch.py [--steps 40] [--kill-at 10,25] [--json] [--out DIR]
 
 Three replicas train a 4.2M-parameter MLP (benchmarks/catchup_mlp_worker.py: a 50.4 MB state with the
 Adam moments); r1 is SIGKILLed after each --kill-at step, restarted, and catches up from the other two.
@@ -13,6 +13,7 @@ time measured in the same run (commit to commit of r0 over steps without a joine
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -29,8 +30,13 @@ def main() -> int:
     p.add_argument("--kill-at", default="10,25", help="steps after which r1 is killed, comma separated")
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--out", help="keep the job's output (events.jsonl, logs) in this new directory")
     args = p.parse_args()
-    with tempfile.TemporaryDirectory(prefix="ftrun-catchup-launch-") as out:
+    if args.out:
+        out_dir = contextlib.nullcontext(args.out)
+    else:
+        out_dir = tempfile.TemporaryDirectory(prefix="ftrun-catchup-launch-")
+    with out_dir as out:
         cmd = [sys.executable, "-m", "ftrun.cli", "launch", "--replicas", "3", "--steps", str(args.steps),
                "--out", out, "--no-progress", "--timeout", "600s"]
         for step in args.kill_at.split(","):

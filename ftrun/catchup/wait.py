@@ -28,7 +28,9 @@ participant that trains its own batch. It joined one step later. The healthy rep
 limit in the FTAR, plus whatever is left of the joiner's fetch: the lighthouse forms the retry's quorum
 when every participant of the aborted one asked again, or after join_timeout_s without the joiner
 (then it is behind again at the next step). Their retry does not redo forward/backward: the kept
-gradient of the same step, state and batch is bit for bit what a recompute would give.
+gradient of the same step, state and batch is bit for bit what a recompute would give. A joiner that
+dies while it heals is not waited for: the lighthouse sees its connection drop and tells the quorum's
+other participants (a `hung` notice), whose ring build of the step fails at once (NEXT_STEP, no stall).
 
 `should_wait` is the planning rule of the paper, on estimates (`estimate_fetch_s` from a snapshot size
 and a fetch bandwidth); the trainer reports its prediction next to the outcome when it has a measured

@@ -12,7 +12,7 @@ with `reconfigure` before the next all-reduce; the data buffer holds partial sum
 Bad arguments or a kernel failure raise FatalError.
 
 Abort. `abort(epoch)`, from another task or through the listener's abort request (ring.abort_request,
-sent by the replica's leader when the lighthouse says a participant of that quorum hung), ends this
+sent by the replica's leader when the lighthouse says a participant of that quorum hung or died), ends this
 rank's use of ring `epoch` in every phase: a running all-reduce and a ring being built (connect, the
 previous rank's arrival, transport negotiation) fail at once with RecoverableError, and a later
 reconfigure or all-reduce of that epoch fails at once too (the abort may come before this rank reaches
@@ -88,7 +88,7 @@ class FtarEngine:
             self._building = (epoch, building)
         try:
             links = connect_ring(self.env, self._listener, self._token, epoch=epoch, ring=ring, index=index,
-                                 timeout=t, building=building)
+                                 timeout=t, building=building, aborted=lambda: epoch <= self.aborted_epoch)
             if len(ring) > 1:
                 try:
                     self._negotiate(links, t, joining=joining)
@@ -110,7 +110,7 @@ class FtarEngine:
 
     def _check_not_aborted(self, epoch: int) -> None:
         if epoch <= self.aborted_epoch:
-            raise RecoverableError(f"ring epoch {epoch} was aborted (a participant of its quorum hung)")
+            raise RecoverableError(f"ring epoch {epoch} was aborted (a participant of its quorum hung or died)")
 
     def _negotiate(self, links: RingLinks, t: float, *, joining: bool) -> None:
         """Pick each link's transport: the next rank tells us its host (backward); if it is ours we share
@@ -175,7 +175,7 @@ class FtarEngine:
             self._links = None
             links.close()
             self._drop_shared()
-            raise RecoverableError(f"ring epoch {links.epoch} was aborted (a participant of its quorum hung)")
+            raise RecoverableError(f"ring epoch {links.epoch} was aborted (a participant of its quorum hung or died)")
         dt = DType.parse(dtype if dtype is not None else buf.dtype)
         if isinstance(buf, np.ndarray) and buf.flags.c_contiguous and buf.flags.writeable:
             data = buf.reshape(-1).view(np.uint8)
@@ -219,7 +219,7 @@ class FtarEngine:
         return self._staging
 
     def abort(self, epoch: int) -> bool:
-        """Give up on ring `epoch` from another task (a participant of that quorum hung): a blocked
+        """Give up on ring `epoch` from another task (a participant of that quorum hung or died): a blocked
         all_reduce or reconfigure of it fails at once with RecoverableError instead of waiting out its
         timeout, and so does any later use of it. True if a ring of that epoch was built or being built."""
         with self._lock:

@@ -4,7 +4,8 @@ Leader -> lighthouse: hello {token, replica_id}, heartbeat {}, quorum {step, com
 last_quorum_id, data_addrs, own_failures?, fresh?}, finished {step} (the replica committed the job's
 final step; answered by finished_ack). Lighthouse -> leader: welcome {quorum_id}, quorum {decision},
 error {error}, job_finished {step, error} (a stale request: ftrun.quorum.decide rule 0), and unasked: hung {replica_id, quorum_id} (a participant of that quorum
-stopped heartbeating). A malformed message gets an error reply naming what was wrong; the connection stays open.
+stopped heartbeating or its connection dropped). A malformed message gets an error reply naming what
+was wrong; the connection stays open.
 
 Every number and size is range-checked here, at decode time, so nothing a peer sends can make the
 lighthouse's state unencodable: steps and ids a replica sends are at most MAX_REQUEST_COUNTER (2^52),

@@ -7,9 +7,10 @@ Tasks:
   to its participants and persists (quorum_id, participants, max_step) atomically, so `kill -9` and a
   restart keep quorum ids monotonic, never hand out a lower step, and keep the job alive. A dropped
   connection becomes a `lost` event at once (failure detection is pushed, not polled); a connection
-  silent for heartbeat_timeout_s becomes a `hung` event. Handling an event on the task that read it,
-  rather than handing it to another task, saves one thread wake-up per request on the step's critical
-  path (`ftrun bench overhead`).
+  silent for heartbeat_timeout_s becomes a `hung` event; either one is a `hung` notice to the other
+  participants of the current quorum (a peer waiting for it in a ring gives up at once). Handling an
+  event on the task that read it, rather than handing it to another task, saves one thread wake-up per
+  request on the step's critical path (`ftrun bench overhead`).
 - main: the timer. It decides again when a deadline passes (a member's heartbeat timeout, a round's
   join timeout) and handles the events other tasks queue (evict, stop). Every change of state happens
   under the one lock, so the tasks see one sequence of events as before.
@@ -311,8 +312,8 @@ class Lighthouse:
             self._set_member(Member(rid, now, False))
             self._record("member_lost", replica_id=rid, why=ev.kind)
             log.warning("replica %s %s", rid, "disconnected" if ev.kind == "lost" else "hung (no heartbeat)")
-            if ev.kind == "hung":
-                self._notify_hung(rid)
+            if ev.kind == "hung" or self._state.finished_step is None:
+                self._notify_hung(rid)  # lost too: see _notify_hung
             return
         self._set_member(Member(rid, now, True))
         if ev.kind == "ask":
@@ -335,9 +336,12 @@ class Lighthouse:
         self._reply(conn, {"type": "finished_ack", "step": self._state.finished_step})
 
     def _notify_hung(self, rid: str) -> None:
-        """Tell the other participants of the current quorum that `rid` hung: whoever waits for it inside
-        the all-reduce gives up now, within heartbeat_timeout_s, not after its FTAR timeout. (A closed
-        connection needs no notice: the ring peers see it on their own connections at once.)"""
+        """Tell the other participants of the current quorum that `rid` hung or died: whoever waits for it
+        inside the all-reduce gives up now, not after its FTAR timeout (or the catch-up wait limit). A dead
+        replica's ring peers see its connections close at once, but only once the ring is built: a joiner
+        killed while it heals (put in the quorum, not yet in the ring) has no connection to close, and its
+        peers kept waiting the whole wait limit for it (a 10 s stall in benchmarks/catchup_launch.py). Not
+        after the job finished: a replica that reported the last step leaves cleanly."""
         state = self._state
         if rid not in state.prev_participants:
             return

@@ -51,7 +51,7 @@ class GradientExchange:
         ranks: each has its own ring through the hung replica). Called from the lighthouse client's
         heartbeat task, which must not block: the requests go out from a task of their own."""
         if self.engine.abort(quorum_id):
-            log.warning("replica %s hung in quorum %d: aborting this rank's all-reduce", replica_id, quorum_id)
+            log.warning("replica %s hung or died in quorum %d: aborting this rank's all-reduce", replica_id, quorum_id)
         others = [a for a in ranks if a and a != self.engine.addr]
         if others:
             timeout = min(self.engine.config.timeout_s, 5.0)

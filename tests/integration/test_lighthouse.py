@@ -77,6 +77,34 @@ def test_dead_replica_is_removed_at_once(env):
     lh.stop()
 
 
+def test_a_dead_participant_is_a_notice_to_the_others_until_the_job_finished(env):
+    """A replica whose connection drops (killed) is reported to the other participants of the quorum at once,
+    as a hung one is: a joiner killed while it heals has no ring connection whose close its peers would
+    see, and they waited the whole catch-up wait limit for it. After the job finished, a replica that
+    leaves is no news."""
+    lh = start(env)
+    heard = {rid: [] for rid in ("r0", "r1", "r2")}
+    clients = []
+    for rid in heard:
+        c = LighthouseClient(env=env, addr=lh.addr, token=TOKEN, replica_id=rid, timeouts=TIMEOUTS,
+                             on_peer_hung=lambda dead, qid, rid=rid: heard[rid].append((dead, qid)))
+        c.connect()
+        clients.append(c)
+    d = ask_all(env, clients, [4, 4, 0])["r0"]  # r2 is behind: it heals before it joins the ring
+    assert d.behind == ("r2",)
+    clients[2].close()  # killed while healing
+    deadline = env.clock.now() + 10.0
+    while not (heard["r0"] and heard["r1"]) and env.clock.now() < deadline:
+        env.clock.sleep(0.01)
+    assert heard == {"r0": [("r2", d.quorum_id)], "r1": [("r2", d.quorum_id)], "r2": []}
+    assert clients[0].report_finished(5)
+    clients[0].close()  # leaves after the job finished: no notice
+    env.clock.sleep(3 * TIMEOUTS.heartbeat_interval_s)
+    assert heard["r1"] == [("r2", d.quorum_id)]
+    clients[1].close()
+    lh.stop()
+
+
 def test_hung_replica_is_removed_after_heartbeat_timeout(env):
     lh = start(env)
     clients = [client(env, lh, f"r{i}") for i in range(2)]

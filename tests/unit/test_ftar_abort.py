@@ -96,6 +96,20 @@ def test_abort_ends_a_ring_build_waiting_for_the_previous_rank(env, pair):
     assert "aborted while it was being built" in str(_ends_aborted(task, box))
 
 
+def test_abort_ends_a_ring_build_connecting_to_a_dead_next_rank(env):
+    """The next rank is dead (a joiner killed while it healed): its address refuses every connect until the
+    timeout, and there is no connection for the abort to close; the build checks for the abort between tries."""
+    gone = env.net.listen("127.0.0.1:0")
+    dead = gone.addr
+    gone.close()  # nothing listens there any more: connects are refused
+    eng = FtarEngine(env=env, kernels=CpuKernels(), token="job", config=LONG)
+    task, box = _run(env, lambda: eng.reconfigure(epoch=9, ring=[eng.addr, dead], index=0))
+    assert not task.join(0.2)
+    assert eng.abort(9)
+    assert "epoch was aborted" in str(_ends_aborted(task, box))
+    eng.close()
+
+
 def test_abort_ends_a_ring_build_in_transport_negotiation(env, pair):
     """The previous rank connects and says hello, then says nothing more: the build waits in the
     negotiation, on a connection that is closed by the abort."""
