@@ -7,8 +7,9 @@ Tasks:
   to its participants and persists (quorum_id, participants, max_step) atomically, so `kill -9` and a
   restart keep quorum ids monotonic, never hand out a lower step, and keep the job alive. A dropped
   connection becomes a `lost` event at once (failure detection is pushed, not polled); a connection
-  silent for heartbeat_timeout_s becomes a `hung` event; either one is a `hung` notice to the other
-  participants of the current quorum (a peer waiting for it in a ring gives up at once). Handling an
+  silent for heartbeat_timeout_s becomes a `hung` event; a hung one, or a lost one that was healing
+  (behind) in the current quorum, is a `hung` notice to the other participants of that quorum (a peer
+  waiting for it gives up at once). Handling an
   event on the task that read it, rather than handing it to another task, saves one thread wake-up per
   request on the step's critical path (`ftrun bench overhead`).
 - main: the timer. It decides again when a deadline passes (a member's heartbeat timeout, a round's
@@ -104,6 +105,7 @@ class Lighthouse:
         self._requests: dict[str, QuorumRequest] = {}
         self._conns: dict[str, Connection] = {}
         self._last_decision: Decision | None = None
+        self._behind: frozenset[str] = frozenset()  # the current quorum's participants that heal first
         self.history: deque[dict[str, Any]] = deque(maxlen=10_000)  # changes, for reports and /status
         self.addr = ""
         self._tasks: list = []
@@ -312,8 +314,8 @@ class Lighthouse:
             self._set_member(Member(rid, now, False))
             self._record("member_lost", replica_id=rid, why=ev.kind)
             log.warning("replica %s %s", rid, "disconnected" if ev.kind == "lost" else "hung (no heartbeat)")
-            if ev.kind == "hung" or self._state.finished_step is None:
-                self._notify_hung(rid)  # lost too: see _notify_hung
+            if ev.kind == "hung" or (rid in self._behind and self._state.finished_step is None):
+                self._notify_hung(rid)  # a dead joiner too: see _notify_hung
             return
         self._set_member(Member(rid, now, True))
         if ev.kind == "ask":
@@ -336,12 +338,12 @@ class Lighthouse:
         self._reply(conn, {"type": "finished_ack", "step": self._state.finished_step})
 
     def _notify_hung(self, rid: str) -> None:
-        """Tell the other participants of the current quorum that `rid` hung or died: whoever waits for it
-        inside the all-reduce gives up now, not after its FTAR timeout (or the catch-up wait limit). A dead
-        replica's ring peers see its connections close at once, but only once the ring is built: a joiner
-        killed while it heals (put in the quorum, not yet in the ring) has no connection to close, and its
-        peers kept waiting the whole wait limit for it (a 10 s stall in benchmarks/catchup_launch.py). Not
-        after the job finished: a replica that reported the last step leaves cleanly."""
+        """Tell the other participants of the current quorum that `rid` hung, or died while it healed:
+        whoever waits for it gives up now, not after its FTAR timeout (or the catch-up wait limit). A dead
+        replica's ring peers see its connections close at once (and a diagnosis sees them wait on it), but
+        only once the ring is built: a joiner killed while it heals (behind in the quorum, not yet in the
+        ring) has no connection to close, and its peers waited the whole wait limit for it (a 10 s stall in
+        benchmarks/catchup_launch.py). Not after the job finished: a replica then leaves cleanly."""
         state = self._state
         if rid not in state.prev_participants:
             return
@@ -392,6 +394,7 @@ class Lighthouse:
 
     def _hand_out(self, d: Decision, msg: dict) -> None:
         self._state = apply(self._state, d)
+        self._behind = frozenset(d.behind)
         self._persist()
         self._record("quorum", quorum_id=d.quorum_id, participants=list(d.replica_ids), max_step=d.max_step,
                      behind=list(d.behind), left_out=list(d.left_out), reason=d.reason, rewind=d.rewind)
