@@ -114,19 +114,25 @@ class _Fetch:
                            manifest.layout.total_bytes, self.env.clock.now() - start, self.bytes_by_source,
                            tuple(self.failures))
 
-    def _await(self, ready: Any) -> Manifest | None:
-        """Wait until ready() (checked with the lock held); raises the fatal error or CatchupTimeout.
-        Returns the manifest (None if there is none yet)."""
+    def _wait_until(self, ready: Any) -> bool:
+        """Wait until ready() (checked with the lock held) or the fetch's deadline; True if ready."""
         while True:
             with self.lock:
-                if self.fatal is not None:
-                    raise self.fatal
                 if ready():
-                    return self.manifest
+                    return True
                 changed = self.changed
             if self.remaining() <= 0:
-                raise self._timeout()
+                return False
             changed.wait(timeout=max(self.remaining(), 0.001))
+
+    def _await(self, ready: Any) -> Manifest | None:
+        """Wait until ready(); raises the fatal error or CatchupTimeout. Returns the manifest (None if
+        there is none yet)."""
+        if not self._wait_until(lambda: self.fatal is not None or ready()):
+            raise self._timeout()
+        if self.fatal is not None:
+            raise self.fatal
+        return self.manifest
 
     def _stop(self, tasks: list[Any]) -> None:
         """End the tasks: a source still long-polling its manifest, or one that failed, is cut off."""
@@ -197,19 +203,9 @@ class _Fetch:
             if self.manifest is None:
                 self.manifest = manifest
                 self._notify()
-        self._await_plan()
+        self._wait_until(lambda: self.plan is not None or self.stopped or self.fatal is not None)
         if self.plan is not None and not self.stopped and self.fatal is None:
             self._worker(source, self.manifest, self.dest)
-
-    def _await_plan(self) -> None:
-        while True:
-            with self.lock:
-                if self.plan is not None or self.stopped or self.fatal is not None:
-                    return
-                changed = self.changed
-            changed.wait(timeout=max(self.remaining(), 0.001))
-            if self.remaining() <= 0:
-                return
 
     def _plan(self, manifest: Manifest) -> None:
         """The fetch plan over every source that has not failed its manifest (called with the lock held)."""
