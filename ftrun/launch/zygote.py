@@ -4,7 +4,8 @@ Starting a python + torch rank process costs 2-4 CPU-seconds (imports, torch._dy
 step, numba compiles), which on a small box is most of a restarted replica's downtime and slows the
 survivors. The zygote pays that once: it imports what the training script imports (its top-level imports,
 read from its source without running it), warms the lazily loaded parts (an optimizer step, the CPU FTAR
-kernels), checks that it runs a single thread, and then forks one child per rank process on request. A
+kernels; on a GPU host only what starts no CUDA, see `cuda_could_start`), checks that it runs a single
+thread, and then forks one child per rank process on request. A
 child sets its own session, stdio, working directory, environment and argv and runs the script as
 `__main__`, exactly like `python [-m] SCRIPT ARGS` would, only without the start-up cost. The code it runs
 is the script as compiled at preload, so every restart runs the same version even if the file changes.
@@ -49,6 +50,7 @@ from __future__ import annotations
 import argparse
 import ast
 import gc
+import glob
 import importlib
 import importlib.util
 import json
@@ -124,17 +126,37 @@ def preload(target: str, *, module: bool,
     return code, path, failed
 
 
+def cuda_could_start() -> bool:
+    """Whether torch could start the CUDA driver in this process: a CUDA build of torch on a machine with an
+    NVIDIA device. There autograd's first backward (it asks every device type for its device count to start
+    a thread per device) and an optimizer's first step (it looks for the current accelerator) run cuInit,
+    which starts driver threads and leaves CUDA unusable in every forked child. Looked up without calling
+    CUDA or NVML."""
+    import torch
+
+    if not torch.backends.cuda.is_built():
+        return False
+    return bool(glob.glob("/dev/nvidia[0-9]*")) or os.path.isdir("/proc/driver/nvidia/gpus")
+
+
 def _warm(sharded: bool = False) -> None:
     """Run what each child would otherwise pay for on its first step (all of it single-threaded).
-    sharded: FSDP2's first use too (a fake process group: no threads, destroyed before any fork)."""
+    sharded: FSDP2's first use too (a fake process group: no threads, destroyed before any fork).
+    Where CUDA could start (`cuda_could_start`) nothing that would start it runs: only the first optimizer
+    step's import of torch._dynamo is done, each child pays its first backward and step itself."""
     if "torch" in sys.modules:
         import torch
 
         torch.set_num_threads(1)
-        p = torch.nn.Parameter(torch.zeros(4))
-        opt = torch.optim.AdamW([p], lr=1e-3)  # the first step imports torch._dynamo (~1 s)
-        torch.nn.functional.cross_entropy(p.view(1, 4), torch.zeros(1, dtype=torch.long)).backward()
-        opt.step()
+        if cuda_could_start():
+            import torch._dynamo  # noqa: F401  (what the first optimizer step imports, ~1 s)
+
+            sharded = False
+        else:
+            p = torch.nn.Parameter(torch.zeros(4))
+            opt = torch.optim.AdamW([p], lr=1e-3)  # the first step imports torch._dynamo (~1 s)
+            torch.nn.functional.cross_entropy(p.view(1, 4), torch.zeros(1, dtype=torch.long)).backward()
+            opt.step()
     if "ftrun.ftar.cpu_kernels" in sys.modules:
         import numpy as np
 
@@ -259,6 +281,8 @@ class _Server:
         if self.warmed:
             return
         self.warmed = True
+        if cuda_could_start():  # its backward would start CUDA here (see _warm)
+            return
         try:
             from ftrun.train.warm import warm_sharding
 

@@ -61,6 +61,33 @@ def test_preload_warms_wiring_and_fsdp2_and_stays_fork_safe():
     assert out["after_spec"] == [1, False]
 
 
+GPU_HOST_PROBE = """
+import json, sys
+import torch
+from ftrun.launch import zygote
+zygote.cuda_could_start = lambda: True  # as on a machine with an NVIDIA device and a CUDA build of torch
+def refuse(*args, **kwargs):
+    raise AssertionError("would start CUDA before a fork")
+torch.Tensor.backward = refuse
+torch.autograd.backward = refuse
+torch.optim.Optimizer.step = refuse
+torch.optim.AdamW.step = refuse
+zygote.preload("ftrun.train.ft_worker", module=True, sharded=True)
+print(json.dumps({"threads": zygote.num_threads(), "dynamo": "torch._dynamo" in sys.modules}))
+"""
+
+
+@pytest.mark.timeout(150)
+def test_on_a_gpu_host_the_preload_runs_no_backward_or_optimizer_step():
+    """Autograd's first backward and an optimizer's first step run cuInit on a GPU host (driver threads, and no
+    forked child could use CUDA): the zygote then only imports what the first step would."""
+    proc = subprocess.run([sys.executable, "-c", GPU_HOST_PROBE], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT, env={**os.environ, **ZYGOTE_ENV, "PYTHONPATH": ROOT})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out == {"threads": 1, "dynamo": True}  # and no refused call (sharded=True: FSDP2's warm-up neither)
+
+
 def test_a_rank_announces_the_jobs_shapes_to_its_zygote_once(tmp_path):
     spec = {"world": 2, "params": [[[4, 3], "float32", True]], "optimizer": ["torch.optim.adamw", "AdamW", {}]}
     assert not announce(spec, str(tmp_path), environ={})  # not forked by a zygote: nobody to tell
