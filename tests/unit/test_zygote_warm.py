@@ -30,7 +30,8 @@ from ftrun.train.toy import ToyConfig, make_model
 from ftrun.train.warm import shapes_spec, warm_sharding
 model = make_model(ToyConfig())
 spec = json.loads(json.dumps(shapes_spec(model, torch.optim.AdamW(model.parameters(), lr=1e-3), 2)))  # as read back
-warm_sharding(spec)  # the job's own shapes, as the zygote warms them once a rank announced them
+if not zygote.cuda_could_start():  # on a GPU host the zygote skips this warm-up (its backward starts CUDA)
+    warm_sharding(spec)  # the job's own shapes, as the zygote warms them once a rank announced them
 out["after_spec"] = [zygote.num_threads(), dist.is_initialized()]
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 from ftrun.train.warm import warm_sharding
