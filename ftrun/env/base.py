@@ -159,6 +159,15 @@ class Listener(Protocol):
     def close(self) -> None: ...
 
 
+def split_host_port(addr: str) -> tuple[str, int]:
+    """("host", port) of a "host:port" address (host may be empty); ValueError naming the address otherwise.
+    Both Envs' address parsing, after they took "unix:/path" addresses aside."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"address {addr!r} is not 'host:port' or 'unix:/path'")
+    return host, int(port)
+
+
 class Network(Protocol):
     def listen(self, addr: str) -> Listener:
         """Listen at "host:port" (port 0 picks a free one) or "unix:/path". `Listener.addr` is the

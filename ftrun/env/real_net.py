@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Callable, NoReturn
 
 from ftrun.env.admission import Admission, ListenLimits
 from ftrun.env.base import (CANCEL_CHECK_S, CONNECT_RETRY_S, ConnectError, EnvTimeout, Message, NetTimeout,
-                            PeerClosed, ProtocolError, connect_cancelled)
+                            PeerClosed, ProtocolError, connect_cancelled, split_host_port)
 from ftrun.env import wire
 
 if TYPE_CHECKING:
@@ -36,10 +36,8 @@ _RECV_STEP = 1 << 20
 def _parse(addr: str) -> tuple[int, object]:
     if addr.startswith("unix:"):
         return socket.AF_UNIX, addr[len("unix:"):]
-    host, sep, port = addr.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"address {addr!r} is not 'host:port' or 'unix:/path'")
-    return socket.AF_INET, (host or "127.0.0.1", int(port))
+    host, port = split_host_port(addr)
+    return socket.AF_INET, (host or "127.0.0.1", port)
 
 
 def _format(family: int, sockaddr: object) -> str:

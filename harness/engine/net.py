@@ -28,7 +28,7 @@ import msgpack
 
 from ftrun.env import wire
 from ftrun.env.base import (CANCEL_CHECK_S, CONNECT_RETRY_S, ConnectError, EnvTimeout, Message, NetTimeout,
-                            PeerClosed, ProtocolError, connect_cancelled)
+                            PeerClosed, ProtocolError, connect_cancelled, split_host_port)
 from harness.engine.core import Scheduler
 from harness.engine.linkmodel import LinkModel, Route, Timeline
 from mocks.shapes import ShapeOnly
@@ -45,10 +45,8 @@ def parse_addr(addr: str) -> tuple[str | None, int | str]:
     """(host name or None for "this host", port or "unix:/path"). ValueError for a malformed address."""
     if addr.startswith("unix:"):
         return None, addr
-    host, sep, port = addr.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"address {addr!r} is not 'host:port' or 'unix:/path'")
-    return (None if host in _LOCAL_NAMES else host), int(port)
+    host, port = split_host_port(addr)
+    return (None if host in _LOCAL_NAMES else host), port
 
 
 class NetHost:
