@@ -1,9 +1,15 @@
 """A small `torch.cuda` stand-in for shape-only runs: GPUs that exist, do nothing and take no time.
 
 What training code commonly asks torch.cuda is answered: is_available / device_count / current_device /
-set_device / device(i), synchronize, Stream / Event / stream(s) / current_stream, memory statistics
-(all zero; mem_get_info reports the modeled device as empty), get_device_properties / get_device_name,
-manual_seed(_all), is_initialized / init. Private names (`torch.cuda._...`, used by torch itself, e.g.
+set_device / device(i), synchronize, Stream / Event / stream(s) / current_stream (an event's elapsed_time
+is 0 ms: the device does no work), memory statistics (all zero; mem_get_info reports the modeled device
+as empty), get_device_properties / get_device_name / get_device_capability / is_bf16_supported (the
+modeled H100), is_initialized / init, amp (the real torch.cuda.amp: autocast and GradScaler; the host
+tensors a script makes for the GPU are not CUDA tensors, so CUDA autocast leaves their dtype alone),
+nvtx (range markers with nothing to record them). The random number state: one host generator per
+device stands for its CUDA default generator (`default_generators`), and manual_seed(_all) / seed(_all) /
+initial_seed / get_rng_state(_all) / set_rng_state(_all) act on it; shadow.cuda_tensors draws the random
+tensors a script asks for on a CUDA device (torch.randn(..., device="cuda")) from it. Private names (`torch.cuda._...`, used by torch itself, e.g.
 `_is_in_bad_fork` from torch.manual_seed) fall through to the real module, and so does any name torch's
 own modules look up (torch._dynamo's device tables bind torch.cuda.set_stream & co. at import: they are
 only called for CUDA tensors, which a shape-only run never has); any other public name raises
@@ -45,6 +51,8 @@ class Event:
         models durations on its virtual clock instead)."""
         if not (self.enable_timing and end_event.enable_timing):
             raise RuntimeError("both events need enable_timing=True")
+        if not (self._recorded and end_event._recorded):
+            raise RuntimeError("both events must be recorded before calculating elapsed time")
         return 0.0
 
 
@@ -78,21 +86,65 @@ class _Properties(types.SimpleNamespace):
     pass
 
 
+class _Nvtx:
+    """torch.cuda.nvtx: range markers for a profiler; none records them here. Depths are counted as
+    NVTX counts them (range_pop with no open range: -1)."""
+
+    def __init__(self) -> None:
+        self._depth = 0
+        self._next_id = 0
+
+    def range_push(self, msg: str) -> int:
+        self._depth += 1
+        return self._depth - 1
+
+    def range_pop(self) -> int:
+        if self._depth == 0:
+            return -1
+        self._depth -= 1
+        return self._depth
+
+    def range_start(self, msg: str) -> int:
+        self._next_id += 1
+        return self._next_id
+
+    def range_end(self, range_id: int) -> None:
+        pass
+
+    def mark(self, msg: str) -> None:
+        pass
+
+    @contextmanager
+    def range(self, msg: str, *args: Any, **kwargs: Any) -> Iterator[None]:
+        self.range_push(msg.format(*args, **kwargs))
+        try:
+            yield
+        finally:
+            self.range_pop()
+
+
 def make_cuda_shim(*, device_count: int, real: Any = None, device_name: str = "Emulated H100 (shape-only)",
                    total_memory: int = H100_MEMORY_BYTES) -> types.ModuleType:
     """A module object to install as `torch.cuda`. `real` is the real torch.cuda (private fallbacks)."""
     if device_count < 1:
         raise ValueError(f"device_count must be >= 1, got {device_count}")
+    import torch
+
     shim = types.ModuleType("torch.cuda", "shadow.cuda_shim: torch.cuda for shape-only emulation")
     state = {"device": 0}
     default_stream = Stream(0)
+    generators = tuple(torch.Generator() for _ in range(device_count))  # host stand-ins (module docstring)
 
     def _index(device: Any = None) -> int:
         if device is None:
             return state["device"]
-        index = device if isinstance(device, int) else getattr(device, "index", None)
-        if index is None:
-            index = int(str(device).rpartition(":")[2] or 0) if ":" in str(device) else state["device"]
+        if not isinstance(device, int):
+            device = torch.device(device)
+            if device.type != "cuda":
+                raise ValueError(f"expected a cuda device, got {device}")
+        index = device if isinstance(device, int) else device.index
+        if index is None:  # "cuda": the current device
+            index = state["device"]
         if not 0 <= index < device_count:
             raise RuntimeError(f"invalid device ordinal {index} (the shim has {device_count} devices)")
         return index
@@ -112,6 +164,26 @@ def make_cuda_shim(*, device_count: int, real: Any = None, device_name: str = "E
     @contextmanager
     def stream(s: Stream | None) -> Iterator[None]:
         yield
+
+    def manual_seed(seed: int) -> None:
+        generators[state["device"]].manual_seed(seed)
+
+    def manual_seed_all(seed: int) -> None:
+        for g in generators:
+            g.manual_seed(seed)
+
+    def seed() -> None:
+        generators[state["device"]].seed()
+
+    def seed_all() -> None:
+        manual_seed_all(generators[0].seed())
+
+    def set_rng_state(new_state: Any, device: Any = "cuda") -> None:
+        generators[_index(device)].set_state(new_state)
+
+    def set_rng_state_all(new_states: Any) -> None:
+        for i, new_state in enumerate(new_states):
+            set_rng_state(new_state, i)
 
     def get_device_properties(dev: Any = None) -> _Properties:
         _index(dev)
@@ -138,8 +210,16 @@ def make_cuda_shim(*, device_count: int, real: Any = None, device_name: str = "E
         reset_peak_memory_stats=nothing(), empty_cache=nothing(),
         memory_stats=lambda device=None: {"allocated_bytes.all.current": 0, "reserved_bytes.all.current": 0},
         mem_get_info=lambda device=None: (total_memory, total_memory),
-        manual_seed=nothing(), manual_seed_all=nothing(), seed=nothing(), seed_all=nothing(),
+        is_bf16_supported=lambda including_emulation=True: True, nvtx=_Nvtx(),
+        default_generators=generators,
+        manual_seed=manual_seed, manual_seed_all=manual_seed_all, seed=seed, seed_all=seed_all,
+        initial_seed=lambda: generators[state["device"]].initial_seed(),
+        get_rng_state=lambda device="cuda": generators[_index(device)].get_state(),
+        get_rng_state_all=lambda: [g.get_state() for g in generators],
+        set_rng_state=set_rng_state, set_rng_state_all=set_rng_state_all,
     )
+    if real is not None:
+        names["amp"] = real.amp  # pure Python over torch.cuda: with the shim installed it asks the shim
     shim.__dict__.update(names)
     shim.__all__ = sorted(names)
 
