@@ -9,12 +9,13 @@ tensors a script makes for the GPU are not CUDA tensors, so CUDA autocast leaves
 nvtx (range markers with nothing to record them). The random number state: one host generator per
 device stands for its CUDA default generator (`default_generators`), and manual_seed(_all) / seed(_all) /
 initial_seed / get_rng_state(_all) / set_rng_state(_all) act on it; shadow.cuda_tensors draws the random
-tensors a script asks for on a CUDA device (torch.randn(..., device="cuda")) from it. Private names (`torch.cuda._...`, used by torch itself, e.g.
-`_is_in_bad_fork` from torch.manual_seed) fall through to the real module, and so does any name torch's
-own modules look up (torch._dynamo's device tables bind torch.cuda.set_stream & co. at import: they are
-only called for CUDA tensors, which a shape-only run never has); any other public name raises
-AttributeError naming the shim, so a gap in what training code asks shows up as a clear error instead
-of a silent wrong answer.
+tensors a script asks for on a CUDA device (torch.randn(..., device="cuda")) from it.
+
+Private names (`torch.cuda._...`, used by torch itself, e.g. `_is_in_bad_fork` from torch.manual_seed)
+fall through to the real module, and so does any name torch's own modules look up (torch._dynamo's
+device tables bind torch.cuda.set_stream & co. at import: they are only called for CUDA tensors, which a
+shape-only run never has); any other public name raises AttributeError naming the shim, so a gap in
+what training code asks shows up as a clear error instead of a silent wrong answer.
 
 One shim per `shadow.active` context; its state (current device) lives on the shim object.
 """
@@ -24,7 +25,7 @@ from __future__ import annotations
 import sys
 import types
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 H100_MEMORY_BYTES = 80 * 1024**3  # modeling assumption: the profiles' hosts are 8 x H100 80 GB
 
@@ -123,6 +124,53 @@ class _Nvtx:
             self.range_pop()
 
 
+class _Generators:
+    """The CUDA default generators' host stand-ins, one per device (module docstring). `index(device)`:
+    the shim's ordinal of a device (None: the current one)."""
+
+    def __init__(self, device_count: int, index: Callable[[Any], int]) -> None:
+        import torch
+
+        self.generators = tuple(torch.Generator() for _ in range(device_count))
+        self.index = index
+
+    def names(self) -> dict[str, Any]:
+        return dict(default_generators=self.generators, manual_seed=self.manual_seed,
+                    manual_seed_all=self.manual_seed_all, seed=self.seed, seed_all=self.seed_all,
+                    initial_seed=self.initial_seed, get_rng_state=self.get_rng_state,
+                    get_rng_state_all=self.get_rng_state_all, set_rng_state=self.set_rng_state,
+                    set_rng_state_all=self.set_rng_state_all)
+
+    def manual_seed(self, seed: int) -> None:
+        self.generators[self.index(None)].manual_seed(seed)
+
+    def manual_seed_all(self, seed: int) -> None:
+        for g in self.generators:
+            g.manual_seed(seed)
+
+    def seed(self) -> None:
+        self.generators[self.index(None)].seed()
+
+    def seed_all(self) -> None:
+        self.manual_seed_all(self.generators[0].seed())
+
+    def initial_seed(self) -> int:
+        return self.generators[self.index(None)].initial_seed()
+
+    def get_rng_state(self, device: Any = "cuda") -> Any:
+        return self.generators[self.index(device)].get_state()
+
+    def get_rng_state_all(self) -> list[Any]:
+        return [g.get_state() for g in self.generators]
+
+    def set_rng_state(self, new_state: Any, device: Any = "cuda") -> None:
+        self.generators[self.index(device)].set_state(new_state)
+
+    def set_rng_state_all(self, new_states: Any) -> None:
+        for i, new_state in enumerate(new_states):
+            self.set_rng_state(new_state, i)
+
+
 def make_cuda_shim(*, device_count: int, real: Any = None, device_name: str = "Emulated H100 (shape-only)",
                    total_memory: int = H100_MEMORY_BYTES) -> types.ModuleType:
     """A module object to install as `torch.cuda`. `real` is the real torch.cuda (private fallbacks)."""
@@ -133,7 +181,6 @@ def make_cuda_shim(*, device_count: int, real: Any = None, device_name: str = "E
     shim = types.ModuleType("torch.cuda", "shadow.cuda_shim: torch.cuda for shape-only emulation")
     state = {"device": 0}
     default_stream = Stream(0)
-    generators = tuple(torch.Generator() for _ in range(device_count))  # host stand-ins (module docstring)
 
     def _index(device: Any = None) -> int:
         if device is None:
@@ -165,26 +212,6 @@ def make_cuda_shim(*, device_count: int, real: Any = None, device_name: str = "E
     def stream(s: Stream | None) -> Iterator[None]:
         yield
 
-    def manual_seed(seed: int) -> None:
-        generators[state["device"]].manual_seed(seed)
-
-    def manual_seed_all(seed: int) -> None:
-        for g in generators:
-            g.manual_seed(seed)
-
-    def seed() -> None:
-        generators[state["device"]].seed()
-
-    def seed_all() -> None:
-        manual_seed_all(generators[0].seed())
-
-    def set_rng_state(new_state: Any, device: Any = "cuda") -> None:
-        generators[_index(device)].set_state(new_state)
-
-    def set_rng_state_all(new_states: Any) -> None:
-        for i, new_state in enumerate(new_states):
-            set_rng_state(new_state, i)
-
     def get_device_properties(dev: Any = None) -> _Properties:
         _index(dev)
         return _Properties(name=device_name, total_memory=total_memory, multi_processor_count=132,
@@ -211,12 +238,7 @@ def make_cuda_shim(*, device_count: int, real: Any = None, device_name: str = "E
         memory_stats=lambda device=None: {"allocated_bytes.all.current": 0, "reserved_bytes.all.current": 0},
         mem_get_info=lambda device=None: (total_memory, total_memory),
         is_bf16_supported=lambda including_emulation=True: True, nvtx=_Nvtx(),
-        default_generators=generators,
-        manual_seed=manual_seed, manual_seed_all=manual_seed_all, seed=seed, seed_all=seed_all,
-        initial_seed=lambda: generators[state["device"]].initial_seed(),
-        get_rng_state=lambda device="cuda": generators[_index(device)].get_state(),
-        get_rng_state_all=lambda: [g.get_state() for g in generators],
-        set_rng_state=set_rng_state, set_rng_state_all=set_rng_state_all,
+        **_Generators(device_count, _index).names(),
     )
     if real is not None:
         names["amp"] = real.amp  # pure Python over torch.cuda: with the shim installed it asks the shim
