@@ -161,6 +161,15 @@ def _install_cuda_shim(undo: _Active, devices: int) -> None:
         setattr(owner, attr, stand_in)
     undo.mode = HostTensors()
     undo.mode.__enter__()
+    _forget_device_modules(torch)
+
+
+def _forget_device_modules(torch: Any) -> None:
+    """torch.get_device_module caches its answers (functools.cache in torch 2.13): forget them whenever
+    torch.cuda changes, or torch.random.fork_rng & co. would keep reaching the torch.cuda of before."""
+    cache_clear = getattr(torch.get_device_module, "cache_clear", None)
+    if cache_clear is not None:
+        cache_clear()
 
 
 def _restore(undo: _Active, registry: Registry) -> None:
@@ -189,4 +198,6 @@ def _restore(undo: _Active, registry: Registry) -> None:
                 delattr(obj, attr)
         else:
             setattr(obj, attr, value)
+    if undo.mode is not None:
+        _forget_device_modules(sys.modules["torch"])
     importlib.invalidate_caches()

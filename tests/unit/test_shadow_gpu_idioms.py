@@ -258,3 +258,16 @@ def test_the_stand_ins_are_put_back_after():
     with shadow.active():
         assert (torch.Generator, torch.set_default_device, dist.init_process_group) != real
     assert (torch.Generator, torch.set_default_device, dist.init_process_group) == real
+
+
+def test_torchs_device_module_lookup_answers_the_shim_inside_and_the_real_module_after():
+    """torch.get_device_module caches its answers (torch 2.13): fork_rng & co. must not keep the torch.cuda
+    found before the context (a real GPU) or inside it (the shim)."""
+    import torch
+
+    real_cuda = torch.get_device_module("cuda")
+    with shadow.active(load_profile("ci-small")):
+        assert torch.get_device_module("cuda") is torch.cuda is not real_cuda
+        with torch.random.fork_rng(devices=[1], device_type="cuda"):  # the shim's generators, no GPU
+            torch.cuda.manual_seed_all(1)
+    assert torch.get_device_module("cuda") is real_cuda is torch.cuda
