@@ -231,4 +231,3 @@ def test_the_shim_answers_torch_internals_but_not_training_code_for_names_it_lac
     exec("def get(m):\n    return m.set_stream\n", internal.__dict__)
     assert internal.get(shim) is torch.cuda.set_stream  # torch's own tables (e.g. dynamo's) get the real one
     assert shim.synchronize is not shim.empty_cache and shim.manual_seed is not shim.seed  # one object per name
-
