@@ -15,6 +15,7 @@ match what the receiver asked for raises `ProtocolError`.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Protocol, TypeVar, runtime_checkable
 
 T = TypeVar("T")
@@ -22,6 +23,8 @@ T = TypeVar("T")
 # A control message is a msgpack-able dict: str keys; values are None, bool, int, float, str, bytes,
 # lists and dicts of those. Nothing is ever pickled.
 Message = dict[str, Any]
+
+_log = logging.getLogger("ftrun.env")
 
 
 class EnvTimeout(TimeoutError):
@@ -44,10 +47,16 @@ class NetTimeout(NetError, TimeoutError):
     """
 
 
+class AcceptFailed(NetError):
+    """accept() failed on a listener that is still open (e.g. the process ran out of descriptors): a later
+    accept may succeed, unlike after PeerClosed (the listener was closed)."""
+
+
 class ConnectError(NetError):
     """connect() could not reach a listener at the address within its timeout, or was cancelled."""
 
 
+ACCEPT_RETRY_S = 0.05  # serve_connections() tries again this long after an AcceptFailed
 CONNECT_RETRY_S = 0.02  # connect() retries a refused attempt this often until its deadline (the listener
 # may not be up yet)
 CANCEL_CHECK_S = 0.5  # a cancellable connect() waits at most this long for one attempt's answer, so it checks
@@ -204,15 +213,26 @@ def serve_connections(env: Env, listener: Listener, handle: Callable[[Connection
     """Spawn task `name`, which accepts on `listener` until it is closed and starts `handle(conn)` as task
     `conn_name` for every connection; `on_accept(conn)` runs first, in the accepting task (e.g. to note the
     connection where a stop() closes it even before its handler runs). Handlers own their connections.
-    Returns the accepting task; it ends when accept raises a NetError: the listener was closed (or, real Env,
-    the accept itself failed, e.g. out of descriptors)."""
+    Returns the accepting task; it ends when the listener is closed. An accept that failed on the open
+    listener (AcceptFailed, e.g. out of descriptors) is logged once per run of failures and tried again every
+    ACCEPT_RETRY_S: connections wait in the backlog meanwhile instead of the listener going deaf for good."""
 
     def accept_loop() -> None:
+        failing = False
         while True:
             try:
                 conn = listener.accept()
+            except AcceptFailed as e:
+                if not failing:
+                    _log.error("%s: accepting a connection failed: %s; retrying every %ss", name, e, ACCEPT_RETRY_S)
+                failing = True
+                env.clock.sleep(ACCEPT_RETRY_S)
+                continue
             except NetError:
                 return
+            if failing:
+                _log.warning("%s: accepting connections again", name)
+                failing = False
             if on_accept is not None:
                 on_accept(conn)
             env.spawn(handle, conn, name=conn_name)

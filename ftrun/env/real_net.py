@@ -11,6 +11,7 @@ connection's first frame (admission.ListenLimits, set per RealNetwork).
 
 from __future__ import annotations
 
+import errno
 import os
 import select
 import socket
@@ -20,8 +21,8 @@ import weakref
 from typing import TYPE_CHECKING, Callable, NoReturn
 
 from ftrun.env.admission import Admission, ListenLimits
-from ftrun.env.base import (CANCEL_CHECK_S, CONNECT_RETRY_S, ConnectError, EnvTimeout, Message, NetTimeout,
-                            PeerClosed, ProtocolError, connect_cancelled, split_host_port)
+from ftrun.env.base import (CANCEL_CHECK_S, CONNECT_RETRY_S, AcceptFailed, ConnectError, EnvTimeout, Message,
+                            NetTimeout, PeerClosed, ProtocolError, connect_cancelled, split_host_port)
 from ftrun.env import wire
 
 if TYPE_CHECKING:
@@ -31,6 +32,10 @@ _SOCK_BUF = 4 * 1024 * 1024
 # One recv() copies at most this much: a huge read holds the socket lock while it copies and stalls the
 # sender on loopback (measured: 4 MiB reads ran several times slower than 1 MiB ones).
 _RECV_STEP = 1 << 20
+# accept() errors on an open listener that a later accept can get past (out of descriptors or buffers, a
+# connection reset while it waited in the backlog): AcceptFailed, retried; any other error means it is gone.
+ACCEPT_TRANSIENT = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED,
+                              errno.EPROTO})
 
 
 def _parse(addr: str) -> tuple[int, object]:
@@ -327,7 +332,9 @@ class RealListener:
             except (socket.timeout, BlockingIOError):  # BlockingIOError: no time was left (timeout 0)
                 raise EnvTimeout(f"accept timed out after {timeout}s") from None
             except OSError as e:
-                raise PeerClosed(f"listener {self.addr} closed: {e}") from None
+                if self._closed or e.errno not in ACCEPT_TRANSIENT:
+                    raise PeerClosed(f"listener {self.addr} closed: {e}") from None
+                raise AcceptFailed(f"accept on {self.addr} failed: {e}") from None
             sock.settimeout(None)
             conn = self._admit(sock)
             if conn is not None:
@@ -336,9 +343,11 @@ class RealListener:
     def _admit(self, sock: socket.socket) -> RealConnection | None:
         try:
             conn = RealConnection(sock, hello_limit=self.limits.max_hello_bytes, on_event=self._on_event)
-        except OSError:
-            sock.close()  # the peer reset it before we got to it
-            return None
+        except OSError as e:
+            sock.close()
+            if e.errno in ACCEPT_TRANSIENT:  # e.g. no descriptor left for its wake-up eventfd: this one is lost
+                raise AcceptFailed(f"accept on {self.addr} failed: {e}") from None
+            return None  # the peer reset it before we got to it
         with self._lock:
             decision = self._admission.accepted(id(conn))
             evicted = [self._conns.get(cid) for cid in decision.evict]

@@ -6,9 +6,11 @@ or the emulator's event loop. Times are read from `env.clock`, so the bounds hol
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
-from ftrun.env.base import (ConnectError, EnvTimeout, NetTimeout, PeerClosed, ProtocolError, TaskKilled,
+from ftrun.env.base import (AcceptFailed, ConnectError, EnvTimeout, NetTimeout, PeerClosed, ProtocolError, TaskKilled,
                              serve_connections)
 from tests.env_factories import ENV_FACTORIES
 
@@ -290,6 +292,40 @@ def test_serve_connections_hands_each_connection_to_its_own_task_until_closed(en
     for kind, *conn in order:
         if kind == "handle":
             assert order.index(("accept", *conn)) < order.index(("handle", *conn)), order
+
+
+def test_serve_connections_retries_a_failed_accept(env, caplog):
+    """An accept that failed on an open listener (AcceptFailed: out of descriptors) is logged once and tried
+    again; the connection is then served. Only a closed listener ends the accepting task."""
+    def body():
+        listener = env.net.listen(ADDR)
+        failures = [AcceptFailed("accept on test failed: [Errno 24] Too many open files")] * 3
+
+        class Failing:  # the listener, whose next three accepts fail
+            addr = listener.addr
+
+            def accept(self, timeout=None):
+                if failures:
+                    raise failures.pop()
+                return listener.accept(timeout)
+
+        served = []
+        task = serve_connections(env, Failing(), lambda conn: served.append(conn.recv(timeout=2.0)["n"]),
+                                 name="contract-accept", conn_name="contract-conn")
+        client = env.net.connect(listener.addr, timeout=2.0)
+        client.send({"n": 7})
+        deadline = env.clock.now() + 2.0
+        while not served and env.clock.now() < deadline:
+            env.clock.sleep(0.01)
+        listener.close()
+        ended = task.join(timeout=2.0)
+        client.close()
+        return served, failures, ended
+
+    with caplog.at_level(logging.ERROR, logger="ftrun.env"):
+        served, failures, ended = env.run(body)
+    assert served == [7] and failures == [] and ended
+    assert [r.getMessage().count("Too many open files") for r in caplog.records] == [1]  # once for the three
 
 
 def test_bad_address_is_a_value_error(env):

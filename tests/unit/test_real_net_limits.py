@@ -237,3 +237,53 @@ def test_accept_with_no_time_left_is_a_timeout():
             listener.accept(timeout=0.0)
     finally:
         listener.close()
+
+
+
+OUT_OF_DESCRIPTORS = r"""
+import json, resource, os, socket
+from ftrun.env import wire
+from ftrun.env.base import AcceptFailed
+from ftrun.env.real_net import RealNetwork
+
+listener = RealNetwork().listen("127.0.0.1:0")
+client = socket.socket()  # made before the descriptors run out
+limit = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, limit[1]))
+fillers = []
+try:
+    while True:
+        fillers.append(os.open(os.devnull, os.O_RDONLY))
+except OSError:
+    pass
+host, port = listener.addr.rsplit(":", 1)
+client.connect((host, int(port)))  # waits in the backlog
+client.sendall(wire.encode_msg({"n": 1}))
+out = {}
+try:
+    listener.accept(timeout=2.0)
+except AcceptFailed as e:
+    out["out"] = str(e)
+resource.setrlimit(resource.RLIMIT_NOFILE, limit)
+conn = listener.accept(timeout=2.0)  # the same connection, still in the backlog
+out["then"] = conn.recv(timeout=2.0)
+for fd in fillers:
+    os.close(fd)
+print(json.dumps(out))
+"""
+
+
+def test_accept_out_of_descriptors_is_accept_failed_and_the_connection_waits():
+    """accept() failing with EMFILE on an open listener raises AcceptFailed (before: PeerClosed, 'closed', so every
+    serving loop stopped for good); the connection stays in the backlog and a later accept gets it."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, "-c", OUT_OF_DESCRIPTORS], capture_output=True, text=True, timeout=30,
+                          cwd=root, env={**os.environ, "PYTHONPATH": root})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "Too many open files" in out["out"] and out["then"] == {"n": 1}, out
