@@ -8,9 +8,7 @@ Every request carries the job token (`Authorization: Bearer TOKEN`; otherwise 40
 not published yet waits up to `?wait=S` seconds (at most CatchupConfig.long_poll_s; that by default)
 for it — the healthy replicas publish partway through the step — then answers 404. A step retired or
 superseded answers 410 at once. Error bodies are JSON: {"error": ..., "step": asked, "have": newest}.
-Shards go out with blocking send() calls straight from the snapshot's memory, no copy through Python, from
-a task of their own: the kernel copies with the GIL released, so a training thread that holds the GIL
-does not hold the body up between pieces as it did the event loop's sends. (sendfile of the
+Shards go out with send() straight from the snapshot's memory, no copy through Python. (sendfile of the
 snapshot's 4 KiB shmem pages cost more CPU at both ends over loopback: 500 MiB, load ~5, median sender
 ~110 ms and receiver ~200 ms against ~65 and ~150 ms for send(), likely because the receiver then
 copies bytes the sender has just copied, still in cache, rather than the snapshot's pages.)
@@ -41,12 +39,10 @@ from ftrun.catchup.http_guard import ConnectionGuard, GuardedSite, HttpLimits, b
 from ftrun.catchup.manifest import ShardSpec
 from ftrun.catchup.snapshot import Published, SnapshotStore
 from ftrun.env.base import Env
-from ftrun.env.real_bulk import hold_socket, release_socket, send_held
 
 log = logging.getLogger("ftrun.heal")
 
 _SEND_CHUNK = 8 << 20  # one write of a shard's body: a replaced snapshot stops a transfer within this many bytes
-_SHUT_RDWR = 2  # socket.SHUT_RDWR (only the real Env imports socket)
 
 
 @dataclass(frozen=True)
@@ -81,7 +77,6 @@ class CatchupServer:
         self.url = ""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._error: BaseException | None = None
-        self._senders: set[Any] = set()  # tasks sending a shard body (_send_held)
 
     # -- training-loop side --------------------------------------------------------------------
     def start(self) -> str:
@@ -111,8 +106,6 @@ class CatchupServer:
             except RuntimeError:  # the loop closed meanwhile
                 pass
             self._task.join(timeout=self.config.timeouts.connect_timeout_s)
-        for task in list(self._senders):  # woken by the shutdown of their connections
-            task.join(timeout=self.config.timeouts.connect_timeout_s)
         self.store.close()
 
     # -- server task ---------------------------------------------------------------------------
@@ -221,66 +214,31 @@ class CatchupServer:
             await asyncio.sleep(fault.delay_s)
         if transport.is_closing():
             return resp
-        outcome = await self._send_body(transport, published, shard)
-        if outcome != "sent":
-            if outcome == "stalled":
-                log.warning("catch-up: a client read nothing of step %d shard %d for %.1fs: connection dropped",
-                            published.step, shard.index, self.guard.limits.idle_timeout_s)
-            transport.abort()  # replaced (the client retries elsewhere), stalled, or the client went away
+        sock = transport.get_extra_info("socket").dup()  # the loop's sock_sendall refuses a transport's own fd
+        try:
+            sock.setblocking(False)
+            for start in range(shard.offset, shard.offset + shard.nbytes, _SEND_CHUNK):
+                if published.generation != self.store.generation or self._stopping.is_set():
+                    transport.abort()  # a publish or retire replaced the snapshot: the client retries elsewhere
+                    return resp
+                count = min(_SEND_CHUNK, shard.offset + shard.nbytes - start)
+                # A client that stops reading holds a piece no longer than an idle connection may stay.
+                await asyncio.wait_for(loop.sock_sendall(sock, published.buffer.mem[start:start + count]),
+                                       self.guard.limits.idle_timeout_s)
+        except ConnectionError:  # the client went away mid-shard: nobody to answer
+            transport.abort()
             return resp
+        except asyncio.TimeoutError:
+            log.warning("catch-up: a client read nothing of step %d shard %d for %.1fs: connection dropped",
+                        published.step, shard.index, self.guard.limits.idle_timeout_s)
+            transport.abort()
+            return resp
+        finally:
+            sock.close()
         if fault is not None and fault.factor > 1.0:  # a throttled source: the shard takes factor x as long
             await asyncio.sleep((fault.factor - 1.0) * (loop.time() - t0))
         await resp.write_eof()
         return resp
-
-    async def _send_body(self, transport: asyncio.Transport, published: Published, shard: ShardSpec) -> str:
-        """The shard's body, sent from the snapshot by a task of its own (`_send_held`) while the loop
-        serves other requests; "sent", "replaced", "stalled" or "lost"."""
-        loop = asyncio.get_running_loop()
-        done = loop.create_future()
-        sock = transport.get_extra_info("socket").dup()  # the task's own handle; the transport keeps its fd
-
-        def send() -> None:
-            outcome = self._send_held(sock, published, shard)
-            try:
-                loop.call_soon_threadsafe(_settle, done, outcome)
-            except RuntimeError:  # the loop closed meanwhile (server stopped): nobody waits
-                pass
-
-        task = self.env.spawn(send, name=f"catchup-send-{shard.index}")
-        self._senders.add(task)
-        try:
-            return await done
-        except asyncio.CancelledError:  # the client went away or the server stops: wake a blocked send
-            try:
-                transport.get_extra_info("socket").shutdown(_SHUT_RDWR)
-            except OSError:
-                pass
-            raise
-        finally:
-            self._senders.discard(task)
-
-    def _send_held(self, sock: Any, published: Published, shard: ShardSpec) -> str:
-        """In its own task: the body in _SEND_CHUNK pieces, each one blocking send (the GIL released while
-        the kernel copies: a busy training thread cannot hold the body up between pieces). A publish or
-        retire stops it between pieces; a client that reads nothing of a piece for the idle timeout
-        stalls it. Owns `sock` (a dup of the connection's): closes it, the connection non-blocking again."""
-        timeout = self.guard.limits.idle_timeout_s
-        mem = published.buffer.mem
-        try:
-            hold_socket(sock, timeout)
-            for start in range(shard.offset, shard.offset + shard.nbytes, _SEND_CHUNK):
-                if published.generation != self.store.generation or self._stopping.is_set():
-                    return "replaced"
-                send_held(sock, mem[start:min(start + _SEND_CHUNK, shard.offset + shard.nbytes)], timeout)
-            return "sent"
-        except TimeoutError:
-            return "stalled"
-        except OSError:  # the client went away mid-shard (or the server shut the connection down)
-            return "lost"
-        finally:
-            release_socket(sock)  # the file status is shared with the transport's fd: non-blocking again
-            sock.close()
 
     def _malformed(self, message: str, step: int | None) -> web.Response:
         return self.guard.reply(400, message, step=step, have=self.store.newest)
@@ -331,11 +289,6 @@ async def _send_faulty(resp: web.StreamResponse, transport: asyncio.BaseTranspor
     if fault.then is not None:
         fault.then()
     return resp
-
-
-def _settle(future: asyncio.Future, outcome: str) -> None:
-    if not future.done():  # not cancelled meanwhile
-        future.set_result(outcome)
 
 
 def _error(status: int, message: str, step: int | None, have: int | None) -> web.Response:

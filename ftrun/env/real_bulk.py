@@ -17,16 +17,12 @@ it ends with part of a frame moved is a timeout once the deadline has passed (a 
 cannot stretch a frame past it).
 close() from another task shuts the socket down, which wakes a blocked call at once (PeerClosed).
 Nothing but close() may use the connection between `RealConnection.hold_bulk` and `release`.
-
-`hold_socket` / `send_held` / `release_socket` are the same hold on a bare socket (the catch-up server's
-shard bodies, sent from a task of their own while its event loop serves other requests).
 """
 
 from __future__ import annotations
 
 import socket
 import struct
-import time
 from typing import Any
 
 RealConnection = Any  # ftrun.env.real_net.RealConnection, which imports this module (no cycle back)
@@ -42,8 +38,13 @@ class BlockingBulk:
             raise ValueError(f"timeout must be > 0, got {timeout}")
         self._conn = conn
         conn._check_open()
+        whole = int(timeout)
+        micros = max(int((timeout - whole) * 1e6), 0 if whole else 1)  # a zero timeval never times out
+        limit = struct.pack("ll", whole, micros)  # struct timeval
         try:
-            hold_socket(conn._sock, timeout)
+            conn._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
+            conn._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
+            conn._sock.setblocking(True)
         except OSError as e:  # closed by another task meanwhile
             conn._lost("holding it", e)
         conn._wait_all = True
@@ -52,42 +53,9 @@ class BlockingBulk:
     def release(self) -> None:
         """Back to the connection's non-blocking mode (nothing to do once it is closed)."""
         self._conn._wait_all = False
-        if not self._conn.closed:
-            release_socket(self._conn._sock)
-
-
-def hold_socket(sock: socket.socket, timeout: float) -> None:
-    """Put `sock` in blocking mode, each send or receive at most `timeout` seconds in the kernel with
-    nothing moved (SO_SNDTIMEO / SO_RCVTIMEO). Raises OSError if the socket is closed."""
-    if timeout <= 0:
-        raise ValueError(f"timeout must be > 0, got {timeout}")
-    whole = int(timeout)
-    micros = max(int((timeout - whole) * 1e6), 0 if whole else 1)  # a zero timeval never times out
-    limit = struct.pack("ll", whole, micros)  # struct timeval
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
-    sock.setblocking(True)
-
-
-def send_held(sock: socket.socket, data: memoryview, timeout: float) -> None:
-    """All of `data` on a socket held by `hold_socket`: a send blocks in the kernel (the GIL released)
-    until it has moved what it could. TimeoutError once `timeout` has passed with bytes left (a peer that
-    stops reading or trickles cannot stretch it); OSError if the connection fails or is shut down."""
-    deadline = time.monotonic() + timeout
-    view = memoryview(data).cast("B")
-    while view.nbytes:
+        if self._conn.closed:
+            return
         try:
-            sent = sock.send(view)
-        except BlockingIOError:  # the kernel's timeout ended the call with nothing moved
-            sent = 0
-        view = view[sent:]
-        if view.nbytes and time.monotonic() >= deadline:
-            raise TimeoutError(f"sent {len(data) - view.nbytes} of {len(data)} bytes in {timeout:g}s")
-
-
-def release_socket(sock: socket.socket) -> None:
-    """Back to non-blocking mode (nothing to do once the socket is closed)."""
-    try:
-        sock.setblocking(False)
-    except OSError:
-        pass  # closed meanwhile
+            self._conn._sock.setblocking(False)
+        except OSError:
+            pass  # closed by another task meanwhile
