@@ -12,7 +12,7 @@ pages (MADV_HUGEPAGE) were tried: ~15 ms in isolation, but a fresh process's fir
 `reserve(state)` makes that buffer ahead of a first publish, in a background task (allocated and faulted
 in while the caller trains on): the trainer reserves while its quorum lacks some of the job's replicas,
 one of which will join and need the snapshot. In a launch (3 x 50 MB, 2 cores) a source's first publish
-copied in 51-83 ms against 6-16 ms into a buffer already faulted in, and the joiner waits for that copy.
+copied in 51-92 ms against 5-16 ms into a buffer already faulted in; the joiner waits for that copy.
 The server sends shards straight from the buffer, without copying them through Python. It is not
 page-locked: a GPU state's device-to-host copy goes through pageable memory (registering the mapping
 with cudaHostRegister would pin it; that belongs with the CUDA code, not here).
