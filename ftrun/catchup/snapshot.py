@@ -11,14 +11,15 @@ pages (MADV_HUGEPAGE) were tried: ~15 ms in isolation, but a fresh process's fir
 120-140 ms in one launch (likely the kernel compacting memory for them: THP defrag is "madvise" here).
 `reserve(state)` makes that buffer ahead of a first publish, in a background task (allocated and faulted
 in while the caller trains on): the trainer reserves while its quorum lacks some of the job's replicas,
-one of which will join and need the snapshot. In a launch (3 x 50 MB, 2 cores) a source's first publish
-copied in 51-92 ms against 5-16 ms into a buffer already faulted in; the joiner waits for that copy.
+one of which will join and need the snapshot (the memory a first publish takes, kept as it is). In a
+launch (3 x 50 MB, 2 cores) a source's first publish copied in 51-92 ms against 5-16 ms into a buffer
+already faulted in; the joiner waits for that copy.
 The server sends shards straight from the buffer, without copying them through Python. It is not
 page-locked: a GPU state's device-to-host copy goes through pageable memory (registering the mapping
 with cudaHostRegister would pin it; that belongs with the CUDA code, not here).
 
-Threading: publish/reserve/retire/close from one task (the training loop); `lookup` from any task (the server's
-event loop); `on_change` is called, from the publishing or checksumming task, whenever what `lookup`
+Threading: publish/reserve/retire/close from one task (the training loop); `lookup` from any task (the
+server's event loop); `on_change` is called, from the publishing or checksumming task, whenever what `lookup`
 answers may have changed.
 """
 
