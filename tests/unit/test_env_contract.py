@@ -233,6 +233,27 @@ def test_connect_to_nothing_and_accept_timeout(env):
     assert env.run(body)
 
 
+def test_a_cancelled_connect_ends_at_once_and_says_so(env):
+    """A connect to an address that refuses, with a 30 s timeout, ends soon after `cancelled()` turns
+    true (it is checked between retries), with a ConnectError naming the cancel, not the timeout. A
+    `cancelled` that stays false changes nothing: the connect succeeds, or times out as ever."""
+    def body():
+        listener = env.net.listen(ADDR)
+        env.net.connect(listener.addr, timeout=2.0, cancelled=lambda: False).close()
+        addr = listener.addr
+        listener.close()
+        with pytest.raises(ConnectError, match="within"):
+            env.net.connect(addr, timeout=0.2, cancelled=lambda: False)
+        start = env.clock.now()
+        with pytest.raises(ConnectError, match="cancelled") as got:
+            env.net.connect(addr, timeout=30.0, cancelled=lambda: env.clock.now() >= start + 0.1)
+        return env.clock.now() - start, str(got.value)
+
+    waited, message = env.run(body)
+    assert 0.1 <= waited < 1.0, (waited, message)
+    assert "within" not in message, message
+
+
 def test_bad_address_is_a_value_error(env):
     with pytest.raises(ValueError):
         env.run(env.net.listen, "no-port-here")
