@@ -44,7 +44,7 @@ log = logging.getLogger("ftrun.heal")
 @dataclass(frozen=True)
 class FetchResult:
     step: int
-    tensors: dict[str, torch.Tensor]  # views into one flat buffer
+    tensors: dict[str, torch.Tensor]  # views into one flat buffer, this fetch's own unless the caller gave one to reuse
     metadata: dict[str, Any]
     num_bytes: int
     seconds: float

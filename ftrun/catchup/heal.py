@@ -58,6 +58,13 @@ def should_publish(q: StepQuorum) -> bool:
     return not q.healed and any(p.step < q.step for p in q.participants)
 
 
+def should_reserve(q: StepQuorum, num_replicas: int) -> bool:
+    """True when the quorum lacks some of the job's `num_replicas` replicas: one of them will join (a
+    restart, a late starter) and this replica will publish its state for it, so it prepares the snapshot
+    buffer now rather than on the joiner's critical path (SnapshotStore.reserve). Pure."""
+    return len(q.participants) < num_replicas
+
+
 def make_heal(*, fetch: FetchFn, load_state: LoadFn, rank: int, endpoint: str = ENDPOINT) -> HealFn:
     """A Manager heal hook: fetch step q.step from the healthy replicas' same-rank sources, then load it.
 

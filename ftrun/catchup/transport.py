@@ -71,6 +71,9 @@ class CatchupService(Protocol):
     def publish(self, step: int, state: Mapping[str, torch.Tensor], metadata: dict[str, Any] | None = None) -> None:
         """Serve `state` as `step` (returns once it is copied; the caller may change its tensors)."""
 
+    def reserve(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Prepare, in the background, for a later publish of a state like `state` (returns at once)."""
+
     def retire(self, step: int) -> None:
         """Stop serving `step` (a no-op for another step)."""
 

@@ -81,7 +81,7 @@ from typing import Any, Callable
 from ftrun.catchup.config import CatchupConfig
 from ftrun.catchup.errors import CatchupError
 from ftrun.catchup.fetcher import FetchResult
-from ftrun.catchup.heal import catchup_sources, should_publish
+from ftrun.catchup.heal import catchup_sources, should_publish, should_reserve
 from ftrun.catchup.transport import CatchupService
 from ftrun.catchup.wait import estimate_fetch_s, exchange_wait_s, should_wait, wait_outcome
 from ftrun.checkpoint.policy import CheckpointConfig, checkpoint_writer
@@ -192,6 +192,7 @@ class FaultTolerantTrainer:
             checkpointer=checkpointer, config=config.checkpoint, env=env, replica_id=config.replica_id,
             rank=config.rank, emit=self._emit, checkpointed=checkpointed) if checkpointer is not None else None
         self.last_fetch: FetchResult | None = None
+        self._reserved = False  # the catch-up snapshot's buffer was reserved (once: its layout stays)
         self._kept: tuple[tuple[int, str], float, Any] | None = None  # ((step, lineage), loss, gradient)
         self._compute_s: float | None = None  # the last forward/backward's seconds
         self._snapshot_bytes = 0  # the size of the last published catch-up snapshot
@@ -380,6 +381,9 @@ class FaultTolerantTrainer:
             if checkpoint_writer(q.participants) == self.config.replica_id:
                 self.loader_store.save(self.progress.state)
         self.catchup.retire(q.step)  # a no-op unless this step was published
+        if not self._reserved and should_reserve(q, layout.num_replicas):  # a replica will join: its
+            self.catchup.reserve(self.state.tensors())  # snapshot's buffer now, with the optimizer's state
+            self._reserved = True
         self._published = None
         self._kept = None
 

@@ -168,6 +168,9 @@ class LeadCatchup:
     def publish(self, *args: Any, **kwargs: Any) -> None:
         self._s.publish(*args, **kwargs)
 
+    def reserve(self, state: Any) -> None:
+        self._s.reserve(state)
+
     def retire(self, step: int) -> None:
         self._s.retire(step)
 
@@ -185,6 +188,9 @@ class MirrorCatchup:
 
     def publish(self, *args: Any, **kwargs: Any) -> None:
         """Nobody fetches from a mirror."""
+
+    def reserve(self, state: Any) -> None:
+        """Nothing is published."""
 
     def retire(self, step: int) -> None:
         """Nothing published."""

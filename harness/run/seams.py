@@ -73,6 +73,9 @@ class ShapeSnapshotStore:
         self.num_published += 1
         self._changed()
 
+    def reserve(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Shape-only snapshots have no buffer to prepare."""
+
     def retire(self, step: int) -> None:
         if self._ready is None or self._ready.step != step:
             return
@@ -184,6 +187,9 @@ class TimedCatchup:
 
     def publish(self, *args: Any, **kwargs: Any) -> None:
         self._s.publish(*args, **kwargs)
+
+    def reserve(self, state: Any) -> None:
+        self._s.reserve(state)
 
     def retire(self, step: int) -> None:
         self._s.retire(step)

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from ftrun.catchup.errors import CatchupPeerError
-from ftrun.catchup.heal import catchup_sources, should_publish
+from ftrun.catchup.heal import catchup_sources, should_publish, should_reserve
 from ftrun.catchup.manifest import ALIGN, Manifest, decode_manifest, encode_manifest, layout_for
 from ftrun.catchup.plan import plan_fetch, reassign, replan, steal
 from ftrun.catchup.snapshot import availability
@@ -290,3 +290,13 @@ def test_catchup_sources_are_healthy_same_rank_rotated():
 def test_should_publish_only_when_someone_is_behind():
     assert should_publish(quorum([7, 5], 0)) and not should_publish(quorum([7, 5], 1))
     assert not should_publish(quorum([7, 7], 0))
+
+
+@pytest.mark.parametrize("steps, num_replicas, reserve", [
+    ([7, 7], 3, True),      # a replica is missing (dead, restarting, not started yet): it will join
+    ([7, 7, 7], 3, False),  # all there
+    ([7, 7, 5], 3, False),  # the joiner is in the quorum already: this step publishes anyway
+    ([7], 2, True),
+])
+def test_should_reserve_while_the_quorum_lacks_a_replica(steps, num_replicas, reserve):
+    assert should_reserve(quorum(steps, 0), num_replicas) is reserve

@@ -11,6 +11,7 @@ from ftrun.catchup.config import CatchupConfig
 from ftrun.catchup.errors import CatchupAuthError, CatchupStepError
 from ftrun.catchup.http_transport import HttpCatchup
 from ftrun.catchup.net_transport import NetCatchup
+from ftrun.catchup.snapshot import SnapshotStore, tensor_views
 from ftrun.config import Timeouts
 from ftrun.env.real import RealEnv
 from harness.engine import EmulatedWorld
@@ -86,6 +87,45 @@ def test_a_state_fetched_from_two_sources_arrives_whole(kind):
     assert same and result.metadata == {"step": 5} and result.failures == ()
     assert sum(result.bytes_by_source.values()) == result.num_bytes
     assert all(n > 0 for n in result.bytes_by_source.values())  # the plan spread the shards
+
+
+def test_a_state_published_after_a_reserve_arrives_whole(kind):
+    def body(env, make, device):
+        a, me = make(env), make(env)
+        try:
+            a.reserve(_state(device))
+            a.publish(5, _state(device), {"step": 5})
+            return _same(me.fetch(5, [a.url]).tensors, _state(device), device)
+        finally:
+            a.stop()
+            me.stop()
+
+    assert _run(kind, body)
+
+
+def test_a_reserved_buffer_is_what_the_next_publish_fills():
+    """reserve() faults a buffer in off the caller's path; the next publish copies into it (a reserve for
+    a larger layout than the current buffer's), its padding zero; a large enough buffer is kept as is."""
+    store = SnapshotStore(env=RealEnv(), max_shard_bytes=CONFIG.max_shard_bytes)
+    small, big = _state(), {**_state(), "optim.v": torch.ones(1000)}
+    try:
+        store.publish(1, small)
+        assert store.wait_ready(5.0)
+        fitted = store.lookup(1)[1].buffer.capacity
+        store.reserve(big)
+        store.publish(2, small)
+        assert store.wait_ready(5.0)
+        published = store.lookup(2)[1]
+        assert published.buffer.capacity > fitted  # the reserved one, sized for `big`
+        got = tensor_views(published.buffer.flat, published.manifest.layout)
+        assert all(torch.equal(got[k], v) for k, v in small.items())
+        gaps = published.manifest.layout.gaps()
+        assert gaps and not any(published.buffer.flat[a:b].any() for a, b in gaps)
+        store.reserve(small)  # fits the buffer it has: nothing to do
+        store.publish(3, big)
+        assert store.wait_ready(5.0) and store.lookup(3)[1].buffer is published.buffer
+    finally:
+        store.close()
 
 
 def test_a_step_published_during_the_long_poll_is_served(kind):

@@ -77,6 +77,22 @@ def test_replica_state_round_trip_is_bitwise_and_keeps_the_optimizer_exact():
         assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_replica_state_load_keeps_the_handed_tensors_as_the_optimizer_state():
+    """A fetch's tensors are the loader's: a CPU optimizer's state is them, not a copy (no clone on the
+    joiner's critical path), and it goes on from them in place."""
+    src_model, src_opt = trained(2)
+    dst_model = make_model(replace(TOY, seed=99))
+    dst_opt = torch.optim.AdamW(dst_model.parameters(), lr=5.0)
+    src = ReplicaState(model=src_model, optimizer=src_opt)
+    handed = {k: v.clone() for k, v in src.tensors().items()}
+    ReplicaState(model=dst_model, optimizer=dst_opt).load(handed, src.metadata())
+    moments = handed["optim.up.weight.exp_avg"]
+    assert dst_opt.state[dst_model.up.weight]["exp_avg"].data_ptr() == moments.data_ptr()
+    before = moments.clone()
+    one_step(dst_model, dst_opt, [torch.randn_like(p) for p in dst_model.parameters()])
+    assert not torch.equal(moments, before)  # updated where it lies
+
+
 def test_replica_state_rejects_another_models_state():
     with pytest.raises(ValueError, match="not parameters of the model"):
         ReplicaState(model=make_model(TOY), optimizer=torch.optim.SGD(make_model(TOY).parameters(), lr=1.0))
