@@ -28,7 +28,7 @@ import types
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-from shadow.cuda_shim import make_cuda_shim
+from shadow.cuda_shim import accelerator_names, make_cuda_shim
 from shadow.registry import Registry, load_registry
 
 _MISSING = object()
@@ -108,7 +108,7 @@ def active(profile: Any = None, *, registry: Registry | None = None, cuda_shim: 
         for real in registry.modules:
             _set_aside(undo, real)
         if cuda_shim:
-            _install_cuda_shim(undo, _gpus_per_host(profile))
+            _install_cuda_shim(undo, profile)
         undo.finder = ShadowFinder(registry.modules)
         sys.meta_path.insert(0, undo.finder)
         importlib.invalidate_caches()
@@ -142,7 +142,7 @@ def _set_aside(undo: _Active, name: str) -> None:
         delattr(parent, attr)
 
 
-def _install_cuda_shim(undo: _Active, devices: int) -> None:
+def _install_cuda_shim(undo: _Active, profile: Any) -> None:
     try:
         import torch
 
@@ -150,16 +150,19 @@ def _install_cuda_shim(undo: _Active, devices: int) -> None:
     except ImportError:
         return  # nothing to shim: code that needs torch.cuda needs torch first
     real = sys.modules.get("torch.cuda")
-    shim = make_cuda_shim(device_count=devices, real=real)
+    shim = make_cuda_shim(device_count=_gpus_per_host(profile), real=real)
     undo.saved_modules["torch.cuda"] = sys.modules.get("torch.cuda", _MISSING)
     undo.saved_attrs.append((torch, "cuda", getattr(torch, "cuda", _MISSING)))
     sys.modules["torch.cuda"] = shim
     torch.cuda = shim  # type: ignore[assignment]
-    undo.host_names = HostNames()
-    for owner, attr, stand_in in undo.host_names.names():
-        undo.saved_attrs.append((owner, attr, getattr(owner, attr)))
-        setattr(owner, attr, stand_in)
     undo.mode = HostTensors()
+    layout = (profile.replicas, profile.ranks_per_replica) if hasattr(profile, "ranks_per_replica") else None
+    undo.host_names = HostNames(undo.mode, layout=layout)
+    stand_ins = undo.host_names.names()
+    stand_ins += [(torch.accelerator, name, fn) for name, fn in accelerator_names(shim, torch.accelerator).items()]
+    for owner, attr, stand_in in stand_ins:
+        undo.saved_attrs.append((owner, attr, vars(owner).get(attr, _MISSING)))  # _MISSING: inherited (a class's)
+        setattr(owner, attr, stand_in)
     undo.mode.__enter__()
     _forget_device_modules(torch)
 
