@@ -155,6 +155,8 @@ class HostTensors(TorchFunctionMode):
         out = func(*args, **kwargs)
         if func in _MOVES and for_gpu is not None:
             out = self._moved(args[0], out, for_gpu)
+        if args and out is args[0]:
+            return out  # in place (x.copy_(y), x.add_(y)): x stays where it is
         if for_gpu is None and (self._noted_any or self.default_for_gpu):
             tensors = list(_tensors(args, kwargs))
             for_gpu = any(self._made_for_gpu(t) for t in tensors) if tensors else self.default_for_gpu

@@ -439,6 +439,9 @@ def test_is_cuda_answers_the_script_for_the_tensors_it_made_for_a_gpu(gpu_host):
     back.add_(1)
     assert torch.equal(on_gpu, torch.ones(2))  # .cpu() of a GPU tensor is a copy, as on a GPU host
     assert not torch.ones(2, device="cpu").is_cuda and not torch.empty(1, device="meta").is_cuda
+    buffer = torch.zeros(2)
+    buffer.copy_(on_gpu, non_blocking=True)
+    assert not buffer.is_cuda and torch.equal(buffer, on_gpu)  # in place: a host buffer stays on the host
     model = torch.nn.Linear(2, 2)
     assert not model.weight.is_cuda
     model.to("cuda")
