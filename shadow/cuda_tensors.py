@@ -207,11 +207,15 @@ def _tensors(args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:
             yield from (x for x in a if isinstance(x, torch.Tensor))
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def _storage(tensor: torch.Tensor) -> Any:
     """The tensor's storage (a DTensor's: its local shard's); None for a tensor without one."""
-    to_local = getattr(tensor, "to_local", None)
-    if to_local is not None:
-        tensor = to_local()
+    if type(tensor) not in _PLAIN:
+        to_local = getattr(tensor, "to_local", None)
+        if to_local is not None:
+            tensor = to_local()
     try:
         return tensor.untyped_storage()
     except (RuntimeError, NotImplementedError, TypeError):
