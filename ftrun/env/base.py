@@ -197,3 +197,24 @@ class Env(Protocol):
 
         Real env: a plain call. Emulated env: drives the event loop until `fn` returns.
         """
+
+
+def serve_connections(env: Env, listener: Listener, handle: Callable[[Connection], Any], *, name: str,
+                      conn_name: str, on_accept: Callable[[Connection], Any] | None = None) -> Task:
+    """Spawn task `name`, which accepts on `listener` until it is closed and starts `handle(conn)` as task
+    `conn_name` for every connection; `on_accept(conn)` runs first, in the accepting task (e.g. to note the
+    connection where a stop() closes it even before its handler runs). Handlers own their connections.
+    Returns the accepting task; it ends when accept raises a NetError: the listener was closed (or, real Env,
+    the accept itself failed, e.g. out of descriptors)."""
+
+    def accept_loop() -> None:
+        while True:
+            try:
+                conn = listener.accept()
+            except NetError:
+                return
+            if on_accept is not None:
+                on_accept(conn)
+            env.spawn(handle, conn, name=conn_name)
+
+    return env.spawn(accept_loop, name=name)

@@ -22,7 +22,7 @@ import hmac
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ftrun.env.base import Connection, Env, EnvTimeout, NetError, PeerClosed
+from ftrun.env.base import Connection, Env, EnvTimeout, NetError, PeerClosed, serve_connections
 
 MAX_EPOCH = 2**63 - 1
 
@@ -92,15 +92,8 @@ class RingListener:
         if advertise_host is not None and not self.addr.startswith("unix:"):
             self.addr = f"{advertise_host}:{self.addr.rpartition(':')[2]}"
         self._arrivals = env.queue()
-        self._task = env.spawn(self._accept_loop, name="ftar-accept")
-
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                conn = self._listener.accept()
-            except NetError:
-                return
-            self.env.spawn(self._greet, conn, name="ftar-greet")
+        self._task = serve_connections(env, self._listener, self._greet, name="ftar-accept",
+                                       conn_name="ftar-greet")
 
     def _greet(self, conn: Connection) -> None:
         try:
