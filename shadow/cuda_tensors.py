@@ -26,10 +26,9 @@ the host, so the script runs as its CPU run does:
   mode notes the storages of the tensors made on a CUDA device= (or under `with torch.device("cuda")`
   or torch.set_default_device("cuda"), a tensor made from no tensor), moved there (Tensor.to / cuda(),
   Module.to / cuda()) or made by an op from such a tensor (a move back with .cpu() / .to("cpu") is a
-  copy, as on a GPU host). torch's own code gets the host's answer (False): it handles host tensors.
-  x.device still reports the host, and gradients that autograd accumulates into a plain module's
-  parameters report False (autograd makes them without a mode seeing it; FSDP2's reduce-scattered
-  ones are noted).
+  copy, as on a GPU host; an in-place op leaves its tensor where it was). A parameter's .grad is noted
+  as it is read (autograd makes it without any mode seeing it). torch's own code gets the host's answer
+  (False): it handles host tensors. x.device still reports the host.
 
 Some torch names ask for a GPU where no torch function mode sees it; `HostNames` gives the context
 stand-ins for them (installed as attributes of torch / torch.distributed / torch.Tensor, put back on exit):
