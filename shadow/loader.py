@@ -11,8 +11,10 @@ before the context are set aside (sys.modules and their parent package's attribu
 exit; shadow modules are dropped on exit. `torch.cuda` is replaced by a shim object (sys.modules and
 the `torch.cuda` attribute) and restored on exit, when torch is installed; with it, tensors asked for on a
 CUDA device are made on the host (shadow.cuda_tensors: a torch function mode of the entering thread, and
-stand-ins for torch.set_default_device, torch.Generator and torch.distributed.init_process_group, set as
-attributes and put back on exit, with the default device found on entry).
+stand-ins for torch.set_default_device, torch.Generator, Tensor.record_stream and torch.distributed's
+init_process_group, new_group and init_device_mesh, set as attributes and put back on exit, with the default
+device found on entry; a CUDA mesh is checked against the profile's layout), and torch.accelerator answers
+for the shim's GPUs to code outside torch (shadow.cuda_shim.accelerator_names).
 
 Only one context may be active at a time (the import system is process-wide); nesting raises
 RuntimeError. Modules imported inside the context that bound a shadow module by name keep it.
