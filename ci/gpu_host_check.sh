@@ -3,7 +3,7 @@
 # CUDA torch (about 2 minutes on a 16-core H100/H200 host): the unit tests of the slot choice and of the
 # shadow loader's GPU tensors and a script's GPU idioms (there torch.cuda really exists, so the shim and the
 # host-tensor mode must still keep everything off the GPU), every example emulated with --device cpu and cuda
-# and tests/integration/gpu_user_loop.py with --device cuda, and the two GPU
+# and tests/integration/gpu_user_loop.py and fsdp2_mesh_loop.py (its own CUDA mesh) with --device cuda, and the two GPU
 # launch tests (3 replicas x 1 rank, one killed and restarted: replica i on cuda:{i % GPUs}). Extra packages
 # (faker) come from the caller's PYTHONPATH.
 set -u

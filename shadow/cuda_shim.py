@@ -246,7 +246,7 @@ def make_cuda_shim(*, device_count: int, real: Any = None, device_name: str = "E
     shim.__all__ = sorted(names)
 
     def __getattr__(name: str) -> Any:
-        if real is not None and (name.startswith("_") or _called_from_torch()):
+        if real is not None and (name.startswith("_") or _called_from_torch(1)):
             return getattr(real, name)  # torch's own internals (e.g. _is_in_bad_fork, dynamo's tables)
         raise AttributeError(f"torch.cuda.{name} is not provided by the shadow loader's torch.cuda shim "
                              f"(shadow/cuda_shim.py); add it there if training code needs it")
@@ -255,7 +255,45 @@ def make_cuda_shim(*, device_count: int, real: Any = None, device_name: str = "E
     return shim
 
 
-def _called_from_torch() -> bool:
-    """Whether the attribute lookup comes from torch's own code (two frames up: the module __getattr__)."""
-    caller = sys._getframe(2).f_globals.get("__name__", "")
+def _called_from_torch(depth: int = 1) -> bool:
+    """Whether the code that called our caller (`depth` 1; 2: its caller, ...) is torch's own, e.g. the
+    lookup that reached a module __getattr__."""
+    caller = sys._getframe(depth + 1).f_globals.get("__name__", "")
     return caller == "torch" or caller.startswith("torch.")
+
+
+def accelerator_names(shim: types.ModuleType, real: Any) -> dict[str, Callable[..., Any]]:
+    """Stand-ins for torch.accelerator's functions (`real`: the module), as a GPU host answers them for
+    the shim's modeled GPUs: a CUDA accelerator, the shim's devices, current device and streams, zero
+    memory. Only code outside torch gets these answers: torch's own code (a DataLoader choosing where to
+    pin, an optimizer's step) gets the real module's, since the tensors it handles are host tensors. The
+    names this torch's torch.accelerator lacks are left out."""
+    import torch
+
+    @contextmanager
+    def device_index(device: Any) -> Iterator[None]:
+        if device is None:
+            yield
+        else:
+            with shim.device(device):
+                yield
+
+    answers: dict[str, Callable[..., Any]] = dict(
+        is_available=lambda: True, current_accelerator=lambda check_available=False: torch.device("cuda"),
+        device_count=shim.device_count, current_device_index=shim.current_device,
+        current_device_idx=shim.current_device, set_device_index=shim.set_device, set_device_idx=shim.set_device,
+        device_index=device_index, synchronize=shim.synchronize, current_stream=shim.current_stream,
+        set_stream=lambda stream: None, empty_cache=shim.empty_cache, memory_allocated=shim.memory_allocated,
+        max_memory_allocated=shim.max_memory_allocated, memory_reserved=shim.memory_reserved,
+        max_memory_reserved=shim.max_memory_reserved, memory_stats=shim.memory_stats,
+        reset_peak_memory_stats=shim.reset_peak_memory_stats, get_memory_info=shim.mem_get_info)
+    return {name: _outside_torch(answer, getattr(real, name)) for name, answer in answers.items()
+            if hasattr(real, name)}
+
+
+def _outside_torch(answer: Callable[..., Any], real: Callable[..., Any]) -> Callable[..., Any]:
+    def stand_in(*args: Any, **kwargs: Any) -> Any:
+        return (real if _called_from_torch(1) else answer)(*args, **kwargs)
+
+    stand_in.__name__, stand_in.__doc__ = getattr(real, "__name__", "stand_in"), real.__doc__
+    return stand_in

@@ -21,37 +21,64 @@ the host, so the script runs as its CPU run does:
   memory here);
 - `with torch.device("cuda"):` works as it is: torch pushes that default-device mode above this one,
   so it fills in device="cuda" and this mode then sees it (torch.get_default_device() inside reports
-  the host for "cuda", "cuda:N" for "cuda:N").
+  the host for "cuda", "cuda:N" for "cuda:N");
+- `x.is_cuda` answers, to code outside torch (the script's), whether x was made for a CUDA device: the
+  mode notes the storages of the tensors made on a CUDA device= (or under `with torch.device("cuda")`
+  or torch.set_default_device("cuda"), a tensor made from no tensor), moved there (Tensor.to / cuda(),
+  Module.to / cuda()) or made by an op from such a tensor (a move back with .cpu() / .to("cpu") is a
+  copy, as on a GPU host; an in-place op leaves its tensor where it was). A parameter's .grad is noted
+  as it is read (autograd makes it without any mode seeing it). torch's own code gets the host's answer
+  (False): it handles host tensors. x.device still reports the host.
 
-Three torch names ask for a GPU where no torch function mode sees it; `HostNames` gives the context
-stand-ins for them (installed as attributes of torch / torch.distributed, put back on exit):
+Some torch names ask for a GPU where no torch function mode sees it; `HostNames` gives the context
+stand-ins for them (installed as attributes of torch / torch.distributed / torch.Tensor, put back on exit):
 
 - torch.set_default_device(<CUDA device>) sets the host as the default device (torch's default-device
   mode sits below every other mode, so it would fill in "cuda" after this one looked); on exit the
   default device found on entry is set again;
 - torch.Generator(device=<CUDA device>) is a host generator (a subclass; isinstance checks against
   torch.Generator still accept every generator);
-- torch.distributed.init_process_group("nccl", device_id=<CUDA device>) makes a gloo group with no
-  bound device (the tensors it reduces are host tensors; "cpu:gloo,cuda:nccl" also becomes "gloo").
+- Tensor.record_stream(<a torch.cuda shim stream>) records nothing (torch would refuse the shim's stream
+  before any mode saw the call; a host tensor's memory is not reused behind a stream's back);
+- torch.distributed.init_process_group("nccl", device_id=<CUDA device>) and new_group(backend="nccl",
+  ...) make gloo groups with no bound device (the tensors they reduce are host tensors;
+  "cpu:gloo,cuda:nccl" also becomes "gloo");
+- torch.distributed(.device_mesh).init_device_mesh("cuda", shape, mesh_dim_names=...) is a DeviceMesh on
+  the host with the script's dimension names and ONE rank in each dimension, over a one-rank gloo group
+  it makes the default one when there is none (destroyed on exit). The script's process is rank 0 of
+  the emulated job and traces one rank's step (mocks.train_api): fully_shard(model, mesh=mesh) shards
+  its model for real over that one rank, so the traced step runs FSDP2's (or, 2-D, HSDP's) hooks on the
+  rank's whole micro-batch, while the emulated ranks shard the model over the profile's layout
+  (mocks.script). The shape must be that layout (`check_mesh_shape`): (ranks per replica,), or
+  (replicas, ranks per replica) for ("replicate", "shard"), where FTAR across the replicas is the
+  replicate dimension; other shapes, 3-D meshes (tensor / pipeline parallel) and backend_override fail
+  naming the idiom. mesh.size() and the groups' sizes are 1: a script that sizes its batch by them
+  traces a batch larger than its ranks' (use job.spec.ranks_per_replica, as a script on ftrun does).
+
+torch.accelerator's functions answer, to code outside torch, for the shim's modeled GPUs (a CUDA
+accelerator, gpus_per_host devices: shadow.cuda_shim.accelerator_names); torch's own code gets the
+real build's answers.
 
 A CUDA device is a torch.device or a string of type cuda ("cuda", "cuda:3"), or an int ordinal passed to
 Tensor.to / as device=. With the torch.cuda shim (shadow.cuda_shim: is_available() is True, set_device,
 synchronize, streams, events, autocast and GradScaler through torch.cuda.amp), ftrun's device seam
 (ftrun.train.device) and a script's own CUDA calls run unchanged. Not covered: a tensor's device reports
-the host (`x.is_cuda` is False); torch.accelerator (it answers for the real build: no accelerator on a
-CPU one); Tensor.record_stream(torch.cuda.Stream) (torch parses the stream before any mode sees the
-call); a DataLoader's pin-memory thread (pin_memory=True with workers: the mode covers the entering
-thread, and on a CUDA build that thread pins through torch.accelerator);
-torch.distributed.init_device_mesh("cuda", ...) and new_group(backend="nccl").
+the host (x.device.type is "cpu"; is_cuda, above, is the script's answer); a DataLoader's pin-memory
+thread (pin_memory=True with workers: the mode covers the entering thread, and on a CUDA build that
+thread pins through torch.accelerator); fully_shard(model) without a mesh= (FSDP2 builds its default
+mesh through torch's own init_device_mesh: pass the mesh).
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Any
+import sys
+from typing import Any, Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from shadow.cuda_shim import Stream as ShimStream
 
 _REAL_GENERATOR = torch.Generator  # captured at import, before any context replaces the name
 
@@ -83,25 +110,115 @@ def _cuda_generator(device: Any) -> torch.Generator:
     return cuda.default_generators[index]
 
 
+_MOVES = frozenset((torch.Tensor.to, torch.Tensor.cpu))  # and Tensor.cuda
+# The note on a storage made for a CUDA device: an attribute of its Python object, which torch keeps for as
+# long as the storage lives once it has attributes (a weak set would lose it with the first wrapper object).
+_FOR_GPU = "_shadow_made_for_gpu"
+_IS_CUDA = torch.Tensor.is_cuda  # the property's descriptor: `x.is_cuda` reaches the mode as its __get__
+
+
 class HostTensors(TorchFunctionMode):
     """The torch function mode of the module docstring (thread-local, like every torch function mode:
-    it covers the thread that entered it)."""
+    it covers the thread that entered it). It notes the storages of the tensors made for a CUDA device
+    (`is_cuda`, _FOR_GPU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._noted_any = False  # a storage has been noted: ops look at their tensors' storages from then on
+        self.default_for_gpu = False  # torch.set_default_device(<CUDA device>) is in effect (HostNames)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = dict(kwargs or {})
+        if getattr(func, "__self__", None) is _IS_CUDA:
+            return self.is_cuda(args[0], caller=sys._getframe(1))
+        for_gpu = None  # None: as its tensor arguments (an op on a CUDA tensor makes a CUDA tensor)
         if func is torch.Tensor.cuda:
-            return args[0].to(_host_of(args[0]))
+            return self._noted(self._moved(args[0], args[0].to(_host_of(args[0])), True), True)
         if func is torch.Tensor.pin_memory:
             return args[0]
-        if func is torch.Tensor.to and len(args) > 1 and is_cuda_device(args[1]):
-            args = (args[0], _host_of(args[0]), *args[2:])
-        if is_cuda_device(kwargs.get("device")):
+        if func is torch.Tensor.cpu:
+            for_gpu = False
+        if func is torch.Tensor.to and len(args) > 1 and _names_device(args[1]):
+            for_gpu = is_cuda_device(args[1])
+            if for_gpu:
+                args = (args[0], _host_of(args[0]), *args[2:])
+        if kwargs.get("device") is not None:
+            for_gpu = is_cuda_device(kwargs["device"])
+        if for_gpu:
             if func in _RANDOM_FACTORIES and kwargs.get("generator") is None:
                 kwargs["generator"] = _cuda_generator(kwargs["device"])
-            kwargs["device"] = _host_of(args[0] if args else None)
+            if "device" in kwargs:
+                kwargs["device"] = _host_of(args[0] if args else None)
         if kwargs.get("pin_memory"):
             kwargs["pin_memory"] = False
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if func in _MOVES and for_gpu is not None:
+            out = self._moved(args[0], out, for_gpu)
+        if args and out is args[0]:
+            return out  # in place (x.copy_(y), x.add_(y)): x stays where it is
+        if for_gpu is None and (self._noted_any or self.default_for_gpu):
+            tensors = list(_tensors(args, kwargs))
+            for_gpu = any(self._made_for_gpu(t) for t in tensors) if tensors else self.default_for_gpu
+        return self._noted(out, for_gpu)
+
+    def is_cuda(self, tensor: torch.Tensor, *, caller: Any) -> bool:
+        """`x.is_cuda`: torch's own code gets the tensor's real answer (it is a host tensor); other code
+        (the script's) gets whether it was made for a CUDA device."""
+        while caller is not None and caller.f_code.co_name == "__torch_function__":
+            caller = caller.f_back  # other torch function modes above this one (torch.device("cuda")'s)
+        name = caller.f_globals.get("__name__", "") if caller is not None else ""
+        if name == "torch" or name.startswith("torch."):
+            return _IS_CUDA.__get__(tensor)
+        return self._made_for_gpu(tensor)
+
+    @staticmethod
+    def _made_for_gpu(tensor: torch.Tensor) -> bool:
+        return getattr(_storage(tensor), _FOR_GPU, False)
+
+    def _moved(self, tensor: torch.Tensor, out: Any, for_gpu: bool) -> Any:
+        """A move between a CUDA device and the host is a copy, as on a GPU host: here torch returns the
+        host tensor itself, so it is copied when the move changes what `is_cuda` answers."""
+        if out is tensor and not tensor.is_meta and self._made_for_gpu(tensor) != for_gpu:
+            return tensor.clone()
+        return out
+
+    def _noted(self, out: Any, for_gpu: bool) -> Any:
+        if for_gpu:
+            for t in _tensors((out,), {}):
+                storage = _storage(t)
+                if storage is not None and not t.is_meta:
+                    setattr(storage, _FOR_GPU, True)
+                    self._noted_any = True
+        return out
+
+
+def _names_device(arg: Any) -> bool:
+    """Whether Tensor.to's second positional argument is a device (not a dtype or another tensor)."""
+    return isinstance(arg, (torch.device, str)) or (isinstance(arg, int) and not isinstance(arg, bool))
+
+
+def _tensors(args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:
+    """The tensors among the arguments, and inside lists and tuples one level down."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            yield from (x for x in a if isinstance(x, torch.Tensor))
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _storage(tensor: torch.Tensor) -> Any:
+    """The tensor's storage (a DTensor's: its local shard's); None for a tensor without one."""
+    if type(tensor) not in _PLAIN:
+        to_local = getattr(tensor, "to_local", None)
+        if to_local is not None:
+            tensor = to_local()
+    try:
+        return tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
 
 
 class _HostGeneratorType(type(_REAL_GENERATOR)):  # type: ignore[misc]
@@ -124,41 +241,122 @@ def _host_backend(backend: Any) -> Any:
 
 
 class HostNames:
-    """The stand-ins of the module docstring for torch.set_default_device, torch.Generator and
-    torch.distributed.init_process_group. Make it before entering the context (it notes the default
-    device then); `names()` lists (owner, attribute, stand-in); `restore()` on exit sets the entry's
-    default device again if the script changed it."""
+    """The stand-ins of the module docstring for torch.set_default_device, torch.Generator,
+    Tensor.record_stream and torch.distributed's init_process_group, new_group and init_device_mesh.
+    Make it before entering the context (it notes the default device then), with the context's
+    HostTensors mode and the job's layout (replicas, ranks per replica; None: any mesh shape); `names()`
+    lists (owner, attribute, stand-in); `restore()` on exit sets the entry's default device again if the
+    script changed it and destroys the one-rank process group a mesh made."""
 
-    def __init__(self) -> None:
+    def __init__(self, mode: HostTensors, *, layout: tuple[int, int] | None = None) -> None:
+        self._mode, self._layout = mode, layout
         self._set_default = torch.set_default_device
         self._entry_default = torch.get_default_device()
         self._changed = False
+        self._made_group = False
 
     def names(self) -> list[tuple[Any, str, Any]]:
         out: list[tuple[Any, str, Any]] = [(torch, "set_default_device", self.set_default_device),
-                                           (torch, "Generator", HostGenerator)]
+                                           (torch, "Generator", HostGenerator),
+                                           (torch.Tensor, "record_stream", _record_stream)]
         if torch.distributed.is_available():
-            real_init = torch.distributed.init_process_group
-            signature = inspect.signature(real_init)
+            import torch.distributed.device_mesh as device_mesh
 
-            def init_process_group(*args: Any, **kwargs: Any) -> Any:
-                bound = signature.bind(*args, **kwargs)
-                if "backend" in bound.arguments:
-                    bound.arguments["backend"] = _host_backend(bound.arguments["backend"])
-                if is_cuda_device(bound.arguments.get("device_id")):
-                    bound.arguments["device_id"] = None
-                return real_init(*bound.args, **bound.kwargs)
-
-            init_process_group.__doc__ = real_init.__doc__
-            out.append((torch.distributed, "init_process_group", init_process_group))
+            dist = torch.distributed
+            out.append((dist, "init_process_group", _host_group_call(dist.init_process_group)))
+            out.append((dist, "new_group", _host_group_call(dist.new_group)))
+            mesh = self._init_device_mesh(device_mesh.init_device_mesh)
+            out.append((device_mesh, "init_device_mesh", mesh))
+            if hasattr(dist, "init_device_mesh"):
+                out.append((dist, "init_device_mesh", mesh))
         return out
 
     def set_default_device(self, device: Any) -> None:
-        """torch.set_default_device: a CUDA device becomes the host."""
+        """torch.set_default_device: a CUDA device becomes the host (tensors made from no tensor are
+        then made for the GPU, `is_cuda`)."""
         self._changed = True
+        self._mode.default_for_gpu = is_cuda_device(device)
         self._set_default("cpu" if is_cuda_device(device) else device)
+
+    def _init_device_mesh(self, real: Any) -> Any:
+        def init_device_mesh(device_type: str, mesh_shape: tuple[int, ...], *, mesh_dim_names: Any = None,
+                             **kwargs: Any) -> Any:
+            if not is_cuda_device(device_type):
+                return real(device_type, mesh_shape, mesh_dim_names=mesh_dim_names, **kwargs)
+            shape = tuple(mesh_shape)
+            check_mesh_shape(shape, self._layout)
+            dist = torch.distributed
+            if not dist.is_initialized():
+                dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+                self._made_group = True
+            elif dist.get_world_size() != 1:
+                raise RuntimeError(f"init_device_mesh({device_type!r}, {shape}) under the shadow loader: the "
+                                   f"script's process is one rank, but its default process group has "
+                                   f"{dist.get_world_size()}")
+            if kwargs.get("backend_override"):
+                raise ValueError(f"init_device_mesh({device_type!r}, {shape}, backend_override=...) under the "
+                                 f"shadow loader: the mesh's groups are gloo groups on the host; leave "
+                                 f"backend_override out")
+            kwargs.pop("backend_override", None)
+            return real("cpu", (1,) * len(shape), mesh_dim_names=mesh_dim_names, **kwargs)
+
+        init_device_mesh.__doc__ = real.__doc__
+        return init_device_mesh
 
     def restore(self) -> None:
         if self._changed:
             self._set_default(None if self._entry_default.type == "cpu" else self._entry_default)
             self._changed = False
+        if self._made_group and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        self._made_group = False
+
+
+def check_mesh_shape(shape: tuple[int, ...], layout: tuple[int, int] | None) -> None:
+    """A CUDA mesh's shape against the emulated job's layout (replicas, ranks per replica): a 1-D mesh
+    is a replica's ranks (FSDP2 shards over them), a 2-D one (replicate, shard) is the replicas by a
+    replica's ranks (HSDP: FTAR replicates across the replicas). Raises ValueError naming the idiom."""
+    idiom = f"init_device_mesh('cuda', {shape})"
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in shape):
+        raise ValueError(f"{idiom}: every mesh dimension must be an int >= 1")
+    if len(shape) not in (1, 2):
+        raise ValueError(f"{idiom} under the shadow loader: the emulator models data parallelism only, a 1-D "
+                         f"mesh (ranks per replica,) or a 2-D one (replicas, ranks per replica); a mesh of "
+                         f"{len(shape)} dimensions (tensor, pipeline or context parallel) is not emulated")
+    if layout is None:
+        return
+    replicas, ranks = layout
+    want = (ranks,) if len(shape) == 1 else (replicas, ranks)
+    if shape != want:
+        raise ValueError(f"{idiom} under the shadow loader: the profile's job is {replicas} replicas of {ranks} "
+                         f"ranks, and its emulated ranks shard the model over a replica's {ranks} ranks; use "
+                         f"{want} (job.spec.ranks_per_replica" + (")" if len(shape) == 1 else
+                         ", with job.spec.num_replicas first)"))
+
+
+def _host_group_call(real: Any) -> Any:
+    """`real` (init_process_group or new_group) with any NCCL part of its backend made gloo and a CUDA
+    device_id dropped: the group reduces host tensors."""
+    signature = inspect.signature(real)
+
+    def host_group(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        if "backend" in bound.arguments:
+            bound.arguments["backend"] = _host_backend(bound.arguments["backend"])
+        if is_cuda_device(bound.arguments.get("device_id")):
+            bound.arguments["device_id"] = None
+        return real(*bound.args, **bound.kwargs)
+
+    host_group.__name__, host_group.__doc__ = real.__name__, real.__doc__
+    return host_group
+
+
+_REAL_RECORD_STREAM = torch.Tensor.record_stream
+
+
+def _record_stream(tensor: torch.Tensor, stream: Any) -> None:
+    """Tensor.record_stream: with the torch.cuda shim's stream, nothing to record (a host tensor's memory
+    is not reused behind a stream's back); any other stream goes to torch."""
+    if isinstance(stream, ShimStream):
+        return None
+    return _REAL_RECORD_STREAM(tensor, stream)

@@ -11,8 +11,10 @@ before the context are set aside (sys.modules and their parent package's attribu
 exit; shadow modules are dropped on exit. `torch.cuda` is replaced by a shim object (sys.modules and
 the `torch.cuda` attribute) and restored on exit, when torch is installed; with it, tensors asked for on a
 CUDA device are made on the host (shadow.cuda_tensors: a torch function mode of the entering thread, and
-stand-ins for torch.set_default_device, torch.Generator and torch.distributed.init_process_group, set as
-attributes and put back on exit, with the default device found on entry).
+stand-ins for torch.set_default_device, torch.Generator, Tensor.record_stream and torch.distributed's
+init_process_group, new_group and init_device_mesh, set as attributes and put back on exit, with the default
+device found on entry; a CUDA mesh is checked against the profile's layout), and torch.accelerator answers
+for the shim's GPUs to code outside torch (shadow.cuda_shim.accelerator_names).
 
 Only one context may be active at a time (the import system is process-wide); nesting raises
 RuntimeError. Modules imported inside the context that bound a shadow module by name keep it.
@@ -28,7 +30,7 @@ import types
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-from shadow.cuda_shim import make_cuda_shim
+from shadow.cuda_shim import accelerator_names, make_cuda_shim
 from shadow.registry import Registry, load_registry
 
 _MISSING = object()
@@ -108,7 +110,7 @@ def active(profile: Any = None, *, registry: Registry | None = None, cuda_shim: 
         for real in registry.modules:
             _set_aside(undo, real)
         if cuda_shim:
-            _install_cuda_shim(undo, _gpus_per_host(profile))
+            _install_cuda_shim(undo, profile)
         undo.finder = ShadowFinder(registry.modules)
         sys.meta_path.insert(0, undo.finder)
         importlib.invalidate_caches()
@@ -142,7 +144,7 @@ def _set_aside(undo: _Active, name: str) -> None:
         delattr(parent, attr)
 
 
-def _install_cuda_shim(undo: _Active, devices: int) -> None:
+def _install_cuda_shim(undo: _Active, profile: Any) -> None:
     try:
         import torch
 
@@ -150,16 +152,19 @@ def _install_cuda_shim(undo: _Active, devices: int) -> None:
     except ImportError:
         return  # nothing to shim: code that needs torch.cuda needs torch first
     real = sys.modules.get("torch.cuda")
-    shim = make_cuda_shim(device_count=devices, real=real)
+    shim = make_cuda_shim(device_count=_gpus_per_host(profile), real=real)
     undo.saved_modules["torch.cuda"] = sys.modules.get("torch.cuda", _MISSING)
     undo.saved_attrs.append((torch, "cuda", getattr(torch, "cuda", _MISSING)))
     sys.modules["torch.cuda"] = shim
     torch.cuda = shim  # type: ignore[assignment]
-    undo.host_names = HostNames()
-    for owner, attr, stand_in in undo.host_names.names():
-        undo.saved_attrs.append((owner, attr, getattr(owner, attr)))
-        setattr(owner, attr, stand_in)
     undo.mode = HostTensors()
+    layout = (profile.replicas, profile.ranks_per_replica) if hasattr(profile, "ranks_per_replica") else None
+    undo.host_names = HostNames(undo.mode, layout=layout)
+    stand_ins = undo.host_names.names()
+    stand_ins += [(torch.accelerator, name, fn) for name, fn in accelerator_names(shim, torch.accelerator).items()]
+    for owner, attr, stand_in in stand_ins:
+        undo.saved_attrs.append((owner, attr, vars(owner).get(attr, _MISSING)))  # _MISSING: inherited (a class's)
+        setattr(owner, attr, stand_in)
     undo.mode.__enter__()
     _forget_device_modules(torch)
 

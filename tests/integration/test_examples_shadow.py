@@ -104,3 +104,22 @@ def test_script_args_reach_the_script_and_size_its_model(tmp_path):
 
 def test_there_are_examples():
     assert EXAMPLES
+
+
+@pytest.mark.timeout(180)
+def test_an_fsdp2_script_on_its_own_cuda_mesh_trains_every_emulated_rank_and_the_killed_replica_rejoins(tmp_path):
+    """tests/integration/fsdp2_mesh_loop.py: init_device_mesh("cuda", (replicas, ranks per replica),
+    ("replicate", "shard")), fully_shard of its blocks and root on it, new_group(backend="nccl"), is_cuda
+    branches, record_stream and torch.accelerator, all answered on the host; its traced step is one rank's
+    whole FSDP2 step (the one-rank mesh gathers the whole model), so its FLOPs are one rank's."""
+    script = Path(__file__).with_name("fsdp2_mesh_loop.py")
+    f, events, stderr = trained_with_a_kill(script, tmp_path, "cuda")
+    assert "fsdp2_mesh_loop: cuda x 2, mesh {'replicate': 4, 'shard': 8}" in stderr
+    s = f["script"]
+    assert s["api"] == "wrap" and s["num_params"] == 15041 and s["params_per_rank"] == 1937  # dim-0 shards of 8
+    dim, hidden, depth, micro = 32, 64, 3, 16
+    matmul = dim * hidden + depth * hidden * hidden + hidden  # the Linear weights
+    # forward 2 FLOPs per weight and sample; backward twice that, less the input layer's input gradient
+    assert s["flops_per_step_per_rank"] == 6 * micro * matmul - 2 * micro * dim * hidden
+    [metrics] = [e for e in events if e["event"] == "metrics"]
+    assert metrics["step"] == STEPS and metrics["loss"] > 0

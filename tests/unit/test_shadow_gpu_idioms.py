@@ -271,3 +271,262 @@ def test_torchs_device_module_lookup_answers_the_shim_inside_and_the_real_module
         with torch.random.fork_rng(devices=[1], device_type="cuda"):  # the shim's generators, no GPU
             torch.cuda.manual_seed_all(1)
     assert torch.get_device_module("cuda") is real_cuda is torch.cuda
+
+
+# -- FSDP2 on a CUDA mesh, is_cuda, torch.accelerator, record_stream ------------------------------------------
+def _blocks() -> "torch.nn.Module":
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
+
+
+def _sharded_steps(torch, mesh, steps: int = 3) -> list[float]:
+    """fully_shard each Linear, then the root, on `mesh`; train `steps` AdamW steps on CUDA batches."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = _blocks().cuda()
+    for unit in (model[0], model[2]):
+        fully_shard(unit, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = torch.randn(16, 8, device="cuda"), torch.randn(16, 1, device="cuda")
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_a_cuda_mesh_of_a_replicas_ranks_is_a_one_rank_host_mesh_fsdp2_trains_on(gpu_host):
+    torch = gpu_host
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cuda", (8,), mesh_dim_names=("shard",))  # ci-small: replicas of 8 ranks
+    assert mesh.device_type == "cpu" and mesh.size() == 1 and mesh.mesh_dim_names == ("shard",)
+    assert dist.is_initialized() and dist.get_backend() == "gloo" and dist.get_world_size() == 1
+    assert dist.init_device_mesh is init_device_mesh  # torch.distributed's name answers the same
+    losses = _sharded_steps(torch, mesh)
+    assert losses[-1] < losses[0]  # FSDP2's hooks ran the steps over the one rank
+    from torch.distributed.fsdp import fully_shard
+
+    model = _blocks().cuda()
+    fully_shard(model, mesh=mesh)
+    assert all(isinstance(p, DTensor) and p.placements == (Shard(0),) for p in model.parameters())
+
+
+def test_an_hsdp_mesh_is_the_replicas_by_a_replicas_ranks_and_fsdp2_trains_on_it(gpu_host):
+    torch = gpu_host
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh = init_device_mesh("cuda", (4, 8), mesh_dim_names=("replicate", "shard"))
+    assert mesh.shape == (1, 1) and mesh["shard"].size() == 1 and mesh["replicate"].size() == 1
+    losses = _sharded_steps(torch, mesh)
+    assert losses[-1] < losses[0]
+    model = _blocks().cuda()
+    fully_shard(model, mesh=mesh)
+    assert next(model.parameters()).placements == (Replicate(), Shard(0))
+
+
+def test_the_context_destroys_the_group_a_cuda_mesh_made_on_exit():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh as real
+
+    with shadow.active(load_profile("ci-small")):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        init_device_mesh("cuda", (8,))
+        assert dist.is_initialized()
+    assert not dist.is_initialized()
+    from torch.distributed.device_mesh import init_device_mesh
+
+    assert init_device_mesh is real
+
+
+@pytest.mark.parametrize("shape, match", [
+    ((4,), r"4 replicas of 8 ranks.*use \(8,\)"), ((8, 4), r"use \(4, 8\)"), ((2, 8), r"use \(4, 8\)"),
+    ((4, 2, 4), "3 dimensions"), ((0,), "int >= 1"), ((8.0,), "int >= 1")])
+def test_a_cuda_mesh_that_is_not_the_profiles_layout_is_refused_by_name(gpu_host, shape, match):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with pytest.raises(ValueError, match=r"init_device_mesh\('cuda', .*" + match):
+        init_device_mesh("cuda", shape)
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()  # nothing made for a refused mesh
+
+
+def test_a_cuda_mesh_with_a_backend_override_is_refused_by_name(gpu_host):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with pytest.raises(ValueError, match="backend_override.*leave backend_override out"):
+        init_device_mesh("cuda", (8,), backend_override={0: "nccl"})
+
+
+def test_without_a_profile_any_one_or_two_dimensional_cuda_mesh_is_one_rank_per_dimension():
+    import torch.distributed as dist
+
+    with shadow.active():
+        from torch.distributed.device_mesh import init_device_mesh
+
+        assert init_device_mesh("cuda:0", (3, 5), mesh_dim_names=("dp", "fsdp")).shape == (1, 1)
+        with pytest.raises(ValueError, match="3 dimensions"):
+            init_device_mesh("cuda", (1, 1, 1))
+    assert not dist.is_initialized()
+
+
+def test_a_cpu_mesh_goes_to_torch_as_it_is(gpu_host):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))  # not the profile's layout: torch decides, and accepts it
+        assert mesh.device_type == "cpu" and mesh.size() == 1
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_cuda_mesh_under_a_bigger_default_group_is_refused(gpu_host, monkeypatch):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        monkeypatch.setattr(dist, "get_world_size", lambda group=None: 8)
+        with pytest.raises(RuntimeError, match="one rank, but its default process group has 8"):
+            init_device_mesh("cuda", (8,))
+    finally:
+        monkeypatch.undo()
+        dist.destroy_process_group()
+
+
+def test_an_nccl_new_group_is_a_gloo_group_on_the_host(gpu_host):
+    torch = gpu_host
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for group in (dist.new_group(backend="nccl"), dist.new_group([0], backend="cpu:gloo,cuda:nccl"),
+                      dist.new_group(ranks=[0], backend="nccl", device_id=torch.device("cuda", 1))):
+            assert dist.get_backend(group) == "gloo"
+            t = torch.full((2,), 3.0, device="cuda")
+            dist.all_reduce(t, group=group)
+            assert torch.equal(t, torch.full((2,), 3.0))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_is_cuda_answers_the_script_for_the_tensors_it_made_for_a_gpu(gpu_host):
+    torch = gpu_host
+    host = torch.ones(2)
+    on_gpu = torch.ones(2, device="cuda")
+    assert on_gpu.is_cuda and not host.is_cuda and on_gpu.device.type == "cpu"
+    assert torch.zeros(1, device=1).is_cuda and torch.randn(2, device="cuda:1").is_cuda
+    assert (on_gpu * 2 + 1).is_cuda and on_gpu.sum().is_cuda and torch.zeros_like(on_gpu).is_cuda
+    assert on_gpu.to(torch.float16).is_cuda and (on_gpu + host).is_cuda and not (host * 2).is_cuda
+    moved = host.cuda()
+    assert moved.is_cuda and not host.is_cuda and host.to("cuda").is_cuda and not host.is_cuda  # copies
+    back = on_gpu.cpu()
+    assert not back.is_cuda and not on_gpu.to("cpu").is_cuda and on_gpu.is_cuda
+    back.add_(1)
+    assert torch.equal(on_gpu, torch.ones(2))  # .cpu() of a GPU tensor is a copy, as on a GPU host
+    assert not torch.ones(2, device="cpu").is_cuda and not torch.empty(1, device="meta").is_cuda
+    buffer = torch.zeros(2)
+    buffer.copy_(on_gpu, non_blocking=True)
+    assert not buffer.is_cuda and torch.equal(buffer, on_gpu)  # in place: a host buffer stays on the host
+    model = torch.nn.Linear(2, 2)
+    assert not model.weight.is_cuda
+    model.to("cuda")
+    assert model.weight.is_cuda and model.bias.is_cuda and isinstance(model.weight, torch.nn.Parameter)
+    with torch.device("cuda"):
+        assert torch.nn.Linear(2, 2).weight.is_cuda and torch.arange(3).is_cuda
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 2, device="cuda")).sum().backward()
+    opt.step()
+    assert opt.state[model.weight]["exp_avg"].is_cuda  # made by the optimizer from a GPU parameter
+    assert model.weight.grad.is_cuda and model.bias.grad.is_cuda  # autograd's, noted as they are read
+    host_model = torch.nn.Linear(2, 2)
+    host_model(torch.ones(1, 2)).sum().backward()
+    assert not host_model.weight.grad.is_cuda
+
+
+def test_is_cuda_follows_set_default_device():
+    import torch
+
+    with shadow.active(load_profile("ci-small")):
+        assert not torch.zeros(1).is_cuda
+        torch.set_default_device("cuda")
+        assert torch.zeros(1).is_cuda and torch.tensor([1.0]).is_cuda and torch.nn.Linear(1, 1).weight.is_cuda
+        assert not torch.zeros(1, device="cpu").is_cuda
+        torch.set_default_device("cpu")
+        assert not torch.zeros(1).is_cuda
+    assert torch.get_default_device().type == "cpu"
+
+
+def test_is_cuda_asked_by_torchs_own_code_is_the_hosts_answer(gpu_host):
+    torch = gpu_host
+    x = torch.ones(2, device="cuda")
+    as_torch = {"__name__": "torch.optim.optimizer", "x": x}  # code of a torch module
+    assert x.is_cuda and eval("x.is_cuda", as_torch) is False
+
+
+def test_torch_accelerator_answers_the_script_for_the_modeled_gpus(gpu_host):
+    torch = gpu_host
+    acc = torch.accelerator
+    assert acc.is_available() and acc.current_accelerator() == torch.device("cuda")
+    assert acc.current_accelerator(check_available=True).type == "cuda" and acc.device_count() == 2
+    acc.set_device_index(1)
+    assert acc.current_device_index() == 1 == torch.cuda.current_device()
+    with acc.device_index(0):
+        assert acc.current_device_index() == 0
+    assert acc.current_device_index() == 1
+    acc.synchronize()
+    assert acc.current_stream() is torch.cuda.current_stream()
+    if hasattr(acc, "memory_allocated"):
+        assert acc.memory_allocated() == 0 and acc.max_memory_allocated() == 0
+
+
+def test_torch_accelerator_asked_by_torchs_own_code_is_the_real_builds_answer():
+    """torch's own code (a DataLoader choosing where to pin) handles host tensors: it gets the answers of the
+    torch that is installed (a CPU build: no accelerator; a CUDA one: its GPUs)."""
+    import torch
+
+    real = (torch.accelerator.is_available(), torch.accelerator.current_accelerator(), torch.accelerator.device_count())
+    with shadow.active(load_profile("ci-small")):
+        as_torch = {"__name__": "torch.utils.data.dataloader", "acc": torch.accelerator}  # code of a torch module
+        assert eval("acc.is_available(), acc.current_accelerator(), acc.device_count()", as_torch) == real
+        assert torch.accelerator.device_count() == 2
+
+
+def test_record_stream_on_the_shims_stream_records_nothing(gpu_host):
+    torch = gpu_host
+    x = torch.ones(4, device="cuda")
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        y = x * 2
+    y.record_stream(side)
+    x.record_stream(torch.cuda.current_stream())
+    assert torch.equal(y, torch.full((4,), 2.0))
+
+
+def test_the_mesh_and_accelerator_stand_ins_are_put_back_after():
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.device_mesh as device_mesh
+
+    real = (dist.new_group, dist.init_device_mesh, device_mesh.init_device_mesh, torch.accelerator.device_count,
+            torch.accelerator.current_accelerator)
+    with shadow.active():
+        assert "record_stream" in vars(torch.Tensor) and dist.new_group is not real[0]
+        assert torch.accelerator.device_count is not real[3]
+    assert (dist.new_group, dist.init_device_mesh, device_mesh.init_device_mesh, torch.accelerator.device_count,
+            torch.accelerator.current_accelerator) == real
+    assert "record_stream" not in vars(torch.Tensor)  # torch's own, inherited, again
