@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import shlex
@@ -144,6 +145,50 @@ def decision_broadcasts(events: list[dict]) -> list[float]:
     phases less the leader's. Pure."""
     return [max(t for r, t in last.items() if r != 0) - last[0]
             for _, last in _at_commits(events, "started") if 0 in last]
+
+
+def writer_writes(events: list[dict]) -> list[float]:
+    """Per committed step of more than one replica, the loader_state write as the job's own writer met it: the
+    writer's (`checkpoint_writer`: the lowest replica id of the step's quorum) rank-0 time from its "after_commit"
+    phase to its next "quorum" phase, less the median of the other replicas' (the same ledger, audit and step
+    bookkeeping, without the write). A sampler's write in another process missed it by 0.6-2x under the job's load
+    (benchmarks/results/fidelity.md). Pure."""
+    after: dict[tuple, float] = {}  # (replica, incarnation, step) -> after_commit
+    ask: dict[tuple, float] = {}  # (replica, incarnation, step) -> the next step's quorum phase
+    participants: dict[int, list[str]] = {}  # step -> its last quorum's replicas
+    for e in sorted((e for e in events if e.get("rank", 0) == 0 and "t" in e), key=lambda e: e["t"]):
+        key = (e.get("replica_id"), e.get("incarnation", 0))
+        if e.get("event") == "quorum" and e.get("participants"):
+            participants[e["step"]] = list(e["participants"])
+        elif e.get("event") == "phase" and e.get("phase") == "after_commit":
+            after[key + (e["step"],)] = e["t"]
+        elif e.get("event") == "phase" and e.get("phase") == "quorum" and key + (e["step"] - 1,) in after:
+            ask.setdefault(key + (e["step"] - 1,), e["t"])
+    gaps: dict[int, dict[str, float]] = {}
+    for (rid, _, step), t in ask.items():
+        gaps.setdefault(step, {})[rid] = t - after[(rid, _, step)]
+    out = []
+    for step, by in sorted(gaps.items()):
+        writer = min(participants.get(step, ()), default=None)
+        others = [g for rid, g in by.items() if rid != writer]
+        if writer in by and others:
+            out.append(by[writer] - median(others))
+    return out
+
+
+def start_skews(events: list[dict]) -> list[float]:
+    """Per step that every rank of the run started (its first "started" phase of the step), |a - b| over every
+    pair of its ranks' started times: how far apart the ranks begin a step. For ranks whose starts are
+    independent exponential delays of mean m, each |a - b| is exponential of mean m too, so m = median / ln 2
+    (`provenance`'s train.rank_start_skew_s). Pure."""
+    at: dict[int, dict[tuple, float]] = {}
+    for e in events:
+        if e.get("event") == "phase" and e.get("phase") == "started" and "t" in e:
+            key = (e.get("replica_id"), e.get("incarnation", 0), e.get("rank", 0))
+            at.setdefault(e["step"], {}).setdefault(key, e["t"])
+    n = max((len(by) for by in at.values()), default=0)
+    return [abs(a - b) for by in at.values() if n > 1 and len(by) == n
+            for i, a in enumerate(by.values()) for b in list(by.values())[i + 1:]]
 
 
 # Kills of the 2-replica run whose median is the script's crash detection.
@@ -290,6 +335,18 @@ def _ftar_hop(script: str, steps: int, module: bool, ranks: int, one_replica_s: 
                        f"connection (its reset: the killed rank's OS teardown under the job's own load; {script} as 2 "
                        f"replicas x {ranks} ranks)", len(down))] if down else []
     phased = phase_figures(events, f"{script} as 2 replicas x {ranks} ranks", "_2_replicas")
+    skews = start_skews(events)
+    if skews:
+        phased.append(Figure("script_start_skew_s", median(skews) / math.log(2), "s", f"the median over "
+                             f"{len(skews)} pairs of ranks in a step of |a - b| of their started phases, / ln 2 (the "
+                             f"mean of exponential start delays that gives it; {script} as 2 replicas x {ranks} ranks "
+                             "with FTRUN_PHASE_EVENTS=1)", len(skews)))
+    writes = writer_writes(events)
+    if writes:
+        phased.append(Figure("script_writer_write_s", max(median(writes), 0.0), "s", f"median over {len(writes)} steps "
+                             f"of the writer's after_commit -> next quorum phase less the other replica's (its "
+                             f"loader_state write as the job met it; {script} as 2 replicas x {ranks} ranks with "
+                             "FTRUN_PHASE_EVENTS=1), floored at 0", len(writes)))
     after = commit_to_quorum_s(events, participants=2)
     after_2 = [Figure("script_commit_to_quorum_2_replicas_s", median(after), "s", f"median time from a step's commit to "
                       f"the next step's quorum of 2 replicas, {script} as 2 replicas x {ranks} ranks (a 1-replica run's "

@@ -22,6 +22,7 @@ The whole run happens inside `shadow.active(profile)`: the FTAR kernels come fro
 from __future__ import annotations
 
 import contextlib
+import math
 import random
 import secrets
 from dataclasses import replace
@@ -69,6 +70,14 @@ def catchup_config_of(profile: Profile, state_bytes_per_rank: int) -> CatchupCon
     return CatchupConfig(max_shard_bytes=max(64, align_up(ceil_div(state_bytes_per_rank, 8))),
                          timeouts=timeouts_of(profile))
 
+
+
+def start_skew(mean_s: float, key: str) -> float:
+    """An exponential draw of mean `mean_s` from a generator seeded by `key` (deterministic); 0 when `mean_s` is 0.
+    Pure."""
+    if not mean_s:
+        return 0.0
+    return -mean_s * math.log(1.0 - random.Random(key).random())
 
 class Incarnation:
     """One start of one replica: its hosts, Envs, wiring, and how many of its ranks are still running."""
@@ -206,6 +215,11 @@ class EmulatedJob(JobFolding):
         if not j:
             return 0.0
         return self.profile.train.step_compute_s * random.Random(f"{self.options.seed}/{replica}/{step}").uniform(-j, j)
+
+    def start_skew_s(self, replica: int, rank: int, step: int) -> float:
+        """This rank's delay before its compute of `step` (train.rank_start_skew_s: an exponential draw of that
+        mean, seeded by the job's seed, replica, rank and step; 0 without one)."""
+        return start_skew(self.profile.train.rank_start_skew_s, f"{self.options.seed}/{replica}/{rank}/{step}")
 
     # -- running ---------------------------------------------------------------------------------
     def run(self, progress: Callable[[int], None] | None = None) -> Recorder:
@@ -358,8 +372,9 @@ class EmulatedJob(JobFolding):
         env = self.world.host_env(SUPERVISOR_HOST)
         inc = self._incarnations[kill.replica]
         extra = (self.jitter_s(kill.replica, step) + self.compute_extra_s(inc, 0, step) if inc is not None else 0.0)
-        env.clock.sleep(kill.at_fraction * (self.profile.train.step_compute_s + extra + self.contention_extra_s()
-                                            + self.replica_compute_extra_s()))
+        env.clock.sleep(self.start_skew_s(kill.replica, 0, step)  # the victim's late start, then F x its compute
+                        + kill.at_fraction * (self.profile.train.step_compute_s + extra + self.contention_extra_s()
+                                              + self.replica_compute_extra_s()))
         self._inject(kill)
 
     def _lighthouse_outage(self, fault: KillLighthouse) -> None:

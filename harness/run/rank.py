@@ -133,7 +133,8 @@ def _compute(job: RankJob, inc: RankIncarnation, rank: int, env: Any, lead: bool
     return EmulatedCompute(
         env=env, model=p.model, ranks_per_replica=p.ranks_per_replica, cache=job.shapes,
         step_time_s=train.step_compute_s, rng=job.rng, state=job.shape_state, lead=lead,
-        extra_s=lambda step: (job.jitter_s(inc.replica, step) + job.compute_extra_s(inc, rank, step)
+        extra_s=lambda step: (job.jitter_s(inc.replica, step) + job.start_skew_s(inc.replica, rank, step)
+                              + job.compute_extra_s(inc, rank, step)
                               + job.contention_extra_s() + job.replica_compute_extra_s()),
         first_extra_s=extra_first if restarted else 0.0,
         first_batch_s=train.first_batch_s if restarted else 0.0)
