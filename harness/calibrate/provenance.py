@@ -77,15 +77,21 @@ def profile_keys(figures: Mapping[str, Figure]) -> dict[str, tuple[float, str, s
             fetch.samples)
     direct("storage.local_append_latency_s", "storage_append_s")
     direct("ftar.sync_overhead_s", "ftar_sync_overhead_s")
+    skew = figures.get("script_start_skew_s")
+    m = skew.value if skew is not None else 0.0
+    if skew is not None:
+        out["train.rank_start_skew_s"] = (m, "s", skew.method, skew.samples)
     # the 2-replica run's, where timed: the runs the emulator stands in for have 2 or more replicas
     after = figures.get("script_commit_to_quorum_2_replicas_s") or figures.get("script_commit_to_quorum_s")
     if after is not None and write is not None and lat is not None:
         append = figures["storage_append_s"].value if "storage_append_s" in figures else 0.0
+        late = m * math.log(2)  # the leader's own late start after the decision, the median draw
         out["train.step_bookkeeping_s"] = (
-            max(after.value - write.value - append - 2 * lat.value * 1e-6, 0.0), "s",
+            max(after.value - write.value - append - 2 * lat.value * 1e-6 - late, 0.0), "s",
             f"measured.{after.name} ({after.value:.6g} s) minus what the emulator charges there itself: "
-            f"one loader_state write ({write.name} {write.value:.6g} s), one audit append ({append:.3g} s) and the "
-            f"quorum round trip (2 x {lat.value:.3g} us), floored at 0", after.samples)
+            f"one loader_state write ({write.name} {write.value:.6g} s), one audit append ({append:.3g} s), the "
+            f"quorum round trip (2 x {lat.value:.3g} us) and the leader's late start (train.rank_start_skew_s x "
+            f"ln 2: {late:.3g} s), floored at 0", after.samples)
     vote = figures.get("script_commit_vote_2_replicas_s") or figures.get("script_commit_vote_s")
     if vote is not None and lat is not None:
         out["network.replica_collective_pass_s"] = (
@@ -93,9 +99,6 @@ def profile_keys(figures: Mapping[str, Figure]) -> dict[str, tuple[float, str, s
             f"(measured.{vote.name} ({vote.value:.6g} s) minus the 2 one-way latencies ({lat.value:.3g} us) the "
             "emulated tree all-reduce already pays) / 2 passes, floored at 0: what a pass of a collective over the "
             "replica's gloo comm costs on this machine beyond the modeled network", vote.samples)
-    skew = figures.get("script_start_skew_s")
-    if skew is not None:
-        out["train.rank_start_skew_s"] = (skew.value, "s", skew.method, skew.samples)
     out.update(_without_contention(figures, out))
     if "tcp_one_way_us" in figures:
         for key, value in ONE_MACHINE.items():
@@ -162,16 +165,16 @@ def _without_contention(figures: Mapping[str, Figure], keys: Mapping[str, tuple]
     comm_1 = comm_s("script_commit_vote_s")
     m = keys.get("train.rank_start_skew_s", (0.0,))[0]
 
-    def skew_s(ranks: float) -> float:  # the wait for the latest of `ranks` ranks' start delays (the emulator's own)
-        return m * median_max_exp(round(ranks)) if m else 0.0
+    def skew_s(ranks: float) -> float:  # the wait for the latest of `ranks` ranks' late starts beyond the leader's own
+        return m * (median_max_exp(round(ranks)) - math.log(2)) if m else 0.0
 
     base = max(one.value - comm_1 - skew_s(k), 0.0) / max(1.0, k * u / c)
     why = f"(K = {k:g} ranks, u = {u:.3g}, c = {c:.3g} cores)"
     less = (f" less the step's collectives over the replica's comm as that run met them ({STEP_PASSES} passes of "
             f"measured.script_commit_vote_s / 2: {comm_1:.6g} s)") if comm_1 else ""
     if m:
-        less += (f" less the wait for the latest of its K ranks' start delays (train.rank_start_skew_s {m:.6g} s x "
-                 f"median_max_exp(K): {skew_s(k):.6g} s)")
+        less += (f" less the wait for the latest of its K ranks' late starts beyond the leader's (train.rank_start_skew_s "
+                 f"{m:.6g} s x (median_max_exp(K) - ln 2): {skew_s(k):.6g} s)")
     out = {"train.step_compute_s": (base, "s", f"{one.method} ({one.value:.6g} s){less}, divided by the contention "
                                     f"of its K ranks, max(1, K u / c) {why}", one.samples)}
     two = figures.get("script_step_2_replicas_s")
@@ -180,7 +183,8 @@ def _without_contention(figures: Mapping[str, Figure], keys: Mapping[str, tuple]
     comm_2 = comm_s("script_commit_vote_2_replicas_s")
     rise = max(two.value - comm_2 - skew_s(2 * k) - base * max(1.0, 2 * k * u / c), 0.0)
     what = (f"measured.script_step_2_replicas_s ({two.value:.6g} s) less its collectives over the replica's comm "
-            f"({comm_2:.6g} s), the wait for the latest of its 2K ranks' start delays ({skew_s(2 * k):.6g} s) and the "
+            f"({comm_2:.6g} s), the wait for the latest of its 2K ranks' late starts beyond the leader's "
+            f"({skew_s(2 * k):.6g} s) and the "
             f"step of 2K ranks under contention, step_compute_s x max(1, 2K u / c) {why}, floored at 0")
     c1, c2 = figures.get("script_compute_s"), figures.get("script_compute_2_replicas_s")
     if c1 is None or c2 is None:

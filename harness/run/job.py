@@ -216,10 +216,11 @@ class EmulatedJob(JobFolding):
             return 0.0
         return self.profile.train.step_compute_s * random.Random(f"{self.options.seed}/{replica}/{step}").uniform(-j, j)
 
-    def start_skew_s(self, replica: int, rank: int, step: int) -> float:
-        """This rank's delay before its compute of `step` (train.rank_start_skew_s: an exponential draw of that
-        mean, seeded by the job's seed, replica, rank and step; 0 without one)."""
-        return start_skew(self.profile.train.rank_start_skew_s, f"{self.options.seed}/{replica}/{rank}/{step}")
+    def start_skew_s(self, replica: int, rank: int, n: int | str) -> float:
+        """A rank's late start of a step (train.rank_start_skew_s: an exponential draw of that mean, seeded by the
+        job's seed, replica, rank and `n`, 0 without one): rank 0's after each quorum decision (n: its quorum id and
+        step), the others' before their compute of step n."""
+        return start_skew(self.profile.train.rank_start_skew_s, f"{self.options.seed}/{replica}/{rank}/{n}")
 
     # -- running ---------------------------------------------------------------------------------
     def run(self, progress: Callable[[int], None] | None = None) -> Recorder:
@@ -372,9 +373,8 @@ class EmulatedJob(JobFolding):
         env = self.world.host_env(SUPERVISOR_HOST)
         inc = self._incarnations[kill.replica]
         extra = (self.jitter_s(kill.replica, step) + self.compute_extra_s(inc, 0, step) if inc is not None else 0.0)
-        env.clock.sleep(self.start_skew_s(kill.replica, 0, step)  # the victim's late start, then F x its compute
-                        + kill.at_fraction * (self.profile.train.step_compute_s + extra + self.contention_extra_s()
-                                              + self.replica_compute_extra_s()))
+        env.clock.sleep(kill.at_fraction * (self.profile.train.step_compute_s + extra + self.contention_extra_s()
+                                            + self.replica_compute_extra_s()))
         self._inject(kill)
 
     def _lighthouse_outage(self, fault: KillLighthouse) -> None:
