@@ -2,13 +2,16 @@
 (the run's own inputs: its restep figures, its write, its start offsets: what it emulated) and "after" (the same
 with the changes named on the command line). Same real runs, same restep figures: a clean A/B of the model.
 
-    python benchmarks/fidelity_ab.py DIR FIDELITY_STDOUT [--figure NAME=VALUE ...] [--real-write] [--save OUT.json]
+    python benchmarks/fidelity_ab.py DIR FIDELITY_STDOUT [--figure NAME=VALUE ...] [--drop NAME ...]
+        [--real-write | --sampled-write] [--save OUT.json]
 
 FIDELITY_STDOUT: the file the run's stdout went to (its last line is the --json object).
 --figure NAME=VALUE: a measured figure replaced in both restep snapshots (e.g. cpu_cores_effective=2.0, measured
   again with the current probe): the keys are derived from it again (train.shared_cpu_cores too).
+--drop NAME: a figure left out of both restep snapshots (its keys derived as without it, e.g. script_start_skew_s).
 --real-write: the loader_state write from the real runs' own writer (their phase events,
-  `harness.calibrate.fidelity.real_write`) instead of the write the run sampled meanwhile.
+  `harness.calibrate.fidelity.real_write`) instead of the write the run emulated with.
+--sampled-write: the write the run sampled in its own process while the real runs ran (`write_sampled_s`).
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ from harness.calibrate.provenance import profile_keys
 KEYS = (*fd.SCRIPT_KEYS, "train.shared_cpu_cores")
 
 
-def script_keys(figures: dict[str, float], replace: dict[str, float]) -> dict[str, float]:
-    k = profile_keys({n: Figure(n, v, "", "", 1) for n, v in {**figures, **replace}.items()})
+def script_keys(figures: dict[str, float], replace: dict[str, float], drop: set[str] = frozenset()) -> dict[str, float]:
+    k = profile_keys({n: Figure(n, v, "", "", 1) for n, v in {**figures, **replace}.items() if n not in drop})
     return {key: k[key][0] for key in KEYS if key in k}
 
 
@@ -34,7 +37,10 @@ def main() -> None:
     p.add_argument("out_dir")
     p.add_argument("stdout_path")
     p.add_argument("--figure", action="append", default=[], metavar="NAME=VALUE")
-    p.add_argument("--real-write", action="store_true")
+    p.add_argument("--drop", action="append", default=[], metavar="NAME")
+    w = p.add_mutually_exclusive_group()
+    w.add_argument("--real-write", action="store_true")
+    w.add_argument("--sampled-write", action="store_true")
     p.add_argument("--save", default=None)
     a = p.parse_args()
     replace = {}
@@ -56,16 +62,20 @@ def main() -> None:
     real, each = fd.repeated(real_evs, num_replicas=args.replicas)
     starts = [] if doc["first_start_s"] is None else [f"scheduler.first_start_s={doc['first_start_s']!r}"]
     out = {"real": real, "real_stall_phases": fd.stall_phase_medians([r for ev in real_evs for r in fd.stall_phases(ev)]),
-           "replace": replace, "real_write": a.real_write}
+           "replace": replace, "drop": a.drop, "real_write": a.real_write, "sampled_write": a.sampled_write}
     for model in ("before", "after"):
-        changes = replace if model == "after" else {}
-        before, after = (script_keys(doc["restep_figures"][when], changes) for when in ("before", "after"))
+        changes, drop = (replace, set(a.drop)) if model == "after" else ({}, set())
+        before, after = (script_keys(doc["restep_figures"][when], changes, drop) for when in ("before", "after"))
         overrides = fd.mean_overrides(before, after)
-        if changes:  # keys outside SCRIPT_KEYS that the replaced figures set
+        if changes or drop:  # keys outside SCRIPT_KEYS that the replaced figures set; 0 for those a dropped one set
             overrides += [f"{k}={(before[k] + after[k]) / 2!r}" for k in KEYS if k not in fd.SCRIPT_KEYS and k in before]
+            full = script_keys(doc["restep_figures"]["before"], {})
+            overrides += [f"{k}=0.0" for k in KEYS if k in full and k not in before]
         write = doc["write_during_real_s"]
         if model == "after" and a.real_write:
             write = fd.real_write(real_evs, None).value
+        elif model == "after" and a.sampled_write:
+            write = doc["write_sampled_s"]
         overrides = fd.with_override(overrides, fd.WRITE_KEY, write)
         f, ev, heals = fd._emulated(args, doc["profile"], [*overrides, *starts])
         table = fd.side_by_side(real, fd.metrics(ev, num_replicas=args.replicas, catchup_s=heals), fd.noise(each))

@@ -596,7 +596,8 @@ def run(args: argparse.Namespace) -> int:
             sampler.stop()
     real_complete = all(f.get("complete") for f, _ in reals)
     real_evs = [ev for _, ev in reals]
-    write = real_write(real_evs, sampler.figure() if sampler is not None else None)
+    sampled = sampler.figure() if sampler is not None else None
+    write = real_write(real_evs, sampled)
     if before:
         print("ftrun fidelity: re-measuring the script's step after the real run ...", file=sys.stderr, flush=True)
         after, figures_after = restep_values(profile, args.ranks_per_replica)
@@ -659,5 +660,6 @@ def run(args: argparse.Namespace) -> int:
                    "restep_before": before, "restep_after": after,
                    "restep_figures": {"before": figures_before, "after": figures_after}, "first_start_s": offsets,
                    "write_during_real_s": None if write is None else write.value,
+                   "write_sampled_s": None if sampled is None else sampled.value,
                    "spread": {"real": real_spread, "emulated": emu_spread}, "kills": args.kills, "wall_s": round(time.monotonic() - started, 3)})
     return 0 if real_complete and emu_f.get("complete") else 1

@@ -181,18 +181,23 @@ def _without_contention(figures: Mapping[str, Figure], keys: Mapping[str, tuple]
     if two is None:
         return out
     comm_2 = comm_s("script_commit_vote_2_replicas_s")
-    rise = max(two.value - comm_2 - skew_s(2 * k) - base * max(1.0, 2 * k * u / c), 0.0)
+    # u of the 2-replica run: the emulator's contention takes a rank's busy share of the job's step period as the
+    # job runs (its ranks wait in the all-reduce for part of it), so the 2-replica step's is (step_compute_s +
+    # bookkeeping) / that run's period (its quorum-to-commit plus commit-to-quorum), where timed; else the 1-replica u
+    after_2 = figures.get("script_commit_to_quorum_2_replicas_s")
+    u2 = min(1.0, (base + bookkeeping) / (two.value + after_2.value)) if after_2 is not None else u
+    rise = max(two.value - comm_2 - skew_s(2 * k) - base * max(1.0, 2 * k * u2 / c), 0.0)
     what = (f"measured.script_step_2_replicas_s ({two.value:.6g} s) less its collectives over the replica's comm "
             f"({comm_2:.6g} s), the wait for the latest of its 2K ranks' late starts beyond the leader's "
-            f"({skew_s(2 * k):.6g} s) and the "
-            f"step of 2K ranks under contention, step_compute_s x max(1, 2K u / c) {why}, floored at 0")
+            f"({skew_s(2 * k):.6g} s) and the step of 2K ranks under contention, step_compute_s x max(1, 2K u2 / c) "
+            f"(u2 = {u2:.3g}: that run's busy share of its step period) {why}, floored at 0")
     c1, c2 = figures.get("script_compute_s"), figures.get("script_compute_2_replicas_s")
     if c1 is None or c2 is None:
         out["ftar.sync_overhead_s"] = (rise, "s", what, two.samples)
         return out
     # Where the rise lands: a rank's compute phase grows with a second replica (the other replica's ranks compute
     # on the same CPUs); that part is compute, the rest is the all-reduce's overhead.
-    modeled = base * (max(1.0, 2 * k * u / c) - max(1.0, k * u / c))  # the compute's rise the contention model makes
+    modeled = base * (max(1.0, 2 * k * u2 / c) - max(1.0, k * u / c))  # the compute's rise the contention model makes
     compute = min(max(c2.value - c1.value - modeled, 0.0), rise)
     out["train.replica_compute_extra_s"] = (
         compute, "s", f"measured.script_compute_2_replicas_s ({c2.value:.6g} s) less measured.script_compute_s "

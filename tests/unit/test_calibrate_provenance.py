@@ -538,3 +538,16 @@ def test_the_write_prefers_the_scripts_own_writer_and_records_the_others_as_meas
     measured = {v["key"] for v in doc["calibration"]["values"]}
     assert {"measured.storage_write_s", "measured.script_write_s"} <= measured
     assert "measured.script_writer_write_s" not in measured
+
+
+def test_the_2_replica_contention_takes_that_runs_own_busy_share():
+    """The emulator's contention takes a rank's busy share of the job's step period as it runs: in a 2-replica run
+    the ranks wait in the all-reduce for part of the period, so its contention is 2K u2 / c with u2 = (step_compute_s
+    + bookkeeping) / that run's period, not the 1-replica run's u (~1: a lone replica computes all the time)."""
+    base = [fig("step_s", 0.010), fig("script_step_period_s", 0.010), fig("cpu_cores_effective", 2.0, "cores"),
+            fig("script_step_2_replicas_s", 0.030), fig("script_ranks", 2, "ranks")]
+    keys = profile_keys({f.name: f for f in (*base, fig("script_commit_to_quorum_2_replicas_s", 0.010))})
+    u2 = 0.010 / 0.040  # no bookkeeping timed (no write figure): 4 ranks x 0.25 / 2 cores: no contention
+    assert keys["train.step_compute_s"][0] == pytest.approx(0.010)
+    assert keys["ftar.sync_overhead_s"][0] == pytest.approx(0.030 - 0.010 * max(1.0, 4 * u2 / 2))
+    assert "u2 = 0.25" in keys["ftar.sync_overhead_s"][2]
