@@ -12,15 +12,17 @@ detection (SIGKILL to the launcher seeing the exit, and to a TCP peer seeing the
 killed rank of the script, from its kill to its job's lighthouse losing the connection: that teardown, slower
 than an idle child's, sets network.crash_fin_delay_s). The script's runs print every rank's phase events
 (FTRUN_PHASE_EVENTS=1): from them, a rank's compute phase at 1 and 2 replicas (their difference beyond the
-contention model sets train.replica_compute_extra_s) and, with more than one rank, the commit vote over the
-replica's comm (network.replica_collective_pass_s) and the decision broadcast's lag (for reading).
+contention model sets train.replica_compute_extra_s), the spread of the ranks' starts of a step in its 2-replica
+run (train.rank_start_skew_s: `start_skews`), the loader_state write as its own writer met it there (`writer_writes`:
+storage.local_write_latency_s, and what the bookkeeping leaves out) and, with more than one rank, the commit vote
+over the replica's comm (network.replica_collective_pass_s) and the decision broadcast's lag (for reading).
 
 Writes --out: the --profile (default ci-small) with the measured keys set (harness.calibrate.provenance
 says which figure sets which key) and a [calibration] table where every value says how and when it was
 measured. `ftrun emulate --profile`-style loading (`ftrun emulate OUT.toml`) reads it back; the emulator
 charges the new keys (ftar.kernel_reduce_gb_s / kernel_copy_gb_s, train.catchup_fetch_extra_s,
 scheduler.crash_detect_s, network.crash_fin_delay_s, storage.local_write_latency_s,
-network.replica_collective_pass_s, train.replica_compute_extra_s). `--quick` takes
+network.replica_collective_pass_s, train.replica_compute_extra_s, train.rank_start_skew_s). `--quick` takes
 fewer samples, serves the catch-up from an idle in-process server and starts children without torch
 (for tests: ~15 s of CPU).
 """

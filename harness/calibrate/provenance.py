@@ -132,7 +132,8 @@ def collective_pass_s(vote_s: float, one_way_us: float) -> float:
 
 def median_max_exp(n: int) -> float:
     """The median of the largest of n independent exponential draws of mean 1: -ln(1 - 2^(-1/n)). A step of n
-    ranks with start delays of mean m waits m x this for its latest rank (m ln 2 with one). Pure."""
+    ranks with late starts of mean m waits about m x (this - ln 2) for its latest rank beyond its leader's own
+    (ln 2: the median of one draw; the leader's lies before its quorum event). Pure."""
     if n < 1:
         raise ValueError(f"median_max_exp needs n >= 1 ranks, got {n}")
     return -math.log(1.0 - 0.5 ** (1.0 / n))
