@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The host-slot GPU choice and `ftrun emulate SCRIPT --script-args "--device cuda"` on a machine with a real
 # CUDA torch (about 2 minutes on a 16-core H100/H200 host): the unit tests of the slot choice and of the
-# shadow loader's GPU tensors (there torch.cuda really exists, so the shim and the host-tensor mode must
-# still keep everything off the GPU), every example emulated with --device cpu and cuda, and the two GPU
+# shadow loader's GPU tensors and a script's GPU idioms (there torch.cuda really exists, so the shim and the
+# host-tensor mode must still keep everything off the GPU), every example emulated with --device cpu and cuda
+# and tests/integration/gpu_user_loop.py with --device cuda, and the two GPU
 # launch tests (3 replicas x 1 rank, one killed and restarted: replica i on cuda:{i % GPUs}). Extra packages
 # (faker) come from the caller's PYTHONPATH.
 set -u
@@ -10,7 +11,8 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 python3 -c 'import torch; print("torch", torch.__version__, "GPUs", torch.cuda.device_count())'
 uptime
-timeout 120 python3 -m pytest -q tests/unit/test_worker_env.py tests/unit/test_device.py tests/unit/test_shadow.py
+timeout 120 python3 -m pytest -q tests/unit/test_worker_env.py tests/unit/test_device.py tests/unit/test_shadow.py \
+  tests/unit/test_shadow_gpu_idioms.py
 echo "unit rc=$?"
 timeout 150 python3 -m pytest -q tests/integration/test_examples_shadow.py -k rejoins
 echo "examples under the shadow loader rc=$?"

@@ -8,7 +8,8 @@ figures as one JSON object last. `--sweep ranks=...` runs a short failure-free j
 count (ranks per replica varied, replicas as in the profile) and prints get_quorum latency against scale.
 SCRIPT.py runs a training script unchanged under the shadow loader (`shadow.active(profile, session=...)`):
 its `ft.train(...)` (or own loop's first `opt.step()`) runs the profile's job with the script's model, built
-on meta, on every emulated rank (harness.script); `--profile P` names the profile.
+on meta, on every emulated rank (harness.script); `--profile P` names the profile (without a script,
+`--profile P` is the same as PROFILE).
 
 Determinism: the same seed gives the same events and report when CPU charging is off (ci-small's
 default; `--cpu-charging off` for any profile). With charging on, the real CPU time of each task's slices
@@ -44,8 +45,9 @@ SWEEP_STEPS = 3
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("profile", nargs="?", default=None,
                    help=f"scale profile name or TOML path (default {DEFAULT_PROFILE}), or a training script .py")
-    p.add_argument("--profile", dest="script_profile", default=DEFAULT_PROFILE,
-                   help="with SCRIPT.py: the profile whose job runs the script's training (and the torch.cuda shim follows)")
+    p.add_argument("--profile", dest="script_profile", default=None,
+                   help="with SCRIPT.py: the profile whose job runs the script's training (and the torch.cuda shim "
+                        f"follows; default {DEFAULT_PROFILE}); without one: the same as the PROFILE argument")
     p.add_argument("--script-args", default="", metavar='"--dim 4096 ..."',
                    help="with SCRIPT.py: its own command-line arguments (one string, split as a shell would)")
     p.add_argument("--steps", type=int, default=None, help="steps to train (default: the profile's)")
@@ -143,6 +145,11 @@ def _quiet_runtime_logs(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.profile is not None and args.profile.endswith(".py"):
         return run_script(args)
+    if args.script_profile is not None:  # `--profile P` with no script: P is the profile (as in diagnose bench)
+        if args.profile is not None:
+            raise UsageError(f"two profiles given: {args.profile!r} and --profile {args.script_profile!r} "
+                             "(--profile names a SCRIPT.py's profile, or the profile when no script is given)")
+        args.profile = args.script_profile
     saved = _quiet_runtime_logs(args)
     try:
         if args.sweep:

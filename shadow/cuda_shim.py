@@ -1,14 +1,21 @@
 """A small `torch.cuda` stand-in for shape-only runs: GPUs that exist, do nothing and take no time.
 
 What training code commonly asks torch.cuda is answered: is_available / device_count / current_device /
-set_device / device(i), synchronize, Stream / Event / stream(s) / current_stream, memory statistics
-(all zero; mem_get_info reports the modeled device as empty), get_device_properties / get_device_name,
-manual_seed(_all), is_initialized / init. Private names (`torch.cuda._...`, used by torch itself, e.g.
-`_is_in_bad_fork` from torch.manual_seed) fall through to the real module, and so does any name torch's
-own modules look up (torch._dynamo's device tables bind torch.cuda.set_stream & co. at import: they are
-only called for CUDA tensors, which a shape-only run never has); any other public name raises
-AttributeError naming the shim, so a gap in what training code asks shows up as a clear error instead
-of a silent wrong answer.
+set_device / device(i), synchronize, Stream / Event / stream(s) / current_stream (an event's elapsed_time
+is 0 ms: the device does no work), memory statistics (all zero; mem_get_info reports the modeled device
+as empty), get_device_properties / get_device_name / get_device_capability / is_bf16_supported (the
+modeled H100), is_initialized / init, amp (the real torch.cuda.amp: autocast and GradScaler; the host
+tensors a script makes for the GPU are not CUDA tensors, so CUDA autocast leaves their dtype alone),
+nvtx (range markers with nothing to record them). The random number state: one host generator per
+device stands for its CUDA default generator (`default_generators`), and manual_seed(_all) / seed(_all) /
+initial_seed / get_rng_state(_all) / set_rng_state(_all) act on it; shadow.cuda_tensors draws the random
+tensors a script asks for on a CUDA device (torch.randn(..., device="cuda")) from it.
+
+Private names (`torch.cuda._...`, used by torch itself, e.g. `_is_in_bad_fork` from torch.manual_seed)
+fall through to the real module, and so does any name torch's own modules look up (torch._dynamo's
+device tables bind torch.cuda.set_stream & co. at import: they are only called for CUDA tensors, which a
+shape-only run never has); any other public name raises AttributeError naming the shim, so a gap in
+what training code asks shows up as a clear error instead of a silent wrong answer.
 
 One shim per `shadow.active` context; its state (current device) lives on the shim object.
 """
@@ -18,7 +25,7 @@ from __future__ import annotations
 import sys
 import types
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 H100_MEMORY_BYTES = 80 * 1024**3  # modeling assumption: the profiles' hosts are 8 x H100 80 GB
 
@@ -45,6 +52,8 @@ class Event:
         models durations on its virtual clock instead)."""
         if not (self.enable_timing and end_event.enable_timing):
             raise RuntimeError("both events need enable_timing=True")
+        if not (self._recorded and end_event._recorded):
+            raise RuntimeError("both events must be recorded before calculating elapsed time")
         return 0.0
 
 
@@ -78,11 +87,97 @@ class _Properties(types.SimpleNamespace):
     pass
 
 
+class _Nvtx:
+    """torch.cuda.nvtx: range markers for a profiler; none records them here. Depths are counted as
+    NVTX counts them (range_pop with no open range: -1)."""
+
+    def __init__(self) -> None:
+        self._depth = 0
+        self._next_id = 0
+
+    def range_push(self, msg: str) -> int:
+        self._depth += 1
+        return self._depth - 1
+
+    def range_pop(self) -> int:
+        if self._depth == 0:
+            return -1
+        self._depth -= 1
+        return self._depth
+
+    def range_start(self, msg: str) -> int:
+        self._next_id += 1
+        return self._next_id
+
+    def range_end(self, range_id: int) -> None:
+        pass
+
+    def mark(self, msg: str) -> None:
+        pass
+
+    @contextmanager
+    def range(self, msg: str, *args: Any, **kwargs: Any) -> Iterator[None]:
+        self.range_push(msg.format(*args, **kwargs))
+        try:
+            yield
+        finally:
+            self.range_pop()
+
+
+class _Generators:
+    """The CUDA default generators' host stand-ins, one per device (module docstring). `index(device)`:
+    the shim's ordinal of a device (None: the current one)."""
+
+    def __init__(self, device_count: int, index: Callable[[Any], int]) -> None:
+        import torch
+
+        self.generators = tuple(torch.Generator() for _ in range(device_count))
+        self.index = index
+
+    def names(self) -> dict[str, Any]:
+        return dict(default_generators=self.generators, manual_seed=self.manual_seed,
+                    manual_seed_all=self.manual_seed_all, seed=self.seed, seed_all=self.seed_all,
+                    initial_seed=self.initial_seed, get_rng_state=self.get_rng_state,
+                    get_rng_state_all=self.get_rng_state_all, set_rng_state=self.set_rng_state,
+                    set_rng_state_all=self.set_rng_state_all)
+
+    def manual_seed(self, seed: int) -> None:
+        self.generators[self.index(None)].manual_seed(seed)
+
+    def manual_seed_all(self, seed: int) -> None:
+        for g in self.generators:
+            g.manual_seed(seed)
+
+    def seed(self) -> None:
+        self.generators[self.index(None)].seed()
+
+    def seed_all(self) -> None:
+        self.manual_seed_all(self.generators[0].seed())
+
+    def initial_seed(self) -> int:
+        return self.generators[self.index(None)].initial_seed()
+
+    def get_rng_state(self, device: Any = "cuda") -> Any:
+        return self.generators[self.index(device)].get_state()
+
+    def get_rng_state_all(self) -> list[Any]:
+        return [g.get_state() for g in self.generators]
+
+    def set_rng_state(self, new_state: Any, device: Any = "cuda") -> None:
+        self.generators[self.index(device)].set_state(new_state)
+
+    def set_rng_state_all(self, new_states: Any) -> None:
+        for i, new_state in enumerate(new_states):
+            self.set_rng_state(new_state, i)
+
+
 def make_cuda_shim(*, device_count: int, real: Any = None, device_name: str = "Emulated H100 (shape-only)",
                    total_memory: int = H100_MEMORY_BYTES) -> types.ModuleType:
     """A module object to install as `torch.cuda`. `real` is the real torch.cuda (private fallbacks)."""
     if device_count < 1:
         raise ValueError(f"device_count must be >= 1, got {device_count}")
+    import torch
+
     shim = types.ModuleType("torch.cuda", "shadow.cuda_shim: torch.cuda for shape-only emulation")
     state = {"device": 0}
     default_stream = Stream(0)
@@ -90,9 +185,13 @@ def make_cuda_shim(*, device_count: int, real: Any = None, device_name: str = "E
     def _index(device: Any = None) -> int:
         if device is None:
             return state["device"]
-        index = device if isinstance(device, int) else getattr(device, "index", None)
-        if index is None:
-            index = int(str(device).rpartition(":")[2] or 0) if ":" in str(device) else state["device"]
+        if not isinstance(device, int):
+            device = torch.device(device)
+            if device.type != "cuda":
+                raise ValueError(f"expected a cuda device, got {device}")
+        index = device if isinstance(device, int) else device.index
+        if index is None:  # "cuda": the current device
+            index = state["device"]
         if not 0 <= index < device_count:
             raise RuntimeError(f"invalid device ordinal {index} (the shim has {device_count} devices)")
         return index
@@ -138,8 +237,11 @@ def make_cuda_shim(*, device_count: int, real: Any = None, device_name: str = "E
         reset_peak_memory_stats=nothing(), empty_cache=nothing(),
         memory_stats=lambda device=None: {"allocated_bytes.all.current": 0, "reserved_bytes.all.current": 0},
         mem_get_info=lambda device=None: (total_memory, total_memory),
-        manual_seed=nothing(), manual_seed_all=nothing(), seed=nothing(), seed_all=nothing(),
+        is_bf16_supported=lambda including_emulation=True: True, nvtx=_Nvtx(),
+        **_Generators(device_count, _index).names(),
     )
+    if real is not None:
+        names["amp"] = real.amp  # pure Python over torch.cuda: with the shim installed it asks the shim
     shim.__dict__.update(names)
     shim.__all__ = sorted(names)
 

@@ -10,7 +10,9 @@ code imports and runs unchanged, and the mock module itself is never modified. R
 before the context are set aside (sys.modules and their parent package's attribute) and put back on
 exit; shadow modules are dropped on exit. `torch.cuda` is replaced by a shim object (sys.modules and
 the `torch.cuda` attribute) and restored on exit, when torch is installed; with it, tensors asked for on a
-CUDA device are made on the host (shadow.cuda_tensors, a torch function mode of the entering thread).
+CUDA device are made on the host (shadow.cuda_tensors: a torch function mode of the entering thread, and
+stand-ins for torch.set_default_device, torch.Generator and torch.distributed.init_process_group, set as
+attributes and put back on exit, with the default device found on entry).
 
 Only one context may be active at a time (the import system is process-wide); nesting raises
 RuntimeError. Modules imported inside the context that bound a shadow module by name keep it.
@@ -70,6 +72,7 @@ class _Active:
         self.saved_modules: dict[str, Any] = {}
         self.saved_attrs: list[tuple[Any, str, Any]] = []
         self.mode: Any = None  # the torch function mode entered (cuda_tensors.HostTensors)
+        self.host_names: Any = None  # cuda_tensors.HostNames, whose restore() puts the default device back
         self.finder: ShadowFinder | None = None
         self.session: Any = None
 
@@ -143,7 +146,7 @@ def _install_cuda_shim(undo: _Active, devices: int) -> None:
     try:
         import torch
 
-        from shadow.cuda_tensors import HostTensors
+        from shadow.cuda_tensors import HostNames, HostTensors
     except ImportError:
         return  # nothing to shim: code that needs torch.cuda needs torch first
     real = sys.modules.get("torch.cuda")
@@ -152,13 +155,28 @@ def _install_cuda_shim(undo: _Active, devices: int) -> None:
     undo.saved_attrs.append((torch, "cuda", getattr(torch, "cuda", _MISSING)))
     sys.modules["torch.cuda"] = shim
     torch.cuda = shim  # type: ignore[assignment]
+    undo.host_names = HostNames()
+    for owner, attr, stand_in in undo.host_names.names():
+        undo.saved_attrs.append((owner, attr, getattr(owner, attr)))
+        setattr(owner, attr, stand_in)
     undo.mode = HostTensors()
     undo.mode.__enter__()
+    _forget_device_modules(torch)
+
+
+def _forget_device_modules(torch: Any) -> None:
+    """torch.get_device_module caches its answers (functools.cache in torch 2.13): forget them whenever
+    torch.cuda changes, or torch.random.fork_rng & co. would keep reaching the torch.cuda of before."""
+    cache_clear = getattr(torch.get_device_module, "cache_clear", None)
+    if cache_clear is not None:
+        cache_clear()
 
 
 def _restore(undo: _Active, registry: Registry) -> None:
     if undo.mode is not None:
         undo.mode.__exit__(None, None, None)
+    if undo.host_names is not None:
+        undo.host_names.restore()
     if undo.finder is not None and undo.finder in sys.meta_path:
         sys.meta_path.remove(undo.finder)
     for real in registry.modules:  # drop the shadow modules imported inside the context
@@ -180,4 +198,6 @@ def _restore(undo: _Active, registry: Registry) -> None:
                 delattr(obj, attr)
         else:
             setattr(obj, attr, value)
+    if undo.mode is not None:
+        _forget_device_modules(sys.modules["torch"])
     importlib.invalidate_caches()

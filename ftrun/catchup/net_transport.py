@@ -29,7 +29,7 @@ from ftrun.catchup.manifest import Layout, Manifest, ShardSpec, decode_manifest
 from ftrun.catchup.server import Fault, FaultHook
 from ftrun.catchup.snapshot import SnapshotStore, tensor_views
 from ftrun.catchup.transport import ShardFailed, SourceFailed
-from ftrun.env.base import ConnectError, Env, EnvTimeout, NetError, NetTimeout, PeerClosed
+from ftrun.env.base import ConnectError, Env, EnvTimeout, NetError, NetTimeout, PeerClosed, serve_connections
 
 log = logging.getLogger("ftrun.heal")
 
@@ -119,7 +119,8 @@ class NetCatchupServer:
     def start(self) -> str:
         self._listener = self.env.net.listen(self.config.bind)
         self.url = self._listener.addr
-        self.env.spawn(self._accept_loop, name="catchup-accept")
+        serve_connections(self.env, self._listener, self._serve, name="catchup-accept",
+                          conn_name="catchup-serve", on_accept=self._conns.add)
         return self.url
 
     def publish(self, step: int, state: Mapping[str, torch.Tensor], metadata: dict[str, Any] | None = None) -> None:
@@ -139,15 +140,6 @@ class NetCatchupServer:
     def _wake(self) -> None:
         old, self._changed = self._changed, self.env.event()
         old.set()
-
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                conn = self._listener.accept()
-            except NetError:
-                return
-            self._conns.add(conn)
-            self.env.spawn(self._serve, conn, name="catchup-serve")
 
     def _serve(self, conn: Any) -> None:
         try:

@@ -27,7 +27,7 @@ from ftrun.diagnose.analysis import analyze
 from ftrun.diagnose.model import AnalysisConfig, Layout, Snapshot, Verdict
 from ftrun.diagnose.summary import HIST, HIST_LEN, SUMMARY, empty_hist, empty_summary, summarize
 from ftrun.diagnose.telemetry import Ev, Op, Recorder
-from ftrun.env.base import Connection, Env, NetError, PeerClosed
+from ftrun.env.base import Connection, Env, NetError, serve_connections
 
 log = logging.getLogger("ftrun.diagnose")
 
@@ -84,7 +84,8 @@ class _Service:
     def start(self) -> str:
         self._listener = self.env.net.listen(self._bind)
         self.addr = self._listener.addr
-        self._task = self.env.spawn(self._accept_loop, name=f"{self._name}-accept")
+        self._task = serve_connections(self.env, self._listener, self._handle, name=f"{self._name}-accept",
+                                       conn_name=f"{self._name}-conn")
         return self.addr
 
     def stop(self) -> None:
@@ -92,14 +93,6 @@ class _Service:
             self._listener.close()
         if self._task is not None:
             self._task.join(timeout=5.0)
-
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                conn = self._listener.accept()
-            except (PeerClosed, NetError):
-                return
-            self.env.spawn(self._handle, conn, name=f"{self._name}-conn")
 
     def _handle(self, conn: Connection) -> None:
         try:

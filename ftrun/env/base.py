@@ -45,7 +45,18 @@ class NetTimeout(NetError, TimeoutError):
 
 
 class ConnectError(NetError):
-    """connect() could not reach a listener at the address within its timeout."""
+    """connect() could not reach a listener at the address within its timeout, or was cancelled."""
+
+
+CONNECT_RETRY_S = 0.02  # connect() retries a refused attempt this often until its deadline (the listener
+# may not be up yet)
+CANCEL_CHECK_S = 0.5  # a cancellable connect() waits at most this long for one attempt's answer, so it checks
+# `cancelled` at least this often even when the address answers nothing (a silent host, a dropped SYN)
+
+
+def connect_cancelled(addr: str, waited_s: float) -> ConnectError:
+    """The error a connect() whose `cancelled()` turned true raises (both Envs say it alike)."""
+    return ConnectError(f"connect to {addr} cancelled after {waited_s:.3g}s")
 
 
 class ProtocolError(NetError):
@@ -148,13 +159,25 @@ class Listener(Protocol):
     def close(self) -> None: ...
 
 
+def split_host_port(addr: str) -> tuple[str, int]:
+    """("host", port) of a "host:port" address (host may be empty); ValueError naming the address otherwise.
+    Both Envs' address parsing, after they took "unix:/path" addresses aside."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"address {addr!r} is not 'host:port' or 'unix:/path'")
+    return host, int(port)
+
+
 class Network(Protocol):
     def listen(self, addr: str) -> Listener:
         """Listen at "host:port" (port 0 picks a free one) or "unix:/path". `Listener.addr` is the
         address to connect to."""
 
-    def connect(self, addr: str, timeout: float) -> Connection:
-        """Connect to a listener; ConnectError if it cannot within `timeout`."""
+    def connect(self, addr: str, timeout: float, cancelled: Callable[[], bool] | None = None) -> Connection:
+        """Connect to a listener; ConnectError if it cannot within `timeout`. A refused attempt is retried
+        every CONNECT_RETRY_S until then. `cancelled`: checked after every failed attempt (an attempt then
+        waits at most CANCEL_CHECK_S for an answer); once it returns True, ConnectError at once, saying
+        the connect was cancelled (e.g. a ring build whose epoch was aborted while the next rank is dead)."""
 
 
 @runtime_checkable
@@ -174,3 +197,24 @@ class Env(Protocol):
 
         Real env: a plain call. Emulated env: drives the event loop until `fn` returns.
         """
+
+
+def serve_connections(env: Env, listener: Listener, handle: Callable[[Connection], Any], *, name: str,
+                      conn_name: str, on_accept: Callable[[Connection], Any] | None = None) -> Task:
+    """Spawn task `name`, which accepts on `listener` until it is closed and starts `handle(conn)` as task
+    `conn_name` for every connection; `on_accept(conn)` runs first, in the accepting task (e.g. to note the
+    connection where a stop() closes it even before its handler runs). Handlers own their connections.
+    Returns the accepting task; it ends when accept raises a NetError: the listener was closed (or, real Env,
+    the accept itself failed, e.g. out of descriptors)."""
+
+    def accept_loop() -> None:
+        while True:
+            try:
+                conn = listener.accept()
+            except NetError:
+                return
+            if on_accept is not None:
+                on_accept(conn)
+            env.spawn(handle, conn, name=conn_name)
+
+    return env.spawn(accept_loop, name=name)

@@ -20,7 +20,8 @@ import weakref
 from typing import TYPE_CHECKING, Callable, NoReturn
 
 from ftrun.env.admission import Admission, ListenLimits
-from ftrun.env.base import ConnectError, EnvTimeout, Message, NetTimeout, PeerClosed, ProtocolError
+from ftrun.env.base import (CANCEL_CHECK_S, CONNECT_RETRY_S, ConnectError, EnvTimeout, Message, NetTimeout,
+                            PeerClosed, ProtocolError, connect_cancelled, split_host_port)
 from ftrun.env import wire
 
 if TYPE_CHECKING:
@@ -35,10 +36,8 @@ _RECV_STEP = 1 << 20
 def _parse(addr: str) -> tuple[int, object]:
     if addr.startswith("unix:"):
         return socket.AF_UNIX, addr[len("unix:"):]
-    host, sep, port = addr.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"address {addr!r} is not 'host:port' or 'unix:/path'")
-    return socket.AF_INET, (host or "127.0.0.1", int(port))
+    host, port = split_host_port(addr)
+    return socket.AF_INET, (host or "127.0.0.1", port)
 
 
 def _format(family: int, sockaddr: object) -> str:
@@ -395,18 +394,22 @@ class RealNetwork:
     def listen(self, addr: str) -> RealListener:
         return RealListener(addr, self.limits)
 
-    def connect(self, addr: str, timeout: float) -> RealConnection:
+    def connect(self, addr: str, timeout: float, cancelled: Callable[[], bool] | None = None) -> RealConnection:
         family, sockaddr = _parse(addr)
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        deadline = start + timeout
         while True:
             sock = socket.socket(family, socket.SOCK_STREAM)
-            sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+            left = max(deadline - time.monotonic(), 1e-3)
+            sock.settimeout(left if cancelled is None else min(left, CANCEL_CHECK_S))
             try:
                 sock.connect(sockaddr)
                 sock.settimeout(None)
                 return RealConnection(sock)
-            except (ConnectionRefusedError, FileNotFoundError, socket.timeout, OSError) as e:
+            except OSError as e:  # refused, no such socket file, timed out, unreachable
                 sock.close()
-                if time.monotonic() + 0.02 >= deadline:
+                if cancelled is not None and cancelled():
+                    raise connect_cancelled(addr, time.monotonic() - start) from None
+                if time.monotonic() + CONNECT_RETRY_S >= deadline:
                     raise ConnectError(f"cannot connect to {addr} within {timeout}s: {e}") from None
-                time.sleep(0.02)  # listener may not be up yet: retry until the deadline
+                time.sleep(CONNECT_RETRY_S)  # listener may not be up yet: retry until the deadline

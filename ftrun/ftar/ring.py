@@ -22,7 +22,7 @@ import hmac
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ftrun.env.base import ConnectError, Connection, Env, EnvTimeout, NetError, PeerClosed
+from ftrun.env.base import Connection, Env, EnvTimeout, NetError, PeerClosed, serve_connections
 
 MAX_EPOCH = 2**63 - 1
 
@@ -92,15 +92,8 @@ class RingListener:
         if advertise_host is not None and not self.addr.startswith("unix:"):
             self.addr = f"{advertise_host}:{self.addr.rpartition(':')[2]}"
         self._arrivals = env.queue()
-        self._task = env.spawn(self._accept_loop, name="ftar-accept")
-
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                conn = self._listener.accept()
-            except NetError:
-                return
-            self.env.spawn(self._greet, conn, name="ftar-greet")
+        self._task = serve_connections(env, self._listener, self._greet, name="ftar-accept",
+                                       conn_name="ftar-greet")
 
     def _greet(self, conn: Connection) -> None:
         try:
@@ -160,23 +153,19 @@ class RingListener:
         self._task.join(timeout=2.0)
 
 
-ABORT_POLL_S = 0.5  # how often connect_ring checks `aborted` while the next rank refuses (a slice of the
-# timeout: longer than any connect round trip, which must fit in one slice)
-
-
 def connect_ring(env: Env, listener: RingListener, token: str, *, epoch: int, ring: list[str], index: int,
                  timeout: float, building: list[Connection] | None = None,
                  aborted: Callable[[], bool] | None = None) -> RingLinks:
     """Connections of rank `index` in a ring of listener addresses `ring`. Raises RecoverableError.
     `building`: every connection is appended as soon as it exists, so an abort can close it; `aborted`:
-    whether the epoch was given up, checked while the next rank refuses the connection (a dead one, e.g. a
-    joiner killed while it healed, refuses until the timeout: an abort there has no connection to close)."""
+    whether the epoch was given up, the connect's `cancelled` check (a dead next rank, e.g. a joiner killed
+    while it healed, refuses until the timeout: an abort there has no connection to close)."""
     n = len(ring)
     if n == 1:
         return RingLinks(epoch, None, None)
     nxt = None
     try:
-        nxt = _connect(env, ring[(index + 1) % n], timeout, aborted)
+        nxt = env.net.connect(ring[(index + 1) % n], timeout=timeout, cancelled=aborted)
         if building is not None:
             building.append(nxt)
         nxt.send({"token": token, "epoch": epoch})
@@ -186,6 +175,8 @@ def connect_ring(env: Env, listener: RingListener, token: str, *, epoch: int, ri
     except (NetError, PeerClosed) as e:
         if nxt is not None:
             nxt.close()
+        if aborted is not None and aborted():
+            raise RecoverableError(f"cannot build ring epoch {epoch}: the epoch was aborted ({e})") from e
         raise RecoverableError(f"cannot build ring epoch {epoch}: {e}") from e
     except RecoverableError:
         if nxt is not None:
@@ -193,20 +184,3 @@ def connect_ring(env: Env, listener: RingListener, token: str, *, epoch: int, ri
         raise
     return RingLinks(epoch, nxt, prev)
 
-
-def _connect(env: Env, addr: str, timeout: float, aborted: Callable[[], bool] | None) -> Connection:
-    """env.net.connect, tried in ABORT_POLL_S slices so that `aborted()` ends it; raises NetError or
-    RecoverableError (aborted)."""
-    if aborted is None:
-        return env.net.connect(addr, timeout=timeout)
-    deadline = env.clock.now() + timeout
-    while True:
-        left = deadline - env.clock.now()
-        try:
-            return env.net.connect(addr, timeout=max(min(left, ABORT_POLL_S), 1e-3))
-        except NetError as e:
-            if aborted():
-                raise RecoverableError(f"gave up connecting to {addr}: the ring epoch was aborted") from e
-            if left <= ABORT_POLL_S:
-                why = str(e).rpartition(": ")[2]  # the last try's reason
-                raise ConnectError(f"cannot connect to {addr} within {timeout:g}s: {why}") from None

@@ -30,7 +30,7 @@ import os
 import re
 from typing import Any
 
-from ftrun.env.base import Env, EnvTimeout, NetError, PeerClosed
+from ftrun.env.base import Env, EnvTimeout, NetError, PeerClosed, serve_connections
 from ftrun.launch.procs import SpawnLauncher
 
 AGENT_PORT = 29511
@@ -130,19 +130,9 @@ class Agent:
 
     def serve(self) -> None:
         """Accept until a bye; then kill what runs and return."""
-        self.env.spawn(self._accept_loop, name="agent-accept")
+        serve_connections(self.env, self._listener, self._serve_conn, name="agent-accept", conn_name="agent-conn")
         self._done.wait()
         self.shutdown()
-
-    def _accept_loop(self) -> None:
-        while not self._done.is_set():
-            try:
-                conn = self._listener.accept(timeout=0.5)
-            except EnvTimeout:
-                continue
-            except NetError:
-                return
-            self.env.spawn(self._serve_conn, conn, name="agent-conn")
 
     def _serve_conn(self, conn) -> None:
         try:
@@ -235,6 +225,7 @@ class Agent:
         return self._launcher
 
     def shutdown(self) -> None:
+        self._listener.close()  # first: no launcher starts a process while the running ones are killed
         with self._lock:
             procs = list(self._procs.values())
         for p in procs:
@@ -242,4 +233,3 @@ class Agent:
         for p in procs:
             p.wait(5.0)
         self._launcher.close()
-        self._listener.close()

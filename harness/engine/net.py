@@ -22,19 +22,19 @@ peers notice the cut only through their own timeouts.
 from __future__ import annotations
 
 import errno
-from typing import Any
+from typing import Any, Callable
 
 import msgpack
 
 from ftrun.env import wire
-from ftrun.env.base import ConnectError, EnvTimeout, Message, NetTimeout, PeerClosed, ProtocolError
-from harness.engine.core import TIMEOUT, Scheduler
+from ftrun.env.base import (CANCEL_CHECK_S, CONNECT_RETRY_S, ConnectError, EnvTimeout, Message, NetTimeout,
+                            PeerClosed, ProtocolError, connect_cancelled, split_host_port)
+from harness.engine.core import Scheduler
 from harness.engine.linkmodel import LinkModel, Route, Timeline
 from mocks.shapes import ShapeOnly
 
 _LOCAL_NAMES = frozenset({"", "127.0.0.1", "localhost", "0.0.0.0", "::1"})
 _REFUSED = object()
-_RETRY_S = 0.02  # as the real connect(): retry a refused connect until the deadline
 _FIRST_EPHEMERAL = 40000
 _NEVER = float("inf")
 _MSG, _BULK, _HEADER = wire.KIND_MSG, wire.KIND_BULK, wire.HEADER_SIZE
@@ -45,10 +45,8 @@ def parse_addr(addr: str) -> tuple[str | None, int | str]:
     """(host name or None for "this host", port or "unix:/path"). ValueError for a malformed address."""
     if addr.startswith("unix:"):
         return None, addr
-    host, sep, port = addr.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"address {addr!r} is not 'host:port' or 'unix:/path'")
-    return (None if host in _LOCAL_NAMES else host), int(port)
+    host, port = split_host_port(addr)
+    return (None if host in _LOCAL_NAMES else host), port
 
 
 class NetHost:
@@ -172,22 +170,26 @@ class EmuNetwork:
         host.listeners[key] = listener
         return listener
 
-    def connect(self, addr: str, timeout: float) -> "EmuConnection":
+    def connect(self, addr: str, timeout: float, cancelled: Callable[[], bool] | None = None) -> "EmuConnection":
         host_name, key = parse_addr(addr)
         src = self._host
         dst = src if host_name is None or host_name == src.name else self._fab.net_host(host_name)
         sched = self._fab.sched
-        deadline = sched.vnow() + timeout
+        start = sched.vnow()
+        deadline = start + timeout
         while True:
-            got = self._attempt(src, dst, key, deadline - sched.vnow())
+            left = deadline - sched.vnow()
+            got = self._attempt(src, dst, key, left if cancelled is None else min(left, CANCEL_CHECK_S))
             if isinstance(got, EmuConnection):
                 cur = sched.current
                 got.owner = cur.proc if cur is not None else None
                 return got
-            if got is TIMEOUT or sched.vnow() + _RETRY_S >= deadline:
+            if cancelled is not None and cancelled():
+                raise connect_cancelled(addr, sched.vnow() - start)
+            if sched.vnow() + CONNECT_RETRY_S >= deadline:  # an attempt without a cap on it waits to the deadline
                 raise ConnectError(f"cannot connect to {addr} within {timeout}s: "
                                    + ("refused" if got is _REFUSED else "no answer"))
-            sched.wait(None, _RETRY_S, "connect retry")
+            sched.wait(None, CONNECT_RETRY_S, "connect retry")
 
     def _attempt(self, src: NetHost, dst: NetHost, key: int | str, timeout: float) -> Any:
         """One SYN: the connection, _REFUSED, or TIMEOUT (no answer from a silent host)."""

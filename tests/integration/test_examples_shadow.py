@@ -31,10 +31,9 @@ def emulate(script: Path, tmp_path: Path, *extra: str) -> subprocess.CompletedPr
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
-@pytest.mark.parametrize("script", EXAMPLES, ids=[p.name for p in EXAMPLES])
-def test_example_trains_every_emulated_rank_and_the_killed_replica_rejoins(script, device, tmp_path):
+def trained_with_a_kill(script: Path, tmp_path: Path, device: str) -> tuple[dict, list[dict], str]:
+    """Run `script` with --device `device` and a kill of replica 3 at step 5; check that every emulated rank
+    trained and the killed replica rejoined. Returns (figures, the script's event lines, its stderr)."""
     out = emulate(script, tmp_path, "--steps", str(STEPS), "--inject", "kill replica=3 step=5", "--json",
                   "--script-args", f"--device {device}")
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
@@ -60,6 +59,27 @@ def test_example_trains_every_emulated_rank_and_the_killed_replica_rejoins(scrip
     # the script saw the job's outcome through its API: its "final" event carries the steps committed
     events = [json.loads(line) for line in out.stdout.splitlines() if line.startswith('{"event"')]
     assert [e["step"] for e in events if e["event"] == "final"] == [STEPS]
+    return f, events, out.stderr
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("script", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_example_trains_every_emulated_rank_and_the_killed_replica_rejoins(script, device, tmp_path):
+    trained_with_a_kill(script, tmp_path, device)
+
+
+@pytest.mark.timeout(180)
+def test_a_gpu_users_loop_trains_every_emulated_rank_and_the_killed_replica_rejoins(tmp_path):
+    """tests/integration/gpu_user_loop.py: seeding of every GPU, TF32, the device's properties, the model built
+    under `with torch.device("cuda:N")`, a generator on the GPU, pinned batches copied non_blocking, bf16
+    autocast, CUDA events timing the step and peak memory statistics, all answered on the host."""
+    f, events, stderr = trained_with_a_kill(Path(__file__).with_name("gpu_user_loop.py"), tmp_path, "cuda")
+    assert "gpu_user_loop: Emulated H100 (shape-only), 80 GiB" in stderr  # the modeled device's properties
+    assert f["script"]["api"] == "wrap"
+    # its metrics after the job: the shim's device did no work and allocated nothing
+    [metrics] = [e for e in events if e["event"] == "metrics"]
+    assert metrics["step"] == STEPS and metrics["step_ms"] == 0.0 and metrics["peak_mem_mib"] == 0.0
 
 
 @pytest.mark.timeout(120)

@@ -11,6 +11,16 @@ def test_a_mistyped_profile_names_the_known_ones(capsys):
     assert "no scale profile 'meta98k'" in err and "meta-98k" in err and "Traceback" not in err
 
 
+def test_emulate_profile_flag_without_a_script_is_the_profile(capsys):
+    """`--profile P` (as in `ftrun diagnose bench`) names the profile when no SCRIPT.py is given: it was
+    ignored, and ci-small ran in its place. Given beside a PROFILE argument, it is refused."""
+    assert main(["emulate", "--profile", "meta98k", "--no-progress"]) == 2
+    assert "no scale profile 'meta98k'" in capsys.readouterr().err
+    assert main(["emulate", "ci-small", "--profile", "meta-98k", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "two profiles given: 'ci-small' and --profile 'meta-98k'" in err and "Traceback" not in err
+
+
 def test_a_bad_profile_override_names_the_key(capsys):
     assert main(["emulate", "--set", "train.step_compute_s=-1", "--no-progress"]) == 2
     err = capsys.readouterr().err

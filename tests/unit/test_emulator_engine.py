@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from ftrun.env.base import ConnectError, EnvTimeout, NetTimeout, PeerClosed, ProtocolError, TaskKilled
+from ftrun.env.base import CANCEL_CHECK_S, ConnectError, EnvTimeout, NetTimeout, PeerClosed, ProtocolError, TaskKilled
 from harness.engine import DeadlockError, EmulatedWorld, ShapeOnly
 from harness.profile import NetworkConfig, load_profile
 from harness.topology import HopClass, Topology
@@ -305,6 +305,27 @@ def test_silent_kill_is_seen_only_through_timeouts():
         return survivor.net.connect(listener.addr, timeout=0.2).closed
 
     assert survivor.run(body) is False
+
+
+def test_a_cancelled_connect_to_a_silent_host_ends_within_a_check_interval():
+    """A silent host answers no SYN: one attempt would wait for the whole timeout, so a cancellable
+    connect caps each attempt at CANCEL_CHECK_S and ends at the first check after `cancelled()` is true."""
+    w = world()
+    victim, survivor = w.host_env("victim"), w.host_env("survivor")
+
+    def body():
+        listener = victim.net.listen("127.0.0.1:0")
+        w.kill_host("victim", silent=True)
+        start = survivor.clock.now()
+        with pytest.raises(ConnectError, match="within 0.7s: no answer"):  # not cancelled: the full timeout
+            survivor.net.connect(listener.addr, timeout=0.7, cancelled=lambda: False)
+        assert survivor.clock.now() - start == pytest.approx(0.7, abs=1e-3)
+        start = survivor.clock.now()
+        with pytest.raises(ConnectError, match="cancelled"):
+            survivor.net.connect(listener.addr, timeout=30.0, cancelled=lambda: survivor.clock.now() >= start + 0.1)
+        return survivor.clock.now() - start
+
+    assert survivor.run(body) == pytest.approx(CANCEL_CHECK_S, abs=1e-3)  # the first attempt's cap
 
 
 @pytest.mark.parametrize("woken_before_kill", [False, True])

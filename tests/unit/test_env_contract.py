@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from ftrun.env.base import ConnectError, EnvTimeout, NetTimeout, PeerClosed, ProtocolError, TaskKilled
+from ftrun.env.base import (ConnectError, EnvTimeout, NetTimeout, PeerClosed, ProtocolError, TaskKilled,
+                             serve_connections)
 from tests.env_factories import ENV_FACTORIES
 
 ADDR = "127.0.0.1:0"
@@ -231,6 +232,64 @@ def test_connect_to_nothing_and_accept_timeout(env):
         return True
 
     assert env.run(body)
+
+
+def test_a_cancelled_connect_ends_at_once_and_says_so(env):
+    """A connect to an address that refuses, with a 30 s timeout, ends soon after `cancelled()` turns
+    true (it is checked between retries), with a ConnectError naming the cancel, not the timeout. A
+    `cancelled` that stays false changes nothing: the connect succeeds, or times out as ever."""
+    def body():
+        listener = env.net.listen(ADDR)
+        env.net.connect(listener.addr, timeout=2.0, cancelled=lambda: False).close()
+        addr = listener.addr
+        listener.close()
+        with pytest.raises(ConnectError, match="within"):
+            env.net.connect(addr, timeout=0.2, cancelled=lambda: False)
+        start = env.clock.now()
+        with pytest.raises(ConnectError, match="cancelled") as got:
+            env.net.connect(addr, timeout=30.0, cancelled=lambda: env.clock.now() >= start + 0.1)
+        return env.clock.now() - start, str(got.value)
+
+    waited, message = env.run(body)
+    assert 0.1 <= waited < 1.0, (waited, message)
+    assert "within" not in message, message
+
+
+def test_serve_connections_hands_each_connection_to_its_own_task_until_closed(env):
+    """serve_connections: every accepted connection goes to `on_accept` (in the accepting task, before
+    its handler starts) and then to its own handler task, so a handler that waits does not hold up the
+    next connection; closing the listener ends the accepting task."""
+    def body():
+        listener = env.net.listen(ADDR)
+        order = []
+
+        def handle(conn):
+            order.append(("handle", conn.local_addr, conn.peer_addr))
+            n = conn.recv(timeout=2.0)["n"]
+            conn.send({"echo": n})
+            conn.close()
+
+        task = serve_connections(env, listener, handle, name="contract-accept", conn_name="contract-conn",
+                                 on_accept=lambda conn: order.append(("accept", conn.local_addr, conn.peer_addr)))
+        first = env.net.connect(listener.addr, timeout=2.0)
+        second = env.net.connect(listener.addr, timeout=2.0)
+        second.send({"n": 2})  # answered while the first connection's handler still waits for its request
+        assert second.recv(timeout=2.0) == {"echo": 2}
+        first.send({"n": 1})
+        assert first.recv(timeout=2.0) == {"echo": 1}
+        assert task.is_alive()
+        listener.close()
+        ended = task.join(timeout=2.0)
+        first.close()
+        second.close()
+        return order, ended, task.exception
+
+    order, ended, exception = env.run(body)
+    assert ended and exception is None
+    assert sorted(kind for kind, *_ in order) == ["accept", "accept", "handle", "handle"]
+    for kind, *conn in order:
+        if kind == "handle":
+            assert order.index(("accept", *conn)) < order.index(("handle", *conn)), order
 
 
 def test_bad_address_is_a_value_error(env):
