@@ -153,7 +153,7 @@ def writer_writes(events: list[dict]) -> list[float]:
     """Per committed step of more than one replica, the loader_state write as the job's own writer met it: the
     writer's (`checkpoint_writer`: the lowest replica id of the step's quorum) rank-0 time from its "after_commit"
     phase to its next "quorum" phase, less the median of the other replicas' (the same ledger, audit and step
-    bookkeeping, without the write). A sampler's write in another process missed it by 0.6-2x under the job's load
+    bookkeeping, without the write). A sampler's write in another process was 0.5-2x it under the job's load
     (benchmarks/results/fidelity.md). Pure."""
     after: dict[tuple, float] = {}  # (replica, incarnation, step) -> after_commit
     ask: dict[tuple, float] = {}  # (replica, incarnation, step) -> the next step's quorum phase

@@ -213,7 +213,7 @@ def _without_contention(figures: Mapping[str, Figure], keys: Mapping[str, tuple]
 
 # Figures that set a key one to one are recorded under that key only.
 _ONE_TO_ONE = {"step_s", "cpu_cores_effective", "storage_append_s", "ftar_sync_overhead_s", "ftar_reduce_gb_s", "ftar_copy_gb_s", "crash_detect_s", "tcp_one_way_us", "peer_reset_s",
-               *WRITE_FIGURES, "script_peer_reset_s"}
+               *WRITE_FIGURES, "script_peer_reset_s", "script_start_skew_s"}
 
 
 def calibrated_document(base: Mapping[str, Any], figures: Mapping[str, Figure], *, measured_at: str, host: str,

@@ -516,6 +516,10 @@ def test_the_start_skew_sets_its_key_and_leaves_the_latest_ranks_wait_out_of_the
         0.030 - 0.001 * (median_max_exp(4) - math.log(2)) - 2 * keys["train.step_compute_s"][0])
     assert keys["ftar.sync_overhead_s"][0] != plain["ftar.sync_overhead_s"][0]
     assert "late starts" in keys["train.step_compute_s"][2]
+    doc = calibrated_document({"name": "x"}, {f.name: f for f in (*base, fig("script_start_skew_s", 0.001))},
+                              measured_at=AT, host="h", command="c", quick=False)
+    recorded = {v["key"] for v in doc["calibration"]["values"]}
+    assert "train.rank_start_skew_s" in recorded and "measured.script_start_skew_s" not in recorded
     # the leader's own late start lies between its commit and its quorum event: not bookkeeping
     after = [fig("script_commit_to_quorum_2_replicas_s", 0.010), fig("storage_write_s", 0.002),
              fig("tcp_one_way_us", 10.0, "us")]
