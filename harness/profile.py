@@ -156,11 +156,19 @@ class TrainConfig:
     # ftar.sync_overhead_s). `ftrun calibrate SCRIPT` measures it: the script's compute phase as 2 replicas
     # against 1. 0: none.
     replica_compute_extra_s: float = 0.0
+    # Per rank and step, a late start drawn from an exponential distribution of this mean (seeded by the job's
+    # seed, the replica, rank and step; a leader's after its quorum decision, before its quorum event, the other
+    # ranks' before their compute): the ranks of a job that oversubscribes its machine's CPUs wake for a step at
+    # different times, and every collective waits for the latest of them (the slowest of R x K).
+    # `ftrun calibrate SCRIPT` measures it: the spread of the ranks' "started" phases in a step of its 2-replica
+    # run. 0: identical ranks.
+    rank_start_skew_s: float = 0.0
 
     def __post_init__(self) -> None:
         _positive(self, "step_compute_s", "steps", "min_replicas")
         _non_negative(self, "first_step_extra_s", "first_batch_s", "step_jitter", "catchup_fetch_extra_s",
-                      "shared_cpu_cores", "step_bookkeeping_s", "replica_compute_extra_s")
+                      "shared_cpu_cores", "step_bookkeeping_s", "replica_compute_extra_s",
+                      "rank_start_skew_s")
         _one_of(self, "lr_intervention", ("none", "linear", "sqrt"))
         _check(self.step_jitter < 1, "step_jitter", "< 1", self.step_jitter)
 

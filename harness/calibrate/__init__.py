@@ -12,15 +12,17 @@ detection (SIGKILL to the launcher seeing the exit, and to a TCP peer seeing the
 killed rank of the script, from its kill to its job's lighthouse losing the connection: that teardown, slower
 than an idle child's, sets network.crash_fin_delay_s). The script's runs print every rank's phase events
 (FTRUN_PHASE_EVENTS=1): from them, a rank's compute phase at 1 and 2 replicas (their difference beyond the
-contention model sets train.replica_compute_extra_s) and, with more than one rank, the commit vote over the
-replica's comm (network.replica_collective_pass_s) and the decision broadcast's lag (for reading).
+contention model sets train.replica_compute_extra_s), the spread of the ranks' starts of a step in its 2-replica
+run (train.rank_start_skew_s: `start_skews`), the loader_state write as its own writer met it there (`writer_writes`:
+storage.local_write_latency_s, and what the bookkeeping leaves out) and, with more than one rank, the commit vote
+over the replica's comm (network.replica_collective_pass_s) and the decision broadcast's lag (for reading).
 
 Writes --out: the --profile (default ci-small) with the measured keys set (harness.calibrate.provenance
 says which figure sets which key) and a [calibration] table where every value says how and when it was
 measured. `ftrun emulate --profile`-style loading (`ftrun emulate OUT.toml`) reads it back; the emulator
 charges the new keys (ftar.kernel_reduce_gb_s / kernel_copy_gb_s, train.catchup_fetch_extra_s,
 scheduler.crash_detect_s, network.crash_fin_delay_s, storage.local_write_latency_s,
-network.replica_collective_pass_s, train.replica_compute_extra_s). `--quick` takes
+network.replica_collective_pass_s, train.replica_compute_extra_s, train.rank_start_skew_s). `--quick` takes
 fewer samples, serves the catch-up from an idle in-process server and starts children without torch
 (for tests: ~15 s of CPU).
 """
@@ -30,6 +32,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import shlex
@@ -144,6 +147,50 @@ def decision_broadcasts(events: list[dict]) -> list[float]:
     phases less the leader's. Pure."""
     return [max(t for r, t in last.items() if r != 0) - last[0]
             for _, last in _at_commits(events, "started") if 0 in last]
+
+
+def writer_writes(events: list[dict]) -> list[float]:
+    """Per committed step of more than one replica, the loader_state write as the job's own writer met it: the
+    writer's (`checkpoint_writer`: the lowest replica id of the step's quorum) rank-0 time from its "after_commit"
+    phase to its next "quorum" phase, less the median of the other replicas' (the same ledger, audit and step
+    bookkeeping, without the write). A sampler's write in another process was 0.5-2x it under the job's load
+    (benchmarks/results/fidelity.md). Pure."""
+    after: dict[tuple, float] = {}  # (replica, incarnation, step) -> after_commit
+    ask: dict[tuple, float] = {}  # (replica, incarnation, step) -> the next step's quorum phase
+    participants: dict[int, list[str]] = {}  # step -> its last quorum's replicas
+    for e in sorted((e for e in events if e.get("rank", 0) == 0 and "t" in e), key=lambda e: e["t"]):
+        key = (e.get("replica_id"), e.get("incarnation", 0))
+        if e.get("event") == "quorum" and e.get("participants"):
+            participants[e["step"]] = list(e["participants"])
+        elif e.get("event") == "phase" and e.get("phase") == "after_commit":
+            after[key + (e["step"],)] = e["t"]
+        elif e.get("event") == "phase" and e.get("phase") == "quorum" and key + (e["step"] - 1,) in after:
+            ask.setdefault(key + (e["step"] - 1,), e["t"])
+    gaps: dict[int, dict[str, float]] = {}
+    for (rid, _, step), t in ask.items():
+        gaps.setdefault(step, {})[rid] = t - after[(rid, _, step)]
+    out = []
+    for step, by in sorted(gaps.items()):
+        writer = min(participants.get(step, ()), default=None)
+        others = [g for rid, g in by.items() if rid != writer]
+        if writer in by and others:
+            out.append(by[writer] - median(others))
+    return out
+
+
+def start_skews(events: list[dict]) -> list[float]:
+    """Per step that every rank of the run started (its first "started" phase of the step), |a - b| over every
+    pair of its ranks' started times: how far apart the ranks begin a step. For ranks whose starts are
+    independent exponential delays of mean m, each |a - b| is exponential of mean m too, so m = median / ln 2
+    (`provenance`'s train.rank_start_skew_s). Pure."""
+    at: dict[int, dict[tuple, float]] = {}
+    for e in events:
+        if e.get("event") == "phase" and e.get("phase") == "started" and "t" in e:
+            key = (e.get("replica_id"), e.get("incarnation", 0), e.get("rank", 0))
+            at.setdefault(e["step"], {}).setdefault(key, e["t"])
+    n = max((len(by) for by in at.values()), default=0)
+    return [abs(a - b) for by in at.values() if n > 1 and len(by) == n
+            for i, a in enumerate(by.values()) for b in list(by.values())[i + 1:]]
 
 
 # Kills of the 2-replica run whose median is the script's crash detection.
@@ -290,6 +337,18 @@ def _ftar_hop(script: str, steps: int, module: bool, ranks: int, one_replica_s: 
                        f"connection (its reset: the killed rank's OS teardown under the job's own load; {script} as 2 "
                        f"replicas x {ranks} ranks)", len(down))] if down else []
     phased = phase_figures(events, f"{script} as 2 replicas x {ranks} ranks", "_2_replicas")
+    skews = start_skews(events)
+    if skews:
+        phased.append(Figure("script_start_skew_s", median(skews) / math.log(2), "s", f"the median over "
+                             f"{len(skews)} pairs of ranks in a step of |a - b| of their started phases, / ln 2 (the "
+                             f"mean of exponential start delays that gives it; {script} as 2 replicas x {ranks} ranks "
+                             "with FTRUN_PHASE_EVENTS=1)", len(skews)))
+    writes = writer_writes(events)
+    if writes:
+        phased.append(Figure("script_writer_write_s", max(median(writes), 0.0), "s", f"median over {len(writes)} steps "
+                             f"of the writer's after_commit -> next quorum phase less the other replica's (its "
+                             f"loader_state write as the job met it; {script} as 2 replicas x {ranks} ranks with "
+                             "FTRUN_PHASE_EVENTS=1), floored at 0", len(writes)))
     after = commit_to_quorum_s(events, participants=2)
     after_2 = [Figure("script_commit_to_quorum_2_replicas_s", median(after), "s", f"median time from a step's commit to "
                       f"the next step's quorum of 2 replicas, {script} as 2 replicas x {ranks} ranks (a 1-replica run's "

@@ -52,7 +52,7 @@ from typing import Any, Iterable
 
 from ftrun.cli import UsageError, emit_json
 from ftrun.launch.checks import replica_ids
-from harness.calibrate.measure import WriteSampler
+from harness.calibrate.measure import Figure, WriteSampler
 
 # The real worker's data-plane settings, passed to it explicitly and given to the emulator as the same keys
 # (ftrun.train.ft_worker --chunk-bytes / --max-shard-bytes; FTConfig.ftar, ftrun.config.FtarConfig).
@@ -403,7 +403,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --profile: re-measure the script's step, bookkeeping, all-reduce overhead, start "
                         "and a killed process's teardown (peer reset) just before and just after the real run (on a shared "
                         "machine the load moves them most) and emulate with the mean of the two, and the loader_state "
-                        "write with its median while the real runs ran (the disk swings most); keep the rest")
+                        "write as the real runs' own writer met it (its phase events; else a write sampled while they ran: the "
+                        "disk swings most); keep the rest")
     p.add_argument("--cpu-charging", choices=("on", "off"), default="off",
                    help="charge the emulator's real CPU time to emulated hosts (default off: deterministic)")
     p.add_argument("--out", default=None, help="folder for the real run and the calibrated profile")
@@ -465,7 +466,7 @@ def _toy_params() -> int:
 # and after it, with --profile and --restep).
 SCRIPT_KEYS = ("train.step_compute_s", "train.step_bookkeeping_s", "ftar.sync_overhead_s", "scheduler.process_start_s",
                "storage.local_write_latency_s", "network.crash_fin_delay_s", "network.replica_collective_pass_s",
-               "train.replica_compute_extra_s")
+               "train.replica_compute_extra_s", "train.rank_start_skew_s")
 
 
 def restep_values(profile_path: str, ranks: int, steps: int = 30) -> tuple[dict[str, float], dict[str, float]]:
@@ -481,7 +482,7 @@ def restep_values(profile_path: str, ranks: int, steps: int = 30) -> tuple[dict[
     p = load_profile(profile_path)
     measured = {v.key.removeprefix("measured."): v for v in (p.calibration.values if p.calibration else ())}
     figures = {f.name: f for f in _script_step("ftrun.train.ft_worker", steps, True, ranks)}
-    if "script_write_s" not in figures:  # no write sampled while the script ran: one timed now
+    if "script_writer_write_s" not in figures and "script_write_s" not in figures:  # no write the script met: one now
         figures["storage_write_s"] = storage_write(reps=20)
     if "script_peer_reset_s" not in figures:  # the script's killed rank's teardown not seen: an idle child's, now
         figures.update((f.name, f) for f in process_figures(zygote_reps=5, spawn_reps=0) if f.name == "peer_reset_s")
@@ -510,6 +511,19 @@ def with_override(overrides: list[str], key: str, value: float | None) -> list[s
     if value is None:
         return list(overrides)
     return [o for o in overrides if o.split("=", 1)[0] != key] + [f"{key}={value!r}"]
+
+
+def real_write(runs: list[list[dict[str, Any]]], sampled: Figure | None) -> Figure | None:
+    """The loader_state write the real runs met: their own writer's (`harness.calibrate.writer_writes` over
+    every run's phase events, the median, floored at 0), else `sampled` (a write timed in this process while they
+    ran). Pure."""
+    from harness.calibrate import writer_writes
+
+    writes = [w for ev in runs for w in writer_writes(ev)]
+    if not writes:
+        return sampled
+    return Figure("real_writer_write_s", max(median(writes), 0.0), "s", f"the median over {len(writes)} steps of "
+                  "the real runs' writer's after_commit -> next quorum phase less the other replicas'", len(writes))
 
 
 def _emulated(args: argparse.Namespace, profile_path: str, extra: list[str] = ()) -> tuple[dict, list[dict], list[float]]:
@@ -582,7 +596,8 @@ def run(args: argparse.Namespace) -> int:
             sampler.stop()
     real_complete = all(f.get("complete") for f, _ in reals)
     real_evs = [ev for _, ev in reals]
-    write = sampler.figure() if sampler is not None else None
+    sampled = sampler.figure() if sampler is not None else None
+    write = real_write(real_evs, sampled)
     if before:
         print("ftrun fidelity: re-measuring the script's step after the real run ...", file=sys.stderr, flush=True)
         after, figures_after = restep_values(profile, args.ranks_per_replica)
@@ -631,8 +646,7 @@ def run(args: argparse.Namespace) -> int:
     for key in before:
         print(f"  (restep {key:<34} before {before[key]:.4g}, after {after.get(key, float('nan')):.4g})")
     if write is not None:
-        print(f"  (restep {WRITE_KEY:<34} emulated with {write.value:.4g}: the median of {write.samples} writes "
-              "while the real runs ran)")
+        print(f"  (restep {WRITE_KEY:<34} emulated with {write.value:.4g}: {write.method})")
     mx, noise_mx = table["max_abs_log_ratio"], table.get("real_vs_real_max_abs_log_ratio")
     print(f"  max |ln(emulated/real)| = {'-' if mx is None else format(mx, '.3f')}"
           + (f", real vs real {'-' if noise_mx is None else format(noise_mx, '.3f')}" if args.repeat > 1 else "")
@@ -646,5 +660,6 @@ def run(args: argparse.Namespace) -> int:
                    "restep_before": before, "restep_after": after,
                    "restep_figures": {"before": figures_before, "after": figures_after}, "first_start_s": offsets,
                    "write_during_real_s": None if write is None else write.value,
+                   "write_sampled_s": None if sampled is None else sampled.value,
                    "spread": {"real": real_spread, "emulated": emu_spread}, "kills": args.kills, "wall_s": round(time.monotonic() - started, 3)})
     return 0 if real_complete and emu_f.get("complete") else 1

@@ -44,14 +44,19 @@ class Figure:
     samples: int
 
 
-def _median_time(fn: Callable[[], object], reps: int, min_seconds: float = 0.0) -> tuple[float, int]:
-    """The median time of `fn` over `reps` calls, or more until `min_seconds` have passed; (median, calls)."""
+def _median_time(fn: Callable[[], object], reps: int, min_seconds: float = 0.0,
+                 mean: bool = False) -> tuple[float, int]:
+    """The median time of `fn` over `reps` calls, or more until `min_seconds` have passed; (median, calls).
+    mean: the calls' wall time over their number instead (a throughput: the time the process spent off the CPU
+    between calls counts, where a median of calls shorter than a scheduler time slice leaves it out)."""
     times = []
     start = time.perf_counter()
     while len(times) < reps or time.perf_counter() - start < min_seconds:
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
+    if mean:
+        return (time.perf_counter() - start) / len(times), len(times)
     return statistics.median(times), len(times)
 
 
@@ -68,7 +73,7 @@ def step_compute(*, reps: int = 30, warmup: int = 5, batch_size: int = 8) -> Fig
         torch.set_num_threads(threads)
 
 
-def _step_compute(*, reps: int, warmup: int, batch_size: int, min_seconds: float = 0.0) -> Figure:
+def _step_compute(*, reps: int, warmup: int, batch_size: int, min_seconds: float = 0.0, mean: bool = False) -> Figure:
     import torch
 
     from ftrun.train.toy import ToyConfig, lm_loss, make_model, make_tokens
@@ -89,8 +94,8 @@ def _step_compute(*, reps: int, warmup: int, batch_size: int, min_seconds: float
 
     for _ in range(warmup):
         step()
-    t, n = _median_time(step, reps, min_seconds)
-    return Figure("step_s", t, "s", f"median wall time of forward + backward + AdamW step of ftrun.train.toy "
+    t, n = _median_time(step, reps, min_seconds, mean)
+    return Figure("step_s", t, "s", f"{'mean' if mean else 'median'} wall time of forward + backward + AdamW step of ftrun.train.toy "
                   f"TinyLM ({sum(p.numel() for p in model.parameters())} params, batch {batch_size}, "
                   f"torch {torch.__version__}, {torch.get_num_threads()} threads) after {warmup} warm-up steps", n)
 
@@ -101,7 +106,10 @@ def concurrent_steps(*, max_procs: int = 8, reps: int = 20, warmup: int = 3, sec
     loaded, one thread each, as a zygote child) start together and each runs `warmup` steps, then steps for
     `seconds` (at least `reps` steps: the N overlap for all of it, where a fixed count of millisecond steps
     would let them finish before the others start); the figure is the median over the N processes of each
-    one's median step. Then the machine's effective cores
+    one's mean step (its steps' wall time over their number: a throughput). Not the median of its steps: a toy
+    step (~1 ms) is shorter than a scheduler time slice, so most steps run unpreempted and the median left the
+    time sharing out (4 processes on this 2-core box stepped at the 1-process median, and the fit gave 3.0-3.4
+    cores). Then the machine's effective cores
     for rank processes: c in slowdown(N) = max(1, N / c), least squares over N >= 2 of t_N / t_1 = N / c
     (with the other work on the machine counted, as a real job meets it)."""
     import torch
@@ -113,15 +121,23 @@ def concurrent_steps(*, max_procs: int = 8, reps: int = 20, warmup: int = 3, sec
         times = [_concurrent_step(n, reps=reps, warmup=warmup, seconds=seconds) for n in range(1, max_procs + 1)]
     finally:
         torch.set_num_threads(threads)
-    ratios = [(n, t / times[0]) for n, t in enumerate(times, start=1) if n >= 2]
-    inverse = sum(n * r for n, r in ratios) / sum(n * n for n, _ in ratios)  # r = n x (1 / c), through 0
     out = [Figure(f"concurrent_step_s_{n}", t, "s", f"median step of the toy LM (forward + backward + AdamW, one "
-                  f"thread) over {n} forked processes computing at once, each the median of its steps over "
+                  f"thread) over {n} forked processes computing at once, each the mean of its steps (wall time "
+                  f"over their number) over "
                   f"{seconds:g} s (at least {reps}) after {warmup}", n * reps) for n, t in enumerate(times, start=1)]
-    out.append(Figure("cpu_cores_effective", 1.0 / inverse, "cores",
+    out.append(Figure("cpu_cores_effective", effective_cores(times), "cores",
                       "c in slowdown(N) = N / c, least squares through 0 of t_N / t_1 over N = 2.."
                       f"{max_procs} concurrent processes (measured.concurrent_step_s_N)", max_procs - 1))
     return out
+
+
+def effective_cores(times: list[float]) -> float:
+    """c in slowdown(N) = N / c, least squares through 0 of t_N / t_1 over N >= 2, from `times` (t_1, t_2, ...:
+    the step with N processes computing at once). Pure."""
+    if len(times) < 2 or times[0] <= 0:
+        raise ValueError(f"effective_cores needs the step of 1 process (> 0) and of 2 or more, got {times}")
+    ratios = [(n, t / times[0]) for n, t in enumerate(times, start=1) if n >= 2]
+    return sum(n * n for n, _ in ratios) / sum(n * r for n, r in ratios)  # r = n x (1 / c)
 
 
 def _concurrent_step(n: int, *, reps: int, warmup: int, seconds: float) -> float:
@@ -136,7 +152,7 @@ def _concurrent_step(n: int, *, reps: int, warmup: int, seconds: float) -> float
                 try:
                     os.close(go_w)
                     os.read(go_r, 1)
-                    f = _step_compute(reps=reps, warmup=warmup, batch_size=8, min_seconds=seconds)
+                    f = _step_compute(reps=reps, warmup=warmup, batch_size=8, min_seconds=seconds, mean=True)
                     os.write(res_w, f"{f.value!r}\n".encode())
                     code = 0
                 finally:

@@ -58,8 +58,9 @@ def profile_keys(figures: Mapping[str, Figure]) -> dict[str, tuple[float, str, s
     # load took 11-81 ms in 64 kills at load 4-10, an idle child's 8-19 ms: benchmarks/results/fidelity.md), else the
     # idle child's.
     direct("network.crash_fin_delay_s", "script_peer_reset_s" if "script_peer_reset_s" in figures else "peer_reset_s")
-    # the write as the script's runs met it, where sampled while they ran (the job's own load slows the disk)
-    direct("storage.local_write_latency_s", "script_write_s" if "script_write_s" in figures else "storage_write_s")
+    write = write_figure(figures)
+    if write is not None:
+        direct("storage.local_write_latency_s", write.name)
     direct("train.shared_cpu_cores", "cpu_cores_effective",
            note=" (the rank processes of an `ftrun launch` job on this machine share them)")
     if "script_start_s" in figures:  # the script's own start, where a script was timed
@@ -76,16 +77,21 @@ def profile_keys(figures: Mapping[str, Figure]) -> dict[str, tuple[float, str, s
             fetch.samples)
     direct("storage.local_append_latency_s", "storage_append_s")
     direct("ftar.sync_overhead_s", "ftar_sync_overhead_s")
+    skew = figures.get("script_start_skew_s")
+    m = skew.value if skew is not None else 0.0
+    if skew is not None:
+        out["train.rank_start_skew_s"] = (m, "s", skew.method, skew.samples)
     # the 2-replica run's, where timed: the runs the emulator stands in for have 2 or more replicas
     after = figures.get("script_commit_to_quorum_2_replicas_s") or figures.get("script_commit_to_quorum_s")
-    write = figures.get("script_write_s") or figures.get("storage_write_s")  # the write those runs met
     if after is not None and write is not None and lat is not None:
         append = figures["storage_append_s"].value if "storage_append_s" in figures else 0.0
+        late = m * math.log(2)  # the leader's own late start after the decision, the median draw
         out["train.step_bookkeeping_s"] = (
-            max(after.value - write.value - append - 2 * lat.value * 1e-6, 0.0), "s",
+            max(after.value - write.value - append - 2 * lat.value * 1e-6 - late, 0.0), "s",
             f"measured.{after.name} ({after.value:.6g} s) minus what the emulator charges there itself: "
-            f"one loader_state write ({write.name} {write.value:.6g} s), one audit append ({append:.3g} s) and the "
-            f"quorum round trip (2 x {lat.value:.3g} us), floored at 0", after.samples)
+            f"one loader_state write ({write.name} {write.value:.6g} s), one audit append ({append:.3g} s), the "
+            f"quorum round trip (2 x {lat.value:.3g} us) and the leader's late start (train.rank_start_skew_s x "
+            f"ln 2: {late:.3g} s), floored at 0", after.samples)
     vote = figures.get("script_commit_vote_2_replicas_s") or figures.get("script_commit_vote_s")
     if vote is not None and lat is not None:
         out["network.replica_collective_pass_s"] = (
@@ -100,6 +106,17 @@ def profile_keys(figures: Mapping[str, Figure]) -> dict[str, tuple[float, str, s
     return out
 
 
+# The loader_state write, best first: the script's own writer in its 2-replica run (its phase events), a write
+# sampled in this process while the script's runs ran (the job's own load slows the disk), an idle disk's.
+WRITE_FIGURES = ("script_writer_write_s", "script_write_s", "storage_write_s")
+
+
+def write_figure(figures: Mapping[str, Figure]) -> Figure | None:
+    """The write the script's runs met (WRITE_FIGURES' first present): what storage.local_write_latency_s takes
+    and the bookkeeping leaves out. Pure."""
+    return next((figures[n] for n in WRITE_FIGURES if n in figures), None)
+
+
 # Tree passes of the collectives of one step over a replica's comm that the emulator charges
 # network.replica_collective_pass_s for on the leader's way from quorum to commit (harness.run.fold.FoldedComm):
 # the decision's broadcast (1: its other ranks start that much later, and the vote waits for them) and the commit
@@ -111,6 +128,15 @@ def collective_pass_s(vote_s: float, one_way_us: float) -> float:
     """One pass of a collective over the replica's comm beyond the modeled network: the measured vote (an
     all-reduce, 2 passes) less its 2 modeled one-way latencies, halved, floored at 0. Pure."""
     return max(vote_s - 2 * one_way_us * 1e-6, 0.0) / 2
+
+
+def median_max_exp(n: int) -> float:
+    """The median of the largest of n independent exponential draws of mean 1: -ln(1 - 2^(-1/n)). A step of n
+    ranks with late starts of mean m waits about m x (this - ln 2) for its latest rank beyond its leader's own
+    (ln 2: the median of one draw; the leader's lies before its quorum event). Pure."""
+    if n < 1:
+        raise ValueError(f"median_max_exp needs n >= 1 ranks, got {n}")
+    return -math.log(1.0 - 0.5 ** (1.0 / n))
 
 
 def _without_contention(figures: Mapping[str, Figure], keys: Mapping[str, tuple]) -> dict[str, tuple]:
@@ -138,27 +164,41 @@ def _without_contention(figures: Mapping[str, Figure], keys: Mapping[str, tuple]
         return 0.0 if f is None or k < 2 else STEP_PASSES * collective_pass_s(f.value, lat)
 
     comm_1 = comm_s("script_commit_vote_s")
-    base = max(one.value - comm_1, 0.0) / max(1.0, k * u / c)
+    m = keys.get("train.rank_start_skew_s", (0.0,))[0]
+
+    def skew_s(ranks: float) -> float:  # the wait for the latest of `ranks` ranks' late starts beyond the leader's own
+        return m * (median_max_exp(round(ranks)) - math.log(2)) if m else 0.0
+
+    base = max(one.value - comm_1 - skew_s(k), 0.0) / max(1.0, k * u / c)
     why = f"(K = {k:g} ranks, u = {u:.3g}, c = {c:.3g} cores)"
     less = (f" less the step's collectives over the replica's comm as that run met them ({STEP_PASSES} passes of "
             f"measured.script_commit_vote_s / 2: {comm_1:.6g} s)") if comm_1 else ""
+    if m:
+        less += (f" less the wait for the latest of its K ranks' late starts beyond the leader's (train.rank_start_skew_s "
+                 f"{m:.6g} s x (median_max_exp(K) - ln 2): {skew_s(k):.6g} s)")
     out = {"train.step_compute_s": (base, "s", f"{one.method} ({one.value:.6g} s){less}, divided by the contention "
                                     f"of its K ranks, max(1, K u / c) {why}", one.samples)}
     two = figures.get("script_step_2_replicas_s")
     if two is None:
         return out
     comm_2 = comm_s("script_commit_vote_2_replicas_s")
-    rise = max(two.value - comm_2 - base * max(1.0, 2 * k * u / c), 0.0)
+    # u of the 2-replica run: the emulator's contention takes a rank's busy share of the job's step period as the
+    # job runs (its ranks wait in the all-reduce for part of it), so the 2-replica step's is (step_compute_s +
+    # bookkeeping) / that run's period (its quorum-to-commit plus commit-to-quorum), where timed; else the 1-replica u
+    after_2 = figures.get("script_commit_to_quorum_2_replicas_s")
+    u2 = min(1.0, (base + bookkeeping) / (two.value + after_2.value)) if after_2 is not None else u
+    rise = max(two.value - comm_2 - skew_s(2 * k) - base * max(1.0, 2 * k * u2 / c), 0.0)
     what = (f"measured.script_step_2_replicas_s ({two.value:.6g} s) less its collectives over the replica's comm "
-            f"({comm_2:.6g} s) and the step of 2K ranks under contention, step_compute_s x max(1, 2K u / c) {why}, "
-            "floored at 0")
+            f"({comm_2:.6g} s), the wait for the latest of its 2K ranks' late starts beyond the leader's "
+            f"({skew_s(2 * k):.6g} s) and the step of 2K ranks under contention, step_compute_s x max(1, 2K u2 / c) "
+            f"(u2 = {u2:.3g}: that run's busy share of its step period) {why}, floored at 0")
     c1, c2 = figures.get("script_compute_s"), figures.get("script_compute_2_replicas_s")
     if c1 is None or c2 is None:
         out["ftar.sync_overhead_s"] = (rise, "s", what, two.samples)
         return out
     # Where the rise lands: a rank's compute phase grows with a second replica (the other replica's ranks compute
     # on the same CPUs); that part is compute, the rest is the all-reduce's overhead.
-    modeled = base * (max(1.0, 2 * k * u / c) - max(1.0, k * u / c))  # the compute's rise the contention model makes
+    modeled = base * (max(1.0, 2 * k * u2 / c) - max(1.0, k * u / c))  # the compute's rise the contention model makes
     compute = min(max(c2.value - c1.value - modeled, 0.0), rise)
     out["train.replica_compute_extra_s"] = (
         compute, "s", f"measured.script_compute_2_replicas_s ({c2.value:.6g} s) less measured.script_compute_s "
@@ -173,7 +213,7 @@ def _without_contention(figures: Mapping[str, Figure], keys: Mapping[str, tuple]
 
 # Figures that set a key one to one are recorded under that key only.
 _ONE_TO_ONE = {"step_s", "cpu_cores_effective", "storage_append_s", "ftar_sync_overhead_s", "ftar_reduce_gb_s", "ftar_copy_gb_s", "crash_detect_s", "tcp_one_way_us", "peer_reset_s",
-               "storage_write_s", "script_write_s", "script_peer_reset_s"}
+               *WRITE_FIGURES, "script_peer_reset_s", "script_start_skew_s"}
 
 
 def calibrated_document(base: Mapping[str, Any], figures: Mapping[str, Figure], *, measured_at: str, host: str,
@@ -194,8 +234,9 @@ def calibrated_document(base: Mapping[str, Any], figures: Mapping[str, Figure], 
         node[leaf] = value
         values.append({"key": key, "value": float(value), "unit": unit, "method": method,
                        "measured_at": measured_at, "samples": samples})
-    # storage_write_s / peer_reset_s, where the key took the script's own figure instead: recorded as measured
-    alone = ({"storage_write_s"} if "script_write_s" in figures else set()) | (
+    # the writes / peer_reset_s that set no key (it took a better figure): recorded as measured
+    write = write_figure(figures)
+    alone = {n for n in WRITE_FIGURES if write is not None and n != write.name} | (
         {"peer_reset_s"} if "script_peer_reset_s" in figures else set())
     for name, f in figures.items():
         if name not in _ONE_TO_ONE or name in alone:

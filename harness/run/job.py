@@ -22,6 +22,7 @@ The whole run happens inside `shadow.active(profile)`: the FTAR kernels come fro
 from __future__ import annotations
 
 import contextlib
+import math
 import random
 import secrets
 from dataclasses import replace
@@ -69,6 +70,14 @@ def catchup_config_of(profile: Profile, state_bytes_per_rank: int) -> CatchupCon
     return CatchupConfig(max_shard_bytes=max(64, align_up(ceil_div(state_bytes_per_rank, 8))),
                          timeouts=timeouts_of(profile))
 
+
+
+def start_skew(mean_s: float, key: str) -> float:
+    """An exponential draw of mean `mean_s` from a generator seeded by `key` (deterministic); 0 when `mean_s` is 0.
+    Pure."""
+    if not mean_s:
+        return 0.0
+    return -mean_s * math.log(1.0 - random.Random(key).random())
 
 class Incarnation:
     """One start of one replica: its hosts, Envs, wiring, and how many of its ranks are still running."""
@@ -206,6 +215,12 @@ class EmulatedJob(JobFolding):
         if not j:
             return 0.0
         return self.profile.train.step_compute_s * random.Random(f"{self.options.seed}/{replica}/{step}").uniform(-j, j)
+
+    def start_skew_s(self, replica: int, rank: int, n: int | str) -> float:
+        """A rank's late start of a step (train.rank_start_skew_s: an exponential draw of that mean, seeded by the
+        job's seed, replica, rank and `n`, 0 without one): rank 0's after each quorum decision (n: its quorum id and
+        step), the others' before their compute of step n."""
+        return start_skew(self.profile.train.rank_start_skew_s, f"{self.options.seed}/{replica}/{rank}/{n}")
 
     # -- running ---------------------------------------------------------------------------------
     def run(self, progress: Callable[[int], None] | None = None) -> Recorder:

@@ -43,24 +43,28 @@ REPLICA_DOWN = (ReplicaError, ReplicaCommError, QuorumError, NetError, EnvTimeou
 
 class TimedLighthouseClient(LighthouseClient):
     """The real client; records each round trip (ask -> decision; with ask-ahead, collect -> decision)
-    for the report."""
+    for the report. Then the leader's start delay (train.rank_start_skew_s): a real leader process wakes for the
+    decision late on a machine its job oversubscribes, and its quorum event and step start after that."""
 
-    def __init__(self, *, job: RankJob, **kwargs: Any) -> None:
+    def __init__(self, *, job: RankJob, replica: int, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self._job = job
+        self._job, self._replica = job, replica
 
     def quorum(self, step: int, **kwargs: Any) -> Decision:
         t_ask = self.env.clock.now()
         decision = super().quorum(step, **kwargs)
-        self._job.recorder.leader_asked(decision.quorum_id, decision.max_step, t_ask, self.env.clock.now())
-        return decision
+        return self._woke(decision, t_ask)
 
     def collect(self) -> Decision:
         """Ask-ahead's reply (ftrun.replica.ask_ahead): its request went out at the last commit, so the
         round is timed from when start_step needs the decision: what the step waits for it."""
         t_need = self.env.clock.now()
-        decision = super().collect()
-        self._job.recorder.leader_asked(decision.quorum_id, decision.max_step, t_need, self.env.clock.now())
+        return self._woke(super().collect(), t_need)
+
+    def _woke(self, decision: Decision, t0: float) -> Decision:
+        self._job.recorder.leader_asked(decision.quorum_id, decision.max_step, t0, self.env.clock.now())
+        if skew := self._job.start_skew_s(self._replica, 0, f"{decision.quorum_id}/{decision.max_step}"):
+            self.env.clock.sleep(skew)
         return decision
 
 
@@ -134,6 +138,7 @@ def _compute(job: RankJob, inc: RankIncarnation, rank: int, env: Any, lead: bool
         env=env, model=p.model, ranks_per_replica=p.ranks_per_replica, cache=job.shapes,
         step_time_s=train.step_compute_s, rng=job.rng, state=job.shape_state, lead=lead,
         extra_s=lambda step: (job.jitter_s(inc.replica, step) + job.compute_extra_s(inc, rank, step)
+                              + (job.start_skew_s(inc.replica, rank, step) if rank else 0.0)  # rank 0's: at its quorum
                               + job.contention_extra_s() + job.replica_compute_extra_s()),
         first_extra_s=extra_first if restarted else 0.0,
         first_batch_s=train.first_batch_s if restarted else 0.0)
@@ -174,7 +179,7 @@ def _build(job: RankJob, inc: RankIncarnation, rank: int, index: int, env: Any, 
            marks: _Marks) -> FaultTolerantTrainer:
     leader, p = rank == 0, job.profile
     comm = _comm(job, inc, index, env)
-    client = TimedLighthouseClient(job=job, env=env, addr=job.lighthouse_addr, token=job.token,
+    client = TimedLighthouseClient(job=job, replica=inc.replica, env=env, addr=job.lighthouse_addr, token=job.token,
                                    replica_id=inc.replica_id, timeouts=job.timeouts) if leader else None
     if client is not None:
         client.connect()  # counted live from the start, so the first quorum waits for this replica

@@ -444,3 +444,114 @@ def test_the_2_replica_steps_rise_goes_to_the_compute_as_far_as_the_compute_phas
                                              fig("script_compute_2_replicas_s", 0.006)]})
     assert keys["train.replica_compute_extra_s"][0] == 0.0 and keys["ftar.sync_overhead_s"][0] == pytest.approx(0.020)
     assert "train.replica_compute_extra_s" not in profile_keys({f.name: f for f in base})  # without the phases
+
+
+def test_the_contention_probe_times_a_throughput_where_time_sharing_shows():
+    """A step shorter than a scheduler time slice mostly runs unpreempted: the median of a process's steps left
+    the time sharing out (4 processes on a 2-core box stepped at the 1-process median: 3.0-3.4 cores). The mean
+    (wall time over the steps) counts a step's wait for the CPU."""
+    import time
+
+    from harness.calibrate.measure import _median_time
+
+    delays = iter([0.001] * 9 + [0.05])
+    t, n = _median_time(lambda: time.sleep(next(delays)), reps=10)
+    assert n == 10 and t < 0.01
+    delays = iter([0.001] * 9 + [0.05])
+    t, n = _median_time(lambda: time.sleep(next(delays)), reps=10, mean=True)
+    assert n == 10 and t >= (9 * 0.001 + 0.05) / 10
+
+
+def test_effective_cores_fits_the_slowdown_through_zero():
+    from harness.calibrate.measure import effective_cores
+
+    assert effective_cores([0.001, 0.001, 0.0015, 0.002]) == pytest.approx(2.0)  # 2 cores, time shared fairly
+    assert effective_cores([0.002, 0.002, 0.002, 0.002]) == pytest.approx(29 / 9)  # what the medians saw
+    with pytest.raises(ValueError, match="effective_cores"):
+        effective_cores([0.001])
+
+
+def _phase(rid: str, rank: int, phase: str, step: int, t: float) -> dict:
+    return {"event": "phase", "replica_id": rid, "incarnation": 0, "rank": rank, "phase": phase, "step": step, "t": t}
+
+
+def test_start_skews_pair_every_rank_of_a_step_that_all_started():
+    from harness.calibrate import start_skews
+
+    ev = [_phase("r0", 0, "started", 1, 1.000), _phase("r0", 1, "started", 1, 1.002), _phase("r1", 0, "started", 1, 1.005),
+          _phase("r0", 0, "started", 2, 2.000), _phase("r1", 0, "started", 2, 2.004),  # r0 rank 1 missing: left out
+          _phase("r0", 0, "started", 1, 1.500)]  # a retry of step 1: its first start counts
+    assert sorted(start_skews(ev)) == pytest.approx([0.002, 0.003, 0.005])
+    assert start_skews([_phase("r0", 0, "started", 1, 1.0)]) == []  # one rank: no pair
+
+
+def test_the_writer_write_is_the_writers_after_commit_to_ask_less_the_others():
+    from harness.calibrate import writer_writes
+
+    quorum = lambda rid, step, t: {"event": "quorum", "replica_id": rid, "rank": 0, "step": step, "t": t,
+                                   "participants": ["r1", "r0", "r2"]}
+    ev = [quorum("r0", 5, 0.9), _phase("r0", 0, "after_commit", 5, 1.000), _phase("r0", 0, "quorum", 6, 1.006),
+          _phase("r1", 0, "after_commit", 5, 1.000), _phase("r1", 0, "quorum", 6, 1.001),
+          _phase("r2", 0, "after_commit", 5, 1.001), _phase("r2", 0, "quorum", 6, 1.003),
+          _phase("r0", 1, "after_commit", 5, 1.000), _phase("r0", 1, "quorum", 6, 1.050)]  # not a leader: left out
+    assert writer_writes(ev) == pytest.approx([0.006 - 0.0015])  # r0 (lowest id) less the median of 1 and 2 ms
+    assert writer_writes(ev[1:]) == []  # no quorum: no writer known
+
+
+def test_the_start_skew_sets_its_key_and_leaves_the_latest_ranks_wait_out_of_the_step_and_overhead():
+    from harness.calibrate.provenance import median_max_exp
+
+    assert median_max_exp(1) == pytest.approx(math.log(2))
+    assert median_max_exp(2) < median_max_exp(4) < median_max_exp(8)
+    with pytest.raises(ValueError, match="n >= 1"):
+        median_max_exp(0)
+    base = [fig("step_s", 0.010), fig("script_step_period_s", 0.010), fig("cpu_cores_effective", 2.0, "cores"),
+            fig("script_step_2_replicas_s", 0.030), fig("script_ranks", 2, "ranks")]
+    plain = profile_keys({f.name: f for f in base})
+    keys = profile_keys({f.name: f for f in (*base, fig("script_start_skew_s", 0.001))})
+    assert keys["train.rank_start_skew_s"][0] == 0.001
+    # a step waits for the latest of its ranks beyond its leader's own late start (before its quorum event)
+    assert keys["train.step_compute_s"][0] == pytest.approx(0.010 - 0.001 * (median_max_exp(2) - math.log(2)))
+    assert keys["ftar.sync_overhead_s"][0] == pytest.approx(
+        0.030 - 0.001 * (median_max_exp(4) - math.log(2)) - 2 * keys["train.step_compute_s"][0])
+    assert keys["ftar.sync_overhead_s"][0] != plain["ftar.sync_overhead_s"][0]
+    assert "late starts" in keys["train.step_compute_s"][2]
+    doc = calibrated_document({"name": "x"}, {f.name: f for f in (*base, fig("script_start_skew_s", 0.001))},
+                              measured_at=AT, host="h", command="c", quick=False)
+    recorded = {v["key"] for v in doc["calibration"]["values"]}
+    assert "train.rank_start_skew_s" in recorded and "measured.script_start_skew_s" not in recorded
+    # the leader's own late start lies between its commit and its quorum event: not bookkeeping
+    after = [fig("script_commit_to_quorum_2_replicas_s", 0.010), fig("storage_write_s", 0.002),
+             fig("tcp_one_way_us", 10.0, "us")]
+    plain = profile_keys({f.name: f for f in after})
+    keys = profile_keys({f.name: f for f in (*after, fig("script_start_skew_s", 0.001))})
+    assert plain["train.step_bookkeeping_s"][0] - keys["train.step_bookkeeping_s"][0] == pytest.approx(0.001 * math.log(2))
+
+
+def test_the_write_prefers_the_scripts_own_writer_and_records_the_others_as_measured():
+    from harness.calibrate.provenance import write_figure
+
+    figures = {f.name: f for f in (fig("storage_write_s", 0.001), fig("script_write_s", 0.006),
+                                   fig("script_writer_write_s", 0.003), fig("tcp_one_way_us", 10.0, "us"),
+                                   fig("script_commit_to_quorum_2_replicas_s", 0.010))}
+    assert write_figure(figures).name == "script_writer_write_s"
+    keys = profile_keys(figures)
+    assert keys["storage.local_write_latency_s"][0] == 0.003
+    assert keys["train.step_bookkeeping_s"][0] == pytest.approx(0.010 - 0.003 - 20e-6)
+    doc = calibrated_document({"name": "x"}, figures, measured_at=AT, host="h", command="c", quick=False)
+    measured = {v["key"] for v in doc["calibration"]["values"]}
+    assert {"measured.storage_write_s", "measured.script_write_s"} <= measured
+    assert "measured.script_writer_write_s" not in measured
+
+
+def test_the_2_replica_contention_takes_that_runs_own_busy_share():
+    """The emulator's contention takes a rank's busy share of the job's step period as it runs: in a 2-replica run
+    the ranks wait in the all-reduce for part of the period, so its contention is 2K u2 / c with u2 = (step_compute_s
+    + bookkeeping) / that run's period, not the 1-replica run's u (~1: a lone replica computes all the time)."""
+    base = [fig("step_s", 0.010), fig("script_step_period_s", 0.010), fig("cpu_cores_effective", 2.0, "cores"),
+            fig("script_step_2_replicas_s", 0.030), fig("script_ranks", 2, "ranks")]
+    keys = profile_keys({f.name: f for f in (*base, fig("script_commit_to_quorum_2_replicas_s", 0.010))})
+    u2 = 0.010 / 0.040  # no bookkeeping timed (no write figure): 4 ranks x 0.25 / 2 cores: no contention
+    assert keys["train.step_compute_s"][0] == pytest.approx(0.010)
+    assert keys["ftar.sync_overhead_s"][0] == pytest.approx(0.030 - 0.010 * max(1.0, 4 * u2 / 2))
+    assert "u2 = 0.25" in keys["ftar.sync_overhead_s"][2]

@@ -3,6 +3,8 @@ all-reduce (the terms `ftrun calibrate` measures and `ftrun fidelity` compares).
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from ftrun.cli import UsageError
@@ -189,3 +191,45 @@ def test_the_replica_collective_pass_is_charged_on_the_steps_collectives_of_a_mu
             spans[ranks, pass_s] = _quorum_to_commit(job)
     assert spans[1, 0.1] == pytest.approx(spans[1, 0.0], abs=1e-6)
     assert spans[2, 0.1] - spans[2, 0.0] == pytest.approx(STEP_PASSES * 0.1, abs=0.02)
+
+
+@pytest.mark.timeout(120)
+def test_the_ranks_start_skew_makes_a_step_wait_for_the_latest_of_its_ranks():
+    """train.rank_start_skew_s: each rank starts a step an exponential draw late (seeded; a leader's after its
+    quorum decision, before its quorum event, as a real leader's event comes when its process wakes): a leader's
+    quorum-to-commit waits for the latest of the R x K ranks beyond its own, so it grows with the replicas up; the
+    same seed gives the same job."""
+    from harness.calibrate.provenance import median_max_exp
+    from harness.run.job import start_skew
+
+    assert start_skew(0.0, "k") == 0.0 and start_skew(1.0, "k") == start_skew(1.0, "k") > 0
+    draws = sorted(start_skew(1.0, f"seed/{i}") for i in range(2001))
+    assert draws[1000] == pytest.approx(math.log(2), rel=0.1)  # the median of an exponential of mean 1
+    skew = 0.05
+    plain = _spans_at_2_and_4_replicas("train.rank_start_skew_s=0")
+    skewed = _spans_at_2_and_4_replicas(f"train.rank_start_skew_s={skew}")
+    assert skewed == _spans_at_2_and_4_replicas(f"train.rank_start_skew_s={skew}")
+    ranks = build_profile("ci-small", [], steps=4, cpu_charging=False).ranks_per_replica
+    for replicas in (2, 4):  # 4 steps: a loose check against the medians
+        late = skew * (median_max_exp(replicas * ranks) - math.log(2))
+        assert skewed[replicas] - plain[replicas] == pytest.approx(late, rel=0.6)
+    assert skewed[4] - plain[4] > skewed[2] - plain[2]
+
+
+@pytest.mark.timeout(120)
+def test_a_mid_step_kill_is_timed_from_the_victims_own_late_start():
+    """The kill is timed on the victim's own compute (`ftrun launch --inject ... at=F`), counted from its quorum
+    event, which comes after its late start: F x its compute after that, while the survivors' quorum events of the
+    step come at their own draws."""
+    overrides = ["replicas=3", "train.shared_cpu_cores=0", "train.step_compute_s=0.4", "train.rank_start_skew_s=0.05"]
+    f, job = execute(build_profile("ci-small", overrides, steps=8, cpu_charging=False),
+                     JobOptions(steps=8, kills=(Kill(1, at_step=3, at_fraction=0.5),)))
+    assert f["complete"]
+    ev = sorted((e for e in job.recorder.events if e.get("rank", 0) == 0 and "t" in e), key=lambda e: e["t"])
+    kill = next(e for e in ev if e["event"] == "kill")
+    quorum = max((e for e in ev if e["event"] == "quorum" and e.get("replica_id") == "r1" and e["t"] <= kill["t"]),
+                 key=lambda e: e["t"])
+    assert kill["t"] - quorum["t"] == pytest.approx(0.5 * 0.4, abs=0.01)
+    same = [e["t"] for e in ev if e["event"] == "quorum" and e.get("quorum_id") == quorum["quorum_id"]
+            and e["step"] == quorum["step"]]
+    assert len(same) == 3 and max(same) - min(same) > 0.001  # the leaders' events of one quorum, at their draws

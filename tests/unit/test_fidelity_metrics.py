@@ -348,3 +348,19 @@ def test_rank_phases_are_medians_over_every_runs_ranks_steps():
     assert ph["commit_vote_s"] == pytest.approx(0.003) and ph["decision_broadcast_s"] == pytest.approx(0.002)
     assert rank_phases([[]]) == {"compute_s": None, "all_reduce_s": None, "commit_vote_s": None,
                                  "decision_broadcast_s": None}
+
+
+def test_the_real_write_is_the_real_runs_own_writers_else_the_sampled_one():
+    from harness.calibrate.fidelity import real_write
+    from harness.calibrate.measure import Figure
+
+    def phase(rid: str, phase: str, step: int, t: float) -> dict:
+        return {"event": "phase", "replica_id": rid, "rank": 0, "phase": phase, "step": step, "t": t}
+
+    run = [{"event": "quorum", "replica_id": "r0", "rank": 0, "step": 3, "t": 0.5, "participants": ["r0", "r1"]},
+           phase("r0", "after_commit", 3, 1.0), phase("r0", "quorum", 4, 1.005),
+           phase("r1", "after_commit", 3, 1.0), phase("r1", "quorum", 4, 1.001)]
+    sampled = Figure("storage_write_s", 0.009, "s", "sampled", 4)
+    w = real_write([run, run], sampled)
+    assert w.name == "real_writer_write_s" and w.value == pytest.approx(0.004) and w.samples == 2
+    assert real_write([[e for e in run if e["event"] != "phase"]], sampled) is sampled
