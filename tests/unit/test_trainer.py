@@ -4,7 +4,9 @@ backward is retried without touching model or optimizer."""
 
 from __future__ import annotations
 
+import gc
 import json
+import weakref
 from dataclasses import replace
 
 import numpy as np
@@ -303,6 +305,9 @@ def test_trainer_heals_a_late_replica_and_retries_a_failed_backward(tmp_path):
     try:
         r0, r1, r2 = reps
         run(env, [r0, r1], 3)  # r2 is not there yet
+        fetched = []  # weak references to the model's tensors r2 fetches (views into the fetch's buffer)
+        fetch = r2.server.fetch
+        r2.server.fetch = lambda *args, **kwargs: fetched.append(got := fetch(*args, **kwargs)) or got
         late = env.spawn(r2.run_until, 6, name="r2")  # asks for step 0 first, so it is in the next quorum
         while "r2" not in lighthouse.status()["pending"]:
             env.clock.sleep(0.01)
@@ -311,6 +316,10 @@ def test_trainer_heals_a_late_replica_and_retries_a_failed_backward(tmp_path):
         healed = r2.results[0]
         assert healed.healed and healed.step == 3 and healed.committed and healed.loss is None
         assert [e for e in r2.events if e["event"] == "catchup"][0]["step"] == 3
+        views = [weakref.ref(t) for k, t in fetched.pop().tensors.items() if k.startswith("model.")]
+        gc.collect()
+        assert views and not any(v() for v in views)  # loaded (copied into the model): nothing keeps them
+        assert r2.trainer.last_fetch.num_bytes > 0  # the fetch's figures are kept
         assert len({param_hash(r.model) for r in reps}) == 1
 
         r1.fail_next_backward = True
