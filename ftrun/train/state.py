@@ -43,7 +43,8 @@ class TrainState(Protocol):
 
     def load(self, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any]) -> None:
         """Replace this rank's state by a peer's. Raises ValueError if it does not fit this model.
-        `tensors` are handed over: the state may keep them (a fetch's are over a buffer of its own)."""
+        `tensors` are handed over: the state may keep them (the trainer's fetches are over a buffer of their
+        own; one reused across fetches, ftrun.catchup.client's `buffer`, would be overwritten by the next)."""
 
 
 class ReplicaState:
