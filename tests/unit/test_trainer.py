@@ -304,7 +304,13 @@ def test_trainer_heals_a_late_replica_and_retries_a_failed_backward(tmp_path):
     reps = [Rep(env, lighthouse, rid, tmp_path) for rid in IDS]
     try:
         r0, r1, r2 = reps
+        reserved = {r.rid: [] for r in reps}  # the state names of each catch-up reserve (trainer -> service)
+        for r in reps:
+            r.server.reserve = lambda state, rid=r.rid, real=r.server.reserve: (
+                reserved[rid].append(sorted(state)), real(state))
         run(env, [r0, r1], 3)  # r2 is not there yet
+        own = sorted(r0.trainer.state.tensors())
+        assert reserved == {"r0": [own], "r1": [own], "r2": []}  # once, optimizer state included, while r2 is away
         fetched = []  # weak references to the model's tensors r2 fetches (views into the fetch's buffer)
         fetch = r2.server.fetch
         r2.server.fetch = lambda *args, **kwargs: fetched.append(got := fetch(*args, **kwargs)) or got
@@ -321,6 +327,7 @@ def test_trainer_heals_a_late_replica_and_retries_a_failed_backward(tmp_path):
         assert views and all(v() is None for v in views)  # loaded (copied into the model): nothing keeps them
         assert r2.trainer.last_fetch.num_bytes > 0  # the fetch's figures are kept
         assert len({param_hash(r.model) for r in reps}) == 1
+        assert reserved == {"r0": [own], "r1": [own], "r2": []}  # r2 joined a full quorum: nothing to reserve
 
         r1.fail_next_backward = True
         fail_at = r1.trainer.step
