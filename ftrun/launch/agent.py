@@ -167,10 +167,11 @@ class Agent:
 
     def handle(self, req: dict) -> dict:
         kind = req["type"]
-        if kind == "start":
+        if kind in ("start", "prepare"):
             with self._lock:
-                if self._closing:
+                if self._closing:  # a zygote made now would outlive the agent too
                     return {"error": SHUTTING_DOWN}
+        if kind == "start":
             run_dir = self._job_dir(req["job"])
             env = {**req["env"], "FTRUN_RUN_DIR": run_dir}
             handle = self._launcher_for(req["argv"]).start(req["argv"], env=env, cwd=os.getcwd(),

@@ -70,13 +70,15 @@ def test_no_agent_is_a_clear_error():
 
 def test_a_start_on_a_connection_open_at_bye_is_refused(agent, tmp_path):
     """After a bye the agent kills what it runs and exits: a launcher still connected then cannot start a
-    process that nobody would kill (its start is refused, naming the shutdown)."""
+    process (or a zygote) that nobody would kill (its start or prepare is refused, naming the shutdown)."""
     env, a = agent
     local = tmp_path / "launcher"
     (local / "logs").mkdir(parents=True)
     remote = RemoteLauncher(env, a.addr, "tok", job="job1", run_dir=str(local))
     AgentClient(env, a.addr, "tok").call({"type": "bye"})
     try:
+        with pytest.raises(AgentError, match="shutting down"):
+            remote.prepare(["-c", "pass"])
         with pytest.raises(AgentError, match="shutting down"):
             h = remote.start(["-c", "import time; time.sleep(60)"], env={}, cwd="/",
                              stdout=str(local / "logs" / "s.out"), stderr=str(local / "logs" / "s.log"))
