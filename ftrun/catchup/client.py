@@ -42,7 +42,9 @@ def fetch(step: int, sources: Sequence[str], token: str, timeouts: Timeouts, *,
     Args:
         timeouts: bounds the whole fetch (catchup_timeout_s) and each connect (connect_timeout_s).
         config: stall_s, long_poll_s and max_source_failures (its own timeouts are not used).
-        buffer: a CPU uint8 tensor to receive into (used when large enough).
+        buffer: a CPU uint8 tensor to receive into (used when large enough). The next fetch into it
+            overwrites these tensors: hand them to a TrainState.load (which may keep them as its
+            optimizer state, ftrun.train.state) only from a fetch without `buffer`.
     Raises:
         CatchupUsageError: bad arguments. CatchupAuthError: token refused. CatchupStepError: no source
         has the step. CatchupTimeout: past catchup_timeout_s. CatchupError: every source failed.

@@ -32,10 +32,15 @@ _SOCK_BUF = 4 * 1024 * 1024
 # One recv() copies at most this much: a huge read holds the socket lock while it copies and stalls the
 # sender on loopback (measured: 4 MiB reads ran several times slower than 1 MiB ones).
 _RECV_STEP = 1 << 20
-# accept() errors on an open listener that a later accept can get past (out of descriptors or buffers, a
-# connection reset while it waited in the backlog): AcceptFailed, retried; any other error means it is gone.
-ACCEPT_TRANSIENT = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED,
-                              errno.EPROTO})
+# accept() errors on an open listener that a later accept can get past (out of descriptors or buffers):
+# AcceptFailed, retried; any other error, but those below, means it is gone.
+ACCEPT_TRANSIENT = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+# Errors of the one connection accept() took off the backlog (reset while it waited, or a network error
+# pending on it, which Linux passes on from accept(2): its man page says to retry as for EAGAIN): that
+# connection is lost and accept() goes on to the next, as for a connection reset before it was admitted.
+ACCEPT_CONNECTION_LOST = frozenset(getattr(errno, name) for name in (
+    "ECONNABORTED", "EPROTO", "ENETDOWN", "ENOPROTOOPT", "EHOSTDOWN", "ENONET", "EHOSTUNREACH", "EOPNOTSUPP",
+    "ENETUNREACH") if hasattr(errno, name))
 
 
 def _parse(addr: str) -> tuple[int, object]:
@@ -332,6 +337,8 @@ class RealListener:
             except (socket.timeout, BlockingIOError):  # BlockingIOError: no time was left (timeout 0)
                 raise EnvTimeout(f"accept timed out after {timeout}s") from None
             except OSError as e:
+                if not self._closed and e.errno in ACCEPT_CONNECTION_LOST:
+                    continue
                 if self._closed or e.errno not in ACCEPT_TRANSIENT:
                     raise PeerClosed(f"listener {self.addr} closed: {e}") from None
                 raise AcceptFailed(f"accept on {self.addr} failed: {e}") from None

@@ -34,6 +34,7 @@ from ftrun.env.base import Env, EnvTimeout, NetError, PeerClosed, serve_connecti
 from ftrun.launch.procs import SpawnLauncher
 
 AGENT_PORT = 29511
+SHUTTING_DOWN = "the agent is shutting down (a bye was received): it starts no process"
 MAX_READ = 1 << 20
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}$")
 
@@ -127,6 +128,7 @@ class Agent:
         self._stores: list = []
         self._lock = env.lock()
         self._done = env.event()
+        self._closing = False  # a bye came or shutdown() began: no process starts any more (under _lock)
 
     def serve(self) -> None:
         """Accept until a bye; then kill what runs and return."""
@@ -165,6 +167,10 @@ class Agent:
 
     def handle(self, req: dict) -> dict:
         kind = req["type"]
+        if kind in ("start", "prepare"):
+            with self._lock:
+                if self._closing:  # a zygote made now would outlive the agent too
+                    return {"error": SHUTTING_DOWN}
         if kind == "start":
             run_dir = self._job_dir(req["job"])
             env = {**req["env"], "FTRUN_RUN_DIR": run_dir}
@@ -173,6 +179,11 @@ class Agent:
                                           stderr=os.path.join(run_dir, "logs", req["stderr"]))
             with self._lock:
                 self._procs[req["id"]] = handle
+                closing = self._closing
+            if closing:  # shutdown() began while it started, and may have missed it: killed like the others
+                handle.kill()
+                handle.wait(5.0)
+                return {"error": SHUTTING_DOWN}
             return {"pid": handle.pid}
         if kind == "poll":
             with self._lock:
@@ -211,7 +222,9 @@ class Agent:
             with self._lock:
                 self._stores.append(store)
             return {"port": store.port}
-        return {}  # bye
+        with self._lock:  # bye: from its answer on, no process starts (serve() then shuts down)
+            self._closing = True
+        return {}
 
     def _launcher_for(self, argv: list[str]):
         """The zygote (made on the first start, for that script: later starts of it are forks), or spawn."""
@@ -225,8 +238,9 @@ class Agent:
         return self._launcher
 
     def shutdown(self) -> None:
-        self._listener.close()  # first: no launcher starts a process while the running ones are killed
+        self._listener.close()  # first: no new launcher connects while the running ones are killed
         with self._lock:
+            self._closing = True  # nor does a connected one start a process (handle() refuses, see there)
             procs = list(self._procs.values())
         for p in procs:
             p.kill()

@@ -17,8 +17,8 @@ the optimizer state with `Optimizer.load_state_dict` (per-element state of a sha
 back into a DTensor like it), so a healed rank's optimizer (step counters included) is bitwise the
 source's. On a CPU the optimizer keeps the fetched tensors themselves, views into the fetch's buffer: no
 copy on the joiner's critical path (benchmarks/catchup_launch.py's 33.6 MB of AdamW moments: a load took
-18-48 ms with a clone, 2-10 ms without, in traced launches on 2 busy cores), and the trainer holds the
-last fetch anyway (`last_fetch`), so its buffer was kept already.
+18-48 ms with a clone, 2-10 ms without, in traced launches on 2 busy cores). The price: those views keep
+the whole fetch buffer, the model's part of it too, until the next heal replaces them.
 
 Threading: one task (the training loop) per instance.
 """
@@ -43,7 +43,8 @@ class TrainState(Protocol):
 
     def load(self, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any]) -> None:
         """Replace this rank's state by a peer's. Raises ValueError if it does not fit this model.
-        `tensors` are handed over: the state may keep them (a fetch's are over a buffer of its own)."""
+        `tensors` are handed over: the state may keep them (the trainer's fetches are over a buffer of their
+        own; one reused across fetches, ftrun.catchup.client's `buffer`, would be overwritten by the next)."""
 
 
 class ReplicaState:

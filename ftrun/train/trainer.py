@@ -75,7 +75,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from ftrun.catchup.config import CatchupConfig
@@ -191,7 +191,7 @@ class FaultTolerantTrainer:
         self.checkpoints = CheckpointWriter(
             checkpointer=checkpointer, config=config.checkpoint, env=env, replica_id=config.replica_id,
             rank=config.rank, emit=self._emit, checkpointed=checkpointed) if checkpointer is not None else None
-        self.last_fetch: FetchResult | None = None
+        self.last_fetch: FetchResult | None = None  # the last heal's fetch, without its tensors
         self._reserved = False  # the catch-up snapshot's buffer was reserved (once: its layout stays)
         self._kept: tuple[tuple[int, str], float, Any] | None = None  # ((step, lineage), loss, gradient)
         self._compute_s: float | None = None  # the last forward/backward's seconds
@@ -404,7 +404,8 @@ class FaultTolerantTrainer:
         if self.telemetry: self.telemetry.catchup_end(q.step, result.num_bytes, True)
         self._phase("heal", q.step)
         self._load(q.step, result)
-        self.last_fetch = result
+        self.last_fetch = replace(result, tensors={})  # its figures: the state keeps what it needs of the
+        # buffer (a CPU optimizer's moments); the rest (a GPU state's whole host copy) goes now
         self._emit("catchup", step=q.step, num_bytes=result.num_bytes, seconds=result.seconds,
                    bytes_by_source=result.bytes_by_source, failures=list(result.failures))
 

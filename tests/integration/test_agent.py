@@ -66,3 +66,23 @@ def test_wrong_token_and_paths_outside_are_refused(agent):
 def test_no_agent_is_a_clear_error():
     with pytest.raises(AgentError, match="no agent at 127.0.0.1:9 .*--host-index"):
         AgentClient(RealEnv(), "127.0.0.1:9", "tok", connect_timeout_s=0.5)
+
+
+def test_a_start_on_a_connection_open_at_bye_is_refused(agent, tmp_path):
+    """After a bye the agent kills what it runs and exits: a launcher still connected then cannot start a
+    process (or a zygote) that nobody would kill (its start or prepare is refused, naming the shutdown)."""
+    env, a = agent
+    local = tmp_path / "launcher"
+    (local / "logs").mkdir(parents=True)
+    remote = RemoteLauncher(env, a.addr, "tok", job="job1", run_dir=str(local))
+    AgentClient(env, a.addr, "tok").call({"type": "bye"})
+    try:
+        with pytest.raises(AgentError, match="shutting down"):
+            remote.prepare(["-c", "pass"])
+        with pytest.raises(AgentError, match="shutting down"):
+            h = remote.start(["-c", "import time; time.sleep(60)"], env={}, cwd="/",
+                             stdout=str(local / "logs" / "s.out"), stderr=str(local / "logs" / "s.log"))
+            h.kill()  # before the fix: the process started; it must not outlive the test
+            h.wait(30)
+    finally:
+        remote.client.close()

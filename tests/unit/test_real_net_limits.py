@@ -287,3 +287,38 @@ def test_accept_out_of_descriptors_is_accept_failed_and_the_connection_waits():
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert "Too many open files" in out["out"] and out["then"] == {"n": 1}, out
+
+
+@pytest.mark.parametrize("error", ["ECONNABORTED", "EPROTO", "ENETUNREACH", "EHOSTUNREACH"])
+def test_an_accept_error_of_one_connection_skips_it_and_accepts_the_next(error):
+    """accept(2) passes on an error of the connection it took off the backlog (reset while it waited, a
+    network error pending on it; Linux's man page: retry as for EAGAIN): that one is lost, the listener is
+    not: accept() returns the next connection (before: PeerClosed, 'closed', and every serving loop ended)."""
+    import errno
+
+    listener = RealNetwork().listen("127.0.0.1:0")
+    real = listener._sock
+
+    class OneLost:  # the listening socket, whose next accept() reports `error` for the connection it took
+        failed = False
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def accept(self):
+            if not self.failed:
+                self.failed = True
+                raise OSError(getattr(errno, error), "injected")
+            return real.accept()
+
+    listener._sock = OneLost()
+    client = RealNetwork().connect(listener.addr, timeout=2.0)
+    try:
+        client.send({"n": 1})
+        conn = listener.accept(timeout=2.0)
+        assert conn.recv(timeout=2.0) == {"n": 1} and listener._sock.failed
+        conn.close()
+    finally:
+        client.close()
+        listener._sock = real
+        listener.close()

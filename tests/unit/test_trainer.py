@@ -4,7 +4,9 @@ backward is retried without touching model or optimizer."""
 
 from __future__ import annotations
 
+import gc
 import json
+import weakref
 from dataclasses import replace
 
 import numpy as np
@@ -302,7 +304,16 @@ def test_trainer_heals_a_late_replica_and_retries_a_failed_backward(tmp_path):
     reps = [Rep(env, lighthouse, rid, tmp_path) for rid in IDS]
     try:
         r0, r1, r2 = reps
+        reserved = {r.rid: [] for r in reps}  # the state names of each catch-up reserve (trainer -> service)
+        for r in reps:
+            r.server.reserve = lambda state, rid=r.rid, real=r.server.reserve: (
+                reserved[rid].append(sorted(state)), real(state))
         run(env, [r0, r1], 3)  # r2 is not there yet
+        own = sorted(r0.trainer.state.tensors())
+        assert reserved == {"r0": [own], "r1": [own], "r2": []}  # once, optimizer state included, while r2 is away
+        fetched = []  # weak references to the model's tensors r2 fetches (views into the fetch's buffer)
+        fetch = r2.server.fetch
+        r2.server.fetch = lambda *args, **kwargs: fetched.append(got := fetch(*args, **kwargs)) or got
         late = env.spawn(r2.run_until, 6, name="r2")  # asks for step 0 first, so it is in the next quorum
         while "r2" not in lighthouse.status()["pending"]:
             env.clock.sleep(0.01)
@@ -311,7 +322,12 @@ def test_trainer_heals_a_late_replica_and_retries_a_failed_backward(tmp_path):
         healed = r2.results[0]
         assert healed.healed and healed.step == 3 and healed.committed and healed.loss is None
         assert [e for e in r2.events if e["event"] == "catchup"][0]["step"] == 3
+        views = [weakref.ref(t) for k, t in fetched.pop().tensors.items() if k.startswith("model.")]
+        gc.collect()
+        assert views and all(v() is None for v in views)  # loaded (copied into the model): nothing keeps them
+        assert r2.trainer.last_fetch.num_bytes > 0  # the fetch's figures are kept
         assert len({param_hash(r.model) for r in reps}) == 1
+        assert reserved == {"r0": [own], "r1": [own], "r2": []}  # r2 joined a full quorum: nothing to reserve
 
         r1.fail_next_backward = True
         fail_at = r1.trainer.step
