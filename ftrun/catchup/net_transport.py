@@ -117,13 +117,14 @@ class NetCatchupServer:
         self._changed = env.event()
         self._listener: Any = None
         self._conns: set[Any] = set()
+        self._stopped = False
         self.url = ""
 
     def start(self) -> str:
         self._listener = self.env.net.listen(self.config.bind)
         self.url = self._listener.addr
         serve_connections(self.env, self._listener, self._serve, name="catchup-accept",
-                          conn_name="catchup-serve", on_accept=self._conns.add)
+                          conn_name="catchup-serve", on_accept=self._register)
         return self.url
 
     def publish(self, step: int, state: Mapping[str, torch.Tensor], metadata: dict[str, Any] | None = None) -> None:
@@ -133,12 +134,20 @@ class NetCatchupServer:
         self.store.retire(step)
 
     def stop(self) -> None:
+        self._stopped = True
         if self._listener is not None:
             self._listener.close()
         for conn in list(self._conns):
             conn.close()
         self.store.close()
         self._wake()
+
+    def _register(self, conn: Any) -> None:
+        """A connection just accepted: kept where stop() closes it, or closed now if stop() already ran
+        (between the accept and this call, so its loop over the connections missed it)."""
+        self._conns.add(conn)
+        if self._stopped:
+            conn.close()
 
     def _wake(self) -> None:
         old, self._changed = self._changed, self.env.event()

@@ -42,7 +42,7 @@ from ftrun.storage import Storage
 
 log = logging.getLogger("ftrun.quorum")
 STATE_KEY = "lighthouse_state.json"
-ACCEPT_RETRY_S = 5.0
+ACCEPT_FAIL_AFTER_S = 5.0  # a lighthouse whose accepts keep failing this long is marked failed
 
 
 class LighthouseStateError(ValueError):
@@ -140,7 +140,7 @@ class Lighthouse:
     # -- connection tasks ----------------------------------------------------------------------
     def _accept_loop(self) -> None:
         """Accepts until stop(). A failing accept (e.g. EMFILE, out of descriptors for now) is retried
-        for ACCEPT_RETRY_S; past that the lighthouse is marked failed rather than deaf while /status
+        for ACCEPT_FAIL_AFTER_S; past that the lighthouse is marked failed rather than deaf while /status
         still answered."""
         failing_since = None
         while True:
@@ -153,8 +153,8 @@ class Lighthouse:
                 if failing_since is None:
                     failing_since = now
                     log.error("lighthouse: accepting a connection failed: %s; retrying", e)
-                elif now - failing_since > ACCEPT_RETRY_S:
-                    self.failed = f"accepting connections failed for {ACCEPT_RETRY_S}s: {e}"
+                elif now - failing_since > ACCEPT_FAIL_AFTER_S:
+                    self.failed = f"accepting connections failed for {ACCEPT_FAIL_AFTER_S}s: {e}"
                     log.critical("lighthouse: %s", self.failed)
                     return
                 self.env.clock.sleep(0.1)

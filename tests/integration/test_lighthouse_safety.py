@@ -185,7 +185,7 @@ def test_ftrun_lighthouse_refuses_a_bad_state_dir_with_a_clear_error(tmp_path):
 
 
 def test_a_lighthouse_that_cannot_accept_any_more_is_marked_failed_not_deaf(env, monkeypatch):
-    monkeypatch.setattr(service, "ACCEPT_RETRY_S", 0.3)
+    monkeypatch.setattr(service, "ACCEPT_FAIL_AFTER_S", 0.3)
     lh = start(env)
     lh._listener.close()  # every accept fails from now on, as when the process is out of descriptors
     deadline = env.clock.now() + 10.0

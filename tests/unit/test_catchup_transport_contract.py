@@ -10,7 +10,7 @@ import torch
 from ftrun.catchup.config import CatchupConfig
 from ftrun.catchup.errors import CatchupAuthError, CatchupStepError
 from ftrun.catchup.http_transport import HttpCatchup
-from ftrun.catchup.net_transport import NetCatchup
+from ftrun.catchup.net_transport import NetCatchup, NetCatchupServer
 from ftrun.catchup.snapshot import SnapshotStore, tensor_views
 from ftrun.config import Timeouts
 from ftrun.env.real import RealEnv
@@ -193,3 +193,27 @@ def test_a_wrong_token_is_refused(kind):
             me.stop()
 
     _run(kind, body)
+
+
+def test_a_connection_accepted_while_the_server_stops_is_closed():
+    """stop() closes the connections it knows of; one accepted just before (its accept returned, its on_accept not
+    yet run) is closed when it is registered instead of being served after the stop."""
+    class Conn:
+        closed = False
+
+        def close(self):
+            self.closed = True
+
+    env = RealEnv()
+
+    def body():
+        server = NetCatchupServer(env=env, token=TOKEN, config=CONFIG)
+        server.start()
+        live = Conn()
+        server._register(live)
+        server.stop()
+        late = Conn()
+        server._register(late)  # the accepting task's on_accept, run after stop()
+        return live.closed, late.closed
+
+    assert env.run(body) == (True, True)
