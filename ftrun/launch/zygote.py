@@ -127,15 +127,17 @@ def preload(target: str, *, module: bool,
 
 
 def cuda_could_start() -> bool:
-    """Whether torch could start the CUDA driver in this process: a CUDA build of torch on a machine with an
-    NVIDIA device. There autograd's first backward (it asks every device type for its device count to start
-    a thread per device) and an optimizer's first step (it looks for the current accelerator) run cuInit,
-    which starts driver threads and leaves CUDA unusable in every forked child. Looked up without calling
-    CUDA or NVML."""
+    """Whether torch could start the GPU driver in this process: a CUDA (or ROCm, which torch presents as
+    CUDA) build of torch on a machine with an NVIDIA (or AMD: /dev/kfd) device. There autograd's first backward
+    (it asks every device type for its device count to start a thread per device) and an optimizer's first
+    step (it looks for the current accelerator) initialise the driver, which starts driver threads and leaves
+    the GPU unusable in every forked child. Looked up without calling CUDA, HIP or NVML."""
     import torch
 
     if not torch.backends.cuda.is_built():
         return False
+    if torch.version.hip:
+        return os.path.exists("/dev/kfd")
     return bool(glob.glob("/dev/nvidia[0-9]*")) or os.path.isdir("/proc/driver/nvidia/gpus")
 
 
