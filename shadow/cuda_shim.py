@@ -141,30 +141,35 @@ class _Generators:
                     get_rng_state_all=self.get_rng_state_all, set_rng_state=self.set_rng_state,
                     set_rng_state_all=self.set_rng_state_all)
 
+    def of(self, device: Any = None) -> Any:
+        """The generator of a device (None: the current one): shadow.cuda_tensors draws a script's random
+        tensors asked for on that device from it (the shim's `_generator_of`)."""
+        return self.generators[self.index(device)]
+
     def manual_seed(self, seed: int) -> None:
-        self.generators[self.index(None)].manual_seed(seed)
+        self.of().manual_seed(seed)
 
     def manual_seed_all(self, seed: int) -> None:
         for g in self.generators:
             g.manual_seed(seed)
 
     def seed(self) -> None:
-        self.generators[self.index(None)].seed()
+        self.of().seed()
 
     def seed_all(self) -> None:
         self.manual_seed_all(self.generators[0].seed())
 
     def initial_seed(self) -> int:
-        return self.generators[self.index(None)].initial_seed()
+        return self.of().initial_seed()
 
     def get_rng_state(self, device: Any = "cuda") -> Any:
-        return self.generators[self.index(device)].get_state()
+        return self.of(device).get_state()
 
     def get_rng_state_all(self) -> list[Any]:
         return [g.get_state() for g in self.generators]
 
     def set_rng_state(self, new_state: Any, device: Any = "cuda") -> None:
-        self.generators[self.index(device)].set_state(new_state)
+        self.of(device).set_state(new_state)
 
     def set_rng_state_all(self, new_states: Any) -> None:
         for i, new_state in enumerate(new_states):
@@ -225,6 +230,7 @@ def make_cuda_shim(*, device_count: int, real: Any = None, device_name: str = "E
     def nothing() -> Any:
         return lambda *a, **k: None
 
+    generators = _Generators(device_count, _index)
     names = dict(
         is_available=lambda: True, is_initialized=lambda: True, init=nothing(),
         device_count=lambda: device_count, current_device=lambda: state["device"], set_device=set_device,
@@ -238,12 +244,13 @@ def make_cuda_shim(*, device_count: int, real: Any = None, device_name: str = "E
         memory_stats=lambda device=None: {"allocated_bytes.all.current": 0, "reserved_bytes.all.current": 0},
         mem_get_info=lambda device=None: (total_memory, total_memory),
         is_bf16_supported=lambda including_emulation=True: True, nvtx=_Nvtx(),
-        **_Generators(device_count, _index).names(),
+        **generators.names(),
     )
     if real is not None:
         names["amp"] = real.amp  # pure Python over torch.cuda: with the shim installed it asks the shim
     shim.__dict__.update(names)
     shim.__all__ = sorted(names)
+    shim._generator_of = generators.of  # for shadow.cuda_tensors only (private: not in __all__)
 
     def __getattr__(name: str) -> Any:
         if real is not None and (name.startswith("_") or _called_from_torch(1)):
@@ -258,8 +265,13 @@ def make_cuda_shim(*, device_count: int, real: Any = None, device_name: str = "E
 def _called_from_torch(depth: int = 1) -> bool:
     """Whether the code that called our caller (`depth` 1; 2: its caller, ...) is torch's own, e.g. the
     lookup that reached a module __getattr__."""
-    caller = sys._getframe(depth + 1).f_globals.get("__name__", "")
-    return caller == "torch" or caller.startswith("torch.")
+    return is_torch_frame(sys._getframe(depth + 1))
+
+
+def is_torch_frame(frame: Any) -> bool:
+    """Whether `frame` runs code of torch's own modules (None: no)."""
+    name = frame.f_globals.get("__name__", "") if frame is not None else ""
+    return name == "torch" or name.startswith("torch.")
 
 
 def accelerator_names(shim: types.ModuleType, real: Any) -> dict[str, Callable[..., Any]]:

@@ -78,7 +78,7 @@ from typing import Any, Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
-from shadow.cuda_shim import Stream as ShimStream
+from shadow.cuda_shim import Stream as ShimStream, is_torch_frame
 
 _REAL_GENERATOR = torch.Generator  # captured at import, before any context replaces the name
 
@@ -99,15 +99,6 @@ def _host_of(tensor: Any) -> str:
 # The random factories that take device= and generator=: asked for on a CUDA device, they draw from that
 # device's generator (the torch.cuda shim's host stand-in), as on a GPU they draw from its CUDA generator.
 _RANDOM_FACTORIES = frozenset((torch.rand, torch.randn, torch.randint, torch.randperm, torch.normal))
-
-
-def _cuda_generator(device: Any) -> torch.Generator:
-    cuda = torch.cuda  # the shim while the context is active
-    index = device if isinstance(device, int) else torch.device(device).index
-    index = cuda.current_device() if index is None else index
-    if not 0 <= index < len(cuda.default_generators):
-        raise RuntimeError(f"invalid device ordinal {index} (the shim has {len(cuda.default_generators)} devices)")
-    return cuda.default_generators[index]
 
 
 _MOVES = frozenset((torch.Tensor.to, torch.Tensor.cpu))  # and Tensor.cuda
@@ -146,7 +137,7 @@ class HostTensors(TorchFunctionMode):
             for_gpu = is_cuda_device(kwargs["device"])
         if for_gpu:
             if func in _RANDOM_FACTORIES and kwargs.get("generator") is None:
-                kwargs["generator"] = _cuda_generator(kwargs["device"])
+                kwargs["generator"] = torch.cuda._generator_of(kwargs["device"])  # the shim, in the context
             if "device" in kwargs:
                 kwargs["device"] = _host_of(args[0] if args else None)
         if kwargs.get("pin_memory"):
@@ -166,8 +157,7 @@ class HostTensors(TorchFunctionMode):
         (the script's) gets whether it was made for a CUDA device."""
         while caller is not None and caller.f_code.co_name == "__torch_function__":
             caller = caller.f_back  # other torch function modes above this one (torch.device("cuda")'s)
-        name = caller.f_globals.get("__name__", "") if caller is not None else ""
-        if name == "torch" or name.startswith("torch."):
+        if is_torch_frame(caller):
             return _IS_CUDA.__get__(tensor)
         return self._made_for_gpu(tensor)
 
