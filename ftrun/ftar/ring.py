@@ -183,4 +183,3 @@ def connect_ring(env: Env, listener: RingListener, token: str, *, epoch: int, ri
             nxt.close()
         raise
     return RingLinks(epoch, nxt, prev)
-

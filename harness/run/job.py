@@ -71,13 +71,13 @@ def catchup_config_of(profile: Profile, state_bytes_per_rank: int) -> CatchupCon
                          timeouts=timeouts_of(profile))
 
 
-
 def start_skew(mean_s: float, key: str) -> float:
     """An exponential draw of mean `mean_s` from a generator seeded by `key` (deterministic); 0 when `mean_s` is 0.
     Pure."""
     if not mean_s:
         return 0.0
     return -mean_s * math.log(1.0 - random.Random(key).random())
+
 
 class Incarnation:
     """One start of one replica: its hosts, Envs, wiring, and how many of its ranks are still running."""
