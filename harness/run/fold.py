@@ -168,8 +168,8 @@ class LeadCatchup:
     def publish(self, *args: Any, **kwargs: Any) -> None:
         self._s.publish(*args, **kwargs)
 
-    def reserve(self, state: Any) -> None:
-        self._s.reserve(state)
+    def reserve(self, *args: Any, **kwargs: Any) -> None:
+        self._s.reserve(*args, **kwargs)
 
     def retire(self, step: int) -> None:
         self._s.retire(step)
@@ -189,7 +189,7 @@ class MirrorCatchup:
     def publish(self, *args: Any, **kwargs: Any) -> None:
         """Nobody fetches from a mirror."""
 
-    def reserve(self, state: Any) -> None:
+    def reserve(self, *args: Any, **kwargs: Any) -> None:
         """Nothing is published."""
 
     def retire(self, step: int) -> None:

@@ -60,7 +60,9 @@ class ShapeSnapshotStore:
     def newest(self) -> int | None:
         return self._newest
 
-    def publish(self, step: int, state: Mapping[str, torch.Tensor], metadata: dict[str, Any] | None = None) -> None:
+    def publish(self, step: int, state: Mapping[str, torch.Tensor], metadata: dict[str, Any] | None = None, *,
+                borrow: Any = ()) -> None:
+        """A shape-only snapshot of `state` (nothing is copied, so nothing is borrowed either)."""
         entries = tuple(sorted((name, dtype_name(t.dtype), tuple(t.shape)) for name, t in state.items()))
         layout = self._layouts.get(entries)
         if layout is None:
@@ -73,7 +75,7 @@ class ShapeSnapshotStore:
         self.num_published += 1
         self._changed()
 
-    def reserve(self, state: Mapping[str, torch.Tensor]) -> None:
+    def reserve(self, state: Mapping[str, torch.Tensor], *, borrow: Any = ()) -> None:
         """Shape-only snapshots have no buffer to prepare."""
 
     def retire(self, step: int) -> None:
@@ -188,8 +190,8 @@ class TimedCatchup:
     def publish(self, *args: Any, **kwargs: Any) -> None:
         self._s.publish(*args, **kwargs)
 
-    def reserve(self, state: Any) -> None:
-        self._s.reserve(state)
+    def reserve(self, *args: Any, **kwargs: Any) -> None:
+        self._s.reserve(*args, **kwargs)
 
     def retire(self, step: int) -> None:
         self._s.retire(step)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from ftrun.catchup import snapshot
 from ftrun.catchup.config import CatchupConfig
 from ftrun.catchup.http_transport import HttpCatchup
 from ftrun.config import LighthouseConfig, ManagerConfig, Timeouts
@@ -296,8 +297,37 @@ def run(env, reps, step):
         assert t.exception is None, t.exception
 
 
+def watch_lent_state(r, changes):
+    """Record in `changes` every change of r's state (its optimizer's step, a heal's load) made while its
+    catch-up snapshot may still serve the state's stable tensors in place, and every retire that finds a
+    lent tensor changed since its publish. Returns the publishes: (step, names lent)."""
+    store, publishes, lent = r.server.server.store, [], {}
+    publish, retire, load = r.server.publish, r.server.retire, r.trainer.state.load
+
+    def watched_publish(step, state, metadata=None, *, borrow=()):
+        publishes.append((step, sorted(borrow)))
+        lent[step] = {k: state[k].clone() for k in borrow}
+        publish(step, state, metadata, borrow=borrow)
+
+    def watched_retire(step):
+        now = r.trainer.state.tensors()
+        changes.extend(f"{r.rid} step {step}: {k} changed before the retire"
+                       for k, v in lent.pop(step, {}).items() if not torch.equal(now[k], v))
+        retire(step)
+
+    def before_change(what):
+        if store.status()["state"] not in ("none", "retired"):
+            changes.append(f"{r.rid}: {what} while the snapshot is {store.status()}")
+
+    r.server.publish, r.server.retire = watched_publish, watched_retire
+    r.opt.register_step_pre_hook(lambda *_: before_change("an optimizer step"))
+    r.trainer.state.load = lambda *a: (before_change("a heal's load"), load(*a))
+    return publishes
+
+
 @pytest.mark.timeout(60)
-def test_trainer_heals_a_late_replica_and_retries_a_failed_backward(tmp_path):
+def test_trainer_heals_a_late_replica_and_retries_a_failed_backward(tmp_path, monkeypatch):
+    monkeypatch.setattr(snapshot, "LEND_MIN_BYTES", 0)  # the toy's tensors are small: lend every stable one
     env = RealEnv()
     lighthouse = Lighthouse(env=env, token=TOKEN, config=LighthouseConfig(min_replicas=2, timeouts=T))
     lighthouse.start()
@@ -306,8 +336,10 @@ def test_trainer_heals_a_late_replica_and_retries_a_failed_backward(tmp_path):
         r0, r1, r2 = reps
         reserved = {r.rid: [] for r in reps}  # the state names of each catch-up reserve (trainer -> service)
         for r in reps:
-            r.server.reserve = lambda state, rid=r.rid, real=r.server.reserve: (
-                reserved[rid].append(sorted(state)), real(state))
+            r.server.reserve = lambda state, borrow, rid=r.rid, real=r.server.reserve: (
+                reserved[rid].append(sorted(state)), real(state, borrow=borrow))
+        changes = []  # changes of a lent tensor while it was lent: there must be none
+        publishes = {r.rid: watch_lent_state(r, changes) for r in reps}
         run(env, [r0, r1], 3)  # r2 is not there yet
         own = sorted(r0.trainer.state.tensors())
         assert reserved == {"r0": [own], "r1": [own], "r2": []}  # once, optimizer state included, while r2 is away
@@ -326,8 +358,10 @@ def test_trainer_heals_a_late_replica_and_retries_a_failed_backward(tmp_path):
         gc.collect()
         assert views and all(v() is None for v in views)  # loaded (copied into the model): nothing keeps them
         assert r2.trainer.last_fetch.num_bytes > 0  # the fetch's figures are kept
-        assert len({param_hash(r.model) for r in reps}) == 1
+        assert len({param_hash(r.model) for r in reps}) == 1  # healed from tensors served in place
         assert reserved == {"r0": [own], "r1": [own], "r2": []}  # r2 joined a full quorum: nothing to reserve
+        stable = sorted(k for k in own if k.startswith(("model.", "optim.")))
+        assert publishes["r0"] == publishes["r1"] == [(3, stable)] and not publishes["r2"]
 
         r1.fail_next_backward = True
         fail_at = r1.trainer.step
@@ -341,6 +375,7 @@ def test_trainer_heals_a_late_replica_and_retries_a_failed_backward(tmp_path):
         assert len({param_hash(r.model) for r in reps}) == 1
         run(env, reps, fail_at + 2)
         assert len({param_hash(r.model) for r in reps}) == 1
+        assert changes == []
 
         records = [rec for r in reps for rec in read_log(b"".join(r.records))[0]]
         final = r0.trainer.progress.state
