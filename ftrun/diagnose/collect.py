@@ -48,6 +48,34 @@ class RankInfo:
     incarnation: int = 0  # the replica's incarnation the rank belongs to (a restart registers anew)
 
 
+MAX_INDEX = 1 << 20  # the replica and rank indices a register may carry (the analysis sizes arrays by the largest)
+
+
+def parse_register(msg: dict) -> tuple[str, list[RankInfo]]:
+    """The server address and ranks of a register request (pure). ValueError naming the first malformed
+    field: nothing of such a request is registered (an index out of range broke every later diagnosis)."""
+    addr, ranks = msg.get("addr"), msg.get("ranks")
+    if not isinstance(addr, str) or not addr:
+        raise ValueError(f"register needs the server's address in 'addr', got {addr!r:.80}")
+    if not isinstance(ranks, list):
+        raise ValueError(f"register needs a list in 'ranks', got {type(ranks).__name__}")
+    infos = []
+    for i, r in enumerate(ranks):
+        if not isinstance(r, dict) or not isinstance(r.get("key"), str) or not r["key"] or \
+                not isinstance(r.get("host"), str):
+            raise ValueError(f"register: ranks[{i}] needs a non-empty string 'key' and a string 'host'")
+        infos.append(RankInfo(r["key"], _index(r, i, "replica", MAX_INDEX), _index(r, i, "rank", MAX_INDEX), r["host"],
+                              _index(r, i, "incarnation", 2**62, default=0)))
+    return addr, infos
+
+
+def _index(entry: dict, i: int, name: str, limit: int, default: int | None = None) -> int:
+    value = entry.get(name, default)
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < limit:
+        raise ValueError(f"register: ranks[{i}] needs an integer in [0, {limit}) in {name!r}, got {value!r:.80}")
+    return value
+
+
 def _check_token(msg: dict, token: str) -> None:
     got = msg.get("token")
     if not isinstance(got, str) or not hmac.compare_digest(got.encode(), token.encode()):
@@ -96,18 +124,18 @@ class _Service:
 
     def _handle(self, conn: Connection) -> None:
         try:
-            msg = conn.recv(timeout=5.0)
-            _check_token(msg, self._token)
-            reply = self.answer(msg)
-        except DiagnoseError as e:
-            reply = {"type": "error", "error": str(e)}
-        except (NetError, ValueError, KeyError, TypeError) as e:
-            reply = {"type": "error", "error": f"bad request: {type(e).__name__}: {e}"}
-        try:
+            try:
+                msg = conn.recv(timeout=5.0)
+                _check_token(msg, self._token)
+                reply = self.answer(msg)
+            except DiagnoseError as e:
+                reply = {"type": "error", "error": str(e)}
+            except (NetError, ValueError, KeyError, TypeError) as e:
+                reply = {"type": "error", "error": f"bad request: {type(e).__name__}: {e}"}
             conn.send(reply, timeout=5.0)
         except NetError:
             pass
-        finally:
+        finally:  # also after an error answer() did not expect: the client learns at once, not at its timeout
             conn.close()
 
     def answer(self, msg: dict) -> dict:
@@ -321,11 +349,9 @@ class Collector(_Service):
     def answer(self, msg: dict) -> dict:
         kind = msg.get("type")
         if kind == "register":
-            addr = str(msg["addr"])
+            addr, ranks = parse_register(msg)
             with self._lock:
-                for r in msg["ranks"]:
-                    info = RankInfo(str(r["key"]), int(r["replica"]), int(r["rank"]), str(r["host"]),
-                                    int(r.get("incarnation", 0)))
+                for info in ranks:
                     self._known[info.key] = _Known(info, addr)
             return {"type": "ok"}
         if kind == "verdict":

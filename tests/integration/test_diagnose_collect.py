@@ -150,3 +150,25 @@ def test_tree_collectives_and_their_summary_from_real_tree_comm():
         c.close()
     for lst in listeners:
         lst.close()
+
+
+def test_a_malformed_register_is_refused_whole_at_once_and_diagnosis_goes_on():
+    """A register whose rank entry has a float replica index used to go unanswered (the client waited out its
+    timeout) after the entries before it were registered; one with a huge index made every later diagnosis fail."""
+    env = RealEnv()
+    collector = Collector(env=env, token=TOKEN)
+    collector.start()
+    try:
+        good = {"key": "r0/0", "replica": 0, "rank": 0, "host": "h0"}
+        for bad in (float("inf"), 10**12, -3):
+            t0 = env.clock.now()
+            with pytest.raises(DiagnoseError, match=f"ranks\\[1\\] needs an integer .* in 'replica', got {bad}"):
+                request(env, collector.addr, {"type": "register", "token": TOKEN, "addr": "127.0.0.1:9",
+                                              "ranks": [good, {**good, "key": "r1/0", "replica": bad}]}, 5.0)
+            assert env.clock.now() - t0 < 2.0  # answered, not timed out
+        v = collector.diagnose()
+        assert v["num_ranks"] == 0 and v["kind"] == "no_hang", v  # nothing of them registered
+        request(env, collector.addr, {"type": "register", "token": TOKEN, "addr": "127.0.0.1:9", "ranks": [good]}, 5.0)
+        assert collector.diagnose()["num_ranks"] == 1
+    finally:
+        collector.stop()
