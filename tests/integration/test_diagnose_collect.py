@@ -172,3 +172,29 @@ def test_a_malformed_register_is_refused_whole_at_once_and_diagnosis_goes_on():
         assert collector.diagnose()["num_ranks"] == 1
     finally:
         collector.stop()
+
+
+@pytest.mark.parametrize("malformed", [{"now": "late"}, {"now": None}, {"now": float("nan")}, {"serve_s": None},
+                                       {"ranks": 3}, {"ranks": [7]}])
+def test_a_malformed_pull_reply_drops_that_servers_ranks_only(malformed):
+    """One telemetry server answering a malformed reply (another version, a bug) leaves its ranks unanswered,
+    logged; it made every diagnosis fail (ValueError, TypeError, AttributeError from the reply's fields)."""
+    class Malformed(TelemetryServer):
+        def answer(self, msg):
+            return {**super().answer(msg), **malformed}
+
+    env = RealEnv()
+    collector = Collector(env=env, token=TOKEN, config=CollectorConfig(pull_timeout_s=1.0))
+    collector.start()
+    servers = [kind(env=env, token=TOKEN, ranks={RankInfo(f"r{r}/0", r, 0, f"host{r}"): Recorder(env.clock)})
+               for r, kind in enumerate((TelemetryServer, Malformed))]
+    try:
+        for server in servers:
+            server.start()
+            server.register(collector.addr)
+        v = collector.diagnose()
+        assert v["num_ranks"] == 2 and v["num_answered"] == 1, v
+    finally:
+        for server in servers:
+            server.stop()
+        collector.stop()

@@ -10,7 +10,8 @@ import pytest
 
 from ftrun.diagnose.analysis import HANG, analyze
 from ftrun.diagnose.cli import format_verdict, job_token
-from ftrun.diagnose.collect import MAX_INDEX, RankInfo, _Known, assemble, parse_rank, parse_register, verdict_dict
+from ftrun.diagnose.collect import (MAX_INDEX, RankInfo, _Known, assemble, parse_rank, parse_register, reply_fields,
+                                   verdict_dict)
 from ftrun.diagnose.summary import HIST_LEN, RUNNING, empty_hist, empty_summary
 
 
@@ -182,3 +183,16 @@ def test_parse_register_names_the_malformed_field(change, says):
     for a huge replica index, an IndexError for a negative one) and a float one left the request unanswered."""
     with pytest.raises(ValueError, match=re.escape(says)):
         parse_register({"type": "register", "addr": "10.0.0.1:7", "ranks": [GOOD], **change})
+
+
+def test_reply_fields_of_a_pull_reply():
+    rows = [{"key": "r0/0", "written": 3}, {"key": "r0/1"}]
+    assert reply_fields({"now": 5, "serve_s": 0.25, "ranks": rows}) == (5, 0.25, 3, rows)
+    assert reply_fields({"now": 1.5}) == (1.5, 0.0, 0, [])
+    for bad, says in (({"serve_s": 1.0}, "'now' must be a finite number, got None"),
+                      ({"now": float("inf")}, "'now' must be a finite number, got inf"),
+                      ({"now": 1, "serve_s": "x"}, "'serve_s' must be a finite number"),
+                      ({"now": 1, "ranks": {}}, "'ranks' must be a list, got dict"),
+                      ({"now": 1, "ranks": [{"written": -1}]}, "'written' counts must be non-negative integers")):
+        with pytest.raises(ValueError, match=re.escape(says)):
+            reply_fields(bad)
