@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import json
+import re
 import weakref
 from dataclasses import replace
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from ftrun.catchup.config import CatchupConfig
+from ftrun.catchup.errors import CatchupUsageError
 from ftrun.catchup.http_transport import HttpCatchup
 from ftrun.config import LighthouseConfig, ManagerConfig, Timeouts
 from ftrun.data.audit import AuditLog, audit, read_log
@@ -240,31 +242,38 @@ LAYOUT = DataLayout(dataset_size=len(DATA), num_replicas=3, ranks_per_replica=1,
 
 
 class Rep:
-    def __init__(self, env, lighthouse, rid, root, *, checkpoint=None, checkpointer=None, on_phase=None):
+    def __init__(self, env, lighthouse, rid, root, *, checkpoint=None, checkpointer=None, on_phase=None,
+                 optimizer=None, layout=LAYOUT):
         """checkpoint/checkpointer(model, optimizer): persistent checkpoints (default: none).
-        on_phase(rep, phase, step): a test's own hook at every phase boundary."""
+        on_phase(rep, phase, step): a test's own hook at every phase boundary. optimizer(model): the
+        optimizer (default AdamW, lr 1e-2). layout: the job's data layout (its replicas are IDS' first)."""
         self.rid, self.records, self.events, self.results = rid, [], [], []
         self.at_quorum = []  # (step, param hash, optimizer step count) before each attempt
         self.fail_next_backward = False
         self._on_phase = on_phase
         self.model = make_model(TOY)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        self.opt = optimizer(self.model) if optimizer else torch.optim.AdamW(self.model.parameters(), lr=1e-2)
         config = TrainerConfig(replica_id=rid, catchup=CatchupConfig(max_shard_bytes=1024, timeouts=T),
                                **({"checkpoint": checkpoint} if checkpoint is not None else {}))
         catchup = CatchupConfig(max_shard_bytes=1024, timeouts=T)
         self.server = HttpCatchup(env=env, token=TOKEN, config=catchup)
         self.engine = FtarEngine(env=env, kernels=Float32Kernels(), token=TOKEN,
                                  config=FtarConfig(chunk_bytes=512, num_chunks=2, timeout_s=T.ftar_timeout_s))
-        self.trainer = build(
-            config=config, env=env,
-            compute=TorchCompute(model=self.model, optimizer=self.opt, loss_fn=self.loss, dataset=DATA),
-            layout=LAYOUT, replica_ids=IDS,
-            manager_config=ManagerConfig(max_retries=3, timeouts=T), comm=LocalComm(),
-            lighthouse=LighthouseClient(env=env, addr=lighthouse.addr, token=TOKEN, replica_id=rid, timeouts=T),
-            exchange=GradientExchange(engine=self.engine, rank=0), catchup=self.server,
-            loader_store=LoaderStateStore(storage=FileStorage(root / rid)), audit=AuditLog(self.records.append),
-            checkpointer=checkpointer(self.model, self.opt) if checkpointer is not None else None,
-            on_event=self.events.append, on_phase=self.on_phase)
+        try:
+            self.trainer = build(
+                config=config, env=env,
+                compute=TorchCompute(model=self.model, optimizer=self.opt, loss_fn=self.loss, dataset=DATA),
+                layout=layout, replica_ids=IDS[:layout.num_replicas],
+                manager_config=ManagerConfig(max_retries=3, timeouts=T), comm=LocalComm(),
+                lighthouse=LighthouseClient(env=env, addr=lighthouse.addr, token=TOKEN, replica_id=rid, timeouts=T),
+                exchange=GradientExchange(engine=self.engine, rank=0), catchup=self.server,
+                loader_store=LoaderStateStore(storage=FileStorage(root / rid)), audit=AuditLog(self.records.append),
+                checkpointer=checkpointer(self.model, self.opt) if checkpointer is not None else None,
+                on_event=self.events.append, on_phase=self.on_phase)
+        except BaseException:
+            self.engine.close()
+            self.server.stop()
+            raise
 
     def on_phase(self, phase, step):
         if self._on_phase is not None:
@@ -294,6 +303,34 @@ def run(env, reps, step):
     for t in tasks:
         assert t.join(30.0), "a replica hung"
         assert t.exception is None, t.exception
+
+
+def with_sparse_buffer(model):
+    model.register_buffer("mask", torch.zeros(4).to_sparse())  # no flat bytes for a snapshot to carry
+    return torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("optimizer, wrong", [
+    (lambda model: torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-2)),
+     "metadata['state']['param_groups'][0]['lr'] is a Tensor"),
+    (with_sparse_buffer, "tensor 'model.mask' (torch.sparse_coo, cpu) has no bytes to publish")])
+def test_a_state_that_cannot_be_published_fails_the_build(tmp_path, optimizer, wrong):
+    """A replica that restarts or starts late heals from its peers' published state: a state that cannot be
+    published is refused when the rank is built, naming what is wrong, not once steps have committed (it
+    failed the first heal's publish, or the reserve after the first commit of a quorum lacking a replica).
+    A job of one replica never publishes, and is built."""
+    env = RealEnv()
+    lighthouse = Lighthouse(env=env, token=TOKEN, config=LighthouseConfig(min_replicas=1, timeouts=T))
+    lighthouse.start()
+    try:
+        with pytest.raises(CatchupUsageError, match=re.escape(wrong)) as got:
+            Rep(env, lighthouse, "r0", tmp_path, optimizer=optimizer)
+        assert "replica r0 rank 0: its state cannot be published" in str(got.value)
+        alone = Rep(env, lighthouse, "r0", tmp_path, optimizer=optimizer, layout=replace(LAYOUT, num_replicas=1))
+        alone.close()
+    finally:
+        lighthouse.stop()
 
 
 @pytest.mark.timeout(60)
