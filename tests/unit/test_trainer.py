@@ -81,6 +81,34 @@ def test_replica_state_round_trip_is_bitwise_and_keeps_the_optimizer_exact():
         assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_replica_state_carries_tensor_hyperparameters_as_tensors():
+    """A captured or compiled optimizer holds its LR and betas as one-element tensors: they travel as numbers
+    and come back as tensors of the loader's own dtype and device, so a scheduler's fill_ still works."""
+    def tensor_adamw(model, lr):
+        return torch.optim.AdamW(model.parameters(), lr=torch.tensor(lr),
+                                 betas=(torch.tensor(0.8), torch.tensor(0.95, dtype=torch.float64)))
+    src_model = make_model(TOY)
+    src_opt = tensor_adamw(src_model, 1e-2)
+    for i in range(2):
+        apply_lr_factor(src_opt, 0.5 + 0.1 * i)
+        lm_loss(src_model, DATA[i * 8:(i + 1) * 8]).backward()
+        src_opt.step()
+        src_opt.zero_grad()
+    dst_model = make_model(replace(TOY, seed=99))
+    dst_opt = tensor_adamw(dst_model, 5.0)
+    src = ReplicaState(model=src_model, optimizer=src_opt)
+    metadata = json.loads(json.dumps(src.metadata()))
+    ReplicaState(model=dst_model, optimizer=dst_opt).load({k: v.clone() for k, v in src.tensors().items()}, metadata)
+    mine, theirs = dst_opt.param_groups[0], src_opt.param_groups[0]
+    assert isinstance(mine["lr"], torch.Tensor) and torch.equal(mine["lr"], theirs["lr"])
+    assert isinstance(mine["betas"], tuple) and [b.dtype for b in mine["betas"]] == [torch.float32, torch.float64]
+    assert all(torch.equal(a, b) for a, b in zip(mine["betas"], theirs["betas"]))
+    grads = [torch.randn_like(p) for p in src_model.parameters()]
+    one_step(src_model, src_opt, grads)
+    one_step(dst_model, dst_opt, grads)
+    assert param_hash(dst_model) == param_hash(src_model)
+
+
 def test_replica_state_load_keeps_the_handed_tensors_as_the_optimizer_state():
     """A fetch's tensors are the loader's: a CPU optimizer's state is them, not a copy (no clone on the
     joiner's critical path), and it goes on from them in place."""
@@ -305,6 +333,12 @@ def run(env, reps, step):
         assert t.exception is None, t.exception
 
 
+def with_vector_hyperparameter(model):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt.param_groups[0]["scales"] = torch.ones(3)  # more than a number: JSON cannot carry it
+    return opt
+
+
 def with_sparse_buffer(model):
     model.register_buffer("mask", torch.zeros(4).to_sparse())  # no flat bytes for a snapshot to carry
     return torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -312,8 +346,7 @@ def with_sparse_buffer(model):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("optimizer, wrong", [
-    (lambda model: torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-2)),
-     "metadata['state']['param_groups'][0]['lr'] is a Tensor"),
+    (with_vector_hyperparameter, "metadata['state']['param_groups'][0]['scales'] is a Tensor"),
     (with_sparse_buffer, "tensor 'model.mask' (torch.sparse_coo, cpu) has no bytes to publish")])
 def test_a_state_that_cannot_be_published_fails_the_build(tmp_path, optimizer, wrong):
     """A replica that restarts or starts late heals from its peers' published state: a state that cannot be
