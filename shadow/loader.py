@@ -11,9 +11,10 @@ before the context are set aside (sys.modules and their parent package's attribu
 exit; shadow modules are dropped on exit. `torch.cuda` is replaced by a shim object (sys.modules and
 the `torch.cuda` attribute) and restored on exit, when torch is installed; with it, tensors asked for on a
 CUDA device are made on the host (shadow.cuda_tensors: a torch function mode of the entering thread, and
-stand-ins for torch.set_default_device, torch.Generator, Tensor.record_stream, DeviceMesh.__init__ and
-torch.distributed's init_process_group, new_group and init_device_mesh, set as attributes and put back on
-exit, with the default device found on entry; a CUDA mesh is checked against the profile's layout), and
+stand-ins for torch.set_default_device, torch.Generator and Tensor.record_stream, and shadow.cuda_dist's
+for torch.distributed's init_process_group, new_group, init_device_mesh and DeviceMesh.__init__, set as
+attributes and put back on exit, with the default device found on entry; a CUDA mesh is checked against
+the profile's layout), and
 torch.accelerator answers for the shim's GPUs to code outside torch (shadow.cuda_shim.accelerator_names).
 `environ=` sets variables in os.environ for the block (a launcher's, for the rank a script's process stands
 for) and puts them back on exit.
@@ -79,6 +80,7 @@ class _Active:
         self.saved_environ: dict[str, str | None] = {}  # None: it was not set
         self.mode: Any = None  # the torch function mode entered (cuda_tensors.HostTensors)
         self.host_names: Any = None  # cuda_tensors.HostNames, whose restore() puts the default device back
+        self.host_groups: Any = None  # cuda_dist.HostGroups, whose restore() destroys the group it made
         self.finder: ShadowFinder | None = None
         self.session: Any = None
 
@@ -160,6 +162,7 @@ def _install_cuda_shim(undo: _Active, profile: Any) -> None:
     try:
         import torch
 
+        from shadow.cuda_dist import HostGroups
         from shadow.cuda_tensors import HostNames, HostTensors
     except ImportError:
         return  # nothing to shim: code that needs torch.cuda needs torch first
@@ -171,8 +174,9 @@ def _install_cuda_shim(undo: _Active, profile: Any) -> None:
     torch.cuda = shim  # type: ignore[assignment]
     undo.mode = HostTensors()
     layout = (profile.replicas, profile.ranks_per_replica) if hasattr(profile, "ranks_per_replica") else None
-    undo.host_names = HostNames(undo.mode, layout=layout)
-    stand_ins = undo.host_names.names()
+    undo.host_names = HostNames(undo.mode)
+    undo.host_groups = HostGroups(layout=layout)
+    stand_ins = undo.host_names.names() + undo.host_groups.names()
     stand_ins += [(torch.accelerator, name, fn) for name, fn in accelerator_names(shim, torch.accelerator).items()]
     for owner, attr, stand_in in stand_ins:
         undo.saved_attrs.append((owner, attr, vars(owner).get(attr, _MISSING)))  # _MISSING: inherited (a class's)
@@ -194,6 +198,8 @@ def _restore(undo: _Active, registry: Registry) -> None:
         undo.mode.__exit__(None, None, None)
     if undo.host_names is not None:
         undo.host_names.restore()
+    if undo.host_groups is not None:
+        undo.host_groups.restore()
     if undo.finder is not None and undo.finder in sys.meta_path:
         sys.meta_path.remove(undo.finder)
     for real in registry.modules:  # drop the shadow modules imported inside the context

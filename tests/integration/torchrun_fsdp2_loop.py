@@ -9,7 +9,7 @@ either with `fully_shard(module)` and no mesh (FSDP2 builds its default mesh ove
     ftrun emulate tests/integration/torchrun_fsdp2_loop.py --profile ci-small --script-args "--mesh direct"
 
 tests/integration/test_examples_shadow.py runs both (the shadow loader makes the default group a one-rank
-group on the host, and either mesh a one-rank host mesh standing for the replica's ranks: shadow.cuda_tensors).
+group on the host, and either mesh a one-rank host mesh standing for the replica's ranks: shadow.cuda_dist).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """The GPU idioms of a training script under the shadow loader, one test each: what a script asks torch for on
-a GPU is answered on the host (shadow.cuda_tensors) or by the torch.cuda shim's modeled device (shadow.cuda_shim).
+a GPU is answered on the host (shadow.cuda_tensors, shadow.cuda_dist) or by the torch.cuda shim's modeled
+device (shadow.cuda_shim).
 ci/gpu_host_check.sh runs this file with a real CUDA torch too, where nothing here may touch the GPU."""
 
 from __future__ import annotations
@@ -624,6 +625,7 @@ def test_fully_shard_without_a_mesh_shards_over_a_one_rank_host_mesh(gpu_host, m
 def test_fully_shard_without_a_mesh_reaches_the_stand_ins_without_importing_fsdp2_on_entry():
     """The context imports no FSDP2 (about a second per emulate): a fresh process that enters it has not loaded
     torch.distributed.fsdp or torch.distributed.tensor, and a fully_shard(model) after that still works."""
+    import os
     import subprocess
     import sys
     from pathlib import Path
@@ -640,8 +642,9 @@ with shadow.active(load_profile("ci-small"), environ={"RANK": "0", "WORLD_SIZE":
     print(loaded, type(model.weight).__name__, model.weight.device_mesh.device_type)
 """
     root = Path(__file__).resolve().parents[2]
+    path = os.pathsep.join(filter(None, (str(root), os.environ.get("PYTHONPATH"))))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=root,
-                         env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"})
+                         env={**os.environ, "PYTHONPATH": path})
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["[]", "DTensor", "cpu"]
 
