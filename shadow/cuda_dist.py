@@ -33,8 +33,8 @@ emulated ranks train shape-only; its process groups and device meshes are that r
   stand-in itself), so the context imports no FSDP2 (about a second) on entry; a stand-in a module keeps
   after the context calls torch's own function.
 
-Not covered: groups that span processes (the script's process is one rank: a group made on its own store=
-of more than one rank waits for peers that never come). And outside the emulator, a real `ftrun launch`
+Not covered: groups that span processes (the script's process is one rank: a default group on the script's
+own store= of more than one rank is refused by name). And outside the emulator, a real `ftrun launch`
 sets RANK and WORLD_SIZE for the whole job and MASTER_ADDR/PORT to the job's store, so there a torchrun-style
 init_process_group from the environment fails (rank 0 cannot listen on the store's port), and a group
 across replicas would be the wrong fault domain: under `ftrun launch` the replica's group is ftrun's
@@ -80,6 +80,10 @@ class HostGroups:
         if bound.arguments.get("backend") is None:  # torch's default: NCCL too on a CUDA build
             bound.arguments["backend"] = "gloo"
         one_rank = bound.arguments.get("store") is None
+        if not one_rank and bound.arguments.get("world_size", -1) not in (-1, 1):
+            raise ValueError(f"init_process_group(store=..., world_size={bound.arguments['world_size']}) under the "
+                             f"shadow loader: the script's process is one rank and no peer will join; leave "
+                             f"store, rank and world_size out (torchrun-style) or give world_size=1")
         if one_rank:
             for name in ("init_method", "rank", "world_size"):
                 bound.arguments.pop(name, None)

@@ -567,6 +567,15 @@ def test_a_torchrun_style_process_group_is_a_one_rank_group_on_the_host(gpu_host
     assert torch.equal(t, torch.full((2,), 5.0))
 
 
+def test_a_process_group_of_more_ranks_on_the_scripts_own_store_is_refused_by_name(gpu_host):
+    import torch.distributed as dist
+
+    with pytest.raises(ValueError, match=r"init_process_group\(store=\.\.\., world_size=8\).*one rank.*leave "
+                                         r"store, rank and world_size out"):
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=8)
+    assert not dist.is_initialized()
+
+
 def test_the_context_destroys_a_torchrun_style_group_the_script_left():
     import torch.distributed as dist
 
