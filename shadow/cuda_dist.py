@@ -119,8 +119,7 @@ class HostGroups:
         kwargs = {k: v for k, v in kwargs.items() if k != "backend_override"}
         dist = torch.distributed
         if not dist.is_initialized():
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-            self._made_group = True
+            self.init_process_group(_STAND_INS["init_process_group"][0], None)
         elif dist.get_world_size() != 1:
             raise RuntimeError(f"{idiom} under the shadow loader: the script's process is one rank, but its "
                                f"default process group has {dist.get_world_size()}")
