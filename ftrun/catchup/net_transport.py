@@ -91,6 +91,9 @@ class ServedCatchup:
                 borrow: Collection[str] = ()) -> None:
         self.server.publish(step, state, metadata, borrow=borrow)
 
+    def check(self, state: Mapping[str, torch.Tensor], metadata: dict[str, Any] | None = None) -> None:
+        self.server.store.check(state, metadata)
+
     def reserve(self, state: Mapping[str, torch.Tensor], *, borrow: Collection[str] = ()) -> None:
         self.server.store.reserve(state, borrow=borrow)
 

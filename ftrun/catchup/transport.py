@@ -73,6 +73,10 @@ class CatchupService(Protocol):
         """Serve `state` as `step` (returns once it is copied; the caller may change its tensors, except
         the `borrow` ones, which may be served in place until it retires `step` or publishes again)."""
 
+    def check(self, state: Mapping[str, torch.Tensor], metadata: dict[str, Any] | None = None) -> None:
+        """Raises CatchupUsageError as a publish of `state` and `metadata` would (the trainer's build asks,
+        before any step commits); copies nothing."""
+
     def reserve(self, state: Mapping[str, torch.Tensor], *, borrow: Collection[str] = ()) -> None:
         """Prepare, in the background, for a later publish of a state like `state` (returns at once)."""
 
