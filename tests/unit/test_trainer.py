@@ -126,6 +126,21 @@ def test_replica_state_load_keeps_the_handed_tensors_as_the_optimizer_state():
     assert not torch.equal(moments, before)  # updated where it lies
 
 
+def test_replica_state_stable_tensors_are_parameters_and_optimizer_state_not_buffers():
+    """What a catch-up snapshot may serve in place: what only the optimizer step (or a load) changes; a
+    forward updates BatchNorm's running statistics, so buffers are copied."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(8, 4)).sum().backward()
+    opt.step()
+    state = ReplicaState(model=model, optimizer=opt)
+    params = {f"model.{n}" for n, _ in model.named_parameters()}
+    optim = {k for k in state.tensors() if k.startswith("optim.")}
+    assert optim and state.stable() == params | optim
+    assert {"model.1.running_mean", "model.1.running_var", "model.1.num_batches_tracked"} <= \
+        set(state.tensors()) - state.stable()
+
+
 def test_replica_state_rejects_another_models_state():
     with pytest.raises(ValueError, match="not parameters of the model"):
         ReplicaState(model=make_model(TOY), optimizer=torch.optim.SGD(make_model(TOY).parameters(), lr=1.0))
