@@ -210,6 +210,9 @@ class ShapeOnlyState:
     def tensors(self) -> dict[str, Any]:
         return dict(self._tensors)
 
+    def stable(self) -> frozenset[str]:
+        return frozenset(self._tensors)  # only the (modeled) optimizer step changes them
+
     def metadata(self) -> dict[str, Any]:
         return {"shape_only": True}
 

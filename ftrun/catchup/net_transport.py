@@ -16,7 +16,7 @@ Threading: publish/retire from the training task; one server task per connection
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -87,14 +87,15 @@ class ServedCatchup:
     server: Any
     transport: Any
 
-    def publish(self, step: int, state: Mapping[str, torch.Tensor], metadata: dict[str, Any] | None = None) -> None:
-        self.server.publish(step, state, metadata)
+    def publish(self, step: int, state: Mapping[str, torch.Tensor], metadata: dict[str, Any] | None = None, *,
+                borrow: Collection[str] = ()) -> None:
+        self.server.publish(step, state, metadata, borrow=borrow)
 
     def check(self, state: Mapping[str, torch.Tensor], metadata: dict[str, Any] | None = None) -> None:
         self.server.store.check(state, metadata)
 
-    def reserve(self, state: Mapping[str, torch.Tensor]) -> None:
-        self.server.store.reserve(state)
+    def reserve(self, state: Mapping[str, torch.Tensor], *, borrow: Collection[str] = ()) -> None:
+        self.server.store.reserve(state, borrow=borrow)
 
     def retire(self, step: int) -> None:
         self.server.retire(step)
@@ -130,8 +131,9 @@ class NetCatchupServer:
                           conn_name="catchup-serve", on_accept=self._register)
         return self.url
 
-    def publish(self, step: int, state: Mapping[str, torch.Tensor], metadata: dict[str, Any] | None = None) -> None:
-        self.store.publish(step, state, metadata)
+    def publish(self, step: int, state: Mapping[str, torch.Tensor], metadata: dict[str, Any] | None = None, *,
+                borrow: Collection[str] = ()) -> None:
+        self.store.publish(step, state, metadata, borrow=borrow)
 
     def retire(self, step: int) -> None:
         self.store.retire(step)
@@ -202,7 +204,7 @@ class NetCatchupServer:
             changed.wait(timeout=remaining)
 
     def _send_shard(self, conn: Any, published: Any, shard: ShardSpec) -> None:
-        data = published.buffer.mem[shard.offset:shard.offset + shard.nbytes]
+        data = published.read(shard.offset, shard.nbytes)
         fault = self._fault(published.step, shard.index) if self._fault else None
         conn.send({"status": 200, "nbytes": shard.nbytes})
         if fault is None or fault.kind == "slow":

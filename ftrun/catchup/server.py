@@ -8,7 +8,8 @@ Every request carries the job token (`Authorization: Bearer TOKEN`; otherwise 40
 not published yet waits up to `?wait=S` seconds (at most CatchupConfig.long_poll_s; that by default)
 for it — the healthy replicas publish partway through the step — then answers 404. A step retired or
 superseded answers 410 at once. Error bodies are JSON: {"error": ..., "step": asked, "have": newest}.
-Shards go out with send() straight from the snapshot's memory, no copy through Python. (sendfile of the
+Shards go out with send() straight from the snapshot's memory (its buffer, or the tensors it lends),
+no copy through Python. (sendfile of the
 snapshot's 4 KiB shmem pages cost more CPU at both ends over loopback: 500 MiB, load ~5, median sender
 ~110 ms and receiver ~200 ms against ~65 and ~150 ms for send(), likely because the receiver then
 copies bytes the sender has just copied, still in cache, rather than the snapshot's pages.)
@@ -29,7 +30,7 @@ import hmac
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Collection, Mapping
 
 import torch
 from aiohttp import web
@@ -87,9 +88,10 @@ class CatchupServer:
             raise RuntimeError(f"catch-up server did not start on {self.config.bind}: {self._error}")
         return self.url
 
-    def publish(self, step: int, state: Mapping[str, torch.Tensor], metadata: dict[str, Any] | None = None) -> None:
-        """Snapshot `state` as `step` (see SnapshotStore.publish); served once checksummed."""
-        self.store.publish(step, state, metadata)
+    def publish(self, step: int, state: Mapping[str, torch.Tensor], metadata: dict[str, Any] | None = None, *,
+                borrow: Collection[str] = ()) -> None:
+        """Snapshot `state` as `step` (see SnapshotStore.publish, `borrow` too); served once checksummed."""
+        self.store.publish(step, state, metadata, borrow=borrow)
 
     def retire(self, step: int) -> None:
         """Stop serving `step` (after it commits); in-flight transfers of it are aborted."""
@@ -217,14 +219,14 @@ class CatchupServer:
         sock = transport.get_extra_info("socket").dup()  # the loop's sock_sendall refuses a transport's own fd
         try:
             sock.setblocking(False)
-            for start in range(shard.offset, shard.offset + shard.nbytes, _SEND_CHUNK):
-                if published.generation != self.store.generation or self._stopping.is_set():
-                    transport.abort()  # a publish or retire replaced the snapshot: the client retries elsewhere
-                    return resp
-                count = min(_SEND_CHUNK, shard.offset + shard.nbytes - start)
-                # A client that stops reading holds a piece no longer than an idle connection may stay.
-                await asyncio.wait_for(loop.sock_sendall(sock, published.buffer.mem[start:start + count]),
-                                       self.guard.limits.idle_timeout_s)
+            for piece in published.pieces(shard.offset, shard.nbytes):  # the buffer's, or a lent tensor's
+                for start in range(0, len(piece), _SEND_CHUNK):
+                    if published.generation != self.store.generation or self._stopping.is_set():
+                        transport.abort()  # a publish or retire replaced the snapshot: the client retries elsewhere
+                        return resp
+                    # A client that stops reading holds a piece no longer than an idle connection may stay.
+                    await asyncio.wait_for(loop.sock_sendall(sock, piece[start:start + _SEND_CHUNK]),
+                                           self.guard.limits.idle_timeout_s)
         except ConnectionError:  # the client went away mid-shard: nobody to answer
             transport.abort()
             return resp
@@ -276,7 +278,7 @@ class CatchupServer:
 
 async def _send_faulty(resp: web.StreamResponse, transport: asyncio.BaseTransport, published: Published,
                        shard: ShardSpec, fault: Fault) -> web.StreamResponse:
-    data = published.buffer.mem[shard.offset:shard.offset + shard.nbytes]
+    data = published.read(shard.offset, shard.nbytes)
     log.warning("catch-up: injecting %s into step %d shard %d", fault.kind, published.step, shard.index)
     if fault.kind == "corrupt":
         spoiled = bytearray(data)

@@ -26,7 +26,7 @@ The serving side is a `CatchupService` (publish/retire/fetch/url), what the trai
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Collection, Mapping, Protocol, Sequence
 
 import torch
 
@@ -68,14 +68,16 @@ class CatchupService(Protocol):
 
     url: str
 
-    def publish(self, step: int, state: Mapping[str, torch.Tensor], metadata: dict[str, Any] | None = None) -> None:
-        """Serve `state` as `step` (returns once it is copied; the caller may change its tensors)."""
+    def publish(self, step: int, state: Mapping[str, torch.Tensor], metadata: dict[str, Any] | None = None, *,
+                borrow: Collection[str] = ()) -> None:
+        """Serve `state` as `step` (returns once it is copied; the caller may change its tensors, except
+        the `borrow` ones, which may be served in place until it retires `step` or publishes again)."""
 
     def check(self, state: Mapping[str, torch.Tensor], metadata: dict[str, Any] | None = None) -> None:
         """Raises CatchupUsageError as a publish of `state` and `metadata` would (the trainer's build asks,
         before any step commits); copies nothing."""
 
-    def reserve(self, state: Mapping[str, torch.Tensor]) -> None:
+    def reserve(self, state: Mapping[str, torch.Tensor], *, borrow: Collection[str] = ()) -> None:
         """Prepare, in the background, for a later publish of a state like `state` (returns at once)."""
 
     def retire(self, step: int) -> None:

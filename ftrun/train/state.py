@@ -44,6 +44,10 @@ class TrainState(Protocol):
     def metadata(self) -> dict[str, Any]:
         """JSON-able state that is not tensors."""
 
+    def stable(self) -> frozenset[str]:
+        """The names in tensors() that nothing but the optimizer's step or a `load` changes (the trainer
+        retires its catch-up snapshot before either, so the snapshot may serve them in place)."""
+
     def load(self, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any]) -> None:
         """Replace this rank's state by a peer's. Raises ValueError if it does not fit this model.
         `tensors` are handed over: the state may keep them (the trainer's fetches are over a buffer of their
@@ -70,6 +74,12 @@ class ReplicaState:
                 if isinstance(value, torch.Tensor):
                     out[f"{OPTIM}{self._fqns[index]}.{key}"] = local(value).detach()
         return out
+
+    def stable(self) -> frozenset[str]:
+        """Parameters and the optimizer's state; not the model's buffers, which a forward may update (e.g.
+        BatchNorm's running statistics)."""
+        names = {MODEL + name for name, _ in self.model.named_parameters()}
+        return frozenset(k for k in self.tensors() if k in names or k.startswith(OPTIM))
 
     def metadata(self) -> dict[str, Any]:
         sd = self.optimizer.state_dict()

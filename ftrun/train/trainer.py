@@ -20,7 +20,10 @@ step n, before the compute: the behind replica fetches it inside its start_step 
 until it is published) while the healthy replicas compute, and the healthy replicas' FTAR cannot finish
 before the behind replica sends its zeros. Publishing after the exchange would deadlock the two (each
 waiting for the other until ftar_timeout_s). Nothing changes the state between the publish and the
-optimizer step, so this is the paper's "snapshot before the optimizer step".
+optimizer step, so this is the paper's "snapshot before the optimizer step". The snapshot serves the
+state's stable tensors (TrainState.stable: parameters and optimizer state, on the CPU) in place rather
+than copying them, so the trainer retires it before anything changes them: before the optimizer step of
+a commit and before a heal's load (tests/unit/test_trainer.py checks both).
 
 Waiting for a joiner (paper §6.1, ftrun.catchup.wait). When the fetch is slower than the step, the
 healthy replicas wait in the FTAR for the joiner's zeros, each wait of the step's ring build bounded by
@@ -261,7 +264,7 @@ class FaultTolerantTrainer:
             metadata = {"step": q.step, "loader_state": self.progress.state.to_dict(), "state": self.state.metadata(),
                         "compute_s": self._compute_s}  # how long the joiner should expect to wait for us
             tensors = self.state.tensors()
-            self.catchup.publish(q.step, tensors, metadata)
+            self.catchup.publish(q.step, tensors, metadata, borrow=self.state.stable())
             self._snapshot_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
             self._published = key
         if self.checkpoints is not None:
@@ -372,6 +375,7 @@ class FaultTolerantTrainer:
     def _apply(self, q: StepQuorum) -> None:
         """Commit: the optimizer step with the LR intervention, then the ledger, audit and loader_state."""
         layout = self.progress.state.layout
+        self._unpublish()  # the snapshot serves the stable tensors in place: retired before they change
         self.compute.apply(lr_factor(self.config.lr.policy, num_healthy=q.num_contributors,
                                      num_total=layout.num_replicas))
         self._phase("after_commit", q.step)
@@ -380,12 +384,17 @@ class FaultTolerantTrainer:
             self.audit.append(commit)
             if checkpoint_writer(q.participants) == self.config.replica_id:
                 self.loader_store.save(self.progress.state)
-        self.catchup.retire(q.step)  # a no-op unless this step was published
         if not self._reserved and should_reserve(q, layout.num_replicas):  # a replica will join: its
-            self.catchup.reserve(self.state.tensors())  # snapshot's buffer now, with the optimizer's state
+            # snapshot's buffer now (for what it copies), with the optimizer's state
+            self.catchup.reserve(self.state.tensors(), borrow=self.state.stable())
             self._reserved = True
-        self._published = None
         self._kept = None
+
+    def _unpublish(self) -> None:
+        """Stop serving the published snapshot (if any): its stable tensors are about to change."""
+        if self._published is not None:
+            self.catchup.retire(self._published[0])
+            self._published = None
 
     # -- catch-up --------------------------------------------------------------------------------
     def heal(self, q: StepQuorum) -> None:
@@ -403,6 +412,7 @@ class FaultTolerantTrainer:
             raise
         if self.telemetry: self.telemetry.catchup_end(q.step, result.num_bytes, True)
         self._phase("heal", q.step)
+        self._unpublish()  # a snapshot this replica still serves lends the tensors the load overwrites
         self._load(q.step, result)
         self.last_fetch = replace(result, tensors={})  # its figures: the state keeps what it needs of the
         # buffer (a CPU optimizer's moments); the rest (a GPU state's whole host copy) goes now

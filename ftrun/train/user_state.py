@@ -146,6 +146,9 @@ class WithUserState:
         tensors, _ = self.user.split()
         return {**self.base.tensors(), **tensors}
 
+    def stable(self) -> frozenset[str]:
+        return self.base.stable()  # the registered objects change whenever the user's loop says
+
     def metadata(self) -> dict[str, Any]:
         _, skeleton = self.user.split()
         return {**self.base.metadata(), "user": skeleton}

@@ -171,8 +171,8 @@ class LeadCatchup:
     def check(self, state: Any, metadata: Any = None) -> None:
         self._s.check(state, metadata)
 
-    def reserve(self, state: Any) -> None:
-        self._s.reserve(state)
+    def reserve(self, *args: Any, **kwargs: Any) -> None:
+        self._s.reserve(*args, **kwargs)
 
     def retire(self, step: int) -> None:
         self._s.retire(step)
@@ -195,7 +195,7 @@ class MirrorCatchup:
     def check(self, state: Any, metadata: Any = None) -> None:
         """Nothing is published."""
 
-    def reserve(self, state: Any) -> None:
+    def reserve(self, *args: Any, **kwargs: Any) -> None:
         """Nothing is published."""
 
     def retire(self, step: int) -> None:

@@ -60,7 +60,9 @@ class ShapeSnapshotStore:
     def newest(self) -> int | None:
         return self._newest
 
-    def publish(self, step: int, state: Mapping[str, torch.Tensor], metadata: dict[str, Any] | None = None) -> None:
+    def publish(self, step: int, state: Mapping[str, torch.Tensor], metadata: dict[str, Any] | None = None, *,
+                borrow: Any = ()) -> None:
+        """A shape-only snapshot of `state` (nothing is copied, so nothing is borrowed either)."""
         entries = tuple(sorted(describe(state, shape_only=True)))
         layout = self._layouts.get(entries)
         if layout is None:
@@ -78,7 +80,7 @@ class ShapeSnapshotStore:
         check_metadata(metadata or {})
         describe(state, shape_only=True)
 
-    def reserve(self, state: Mapping[str, torch.Tensor]) -> None:
+    def reserve(self, state: Mapping[str, torch.Tensor], *, borrow: Any = ()) -> None:
         """Shape-only snapshots have no buffer to prepare."""
 
     def retire(self, step: int) -> None:
@@ -196,8 +198,8 @@ class TimedCatchup:
     def check(self, state: Any, metadata: Any = None) -> None:
         self._s.check(state, metadata)
 
-    def reserve(self, state: Any) -> None:
-        self._s.reserve(state)
+    def reserve(self, *args: Any, **kwargs: Any) -> None:
+        self._s.reserve(*args, **kwargs)
 
     def retire(self, step: int) -> None:
         self._s.retire(step)

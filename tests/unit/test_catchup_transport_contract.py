@@ -7,11 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ftrun.catchup import snapshot
 from ftrun.catchup.config import CatchupConfig
-from ftrun.catchup.errors import CatchupAuthError, CatchupStepError
+from ftrun.catchup.errors import CatchupAuthError, CatchupError, CatchupStepError
 from ftrun.catchup.http_transport import HttpCatchup
 from ftrun.catchup.net_transport import NetCatchup, NetCatchupServer
-from ftrun.catchup.snapshot import SnapshotStore, tensor_views
+from ftrun.catchup.snapshot import SnapshotStore, pieces, tensor_views
 from ftrun.config import Timeouts
 from ftrun.env.real import RealEnv
 from harness.engine import EmulatedWorld
@@ -126,6 +127,49 @@ def test_a_reserved_buffer_is_what_the_next_publish_fills():
         assert store.wait_ready(5.0) and store.lookup(3)[1].buffer is published.buffer
     finally:
         store.close()
+
+
+def test_pieces_take_a_range_from_the_buffer_and_the_lent_bytes():
+    mem = memoryview(bytes(range(100)))
+    lent = ((10, memoryview(b"A" * 10)), (20, memoryview(b"B" * 5)), (60, memoryview(b"C" * 20)))
+    whole = mem[:10].tobytes() + b"A" * 10 + b"B" * 5 + mem[25:60].tobytes() + b"C" * 20 + mem[80:].tobytes()
+    for offset, nbytes in [(0, 100), (0, 10), (12, 3), (15, 10), (19, 2), (25, 35), (59, 2), (70, 30), (99, 1)]:
+        got = pieces(mem, lent, offset, nbytes)
+        assert b"".join(got) == whole[offset:offset + nbytes], (offset, nbytes)
+        assert all(len(p) for p in got)
+    assert len(pieces(mem, lent, 0, 100)) == 6 and len(pieces(mem, (), 3, 50)) == 1
+
+
+def test_lent_tensors_are_served_in_place_and_a_change_fails_the_crc(kind, monkeypatch):
+    """publish(borrow=...) serves those tensors from their own memory (not copied into the snapshot
+    buffer): a joiner gets them whole; changed before the retire, they fail the shard CRC (never a
+    silently wrong state); the next publish serves the new values."""
+    monkeypatch.setattr(snapshot, "LEND_MIN_BYTES", 0)
+    if kind[2] == "meta":
+        pytest.skip("shape-only snapshots have no bytes to lend")
+
+    def body(env, make, device):
+        a, me = make(env), make(env)
+        state = _state(device)
+        try:
+            a.publish(5, state, {"step": 5}, borrow={"model.w", "optim.m"})
+            got = me.fetch(5, [a.url]).tensors
+            published = a.server.store.lookup(5)[1]
+            in_buffer = tensor_views(published.buffer.flat, published.manifest.layout)
+            copied = {k: torch.equal(in_buffer[k], state[k]) for k in state}
+            state["model.w"][3, 3] += 1.0  # the caller broke its promise
+            with pytest.raises(CatchupError, match="CRC32"):
+                me.fetch(5, [a.url])
+            a.publish(6, state, {"step": 6}, borrow={"model.w", "optim.m"})
+            again = me.fetch(6, [a.url]).tensors
+            return _same(got, _state(device), device), copied, _same(again, state, device)
+        finally:
+            a.stop()
+            me.stop()
+
+    first, copied, second = _run(kind, body)
+    assert first and second
+    assert copied == {"model.w": False, "model.b": True, "optim.m": False}
 
 
 def test_a_step_published_during_the_long_poll_is_served(kind):

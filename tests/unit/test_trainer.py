@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from ftrun.catchup import snapshot
 from ftrun.catchup.config import CatchupConfig
 from ftrun.catchup.errors import CatchupUsageError
 from ftrun.catchup.http_transport import HttpCatchup
@@ -123,6 +124,21 @@ def test_replica_state_load_keeps_the_handed_tensors_as_the_optimizer_state():
     before = moments.clone()
     one_step(dst_model, dst_opt, [torch.randn_like(p) for p in dst_model.parameters()])
     assert not torch.equal(moments, before)  # updated where it lies
+
+
+def test_replica_state_stable_tensors_are_parameters_and_optimizer_state_not_buffers():
+    """What a catch-up snapshot may serve in place: what only the optimizer step (or a load) changes; a
+    forward updates BatchNorm's running statistics, so buffers are copied."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(8, 4)).sum().backward()
+    opt.step()
+    state = ReplicaState(model=model, optimizer=opt)
+    params = {f"model.{n}" for n, _ in model.named_parameters()}
+    optim = {k for k in state.tensors() if k.startswith("optim.")}
+    assert optim and state.stable() == params | optim
+    assert {"model.1.running_mean", "model.1.running_var", "model.1.num_batches_tracked"} <= \
+        set(state.tensors()) - state.stable()
 
 
 def test_replica_state_rejects_another_models_state():
@@ -333,6 +349,34 @@ def run(env, reps, step):
         assert t.exception is None, t.exception
 
 
+def watch_lent_state(r, changes):
+    """Record in `changes` every change of r's state (its optimizer's step, a heal's load) made while its
+    catch-up snapshot may still serve the state's stable tensors in place, and every retire that finds a
+    lent tensor changed since its publish. Returns the publishes: (step, names lent)."""
+    store, publishes, lent = r.server.server.store, [], {}
+    publish, retire, load = r.server.publish, r.server.retire, r.trainer.state.load
+
+    def watched_publish(step, state, metadata=None, *, borrow=()):
+        publishes.append((step, sorted(borrow)))
+        lent[step] = {k: state[k].clone() for k in borrow}
+        publish(step, state, metadata, borrow=borrow)
+
+    def watched_retire(step):
+        now = r.trainer.state.tensors()
+        changes.extend(f"{r.rid} step {step}: {k} changed before the retire"
+                       for k, v in lent.pop(step, {}).items() if not torch.equal(now[k], v))
+        retire(step)
+
+    def before_change(what):
+        if store.status()["state"] not in ("none", "retired"):
+            changes.append(f"{r.rid}: {what} while the snapshot is {store.status()}")
+
+    r.server.publish, r.server.retire = watched_publish, watched_retire
+    r.opt.register_step_pre_hook(lambda *_: before_change("an optimizer step"))
+    r.trainer.state.load = lambda *a: (before_change("a heal's load"), load(*a))
+    return publishes
+
+
 def with_vector_hyperparameter(model):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     opt.param_groups[0]["scales"] = torch.ones(3)  # more than a number: JSON cannot carry it
@@ -367,7 +411,8 @@ def test_a_state_that_cannot_be_published_fails_the_build(tmp_path, optimizer, w
 
 
 @pytest.mark.timeout(60)
-def test_trainer_heals_a_late_replica_and_retries_a_failed_backward(tmp_path):
+def test_trainer_heals_a_late_replica_and_retries_a_failed_backward(tmp_path, monkeypatch):
+    monkeypatch.setattr(snapshot, "LEND_MIN_BYTES", 0)  # the toy's tensors are small: lend every stable one
     env = RealEnv()
     lighthouse = Lighthouse(env=env, token=TOKEN, config=LighthouseConfig(min_replicas=2, timeouts=T))
     lighthouse.start()
@@ -376,8 +421,10 @@ def test_trainer_heals_a_late_replica_and_retries_a_failed_backward(tmp_path):
         r0, r1, r2 = reps
         reserved = {r.rid: [] for r in reps}  # the state names of each catch-up reserve (trainer -> service)
         for r in reps:
-            r.server.reserve = lambda state, rid=r.rid, real=r.server.reserve: (
-                reserved[rid].append(sorted(state)), real(state))
+            r.server.reserve = lambda state, borrow, rid=r.rid, real=r.server.reserve: (
+                reserved[rid].append(sorted(state)), real(state, borrow=borrow))
+        changes = []  # changes of a lent tensor while it was lent: there must be none
+        publishes = {r.rid: watch_lent_state(r, changes) for r in reps}
         run(env, [r0, r1], 3)  # r2 is not there yet
         own = sorted(r0.trainer.state.tensors())
         assert reserved == {"r0": [own], "r1": [own], "r2": []}  # once, optimizer state included, while r2 is away
@@ -396,8 +443,10 @@ def test_trainer_heals_a_late_replica_and_retries_a_failed_backward(tmp_path):
         gc.collect()
         assert views and all(v() is None for v in views)  # loaded (copied into the model): nothing keeps them
         assert r2.trainer.last_fetch.num_bytes > 0  # the fetch's figures are kept
-        assert len({param_hash(r.model) for r in reps}) == 1
+        assert len({param_hash(r.model) for r in reps}) == 1  # healed from tensors served in place
         assert reserved == {"r0": [own], "r1": [own], "r2": []}  # r2 joined a full quorum: nothing to reserve
+        stable = sorted(k for k in own if k.startswith(("model.", "optim.")))
+        assert publishes["r0"] == publishes["r1"] == [(3, stable)] and not publishes["r2"]
 
         r1.fail_next_backward = True
         fail_at = r1.trainer.step
@@ -411,6 +460,7 @@ def test_trainer_heals_a_late_replica_and_retries_a_failed_backward(tmp_path):
         assert len({param_hash(r.model) for r in reps}) == 1
         run(env, reps, fail_at + 2)
         assert len({param_hash(r.model) for r in reps}) == 1
+        assert changes == []
 
         records = [rec for r in reps for rec in read_log(b"".join(r.records))[0]]
         final = r0.trainer.progress.state
