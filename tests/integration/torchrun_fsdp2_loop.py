@@ -45,10 +45,11 @@ class Net(nn.Module):
 
 
 def check_environment(job: ftrun.train.FTJob) -> None:
-    """The launcher's variables say the same rank and layout as the job (ftrun launch's names)."""
+    """The launcher's variables say the same rank and layout as the job: torchrun's names describe the
+    replica's world (ftrun.launch.worker_env), and so does the default group the script made from them."""
     spec = job.spec
-    want = {"RANK": spec.replica_index * spec.ranks_per_replica + spec.rank, "LOCAL_RANK": spec.rank,
-            "WORLD_SIZE": spec.num_replicas * spec.ranks_per_replica, "LOCAL_WORLD_SIZE": spec.ranks_per_replica}
+    want = {"RANK": spec.rank, "LOCAL_RANK": spec.device_slot, "WORLD_SIZE": spec.ranks_per_replica,
+            "LOCAL_WORLD_SIZE": spec.ranks_per_replica}
     seen = {name: int(os.environ[name]) for name in want}
     if seen != want:
         raise SystemExit(f"torchrun_fsdp2_loop: the environment says {seen}, the job {want}")
