@@ -10,6 +10,12 @@ either with `fully_shard(module)` and no mesh (FSDP2 builds its default mesh ove
 
 tests/integration/test_examples_shadow.py runs both (the shadow loader makes the default group a one-rank
 group on the host, and either mesh a one-rank host mesh standing for the replica's ranks: shadow.cuda_dist).
+Under a real launch the launcher's variables describe the replica's world (ftrun.launch.worker_env), so the
+default group is the replica's, which init_from_env adopts, and job.wrap takes the sharded model as it is:
+
+    ftrun launch --replicas 2 --ranks-per-replica 2 --steps 200 tests/integration/torchrun_fsdp2_loop.py --mesh default
+
+(tests/integration/test_launch_torchrun_script.py, with a replica killed mid-run).
 """
 
 from __future__ import annotations
