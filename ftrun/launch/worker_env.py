@@ -27,6 +27,7 @@ The launchers:
 The network identity (FTRUN_BIND_HOST, FTRUN_ADVERTISE_HOST) is ftrun.net.NetConfig. Only entry points
 call `WorkerSpec.from_environ`.
 """
+
 from __future__ import annotations
 
 import os
