@@ -6,8 +6,11 @@
 # and tests/integration/gpu_user_loop.py and fsdp2_mesh_loop.py (its own CUDA mesh) with --device cuda,
 # torchrun_fsdp2_loop.py (init_process_group("nccl") from the environment, fully_shard without a mesh and on a
 # DeviceMesh("cuda", ...) built directly: on a CUDA build FSDP2 asks for a CUDA default mesh), and the two GPU
-# launch tests (3 replicas x 1 rank, one killed and restarted: replica i on cuda:{i % GPUs}). Extra packages
-# (faker) come from the caller's PYTHONPATH.
+# launch tests (3 replicas x 1 rank, one killed and restarted: replica i on cuda:{i % GPUs}), and
+# torchrun_fsdp2_loop.py under a real `ftrun launch` (its own NCCL default group, adopted by init_from_env, and
+# its fully_shard-ed CUDA model, wrapped as it is): as many 1-rank replicas as GPUs (a script's
+# set_device(LOCAL_RANK) needs a GPU per rank on the host, as under torchrun). Extra packages (faker) come
+# from the caller's PYTHONPATH.
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -20,3 +23,9 @@ timeout 200 python3 -m pytest -q tests/integration/test_examples_shadow.py -k re
 echo "examples under the shadow loader rc=$?"
 timeout 300 python3 -m pytest -q -rs tests/gpu/test_gpu_train.py -k three_replicas --durations=3
 echo "gpu launch rc=$?"
+rm -rf /tmp/ftrun-trun-gpu
+gpus=$(python3 -c 'import torch; print(max(1, min(2, torch.cuda.device_count())))')
+timeout 120 python3 -m ftrun.cli launch --replicas "$gpus" --min-replicas 1 --steps 30 --no-progress --out /tmp/ftrun-trun-gpu \
+  tests/integration/torchrun_fsdp2_loop.py --mesh default | tail -8
+echo "torchrun-style script under ftrun launch on $gpus GPU(s) rc=${PIPESTATUS[0]}"
+grep -h "torchrun_fsdp2_loop:" /tmp/ftrun-trun-gpu/logs/*.log | sort | uniq -c

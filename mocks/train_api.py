@@ -63,7 +63,8 @@ def traced_rank(session: Any) -> WorkerSpec:
 # What `ftrun launch` sets for a rank (WorkerSpec.to_environ) that a script reads to know its rank and the
 # job's layout (torchrun's names, ftrun's layout); the job's token, lighthouse and run directory are left out.
 LAUNCHER_ENVIRON = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-                    "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "FTRUN_REPLICA_ID", "FTRUN_REPLICA_INDEX",
+                    "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT", "FTRUN_REPLICA_ID",
+                    "FTRUN_REPLICA_INDEX",
                     "FTRUN_REPLICA_RANK", "FTRUN_RANKS_PER_REPLICA", "FTRUN_NUM_REPLICAS", "FTRUN_MAX_STEPS",
                     "FTRUN_HOST_SLOT")
 
@@ -71,8 +72,8 @@ LAUNCHER_ENVIRON = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GRO
 def launcher_environ(session: Any) -> dict[str, str]:
     """The environment of the script's process under `ftrun emulate` (shadow.active(environ=...)): what
     `ftrun launch` would set for `traced_rank` (LAUNCHER_ENVIRON), so a torchrun-style script's
-    os.environ["LOCAL_RANK"] & co. agree with its job.spec (RANK 0, LOCAL_RANK 0, WORLD_SIZE replicas x
-    ranks per replica, LOCAL_WORLD_SIZE ranks per replica)."""
+    os.environ["LOCAL_RANK"] & co. agree with its job.spec (torchrun's names describe the replica's world:
+    RANK 0, LOCAL_RANK 0, WORLD_SIZE and LOCAL_WORLD_SIZE the ranks per replica; ftrun.launch.worker_env)."""
     environ = traced_rank(session).to_environ()
     return {name: environ[name] for name in LAUNCHER_ENVIRON if name in environ}
 

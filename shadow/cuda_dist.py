@@ -11,8 +11,9 @@ emulated ranks train shape-only; its process groups and device meshes are that r
   MASTER_ADDR and MASTER_PORT, an init_method, or the script's own rank and world_size; the context destroys
   it on exit if the script did not. `ftrun emulate` sets the launcher's variables for the traced rank as
   `ftrun launch` would
-  (mocks.train_api.launcher_environ: RANK 0, LOCAL_RANK 0, WORLD_SIZE the job's ranks, LOCAL_WORLD_SIZE a
-  replica's), so torch.cuda.set_device(int(os.environ["LOCAL_RANK"])) selects a modeled GPU;
+  (mocks.train_api.launcher_environ: the replica's world, RANK 0, LOCAL_RANK 0, WORLD_SIZE and
+  LOCAL_WORLD_SIZE a replica's ranks), so torch.cuda.set_device(int(os.environ["LOCAL_RANK"])) selects a
+  modeled GPU;
 - torch.distributed(.device_mesh).init_device_mesh("cuda", shape, mesh_dim_names=...) and a DeviceMesh("cuda",
   ranks, mesh_dim_names=...) built directly are a DeviceMesh on the host with the script's dimension names and
   ONE rank in each dimension, over a one-rank gloo group made the default one when there is none (destroyed
@@ -34,11 +35,10 @@ emulated ranks train shape-only; its process groups and device meshes are that r
   after the context calls torch's own function.
 
 Not covered: groups that span processes (the script's process is one rank: a default group on the script's
-own store= of more than one rank is refused by name). And outside the emulator, a real `ftrun launch`
-sets RANK and WORLD_SIZE for the whole job and MASTER_ADDR/PORT to the job's store, so there a torchrun-style
-init_process_group from the environment fails (rank 0 cannot listen on the store's port), and a group
-across replicas would be the wrong fault domain: under `ftrun launch` the replica's group is ftrun's
-(job.wrap shards over it).
+own store= of more than one rank is refused by name). Outside the emulator, a real `ftrun launch` gives the
+same script the replica's world and a store of its incarnation (ftrun.launch.worker_env), so its
+init_process_group makes the replica's group, which init_from_env adopts, and job.wrap takes the model it
+sharded over it (tests/integration/test_launch_torchrun_script.py).
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ every host; a wrong token closes the connection. Then one reply per request:
                                                           OUT/JOB/NAME (where=run) from offset (at most 1 MiB)
     list {job, prefix}      -> {names}                     files in OUT/JOB whose name starts with prefix
     prepare {argv}          -> {fork_server}               load the zygote for this script now (else: first start)
-    store {}                -> {port}                      a TCPStore on this host's address (a replica's rendezvous)
+    store {replica}         -> {port}                      a fresh TCPStore on this host's address for the
+                                                          replica's next incarnation (its previous one is dropped)
     bye {}                  -> {}                          kill every process, then the agent exits
 
 Every request is checked by `parse_request` (pure, unit-tested): a bad one gets {"error": why} and the
@@ -100,7 +101,9 @@ def parse_request(msg: Any) -> dict:
         if not argv:
             raise BadRequest("argv must not be empty")
         return {"type": kind, "argv": argv}
-    if kind in ("store", "bye"):
+    if kind == "store":
+        return {"type": kind, "replica": check_name(msg.get("replica"), "replica")}
+    if kind == "bye":
         return {"type": kind}
     raise BadRequest(f"unknown request type {kind!r:.80}")
 
@@ -125,7 +128,7 @@ class Agent:
         self._fork_server = fork_server  # fork ranks from a zygote preloaded for the first script started
         self._launcher: Any = SpawnLauncher()
         self._procs: dict[int, Any] = {}
-        self._stores: list = []
+        self._stores: dict[str, Any] = {}  # replica -> its running incarnation's store
         self._lock = env.lock()
         self._done = env.event()
         self._closing = False  # a bye came or shutdown() began: no process starts any more (under _lock)
@@ -222,7 +225,7 @@ class Agent:
             with self._lock:
                 closing = self._closing
                 if not closing:
-                    self._stores.append(store)
+                    self._stores[req["replica"]] = store  # the previous incarnation's (its ranks are gone) is dropped
             # closing: shutdown() began while it was made, and may have missed it; it is dropped with this frame
             return {"error": SHUTTING_DOWN} if closing else {"port": store.port}
         with self._lock:  # bye: from its answer on, no process starts (serve() then shuts down)
@@ -245,7 +248,7 @@ class Agent:
         with self._lock:
             self._closing = True  # nor does a connected one start a process (handle() refuses, see there)
             procs = list(self._procs.values())
-            stores, self._stores = self._stores, []
+            stores, self._stores = self._stores, {}
         for p in procs:
             p.kill()
         for p in procs:

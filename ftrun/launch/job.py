@@ -5,6 +5,7 @@ multihost's job place parts of it elsewhere by overriding its placement hooks.""
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import secrets
@@ -41,6 +42,7 @@ class Job:
                  say: Callable[[str], None]) -> None:
         self.env, self.args, self.out, self.inject, self.say = env, args, out, inject, say
         self.min_up = args.min_replicas or args.replicas // 2 + 1
+        self.stores: dict = {}  # replica -> its running incarnation's store (replica_store)
         self.token = self.job_token()
         self.lighthouse = self.make_lighthouse()
         os.makedirs(os.path.join(out, "logs"), exist_ok=True)
@@ -63,7 +65,7 @@ class Job:
         self._q2c: list[float] = []  # recent quorum-to-commit times (the --inject at= unit)
         self.replicas = {f"r{i}": ReplicaProcesses(
             env=env, events=self.events, log_dir=os.path.join(out, "logs"), argv=argv,
-            launcher=self.launcher_for(f"r{i}", launcher),
+            launcher=self.launcher_for(f"r{i}", launcher), new_store=functools.partial(self.replica_store, f"r{i}"),
             spec=replace(self._diagnosed(self.spec(i)), fault_file=self.fault_file))
             for i in range(args.replicas)}
         self.down_until: dict[str, float] = {}  # replica -> when to restart it
@@ -96,12 +98,18 @@ class Job:
         return lighthouse
 
     def spec(self, i: int) -> WorkerSpec:
-        if not hasattr(self, "store"):
-            self.store = bound_store("127.0.0.1", timeout_s=60)  # loopback only: the store has no authentication
+        """Replica i's rank 0 (its store: replica_store, at every start)."""
         return WorkerSpec(replica_id=f"r{i}", replica_index=i, num_replicas=self.args.replicas, rank=0,
                           ranks_per_replica=self.args.ranks_per_replica, incarnation=0, lighthouse=self.lighthouse.addr,
-                          token=self.token, store_addr="127.0.0.1", store_port=self.store.port, run_dir=self.out,
+                          token=self.token, store_addr="", store_port=0, run_dir=self.out,
                           max_steps=self.args.steps, host_slot=i * self.args.ranks_per_replica)  # all on this host
+
+    def replica_store(self, rid: str) -> tuple[str, int]:
+        """(addr, port) of a fresh rendezvous store for the next incarnation of replica `rid`, which only its
+        ranks use (MASTER_ADDR/PORT, worker_env); the previous incarnation's (its ranks are gone) is dropped."""
+        store = bound_store("127.0.0.1", timeout_s=60)  # loopback only: the store has no authentication
+        self.stores[rid] = store  # a TCPStore has no close(): dropping the last reference frees its port
+        return "127.0.0.1", store.port
 
     def launcher_for(self, rid: str, launcher: Launcher) -> Launcher:
         return launcher

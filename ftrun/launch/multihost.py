@@ -112,7 +112,6 @@ class MultiHostJob(Job):
         ready = [env.spawn(remote.prepare, argv, name="agent-prepare") for remote in self.remotes.values()]
         for task in ready:  # every host's zygote loads at once, before any replica starts
             task.join(200.0)
-        self.stores: dict[int, int] = {}
         super().__init__(env, args, out, launcher, inject=inject, say=say)
 
     def job_token(self) -> str:
@@ -123,17 +122,18 @@ class MultiHostJob(Job):
 
     def spec(self, i: int) -> WorkerSpec:
         host = self.placement[f"r{i}"]
-        if host not in self.stores:
-            if host == 0:
-                self._local_store = bound_store(self.host_addrs[0], timeout_s=60)
-                self.stores[0] = self._local_store.port
-            else:
-                self.stores[host] = self.remotes[host].store_port()
         return WorkerSpec(replica_id=f"r{i}", replica_index=i, num_replicas=self.args.replicas, rank=0,
                           ranks_per_replica=self.args.ranks_per_replica, incarnation=0, lighthouse=self.lighthouse.addr,
-                          token=self.token, store_addr=self.host_addrs[host], store_port=self.stores[host],
+                          token=self.token, store_addr="", store_port=0,
                           run_dir=self.out, max_steps=self.args.steps, net=NetConfig(bind_host=self.host_addrs[host]),
                           host_slot=self.first_slots[f"r{i}"])
+
+    def replica_store(self, rid: str) -> tuple[str, int]:
+        host = self.placement[rid]
+        if host != 0:
+            return self.host_addrs[host], self.remotes[host].store_port(rid)
+        self.stores[rid] = bound_store(self.host_addrs[0], timeout_s=60)
+        return self.host_addrs[0], self.stores[rid].port
 
     def launcher_for(self, rid: str, launcher: Launcher) -> Launcher:
         host = self.placement[rid]

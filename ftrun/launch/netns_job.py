@@ -64,7 +64,6 @@ class NetnsJob(Job):
     def __init__(self, env, args, out, launcher, *, inject, say, hosts: NetnsHosts) -> None:
         self.hosts = hosts
         self.lighthouse_host, self.placement = place_replicas(args.replicas, len(hosts))
-        self.stores: dict[int, object] = {}
         self.cut_until: dict[int, float] = {}  # host -> when its link comes back
         self.faults: dict[str, int] = {}  # kind -> how many were injected
         super().__init__(env, args, out, launcher, inject=inject, say=say)
@@ -80,14 +79,17 @@ class NetnsJob(Job):
 
     def spec(self, i: int) -> WorkerSpec:
         h = self.hosts[self.placement[f"r{i}"]]
-        if h.index not in self.stores:
-            with in_netns(h.namespace):  # the replicas' rendezvous store, reachable only on that host
-                self.stores[h.index] = bound_store(h.addr, timeout_s=60)
         return WorkerSpec(replica_id=f"r{i}", replica_index=i, num_replicas=self.args.replicas, rank=0,
                           ranks_per_replica=self.args.ranks_per_replica, incarnation=0, lighthouse=self.lighthouse.addr,
-                          token=self.token, store_addr=h.addr, store_port=self.stores[h.index].port, run_dir=self.out,
+                          token=self.token, store_addr="", store_port=0, run_dir=self.out,
                           max_steps=self.args.steps, net=NetConfig(bind_host=h.addr),
                           host_slot=i * self.args.ranks_per_replica)  # the namespaces share this machine's GPUs
+
+    def replica_store(self, rid: str) -> tuple[str, int]:
+        h = self.hosts[self.placement[rid]]
+        with in_netns(h.namespace):  # the replica's rendezvous store, reachable only on its host
+            self.stores[rid] = bound_store(h.addr, timeout_s=60)
+        return h.addr, self.stores[rid].port
 
     def launcher_for(self, rid: str, launcher: Launcher) -> Launcher:
         i = self.placement[rid]

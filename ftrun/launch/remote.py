@@ -116,9 +116,9 @@ class RemoteLauncher:
         """Have the agent load its zygote for `argv`'s script now, so that starting ranks is quick."""
         self.client.call({"type": "prepare", "argv": list(argv)}, timeout=START_TIMEOUT_S)
 
-    def store_port(self) -> int:
-        """A rendezvous store on the agent's host (for the replicas placed there)."""
-        return self.client.call({"type": "store"})["port"]
+    def store_port(self, replica: str) -> int:
+        """A fresh rendezvous store on the agent's host for the next incarnation of `replica`."""
+        return self.client.call({"type": "store", "replica": replica})["port"]
 
     def _follow(self) -> None:
         while not self._stop.wait(POLL_S):

@@ -206,7 +206,6 @@ class _Replica:
     """The replica's batch script: hosts the store and runs srun steps, restarted as new incarnations."""
 
     def __init__(self, env, environ: dict[str, str], command: list[str]) -> None:
-        from ftrun.env.real_store import bound_store
         from ftrun.net import NetConfig
 
         if not command:
@@ -218,7 +217,7 @@ class _Replica:
         self.restarts = int(environ.get("SLURM_RESTART_COUNT") or 0)
         self.net = NetConfig(bind_host=resolve_host(environ.get("FTRUN_BIND_HOST") or "127.0.0.1", environ),
                              advertise_host=environ.get("FTRUN_ADVERTISE_HOST") or None)
-        self.store = bound_store(self.net.bind_host)
+        self.store = None  # the running step's: a fresh one per incarnation (run_step)
         self.stopping = env.event()
         self.current: subprocess.Popen | None = None
 
@@ -239,7 +238,10 @@ class _Replica:
         return True
 
     def run_step(self, attempt: int, lighthouse_wait_s: float) -> int:
+        from ftrun.env.real_store import bound_store
+
         lighthouse = _wait_lighthouse(self.env, self.environ, lighthouse_wait_s)
+        self.store = bound_store(self.net.bind_host)  # the last step's ranks are gone: its store goes with them
         srun = srun_command(self.environ, self.command, sys.executable)
         child = {**self.environ, "MASTER_ADDR": self.net.advertised, "MASTER_PORT": str(self.store.port),
                  "FTRUN_SLURM_ATTEMPT": str(attempt), "FTRUN_LIGHTHOUSE": lighthouse}

@@ -13,7 +13,8 @@ same job (SLURM_RESTART_COUNT). Both kinds of restart are the replica's incarnat
 which grows with every restart of either kind and never repeats. Every srun task maps Slurm's variables
 onto the names one torchrun per replica sets (see ftrun.launch.worker_env): RANK = SLURM_PROCID,
 WORLD_SIZE = SLURM_NTASKS (the replica's ranks), LOCAL_RANK = SLURM_LOCALID, GROUP_RANK = SLURM_NODEID,
-TORCHELASTIC_RESTART_COUNT = the incarnation, MASTER_ADDR/PORT = the wrapper's store.
+TORCHELASTIC_RESTART_COUNT = the incarnation, MASTER_ADDR/PORT = the wrapper's store (a fresh one per step),
+TORCHELASTIC_USE_AGENT_STORE=True (a script's own env:// init_process_group joins it as a client).
 Nothing here does I/O.
 """
 
@@ -25,6 +26,9 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Mapping
 
+# TORCHELASTIC_USE_AGENT_STORE, as torchrun sets it: a script's env:// init_process_group joins MASTER_ADDR/PORT
+# (the launcher's store of this replica incarnation) as a client instead of rank 0 listening there
+AGENT_STORE = str(True)
 NODE_HOST = "@node"  # --bind-host value: each process binds its node's Slurm name (SLURMD_NODENAME)
 SLURM_HELP = ("run the ranks with `ftrun slurm submit` (one batch job per replica), or set FTRUN_REPLICA_ID=r<i>, "
               "FTRUN_NUM_REPLICAS, FTRUN_LIGHTHOUSE (or FTRUN_SLURM_LIGHTHOUSE_FILE) and FTRUN_TOKEN_FILE in the "
@@ -241,6 +245,7 @@ def task_environ(environ: Mapping[str, str]) -> dict[str, str]:
         "TORCHELASTIC_RESTART_COUNT": str(inc),
         "MASTER_ADDR": _need(environ, "MASTER_ADDR", wrapper),
         "MASTER_PORT": str(_int(environ, "MASTER_PORT", wrapper)),
+        "TORCHELASTIC_USE_AGENT_STORE": AGENT_STORE,
         "FTRUN_LIGHTHOUSE": _need(environ, "FTRUN_LIGHTHOUSE", f"the lighthouse's host:port; {SLURM_HELP}"),
     }
     if environ.get("FTRUN_BIND_HOST"):

@@ -1,7 +1,8 @@
 """Process supervision: start the ranks of each replica, kill a replica, restart it.
 
 A replica is the unit of failure: killing it SIGKILLs every rank process it has; restarting it starts
-all of them again with a higher incarnation (they rendezvous under a fresh store prefix). Each rank
+all of them again with a higher incarnation, on a fresh rendezvous store (`new_store`, called before every
+start: a torchrun-style script's own init_process_group needs a store no earlier incarnation wrote to). Each rank
 writes stdout to `{replica}.{incarnation}.{rank}.out` and stderr to `{replica}.{incarnation}.{rank}.log`
 in `log_dir`; a pump thread per incarnation follows the .out files and delivers every JSON object line
 on `events`, tagged with replica_id, incarnation and rank (unless the line has them), in order per rank.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import replace
+from typing import Callable
 
 from ftrun.env.base import Env
 from ftrun.launch.procs import Handle, Launcher, SpawnLauncher
@@ -23,13 +25,17 @@ POLL_S = 0.02  # how often the pump looks for new output
 
 class ReplicaProcesses:
     def __init__(self, *, env: Env, spec: WorkerSpec, argv: list[str], events, log_dir: str,
-                 launcher: Launcher | None = None) -> None:
+                 launcher: Launcher | None = None, new_store: Callable[[], tuple[str, int]] | None = None) -> None:
         self.env, self.spec, self.argv, self._events, self._log_dir = env, spec, argv, events, log_dir
+        self._new_store = new_store  # () -> (addr, port) of a fresh store for the next incarnation; None: the spec's
         self._launcher = launcher or SpawnLauncher()
         self.procs: list[Handle] = []
         self._pump_handle = None
 
     def start(self) -> None:
+        if self._new_store is not None:
+            addr, port = self._new_store()
+            self.spec = replace(self.spec, store_addr=addr, store_port=port)
         self.procs, outs = [], []
         for rank in range(self.spec.ranks_per_replica):
             spec = self.spec.for_rank(rank)

@@ -1,18 +1,29 @@
 """The contract between a launcher and a rank process: environment variables, torchrun-compatible.
 
-Two launchers set it:
-- `ftrun launch` sets torchrun's names for the whole job (RANK and WORLD_SIZE global, GROUP_RANK the
-  replica, LOCAL_RANK the rank inside it) plus FTRUN_REPLICA_INDEX / FTRUN_REPLICA_RANK /
-  FTRUN_RANKS_PER_REPLICA, which say the replica layout outright, and FTRUN_HOST_SLOT: the rank's place
-  among all the ranks it starts on this host (replicas placed there in index order, their ranks in
-  order), by which FTConfig.device="cuda" picks the rank's GPU, so replicas sharing a host spread over
-  its GPUs.
-- One `torchrun` per replica (plus `ftrun lighthouse`): torchrun's world is one replica, so RANK and
-  WORLD_SIZE are the rank inside the replica and the replica's size, and GROUP_RANK is the node inside
-  the replica (not the replica). The replica's identity comes from ftrun's settings: FTRUN_REPLICA_ID
-  ("r<i>"), FTRUN_NUM_REPLICAS, FTRUN_LIGHTHOUSE, the token (FTRUN_TOKEN or FTRUN_TOKEN_FILE). torchrun's
-  restarts (TORCHELASTIC_RESTART_COUNT) are the replica's incarnations; MASTER_ADDR/PORT is its store.
-  Its LOCAL_RANK (the rank among the ranks torchrun starts on this node) is the host slot.
+One contract for every launcher: torchrun's names describe the REPLICA's world, as one torchrun per
+replica sets them (in FT-HSDP a replica is a torchrun world; traffic between replicas is FTAR's), and
+ftrun's FTRUN_* names carry the replica layout:
+- RANK / WORLD_SIZE: the rank inside the replica and the replica's ranks; LOCAL_WORLD_SIZE the
+  replica's ranks on this host; LOCAL_RANK the rank's host slot (its place among all the ranks started
+  on this host, by which FTConfig.device="cuda" picks its GPU) or, where no launcher gave one, the rank;
+  GROUP_RANK the node inside the replica (as torchrun's);
+- MASTER_ADDR / MASTER_PORT: a rendezvous store of this replica incarnation alone, hosted by the
+  launcher (torchrun's agent store), with TORCHELASTIC_USE_AGENT_STORE=True so that a script's own
+  `dist.init_process_group()` (env://) joins it as a client: a torchrun-style script makes the replica's
+  group itself, which `init_from_env` then adopts. A restarted replica gets a fresh store;
+- TORCHELASTIC_RESTART_COUNT: the replica's incarnation;
+- FTRUN_REPLICA_ID ("r<i>"), FTRUN_NUM_REPLICAS, FTRUN_LIGHTHOUSE, the token (FTRUN_TOKEN or
+  FTRUN_TOKEN_FILE): the replica's identity in the job.
+
+The launchers:
+- `ftrun launch` (a replica's ranks on one host: GROUP_RANK 0) also sets FTRUN_REPLICA_INDEX /
+  FTRUN_REPLICA_RANK / FTRUN_RANKS_PER_REPLICA, the layout outright, and FTRUN_HOST_SLOT (= LOCAL_RANK):
+  on each host, the replicas placed there in index order, their ranks in order, so replicas sharing a
+  host spread over its GPUs. A store per replica incarnation: Job.replica_store.
+- One `torchrun` per replica (plus `ftrun lighthouse`): torchrun sets its names, ftrun's come from the
+  user; torchrun's restarts are the replica's incarnations.
+- Slurm (ftrun.launch.slurm_plan.task_environ): Slurm's variables mapped to the same names, the replica
+  wrapper hosting a store per srun step.
 The network identity (FTRUN_BIND_HOST, FTRUN_ADVERTISE_HOST) is ftrun.net.NetConfig. Only entry points
 call `WorkerSpec.from_environ`.
 """
@@ -24,7 +35,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Mapping
 
-from ftrun.launch.slurm_plan import SLURM_HELP
+from ftrun.launch.slurm_plan import AGENT_STORE, SLURM_HELP
 from ftrun.net import NetConfig, load_token
 
 TORCHRUN_HELP = (
@@ -78,15 +89,16 @@ class WorkerSpec:
         return replace(self, rank=rank, host_slot=slot)
 
     def to_environ(self) -> dict[str, str]:
-        """What `ftrun launch` sets for this rank (torchrun's names for the whole job, plus ftrun's)."""
+        """What `ftrun launch` sets for this rank (torchrun's names for the replica's world, plus ftrun's)."""
         return {
-            "RANK": str(self.replica_index * self.ranks_per_replica + self.rank),
-            "LOCAL_RANK": str(self.rank),
-            "WORLD_SIZE": str(self.num_replicas * self.ranks_per_replica),
+            "RANK": str(self.rank),
+            "LOCAL_RANK": str(self.device_slot),
+            "WORLD_SIZE": str(self.ranks_per_replica),
             "LOCAL_WORLD_SIZE": str(self.ranks_per_replica),
-            "GROUP_RANK": str(self.replica_index),
+            "GROUP_RANK": "0",
             "MASTER_ADDR": self.store_addr,
             "MASTER_PORT": str(self.store_port),
+            "TORCHELASTIC_USE_AGENT_STORE": AGENT_STORE,
             "TORCHELASTIC_RESTART_COUNT": str(self.incarnation),
             "FTRUN_REPLICA_ID": self.replica_id,
             "FTRUN_REPLICA_INDEX": str(self.replica_index),
@@ -116,13 +128,13 @@ class WorkerSpec:
         index = _int(environ, "FTRUN_REPLICA_INDEX") if "FTRUN_REPLICA_INDEX" in environ else _index(replica_id)
         if index >= num_replicas:
             raise ValueError(f"replica {replica_id} (index {index}) is outside FTRUN_NUM_REPLICAS={num_replicas}")
-        if "FTRUN_RANKS_PER_REPLICA" in environ:  # ftrun launch: the layout is explicit
-            size = _int(environ, "FTRUN_RANKS_PER_REPLICA", minimum=1)
-            rank = _int(environ, "FTRUN_REPLICA_RANK") if "FTRUN_REPLICA_RANK" in environ else _int(environ, "LOCAL_RANK")
+        size = _int(environ, "WORLD_SIZE", minimum=1, default=1)
+        rank = _int(environ, "RANK", default=0)
+        if "FTRUN_RANKS_PER_REPLICA" in environ:  # ftrun launch: the layout is explicit, and torchrun's agrees
+            size = _agree(environ, "FTRUN_RANKS_PER_REPLICA", "WORLD_SIZE", size, minimum=1)
+            rank = _agree(environ, "FTRUN_REPLICA_RANK", "RANK", rank)
             slot_var = "FTRUN_HOST_SLOT"
-        else:  # one torchrun per replica (or a hand-started rank): torchrun's world is the replica
-            size = _int(environ, "WORLD_SIZE", minimum=1, default=1)
-            rank = _int(environ, "RANK", default=0)
+        else:  # one torchrun per replica (or a hand-started rank): its LOCAL_RANK is the host slot
             slot_var = "FTRUN_HOST_SLOT" if "FTRUN_HOST_SLOT" in environ else "LOCAL_RANK"
         if rank >= size:
             raise ValueError(f"rank {rank} is outside a replica of {size} ranks (RANK/WORLD_SIZE)")
@@ -155,6 +167,17 @@ def first_host_slots(placement: Mapping[str, int], ranks_per_replica: int) -> di
         first[rid] = taken.get(host, 0)
         taken[host] = first[rid] + ranks_per_replica
     return first
+
+
+def _agree(environ: Mapping[str, str], name: str, torchrun_name: str, torchrun_value: int, *,
+           minimum: int = 0) -> int:
+    """ftrun's variable `name`, which must say what torchrun's does where both are set (torchrun's names
+    describe the replica's world, module docstring)."""
+    value = _int(environ, name, minimum=minimum) if name in environ else torchrun_value
+    if torchrun_name in environ and value != torchrun_value:
+        raise ValueError(f"{name}={value} but {torchrun_name}={torchrun_value}: {torchrun_name} must be the "
+                         f"replica's (the rank inside it, its size), not the whole job's")
+    return value
 
 
 def _need(environ: Mapping[str, str], name: str) -> str:

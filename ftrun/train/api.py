@@ -25,7 +25,9 @@ catchup, checkpoint) and every rank's own: ready (with the rank's device), step 
 sha256 of this rank's parameter bytes, after a commit), final, failed. `ftrun launch` reads rank 0's.
 
 One job per process: `init_from_env` makes the replica's ranks the process's default process group
-(FSDP2 needs one). Only `init_from_env` reads the environment.
+(FSDP2 needs one), or adopts the one a torchrun-style script made itself (`dist.init_process_group()`
+from the launcher's variables, which describe the replica's world: ftrun.launch.worker_env) and leaves
+destroying it to the script. Only `init_from_env` reads the environment.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from dataclasses import replace
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
+import torch.distributed as dist
 
 from ftrun.config import LighthouseConfig, Timeouts
 from ftrun.env.real import RealEnv
@@ -53,7 +56,8 @@ from ftrun.train.device import rank_device
 from ftrun.train.events import param_hash, print_event, step_event  # noqa: F401 (re-exported)
 from ftrun.train.job_config import FTConfig, Hooks, TrainResult, steps_target  # noqa: F401 (the public API names FTConfig, Hooks, TrainResult here)
 from ftrun.train.own import FTOptimizer, FTSampler, OwnLoop, StepOutcome
-from ftrun.train.shard import ShardFn, close_replica_group, init_replica_group, shard_model
+from ftrun.train.shard import (ShardFn, adopt_replica_group, check_sharded, close_replica_group, init_replica_group,
+                               shard_model)
 from ftrun.train.trainer import LossFn
 from ftrun.train.user_state import UserState
 
@@ -128,8 +132,14 @@ class FTJob:
         if self.device.type != "cpu" and spec.ranks_per_replica > 1:
             raise ValueError(f"FTConfig.device={config.device!r} with {spec.ranks_per_replica} ranks per replica: "
                              "FSDP2 inside a replica runs on CPU (gloo) only; use one rank per replica on a GPU")
+        # A torchrun-style script made the replica's group itself (init_process_group from the launcher's
+        # environment): adopt it, and leave destroying it to the script.
+        self._adopted = dist.is_initialized()
+        if self._adopted:
+            self.mesh = adopt_replica_group(rank=spec.rank, world_size=spec.ranks_per_replica,
+                                            timeout_s=config.timeouts.commit_timeout_s)
         if spec.ranks_per_replica > 1:
-            self.comm, self.mesh = _join_replica(spec, config.timeouts)
+            self.comm, self.mesh = _join_replica(spec, config.timeouts, self.mesh)
         # When this process was forked (by the zygote; None otherwise), entered init_from_env and had
         # joined its replica's groups: the `ready` event carries them (ftrun demo's rejoin breakdown).
         self.startup = {**(startup or {}), "joined": env.clock.now()}
@@ -150,7 +160,8 @@ class FTJob:
     def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
              shard_fn: ShardFn | None = None) -> tuple[torch.nn.Module, "FTOptimizer"]:
         """The model, FSDP2-sharded over the replica's ranks when it has more than one (`shard_fn`
-        overrides the default units), and the optimizer as an FTOptimizer (ftrun.train.own). The
+        overrides the default units; a model the script already sharded with fully_shard over the
+        replica's ranks is taken as it is), and the optimizer as an FTOptimizer (ftrun.train.own). The
         optimizer must not have stepped yet; under FSDP2 its param groups are pointed at the sharded
         parameters (same hyperparameters). The model is moved to `job.device` (FTConfig.device; in
         place, so the optimizer keeps its parameters): move the batches there too. Build the model the
@@ -287,6 +298,11 @@ class FTJob:
             model = model_fn()
         if not isinstance(model, torch.nn.Module):
             raise ValueError(f"model_fn must return a torch.nn.Module, got {type(model).__name__}")
+        if check_sharded(model, self.spec.ranks_per_replica):  # the script's own fully_shard, over the replica
+            if shard_fn is not None:
+                raise ValueError("the model is already sharded with fully_shard and a shard_fn was given too: shard "
+                                 "it once, either yourself or through shard_fn")
+            return model  # on the device it was sharded on (wrap checks it is FTConfig.device)
         if self.device.type != "cpu":
             model.to(self.device)  # in place: the parameters keep their identity (an optimizer of wrap holds them)
         if self.mesh is not None:
@@ -336,7 +352,8 @@ class FTJob:
             self._trained = self._trained or started  # a trainer closes the replica's comm
         if not self._trained:
             self.comm.close()
-        close_replica_group()
+        if not self._adopted:
+            close_replica_group()
         if self._lighthouse is not None:
             self._lighthouse.stop()
             self._lighthouse = None
@@ -355,13 +372,11 @@ def _float_or_none(text: str | None) -> float | None:
         return None
 
 
-def _join_replica(spec: WorkerSpec, timeouts: Timeouts):
-    """The replica's control group (check-in, votes) and its FSDP group, each on its own store prefix
-    naming this incarnation. The FSDP group's timeout is shorter than the control group's: a rank whose
-    peer hangs in an FSDP collective fails there (and leaves the replica) before any control collective
-    of its peers times out."""
-    import torch.distributed as dist
-
+def _join_replica(spec: WorkerSpec, timeouts: Timeouts, mesh=None):
+    """The replica's control group (check-in, votes) and its FSDP group (`mesh`: the script's, adopted;
+    None: made here), each on its own store prefix naming this incarnation. The FSDP group's timeout is
+    shorter than the control group's: a rank whose peer hangs in an FSDP collective fails there (and
+    leaves the replica) before any control collective of its peers times out."""
     from ftrun.replica.comm import GlooComm
 
     store = dist.TCPStore(spec.store_addr, spec.store_port, is_master=False,
@@ -369,6 +384,8 @@ def _join_replica(spec: WorkerSpec, timeouts: Timeouts):
     gloo_host = spec.net.advertised if spec.net.bind_host in WILDCARDS else spec.net.bind_host
     comm = GlooComm(store=store, prefix=f"{spec.replica_id}/{spec.incarnation}/ctl/", rank=spec.rank,
                     world_size=spec.ranks_per_replica, timeout_s=timeouts.replica_comm_s, bind_host=gloo_host)
+    if mesh is not None:
+        return comm, mesh
     mesh = init_replica_group(store=store, replica_id=spec.replica_id, incarnation=spec.incarnation, rank=spec.rank,
                               world_size=spec.ranks_per_replica, timeout_s=timeouts.commit_timeout_s)
     return comm, mesh

@@ -11,6 +11,10 @@ so `init_replica_group` makes the replica's K ranks the process's default group:
 process, as `ftrun launch` starts them. It rendezvouses under a store prefix naming the replica and its
 incarnation, so a restarted replica never meets the dead incarnation's keys. Its timeout bounds how long
 a rank waits in a collective for a hung peer; a dead peer is seen at once through its closed connection.
+A torchrun-style script makes that group itself (`dist.init_process_group()` from the launcher's
+environment, which describes the replica's world: ftrun.launch.worker_env); `adopt_replica_group` takes
+it over when it is the replica's, and `check_sharded` accepts a model the script already sharded with
+fully_shard over it.
 
 torch.distributed.tensor costs about half a second to import: nothing here imports it until a replica
 is actually sharded (`is_dtensor` is false while the module is not loaded, since then no tensor can be
@@ -52,6 +56,53 @@ def init_replica_group(*, store: dist.Store, replica_id: str, incarnation: int, 
     dist.init_process_group("gloo", store=dist.PrefixStore(fsdp_prefix(replica_id, incarnation), store),
                             rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
     return init_device_mesh("cpu", (world_size,))
+
+
+def adopt_replica_group(*, rank: int, world_size: int, timeout_s: float):
+    """The process's default group (there must be one), made by the script (init_process_group from the
+    launcher's environment), as the replica's group: its 1-D CPU DeviceMesh (None for one rank), with
+    `timeout_s` as its collectives' timeout like a group init_replica_group makes. Raises ValueError when
+    it is not this replica's (rank, size)."""
+    have = (dist.get_rank(), dist.get_world_size())
+    if have != (rank, world_size):
+        raise ValueError(
+            f"the process's default process group has rank {have[0]} of {have[1]}, but this is rank {rank} of a "
+            f"replica of {world_size} ranks: make it over the replica's ranks only (init_process_group() with "
+            f"the RANK/WORLD_SIZE the launcher sets), or leave it to ftrun.train.init_from_env (make none)")
+    if world_size < 2:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s))
+    return init_device_mesh("cpu", (world_size,))
+
+
+def sharded_units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules of `model` that fully_shard made FSDP2 modules (none while FSDP2 is not loaded: then
+    nothing can have been sharded)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return [] if fsdp is None else [m for m in model.modules() if isinstance(m, fsdp.FSDPModule)]
+
+
+def check_sharded(model: torch.nn.Module, world_size: int) -> bool:
+    """Whether the user already sharded `model` with fully_shard (False: not at all). Raises ValueError when
+    it is sharded in part (a unit but not the root) or over other ranks than the replica's `world_size`
+    (a 1-D mesh of them), naming what to do."""
+    units = sharded_units(model)
+    if not units:
+        return False
+    if model not in units:
+        raise ValueError("the model's submodules are sharded with fully_shard but the model itself is not: call "
+                         "fully_shard(model) too (after its units), or shard none of it and let ftrun do it")
+    for name, param in model.named_parameters():
+        mesh = param.device_mesh if is_dtensor(param) else None
+        if mesh is None or mesh.ndim != 1 or mesh.size() != world_size:
+            where = "not sharded" if mesh is None else f"sharded on a mesh of shape {tuple(mesh.shape)}"
+            raise ValueError(f"parameter {name!r} is {where}, but a replica of {world_size} ranks shards every "
+                             f"parameter on a 1-D mesh of its ranks: fully_shard over the default process group "
+                             f"(no mesh=) or a DeviceMesh of the replica's ranks (cross-replica averaging is "
+                             f"ftrun's, not an HSDP mesh's)")
+    return True
 
 
 def close_replica_group() -> None:

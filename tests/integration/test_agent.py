@@ -83,7 +83,7 @@ def test_a_start_on_a_connection_open_at_bye_is_refused(agent, tmp_path):
         with pytest.raises(AgentError, match="shutting down"):
             remote.prepare(["-c", "pass"])
         with pytest.raises(AgentError, match="shutting down"):
-            remote.store_port()
+            remote.store_port("r0")
         with pytest.raises(AgentError, match="shutting down"):
             h = remote.start(["-c", "import time; time.sleep(60)"], env={}, cwd="/",
                              stdout=str(local / "logs" / "s.out"), stderr=str(local / "logs" / "s.log"))
@@ -93,21 +93,27 @@ def test_a_start_on_a_connection_open_at_bye_is_refused(agent, tmp_path):
         remote.client.close()
 
 
+def _stops_serving(port: int, deadline: float) -> None:
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=5.0).close()
+        except ConnectionRefusedError:
+            return
+        assert time.monotonic() < deadline, f"the store at port {port} still serves"
+        time.sleep(0.05)
+
+
 def test_shutdown_releases_the_rendezvous_stores(agent):
     """The stores the agent made for its launchers stop at its shutdown (their ports then refuse), not when
-    the agent's process ends."""
+    the agent's process ends; a replica's next store (its next incarnation's) replaces its previous one."""
     env, a = agent
     remote = RemoteLauncher(env, a.addr, "tok", job="job1", run_dir="/nonexistent")
-    ports = [remote.store_port(), remote.store_port()]
+    first = remote.store_port("r0")
+    ports = [remote.store_port("r0"), remote.store_port("r1")]
     for port in ports:
         socket.create_connection(("127.0.0.1", port), timeout=5.0).close()  # serving
+    _stops_serving(first, time.monotonic() + 10.0)  # r0's first incarnation's store is gone
     remote.bye()
     deadline = time.monotonic() + 10.0
     for port in ports:
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=5.0).close()
-            except ConnectionRefusedError:
-                break
-            assert time.monotonic() < deadline, f"the store at port {port} still serves after the agent's shutdown"
-            time.sleep(0.05)
+        _stops_serving(port, deadline)

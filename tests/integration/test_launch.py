@@ -118,6 +118,7 @@ from ftrun.train.device import resolve_device
 
 spec = WorkerSpec.from_environ(os.environ)  # as init_from_env reads it
 print(json.dumps({"event": "ready", "t": 0.0, "step": 0, "host_slot": spec.device_slot, "local_rank": os.environ["LOCAL_RANK"],
+                  "torchrun_rank": os.environ["RANK"], "world_size": os.environ["WORLD_SIZE"],
                   "cuda": str(resolve_device("cuda", slot=spec.device_slot, device_count=4))}), flush=True)
 # The job is complete when every replica's rank 0 has committed its steps, and the launcher then stops the
 # other ranks: rank 0 commits only once its replica's other rank has said it is ready (a marker file).
@@ -136,18 +137,20 @@ for step in range(int(os.environ["FTRUN_MAX_STEPS"])):
 @pytest.mark.timeout(60)
 def test_launch_gives_every_rank_on_the_host_its_own_slot(tmp_path):
     """3 replicas x 2 ranks on one host: six ranks, slots 0..5 (replica by replica), so "cuda" on a 4-GPU host
-    is cuda:0..3 then cuda:0..1, where every replica used to take cuda:0 and cuda:1; LOCAL_RANK stays the rank
-    inside the replica, as torchrun's."""
+    is cuda:0..3 then cuda:0..1, where every replica used to take cuda:0 and cuda:1; LOCAL_RANK is the slot too
+    (torchrun's meaning: the process's place among those started on the host) and RANK the rank inside the
+    replica (torchrun's names describe the replica's world)."""
     script = tmp_path / "slots.py"
     script.write_text(SLOT_SCRIPT)
     f = launch(tmp_path / "out", "--replicas", "3", "--ranks-per-replica", "2", "--steps", "3", "--timeout", "40s",
                str(script))
     assert f["complete"]
     ready = [json.loads(line) for line in open(tmp_path / "out" / "events.jsonl")]
-    got = sorted((e["replica_id"], e["rank"], e["local_rank"], e["host_slot"], e["cuda"]) for e in ready
-                 if e["event"] == "ready")
-    assert got == [("r0", 0, "0", 0, "cuda:0"), ("r0", 1, "1", 1, "cuda:1"), ("r1", 0, "0", 2, "cuda:2"),
-                   ("r1", 1, "1", 3, "cuda:3"), ("r2", 0, "0", 4, "cuda:0"), ("r2", 1, "1", 5, "cuda:1")]
+    got = sorted((e["replica_id"], e["rank"], e["torchrun_rank"], e["world_size"], e["local_rank"], e["host_slot"],
+                  e["cuda"]) for e in ready if e["event"] == "ready")
+    assert got == [("r0", 0, "0", "2", "0", 0, "cuda:0"), ("r0", 1, "1", "2", "1", 1, "cuda:1"),
+                   ("r1", 0, "0", "2", "2", 2, "cuda:2"), ("r1", 1, "1", "2", "3", 3, "cuda:3"),
+                   ("r2", 0, "0", "2", "4", 4, "cuda:0"), ("r2", 1, "1", "2", "5", 5, "cuda:1")]
 
 
 @pytest.mark.timeout(60)

@@ -10,6 +10,12 @@ either with `fully_shard(module)` and no mesh (FSDP2 builds its default mesh ove
 
 tests/integration/test_examples_shadow.py runs both (the shadow loader makes the default group a one-rank
 group on the host, and either mesh a one-rank host mesh standing for the replica's ranks: shadow.cuda_dist).
+Under a real launch the launcher's variables describe the replica's world (ftrun.launch.worker_env), so the
+default group is the replica's, which init_from_env adopts, and job.wrap takes the sharded model as it is:
+
+    ftrun launch --replicas 2 --ranks-per-replica 2 --steps 200 tests/integration/torchrun_fsdp2_loop.py --mesh default
+
+(tests/integration/test_launch_torchrun_script.py, with a replica killed mid-run).
 """
 
 from __future__ import annotations
@@ -45,10 +51,11 @@ class Net(nn.Module):
 
 
 def check_environment(job: ftrun.train.FTJob) -> None:
-    """The launcher's variables say the same rank and layout as the job (ftrun launch's names)."""
+    """The launcher's variables say the same rank and layout as the job: torchrun's names describe the
+    replica's world (ftrun.launch.worker_env), and so does the default group the script made from them."""
     spec = job.spec
-    want = {"RANK": spec.replica_index * spec.ranks_per_replica + spec.rank, "LOCAL_RANK": spec.rank,
-            "WORLD_SIZE": spec.num_replicas * spec.ranks_per_replica, "LOCAL_WORLD_SIZE": spec.ranks_per_replica}
+    want = {"RANK": spec.rank, "LOCAL_RANK": spec.device_slot, "WORLD_SIZE": spec.ranks_per_replica,
+            "LOCAL_WORLD_SIZE": spec.ranks_per_replica}
     seen = {name: int(os.environ[name]) for name in want}
     if seen != want:
         raise SystemExit(f"torchrun_fsdp2_loop: the environment says {seen}, the job {want}")

@@ -29,6 +29,7 @@ def test_agent_requests_are_checked():
     read = parse_request({"type": "read", "job": "j", "where": "run", "name": "audit-r0.jsonl", "offset": 5})
     assert read["offset"] == 5
     assert parse_request({"type": "bye"}) == {"type": "bye"}
+    assert parse_request({"type": "store", "replica": "r3"}) == {"type": "store", "replica": "r3"}
 
 
 @pytest.mark.parametrize("msg, message", [
@@ -40,6 +41,7 @@ def test_agent_requests_are_checked():
     ({"type": "start", "id": 1, "job": "j", "argv": [], "env": {}, "stdout": "o", "stderr": "e"}, "argv must not"),
     ({"type": "start", "id": 1, "job": "j", "argv": ["x"], "env": {"A": 1}, "stdout": "o", "stderr": "e"}, "env must"),
     ({"type": "poll", "ids": ["1"]}, "ids must be"),
+    ({"type": "store"}, "replica must be"),
     ("start", "must be a map"),
 ])
 def test_bad_agent_requests_say_what_is_wrong(msg, message):

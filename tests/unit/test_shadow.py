@@ -265,7 +265,7 @@ def test_the_launcher_environ_of_an_emulated_script_is_ftrun_launchs_for_the_ran
     session = SimpleNamespace(replicas=4, ranks_per_replica=8, steps=20)
     environ = launcher_environ(session)
     assert {k: environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                                    "FTRUN_MAX_STEPS")} == {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "32",
+                                    "FTRUN_MAX_STEPS")} == {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "8",
                                                             "LOCAL_WORLD_SIZE": "8", "GROUP_RANK": "0",
                                                             "FTRUN_MAX_STEPS": "20"}
     assert not {"FTRUN_TOKEN", "FTRUN_LIGHTHOUSE", "FTRUN_RUN_DIR"} & set(environ)

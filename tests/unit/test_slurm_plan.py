@@ -129,7 +129,7 @@ def test_slurm_task_maps_onto_the_torchrun_names_worker_spec_reads():
     extra = task_environ(SLURM_TASK)
     assert extra == {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "GROUP_RANK": "1",
                      "TORCHELASTIC_RESTART_COUNT": str(2 * 4 + 1), "MASTER_ADDR": "node06", "MASTER_PORT": "40123",
-                     "FTRUN_LIGHTHOUSE": "10.0.0.1:29510", "FTRUN_BIND_HOST": "node07", "FTRUN_SLURM_JOB_ID": "4242"}
+                     "TORCHELASTIC_USE_AGENT_STORE": "True", "FTRUN_LIGHTHOUSE": "10.0.0.1:29510", "FTRUN_BIND_HOST": "node07", "FTRUN_SLURM_JOB_ID": "4242"}
     spec = WorkerSpec.from_environ({**SLURM_TASK, **extra})
     assert (spec.replica_id, spec.replica_index, spec.num_replicas) == ("r1", 1, 3)
     assert (spec.rank, spec.ranks_per_replica, spec.incarnation) == (5, 8, 9)

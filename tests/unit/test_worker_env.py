@@ -64,9 +64,40 @@ def _spec(**kw):
                                   _spec(diagnose="127.0.0.1:29511"), _spec(host_slot=5), _spec(host_slot=0)])
 def test_ftrun_launch_environment_round_trips(spec):
     environ = spec.to_environ()
-    assert environ["RANK"] == str(spec.replica_index * spec.ranks_per_replica + spec.rank)  # job-wide, as torchrun
-    assert environ["GROUP_RANK"] == str(spec.replica_index)
+    # torchrun's names describe the replica's world, as one torchrun per replica sets them
+    assert (environ["RANK"], environ["WORLD_SIZE"], environ["LOCAL_WORLD_SIZE"]) == \
+        (str(spec.rank), str(spec.ranks_per_replica), str(spec.ranks_per_replica))
+    assert environ["LOCAL_RANK"] == str(spec.device_slot) and environ["GROUP_RANK"] == "0"
+    # the replica incarnation's store, which a script's own env:// init_process_group joins as a client
+    assert (environ["MASTER_ADDR"], environ["MASTER_PORT"]) == (spec.store_addr, str(spec.store_port))
+    assert environ["TORCHELASTIC_USE_AGENT_STORE"] == "True"
     assert WorkerSpec.from_environ(environ) == spec
+
+
+@pytest.mark.parametrize("old, message", [({"RANK": "5", "WORLD_SIZE": "6"}, "FTRUN_RANKS_PER_REPLICA=2 but WORLD_SIZE=6"),
+                                          ({"RANK": "5"}, "FTRUN_REPLICA_RANK=1 but RANK=5")])
+def test_a_job_wide_torchrun_world_beside_ftruns_layout_is_refused(old, message):
+    """The old contract (RANK and WORLD_SIZE for the whole job: r2's rank 1 of 3 x 2 ranks) read as the new one
+    would silently be another rank: the two sets of names must agree."""
+    with pytest.raises(ValueError, match=f"{message}: .* must be the replica's"):
+        WorkerSpec.from_environ({**_spec().to_environ(), **old})
+
+
+def test_torch_env_init_joins_the_launchers_store_as_a_client(monkeypatch):
+    """What a torchrun-style `dist.init_process_group()` does with ftrun launch's variables: rank 0 too is a
+    client of the store at MASTER_ADDR/PORT (the launcher's), which it would otherwise try to listen on."""
+    import torch.distributed as dist
+    from torch.distributed.rendezvous import rendezvous
+
+    from ftrun.env.real_store import bound_store
+
+    store = bound_store("127.0.0.1", timeout_s=10)
+    environ = _spec(rank=0, ranks_per_replica=1, store_port=store.port).to_environ()
+    for name in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE"):
+        monkeypatch.setenv(name, environ[name])
+    client, rank, world = next(rendezvous("env://", rank=int(environ["RANK"]), world_size=int(environ["WORLD_SIZE"])))
+    client.set("k", "v")
+    assert (rank, world, store.get("k")) == (0, 1, b"v") and isinstance(client, dist.TCPStore)
 
 
 @pytest.mark.parametrize("environ", [
@@ -146,7 +177,8 @@ def test_replicas_on_one_host_spread_over_its_gpus(replicas, ranks, gpus, want):
                         host_slot=i * ranks)
         for r in range(ranks):
             spec = WorkerSpec.from_environ(replica.for_rank(r).to_environ())
-            assert spec.rank == r and int(replica.for_rank(r).to_environ()["LOCAL_RANK"]) == r  # torchrun's meaning
+            environ = replica.for_rank(r).to_environ()
+            assert spec.rank == r and int(environ["RANK"]) == r and int(environ["LOCAL_RANK"]) == i * ranks + r
             got.append(str(resolve_device("cuda", slot=spec.device_slot, device_count=gpus)))
     assert got == want
 
