@@ -60,9 +60,9 @@ def init_replica_group(*, store: dist.Store, replica_id: str, incarnation: int, 
 
 def adopt_replica_group(*, rank: int, world_size: int, timeout_s: float):
     """The process's default group (there must be one), made by the script (init_process_group from the
-    launcher's environment), as the replica's group: its 1-D CPU DeviceMesh (None for one rank), with
-    `timeout_s` as its collectives' timeout like a group init_replica_group makes. Raises ValueError when
-    it is not this replica's (rank, size)."""
+    launcher's environment), as the replica's group: its 1-D DeviceMesh (a CUDA one over an NCCL group;
+    None for one rank), with `timeout_s` as its collectives' timeout like a group init_replica_group
+    makes. Raises ValueError when it is not this replica's (rank, size)."""
     have = (dist.get_rank(), dist.get_world_size())
     if have != (rank, world_size):
         raise ValueError(
@@ -74,7 +74,14 @@ def adopt_replica_group(*, rank: int, world_size: int, timeout_s: float):
     from torch.distributed.device_mesh import init_device_mesh
 
     dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s))
-    return init_device_mesh("cpu", (world_size,))
+    return init_device_mesh(mesh_device_type(str(dist.get_backend())), (world_size,))
+
+
+def mesh_device_type(backend: str) -> str:
+    """The device type of a mesh over a group of `backend` ("gloo", "nccl", "cpu:gloo,cuda:nccl", ...): a
+    script's NCCL group carries CUDA tensors ("cuda"), a gloo one host tensors ("cpu"). Pure."""
+    kinds = {part.rpartition(":")[2].strip().lower() for part in backend.split(",")}
+    return "cuda" if "nccl" in kinds else "cpu"
 
 
 def sharded_units(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from tests.unit.test_own_optimizer import job_for
-from ftrun.train.shard import adopt_replica_group, check_sharded
+from ftrun.train.shard import adopt_replica_group, check_sharded, mesh_device_type
 
 
 @pytest.fixture
@@ -69,3 +69,10 @@ def test_the_job_adopts_the_scripts_group_and_wraps_its_sharded_model(tmp_path, 
             wrapped(torch.ones(2, 4)).sum().backward()
             ft_opt.step()
     assert dist.is_initialized()  # the script's group: the script destroys it, not the job
+
+
+@pytest.mark.parametrize("backend, device", [("gloo", "cpu"), ("nccl", "cuda"), ("cpu:gloo,cuda:nccl", "cuda"),
+                                             ("cuda:nccl", "cuda"), ("cpu:gloo", "cpu"), ("GLOO", "cpu")])
+def test_an_adopted_group_s_mesh_is_on_the_device_its_backend_carries(backend, device):
+    """A script's NCCL default group gets a CUDA mesh (FSDP2 over it shards CUDA tensors), gloo a host one."""
+    assert mesh_device_type(backend) == device
