@@ -163,12 +163,19 @@ class TrainConfig:
     # `ftrun calibrate SCRIPT` measures it: the spread of the ranks' "started" phases in a step of its 2-replica
     # run. 0: identical ranks.
     rank_start_skew_s: float = 0.0
+    # Per rank and step, a late wake from the cross-replica all-reduce, drawn as above (seeded by the job's seed,
+    # the replica, rank, quorum and step; only when the all-reduce had peers): after the ring ends, each rank's
+    # process wakes on the oversubscribed CPUs at its own time, so a replica's commit vote waits for the later of
+    # its ranks and the replicas' commits (and their next quorum requests) spread. `ftrun calibrate SCRIPT`
+    # measures it: the spread of the leaders' commits of a step in its 2-replica run. 0: the replicas commit
+    # together.
+    rank_exchange_skew_s: float = 0.0
 
     def __post_init__(self) -> None:
         _positive(self, "step_compute_s", "steps", "min_replicas")
         _non_negative(self, "first_step_extra_s", "first_batch_s", "step_jitter", "catchup_fetch_extra_s",
                       "shared_cpu_cores", "step_bookkeeping_s", "replica_compute_extra_s",
-                      "rank_start_skew_s")
+                      "rank_start_skew_s", "rank_exchange_skew_s")
         _one_of(self, "lr_intervention", ("none", "linear", "sqrt"))
         _check(self.step_jitter < 1, "step_jitter", "< 1", self.step_jitter)
 

@@ -222,6 +222,15 @@ class EmulatedJob(JobFolding):
         step), the others' before their compute of step n."""
         return start_skew(self.profile.train.rank_start_skew_s, f"{self.options.seed}/{replica}/{rank}/{n}")
 
+    def exchange_skew_s(self, replica: int, rank: int, quorum: Any) -> float:
+        """A rank's late wake from the cross-replica all-reduce of `quorum` (a StepQuorum; train.rank_exchange_skew_s:
+        an exponential draw of that mean, seeded by the job's seed, replica, rank, quorum id and step), 0 when the
+        all-reduce had no peer to wait for (one participant) or without one."""
+        if quorum.num_participants < 2:
+            return 0.0
+        return start_skew(self.profile.train.rank_exchange_skew_s,
+                          f"{self.options.seed}/{replica}/{rank}/x{quorum.quorum_id}/{quorum.step}")
+
     # -- running ---------------------------------------------------------------------------------
     def run(self, progress: Callable[[int], None] | None = None) -> Recorder:
         """Run the job to completion in virtual time. Returns the recorder."""

@@ -330,6 +330,22 @@ def test_teardowns_are_each_kill_to_the_lighthouses_loss_of_that_replica():
     assert teardowns(unseen_first) == pytest.approx([0.025])  # not 0.074: the next kill's loss is the next kill's
 
 
+def test_the_real_teardown_is_the_median_over_every_real_runs_kills():
+    from harness.calibrate.fidelity import real_teardown
+
+    def trace(*pairs: tuple[float, float]) -> dict:  # (kill, loss) in ms
+        ev = []
+        for kill, lost in pairs:
+            ev += [{"name": "kill", "cat": "job", "ph": "i", "ts": kill * 1e3, "args": {"replica_id": "r1"}},
+                   {"name": "member_lost r1", "cat": "quorum", "ph": "i", "ts": lost * 1e3,
+                    "args": {"replica_id": "r1", "why": "lost"}}]
+        return {"traceEvents": ev}
+
+    t = real_teardown([trace((100, 112), (500, 560)), trace((100, 120)), {}])
+    assert t.name == "real_teardown_s" and t.value == pytest.approx(0.020) and t.samples == 3
+    assert real_teardown([{}, {}]) is None
+
+
 def test_rank_phases_are_medians_over_every_runs_ranks_steps():
     from harness.calibrate.fidelity import rank_phases
 
