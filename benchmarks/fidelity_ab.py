@@ -8,7 +8,8 @@ with the changes named on the command line). Same real runs, same restep figures
 FIDELITY_STDOUT: the file the run's stdout went to (its last line is the --json object).
 --figure NAME=VALUE: a measured figure replaced in both restep snapshots (e.g. cpu_cores_effective=2.0, measured
   again with the current probe): the keys are derived from it again (train.shared_cpu_cores too).
---drop NAME: a figure left out of both restep snapshots (its keys derived as without it, e.g. script_start_skew_s).
+--drop NAME: a figure left out of both restep snapshots (its keys derived as without it, e.g. script_start_skew_s;
+  script_exchange_skew_s: no late wake from the all-reduce, whatever --skews says).
 --real-write: the loader_state write from the real runs' own writer (their phase events,
   `harness.calibrate.fidelity.real_write`) instead of the write the run emulated with.
 --sampled-write: the write the run sampled in its own process while the real runs ran (`write_sampled_s`).
@@ -85,7 +86,7 @@ def main() -> None:
         elif model == "after" and a.sampled_write:
             write = doc["write_sampled_s"]
         overrides = fd.with_override(overrides, fd.WRITE_KEY, write)
-        # the run's own (None / empty: it emulated with the restep's means, as runs before these keys did)
+        # the run's own (None / empty: it emulated with the restep's means; skews_during_real_s: runs of 47a0c94)
         teardown, skews = doc.get("teardown_during_real_s"), dict(doc.get("skews_during_real_s") or {})
         if model == "after" and a.teardown != "run":
             t = fd.real_teardown(traces) if a.teardown == "real" else None
@@ -94,6 +95,8 @@ def main() -> None:
             skews = ({key: f.value for key, f in fd.real_skews(real_evs, args.ranks_per_replica).items()}
                      if a.skews == "real" else {})
         overrides = fd.with_override(overrides, fd.TEARDOWN_KEY, teardown)
+        if "script_exchange_skew_s" in drop:  # no late wake from the all-reduce at all (as before that key)
+            skews["train.rank_exchange_skew_s"] = 0.0
         for key, value in skews.items():
             overrides = fd.with_override(overrides, key, value)
         f, ev, heals = fd._emulated(args, doc["profile"], [*overrides, *starts])

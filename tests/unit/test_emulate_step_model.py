@@ -233,3 +233,30 @@ def test_a_mid_step_kill_is_timed_from_the_victims_own_late_start():
     same = [e["t"] for e in ev if e["event"] == "quorum" and e.get("quorum_id") == quorum["quorum_id"]
             and e["step"] == quorum["step"]]
     assert len(same) == 3 and max(same) - min(same) > 0.001  # the leaders' events of one quorum, at their draws
+
+
+@pytest.mark.timeout(120)
+def test_the_ranks_late_wake_from_the_all_reduce_spreads_the_replicas_commits():
+    """train.rank_exchange_skew_s: each rank wakes from the cross-replica all-reduce an exponential draw late and its
+    replica's commit vote waits for the later of its ranks, so the replicas' commits of a step spread (real 4 x 2
+    runs: a median pair 7-10 ms apart; emulated without it: 0.01 ms), a pair by about m x
+    median_abs_diff_max_exp(K); seeded; a lone replica's all-reduce waits for no peer and wakes on time."""
+    from statistics import median
+
+    from harness.calibrate import exchange_skews
+    from harness.calibrate.provenance import median_abs_diff_max_exp
+
+    def job(skew: float, replicas: int = 4):
+        overrides = [f"train.rank_exchange_skew_s={skew}", f"replicas={replicas}", "ranks_per_replica=2",
+                     "topology.gpus_per_host=2", "train.shared_cpu_cores=0", "failures.mode=none", "failures.events=[]",
+                     "train.min_replicas=1"]
+        f, j = execute(build_profile("ci-small", overrides, steps=16, cpu_charging=False), JobOptions(steps=16))
+        assert f["complete"]
+        return j
+
+    m = 0.05
+    plain, woke = exchange_skews(job(0.0).recorder.events), exchange_skews(job(m).recorder.events)
+    assert median(plain) < 0.001
+    assert median(woke) == pytest.approx(m * median_abs_diff_max_exp(2), rel=0.5)
+    assert woke == exchange_skews(job(m).recorder.events)
+    assert _quorum_to_commit(job(m, replicas=1)) == pytest.approx(_quorum_to_commit(job(0.0, replicas=1)), abs=1e-6)

@@ -380,3 +380,20 @@ def test_the_real_write_is_the_real_runs_own_writers_else_the_sampled_one():
     w = real_write([run, run], sampled)
     assert w.name == "real_writer_write_s" and w.value == pytest.approx(0.004) and w.samples == 2
     assert real_write([[e for e in run if e["event"] != "phase"]], sampled) is sampled
+
+
+def test_the_real_skews_are_the_calibrations_estimators_over_every_real_run():
+    from harness.calibrate.fidelity import real_skews
+    from harness.calibrate.provenance import median_abs_diff_max_exp
+
+    def run(lag: float) -> list[dict]:
+        return [{"event": "phase", "phase": "started", "replica_id": "r0", "rank": 0, "step": 1, "t": 1.0},
+                {"event": "phase", "phase": "started", "replica_id": "r1", "rank": 0, "step": 1, "t": 1.0 + lag},
+                {"event": "commit", "replica_id": "r0", "rank": 0, "step": 2, "t": 2.0},
+                {"event": "commit", "replica_id": "r1", "rank": 0, "step": 2, "t": 2.0 + 2 * lag}]
+
+    skews = real_skews([run(0.001), run(0.003)], ranks=2)
+    assert skews["train.rank_start_skew_s"].value == pytest.approx(0.002 / math.log(2))
+    assert skews["train.rank_exchange_skew_s"].value == pytest.approx(0.004 / median_abs_diff_max_exp(2))
+    assert skews["train.rank_start_skew_s"].samples == 2
+    assert real_skews([[]], ranks=1) == {}
