@@ -3,7 +3,8 @@
 with the changes named on the command line). Same real runs, same restep figures: a clean A/B of the model.
 
     python benchmarks/fidelity_ab.py DIR FIDELITY_STDOUT [--figure NAME=VALUE ...] [--drop NAME ...]
-        [--real-write | --sampled-write] [--teardown run|real|restep] [--skews run|real|restep] [--save OUT.json]
+        [--real-write | --sampled-write] [--teardown run|real|restep] [--skews run|real|restep] [--set KEY=VALUE ...]
+        [--save OUT.json]
 
 FIDELITY_STDOUT: the file the run's stdout went to (its last line is the --json object).
 --figure NAME=VALUE: a measured figure replaced in both restep snapshots (e.g. cpu_cores_effective=2.0, measured
@@ -13,6 +14,7 @@ FIDELITY_STDOUT: the file the run's stdout went to (its last line is the --json 
 --real-write: the loader_state write from the real runs' own writer (their phase events,
   `harness.calibrate.fidelity.real_write`) instead of the write the run emulated with.
 --sampled-write: the write the run sampled in its own process while the real runs ran (`write_sampled_s`).
+--set KEY=VALUE: a profile override of the "after" model (e.g. storage.lighthouse_persists=true).
 --teardown: the killed rank's teardown the run emulated with ("run", the default), the real runs' own kills' (their
   trace.json, `harness.calibrate.fidelity.real_teardown`) or the restep's mean ("restep", as runs before the real one).
 --skews: the ranks' late starts and wakes from the all-reduce the run emulated with ("run"), the real runs' own
@@ -48,6 +50,7 @@ def main() -> None:
     w.add_argument("--sampled-write", action="store_true")
     p.add_argument("--teardown", choices=("run", "real", "restep"), default="run")
     p.add_argument("--skews", choices=("run", "real", "restep"), default="run")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--save", default=None)
     a = p.parse_args()
     replace = {}
@@ -71,7 +74,7 @@ def main() -> None:
     starts = [] if doc["first_start_s"] is None else [f"scheduler.first_start_s={doc['first_start_s']!r}"]
     out = {"real": real, "real_stall_phases": fd.stall_phase_medians([r for ev in real_evs for r in fd.stall_phases(ev)]),
            "replace": replace, "drop": a.drop, "real_write": a.real_write, "sampled_write": a.sampled_write,
-           "teardown": a.teardown, "skews": a.skews}
+           "teardown": a.teardown, "skews": a.skews, "set": a.set}
     for model in ("before", "after"):
         changes, drop = (replace, set(a.drop)) if model == "after" else ({}, set())
         before, after = (script_keys(doc["restep_figures"][when], changes, drop) for when in ("before", "after"))
@@ -99,7 +102,7 @@ def main() -> None:
             skews["train.rank_exchange_skew_s"] = 0.0
         for key, value in skews.items():
             overrides = fd.with_override(overrides, key, value)
-        f, ev, heals = fd._emulated(args, doc["profile"], [*overrides, *starts])
+        f, ev, heals = fd._emulated(args, doc["profile"], [*overrides, *starts, *(a.set if model == "after" else ())])
         table = fd.side_by_side(real, fd.metrics(ev, num_replicas=args.replicas, catchup_s=heals), fd.noise(each))
         out[model] = {"complete": f.get("complete"), "overrides": overrides, "table": table,
                       "stall_phases": fd.stall_phase_medians(fd.stall_phases(ev)),

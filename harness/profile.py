@@ -222,6 +222,11 @@ class StorageConfig:
     # An asynchronous checkpoint's staging: the writer rank's copy of its state to host memory, the only part
     # its step waits for (assumption: 20 GB/s, a device-to-host copy into pinned memory over PCIe Gen4/5).
     checkpoint_stage_bytes_per_s: float = 20e9
+    # Whether the lighthouse writes its quorum state to its disk at every decision before handing it out (a
+    # lighthouse with a state directory, `ftrun lighthouse --state-dir` as the slurm launcher runs it: a restarted
+    # one reloads it). false: it keeps its state in memory, as `ftrun launch`'s in-process lighthouse does
+    # (ftrun.launch.job.make_lighthouse), so a decision waits for no write (`ftrun fidelity` emulates that).
+    lighthouse_persists: bool = True
 
     def __post_init__(self) -> None:
         _non_negative(self, "local_write_latency_s", "local_append_latency_s", "checkpoint_write_latency_s")

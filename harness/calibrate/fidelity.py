@@ -461,6 +461,7 @@ def emulated_overrides(args: argparse.Namespace, num_params: int) -> list[str]:
              f"scheduler.alloc_delay_warm_s={args.restart_delay}",
              f"ftar.engine.chunk_bytes={CHUNK_BYTES}", f"ftar.engine.num_chunks={NUM_CHUNKS}",
              "checkpoint=none",  # the real worker runs without --checkpoint-every
+             "storage.lighthouse_persists=false",  # `ftrun launch`'s lighthouse keeps its state in memory
              f"emulation.cpu_charging={'true' if args.cpu_charging == 'on' else 'false'}"]
             + [f"timeouts.{key}={value}" for key, value in real_timeouts().items()] + toy_model_overrides(num_params))
 

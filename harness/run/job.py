@@ -276,11 +276,13 @@ class EmulatedJob(JobFolding):
 
     def _start_lighthouse(self) -> None:
         """Start a lighthouse process on its host: at the job's start, and again after a kill, on the same
-        address and with the same disk (so it reloads the quorum state the previous one persisted)."""
+        address and with the same disk (so it reloads the quorum state the previous one persisted, where
+        storage.lighthouse_persists; without, it writes none and a decision waits for no write)."""
         lh_env = self.world.host_env(LIGHTHOUSE_HOST)
         if self._lighthouse_storage is None:
             self._lighthouse_storage = MockObjectStore.local_disk(lh_env)
-        self.lighthouse = Lighthouse(env=lh_env, token=self.token, storage=self._lighthouse_storage,
+        storage = self._lighthouse_storage if self.profile.storage.lighthouse_persists else None
+        self.lighthouse = Lighthouse(env=lh_env, token=self.token, storage=storage,
                                      config=LighthouseConfig(min_replicas=self.profile.train.min_replicas,
                                                              timeouts=self.timeouts),
                                      bind=self.lighthouse_addr or "127.0.0.1:0")

@@ -260,3 +260,22 @@ def test_the_ranks_late_wake_from_the_all_reduce_spreads_the_replicas_commits():
     assert median(woke) == pytest.approx(m * median_abs_diff_max_exp(2), rel=0.5)
     assert woke == exchange_skews(job(m).recorder.events)
     assert _quorum_to_commit(job(m, replicas=1)) == pytest.approx(_quorum_to_commit(job(0.0, replicas=1)), abs=1e-6)
+
+
+@pytest.mark.timeout(120)
+def test_a_lighthouse_that_keeps_its_state_in_memory_hands_out_a_decision_without_a_write():
+    """storage.lighthouse_persists=false (`ftrun launch`'s in-process lighthouse, which has no state directory): the
+    quorum decision waits for no write of the lighthouse's state, so a step's commit-to-quorum is that write
+    (MockObjectStore.local_disk's 1 ms) shorter; the rest of the job is the same."""
+    from statistics import median
+
+    from harness.calibrate import commit_to_quorum_s
+
+    def after_commit(persists: str) -> float:
+        overrides = [f"storage.lighthouse_persists={persists}", "train.shared_cpu_cores=0", "failures.mode=none",
+                     "failures.events=[]"]
+        f, job = execute(build_profile("ci-small", overrides, steps=6, cpu_charging=False), JobOptions(steps=6))
+        assert f["complete"]
+        return median(commit_to_quorum_s([e for e in job.recorder.events if e.get("rank", 0) == 0]))
+
+    assert after_commit("true") - after_commit("false") == pytest.approx(0.001, abs=2e-4)
