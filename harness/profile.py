@@ -215,6 +215,9 @@ class StorageConfig:
     local_write_latency_s: float = 0.001
     # One append to the leader's audit log (an O_APPEND write(2), no fsync: ftrun.data.audit.FileAuditSink).
     local_append_latency_s: float = 0.0
+    # One read of a small file on that disk (a loader_state save reads both slots before it writes; `ftrun calibrate`
+    # measures ftrun.storage.FileStorage.read: tens of microseconds, from the page cache). 0.2 ms: an assumption.
+    local_read_latency_s: float = 0.0002
     # The remote object store persistent checkpoints go to: first-byte latency of a put, and the bandwidth
     # one writer rank's checkpoint is written at (assumption: 200 MB/s per rank, MockObjectStore.remote).
     checkpoint_write_latency_s: float = 0.02
@@ -229,7 +232,8 @@ class StorageConfig:
     lighthouse_persists: bool = True
 
     def __post_init__(self) -> None:
-        _non_negative(self, "local_write_latency_s", "local_append_latency_s", "checkpoint_write_latency_s")
+        _non_negative(self, "local_write_latency_s", "local_append_latency_s", "local_read_latency_s",
+                      "checkpoint_write_latency_s")
         _positive(self, "checkpoint_bandwidth_bytes_per_s", "checkpoint_stage_bytes_per_s")
 
 

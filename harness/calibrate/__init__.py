@@ -47,7 +47,7 @@ from statistics import median
 
 from ftrun.cli import UsageError, emit_json
 from harness.calibrate.measure import (Figure, WriteSampler, catchup_costs, concurrent_steps, ftar_kernels, shm_bandwidth,
-                                       step_compute, storage_append, storage_write, stream_pair)
+                                       step_compute, storage_append, storage_read, storage_write, stream_pair)
 from harness.calibrate.procs import process_figures
 from harness.calibrate.provenance import calibrated_document, median_abs_diff_max_exp, to_toml
 
@@ -406,6 +406,7 @@ def measure_all(*, quick: bool, script: str | None, script_steps: int, module: b
     take("shm", shm_bandwidth, nbytes=mb, reps=3 if quick else 7)
     take("storage", storage_write, reps=10 if quick else 30)
     take("storage append", storage_append, reps=50 if quick else 200)
+    take("storage read", storage_read, reps=50 if quick else 200)
     take("ftar kernels", ftar_kernels, nbytes=4 << 20 if quick else 8 << 20, reps=5 if quick else 30)
     # quick: still up to 32 MiB, so the bytes' time stands above a loaded box's per-fetch noise (with 8 MiB at most,
     # 2 of each, the slope came out <= 0 under a CI run's load: catchup_ns_per_byte 0)

@@ -77,6 +77,7 @@ def profile_keys(figures: Mapping[str, Figure]) -> dict[str, tuple[float, str, s
             f"the emulated fetch already pays on the modeled network (2 x 2 x {lat.value:.3g} us), floored at 0",
             fetch.samples)
     direct("storage.local_append_latency_s", "storage_append_s")
+    direct("storage.local_read_latency_s", "storage_read_s")
     direct("ftar.sync_overhead_s", "ftar_sync_overhead_s")
     skew = figures.get("script_start_skew_s")
     m = skew.value if skew is not None else 0.0
@@ -251,7 +252,7 @@ def _without_contention(figures: Mapping[str, Figure], keys: Mapping[str, tuple]
 
 
 # Figures that set a key one to one are recorded under that key only.
-_ONE_TO_ONE = {"step_s", "cpu_cores_effective", "storage_append_s", "ftar_sync_overhead_s", "ftar_reduce_gb_s", "ftar_copy_gb_s", "crash_detect_s", "tcp_one_way_us", "peer_reset_s",
+_ONE_TO_ONE = {"step_s", "cpu_cores_effective", "storage_append_s", "storage_read_s", "ftar_sync_overhead_s", "ftar_reduce_gb_s", "ftar_copy_gb_s", "crash_detect_s", "tcp_one_way_us", "peer_reset_s",
                *WRITE_FIGURES, "script_peer_reset_s", "script_start_skew_s", "script_exchange_skew_s"}
 
 

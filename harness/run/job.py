@@ -151,6 +151,7 @@ class EmulatedJob(JobFolding):
         self.storage = MockObjectStore.local_disk(env)  # loader_state and audit logs: files next to the job
         self.storage.write_latency_s = profile.storage.local_write_latency_s
         self.storage.append_latency_s = profile.storage.local_append_latency_s
+        self.storage.read_latency_s = profile.storage.local_read_latency_s
         self.checkpoint_storage = MockObjectStore.remote(env)  # persistent checkpoints: an object store
         self.checkpoint_storage.write_latency_s = profile.storage.checkpoint_write_latency_s
         self.checkpoint_storage.bandwidth = profile.storage.checkpoint_bandwidth_bytes_per_s

@@ -587,3 +587,11 @@ def test_the_exchange_skew_sets_its_key_and_leaves_the_leaders_wait_for_its_late
                               measured_at=AT, host="h", command="c", quick=False)
     recorded = {v["key"] for v in doc["calibration"]["values"]}
     assert "train.rank_exchange_skew_s" in recorded and "measured.script_exchange_skew_s" not in recorded
+
+
+def test_the_read_latency_is_the_measured_file_read():
+    keys = profile_keys({"storage_read_s": fig("storage_read_s", 14e-6)})
+    assert keys["storage.local_read_latency_s"][0] == 14e-6
+    doc = calibrated_document({"name": "x"}, {"storage_read_s": fig("storage_read_s", 14e-6)}, measured_at=AT,
+                              host="h", command="c", quick=False)
+    assert {v["key"] for v in doc["calibration"]["values"]} == {"storage.local_read_latency_s"}

@@ -279,3 +279,21 @@ def test_a_lighthouse_that_keeps_its_state_in_memory_hands_out_a_decision_withou
         return median(commit_to_quorum_s([e for e in job.recorder.events if e.get("rank", 0) == 0]))
 
     assert after_commit("true") - after_commit("false") == pytest.approx(0.001, abs=2e-4)
+
+
+@pytest.mark.timeout(120)
+def test_the_writers_loader_state_save_reads_both_slots_at_the_calibrated_read_latency():
+    """storage.local_read_latency_s (`ftrun calibrate`: FileStorage.read, ~14 us; 0.2 ms assumed before): the writer's
+    loader_state save reads its two slots before the write, and every replica's next quorum waits for the writer."""
+    from statistics import median
+
+    from harness.calibrate import commit_to_quorum_s
+
+    def after_commit(read_s: float) -> float:
+        overrides = [f"storage.local_read_latency_s={read_s}", "train.shared_cpu_cores=0", "failures.mode=none",
+                     "failures.events=[]"]
+        f, job = execute(build_profile("ci-small", overrides, steps=6, cpu_charging=False), JobOptions(steps=6))
+        assert f["complete"]
+        return median(commit_to_quorum_s([e for e in job.recorder.events if e.get("rank", 0) == 0]))
+
+    assert after_commit(0.01) - after_commit(0.0) == pytest.approx(2 * 0.01, abs=2e-3)
