@@ -161,14 +161,15 @@ class TrainConfig:
     # ranks' before their compute): the ranks of a job that oversubscribes its machine's CPUs wake for a step at
     # different times, and every collective waits for the latest of them (the slowest of R x K).
     # `ftrun calibrate SCRIPT` measures it: the spread of the ranks' "started" phases in a step of its 2-replica
-    # run. 0: identical ranks.
+    # run; with R replicas up the emulator draws with R / 2 of it (more processes wake on the shared CPUs). 0:
+    # identical ranks.
     rank_start_skew_s: float = 0.0
     # Per rank and step, a late wake from the cross-replica all-reduce, drawn as above (seeded by the job's seed,
     # the replica, rank, quorum and step; only when the all-reduce had peers): after the ring ends, each rank's
     # process wakes on the oversubscribed CPUs at its own time, so a replica's commit vote waits for the later of
     # its ranks and the replicas' commits (and their next quorum requests) spread. `ftrun calibrate SCRIPT`
-    # measures it: the spread of the leaders' commits of a step in its 2-replica run. 0: the replicas commit
-    # together.
+    # measures it: the spread of the leaders' commits of a step in its 2-replica run (R / 2 of it with R up, as
+    # above). 0: the replicas commit together.
     rank_exchange_skew_s: float = 0.0
 
     def __post_init__(self) -> None:

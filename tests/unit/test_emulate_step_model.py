@@ -196,9 +196,9 @@ def test_the_replica_collective_pass_is_charged_on_the_steps_collectives_of_a_mu
 @pytest.mark.timeout(120)
 def test_the_ranks_start_skew_makes_a_step_wait_for_the_latest_of_its_ranks():
     """train.rank_start_skew_s: each rank starts a step an exponential draw late (seeded; a leader's after its
-    quorum decision, before its quorum event, as a real leader's event comes when its process wakes): a leader's
-    quorum-to-commit waits for the latest of the R x K ranks beyond its own, so it grows with the replicas up; the
-    same seed gives the same job."""
+    quorum decision, before its quorum event, as a real leader's event comes when its process wakes; the mean,
+    measured with 2 replicas, is R / 2 of it with R up): a leader's quorum-to-commit waits for the latest of the
+    R x K ranks beyond its own, so it grows with the replicas up; the same seed gives the same job."""
     from harness.calibrate.provenance import median_max_exp
     from harness.run.job import start_skew
 
@@ -211,7 +211,7 @@ def test_the_ranks_start_skew_makes_a_step_wait_for_the_latest_of_its_ranks():
     assert skewed == _spans_at_2_and_4_replicas(f"train.rank_start_skew_s={skew}")
     ranks = build_profile("ci-small", [], steps=4, cpu_charging=False).ranks_per_replica
     for replicas in (2, 4):  # 4 steps: a loose check against the medians
-        late = skew * (median_max_exp(replicas * ranks) - math.log(2))
+        late = skew * replicas / 2 * (median_max_exp(replicas * ranks) - math.log(2))
         assert skewed[replicas] - plain[replicas] == pytest.approx(late, rel=0.6)
     assert skewed[4] - plain[4] > skewed[2] - plain[2]
 
@@ -239,8 +239,9 @@ def test_a_mid_step_kill_is_timed_from_the_victims_own_late_start():
 def test_the_ranks_late_wake_from_the_all_reduce_spreads_the_replicas_commits():
     """train.rank_exchange_skew_s: each rank wakes from the cross-replica all-reduce an exponential draw late and its
     replica's commit vote waits for the later of its ranks, so the replicas' commits of a step spread (real 4 x 2
-    runs: a median pair 7-10 ms apart; emulated without it: 0.01 ms), a pair by about m x
-    median_abs_diff_max_exp(K); seeded; a lone replica's all-reduce waits for no peer and wakes on time."""
+    runs: a median pair 7-10 ms apart; emulated without it: 0.01 ms), a pair by about m x R / 2 x
+    median_abs_diff_max_exp(K) (the mean is measured with 2 replicas); seeded; a lone replica's all-reduce waits
+    for no peer and wakes on time."""
     from statistics import median
 
     from harness.calibrate import exchange_skews
@@ -257,7 +258,7 @@ def test_the_ranks_late_wake_from_the_all_reduce_spreads_the_replicas_commits():
     m = 0.05
     plain, woke = exchange_skews(job(0.0).recorder.events), exchange_skews(job(m).recorder.events)
     assert median(plain) < 0.001
-    assert median(woke) == pytest.approx(m * median_abs_diff_max_exp(2), rel=0.5)
+    assert median(woke) == pytest.approx(m * 4 / 2 * median_abs_diff_max_exp(2), rel=0.5)
     assert woke == exchange_skews(job(m).recorder.events)
     assert _quorum_to_commit(job(m, replicas=1)) == pytest.approx(_quorum_to_commit(job(0.0, replicas=1)), abs=1e-6)
 
