@@ -255,6 +255,7 @@ def run_script(args: argparse.Namespace) -> int:
     (harness.script). Exit status: the job's (complete, consistent), or the script's own if it fails."""
     import shadow
     from harness.script import ScriptSession
+    from mocks.train_api import launcher_environ
 
     profile = build_profile(args.script_profile, args.overrides, steps=args.steps, cpu_charging=args.cpu_charging)
     script = Path(args.profile)
@@ -270,7 +271,7 @@ def run_script(args: argparse.Namespace) -> int:
     sys.argv = [str(script), *script_args]
     code: Any = 0
     try:
-        with shadow.active(profile, session=session) as registry:
+        with shadow.active(profile, session=session, environ=launcher_environ(session)) as registry:
             print(f"ftrun emulate: running {script} under the shadow loader "
                   f"({', '.join(f'{k} -> {v}' for k, v in registry.modules.items())}; torch.cuda shimmed) "
                   f"at {profile.name}: {profile.replicas} x {profile.ranks_per_replica} ranks", file=sys.stderr)

@@ -6,8 +6,9 @@ The shadow loader maps ftrun.train.api to this module (mocks/shadow_registry.tom
 its model, and the session of the shadow context (`shadow.current()`, the emulator's runner) runs the
 profile's job with it, where every emulated rank runs the real trainer.
 
-- `init_from_env`: this process's view of the emulated job: replica r0, rank 0 of the profile's layout;
-  `spec.max_steps` and `max_steps` are the --steps.
+- `init_from_env`: this process's view of the emulated job: replica r0, rank 0 of the profile's layout
+  (`traced_rank`); `spec.max_steps` and `max_steps` are the --steps. `launcher_environ`: the environment
+  `ftrun emulate` gives the script's process, what `ftrun launch` sets for that rank (RANK, LOCAL_RANK, ...).
 - `FTJob.train`: the model built on meta, its FSDP2 dim-0 shards and the FLOPs of one rank's micro-batch
   forward and backward (mocks.script); then `session.run(ScriptModel, steps=N)` runs the job and returns its
   figures. The TrainResult: ok when the job completed with consistent replicas, step = the steps committed.
@@ -47,10 +48,33 @@ def init_from_env(config: FTConfig | None = None, *, environ: Mapping[str, str] 
     session = shadow.current()
     config = config or FTConfig()
     torch.manual_seed(config.seed)  # the model the user's own loop builds next, as the real API seeds it
-    spec = WorkerSpec(replica_id="r0", replica_index=0, num_replicas=session.replicas, rank=0,
+    return FTJob(config=config, spec=traced_rank(session), env=None, startup={"session": session})
+
+
+def traced_rank(session: Any) -> WorkerSpec:
+    """The rank the script's process stands for in the session's emulated job: replica r0's rank 0 (host
+    slot 0), `max_steps` the --steps. No store: the script's process rendezvouses with no one."""
+    return WorkerSpec(replica_id="r0", replica_index=0, num_replicas=session.replicas, rank=0,
                       ranks_per_replica=session.ranks_per_replica, incarnation=0, lighthouse="emulated",
-                      token="", store_addr="", store_port=0, run_dir="", max_steps=session.steps)
-    return FTJob(config=config, spec=spec, env=None, startup={"session": session})
+                      token="", store_addr="127.0.0.1", store_port=0, run_dir="", max_steps=session.steps,
+                      host_slot=0)
+
+
+# What `ftrun launch` sets for a rank (WorkerSpec.to_environ) that a script reads to know its rank and the
+# job's layout (torchrun's names, ftrun's layout); the job's token, lighthouse and run directory are left out.
+LAUNCHER_ENVIRON = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+                    "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "FTRUN_REPLICA_ID", "FTRUN_REPLICA_INDEX",
+                    "FTRUN_REPLICA_RANK", "FTRUN_RANKS_PER_REPLICA", "FTRUN_NUM_REPLICAS", "FTRUN_MAX_STEPS",
+                    "FTRUN_HOST_SLOT")
+
+
+def launcher_environ(session: Any) -> dict[str, str]:
+    """The environment of the script's process under `ftrun emulate` (shadow.active(environ=...)): what
+    `ftrun launch` would set for `traced_rank` (LAUNCHER_ENVIRON), so a torchrun-style script's
+    os.environ["LOCAL_RANK"] & co. agree with its job.spec (RANK 0, LOCAL_RANK 0, WORLD_SIZE replicas x
+    ranks per replica, LOCAL_WORLD_SIZE ranks per replica)."""
+    environ = traced_rank(session).to_environ()
+    return {name: environ[name] for name in LAUNCHER_ENVIRON if name in environ}
 
 
 class FTJob:

@@ -31,7 +31,7 @@ the host, so the script runs as its CPU run does:
   (False): it handles host tensors. x.device still reports the host.
 
 Some torch names ask for a GPU where no torch function mode sees it; `HostNames` gives the context
-stand-ins for them (installed as attributes of torch / torch.distributed / torch.Tensor, put back on exit):
+stand-ins for them (installed as attributes of torch / torch.Tensor, put back on exit):
 
 - torch.set_default_device(<CUDA device>) sets the host as the default device (torch's default-device
   mode sits below every other mode, so it would fill in "cuda" after this one looked); on exit the
@@ -40,20 +40,7 @@ stand-ins for them (installed as attributes of torch / torch.distributed / torch
   torch.Generator still accept every generator);
 - Tensor.record_stream(<a torch.cuda shim stream>) records nothing (torch would refuse the shim's stream
   before any mode saw the call; a host tensor's memory is not reused behind a stream's back);
-- torch.distributed.init_process_group("nccl", device_id=<CUDA device>) and new_group(backend="nccl",
-  ...) make gloo groups with no bound device (the tensors they reduce are host tensors;
-  "cpu:gloo,cuda:nccl" also becomes "gloo");
-- torch.distributed(.device_mesh).init_device_mesh("cuda", shape, mesh_dim_names=...) is a DeviceMesh on
-  the host with the script's dimension names and ONE rank in each dimension, over a one-rank gloo group
-  it makes the default one when there is none (destroyed on exit). The script's process is rank 0 of
-  the emulated job and traces one rank's step (mocks.train_api): fully_shard(model, mesh=mesh) shards
-  its model for real over that one rank, so the traced step runs FSDP2's (or, 2-D, HSDP's) hooks on the
-  rank's whole micro-batch, while the emulated ranks shard the model over the profile's layout
-  (mocks.script). The shape must be that layout (`check_mesh_shape`): (ranks per replica,), or
-  (replicas, ranks per replica) for ("replicate", "shard"), where FTAR across the replicas is the
-  replicate dimension; other shapes, 3-D meshes (tensor / pipeline parallel) and backend_override fail
-  naming the idiom. mesh.size() and the groups' sizes are 1: a script that sizes its batch by them
-  traces a batch larger than its ranks' (use job.spec.ranks_per_replica, as a script on ftrun does).
+- torch.distributed's process groups and device meshes: shadow.cuda_dist.
 
 torch.accelerator's functions answer, to code outside torch, for the shim's modeled GPUs (a CUDA
 accelerator, gpus_per_host devices: shadow.cuda_shim.accelerator_names); torch's own code gets the
@@ -65,13 +52,11 @@ synchronize, streams, events, autocast and GradScaler through torch.cuda.amp), f
 (ftrun.train.device) and a script's own CUDA calls run unchanged. Not covered: a tensor's device reports
 the host (x.device.type is "cpu"; is_cuda, above, is the script's answer); a DataLoader's pin-memory
 thread (pin_memory=True with workers: the mode covers the entering thread, and on a CUDA build that
-thread pins through torch.accelerator); fully_shard(model) without a mesh= (FSDP2 builds its default
-mesh through torch's own init_device_mesh: pass the mesh).
+thread pins through torch.accelerator).
 """
 
 from __future__ import annotations
 
-import inspect
 import sys
 from typing import Any, Iterator
 
@@ -223,43 +208,21 @@ class HostGenerator(_REAL_GENERATOR, metaclass=_HostGeneratorType):  # type: ign
         return super().__new__(cls, device="cpu" if is_cuda_device(device) else device)
 
 
-def _host_backend(backend: Any) -> Any:
-    """A process group backend for host tensors: any NCCL part of `backend` becomes gloo."""
-    if isinstance(backend, str) and "nccl" in backend.lower():
-        return "gloo"
-    return backend
-
-
 class HostNames:
-    """The stand-ins of the module docstring for torch.set_default_device, torch.Generator,
-    Tensor.record_stream and torch.distributed's init_process_group, new_group and init_device_mesh.
-    Make it before entering the context (it notes the default device then), with the context's
-    HostTensors mode and the job's layout (replicas, ranks per replica; None: any mesh shape); `names()`
-    lists (owner, attribute, stand-in); `restore()` on exit sets the entry's default device again if the
-    script changed it and destroys the one-rank process group a mesh made."""
+    """The stand-ins of the module docstring for torch.set_default_device, torch.Generator and
+    Tensor.record_stream. Make it before entering the context (it notes the default device then), with the
+    context's HostTensors mode; `names()` lists (owner, attribute, stand-in); `restore()` on exit sets the
+    entry's default device again if the script changed it."""
 
-    def __init__(self, mode: HostTensors, *, layout: tuple[int, int] | None = None) -> None:
-        self._mode, self._layout = mode, layout
+    def __init__(self, mode: HostTensors) -> None:
+        self._mode = mode
         self._set_default = torch.set_default_device
         self._entry_default = torch.get_default_device()
         self._changed = False
-        self._made_group = False
 
     def names(self) -> list[tuple[Any, str, Any]]:
-        out: list[tuple[Any, str, Any]] = [(torch, "set_default_device", self.set_default_device),
-                                           (torch, "Generator", HostGenerator),
-                                           (torch.Tensor, "record_stream", _record_stream)]
-        if torch.distributed.is_available():
-            import torch.distributed.device_mesh as device_mesh
-
-            dist = torch.distributed
-            out.append((dist, "init_process_group", _host_group_call(dist.init_process_group)))
-            out.append((dist, "new_group", _host_group_call(dist.new_group)))
-            mesh = self._init_device_mesh(device_mesh.init_device_mesh)
-            out.append((device_mesh, "init_device_mesh", mesh))
-            if hasattr(dist, "init_device_mesh"):
-                out.append((dist, "init_device_mesh", mesh))
-        return out
+        return [(torch, "set_default_device", self.set_default_device), (torch, "Generator", HostGenerator),
+                (torch.Tensor, "record_stream", _record_stream)]
 
     def set_default_device(self, device: Any) -> None:
         """torch.set_default_device: a CUDA device becomes the host (tensors made from no tensor are
@@ -268,77 +231,10 @@ class HostNames:
         self._mode.default_for_gpu = is_cuda_device(device)
         self._set_default("cpu" if is_cuda_device(device) else device)
 
-    def _init_device_mesh(self, real: Any) -> Any:
-        def init_device_mesh(device_type: str, mesh_shape: tuple[int, ...], *, mesh_dim_names: Any = None,
-                             **kwargs: Any) -> Any:
-            if not is_cuda_device(device_type):
-                return real(device_type, mesh_shape, mesh_dim_names=mesh_dim_names, **kwargs)
-            shape = tuple(mesh_shape)
-            check_mesh_shape(shape, self._layout)
-            dist = torch.distributed
-            if not dist.is_initialized():
-                dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-                self._made_group = True
-            elif dist.get_world_size() != 1:
-                raise RuntimeError(f"init_device_mesh({device_type!r}, {shape}) under the shadow loader: the "
-                                   f"script's process is one rank, but its default process group has "
-                                   f"{dist.get_world_size()}")
-            if kwargs.get("backend_override"):
-                raise ValueError(f"init_device_mesh({device_type!r}, {shape}, backend_override=...) under the "
-                                 f"shadow loader: the mesh's groups are gloo groups on the host; leave "
-                                 f"backend_override out")
-            kwargs.pop("backend_override", None)
-            return real("cpu", (1,) * len(shape), mesh_dim_names=mesh_dim_names, **kwargs)
-
-        init_device_mesh.__doc__ = real.__doc__
-        return init_device_mesh
-
     def restore(self) -> None:
         if self._changed:
             self._set_default(None if self._entry_default.type == "cpu" else self._entry_default)
             self._changed = False
-        if self._made_group and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-        self._made_group = False
-
-
-def check_mesh_shape(shape: tuple[int, ...], layout: tuple[int, int] | None) -> None:
-    """A CUDA mesh's shape against the emulated job's layout (replicas, ranks per replica): a 1-D mesh
-    is a replica's ranks (FSDP2 shards over them), a 2-D one (replicate, shard) is the replicas by a
-    replica's ranks (HSDP: FTAR replicates across the replicas). Raises ValueError naming the idiom."""
-    idiom = f"init_device_mesh('cuda', {shape})"
-    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in shape):
-        raise ValueError(f"{idiom}: every mesh dimension must be an int >= 1")
-    if len(shape) not in (1, 2):
-        raise ValueError(f"{idiom} under the shadow loader: the emulator models data parallelism only, a 1-D "
-                         f"mesh (ranks per replica,) or a 2-D one (replicas, ranks per replica); a mesh of "
-                         f"{len(shape)} dimensions (tensor, pipeline or context parallel) is not emulated")
-    if layout is None:
-        return
-    replicas, ranks = layout
-    want = (ranks,) if len(shape) == 1 else (replicas, ranks)
-    if shape != want:
-        raise ValueError(f"{idiom} under the shadow loader: the profile's job is {replicas} replicas of {ranks} "
-                         f"ranks, and its emulated ranks shard the model over a replica's {ranks} ranks; use "
-                         f"{want} (job.spec.ranks_per_replica" + (")" if len(shape) == 1 else
-                         ", with job.spec.num_replicas first)"))
-
-
-def _host_group_call(real: Any) -> Any:
-    """`real` (init_process_group or new_group) with any NCCL part of its backend made gloo and a CUDA
-    device_id dropped: the group reduces host tensors."""
-    signature = inspect.signature(real)
-
-    def host_group(*args: Any, **kwargs: Any) -> Any:
-        bound = signature.bind(*args, **kwargs)
-        if "backend" in bound.arguments:
-            bound.arguments["backend"] = _host_backend(bound.arguments["backend"])
-        if is_cuda_device(bound.arguments.get("device_id")):
-            bound.arguments["device_id"] = None
-        return real(*bound.args, **bound.kwargs)
-
-    host_group.__name__, host_group.__doc__ = real.__name__, real.__doc__
-    return host_group
 
 
 _REAL_RECORD_STREAM = torch.Tensor.record_stream

@@ -11,10 +11,13 @@ before the context are set aside (sys.modules and their parent package's attribu
 exit; shadow modules are dropped on exit. `torch.cuda` is replaced by a shim object (sys.modules and
 the `torch.cuda` attribute) and restored on exit, when torch is installed; with it, tensors asked for on a
 CUDA device are made on the host (shadow.cuda_tensors: a torch function mode of the entering thread, and
-stand-ins for torch.set_default_device, torch.Generator, Tensor.record_stream and torch.distributed's
-init_process_group, new_group and init_device_mesh, set as attributes and put back on exit, with the default
-device found on entry; a CUDA mesh is checked against the profile's layout), and torch.accelerator answers
-for the shim's GPUs to code outside torch (shadow.cuda_shim.accelerator_names).
+stand-ins for torch.set_default_device, torch.Generator and Tensor.record_stream, and shadow.cuda_dist's
+for torch.distributed's init_process_group, new_group, init_device_mesh and DeviceMesh.__init__, set as
+attributes and put back on exit, with the default device found on entry; a CUDA mesh is checked against
+the profile's layout), and
+torch.accelerator answers for the shim's GPUs to code outside torch (shadow.cuda_shim.accelerator_names).
+`environ=` sets variables in os.environ for the block (a launcher's, for the rank a script's process stands
+for) and puts them back on exit.
 
 Only one context may be active at a time (the import system is process-wide); nesting raises
 RuntimeError. Modules imported inside the context that bound a shadow module by name keep it.
@@ -25,10 +28,11 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.util
+import os
 import sys
 import types
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 from shadow.cuda_shim import accelerator_names, make_cuda_shim
 from shadow.registry import Registry, load_registry
@@ -73,8 +77,10 @@ class _Active:
     def __init__(self) -> None:
         self.saved_modules: dict[str, Any] = {}
         self.saved_attrs: list[tuple[Any, str, Any]] = []
+        self.saved_environ: dict[str, str | None] = {}  # None: it was not set
         self.mode: Any = None  # the torch function mode entered (cuda_tensors.HostTensors)
         self.host_names: Any = None  # cuda_tensors.HostNames, whose restore() puts the default device back
+        self.host_groups: Any = None  # cuda_dist.HostGroups, whose restore() destroys the group it made
         self.finder: ShadowFinder | None = None
         self.session: Any = None
 
@@ -89,7 +95,7 @@ def _gpus_per_host(profile: Any) -> int:
 
 @contextmanager
 def active(profile: Any = None, *, registry: Registry | None = None, cuda_shim: bool = True,
-           session: Any = None) -> Iterator[Registry]:
+           session: Any = None, environ: Mapping[str, str] | None = None) -> Iterator[Registry]:
     """Install the import hook (and the torch.cuda shim) for the duration of the block.
 
     Args:
@@ -98,10 +104,15 @@ def active(profile: Any = None, *, registry: Registry | None = None, cuda_shim: 
         cuda_shim: also replace torch.cuda (when torch is installed).
         session: what the mocks hand their work to inside the block (`current()`), e.g. the emulator's
             runner of a script's training job (mocks.train_api); None: nothing to hand to.
+        environ: variables set in os.environ for the block (what a launcher sets for the rank a script's
+            process stands for, e.g. RANK and LOCAL_RANK), put back on exit.
     Yields the registry in use. Raises RuntimeError when a context is already active.
     """
     if _state["active"] is not None:
         raise RuntimeError("shadow.active() is already in effect; it does not nest")
+    bad = {k: v for k, v in (environ or {}).items() if not (isinstance(k, str) and isinstance(v, str) and k)}
+    if bad:
+        raise ValueError(f"shadow.active(environ=...): names and values must be strings, got {bad!r}")
     registry = registry if registry is not None else load_registry()
     undo = _Active()
     undo.session = session
@@ -109,6 +120,9 @@ def active(profile: Any = None, *, registry: Registry | None = None, cuda_shim: 
     try:
         for real in registry.modules:
             _set_aside(undo, real)
+        for name, value in (environ or {}).items():
+            undo.saved_environ.setdefault(name, os.environ.get(name))
+            os.environ[name] = value
         if cuda_shim:
             _install_cuda_shim(undo, profile)
         undo.finder = ShadowFinder(registry.modules)
@@ -148,6 +162,7 @@ def _install_cuda_shim(undo: _Active, profile: Any) -> None:
     try:
         import torch
 
+        from shadow.cuda_dist import HostGroups
         from shadow.cuda_tensors import HostNames, HostTensors
     except ImportError:
         return  # nothing to shim: code that needs torch.cuda needs torch first
@@ -159,8 +174,9 @@ def _install_cuda_shim(undo: _Active, profile: Any) -> None:
     torch.cuda = shim  # type: ignore[assignment]
     undo.mode = HostTensors()
     layout = (profile.replicas, profile.ranks_per_replica) if hasattr(profile, "ranks_per_replica") else None
-    undo.host_names = HostNames(undo.mode, layout=layout)
-    stand_ins = undo.host_names.names()
+    undo.host_names = HostNames(undo.mode)
+    undo.host_groups = HostGroups(layout=layout)
+    stand_ins = undo.host_names.names() + undo.host_groups.names()
     stand_ins += [(torch.accelerator, name, fn) for name, fn in accelerator_names(shim, torch.accelerator).items()]
     for owner, attr, stand_in in stand_ins:
         undo.saved_attrs.append((owner, attr, vars(owner).get(attr, _MISSING)))  # _MISSING: inherited (a class's)
@@ -182,6 +198,8 @@ def _restore(undo: _Active, registry: Registry) -> None:
         undo.mode.__exit__(None, None, None)
     if undo.host_names is not None:
         undo.host_names.restore()
+    if undo.host_groups is not None:
+        undo.host_groups.restore()
     if undo.finder is not None and undo.finder in sys.meta_path:
         sys.meta_path.remove(undo.finder)
     for real in registry.modules:  # drop the shadow modules imported inside the context
@@ -203,6 +221,11 @@ def _restore(undo: _Active, registry: Registry) -> None:
                 delattr(obj, attr)
         else:
             setattr(obj, attr, value)
+    for name, value in undo.saved_environ.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
     if undo.mode is not None:
         _forget_device_modules(sys.modules["torch"])
     importlib.invalidate_caches()

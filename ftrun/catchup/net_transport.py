@@ -90,6 +90,9 @@ class ServedCatchup:
     def publish(self, step: int, state: Mapping[str, torch.Tensor], metadata: dict[str, Any] | None = None) -> None:
         self.server.publish(step, state, metadata)
 
+    def check(self, state: Mapping[str, torch.Tensor], metadata: dict[str, Any] | None = None) -> None:
+        self.server.store.check(state, metadata)
+
     def reserve(self, state: Mapping[str, torch.Tensor]) -> None:
         self.server.store.reserve(state)
 

@@ -95,19 +95,46 @@ class Published:
     buffer: _FlatBuffer
 
 
-def describe(state: Mapping[str, torch.Tensor]) -> list[tuple[str, str, tuple[int, ...]]]:
-    """(name, dtype name, shape) of each entry; CatchupUsageError for what cannot be published."""
+def describe(state: Mapping[str, torch.Tensor], *, shape_only: bool = False) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(name, dtype name, shape) of each entry; CatchupUsageError for what cannot be published.
+    shape_only: meta tensors pass (the emulator's snapshots carry sizes, not bytes)."""
     entries = []
     for name, t in state.items():
         if not isinstance(name, str) or not isinstance(t, torch.Tensor):
             raise CatchupUsageError(f"state entries must be str -> Tensor, got {name!r}: {type(t).__name__}")
-        if t.layout != torch.strided or t.device.type == "meta":
+        if t.layout != torch.strided or (t.device.type == "meta" and not shape_only):
             raise CatchupUsageError(f"tensor {name!r} ({t.layout}, {t.device}) has no bytes to publish")
         try:
             entries.append((name, dtype_name(t.dtype), tuple(t.shape)))
         except ValueError as e:
             raise CatchupUsageError(str(e)) from None
     return entries
+
+
+def check_metadata(metadata: Mapping[str, Any]) -> None:
+    """CatchupUsageError naming the first value of `metadata` that JSON cannot carry (the snapshot never pickles)."""
+    try:
+        json.dumps(metadata)
+    except (TypeError, ValueError) as e:  # a ValueError: a circular reference (then not looked for)
+        where = _non_json(metadata, "metadata") if isinstance(e, TypeError) else None
+        raise CatchupUsageError(f"metadata must be JSON-serializable: {where or e}") from None
+
+
+def _non_json(value: Any, path: str) -> str | None:
+    """Where in `value` (named `path`) the first value JSON cannot carry sits, and its type; None if nowhere."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, (str, int, float, bool)) and key is not None:
+                return f"{path} has a key {key!r} of type {type(key).__name__}"
+            found = _non_json(item, f"{path}[{key!r}]")
+            if found:
+                return found
+        return None
+    if isinstance(value, (list, tuple)):
+        return next(filter(None, (_non_json(item, f"{path}[{i}]") for i, item in enumerate(value))), None)
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return None
+    return f"{path} is a {type(value).__name__}"
 
 
 def tensor_views(flat: torch.Tensor, layout: Layout) -> dict[str, torch.Tensor]:
@@ -141,10 +168,7 @@ class SnapshotStore:
         published (non-tensors, sparse or meta tensors, unsupported dtypes, non-JSON metadata).
         """
         metadata = dict(metadata or {})
-        try:
-            json.dumps(metadata)
-        except (TypeError, ValueError) as e:
-            raise CatchupUsageError(f"metadata must be JSON-serializable: {e}") from None
+        check_metadata(metadata)
         layout = layout_for(describe(state), self._max_shard_bytes)
         generation = self._begin(pending=step)
         self._stop_checksummer()
@@ -153,6 +177,11 @@ class SnapshotStore:
             views[name].copy_(tensor.detach())
         self._checksummer = self.env.spawn(self._checksum, generation, step, layout, metadata, self._buffer,
                                            name=f"catchup-crc-{step}")
+
+    def check(self, state: Mapping[str, torch.Tensor], metadata: dict[str, Any] | None = None) -> None:
+        """Raises CatchupUsageError as a publish of `state` and `metadata` would; copies nothing."""
+        check_metadata(metadata or {})
+        describe(state)
 
     def reserve(self, state: Mapping[str, torch.Tensor]) -> None:
         """Make the buffer a publish of `state` (or a state of the same layout) needs ahead of it: a

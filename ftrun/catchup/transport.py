@@ -71,6 +71,10 @@ class CatchupService(Protocol):
     def publish(self, step: int, state: Mapping[str, torch.Tensor], metadata: dict[str, Any] | None = None) -> None:
         """Serve `state` as `step` (returns once it is copied; the caller may change its tensors)."""
 
+    def check(self, state: Mapping[str, torch.Tensor], metadata: dict[str, Any] | None = None) -> None:
+        """Raises CatchupUsageError as a publish of `state` and `metadata` would (the trainer's build asks,
+        before any step commits); copies nothing."""
+
     def reserve(self, state: Mapping[str, torch.Tensor]) -> None:
         """Prepare, in the background, for a later publish of a state like `state` (returns at once)."""
 

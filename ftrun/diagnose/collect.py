@@ -4,10 +4,13 @@ demand, assembles the job's Snapshot and Layout (`assemble`, pure), runs the ana
 rule, and answers `ftrun diagnose`.
 
 Protocol (framed msgpack, never pickle; every request carries the job token):
-  server <- {"type": "pull", "token"}   -> {"type": "telemetry", "now", "ranks": [{"key", "summary", "hist"}]}
-  collector <- {"type": "register", "token", "addr", "ranks": [{"key", "replica", "rank", "host"}]} -> {"type": "ok"}
+  server <- {"type": "pull", "token"}
+      -> {"type": "telemetry", "now", "serve_s", "ranks": [{"key", "summary", "hist", "written"}]}
+  collector <- {"type": "register", "token", "addr", "ranks": [{"key", "replica", "rank", "host", "incarnation"}]}
+      -> {"type": "ok"}
   collector <- {"type": "verdict", "token"}   -> {"type": "verdict", ...verdict_dict}
 "summary" and "hist" are the raw bytes of one SUMMARY row and HIST_LEN HIST rows (fixed dtypes, checked).
+A malformed request is refused whole, naming its field; a malformed reply leaves that server's ranks unanswered.
 A server that does not answer within pull_timeout_s leaves its ranks unanswered: a hung (SIGSTOPped) or
 dead process is exactly what the analysis looks for. Rank clocks are mapped onto the collector's with the
 offset of each reply (collector now - rank now), so hosts need no common clock.
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -46,6 +50,34 @@ class RankInfo:
     rank: int  # group rank within the replica (its FTAR ring)
     host: str
     incarnation: int = 0  # the replica's incarnation the rank belongs to (a restart registers anew)
+
+
+MAX_INDEX = 1 << 20  # the replica and rank indices a register may carry (the analysis sizes arrays by the largest)
+
+
+def parse_register(msg: dict) -> tuple[str, list[RankInfo]]:
+    """The server address and ranks of a register request (pure). ValueError naming the first malformed
+    field: nothing of such a request is registered (an index out of range broke every later diagnosis)."""
+    addr, ranks = msg.get("addr"), msg.get("ranks")
+    if not isinstance(addr, str) or not addr:
+        raise ValueError(f"register needs the server's address in 'addr', got {addr!r:.80}")
+    if not isinstance(ranks, list):
+        raise ValueError(f"register needs a list in 'ranks', got {type(ranks).__name__}")
+    infos = []
+    for i, r in enumerate(ranks):
+        if not isinstance(r, dict) or not isinstance(r.get("key"), str) or not r["key"] or \
+                not isinstance(r.get("host"), str):
+            raise ValueError(f"register: ranks[{i}] needs a non-empty string 'key' and a string 'host'")
+        infos.append(RankInfo(r["key"], _index(r, i, "replica", MAX_INDEX), _index(r, i, "rank", MAX_INDEX), r["host"],
+                              _index(r, i, "incarnation", 2**62, default=0)))
+    return addr, infos
+
+
+def _index(entry: dict, i: int, name: str, limit: int, default: int | None = None) -> int:
+    value = entry.get(name, default)
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < limit:
+        raise ValueError(f"register: ranks[{i}] needs an integer in [0, {limit}) in {name!r}, got {value!r:.80}")
+    return value
 
 
 def _check_token(msg: dict, token: str) -> None:
@@ -96,18 +128,18 @@ class _Service:
 
     def _handle(self, conn: Connection) -> None:
         try:
-            msg = conn.recv(timeout=5.0)
-            _check_token(msg, self._token)
-            reply = self.answer(msg)
-        except DiagnoseError as e:
-            reply = {"type": "error", "error": str(e)}
-        except (NetError, ValueError, KeyError, TypeError) as e:
-            reply = {"type": "error", "error": f"bad request: {type(e).__name__}: {e}"}
-        try:
+            try:
+                msg = conn.recv(timeout=5.0)
+                _check_token(msg, self._token)
+                reply = self.answer(msg)
+            except DiagnoseError as e:
+                reply = {"type": "error", "error": str(e)}
+            except (NetError, ValueError, KeyError, TypeError) as e:
+                reply = {"type": "error", "error": f"bad request: {type(e).__name__}: {e}"}
             conn.send(reply, timeout=5.0)
         except NetError:
             pass
-        finally:
+        finally:  # also after an error answer() did not expect: the client learns at once, not at its timeout
             conn.close()
 
     def answer(self, msg: dict) -> dict:
@@ -192,8 +224,25 @@ class TelemetryServer(_Service):
         return {"type": "telemetry", "now": now, "ranks": out, "serve_s": self.serve_s}
 
 
+def reply_fields(reply: dict) -> tuple[float, float, int, list]:
+    """(its clock's now, serve_s, records written, rank entries) of a server's pull reply (pure); ValueError
+    naming what is malformed (the entries are checked one by one, by `rank_bytes`)."""
+    now, serve_s, rows = reply.get("now"), reply.get("serve_s", 0.0), reply.get("ranks", [])
+    for name, value in (("now", now), ("serve_s", serve_s)):
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            raise ValueError(f"the reply's {name!r} must be a finite number, got {value!r:.80}")
+    if not isinstance(rows, list):
+        raise ValueError(f"the reply's 'ranks' must be a list, got {type(rows).__name__}")
+    written = [row.get("written", 0) for row in rows if isinstance(row, dict)]
+    if not all(isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in written):
+        raise ValueError("the reply's 'written' counts must be non-negative integers")
+    return now, float(serve_s), sum(written), rows
+
+
 def rank_bytes(row: dict) -> tuple[str, bytes, bytes]:
     """(key, SUMMARY row bytes, HIST rows bytes) from one reply entry; ValueError if the bytes do not fit."""
+    if not isinstance(row, dict):
+        raise ValueError(f"a telemetry entry must be a map, got {type(row).__name__}")
     key, s, h = row.get("key"), row.get("summary"), row.get("hist")
     if not isinstance(key, str) or not isinstance(s, bytes) or not isinstance(h, bytes):
         raise ValueError("a telemetry entry needs str key and bytes summary and hist")
@@ -321,11 +370,9 @@ class Collector(_Service):
     def answer(self, msg: dict) -> dict:
         kind = msg.get("type")
         if kind == "register":
-            addr = str(msg["addr"])
+            addr, ranks = parse_register(msg)
             with self._lock:
-                for r in msg["ranks"]:
-                    info = RankInfo(str(r["key"]), int(r["replica"]), int(r["rank"]), str(r["host"]),
-                                    int(r.get("incarnation", 0)))
+                for info in ranks:
                     self._known[info.key] = _Known(info, addr)
             return {"type": "ok"}
         if kind == "verdict":
@@ -378,14 +425,16 @@ class Collector(_Service):
 
     def _pull(self, addrs: set[str]) -> set[str]:
         """Pull every server at once; the keys of the ranks that answered (their state updated)."""
-        results: dict[str, dict] = {}
+        results: dict[str, tuple[float, float, int, list]] = {}
         timeout = self.config.pull_timeout_s
 
         def pull(addr: str) -> None:
             try:
-                results[addr] = request(self.env, addr, {"type": "pull", "token": self._token}, timeout)
+                results[addr] = reply_fields(request(self.env, addr, {"type": "pull", "token": self._token}, timeout))
             except DiagnoseError as e:
                 log.info("no telemetry from %s: %s", addr, e)
+            except ValueError as e:  # its ranks stay unanswered, as if it had not answered
+                log.warning("dropping the telemetry of %s: %s", addr, e)
 
         tasks = [self.env.spawn(pull, a, name="collector-pull") for a in sorted(addrs)]
         for t in tasks:
@@ -395,11 +444,10 @@ class Collector(_Service):
         rows_s: list[bytes] = []
         rows_h: list[bytes] = []
         offsets: list[float] = []
-        for addr, reply in list(results.items()):
-            written = sum(int(row.get("written", 0)) for row in reply.get("ranks", []) if isinstance(row, dict))
-            self.cost[addr] = {"serve_s": float(reply.get("serve_s", 0.0)), "written": written}
-            offset = arrived - float(reply.get("now", arrived))
-            for row in reply.get("ranks", []):
+        for addr, (now, serve_s, written, rows) in list(results.items()):
+            self.cost[addr] = {"serve_s": serve_s, "written": written}
+            offset = arrived - now
+            for row in rows:
                 try:
                     key, s, h = rank_bytes(row)
                 except ValueError as e:

@@ -215,26 +215,38 @@ def serve_connections(env: Env, listener: Listener, handle: Callable[[Connection
     connection where a stop() closes it even before its handler runs). Handlers own their connections.
     Returns the accepting task; it ends when the listener is closed. An accept that failed on the open
     listener (AcceptFailed, e.g. out of descriptors) is logged once per run of failures and tried again every
-    ACCEPT_RETRY_S: connections wait in the backlog meanwhile instead of the listener going deaf for good."""
+    ACCEPT_RETRY_S: connections wait in the backlog meanwhile instead of the listener going deaf for good.
+    A connection whose handler cannot be started (env.spawn raised, e.g. no thread left) is closed, logged once
+    per run of such failures, and the next one accepted."""
 
     def accept_loop() -> None:
-        failing = False
+        failing = ""  # what failed last: "accepting a connection" or "starting a handler"; "" once one is served
+
+        def failed(what: str, error: Exception, then: str) -> None:
+            nonlocal failing
+            if failing != what:
+                _log.error("%s: %s failed: %s; %s", name, what, error, then)
+            failing = what
+
         while True:
             try:
                 conn = listener.accept()
             except AcceptFailed as e:
-                if not failing:
-                    _log.error("%s: accepting a connection failed: %s; retrying every %ss", name, e, ACCEPT_RETRY_S)
-                failing = True
+                failed("accepting a connection", e, f"retrying every {ACCEPT_RETRY_S}s")
                 env.clock.sleep(ACCEPT_RETRY_S)
                 continue
             except NetError:
                 return
-            if failing:
-                _log.warning("%s: accepting connections again", name)
-                failing = False
             if on_accept is not None:
                 on_accept(conn)
-            env.spawn(handle, conn, name=conn_name)
+            try:
+                env.spawn(handle, conn, name=conn_name)
+            except Exception as e:  # e.g. RuntimeError: can't start new thread
+                conn.close()
+                failed("starting a handler", e, "closing each connection until one starts")
+                continue
+            if failing:
+                _log.warning("%s: serving connections again", name)
+                failing = ""
 
     return env.spawn(accept_loop, name=name)

@@ -34,7 +34,7 @@ from ftrun.env.base import Env, EnvTimeout, NetError, PeerClosed, serve_connecti
 from ftrun.launch.procs import SpawnLauncher
 
 AGENT_PORT = 29511
-SHUTTING_DOWN = "the agent is shutting down (a bye was received): it starts no process"
+SHUTTING_DOWN = "the agent is shutting down (a bye was received): it starts no process or store"
 MAX_READ = 1 << 20
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}$")
 
@@ -167,9 +167,9 @@ class Agent:
 
     def handle(self, req: dict) -> dict:
         kind = req["type"]
-        if kind in ("start", "prepare"):
+        if kind in ("start", "prepare", "store"):
             with self._lock:
-                if self._closing:  # a zygote made now would outlive the agent too
+                if self._closing:  # a zygote (or a store) made now would outlive the agent too
                     return {"error": SHUTTING_DOWN}
         if kind == "start":
             run_dir = self._job_dir(req["job"])
@@ -220,8 +220,11 @@ class Agent:
 
             store = bound_store(self.host, timeout_s=60)
             with self._lock:
-                self._stores.append(store)
-            return {"port": store.port}
+                closing = self._closing
+                if not closing:
+                    self._stores.append(store)
+            # closing: shutdown() began while it was made, and may have missed it; it is dropped with this frame
+            return {"error": SHUTTING_DOWN} if closing else {"port": store.port}
         with self._lock:  # bye: from its answer on, no process starts (serve() then shuts down)
             self._closing = True
         return {}
@@ -242,8 +245,10 @@ class Agent:
         with self._lock:
             self._closing = True  # nor does a connected one start a process (handle() refuses, see there)
             procs = list(self._procs.values())
+            stores, self._stores = self._stores, []
         for p in procs:
             p.kill()
         for p in procs:
             p.wait(5.0)
+        stores.clear()  # a TCPStore has no close(): dropping the last reference stops its server, freeing its port
         self._launcher.close()

@@ -7,7 +7,10 @@ uses the `TrainState` protocol; other layouts plug in their own class.
 
 Names: "model.<state_dict key>" for parameters and buffers, "optim.<param fqn>.<state key>" for the
 optimizer's tensor state. The optimizer's non-tensor per-parameter state and its param groups (LR, the
-LR helper's base LR, betas, ...) travel in the metadata, which must be JSON (the snapshot never pickles).
+LR helper's base LR, betas, ...) travel in the metadata, which must be JSON (the snapshot never pickles);
+a hyperparameter held as a one-element tensor (`lr=torch.tensor(1e-3)`, tensor betas: what a captured or
+compiled optimizer step uses) travels as its number and is loaded back as a tensor like this rank's own
+(dtype and device), so its kind never changes under a scheduler; a larger tensor there cannot be published.
 On a GPU (FTConfig.device) `tensors()` are the device tensors (the catch-up snapshot copies them to host
 memory) and a load copies the fetched host tensors onto the device: the model's in place, the optimizer's
 through `Optimizer.load_state_dict`, which puts each state tensor on its parameter's device.
@@ -72,8 +75,7 @@ class ReplicaState:
         sd = self.optimizer.state_dict()
         scalars = {self._fqns[i]: {k: v for k, v in s.items() if not isinstance(v, torch.Tensor)}
                    for i, s in sd["state"].items()}
-        groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
-                  for g in sd["param_groups"]]
+        groups = [{k: _group_value(v) for k, v in g.items() if k != "params"} for g in sd["param_groups"]]
         return {"optim_scalars": scalars, "param_groups": groups}
 
     def load(self, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any]) -> None:
@@ -125,9 +127,27 @@ class ReplicaState:
         return {"state": state, "param_groups": groups}
 
 
+def _group_value(value: Any) -> Any:
+    """A param group's value as JSON carries it: tuples as lists, a one-element tensor as its number."""
+    if isinstance(value, (tuple, list)):
+        return [_group_value(v) for v in value]
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_sparse:
+        return value.item()
+    return value  # anything else is left for the snapshot's JSON check to name
+
+
 def _merge_group(mine: dict, theirs: Mapping[str, Any]) -> dict:
-    """The fetched group's values with this optimizer's param indices; JSON lists back to tuples."""
+    """The fetched group's values with this optimizer's param indices, in the kinds this optimizer holds them:
+    JSON lists back to tuples, numbers back to tensors where this rank's value is a tensor."""
     out = dict(mine)
     for key, value in theirs.items():
-        out[key] = tuple(value) if isinstance(mine.get(key), tuple) and isinstance(value, list) else value
+        out[key] = _like(mine[key], value) if key in mine else value
     return out
+
+
+def _like(mine: Any, value: Any) -> Any:
+    if isinstance(mine, torch.Tensor) and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return torch.full_like(mine, value)
+    if isinstance(mine, (tuple, list)) and isinstance(value, list):
+        return type(mine)(_like(m, v) for m, v in zip(mine, value)) if len(mine) == len(value) else type(mine)(value)
+    return value

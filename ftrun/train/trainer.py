@@ -79,7 +79,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from ftrun.catchup.config import CatchupConfig
-from ftrun.catchup.errors import CatchupError
+from ftrun.catchup.errors import CatchupError, CatchupUsageError
 from ftrun.catchup.fetcher import FetchResult
 from ftrun.catchup.heal import catchup_sources, should_publish, should_reserve
 from ftrun.catchup.transport import CatchupService
@@ -457,10 +457,18 @@ def build(*, config: TrainerConfig, env: Env, compute: Compute, layout: DataLayo
     rank's endpoints ({"ftar", "catchup"}) and the trainer's heal hook, and wire the trainer. `catchup`
     must be started. Raises ValueError for a catch-up service that is not started, and whatever the
     checkpointer's `restore` raises. `make_progress(replica_id=, state=)` makes the rank's DataProgress
-    (the emulator shares the identical ledger transitions of a replica's ranks)."""
+    (the emulator shares the identical ledger transitions of a replica's ranks). Raises CatchupUsageError,
+    naming what is wrong, for a state the catch-up service cannot publish in a job of several replicas (one
+    that restarts or starts late heals from it): at once, not after the steps committed until it is needed."""
     if not catchup.url:
         raise ValueError("start the catch-up service before build(): its URL is this rank's catch-up endpoint")
     start = checkpointer.restore(layout, replica_ids) if checkpointer is not None else None
+    if layout.num_replicas > 1:  # what the optimizer's first step adds is checked by the reserve (or publish)
+        try:
+            catchup.check(compute.state.tensors(), {"state": compute.state.metadata()})
+        except CatchupUsageError as e:
+            raise CatchupUsageError(f"replica {config.replica_id} rank {config.rank}: its state cannot be published "
+                                    f"for a replica of the {layout.num_replicas} to heal from: {e}") from None
     step, ledger = start if start is not None else (0, LoaderState.initial(layout, replica_ids))
     endpoints = encode_endpoints({"ftar": exchange.engine.addr, "catchup": catchup.url})
     trainer: FaultTolerantTrainer | None = None

@@ -168,6 +168,9 @@ class LeadCatchup:
     def publish(self, *args: Any, **kwargs: Any) -> None:
         self._s.publish(*args, **kwargs)
 
+    def check(self, state: Any, metadata: Any = None) -> None:
+        self._s.check(state, metadata)
+
     def reserve(self, state: Any) -> None:
         self._s.reserve(state)
 
@@ -188,6 +191,9 @@ class MirrorCatchup:
 
     def publish(self, *args: Any, **kwargs: Any) -> None:
         """Nobody fetches from a mirror."""
+
+    def check(self, state: Any, metadata: Any = None) -> None:
+        """Nothing is published."""
 
     def reserve(self, state: Any) -> None:
         """Nothing is published."""

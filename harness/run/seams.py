@@ -20,8 +20,8 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from ftrun.catchup.manifest import DTYPES, Layout, Manifest, dtype_name, encode_manifest, layout_for
-from ftrun.catchup.snapshot import Availability, Published, availability
+from ftrun.catchup.manifest import DTYPES, Layout, Manifest, encode_manifest, layout_for
+from ftrun.catchup.snapshot import Availability, Published, availability, check_metadata, describe
 from ftrun.data.loader_state import LoaderState
 from ftrun.data.progress import DataProgress
 from ftrun.data.sampler import DataLayout
@@ -61,7 +61,7 @@ class ShapeSnapshotStore:
         return self._newest
 
     def publish(self, step: int, state: Mapping[str, torch.Tensor], metadata: dict[str, Any] | None = None) -> None:
-        entries = tuple(sorted((name, dtype_name(t.dtype), tuple(t.shape)) for name, t in state.items()))
+        entries = tuple(sorted(describe(state, shape_only=True)))
         layout = self._layouts.get(entries)
         if layout is None:
             layout = self._layouts[entries] = layout_for(entries, self._max_shard_bytes)
@@ -72,6 +72,11 @@ class ShapeSnapshotStore:
                                 _ShapeBuffer(ShapeOnlyGrads(layout.total_bytes)))  # type: ignore[arg-type]
         self.num_published += 1
         self._changed()
+
+    def check(self, state: Mapping[str, torch.Tensor], metadata: dict[str, Any] | None = None) -> None:
+        """Raises CatchupUsageError as SnapshotStore.check, meta tensors allowed."""
+        check_metadata(metadata or {})
+        describe(state, shape_only=True)
 
     def reserve(self, state: Mapping[str, torch.Tensor]) -> None:
         """Shape-only snapshots have no buffer to prepare."""
@@ -187,6 +192,9 @@ class TimedCatchup:
 
     def publish(self, *args: Any, **kwargs: Any) -> None:
         self._s.publish(*args, **kwargs)
+
+    def check(self, state: Any, metadata: Any = None) -> None:
+        self._s.check(state, metadata)
 
     def reserve(self, state: Any) -> None:
         self._s.reserve(state)

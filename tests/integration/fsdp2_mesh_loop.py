@@ -7,7 +7,7 @@ side stream and handed to the compute stream with `record_stream`, and `torch.ac
     ftrun emulate tests/integration/fsdp2_mesh_loop.py --profile ci-small --script-args "--device cuda"
 
 tests/integration/test_examples_shadow.py runs it (the shadow loader answers the mesh at the profile's layout
-with a one-rank mesh on the host, shadow.cuda_tensors). Under `ftrun launch` a replica's ranks are the
+with a one-rank mesh on the host, shadow.cuda_dist). Under `ftrun launch` a replica's ranks are the
 process group, so there a script shards through `job.wrap(..., shard_fn=...)` with the replica's mesh instead.
 """
 

@@ -4,7 +4,9 @@ agent's folder, and exit on bye leaving nothing behind."""
 
 from __future__ import annotations
 
+import socket
 import sys
+import time
 
 import pytest
 
@@ -70,7 +72,8 @@ def test_no_agent_is_a_clear_error():
 
 def test_a_start_on_a_connection_open_at_bye_is_refused(agent, tmp_path):
     """After a bye the agent kills what it runs and exits: a launcher still connected then cannot start a
-    process (or a zygote) that nobody would kill (its start or prepare is refused, naming the shutdown)."""
+    process (or a zygote, or a store) that nobody would release (its start, prepare or store is refused, naming
+    the shutdown)."""
     env, a = agent
     local = tmp_path / "launcher"
     (local / "logs").mkdir(parents=True)
@@ -80,9 +83,31 @@ def test_a_start_on_a_connection_open_at_bye_is_refused(agent, tmp_path):
         with pytest.raises(AgentError, match="shutting down"):
             remote.prepare(["-c", "pass"])
         with pytest.raises(AgentError, match="shutting down"):
+            remote.store_port()
+        with pytest.raises(AgentError, match="shutting down"):
             h = remote.start(["-c", "import time; time.sleep(60)"], env={}, cwd="/",
                              stdout=str(local / "logs" / "s.out"), stderr=str(local / "logs" / "s.log"))
             h.kill()  # before the fix: the process started; it must not outlive the test
             h.wait(30)
     finally:
         remote.client.close()
+
+
+def test_shutdown_releases_the_rendezvous_stores(agent):
+    """The stores the agent made for its launchers stop at its shutdown (their ports then refuse), not when
+    the agent's process ends."""
+    env, a = agent
+    remote = RemoteLauncher(env, a.addr, "tok", job="job1", run_dir="/nonexistent")
+    ports = [remote.store_port(), remote.store_port()]
+    for port in ports:
+        socket.create_connection(("127.0.0.1", port), timeout=5.0).close()  # serving
+    remote.bye()
+    deadline = time.monotonic() + 10.0
+    for port in ports:
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=5.0).close()
+            except ConnectionRefusedError:
+                break
+            assert time.monotonic() < deadline, f"the store at port {port} still serves after the agent's shutdown"
+            time.sleep(0.05)

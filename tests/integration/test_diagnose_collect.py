@@ -150,3 +150,51 @@ def test_tree_collectives_and_their_summary_from_real_tree_comm():
         c.close()
     for lst in listeners:
         lst.close()
+
+
+def test_a_malformed_register_is_refused_whole_at_once_and_diagnosis_goes_on():
+    """A register whose rank entry has a float replica index used to go unanswered (the client waited out its
+    timeout) after the entries before it were registered; one with a huge index made every later diagnosis fail."""
+    env = RealEnv()
+    collector = Collector(env=env, token=TOKEN)
+    collector.start()
+    try:
+        good = {"key": "r0/0", "replica": 0, "rank": 0, "host": "h0"}
+        for bad in (float("inf"), 10**12, -3):
+            t0 = env.clock.now()
+            with pytest.raises(DiagnoseError, match=f"ranks\\[1\\] needs an integer .* in 'replica', got {bad}"):
+                request(env, collector.addr, {"type": "register", "token": TOKEN, "addr": "127.0.0.1:9",
+                                              "ranks": [good, {**good, "key": "r1/0", "replica": bad}]}, 5.0)
+            assert env.clock.now() - t0 < 2.0  # answered, not timed out
+        v = collector.diagnose()
+        assert v["num_ranks"] == 0 and v["kind"] == "no_hang", v  # nothing of them registered
+        request(env, collector.addr, {"type": "register", "token": TOKEN, "addr": "127.0.0.1:9", "ranks": [good]}, 5.0)
+        assert collector.diagnose()["num_ranks"] == 1
+    finally:
+        collector.stop()
+
+
+@pytest.mark.parametrize("malformed", [{"now": "late"}, {"now": None}, {"now": float("nan")}, {"serve_s": None},
+                                       {"ranks": 3}, {"ranks": [7]}])
+def test_a_malformed_pull_reply_drops_that_servers_ranks_only(malformed):
+    """One telemetry server answering a malformed reply (another version, a bug) leaves its ranks unanswered,
+    logged; it made every diagnosis fail (ValueError, TypeError, AttributeError from the reply's fields)."""
+    class Malformed(TelemetryServer):
+        def answer(self, msg):
+            return {**super().answer(msg), **malformed}
+
+    env = RealEnv()
+    collector = Collector(env=env, token=TOKEN, config=CollectorConfig(pull_timeout_s=1.0))
+    collector.start()
+    servers = [kind(env=env, token=TOKEN, ranks={RankInfo(f"r{r}/0", r, 0, f"host{r}"): Recorder(env.clock)})
+               for r, kind in enumerate((TelemetryServer, Malformed))]
+    try:
+        for server in servers:
+            server.start()
+            server.register(collector.addr)
+        v = collector.diagnose()
+        assert v["num_ranks"] == 2 and v["num_answered"] == 1, v
+    finally:
+        for server in servers:
+            server.stop()
+        collector.stop()

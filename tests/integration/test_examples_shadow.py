@@ -31,11 +31,11 @@ def emulate(script: Path, tmp_path: Path, *extra: str) -> subprocess.CompletedPr
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
-def trained_with_a_kill(script: Path, tmp_path: Path, device: str) -> tuple[dict, list[dict], str]:
-    """Run `script` with --device `device` and a kill of replica 3 at step 5; check that every emulated rank
+def trained_with_a_kill(script: Path, tmp_path: Path, script_args: str) -> tuple[dict, list[dict], str]:
+    """Run `script` with `script_args` and a kill of replica 3 at step 5; check that every emulated rank
     trained and the killed replica rejoined. Returns (figures, the script's event lines, its stderr)."""
     out = emulate(script, tmp_path, "--steps", str(STEPS), "--inject", "kill replica=3 step=5", "--json",
-                  "--script-args", f"--device {device}")
+                  "--script-args", script_args)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert "under the shadow loader" in out.stderr and "torch.cuda shimmed" in out.stderr
     assert "ftrun.train.api -> mocks.train_api" in out.stderr
@@ -66,7 +66,7 @@ def trained_with_a_kill(script: Path, tmp_path: Path, device: str) -> tuple[dict
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 @pytest.mark.parametrize("script", EXAMPLES, ids=[p.name for p in EXAMPLES])
 def test_example_trains_every_emulated_rank_and_the_killed_replica_rejoins(script, device, tmp_path):
-    trained_with_a_kill(script, tmp_path, device)
+    trained_with_a_kill(script, tmp_path, f"--device {device}")
 
 
 @pytest.mark.timeout(180)
@@ -74,7 +74,7 @@ def test_a_gpu_users_loop_trains_every_emulated_rank_and_the_killed_replica_rejo
     """tests/integration/gpu_user_loop.py: seeding of every GPU, TF32, the device's properties, the model built
     under `with torch.device("cuda:N")`, a generator on the GPU, pinned batches copied non_blocking, bf16
     autocast, CUDA events timing the step and peak memory statistics, all answered on the host."""
-    f, events, stderr = trained_with_a_kill(Path(__file__).with_name("gpu_user_loop.py"), tmp_path, "cuda")
+    f, events, stderr = trained_with_a_kill(Path(__file__).with_name("gpu_user_loop.py"), tmp_path, "--device cuda")
     assert "gpu_user_loop: Emulated H100 (shape-only), 80 GiB" in stderr  # the modeled device's properties
     assert f["script"]["api"] == "wrap"
     # its metrics after the job: the shim's device did no work and allocated nothing
@@ -113,13 +113,32 @@ def test_an_fsdp2_script_on_its_own_cuda_mesh_trains_every_emulated_rank_and_the
     branches, record_stream and torch.accelerator, all answered on the host; its traced step is one rank's
     whole FSDP2 step (the one-rank mesh gathers the whole model), so its FLOPs are one rank's."""
     script = Path(__file__).with_name("fsdp2_mesh_loop.py")
-    f, events, stderr = trained_with_a_kill(script, tmp_path, "cuda")
+    f, events, stderr = trained_with_a_kill(script, tmp_path, "--device cuda")
     assert "fsdp2_mesh_loop: cuda x 2, mesh {'replicate': 4, 'shard': 8}" in stderr
     s = f["script"]
     assert s["api"] == "wrap" and s["num_params"] == 15041 and s["params_per_rank"] == 1937  # dim-0 shards of 8
     dim, hidden, depth, micro = 32, 64, 3, 16
     matmul = dim * hidden + depth * hidden * hidden + hidden  # the Linear weights
     # forward 2 FLOPs per weight and sample; backward twice that, less the input layer's input gradient
+    assert s["flops_per_step_per_rank"] == 6 * micro * matmul - 2 * micro * dim * hidden
+    [metrics] = [e for e in events if e["event"] == "metrics"]
+    assert metrics["step"] == STEPS and metrics["loss"] > 0
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mesh", ["default", "direct"])
+def test_a_torchrun_style_fsdp2_script_trains_every_emulated_rank_and_the_killed_replica_rejoins(tmp_path, mesh):
+    """tests/integration/torchrun_fsdp2_loop.py: init_process_group("nccl") from the launcher's environment,
+    torch.cuda.set_device(LOCAL_RANK), and fully_shard with no mesh (FSDP2's default mesh) or on a DeviceMesh
+    ("cuda", ranks) built directly; the script checks that RANK / LOCAL_RANK / WORLD_SIZE / LOCAL_WORLD_SIZE
+    agree with its job.spec. Its traced step is one rank's whole FSDP2 step, as on an explicit mesh."""
+    f, events, stderr = trained_with_a_kill(Path(__file__).with_name("torchrun_fsdp2_loop.py"), tmp_path,
+                                            f"--mesh {mesh}")
+    assert f"torchrun_fsdp2_loop: rank 0 of 1 (gloo), cuda:0, {mesh} mesh" in stderr
+    s = f["script"]
+    assert s["api"] == "wrap" and s["num_params"] == 10497 and s["params_per_rank"] == 1369  # dim-0 shards of 8
+    dim, hidden, depth, micro = 32, 64, 2, 16
+    matmul = dim * hidden + depth * hidden * hidden + hidden
     assert s["flops_per_step_per_rank"] == 6 * micro * matmul - 2 * micro * dim * hidden
     [metrics] = [e for e in events if e["event"] == "metrics"]
     assert metrics["step"] == STEPS and metrics["loss"] > 0

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
+import torch
 
-from ftrun.catchup.errors import CatchupPeerError
+from ftrun.catchup.errors import CatchupPeerError, CatchupUsageError
 from ftrun.catchup.heal import catchup_sources, should_publish, should_reserve
 from ftrun.catchup.manifest import ALIGN, Manifest, decode_manifest, encode_manifest, layout_for
 from ftrun.catchup.plan import plan_fetch, reassign, replan, steal
-from ftrun.catchup.snapshot import availability
+from ftrun.catchup.snapshot import availability, check_metadata, describe
 from ftrun.catchup.wait import WaitAction, estimate_fetch_s, should_wait
 from ftrun.catchup.wire import encode_get, parse_head, split_url
 from ftrun.quorum.decide import Participant
@@ -300,3 +302,29 @@ def test_should_publish_only_when_someone_is_behind():
 ])
 def test_should_reserve_while_the_quorum_lacks_a_replica(steps, num_replicas, reserve):
     assert should_reserve(quorum(steps, 0), num_replicas) is reserve
+
+
+@pytest.mark.parametrize("metadata, says", [
+    ({"state": {"groups": [{"lr": 0.1}, {"lr": torch.tensor(0.1)}]}},
+     "metadata['state']['groups'][1]['lr'] is a Tensor"),
+    ({"seen": {1, 2}}, "metadata['seen'] is a set"),
+    ({"by": {(0, 1): 2}}, "metadata['by'] has a key (0, 1) of type tuple")])
+def test_check_metadata_names_the_value_json_cannot_carry(metadata, says):
+    with pytest.raises(CatchupUsageError, match="metadata must be JSON-serializable: " + re.escape(says)):
+        check_metadata(metadata)
+    check_metadata({"a": [1, 2.5, None, True, "x", (3, 4)], "b": {"c": {}}, 7: "int keys are JSON"})
+    loop: dict = {}
+    loop["self"] = loop
+    with pytest.raises(CatchupUsageError, match="Circular reference"):
+        check_metadata(loop)
+
+
+def test_describe_refuses_what_has_no_bytes_unless_shape_only():
+    meta = {"w": torch.empty(3, 2, device="meta")}
+    with pytest.raises(CatchupUsageError, match="tensor 'w' .*meta.* has no bytes to publish"):
+        describe(meta)
+    assert describe(meta, shape_only=True) == [("w", "float32", (3, 2))]
+    with pytest.raises(CatchupUsageError, match="has no bytes to publish"):
+        describe({"s": torch.zeros(3).to_sparse()}, shape_only=True)
+    with pytest.raises(CatchupUsageError, match="str -> Tensor, got 'n': int"):
+        describe({"n": 3})

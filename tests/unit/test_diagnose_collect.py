@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import pytest
 
 from ftrun.diagnose.analysis import HANG, analyze
 from ftrun.diagnose.cli import format_verdict, job_token
-from ftrun.diagnose.collect import RankInfo, _Known, assemble, parse_rank, verdict_dict
+from ftrun.diagnose.collect import (MAX_INDEX, RankInfo, _Known, assemble, parse_rank, parse_register, reply_fields,
+                                   verdict_dict)
 from ftrun.diagnose.summary import HIST_LEN, RUNNING, empty_hist, empty_summary
 
 
@@ -154,3 +156,43 @@ def test_summarize_recorder_reads_the_newest_records_and_equals_summarize_of_the
             assert got[0].tobytes() == want[0].tobytes() and got[1].tobytes() == want[1].tobytes()
             widened += collect.summary_start(rec.records(last=collect.SUMMARY_TAIL), rec.holds(Op.FTAR)) is None
     assert widened  # the widening ran (else the test shows nothing about it)
+
+
+GOOD = {"key": "r0/0", "replica": 0, "rank": 0, "host": "h0"}
+
+
+def test_parse_register_reads_every_rank():
+    msg = {"type": "register", "addr": "10.0.0.1:7", "ranks": [GOOD, {**GOOD, "key": "r1/3", "replica": 1, "rank": 3,
+                                                                      "incarnation": 2}]}
+    assert parse_register(msg) == ("10.0.0.1:7", [RankInfo("r0/0", 0, 0, "h0"), RankInfo("r1/3", 1, 3, "h0", 2)])
+
+
+@pytest.mark.parametrize("change, says", [
+    ({"addr": 7}, "address in 'addr', got 7"),
+    ({"ranks": {"r0/0": GOOD}}, "a list in 'ranks', got dict"),
+    ({"ranks": [GOOD, ["r1/0"]]}, "ranks[1] needs a non-empty string 'key'"),
+    ({"ranks": [GOOD, {**GOOD, "key": ""}]}, "ranks[1] needs a non-empty string 'key'"),
+    ({"ranks": [GOOD, {**GOOD, "replica": float("inf")}]}, "ranks[1] needs an integer in [0, 1048576) in 'replica', "
+                                                           "got inf"),
+    ({"ranks": [GOOD, {**GOOD, "replica": MAX_INDEX}]}, "in 'replica', got 1048576"),
+    ({"ranks": [{**GOOD, "rank": -1}]}, "ranks[0] needs an integer in [0, 1048576) in 'rank', got -1"),
+    ({"ranks": [{**GOOD, "rank": True}]}, "in 'rank', got True"),
+    ({"ranks": [{**GOOD, "incarnation": "2"}]}, "in 'incarnation', got '2'")])
+def test_parse_register_names_the_malformed_field(change, says):
+    """A register the collector refuses whole: an index out of range made every later diagnosis fail (a MemoryError
+    for a huge replica index, an IndexError for a negative one) and a float one left the request unanswered."""
+    with pytest.raises(ValueError, match=re.escape(says)):
+        parse_register({"type": "register", "addr": "10.0.0.1:7", "ranks": [GOOD], **change})
+
+
+def test_reply_fields_of_a_pull_reply():
+    rows = [{"key": "r0/0", "written": 3}, {"key": "r0/1"}]
+    assert reply_fields({"now": 5, "serve_s": 0.25, "ranks": rows}) == (5, 0.25, 3, rows)
+    assert reply_fields({"now": 1.5}) == (1.5, 0.0, 0, [])
+    for bad, says in (({"serve_s": 1.0}, "'now' must be a finite number, got None"),
+                      ({"now": float("inf")}, "'now' must be a finite number, got inf"),
+                      ({"now": 1, "serve_s": "x"}, "'serve_s' must be a finite number"),
+                      ({"now": 1, "ranks": {}}, "'ranks' must be a list, got dict"),
+                      ({"now": 1, "ranks": [{"written": -1}]}, "'written' counts must be non-negative integers")):
+        with pytest.raises(ValueError, match=re.escape(says)):
+            reply_fields(bad)

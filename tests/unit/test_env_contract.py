@@ -328,6 +328,48 @@ def test_serve_connections_retries_a_failed_accept(env, caplog):
     assert [r.getMessage().count("Too many open files") for r in caplog.records] == [1]  # once for the three
 
 
+def test_serve_connections_closes_a_connection_whose_handler_cannot_start(env, caplog):
+    """A handler task that cannot be started (env.spawn raised: no thread left) costs that one connection,
+    which is closed; the failure is logged once for the run of them and the next connection is served."""
+    def body():
+        listener = env.net.listen(ADDR)
+        failures = [RuntimeError("can't start new thread")] * 2
+
+        class NoThreads:  # the env, whose next two handler tasks cannot be started
+            clock = env.clock
+
+            def spawn(self, fn, *args, name):
+                if name == "contract-conn" and failures:
+                    raise failures.pop()
+                return env.spawn(fn, *args, name=name)
+
+        def handle(conn):
+            conn.send({"echo": conn.recv(timeout=2.0)["n"]})
+
+        task = serve_connections(NoThreads(), listener, handle, name="contract-accept", conn_name="contract-conn")
+        dropped = []
+        for _ in range(2):
+            client = env.net.connect(listener.addr, timeout=2.0)
+            with pytest.raises(PeerClosed):
+                client.recv(timeout=2.0)
+            dropped.append(client)
+        client = env.net.connect(listener.addr, timeout=2.0)
+        client.send({"n": 7})
+        answer = client.recv(timeout=2.0)
+        alive = task.is_alive()
+        listener.close()
+        ended = task.join(timeout=2.0)
+        for conn in (*dropped, client):
+            conn.close()
+        return answer, alive, ended, task.exception
+
+    with caplog.at_level(logging.WARNING, logger="ftrun.env"):
+        answer, alive, ended, exception = env.run(body)
+    assert answer == {"echo": 7} and alive and ended and exception is None
+    assert [(r.levelno, "new thread" in r.getMessage()) for r in caplog.records] == [
+        (logging.ERROR, True), (logging.WARNING, False)]  # once for the two, then served again
+
+
 def test_bad_address_is_a_value_error(env):
     with pytest.raises(ValueError):
         env.run(env.net.listen, "no-port-here")

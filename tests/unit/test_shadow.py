@@ -231,3 +231,44 @@ def test_the_shim_answers_torch_internals_but_not_training_code_for_names_it_lac
     exec("def get(m):\n    return m.set_stream\n", internal.__dict__)
     assert internal.get(shim) is torch.cuda.set_stream  # torch's own tables (e.g. dynamo's) get the real one
     assert shim.synchronize is not shim.empty_cache and shim.manual_seed is not shim.seed  # one object per name
+
+
+def test_environ_is_set_for_the_block_and_put_back_after(monkeypatch):
+    import os
+
+    monkeypatch.setenv("RANK", "5")
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    with pytest.raises(ValueError, match="boom"):
+        with shadow.active(cuda_shim=False, environ={"RANK": "0", "LOCAL_RANK": "0"}):
+            assert (os.environ["RANK"], os.environ["LOCAL_RANK"]) == ("0", "0")
+            raise ValueError("boom")
+    assert os.environ["RANK"] == "5" and "LOCAL_RANK" not in os.environ
+
+
+@pytest.mark.parametrize("environ", [{"RANK": 0}, {"": "1"}, {1: "1"}])
+def test_environ_that_is_not_strings_is_refused_by_name(environ):
+    with pytest.raises(ValueError, match=r"environ=.*must be strings"):
+        with shadow.active(cuda_shim=False, environ=environ):
+            pass
+    assert not shadow.is_active()
+
+
+def test_the_launcher_environ_of_an_emulated_script_is_ftrun_launchs_for_the_rank_it_traces():
+    """`ftrun emulate` gives the script's process what `ftrun launch` sets for replica r0's rank 0, the rank its
+    job.spec says it is (mocks.train_api.traced_rank), and nothing of the job's secrets or paths."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from ftrun.launch.worker_env import WorkerSpec
+    from mocks.train_api import launcher_environ, traced_rank
+
+    session = SimpleNamespace(replicas=4, ranks_per_replica=8, steps=20)
+    environ = launcher_environ(session)
+    assert {k: environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                                    "FTRUN_MAX_STEPS")} == {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "32",
+                                                            "LOCAL_WORLD_SIZE": "8", "GROUP_RANK": "0",
+                                                            "FTRUN_MAX_STEPS": "20"}
+    assert not {"FTRUN_TOKEN", "FTRUN_LIGHTHOUSE", "FTRUN_RUN_DIR"} & set(environ)
+    # read back as a launched rank reads it, it is the spec the script's job has
+    spec = WorkerSpec.from_environ({**environ, "FTRUN_TOKEN": "t", "FTRUN_LIGHTHOUSE": "emulated"})
+    assert spec == replace(traced_rank(session), token="t", run_dir=".")

@@ -1,8 +1,11 @@
 """The GPU idioms of a training script under the shadow loader, one test each: what a script asks torch for on
-a GPU is answered on the host (shadow.cuda_tensors) or by the torch.cuda shim's modeled device (shadow.cuda_shim).
+a GPU is answered on the host (shadow.cuda_tensors, shadow.cuda_dist) or by the torch.cuda shim's modeled
+device (shadow.cuda_shim).
 ci/gpu_host_check.sh runs this file with a real CUDA torch too, where nothing here may touch the GPU."""
 
 from __future__ import annotations
+
+import inspect
 
 import pytest
 
@@ -226,7 +229,6 @@ def test_an_nccl_process_group_bound_to_a_gpu_is_a_gloo_group_on_the_host(gpu_ho
     torch = gpu_host
     import torch.distributed as dist
 
-    real_init = dist.distributed_c10d.init_process_group
     for backend in ("nccl", "cpu:gloo,cuda:nccl"):
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                 device_id=torch.device("cuda", 1))
@@ -237,7 +239,9 @@ def test_an_nccl_process_group_bound_to_a_gpu_is_a_gloo_group_on_the_host(gpu_ho
             assert torch.equal(t, torch.ones(3))
         finally:
             dist.destroy_process_group()
-    assert dist.init_process_group is not real_init  # the stand-in inside; the real one is put back after
+    # the stand-in inside, also under torch's own name for it; the real one is put back after
+    assert dist.init_process_group is dist.distributed_c10d.init_process_group
+    assert dist.init_process_group is not inspect.unwrap(dist.init_process_group)
 
 
 def test_nvtx_ranges_nest_with_nothing_to_record_them(gpu_host):
@@ -533,3 +537,181 @@ def test_the_mesh_and_accelerator_stand_ins_are_put_back_after():
     assert (dist.new_group, dist.init_device_mesh, device_mesh.init_device_mesh, torch.accelerator.device_count,
             torch.accelerator.current_accelerator) == real
     assert "record_stream" not in vars(torch.Tensor)  # torch's own, inherited, again
+
+
+# -- torchrun-style scripts: the launcher's environment, fully_shard without a mesh, DeviceMesh built directly -----
+def _launched(monkeypatch) -> None:
+    """What a launcher sets for rank 3 of 32, with a store nothing listens on: a rendezvous through it would
+    wait for 31 peers that never come."""
+    for name, value in (("RANK", "3"), ("WORLD_SIZE", "32"), ("LOCAL_RANK", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                        ("MASTER_PORT", "9")):
+        monkeypatch.setenv(name, value)
+
+
+@pytest.mark.parametrize("call", ["env", "init_method", "ranks"])
+def test_a_torchrun_style_process_group_is_a_one_rank_group_on_the_host(gpu_host, monkeypatch, call):
+    """init_process_group("nccl") reading RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (or an init_method, or
+    the script's own rank and world_size) rendezvouses with no one: the script's process is the one rank it
+    traces. The context destroys the group if the script does not."""
+    torch = gpu_host
+    import torch.distributed as dist
+
+    _launched(monkeypatch)
+    kwargs = {"env": {}, "init_method": {"init_method": "tcp://127.0.0.1:9"},
+              "ranks": {"rank": 3, "world_size": 32}}[call]
+    dist.init_process_group("nccl", **kwargs)
+    assert dist.get_backend() == "gloo" and dist.get_rank() == 0 and dist.get_world_size() == 1
+    torch.cuda.set_device(int(torch.cuda.device_count() - 1))  # LOCAL_RANK-style: a modeled GPU, no real one
+    t = torch.full((2,), 5.0, device="cuda")
+    dist.all_reduce(t)
+    assert torch.equal(t, torch.full((2,), 5.0))
+
+
+def test_a_process_group_of_more_ranks_on_the_scripts_own_store_is_refused_by_name(gpu_host):
+    import torch.distributed as dist
+
+    with pytest.raises(ValueError, match=r"init_process_group\(store=\.\.\., world_size=8\).*one rank.*leave "
+                                         r"store, rank and world_size out"):
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=8)
+    assert not dist.is_initialized()
+
+
+def test_the_context_destroys_a_torchrun_style_group_the_script_left():
+    import torch.distributed as dist
+
+    with shadow.active(load_profile("ci-small"), environ={"RANK": "0", "WORLD_SIZE": "32", "MASTER_ADDR": "127.0.0.1",
+                                                          "MASTER_PORT": "9"}):
+        dist.init_process_group()
+        assert dist.get_world_size() == 1
+    assert not dist.is_initialized()
+
+
+def test_a_stand_in_a_module_kept_past_the_context_calls_torchs_own(monkeypatch):
+    """A module first imported inside the context keeps the stand-in it bound: outside, that is torch's function
+    again (here: init_process_group's env:// rendezvous, refused without RANK)."""
+    import torch.distributed as dist
+
+    with shadow.active():
+        kept = dist.init_process_group
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(ValueError, match="RANK expected"):
+        kept("gloo")
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("accelerator", ["cpu", "cuda"])
+def test_fully_shard_without_a_mesh_shards_over_a_one_rank_host_mesh(gpu_host, monkeypatch, accelerator):
+    """fully_shard(model) with no mesh=: FSDP2 makes the default group itself (torchrun-style, from the
+    environment) and asks init_device_mesh for a mesh of the build's accelerator over it; on a CUDA build
+    (accelerator "cuda", as on a GPU host) that is a host mesh too. The model trains on it."""
+    torch = gpu_host
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Shard
+
+    _launched(monkeypatch)
+    monkeypatch.setattr(torch._C, "_get_accelerator", lambda: torch.device(accelerator))
+    model = _blocks().cuda()
+    for unit in (model[0], model[2]):
+        fully_shard(unit)
+    fully_shard(model)
+    assert dist.is_initialized() and dist.get_world_size() == 1
+    for p in model.parameters():
+        assert isinstance(p, DTensor) and p.placements == (Shard(0),) and p.device_mesh.device_type == "cpu"
+        assert p.device_mesh.size() == 1
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = torch.randn(16, 8, device="cuda"), torch.randn(16, 1, device="cuda")
+    losses = []
+    for _ in range(3):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+
+
+def test_fully_shard_without_a_mesh_reaches_the_stand_ins_without_importing_fsdp2_on_entry():
+    """The context imports no FSDP2 (about a second per emulate): a fresh process that enters it has not loaded
+    torch.distributed.fsdp or torch.distributed.tensor, and a fully_shard(model) after that still works."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = """
+import sys, torch, shadow
+from harness.profile import load_profile
+with shadow.active(load_profile("ci-small"), environ={"RANK": "0", "WORLD_SIZE": "32", "MASTER_ADDR": "127.0.0.1",
+                                                      "MASTER_PORT": "9", "LOCAL_RANK": "0"}):
+    loaded = [m for m in ("torch.distributed.fsdp", "torch.distributed.tensor") if m in sys.modules]
+    from torch.distributed.fsdp import fully_shard
+    model = torch.nn.Linear(4, 2).cuda()
+    fully_shard(model)
+    print(loaded, type(model.weight).__name__, model.weight.device_mesh.device_type)
+"""
+    root = Path(__file__).resolve().parents[2]
+    path = os.pathsep.join(filter(None, (str(root), os.environ.get("PYTHONPATH"))))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=root,
+                         env={**os.environ, "PYTHONPATH": path})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["[]", "DTensor", "cpu"]
+
+
+@pytest.mark.parametrize("ranks, names, shape", [
+    (lambda t: t.arange(8), ("shard",), (1,)),
+    (lambda t: list(range(8)), None, (1,)),
+    (lambda t: t.arange(32).view(4, 8), ("replicate", "shard"), (1, 1))])
+def test_a_device_mesh_built_directly_on_cuda_is_a_one_rank_host_mesh_fsdp2_trains_on(gpu_host, ranks, names, shape):
+    torch = gpu_host
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh = DeviceMesh("cuda", ranks(torch), mesh_dim_names=names)
+    assert isinstance(mesh, DeviceMesh) and mesh.device_type == "cpu" and mesh.shape == shape
+    assert mesh.mesh_dim_names == names and dist.get_world_size() == 1
+    losses = _sharded_steps(torch, mesh)
+    assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("ranks, match", [
+    (lambda t: t.arange(4), r"<a mesh of shape \(4,\)>\) under the shadow loader.*use \(8,\)"),
+    (lambda t: t.arange(8).view(2, 4), r"use \(4, 8\)"),
+    (lambda t: t.arange(32).view(2, 4, 4), "3 dimensions"),
+    (lambda t: [0], r"use \(8,\).*get_world_size\(\) is 1")])
+def test_a_device_mesh_that_is_not_the_profiles_layout_is_refused_by_name(gpu_host, ranks, match):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    with pytest.raises(ValueError, match=r"DeviceMesh\('cuda', .*" + match):
+        DeviceMesh("cuda", ranks(gpu_host))
+    assert not dist.is_initialized()
+
+
+def test_a_device_mesh_built_directly_with_a_backend_override_is_refused_by_name(gpu_host):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    with pytest.raises(ValueError, match=r"DeviceMesh\('cuda'.*backend_override.*leave backend_override out"):
+        DeviceMesh("cuda", gpu_host.arange(8), backend_override=(("nccl", None),))
+
+
+def test_a_cuda_mesh_sized_by_the_one_rank_world_is_refused_with_the_reason(gpu_host):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("nccl")
+    with pytest.raises(ValueError, match=r"init_device_mesh\('cuda', \(1,\)\).*use \(8,\).*get_world_size\(\) is 1"):
+        init_device_mesh("cuda", (dist.get_world_size(),))
+
+
+def test_the_torchrun_and_device_mesh_stand_ins_are_put_back_after():
+    import torch.distributed as dist
+    import torch.distributed.device_mesh as device_mesh
+
+    real = (dist.distributed_c10d.init_process_group, device_mesh.init_process_group,
+            device_mesh.DeviceMesh.__init__)
+    with shadow.active():
+        assert (dist.distributed_c10d.init_process_group, device_mesh.init_process_group,
+                device_mesh.DeviceMesh.__init__) != real
+    assert (dist.distributed_c10d.init_process_group, device_mesh.init_process_group,
+            device_mesh.DeviceMesh.__init__) == real

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import json
+import re
 import weakref
 from dataclasses import replace
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from ftrun.catchup.config import CatchupConfig
+from ftrun.catchup.errors import CatchupUsageError
 from ftrun.catchup.http_transport import HttpCatchup
 from ftrun.config import LighthouseConfig, ManagerConfig, Timeouts
 from ftrun.data.audit import AuditLog, audit, read_log
@@ -77,6 +79,34 @@ def test_replica_state_round_trip_is_bitwise_and_keeps_the_optimizer_exact():
     assert param_hash(dst_model) == param_hash(src_model)  # same step counters, moments, LR: same bits
     for a, b in zip(src_opt.state.values(), dst_opt.state.values()):
         assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_replica_state_carries_tensor_hyperparameters_as_tensors():
+    """A captured or compiled optimizer holds its LR and betas as one-element tensors: they travel as numbers
+    and come back as tensors of the loader's own dtype and device, so a scheduler's fill_ still works."""
+    def tensor_adamw(model, lr):
+        return torch.optim.AdamW(model.parameters(), lr=torch.tensor(lr),
+                                 betas=(torch.tensor(0.8), torch.tensor(0.95, dtype=torch.float64)))
+    src_model = make_model(TOY)
+    src_opt = tensor_adamw(src_model, 1e-2)
+    for i in range(2):
+        apply_lr_factor(src_opt, 0.5 + 0.1 * i)
+        lm_loss(src_model, DATA[i * 8:(i + 1) * 8]).backward()
+        src_opt.step()
+        src_opt.zero_grad()
+    dst_model = make_model(replace(TOY, seed=99))
+    dst_opt = tensor_adamw(dst_model, 5.0)
+    src = ReplicaState(model=src_model, optimizer=src_opt)
+    metadata = json.loads(json.dumps(src.metadata()))
+    ReplicaState(model=dst_model, optimizer=dst_opt).load({k: v.clone() for k, v in src.tensors().items()}, metadata)
+    mine, theirs = dst_opt.param_groups[0], src_opt.param_groups[0]
+    assert isinstance(mine["lr"], torch.Tensor) and torch.equal(mine["lr"], theirs["lr"])
+    assert isinstance(mine["betas"], tuple) and [b.dtype for b in mine["betas"]] == [torch.float32, torch.float64]
+    assert all(torch.equal(a, b) for a, b in zip(mine["betas"], theirs["betas"]))
+    grads = [torch.randn_like(p) for p in src_model.parameters()]
+    one_step(src_model, src_opt, grads)
+    one_step(dst_model, dst_opt, grads)
+    assert param_hash(dst_model) == param_hash(src_model)
 
 
 def test_replica_state_load_keeps_the_handed_tensors_as_the_optimizer_state():
@@ -240,31 +270,38 @@ LAYOUT = DataLayout(dataset_size=len(DATA), num_replicas=3, ranks_per_replica=1,
 
 
 class Rep:
-    def __init__(self, env, lighthouse, rid, root, *, checkpoint=None, checkpointer=None, on_phase=None):
+    def __init__(self, env, lighthouse, rid, root, *, checkpoint=None, checkpointer=None, on_phase=None,
+                 optimizer=None, layout=LAYOUT):
         """checkpoint/checkpointer(model, optimizer): persistent checkpoints (default: none).
-        on_phase(rep, phase, step): a test's own hook at every phase boundary."""
+        on_phase(rep, phase, step): a test's own hook at every phase boundary. optimizer(model): the
+        optimizer (default AdamW, lr 1e-2). layout: the job's data layout (its replicas are IDS' first)."""
         self.rid, self.records, self.events, self.results = rid, [], [], []
         self.at_quorum = []  # (step, param hash, optimizer step count) before each attempt
         self.fail_next_backward = False
         self._on_phase = on_phase
         self.model = make_model(TOY)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        self.opt = optimizer(self.model) if optimizer else torch.optim.AdamW(self.model.parameters(), lr=1e-2)
         config = TrainerConfig(replica_id=rid, catchup=CatchupConfig(max_shard_bytes=1024, timeouts=T),
                                **({"checkpoint": checkpoint} if checkpoint is not None else {}))
         catchup = CatchupConfig(max_shard_bytes=1024, timeouts=T)
         self.server = HttpCatchup(env=env, token=TOKEN, config=catchup)
         self.engine = FtarEngine(env=env, kernels=Float32Kernels(), token=TOKEN,
                                  config=FtarConfig(chunk_bytes=512, num_chunks=2, timeout_s=T.ftar_timeout_s))
-        self.trainer = build(
-            config=config, env=env,
-            compute=TorchCompute(model=self.model, optimizer=self.opt, loss_fn=self.loss, dataset=DATA),
-            layout=LAYOUT, replica_ids=IDS,
-            manager_config=ManagerConfig(max_retries=3, timeouts=T), comm=LocalComm(),
-            lighthouse=LighthouseClient(env=env, addr=lighthouse.addr, token=TOKEN, replica_id=rid, timeouts=T),
-            exchange=GradientExchange(engine=self.engine, rank=0), catchup=self.server,
-            loader_store=LoaderStateStore(storage=FileStorage(root / rid)), audit=AuditLog(self.records.append),
-            checkpointer=checkpointer(self.model, self.opt) if checkpointer is not None else None,
-            on_event=self.events.append, on_phase=self.on_phase)
+        try:
+            self.trainer = build(
+                config=config, env=env,
+                compute=TorchCompute(model=self.model, optimizer=self.opt, loss_fn=self.loss, dataset=DATA),
+                layout=layout, replica_ids=IDS[:layout.num_replicas],
+                manager_config=ManagerConfig(max_retries=3, timeouts=T), comm=LocalComm(),
+                lighthouse=LighthouseClient(env=env, addr=lighthouse.addr, token=TOKEN, replica_id=rid, timeouts=T),
+                exchange=GradientExchange(engine=self.engine, rank=0), catchup=self.server,
+                loader_store=LoaderStateStore(storage=FileStorage(root / rid)), audit=AuditLog(self.records.append),
+                checkpointer=checkpointer(self.model, self.opt) if checkpointer is not None else None,
+                on_event=self.events.append, on_phase=self.on_phase)
+        except BaseException:
+            self.engine.close()
+            self.server.stop()
+            raise
 
     def on_phase(self, phase, step):
         if self._on_phase is not None:
@@ -294,6 +331,39 @@ def run(env, reps, step):
     for t in tasks:
         assert t.join(30.0), "a replica hung"
         assert t.exception is None, t.exception
+
+
+def with_vector_hyperparameter(model):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt.param_groups[0]["scales"] = torch.ones(3)  # more than a number: JSON cannot carry it
+    return opt
+
+
+def with_sparse_buffer(model):
+    model.register_buffer("mask", torch.zeros(4).to_sparse())  # no flat bytes for a snapshot to carry
+    return torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("optimizer, wrong", [
+    (with_vector_hyperparameter, "metadata['state']['param_groups'][0]['scales'] is a Tensor"),
+    (with_sparse_buffer, "tensor 'model.mask' (torch.sparse_coo, cpu) has no bytes to publish")])
+def test_a_state_that_cannot_be_published_fails_the_build(tmp_path, optimizer, wrong):
+    """A replica that restarts or starts late heals from its peers' published state: a state that cannot be
+    published is refused when the rank is built, naming what is wrong, not once steps have committed (it
+    failed the first heal's publish, or the reserve after the first commit of a quorum lacking a replica).
+    A job of one replica never publishes, and is built."""
+    env = RealEnv()
+    lighthouse = Lighthouse(env=env, token=TOKEN, config=LighthouseConfig(min_replicas=1, timeouts=T))
+    lighthouse.start()
+    try:
+        with pytest.raises(CatchupUsageError, match=re.escape(wrong)) as got:
+            Rep(env, lighthouse, "r0", tmp_path, optimizer=optimizer)
+        assert "replica r0 rank 0: its state cannot be published" in str(got.value)
+        alone = Rep(env, lighthouse, "r0", tmp_path, optimizer=optimizer, layout=replace(LAYOUT, num_replicas=1))
+        alone.close()
+    finally:
+        lighthouse.stop()
 
 
 @pytest.mark.timeout(60)
