@@ -1,17 +1,24 @@
 """Emulate the real runs of one `ftrun fidelity --restep --json --out DIR` run again with two models: "before"
-(the run's own inputs: its restep figures, its write, its start offsets: what it emulated) and "after" (the same
+(the run's own inputs: its restep figures, its write, its teardown, its skews, its start offsets: what it emulated) and "after" (the same
 with the changes named on the command line). Same real runs, same restep figures: a clean A/B of the model.
 
     python benchmarks/fidelity_ab.py DIR FIDELITY_STDOUT [--figure NAME=VALUE ...] [--drop NAME ...]
-        [--real-write | --sampled-write] [--save OUT.json]
+        [--real-write | --sampled-write] [--teardown run|real|restep] [--skews run|real|restep] [--set KEY=VALUE ...]
+        [--save OUT.json]
 
 FIDELITY_STDOUT: the file the run's stdout went to (its last line is the --json object).
 --figure NAME=VALUE: a measured figure replaced in both restep snapshots (e.g. cpu_cores_effective=2.0, measured
   again with the current probe): the keys are derived from it again (train.shared_cpu_cores too).
---drop NAME: a figure left out of both restep snapshots (its keys derived as without it, e.g. script_start_skew_s).
+--drop NAME: a figure left out of both restep snapshots (its keys derived as without it, e.g. script_start_skew_s;
+  script_exchange_skew_s: no late wake from the all-reduce, whatever --skews says).
 --real-write: the loader_state write from the real runs' own writer (their phase events,
   `harness.calibrate.fidelity.real_write`) instead of the write the run emulated with.
 --sampled-write: the write the run sampled in its own process while the real runs ran (`write_sampled_s`).
+--set KEY=VALUE: a profile override of the "after" model (e.g. storage.lighthouse_persists=true).
+--teardown: the killed rank's teardown the run emulated with ("run", the default), the real runs' own kills' (their
+  trace.json, `harness.calibrate.fidelity.real_teardown`) or the restep's mean ("restep", as runs before the real one).
+--skews: the ranks' late starts and wakes from the all-reduce the run emulated with ("run"), the real runs' own
+  (their events, `harness.calibrate.fidelity.real_skews`) or the restep's means ("restep").
 """
 
 from __future__ import annotations
@@ -41,6 +48,9 @@ def main() -> None:
     w = p.add_mutually_exclusive_group()
     w.add_argument("--real-write", action="store_true")
     w.add_argument("--sampled-write", action="store_true")
+    p.add_argument("--teardown", choices=("run", "real", "restep"), default="run")
+    p.add_argument("--skews", choices=("run", "real", "restep"), default="run")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--save", default=None)
     a = p.parse_args()
     replace = {}
@@ -55,14 +65,16 @@ def main() -> None:
     fd.add_arguments(q)
     args = q.parse_args(["--replicas", str(doc["replicas"]), "--ranks-per-replica", str(doc["ranks_per_replica"]),
                          "--steps", str(doc["steps"])])
-    real_evs = []
+    real_evs, traces = [], []
     for d in sorted(x for x in os.listdir(a.out_dir) if x.startswith("real")):
         with open(os.path.join(a.out_dir, d, "events.jsonl")) as f:
             real_evs.append([json.loads(line) for line in f if line.strip()])
+        traces.append(fd.read_trace(os.path.join(a.out_dir, d)))
     real, each = fd.repeated(real_evs, num_replicas=args.replicas)
     starts = [] if doc["first_start_s"] is None else [f"scheduler.first_start_s={doc['first_start_s']!r}"]
     out = {"real": real, "real_stall_phases": fd.stall_phase_medians([r for ev in real_evs for r in fd.stall_phases(ev)]),
-           "replace": replace, "drop": a.drop, "real_write": a.real_write, "sampled_write": a.sampled_write}
+           "replace": replace, "drop": a.drop, "real_write": a.real_write, "sampled_write": a.sampled_write,
+           "teardown": a.teardown, "skews": a.skews, "set": a.set}
     for model in ("before", "after"):
         changes, drop = (replace, set(a.drop)) if model == "after" else ({}, set())
         before, after = (script_keys(doc["restep_figures"][when], changes, drop) for when in ("before", "after"))
@@ -77,7 +89,20 @@ def main() -> None:
         elif model == "after" and a.sampled_write:
             write = doc["write_sampled_s"]
         overrides = fd.with_override(overrides, fd.WRITE_KEY, write)
-        f, ev, heals = fd._emulated(args, doc["profile"], [*overrides, *starts])
+        # the run's own (None / empty: it emulated with the restep's means; skews_during_real_s: runs of 47a0c94)
+        teardown, skews = doc.get("teardown_during_real_s"), dict(doc.get("skews_during_real_s") or {})
+        if model == "after" and a.teardown != "run":
+            t = fd.real_teardown(traces) if a.teardown == "real" else None
+            teardown = None if t is None else t.value
+        if model == "after" and a.skews != "run":
+            skews = ({key: f.value for key, f in fd.real_skews(real_evs, args.ranks_per_replica).items()}
+                     if a.skews == "real" else {})
+        overrides = fd.with_override(overrides, fd.TEARDOWN_KEY, teardown)
+        if "script_exchange_skew_s" in drop:  # no late wake from the all-reduce at all (as before that key)
+            skews["train.rank_exchange_skew_s"] = 0.0
+        for key, value in skews.items():
+            overrides = fd.with_override(overrides, key, value)
+        f, ev, heals = fd._emulated(args, doc["profile"], [*overrides, *starts, *(a.set if model == "after" else ())])
         table = fd.side_by_side(real, fd.metrics(ev, num_replicas=args.replicas, catchup_s=heals), fd.noise(each))
         out[model] = {"complete": f.get("complete"), "overrides": overrides, "table": table,
                       "stall_phases": fd.stall_phase_medians(fd.stall_phases(ev)),

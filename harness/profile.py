@@ -161,14 +161,22 @@ class TrainConfig:
     # ranks' before their compute): the ranks of a job that oversubscribes its machine's CPUs wake for a step at
     # different times, and every collective waits for the latest of them (the slowest of R x K).
     # `ftrun calibrate SCRIPT` measures it: the spread of the ranks' "started" phases in a step of its 2-replica
-    # run. 0: identical ranks.
+    # run; with R replicas up the emulator draws with R / 2 of it (more processes wake on the shared CPUs). 0:
+    # identical ranks.
     rank_start_skew_s: float = 0.0
+    # Per rank and step, a late wake from the cross-replica all-reduce, drawn as above (seeded by the job's seed,
+    # the replica, rank, quorum and step; only when the all-reduce had peers): after the ring ends, each rank's
+    # process wakes on the oversubscribed CPUs at its own time, so a replica's commit vote waits for the later of
+    # its ranks and the replicas' commits (and their next quorum requests) spread. `ftrun calibrate SCRIPT`
+    # measures it: the spread of the leaders' commits of a step in its 2-replica run (R / 2 of it with R up, as
+    # above). 0: the replicas commit together.
+    rank_exchange_skew_s: float = 0.0
 
     def __post_init__(self) -> None:
         _positive(self, "step_compute_s", "steps", "min_replicas")
         _non_negative(self, "first_step_extra_s", "first_batch_s", "step_jitter", "catchup_fetch_extra_s",
                       "shared_cpu_cores", "step_bookkeeping_s", "replica_compute_extra_s",
-                      "rank_start_skew_s")
+                      "rank_start_skew_s", "rank_exchange_skew_s")
         _one_of(self, "lr_intervention", ("none", "linear", "sqrt"))
         _check(self.step_jitter < 1, "step_jitter", "< 1", self.step_jitter)
 
@@ -208,6 +216,9 @@ class StorageConfig:
     local_write_latency_s: float = 0.001
     # One append to the leader's audit log (an O_APPEND write(2), no fsync: ftrun.data.audit.FileAuditSink).
     local_append_latency_s: float = 0.0
+    # One read of a small file on that disk (a loader_state save reads both slots before it writes; `ftrun calibrate`
+    # measures ftrun.storage.FileStorage.read: tens of microseconds, from the page cache). 0.2 ms: an assumption.
+    local_read_latency_s: float = 0.0002
     # The remote object store persistent checkpoints go to: first-byte latency of a put, and the bandwidth
     # one writer rank's checkpoint is written at (assumption: 200 MB/s per rank, MockObjectStore.remote).
     checkpoint_write_latency_s: float = 0.02
@@ -215,9 +226,15 @@ class StorageConfig:
     # An asynchronous checkpoint's staging: the writer rank's copy of its state to host memory, the only part
     # its step waits for (assumption: 20 GB/s, a device-to-host copy into pinned memory over PCIe Gen4/5).
     checkpoint_stage_bytes_per_s: float = 20e9
+    # Whether the lighthouse writes its quorum state to its disk at every decision before handing it out (a
+    # lighthouse with a state directory, `ftrun lighthouse --state-dir` as the slurm launcher runs it: a restarted
+    # one reloads it). false: it keeps its state in memory, as `ftrun launch`'s in-process lighthouse does
+    # (ftrun.launch.job.make_lighthouse), so a decision waits for no write (`ftrun fidelity` emulates that).
+    lighthouse_persists: bool = True
 
     def __post_init__(self) -> None:
-        _non_negative(self, "local_write_latency_s", "local_append_latency_s", "checkpoint_write_latency_s")
+        _non_negative(self, "local_write_latency_s", "local_append_latency_s", "local_read_latency_s",
+                      "checkpoint_write_latency_s")
         _positive(self, "checkpoint_bandwidth_bytes_per_s", "checkpoint_stage_bytes_per_s")
 
 

@@ -13,7 +13,8 @@ killed rank of the script, from its kill to its job's lighthouse losing the conn
 than an idle child's, sets network.crash_fin_delay_s). The script's runs print every rank's phase events
 (FTRUN_PHASE_EVENTS=1): from them, a rank's compute phase at 1 and 2 replicas (their difference beyond the
 contention model sets train.replica_compute_extra_s), the spread of the ranks' starts of a step in its 2-replica
-run (train.rank_start_skew_s: `start_skews`), the loader_state write as its own writer met it there (`writer_writes`:
+run (train.rank_start_skew_s: `start_skews`) and of the replicas' commits (train.rank_exchange_skew_s:
+`exchange_skews`), the loader_state write as its own writer met it there (`writer_writes`:
 storage.local_write_latency_s, and what the bookkeeping leaves out) and, with more than one rank, the commit vote
 over the replica's comm (network.replica_collective_pass_s) and the decision broadcast's lag (for reading).
 
@@ -22,7 +23,8 @@ says which figure sets which key) and a [calibration] table where every value sa
 measured. `ftrun emulate --profile`-style loading (`ftrun emulate OUT.toml`) reads it back; the emulator
 charges the new keys (ftar.kernel_reduce_gb_s / kernel_copy_gb_s, train.catchup_fetch_extra_s,
 scheduler.crash_detect_s, network.crash_fin_delay_s, storage.local_write_latency_s,
-network.replica_collective_pass_s, train.replica_compute_extra_s, train.rank_start_skew_s). `--quick` takes
+network.replica_collective_pass_s, train.replica_compute_extra_s, train.rank_start_skew_s,
+train.rank_exchange_skew_s). `--quick` takes
 fewer samples, serves the catch-up from an idle in-process server and starts children without torch
 (for tests: ~15 s of CPU).
 """
@@ -45,9 +47,9 @@ from statistics import median
 
 from ftrun.cli import UsageError, emit_json
 from harness.calibrate.measure import (Figure, WriteSampler, catchup_costs, concurrent_steps, ftar_kernels, shm_bandwidth,
-                                       step_compute, storage_append, storage_write, stream_pair)
+                                       step_compute, storage_append, storage_read, storage_write, stream_pair)
 from harness.calibrate.procs import process_figures
-from harness.calibrate.provenance import calibrated_document, to_toml
+from harness.calibrate.provenance import calibrated_document, median_abs_diff_max_exp, to_toml
 
 DEFAULT_PROFILE = "ci-small"
 
@@ -188,6 +190,21 @@ def start_skews(events: list[dict]) -> list[float]:
         if e.get("event") == "phase" and e.get("phase") == "started" and "t" in e:
             key = (e.get("replica_id"), e.get("incarnation", 0), e.get("rank", 0))
             at.setdefault(e["step"], {}).setdefault(key, e["t"])
+    n = max((len(by) for by in at.values()), default=0)
+    return [abs(a - b) for by in at.values() if n > 1 and len(by) == n
+            for i, a in enumerate(by.values()) for b in list(by.values())[i + 1:]]
+
+
+def exchange_skews(events: list[dict]) -> list[float]:
+    """Per step that every replica of the run committed (its leader's first commit event of the step), |a - b| over
+    every pair of the replicas' commit times: how far apart the replicas leave a step's all-reduce and vote (each
+    rank wakes from the ring at its own time, and a replica's vote waits for its later rank). For replicas of K ranks
+    whose wakes are independent exponential delays of mean m, m = median / `provenance.median_abs_diff_max_exp(K)`
+    (train.rank_exchange_skew_s). Pure."""
+    at: dict[int, dict[tuple, float]] = {}
+    for e in events:
+        if e.get("event") == "commit" and e.get("rank", 0) == 0 and "t" in e:
+            at.setdefault(e["step"], {}).setdefault((e.get("replica_id"), e.get("incarnation", 0)), e["t"])
     n = max((len(by) for by in at.values()), default=0)
     return [abs(a - b) for by in at.values() if n > 1 and len(by) == n
             for i, a in enumerate(by.values()) for b in list(by.values())[i + 1:]]
@@ -343,6 +360,13 @@ def _ftar_hop(script: str, steps: int, module: bool, ranks: int, one_replica_s: 
                              f"{len(skews)} pairs of ranks in a step of |a - b| of their started phases, / ln 2 (the "
                              f"mean of exponential start delays that gives it; {script} as 2 replicas x {ranks} ranks "
                              "with FTRUN_PHASE_EVENTS=1)", len(skews)))
+    left = exchange_skews(events)
+    if left:
+        spread = median_abs_diff_max_exp(ranks)
+        phased.append(Figure("script_exchange_skew_s", median(left) / spread, "s", f"the median over {len(left)} "
+                             f"steps of |a - b| of the 2 replicas' commits, / {spread:.4g} (the median |a - b| of the "
+                             f"latest of {ranks} exponential draws of mean 1 each: the mean of the ranks' late wakes "
+                             f"from the all-reduce that gives it; {script} as 2 replicas x {ranks} ranks)", len(left)))
     writes = writer_writes(events)
     if writes:
         phased.append(Figure("script_writer_write_s", max(median(writes), 0.0), "s", f"median over {len(writes)} steps "
@@ -382,6 +406,7 @@ def measure_all(*, quick: bool, script: str | None, script_steps: int, module: b
     take("shm", shm_bandwidth, nbytes=mb, reps=3 if quick else 7)
     take("storage", storage_write, reps=10 if quick else 30)
     take("storage append", storage_append, reps=50 if quick else 200)
+    take("storage read", storage_read, reps=50 if quick else 200)
     take("ftar kernels", ftar_kernels, nbytes=4 << 20 if quick else 8 << 20, reps=5 if quick else 30)
     # quick: still up to 32 MiB, so the bytes' time stands above a loaded box's per-fetch noise (with 8 MiB at most,
     # 2 of each, the slope came out <= 0 under a CI run's load: catchup_ns_per_byte 0)

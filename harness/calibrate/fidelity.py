@@ -404,14 +404,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "and a killed process's teardown (peer reset) just before and just after the real run (on a shared "
                         "machine the load moves them most) and emulate with the mean of the two, and the loader_state "
                         "write as the real runs' own writer met it (its phase events; else a write sampled while they ran: the "
-                        "disk swings most); keep the rest")
+                        "disk swings most), the killed rank's teardown as the real runs' kills met it (their trace.json; "
+                        "else the re-measured one); keep the rest")
     p.add_argument("--cpu-charging", choices=("on", "off"), default="off",
                    help="charge the emulator's real CPU time to emulated hosts (default off: deterministic)")
     p.add_argument("--out", default=None, help="folder for the real run and the calibrated profile")
     p.add_argument("--json", action="store_true")
 
 
-def _real(args: argparse.Namespace, out: str) -> tuple[dict, list[dict]]:
+def _real(args: argparse.Namespace, out: str) -> tuple[dict, list[dict], dict]:
     cmd = [sys.executable, "-m", "ftrun.cli", "launch", "--replicas", str(args.replicas), "--ranks-per-replica",
            str(args.ranks_per_replica), "--steps", str(args.steps), "--min-replicas", "1",
            "--restart-delay", f"{args.restart_delay}s", *(x for spec in fault_specs(args) for x in ("--inject", spec)),
@@ -426,7 +427,16 @@ def _real(args: argparse.Namespace, out: str) -> tuple[dict, list[dict]]:
                          f"{proc.stderr.strip()[-800:]}") from None
     with open(os.path.join(out, "events.jsonl")) as f:
         events = [json.loads(line) for line in f if line.strip()]
-    return figures, events
+    return figures, events, read_trace(out)
+
+
+def read_trace(out: str) -> dict:
+    """A `ftrun launch --out` folder's trace.json ({} without one)."""
+    path = os.path.join(out, "trace.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
 
 
 def kill_steps(args: argparse.Namespace) -> list[int]:
@@ -451,6 +461,7 @@ def emulated_overrides(args: argparse.Namespace, num_params: int) -> list[str]:
              f"scheduler.alloc_delay_warm_s={args.restart_delay}",
              f"ftar.engine.chunk_bytes={CHUNK_BYTES}", f"ftar.engine.num_chunks={NUM_CHUNKS}",
              "checkpoint=none",  # the real worker runs without --checkpoint-every
+             "storage.lighthouse_persists=false",  # `ftrun launch`'s lighthouse keeps its state in memory
              f"emulation.cpu_charging={'true' if args.cpu_charging == 'on' else 'false'}"]
             + [f"timeouts.{key}={value}" for key, value in real_timeouts().items()] + toy_model_overrides(num_params))
 
@@ -466,7 +477,7 @@ def _toy_params() -> int:
 # and after it, with --profile and --restep).
 SCRIPT_KEYS = ("train.step_compute_s", "train.step_bookkeeping_s", "ftar.sync_overhead_s", "scheduler.process_start_s",
                "storage.local_write_latency_s", "network.crash_fin_delay_s", "network.replica_collective_pass_s",
-               "train.replica_compute_extra_s", "train.rank_start_skew_s")
+               "train.replica_compute_extra_s", "train.rank_start_skew_s", "train.rank_exchange_skew_s")
 
 
 def restep_values(profile_path: str, ranks: int, steps: int = 30) -> tuple[dict[str, float], dict[str, float]]:
@@ -524,6 +535,52 @@ def real_write(runs: list[list[dict[str, Any]]], sampled: Figure | None) -> Figu
         return sampled
     return Figure("real_writer_write_s", max(median(writes), 0.0), "s", f"the median over {len(writes)} steps of "
                   "the real runs' writer's after_commit -> next quorum phase less the other replicas'", len(writes))
+
+
+TEARDOWN_KEY = "network.crash_fin_delay_s"
+SKEW_KEYS = ("train.rank_start_skew_s", "train.rank_exchange_skew_s")
+
+
+def real_skews(runs: list[list[dict[str, Any]]], ranks: int) -> dict[str, Figure]:
+    """The ranks' late starts and late wakes from the all-reduce as the real runs met them (SKEW_KEYS, by key), from
+    their phase and commit events with `ftrun calibrate`'s own estimators over every run's steps
+    (`harness.calibrate.start_skews` / `exchange_skews`), for reading beside the restep's: they grow with the rank
+    processes on the CPUs (2.4-2.9 ms at 3 x 1 and 10-13 ms at 4 x 2 where the 2-replica restep runs read 0.1 and
+    2.8-3.6 ms), but emulating with them on top of the restep's step and overhead counts the CPU queueing twice
+    (the real 3 x 1 step's quorum-to-commit equalled the 2-replica one's: 7.3 against 6.6-7.3 ms; emulated with
+    them it came out 1.5-1.7x the real: benchmarks/results/fidelity.md). A key without pairs is left out. Pure."""
+    from harness.calibrate import exchange_skews, start_skews
+    from harness.calibrate.provenance import median_abs_diff_max_exp
+
+    starts = [x for ev in runs for x in start_skews(ev)]
+    left = [x for ev in runs for x in exchange_skews(ev)]
+    out = {}
+    if starts:
+        out[SKEW_KEYS[0]] = Figure("real_start_skew_s", median(starts) / math.log(2), "s", f"the median over "
+                                   f"{len(starts)} pairs of the real runs' ranks in a step of |a - b| of their "
+                                   "started phases, / ln 2", len(starts))
+    if left:
+        spread = median_abs_diff_max_exp(ranks)
+        out[SKEW_KEYS[1]] = Figure("real_exchange_skew_s", median(left) / spread, "s", f"the median over "
+                                   f"{len(left)} pairs of the real runs' replicas in a step of |a - b| of their "
+                                   f"commits, / {spread:.4g} (median_abs_diff_max_exp({ranks}))", len(left))
+    return out
+
+
+def real_teardown(traces: list[dict]) -> Figure | None:
+    """The killed rank's teardown the real runs met: per kill of each run's trace.json, from the kill to its
+    lighthouse's loss of the killed replica's connection (`harness.calibrate.teardowns`, what `ftrun calibrate
+    SCRIPT` times in 3 kills of its 2-replica run), the median over every run's kills; None without one. One
+    kill's teardown varies 2-4x from the next under a shared machine's load (3 kills before and 3 after the real
+    runs gave 18.5 and 58.4 ms around real runs whose 8 kills had a median of 26.6: benchmarks/results/fidelity.md),
+    so the real runs' own kills are the steadier figure. Pure."""
+    from harness.calibrate import teardowns
+
+    down = [x for trace in traces for x in teardowns(trace)]
+    if not down:
+        return None
+    return Figure("real_teardown_s", median(down), "s", f"the median over {len(down)} kills of the real runs of the "
+                  "time from the kill to the lighthouse's loss of the killed replica's connection (trace.json)", len(down))
 
 
 def _emulated(args: argparse.Namespace, profile_path: str, extra: list[str] = ()) -> tuple[dict, list[dict], list[float]]:
@@ -594,14 +651,17 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if sampler is not None:
             sampler.stop()
-    real_complete = all(f.get("complete") for f, _ in reals)
-    real_evs = [ev for _, ev in reals]
+    real_complete = all(f.get("complete") for f, _, _ in reals)
+    real_evs = [ev for _, ev, _ in reals]
     sampled = sampler.figure() if sampler is not None else None
     write = real_write(real_evs, sampled)
+    teardown = real_teardown([trace for _, _, trace in reals])
+    skews = real_skews(real_evs, args.ranks_per_replica)
     if before:
         print("ftrun fidelity: re-measuring the script's step after the real run ...", file=sys.stderr, flush=True)
         after, figures_after = restep_values(profile, args.ranks_per_replica)
         restep = with_override(mean_overrides(before, after), WRITE_KEY, write.value if write is not None else None)
+        restep = with_override(restep, TEARDOWN_KEY, teardown.value if teardown is not None else None)
     offsets = start_offsets(real_evs, replica_ids(args.replicas))
     starts = [] if offsets is None else [f"scheduler.first_start_s={offsets!r}"]
     print("ftrun fidelity: emulated run ...", file=sys.stderr, flush=True)
@@ -647,6 +707,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"  (restep {key:<34} before {before[key]:.4g}, after {after.get(key, float('nan')):.4g})")
     if write is not None:
         print(f"  (restep {WRITE_KEY:<34} emulated with {write.value:.4g}: {write.method})")
+    if before and teardown is not None:
+        print(f"  (restep {TEARDOWN_KEY:<34} emulated with {teardown.value:.4g}: {teardown.method})")
+    for key, f in skews.items():  # for reading: the restep's are what the emulator takes (real_skews says why)
+        print(f"  (real runs' {key:<29} {f.value:.4g}: {f.method})")
     mx, noise_mx = table["max_abs_log_ratio"], table.get("real_vs_real_max_abs_log_ratio")
     print(f"  max |ln(emulated/real)| = {'-' if mx is None else format(mx, '.3f')}"
           + (f", real vs real {'-' if noise_mx is None else format(noise_mx, '.3f')}" if args.repeat > 1 else "")
@@ -661,5 +725,7 @@ def run(args: argparse.Namespace) -> int:
                    "restep_figures": {"before": figures_before, "after": figures_after}, "first_start_s": offsets,
                    "write_during_real_s": None if write is None else write.value,
                    "write_sampled_s": None if sampled is None else sampled.value,
+                   "teardown_during_real_s": None if teardown is None else teardown.value,
+                   "real_skews_s": {key: f.value for key, f in skews.items()},
                    "spread": {"real": real_spread, "emulated": emu_spread}, "kills": args.kills, "wall_s": round(time.monotonic() - started, 3)})
     return 0 if real_complete and emu_f.get("complete") else 1

@@ -427,6 +427,19 @@ def storage_write(*, reps: int = 30, nbytes: int = 1024) -> Figure:
                   f"fsync the folder) of a {nbytes} B file under {tempfile.gettempdir()}, {reps} writes", n)
 
 
+def storage_read(*, reps: int = 200, nbytes: int = 1024) -> Figure:
+    """One ftrun.storage.FileStorage.read of a loader_state-sized file (a loader_state save reads both slots
+    before it writes: ftrun.data.loader_state)."""
+    from ftrun.storage import FileStorage
+
+    with tempfile.TemporaryDirectory(prefix="ftrun-calibrate-") as d:
+        storage = FileStorage(d)
+        storage.write_atomic("loader_state.json", b"x" * nbytes)
+        t, n = _median_time(lambda: storage.read("loader_state.json"), reps)
+    return Figure("storage_read_s", t, "s", f"median ftrun.storage.FileStorage.read of a {nbytes} B file under "
+                  f"{tempfile.gettempdir()}, {reps} reads", n)
+
+
 class WriteSampler:
     """The loader_state write (as `storage_write`) timed every `period_s` in a thread while something else
     runs: the disk of a shared machine swings (fsync 0.5 ms to 16 ms minutes apart on this one), so the write

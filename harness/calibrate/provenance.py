@@ -12,6 +12,7 @@ value its entry says (an override of a calibrated key drops that entry).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -76,11 +77,13 @@ def profile_keys(figures: Mapping[str, Figure]) -> dict[str, tuple[float, str, s
             f"the emulated fetch already pays on the modeled network (2 x 2 x {lat.value:.3g} us), floored at 0",
             fetch.samples)
     direct("storage.local_append_latency_s", "storage_append_s")
+    direct("storage.local_read_latency_s", "storage_read_s")
     direct("ftar.sync_overhead_s", "ftar_sync_overhead_s")
     skew = figures.get("script_start_skew_s")
     m = skew.value if skew is not None else 0.0
     if skew is not None:
         out["train.rank_start_skew_s"] = (m, "s", skew.method, skew.samples)
+    direct("train.rank_exchange_skew_s", "script_exchange_skew_s")
     # the 2-replica run's, where timed: the runs the emulator stands in for have 2 or more replicas
     after = figures.get("script_commit_to_quorum_2_replicas_s") or figures.get("script_commit_to_quorum_s")
     if after is not None and write is not None and lat is not None:
@@ -139,6 +142,37 @@ def median_max_exp(n: int) -> float:
     return -math.log(1.0 - 0.5 ** (1.0 / n))
 
 
+def median_abs_diff_max_exp(k: int) -> float:
+    """The median of |X - Y| for X, Y each the largest of k independent exponential draws of mean 1 (ln 2 for k = 1:
+    the difference of two exponentials is exponential again): how far apart two replicas of k ranks commit when
+    each rank wakes from the all-reduce that late and the replica's vote waits for its latest rank. Numerical
+    (Simpson's rule over P(|X - Y| <= d), bisection on d). Pure."""
+    if k < 1:
+        raise ValueError(f"median_abs_diff_max_exp needs k >= 1 ranks, got {k}")
+    return _median_abs_diff_max_exp(k)
+
+
+@functools.lru_cache(maxsize=None)
+def _median_abs_diff_max_exp(k: int) -> float:
+    n, top = 2000, 30.0 + math.log(k)  # Simpson intervals (even) over [0, top]: the tail beyond is < 1e-12
+    h = top / n
+    xs = [i * h for i in range(n + 1)]
+    weights = [h / 3 * (1 if i in (0, n) else 4 if i % 2 else 2) for i in range(n + 1)]
+    pdf = [k * math.exp(-x) * (1 - math.exp(-x)) ** (k - 1) for x in xs]
+
+    def cdf(x: float) -> float:
+        return (1 - math.exp(-x)) ** k if x > 0 else 0.0
+
+    def within(d: float) -> float:  # P(|X - Y| <= d)
+        return sum(w * f * (cdf(x + d) - cdf(x - d)) for w, f, x in zip(weights, pdf, xs))
+
+    lo, hi = 0.0, top
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if within(mid) < 0.5 else (lo, mid)
+    return (lo + hi) / 2
+
+
 def _without_contention(figures: Mapping[str, Figure], keys: Mapping[str, tuple]) -> dict[str, tuple]:
     """The script's step and all-reduce overhead less the CPU contention the emulator charges on top of them
     (harness.run.job's contention_extra_s: a step of N live ranks takes step_compute_s x max(1, N u / c)):
@@ -187,10 +221,16 @@ def _without_contention(figures: Mapping[str, Figure], keys: Mapping[str, tuple]
     # bookkeeping) / that run's period (its quorum-to-commit plus commit-to-quorum), where timed; else the 1-replica u
     after_2 = figures.get("script_commit_to_quorum_2_replicas_s")
     u2 = min(1.0, (base + bookkeeping) / (two.value + after_2.value)) if after_2 is not None else u
-    rise = max(two.value - comm_2 - skew_s(2 * k) - base * max(1.0, 2 * k * u2 / c), 0.0)
+    # the leader's commit waits for the latest of its K ranks' late wakes from the all-reduce (a 1-replica step's
+    # all-reduce has no peer to wait for: no wake there)
+    mx = keys.get("train.rank_exchange_skew_s", (0.0,))[0]
+    woke = mx * median_max_exp(round(k))
+    rise = max(two.value - comm_2 - skew_s(2 * k) - woke - base * max(1.0, 2 * k * u2 / c), 0.0)
     what = (f"measured.script_step_2_replicas_s ({two.value:.6g} s) less its collectives over the replica's comm "
             f"({comm_2:.6g} s), the wait for the latest of its 2K ranks' late starts beyond the leader's "
-            f"({skew_s(2 * k):.6g} s) and the step of 2K ranks under contention, step_compute_s x max(1, 2K u2 / c) "
+            f"({skew_s(2 * k):.6g} s), the wait for the latest of its K ranks' late wakes from the all-reduce "
+            f"(train.rank_exchange_skew_s x median_max_exp(K): {woke:.6g} s) "
+            f"and the step of 2K ranks under contention, step_compute_s x max(1, 2K u2 / c) "
             f"(u2 = {u2:.3g}: that run's busy share of its step period) {why}, floored at 0")
     c1, c2 = figures.get("script_compute_s"), figures.get("script_compute_2_replicas_s")
     if c1 is None or c2 is None:
@@ -212,8 +252,8 @@ def _without_contention(figures: Mapping[str, Figure], keys: Mapping[str, tuple]
 
 
 # Figures that set a key one to one are recorded under that key only.
-_ONE_TO_ONE = {"step_s", "cpu_cores_effective", "storage_append_s", "ftar_sync_overhead_s", "ftar_reduce_gb_s", "ftar_copy_gb_s", "crash_detect_s", "tcp_one_way_us", "peer_reset_s",
-               *WRITE_FIGURES, "script_peer_reset_s", "script_start_skew_s"}
+_ONE_TO_ONE = {"step_s", "cpu_cores_effective", "storage_append_s", "storage_read_s", "ftar_sync_overhead_s", "ftar_reduce_gb_s", "ftar_copy_gb_s", "crash_detect_s", "tcp_one_way_us", "peer_reset_s",
+               *WRITE_FIGURES, "script_peer_reset_s", "script_start_skew_s", "script_exchange_skew_s"}
 
 
 def calibrated_document(base: Mapping[str, Any], figures: Mapping[str, Figure], *, measured_at: str, host: str,

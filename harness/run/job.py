@@ -151,6 +151,7 @@ class EmulatedJob(JobFolding):
         self.storage = MockObjectStore.local_disk(env)  # loader_state and audit logs: files next to the job
         self.storage.write_latency_s = profile.storage.local_write_latency_s
         self.storage.append_latency_s = profile.storage.local_append_latency_s
+        self.storage.read_latency_s = profile.storage.local_read_latency_s
         self.checkpoint_storage = MockObjectStore.remote(env)  # persistent checkpoints: an object store
         self.checkpoint_storage.write_latency_s = profile.storage.checkpoint_write_latency_s
         self.checkpoint_storage.bandwidth = profile.storage.checkpoint_bandwidth_bytes_per_s
@@ -217,10 +218,28 @@ class EmulatedJob(JobFolding):
         return self.profile.train.step_compute_s * random.Random(f"{self.options.seed}/{replica}/{step}").uniform(-j, j)
 
     def start_skew_s(self, replica: int, rank: int, n: int | str) -> float:
-        """A rank's late start of a step (train.rank_start_skew_s: an exponential draw of that mean, seeded by the
-        job's seed, replica, rank and `n`, 0 without one): rank 0's after each quorum decision (n: its quorum id and
-        step), the others' before their compute of step n."""
-        return start_skew(self.profile.train.rank_start_skew_s, f"{self.options.seed}/{replica}/{rank}/{n}")
+        """A rank's late start of a step (train.rank_start_skew_s, scaled as `_skew_scale`: an exponential draw of
+        that mean, seeded by the job's seed, replica, rank and `n`, 0 without one): rank 0's after each quorum
+        decision (n: its quorum id and step), the others' before their compute of step n."""
+        return start_skew(self.profile.train.rank_start_skew_s * self._skew_scale(),
+                          f"{self.options.seed}/{replica}/{rank}/{n}")
+
+    def exchange_skew_s(self, replica: int, rank: int, quorum: Any) -> float:
+        """A rank's late wake from the cross-replica all-reduce of `quorum` (a StepQuorum; train.rank_exchange_skew_s,
+        scaled as `_skew_scale`: an exponential draw of that mean, seeded by the job's seed, replica, rank, quorum id
+        and step), 0 when the all-reduce had no peer to wait for (one participant) or without one."""
+        if quorum.num_participants < 2:
+            return 0.0
+        return start_skew(self.profile.train.rank_exchange_skew_s * self._skew_scale(),
+                          f"{self.options.seed}/{replica}/{rank}/x{quorum.quorum_id}/{quorum.step}")
+
+    def _skew_scale(self) -> float:
+        """The late starts' and wakes' means are measured with 2 replicas up (`ftrun calibrate SCRIPT`'s 2-replica
+        run, which its 1-replica step's calibration takes as is); with R up, R / 2 of them, as the all-reduce
+        overhead: more rank processes wake on the shared CPUs (real runs' spreads against their restep's 2-replica
+        one: 1.3-2.7x at 3 and 4 replicas, benchmarks/results/fidelity.md)."""
+        up = sum(1 for inc in self._incarnations if inc is not None and inc.alive)
+        return max(up, 2) / 2
 
     # -- running ---------------------------------------------------------------------------------
     def run(self, progress: Callable[[int], None] | None = None) -> Recorder:
@@ -267,11 +286,13 @@ class EmulatedJob(JobFolding):
 
     def _start_lighthouse(self) -> None:
         """Start a lighthouse process on its host: at the job's start, and again after a kill, on the same
-        address and with the same disk (so it reloads the quorum state the previous one persisted)."""
+        address and with the same disk (so it reloads the quorum state the previous one persisted, where
+        storage.lighthouse_persists; without, it writes none and a decision waits for no write)."""
         lh_env = self.world.host_env(LIGHTHOUSE_HOST)
         if self._lighthouse_storage is None:
             self._lighthouse_storage = MockObjectStore.local_disk(lh_env)
-        self.lighthouse = Lighthouse(env=lh_env, token=self.token, storage=self._lighthouse_storage,
+        storage = self._lighthouse_storage if self.profile.storage.lighthouse_persists else None
+        self.lighthouse = Lighthouse(env=lh_env, token=self.token, storage=storage,
                                      config=LighthouseConfig(min_replicas=self.profile.train.min_replicas,
                                                              timeouts=self.timeouts),
                                      bind=self.lighthouse_addr or "127.0.0.1:0")

@@ -246,17 +246,20 @@ class FoldedProgress(DataProgress):
 
 class OverheadExchange:
     """A GradientExchange that pays the real all-reduce's measured overhead (ftar.sync_overhead_s)
-    after the modeled ring: a peer that dies meanwhile is still seen in the ring, as in a real run, where
-    the ranks wait inside the all-reduce. A failed all-reduce does not pay it: its error reaches the trainer when
-    the dead peer's reset arrives (real 3 x 1 and 3 x 2 runs: every survivor's error came within a few ms of the
-    lighthouse's loss of the killed replica's connection, 11-81 ms after the kill, while the overhead was 5-15 ms;
-    the reset's delay is network.crash_fin_delay_s, a killed rank's teardown). `overhead_s()`: the current
-    overhead (it depends on the replicas up)."""
+    after the modeled ring, then this rank's late wake from it (`late_s(quorum)`: train.rank_exchange_skew_s's draw,
+    before the commit vote, which waits for the replica's later rank): a peer that dies meanwhile is still seen in
+    the ring, as in a real run, where the ranks wait inside the all-reduce. A failed all-reduce pays neither: its
+    error reaches the trainer when the dead peer's reset arrives (real 3 x 1 and 3 x 2 runs: every survivor's error
+    came within a few ms of the lighthouse's loss of the killed replica's connection, 11-81 ms after the kill, while
+    the overhead was 5-15 ms; the reset's delay is network.crash_fin_delay_s, a killed rank's teardown).
+    `overhead_s()`: the current overhead (it depends on the replicas up)."""
 
-    def __init__(self, exchange: Any, env: Any, overhead_s: Callable[[], float]) -> None:
+    def __init__(self, exchange: Any, env: Any, overhead_s: Callable[[], float],
+                 late_s: Callable[[Any], float] | None = None) -> None:
         object.__setattr__(self, "_x", exchange)
         object.__setattr__(self, "_env", env)
         object.__setattr__(self, "_overhead_s", overhead_s)
+        object.__setattr__(self, "_late_s", late_s)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._x, name)
@@ -266,6 +269,6 @@ class OverheadExchange:
 
     def average(self, quorum: Any, grads: Any, **kwargs: Any) -> None:
         self._x.average(quorum, grads, **kwargs)
-        extra = self._overhead_s()
+        extra = self._overhead_s() + (self._late_s(quorum) if self._late_s is not None else 0.0)
         if extra:
             self._env.clock.sleep(extra)

@@ -555,3 +555,43 @@ def test_the_2_replica_contention_takes_that_runs_own_busy_share():
     assert keys["train.step_compute_s"][0] == pytest.approx(0.010)
     assert keys["ftar.sync_overhead_s"][0] == pytest.approx(0.030 - 0.010 * max(1.0, 4 * u2 / 2))
     assert "u2 = 0.25" in keys["ftar.sync_overhead_s"][2]
+
+
+def test_exchange_skews_pair_the_replicas_commits_of_every_step_all_committed():
+    from harness.calibrate import exchange_skews
+
+    commit = lambda rid, step, t, rank=0: {"event": "commit", "replica_id": rid, "incarnation": 0, "rank": rank,
+                                           "step": step, "t": t}
+    ev = [commit("r0", 1, 1.000), commit("r1", 1, 1.004), commit("r2", 1, 1.001), commit("r1", 1, 1.5, rank=1),
+          commit("r0", 2, 2.000), commit("r1", 2, 2.004)]  # r2 did not commit step 2: left out
+    assert sorted(exchange_skews(ev)) == pytest.approx([0.001, 0.003, 0.004])
+    assert exchange_skews(ev[:1]) == []  # one replica: no pair
+
+
+def test_the_exchange_skew_sets_its_key_and_leaves_the_leaders_wait_for_its_later_rank_out_of_the_overhead():
+    from harness.calibrate.provenance import median_abs_diff_max_exp, median_max_exp
+
+    assert median_abs_diff_max_exp(1) == pytest.approx(math.log(2), rel=1e-4)  # |a - b| of two exponentials
+    assert median_abs_diff_max_exp(1) < median_abs_diff_max_exp(2) < median_abs_diff_max_exp(4)
+    with pytest.raises(ValueError, match="k >= 1"):
+        median_abs_diff_max_exp(0)
+    base = [fig("step_s", 0.010), fig("script_step_period_s", 0.010), fig("cpu_cores_effective", 2.0, "cores"),
+            fig("script_step_2_replicas_s", 0.030), fig("script_ranks", 2, "ranks")]
+    plain = profile_keys({f.name: f for f in base})
+    keys = profile_keys({f.name: f for f in (*base, fig("script_exchange_skew_s", 0.002))})
+    assert keys["train.rank_exchange_skew_s"][0] == 0.002
+    assert keys["train.step_compute_s"] == plain["train.step_compute_s"]  # one replica: no peer, no late wake
+    assert plain["ftar.sync_overhead_s"][0] - keys["ftar.sync_overhead_s"][0] == pytest.approx(0.002 * median_max_exp(2))
+    assert "late wakes" in keys["ftar.sync_overhead_s"][2]
+    doc = calibrated_document({"name": "x"}, {f.name: f for f in (*base, fig("script_exchange_skew_s", 0.002))},
+                              measured_at=AT, host="h", command="c", quick=False)
+    recorded = {v["key"] for v in doc["calibration"]["values"]}
+    assert "train.rank_exchange_skew_s" in recorded and "measured.script_exchange_skew_s" not in recorded
+
+
+def test_the_read_latency_is_the_measured_file_read():
+    keys = profile_keys({"storage_read_s": fig("storage_read_s", 14e-6)})
+    assert keys["storage.local_read_latency_s"][0] == 14e-6
+    doc = calibrated_document({"name": "x"}, {"storage_read_s": fig("storage_read_s", 14e-6)}, measured_at=AT,
+                              host="h", command="c", quick=False)
+    assert {v["key"] for v in doc["calibration"]["values"]} == {"storage.local_read_latency_s"}

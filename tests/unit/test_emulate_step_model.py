@@ -196,9 +196,9 @@ def test_the_replica_collective_pass_is_charged_on_the_steps_collectives_of_a_mu
 @pytest.mark.timeout(120)
 def test_the_ranks_start_skew_makes_a_step_wait_for_the_latest_of_its_ranks():
     """train.rank_start_skew_s: each rank starts a step an exponential draw late (seeded; a leader's after its
-    quorum decision, before its quorum event, as a real leader's event comes when its process wakes): a leader's
-    quorum-to-commit waits for the latest of the R x K ranks beyond its own, so it grows with the replicas up; the
-    same seed gives the same job."""
+    quorum decision, before its quorum event, as a real leader's event comes when its process wakes; the mean,
+    measured with 2 replicas, is R / 2 of it with R up): a leader's quorum-to-commit waits for the latest of the
+    R x K ranks beyond its own, so it grows with the replicas up; the same seed gives the same job."""
     from harness.calibrate.provenance import median_max_exp
     from harness.run.job import start_skew
 
@@ -211,7 +211,7 @@ def test_the_ranks_start_skew_makes_a_step_wait_for_the_latest_of_its_ranks():
     assert skewed == _spans_at_2_and_4_replicas(f"train.rank_start_skew_s={skew}")
     ranks = build_profile("ci-small", [], steps=4, cpu_charging=False).ranks_per_replica
     for replicas in (2, 4):  # 4 steps: a loose check against the medians
-        late = skew * (median_max_exp(replicas * ranks) - math.log(2))
+        late = skew * replicas / 2 * (median_max_exp(replicas * ranks) - math.log(2))
         assert skewed[replicas] - plain[replicas] == pytest.approx(late, rel=0.6)
     assert skewed[4] - plain[4] > skewed[2] - plain[2]
 
@@ -233,3 +233,68 @@ def test_a_mid_step_kill_is_timed_from_the_victims_own_late_start():
     same = [e["t"] for e in ev if e["event"] == "quorum" and e.get("quorum_id") == quorum["quorum_id"]
             and e["step"] == quorum["step"]]
     assert len(same) == 3 and max(same) - min(same) > 0.001  # the leaders' events of one quorum, at their draws
+
+
+@pytest.mark.timeout(120)
+def test_the_ranks_late_wake_from_the_all_reduce_spreads_the_replicas_commits():
+    """train.rank_exchange_skew_s: each rank wakes from the cross-replica all-reduce an exponential draw late and its
+    replica's commit vote waits for the later of its ranks, so the replicas' commits of a step spread (real 4 x 2
+    runs: a median pair 7-10 ms apart; emulated without it: 0.01 ms), a pair by about m x R / 2 x
+    median_abs_diff_max_exp(K) (the mean is measured with 2 replicas); seeded; a lone replica's all-reduce waits
+    for no peer and wakes on time."""
+    from statistics import median
+
+    from harness.calibrate import exchange_skews
+    from harness.calibrate.provenance import median_abs_diff_max_exp
+
+    def job(skew: float, replicas: int = 4):
+        overrides = [f"train.rank_exchange_skew_s={skew}", f"replicas={replicas}", "ranks_per_replica=2",
+                     "topology.gpus_per_host=2", "train.shared_cpu_cores=0", "failures.mode=none", "failures.events=[]",
+                     "train.min_replicas=1"]
+        f, j = execute(build_profile("ci-small", overrides, steps=16, cpu_charging=False), JobOptions(steps=16))
+        assert f["complete"]
+        return j
+
+    m = 0.05
+    plain, woke = exchange_skews(job(0.0).recorder.events), exchange_skews(job(m).recorder.events)
+    assert median(plain) < 0.001
+    assert median(woke) == pytest.approx(m * 4 / 2 * median_abs_diff_max_exp(2), rel=0.5)
+    assert woke == exchange_skews(job(m).recorder.events)
+    assert _quorum_to_commit(job(m, replicas=1)) == pytest.approx(_quorum_to_commit(job(0.0, replicas=1)), abs=1e-6)
+
+
+@pytest.mark.timeout(120)
+def test_a_lighthouse_that_keeps_its_state_in_memory_hands_out_a_decision_without_a_write():
+    """storage.lighthouse_persists=false (`ftrun launch`'s in-process lighthouse, which has no state directory): the
+    quorum decision waits for no write of the lighthouse's state, so a step's commit-to-quorum is that write
+    (MockObjectStore.local_disk's 1 ms) shorter; the rest of the job is the same."""
+    from statistics import median
+
+    from harness.calibrate import commit_to_quorum_s
+
+    def after_commit(persists: str) -> float:
+        overrides = [f"storage.lighthouse_persists={persists}", "train.shared_cpu_cores=0", "failures.mode=none",
+                     "failures.events=[]"]
+        f, job = execute(build_profile("ci-small", overrides, steps=6, cpu_charging=False), JobOptions(steps=6))
+        assert f["complete"]
+        return median(commit_to_quorum_s([e for e in job.recorder.events if e.get("rank", 0) == 0]))
+
+    assert after_commit("true") - after_commit("false") == pytest.approx(0.001, abs=2e-4)
+
+
+@pytest.mark.timeout(120)
+def test_the_writers_loader_state_save_reads_both_slots_at_the_calibrated_read_latency():
+    """storage.local_read_latency_s (`ftrun calibrate`: FileStorage.read, ~14 us; 0.2 ms assumed before): the writer's
+    loader_state save reads its two slots before the write, and every replica's next quorum waits for the writer."""
+    from statistics import median
+
+    from harness.calibrate import commit_to_quorum_s
+
+    def after_commit(read_s: float) -> float:
+        overrides = [f"storage.local_read_latency_s={read_s}", "train.shared_cpu_cores=0", "failures.mode=none",
+                     "failures.events=[]"]
+        f, job = execute(build_profile("ci-small", overrides, steps=6, cpu_charging=False), JobOptions(steps=6))
+        assert f["complete"]
+        return median(commit_to_quorum_s([e for e in job.recorder.events if e.get("rank", 0) == 0]))
+
+    assert after_commit(0.01) - after_commit(0.0) == pytest.approx(2 * 0.01, abs=2e-3)

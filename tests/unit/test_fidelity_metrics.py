@@ -330,6 +330,22 @@ def test_teardowns_are_each_kill_to_the_lighthouses_loss_of_that_replica():
     assert teardowns(unseen_first) == pytest.approx([0.025])  # not 0.074: the next kill's loss is the next kill's
 
 
+def test_the_real_teardown_is_the_median_over_every_real_runs_kills():
+    from harness.calibrate.fidelity import real_teardown
+
+    def trace(*pairs: tuple[float, float]) -> dict:  # (kill, loss) in ms
+        ev = []
+        for kill, lost in pairs:
+            ev += [{"name": "kill", "cat": "job", "ph": "i", "ts": kill * 1e3, "args": {"replica_id": "r1"}},
+                   {"name": "member_lost r1", "cat": "quorum", "ph": "i", "ts": lost * 1e3,
+                    "args": {"replica_id": "r1", "why": "lost"}}]
+        return {"traceEvents": ev}
+
+    t = real_teardown([trace((100, 112), (500, 560)), trace((100, 120)), {}])
+    assert t.name == "real_teardown_s" and t.value == pytest.approx(0.020) and t.samples == 3
+    assert real_teardown([{}, {}]) is None
+
+
 def test_rank_phases_are_medians_over_every_runs_ranks_steps():
     from harness.calibrate.fidelity import rank_phases
 
@@ -364,3 +380,20 @@ def test_the_real_write_is_the_real_runs_own_writers_else_the_sampled_one():
     w = real_write([run, run], sampled)
     assert w.name == "real_writer_write_s" and w.value == pytest.approx(0.004) and w.samples == 2
     assert real_write([[e for e in run if e["event"] != "phase"]], sampled) is sampled
+
+
+def test_the_real_skews_are_the_calibrations_estimators_over_every_real_run():
+    from harness.calibrate.fidelity import real_skews
+    from harness.calibrate.provenance import median_abs_diff_max_exp
+
+    def run(lag: float) -> list[dict]:
+        return [{"event": "phase", "phase": "started", "replica_id": "r0", "rank": 0, "step": 1, "t": 1.0},
+                {"event": "phase", "phase": "started", "replica_id": "r1", "rank": 0, "step": 1, "t": 1.0 + lag},
+                {"event": "commit", "replica_id": "r0", "rank": 0, "step": 2, "t": 2.0},
+                {"event": "commit", "replica_id": "r1", "rank": 0, "step": 2, "t": 2.0 + 2 * lag}]
+
+    skews = real_skews([run(0.001), run(0.003)], ranks=2)
+    assert skews["train.rank_start_skew_s"].value == pytest.approx(0.002 / math.log(2))
+    assert skews["train.rank_exchange_skew_s"].value == pytest.approx(0.004 / median_abs_diff_max_exp(2))
+    assert skews["train.rank_start_skew_s"].samples == 2
+    assert real_skews([[]], ranks=1) == {}
