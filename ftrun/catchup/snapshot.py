@@ -13,10 +13,13 @@ pages (MADV_HUGEPAGE) were tried: ~15 ms in isolation, but a fresh process's fir
 least LEND_MIN_BYTES, contiguous): no copy, so the snapshot is servable as soon as it is checksummed.
 The caller promises not to change them until it retires the step or publishes again (the trainer:
 parameters and optimizer state, which only the committed optimizer step or a heal's load changes, and
-it retires first); bytes changed anyway fail the joiner's CRC check, as a replaced snapshot's torn
-bytes do. benchmarks/catchup_launch.py's state (50.4 MB, CPU, 1 torch thread): publish to servable
-3.6-16 ms (mostly the CRC, ~3 ms alone) against 7.6-47 ms with the copy, medians of 25 side-by-side
-publishes at load 5-8 on 2 cores; the source keeps no 50 MB snapshot buffer either.
+it retires first; the user's own loop lends nothing, ftrun.train.user_state). Bytes changed anyway
+after their shard was checksummed fail the joiner's CRC check, as a replaced snapshot's torn bytes do;
+changed before (the checksums are computed in the background, after publish returns), they are
+checksummed and served as they are: no check catches that. benchmarks/catchup_launch.py's state
+(50.4 MB, CPU, 1 torch thread): publish to servable 3.6-16 ms (mostly the CRC, ~3 ms alone) against
+7.6-47 ms with the copy, medians of 25 side-by-side publishes at load 5-8 on 2 cores; the source keeps
+no 50 MB snapshot buffer either.
 `reserve(state)` makes that buffer ahead of a first publish, in a background task (allocated and faulted
 in while the caller trains on): the trainer reserves while its quorum lacks some of the job's replicas,
 one of which will join and need the snapshot (the memory a first publish takes, kept as it is). In a

@@ -21,9 +21,10 @@ until it is published) while the healthy replicas compute, and the healthy repli
 before the behind replica sends its zeros. Publishing after the exchange would deadlock the two (each
 waiting for the other until ftar_timeout_s). Nothing changes the state between the publish and the
 optimizer step, so this is the paper's "snapshot before the optimizer step". The snapshot serves the
-state's stable tensors (TrainState.stable: parameters and optimizer state, on the CPU) in place rather
-than copying them, so the trainer retires it before anything changes them: before the optimizer step of
-a commit and before a heal's load (tests/unit/test_trainer.py checks both).
+state's stable tensors (TrainState.stable: parameters and optimizer state, on the CPU; none in the
+user's own loop, whose code runs inside the step) in place rather than copying them, so the trainer
+retires it before anything changes them: before the optimizer step of a commit and before a heal's
+load (tests/unit/test_trainer.py checks both).
 
 Waiting for a joiner (paper §6.1, ftrun.catchup.wait). When the fetch is slower than the step, the
 healthy replicas wait in the FTAR for the joiner's zeros, each wait of the step's ring build bounded by

@@ -12,7 +12,8 @@ bytes, in key order: equal for equal state, so replicas can be compared step by 
 event's `user_state_hash`; `ftrun launch` reports `user_state_identical`).
 
 `WithUserState` composes a rank's TrainState (model and optimizer, ftrun.train.state) with the
-registered state: the user tensors under "user.", the skeleton under metadata["user"]. Persistent
+registered state: the user tensors under "user.", the skeleton under metadata["user"]; its catch-up
+snapshot copies every tensor (`stable` names none: the user's code runs inside the step). Persistent
 checkpoints take the registered objects directly (DcpCheckpointer's `extra`, entries "user.<name>").
 Threading: the training loop's thread only.
 """
@@ -147,7 +148,11 @@ class WithUserState:
         return {**self.base.tensors(), **tensors}
 
     def stable(self) -> frozenset[str]:
-        return self.base.stable()  # the registered objects change whenever the user's loop says
+        """Nothing: the user's loop runs its own code between a step's begin (the catch-up publish) and its
+        opt.step() (the retire), and may change parameters or optimizer state in place there (SAM's ascent
+        step, a weight clamp, an EMA swap for an evaluation); a snapshot serving them in place would serve
+        those bytes, checksummed or not, instead of the state the step began with. So it copies them all."""
+        return frozenset()
 
     def metadata(self) -> dict[str, Any]:
         _, skeleton = self.user.split()

@@ -142,8 +142,8 @@ def test_pieces_take_a_range_from_the_buffer_and_the_lent_bytes():
 
 def test_lent_tensors_are_served_in_place_and_a_change_fails_the_crc(kind, monkeypatch):
     """publish(borrow=...) serves those tensors from their own memory (not copied into the snapshot
-    buffer): a joiner gets them whole; changed before the retire, they fail the shard CRC (never a
-    silently wrong state); the next publish serves the new values."""
+    buffer): a joiner gets them whole; changed after they were checksummed and before the retire, they
+    fail the shard CRC; the next publish serves the new values."""
     monkeypatch.setattr(snapshot, "LEND_MIN_BYTES", 0)
     if kind[2] == "meta":
         pytest.skip("shape-only snapshots have no bytes to lend")

@@ -11,6 +11,9 @@ import math
 import pytest
 import torch
 
+from ftrun.catchup import snapshot
+from ftrun.catchup.snapshot import SnapshotStore, tensor_views
+from ftrun.env.real import RealEnv
 from ftrun.launch.stats import RunStats
 from ftrun.train.lr import scaled_lr
 from ftrun.train.state import ReplicaState
@@ -117,6 +120,32 @@ def test_a_peer_state_loads_into_a_fresh_replica_with_the_same_hash():
     advance(*dst[:2], *dst[3:], steps=3)
     assert dst[2].hash() == src[2].hash()
     assert torch.equal(dst[0].weight, src[0].weight)
+
+
+def test_the_own_loops_snapshot_is_the_state_its_step_began_with(monkeypatch):
+    """The user's own loop runs its code between the step's begin (the catch-up publish) and opt.step()
+    (the retire): SAM's ascent step, a weight clamp or an EMA swap change the parameters in place there. Its
+    snapshot is the state the step began with, whatever that code does (nothing of it is lent)."""
+    monkeypatch.setattr(snapshot, "LEND_MIN_BYTES", 0)
+    model, opt, user, *rest = setup(0)
+    advance(model, opt, *rest, steps=2)  # optimizer state to serve too
+    state = WithUserState(ReplicaState(model=model, optimizer=opt), user)
+    began = {k: v.clone() for k, v in state.tensors().items()}
+    store = SnapshotStore(env=RealEnv(), max_shard_bytes=256)
+    try:
+        store.publish(1, state.tensors(), {"state": state.metadata()}, borrow=state.stable())
+        assert store.wait_ready(5.0)
+        with torch.no_grad():  # the user's code, mid-step: SAM perturbs the weights, the optimizer's moments
+            for p in model.parameters():
+                p.add_(1.0)
+                opt.state[p]["exp_avg"].add_(1.0)
+        published = store.lookup(1)[1]
+        layout = published.manifest.layout
+        served = torch.frombuffer(bytearray(published.read(0, layout.total_bytes)), dtype=torch.uint8)
+        got = tensor_views(served, layout)
+        assert {k for k in began if not torch.equal(got[k], began[k])} == set()
+    finally:
+        store.close()
 
 
 def test_load_refuses_other_registered_names():
