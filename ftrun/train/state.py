@@ -46,7 +46,8 @@ class TrainState(Protocol):
 
     def stable(self) -> frozenset[str]:
         """The names in tensors() that nothing but the optimizer's step or a `load` changes (the trainer
-        retires its catch-up snapshot before either, so the snapshot may serve them in place)."""
+        retires its catch-up snapshot before either, so the snapshot may serve them in place). Optional:
+        a state without it is copied whole at every publish (`stable_names`)."""
 
     def load(self, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any]) -> None:
         """Replace this rank's state by a peer's. Raises ValueError if it does not fit this model.
@@ -77,8 +78,11 @@ class ReplicaState:
 
     def stable(self) -> frozenset[str]:
         """Parameters and the optimizer's state; not the model's buffers, which a forward may update (e.g.
-        BatchNorm's running statistics)."""
-        names = {MODEL + name for name, _ in self.model.named_parameters()}
+        BatchNorm's running statistics), nor the weight of an embedding with max_norm, which its forward
+        renormalizes in place."""
+        renormed = {f"{MODEL}{path}{'.' if path else ''}weight" for path, m in self.model.named_modules()
+                    if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.max_norm is not None}
+        names = {MODEL + name for name, _ in self.model.named_parameters()} - renormed
         return frozenset(k for k in self.tensors() if k in names or k.startswith(OPTIM))
 
     def metadata(self) -> dict[str, Any]:
@@ -135,6 +139,12 @@ class ReplicaState:
             raise ValueError(f"fetched {len(fetched)} param groups, this optimizer has {len(current)}")
         groups = [_merge_group(mine, theirs) for mine, theirs in zip(current, fetched)]
         return {"state": state, "param_groups": groups}
+
+
+def stable_names(state: Any) -> frozenset[str]:
+    """`state.stable()`, or none for a TrainState that does not say (its snapshot copies every tensor)."""
+    stable = getattr(state, "stable", None)
+    return frozenset() if stable is None else frozenset(stable())
 
 
 def _group_value(value: Any) -> Any:

@@ -106,6 +106,7 @@ from ftrun.train.compute import Compute, LossFn  # noqa: F401 (LossFn re-exporte
 from ftrun.train.exchange import GradientExchange
 from ftrun.train.lr import LRConfig, lr_factor
 from ftrun.train.overlap import OverlapExchange, may_overlap
+from ftrun.train.state import stable_names
 
 log = logging.getLogger("ftrun.train")
 
@@ -265,7 +266,7 @@ class FaultTolerantTrainer:
             metadata = {"step": q.step, "loader_state": self.progress.state.to_dict(), "state": self.state.metadata(),
                         "compute_s": self._compute_s}  # how long the joiner should expect to wait for us
             tensors = self.state.tensors()
-            self.catchup.publish(q.step, tensors, metadata, borrow=self.state.stable())
+            self.catchup.publish(q.step, tensors, metadata, borrow=stable_names(self.state))
             self._snapshot_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
             self._published = key
         if self.checkpoints is not None:
@@ -387,7 +388,7 @@ class FaultTolerantTrainer:
                 self.loader_store.save(self.progress.state)
         if not self._reserved and should_reserve(q, layout.num_replicas):  # a replica will join: its
             # snapshot's buffer now (for what it copies), with the optimizer's state
-            self.catchup.reserve(self.state.tensors(), borrow=self.state.stable())
+            self.catchup.reserve(self.state.tensors(), borrow=stable_names(self.state))
             self._reserved = True
         self._kept = None
 

@@ -36,7 +36,7 @@ from ftrun.train.grads import FlatGrads
 from ftrun.train.inject import CatchupFault, DieAt, parse_catchup_fault, parse_die_at, plan_for
 from ftrun.train.lr import BASE_LR_KEY, apply_lr_factor
 from ftrun.train.resume import resume
-from ftrun.train.state import ReplicaState
+from ftrun.train.state import ReplicaState, stable_names
 from ftrun.train.toy import ToyConfig, lm_loss, make_model, make_tokens
 from ftrun.train.trainer import TrainerConfig, build, step_seed
 from ftrun.checkpoint import store
@@ -108,6 +108,19 @@ def test_replica_state_carries_tensor_hyperparameters_as_tensors():
     one_step(src_model, src_opt, grads)
     one_step(dst_model, dst_opt, grads)
     assert param_hash(dst_model) == param_hash(src_model)
+
+
+def test_what_a_snapshot_may_lend_leaves_out_what_a_forward_changes():
+    """Lent tensors must change only at the optimizer step or a load: a buffer (running statistics) and an
+    embedding's weight under max_norm (renormalized in place by its forward) are copied; a TrainState
+    without stable() is copied whole."""
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4, max_norm=1.0), torch.nn.Linear(4, 4),
+                                torch.nn.BatchNorm1d(4), torch.nn.Embedding(10, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    stable = ReplicaState(model=model, optimizer=opt).stable()
+    assert "model.0.weight" not in stable and "model.2.running_mean" not in stable
+    assert {"model.1.weight", "model.1.bias", "model.2.weight", "model.3.weight"} <= stable
+    assert stable_names(object()) == frozenset()
 
 
 def test_replica_state_load_keeps_the_handed_tensors_as_the_optimizer_state():
