@@ -331,8 +331,8 @@ class RealListener:
             if self._closed:
                 raise PeerClosed("listener is closed")
             remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-            self._sock.settimeout(remaining)
             try:
+                self._sock.settimeout(remaining)  # EBADF here too when another thread closes the listener
                 sock, _ = self._sock.accept()
             except (socket.timeout, BlockingIOError):  # BlockingIOError: no time was left (timeout 0)
                 raise EnvTimeout(f"accept timed out after {timeout}s") from None

@@ -322,3 +322,14 @@ def test_an_accept_error_of_one_connection_skips_it_and_accepts_the_next(error):
         client.close()
         listener._sock = real
         listener.close()
+
+
+def test_an_accept_racing_the_listener_s_close_ends_as_closed():
+    """Another thread's close() can land between accept's closed check and its socket calls: that accept
+    raises the Env's 'closed' error (its callers' loops end on NetError), never a raw EBADF OSError (which
+    ended an accepting thread with an unhandled exception in a CI run)."""
+    listener = RealListener("127.0.0.1:0", ListenLimits())
+    listener._sock.close()  # the socket is gone, the closed flag not yet set: the window of the race
+    with pytest.raises(NetError, match="closed"):
+        listener.accept(timeout=1.0)
+    listener.close()
