@@ -156,7 +156,9 @@ def test_a_fault_mid_backward_ends_in_a_clean_retry(tmp_path):
 def test_launch_with_overlap_survives_a_replica_killed_inside_backward(tmp_path):
     """`ftrun launch` of 3 real ft_worker replicas with the overlapped exchange: r1 SIGKILLs itself inside
     autograd at step 10 while its peers' buckets are in flight; the survivors retry, r1 restarts and
-    heals, and every committed step's parameters are identical in every replica, the data exactly once."""
+    heals, and every committed step's parameters are identical in every replica, the data exactly once.
+    --step-time: without it the survivors' 30 steps after the kill took less than the 0.5 s restart delay,
+    and the job ended before r1 came back (restarts 0)."""
     import json
     import os
     import subprocess
@@ -165,8 +167,8 @@ def test_launch_with_overlap_survives_a_replica_killed_inside_backward(tmp_path)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     proc = subprocess.run(
         [sys.executable, "-m", "ftrun.cli", "launch", "--out", str(tmp_path), "--json", "--no-progress",
-         "--replicas", "3", "--steps", "40", "--timeout", "150s", "-m", "ftrun.train.ft_worker",
-         "--overlap-bucket-bytes", "256"],
+         "--replicas", "3", "--steps", "100", "--timeout", "150s", "-m", "ftrun.train.ft_worker",
+         "--overlap-bucket-bytes", "256", "--step-time", "0.05"],
         capture_output=True, text=True, timeout=170, cwd=root,
         env={**os.environ, "PYTHONPATH": root, "FTRUN_DIE_AT": "step=10,phase=backward,replica=r1,incarnation=0"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
