@@ -154,6 +154,13 @@ def lendable(tensor: torch.Tensor) -> memoryview | None:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
+def _names(borrow: Collection[str]) -> frozenset[str]:
+    """`borrow` as a set of names; one string is refused (it would match names by substring)."""
+    if isinstance(borrow, (str, bytes)):
+        raise CatchupUsageError(f"borrow must be a collection of tensor names, got the string {borrow!r}")
+    return frozenset(borrow)
+
+
 def describe(state: Mapping[str, torch.Tensor], *, shape_only: bool = False) -> list[tuple[str, str, tuple[int, ...]]]:
     """(name, dtype name, shape) of each entry; CatchupUsageError for what cannot be published.
     shape_only: meta tensors pass (the emulator's snapshots carry sizes, not bytes)."""
@@ -229,6 +236,7 @@ class SnapshotStore:
         CatchupUsageError for a state that cannot be published (non-tensors, sparse or meta tensors,
         unsupported dtypes, non-JSON metadata).
         """
+        borrow = _names(borrow)
         metadata = dict(metadata or {})
         check_metadata(metadata)
         layout = layout_for(describe(state), self._max_shard_bytes)
@@ -256,6 +264,7 @@ class SnapshotStore:
         background task allocates it and faults in the pages the publish will copy into (not those of
         the tensors it will lend, `borrow` as publish's); the next publish takes it. Nothing to do when
         the buffer is large enough already or a reserve is under way. Raises CatchupUsageError as publish."""
+        borrow = _names(borrow)
         layout = layout_for(describe(state), self._max_shard_bytes)
         if self._reserving is not None or (self._buffer is not None and self._buffer.capacity >= layout.total_bytes):
             return

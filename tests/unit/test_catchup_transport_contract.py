@@ -9,7 +9,7 @@ import torch
 
 from ftrun.catchup import snapshot
 from ftrun.catchup.config import CatchupConfig
-from ftrun.catchup.errors import CatchupAuthError, CatchupError, CatchupStepError
+from ftrun.catchup.errors import CatchupAuthError, CatchupError, CatchupStepError, CatchupUsageError
 from ftrun.catchup.http_transport import HttpCatchup
 from ftrun.catchup.net_transport import NetCatchup, NetCatchupServer
 from ftrun.catchup.snapshot import SnapshotStore, pieces, tensor_views
@@ -125,6 +125,19 @@ def test_a_reserved_buffer_is_what_the_next_publish_fills():
         store.reserve(small)  # fits the buffer it has: nothing to do
         store.publish(3, big)
         assert store.wait_ready(5.0) and store.lookup(3)[1].buffer is published.buffer
+    finally:
+        store.close()
+
+
+def test_borrow_is_a_collection_of_names_not_one_string():
+    """A string given as `borrow` would lend every tensor whose name is a substring of it: refused, naming it."""
+    store = SnapshotStore(env=RealEnv(), max_shard_bytes=CONFIG.max_shard_bytes)
+    try:
+        for call in (lambda: store.publish(1, _state(), borrow="optim.v"), lambda: store.reserve(_state(), borrow="x")):
+            with pytest.raises(CatchupUsageError, match="borrow must be a collection of tensor names"):
+                call()
+        store.publish(1, _state(), borrow=["nothing.by.this.name"])  # a list works, names not in the state ignored
+        assert store.wait_ready(5.0)
     finally:
         store.close()
 
