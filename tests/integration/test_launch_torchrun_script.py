@@ -20,8 +20,11 @@ SCRIPT = "tests/integration/torchrun_fsdp2_loop.py"
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("ranks, mesh", [(1, "default"), (2, "default"), (2, "direct")])
 def test_a_torchrun_style_script_survives_a_replica_kill_under_ftrun_launch(tmp_path, ranks, mesh):
+    # --min-replicas 2: both replicas start training together, and the survivor waits for the restarted one.
+    # With 1, a replica that started late healed from the only other one, which the kill at step 4 could take
+    # down mid-transfer: that heal failed and its replica restarted too (a correct recovery, an extra crash).
     f = launch(tmp_path, "--replicas", "2", "--ranks-per-replica", str(ranks), "--steps", "200", "--min-replicas",
-               "1", "--restart-delay", "0.2s", "--no-diagnose", "--inject", "kill replica=1 step=4", SCRIPT,
+               "2", "--restart-delay", "0.2s", "--no-diagnose", "--inject", "kill replica=1 step=4", SCRIPT,
                "--mesh", mesh, timeout=100)
     assert f["complete"] and f["steps_reached"] == 200, f
     assert (f["failures_injected"], f["restarts"], f["crashes"]) == (1, 1, 0), f
