@@ -9,10 +9,10 @@ not published yet waits up to `?wait=S` seconds (at most CatchupConfig.long_poll
 for it — the healthy replicas publish partway through the step — then answers 404. A step retired or
 superseded answers 410 at once. Error bodies are JSON: {"error": ..., "step": asked, "have": newest}.
 Shards go out with send() straight from the snapshot's memory (its buffer, or the tensors it lends),
-no copy through Python. (sendfile of the
-snapshot's 4 KiB shmem pages cost more CPU at both ends over loopback: 500 MiB, load ~5, median sender
-~110 ms and receiver ~200 ms against ~65 and ~150 ms for send(), likely because the receiver then
-copies bytes the sender has just copied, still in cache, rather than the snapshot's pages.)
+no copy through Python. (sendfile of the snapshot's 4 KiB shmem pages cost more CPU at both ends over
+loopback: 500 MiB, load ~5, median sender ~110 ms and receiver ~200 ms against ~65 and ~150 ms for
+send(), likely because the receiver then copies bytes the sender has just copied, still in cache,
+rather than the snapshot's pages.)
 
 Runs aiohttp on its own event loop in one Env task (the ftrun.quorum.http pattern); binds 127.0.0.1 by
 default. Bounded as `HttpLimits` says (idle/header-read timeout, connection cap; see http_guard): a
