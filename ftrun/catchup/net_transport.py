@@ -7,14 +7,15 @@
 
 The same statuses and long-poll rules as the HTTP server (ftrun.catchup.server): a step not published
 yet is waited for up to `wait` (at most long_poll_s), a retired or superseded one answers 410 at once,
-a wrong token 401. It runs on any Env: with the real one it is TCP, with the emulator's it is the
-modeled network, and the published store may hold shape-only payloads (the `payloads` of the client and
-the store of the server decide that; nothing here looks at bytes beyond slicing them).
+a wrong token 401 (and the connection closed). It runs on any Env: with the real one it is TCP, with the
+emulator's it is the modeled network, and the published store may hold shape-only payloads (the `payloads`
+of the client and the store of the server decide that; nothing here looks at bytes beyond slicing them).
 Threading: publish/retire from the training task; one server task per connection.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
 from typing import Any, Callable, Collection, Mapping, Sequence
 
@@ -169,8 +170,12 @@ class NetCatchupServer:
             self._conns.discard(conn)
 
     def _answer(self, conn: Any, req: Any) -> None:
-        if not isinstance(req, dict) or req.get("token") != self._token:
+        token = req.get("token") if isinstance(req, dict) else None
+        if not isinstance(token, str) or not hmac.compare_digest(token.encode(), self._token.encode()):
+            # closed, as every ftrun listener closes a peer without the token: left open, each one would
+            # hold a live connection and its task forever, and a few at the listener's cap lock peers out
             conn.send({"status": 401, "error": "missing or wrong job token", "have": None})
+            conn.close()
             return
         step, index, op = req.get("step"), req.get("index", 0), req.get("op")
         if type(step) is not int or step < 0 or type(index) is not int or index < 0 or op not in ("manifest", "shard"):
