@@ -50,16 +50,29 @@ def check_name(value: Any, what: str) -> str:
     return value
 
 
-def _int(msg: dict, key: str, low: int = 0) -> int:
+def _int(msg: dict, key: str, low: int = 0, high: int = 2**63 - 1) -> int:
+    """An integer in [low, high]; the default high is the largest file offset (off_t)."""
     value = msg.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise BadRequest(f"{key} must be an integer >= {low}, got {value!r:.80}")
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise BadRequest(f"{key} must be an integer in [{low}, {high}], got {value!r:.80}")
     return value
 
 
+def _os_string(value: Any) -> bool:
+    """A string the OS takes as an argument or environment value (no NUL byte)."""
+    return isinstance(value, str) and "\0" not in value
+
+
 def _strings(value: Any, what: str) -> list[str]:
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise BadRequest(f"{what} must be a list of strings")
+    if not isinstance(value, list) or not all(_os_string(v) for v in value):
+        raise BadRequest(f"{what} must be a list of strings without NUL")
+    return value
+
+
+def _environment(value: Any) -> dict[str, str]:
+    if not isinstance(value, dict) or not all(_os_string(k) and k and "=" not in k and _os_string(v)
+                                              for k, v in value.items()):
+        raise BadRequest("env must map strings without NUL (names non-empty, without '=') to strings without NUL")
     return value
 
 
@@ -70,11 +83,9 @@ def parse_request(msg: Any) -> dict:
     kind = msg.get("type")
     if kind == "start":
         argv = _strings(msg.get("argv"), "argv")
-        env = msg.get("env")
         if not argv:
             raise BadRequest("argv must not be empty")
-        if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
-            raise BadRequest("env must map strings to strings")
+        env = _environment(msg.get("env"))
         return {"type": kind, "id": _int(msg, "id"), "job": check_name(msg.get("job"), "job"), "argv": argv,
                 "env": env, "stdout": check_name(msg.get("stdout"), "stdout"),
                 "stderr": check_name(msg.get("stderr"), "stderr")}

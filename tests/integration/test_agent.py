@@ -65,6 +65,27 @@ def test_wrong_token_and_paths_outside_are_refused(agent):
     client.close()
 
 
+@pytest.mark.parametrize("msg, message", [
+    ({"type": "read", "job": "j", "where": "run", "name": "a", "offset": 2**63}, "offset must be an integer"),
+    ({"type": "start", "id": 1, "job": "j", "argv": ["-c", "pass"], "env": {"A": "x\0y"}, "stdout": "o",
+      "stderr": "e"}, "env must map strings without NUL"),
+    ({"type": "start", "id": 1, "job": "j", "argv": ["-c", "pass\0"], "env": {}, "stdout": "o", "stderr": "e"},
+     "argv must be a list of strings without NUL"),
+])
+def test_a_request_the_os_cannot_take_is_an_error_reply_and_the_connection_serves_on(agent, tmp_path, msg, message):
+    """Values that pass a type check but that the OS refuses (an offset past 2^63, a NUL byte in an argument)
+    are refused by name; they used to end the connection's task with a traceback and the launcher saw only
+    the connection close."""
+    env, a = agent
+    (tmp_path / "agent" / "j").mkdir(parents=True)
+    (tmp_path / "agent" / "j" / "a").write_bytes(b"abc")  # read reaches its seek
+    client = AgentClient(env, a.addr, "tok")
+    with pytest.raises(AgentError, match=message):
+        client.call(msg)
+    assert client.call({"type": "poll", "ids": [42]}) == {"codes": [None]}
+    client.close()
+
+
 def test_no_agent_is_a_clear_error():
     with pytest.raises(AgentError, match="no agent at 127.0.0.1:9 .*--host-index"):
         AgentClient(RealEnv(), "127.0.0.1:9", "tok", connect_timeout_s=0.5)
