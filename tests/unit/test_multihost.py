@@ -38,7 +38,7 @@ def test_agent_requests_are_checked():
     ({"type": "read", "job": "j", "where": "run", "name": "a/b", "offset": 0}, "name must be a plain file"),
     ({"type": "read", "job": "j", "where": "root", "name": "a", "offset": 0}, "where must be"),
     ({"type": "read", "job": "j", "where": "logs", "name": "a", "offset": -1}, r"offset must be an integer in \[0, "),
-    ({"type": "read", "job": "j", "where": "logs", "name": "a", "offset": 2**63}, r"offset must be an integer in \[0, "),
+    ({"type": "read", "job": "j", "where": "logs", "name": "a", "offset": 2**63}, r"offset must be an integer in"),
     ({"type": "start", "id": 1, "job": "j", "argv": ["x\0"], "env": {}, "stdout": "o", "stderr": "e"}, "without NUL"),
     ({"type": "start", "id": 1, "job": "j", "argv": ["x"], "env": {"A=B": "1"}, "stdout": "o", "stderr": "e"}, "env must"),
     ({"type": "start", "id": 1, "job": "j", "argv": ["x"], "env": {"": "1"}, "stdout": "o", "stderr": "e"}, "env must"),
