@@ -160,7 +160,10 @@ class NetCatchupServer:
         old.set()
 
     def _serve(self, conn: Any) -> None:
+        """Answers requests until the peer closes. The first must come within connect_timeout_s (a client
+        sends it as soon as it connects); later ones may wait: the fetcher closes its links when done."""
         try:
+            self._answer(conn, conn.recv(timeout=self.config.timeouts.connect_timeout_s))
             while True:
                 self._answer(conn, conn.recv(timeout=None))
         except (NetError, EnvTimeout):

@@ -283,6 +283,27 @@ def test_peers_without_the_token_are_disconnected_and_cannot_fill_the_connection
     assert env.run(body)
 
 
+def test_a_peer_that_connects_and_sends_nothing_is_closed_after_the_connect_timeout():
+    """A silent connection holds a server task only until connect_timeout_s (as the lighthouse's, the ring's
+    and the agent's first message do), not until enough newer connections evict it."""
+    env = RealEnv()
+    config = CatchupConfig(timeouts=Timeouts(connect_timeout_s=0.3))
+
+    def body():
+        server = NetCatchupServer(env=env, token=TOKEN, config=config)
+        silent = None
+        try:
+            silent = env.net.connect(server.start(), timeout=2.0)
+            with pytest.raises(PeerClosed):  # closed by the server (a NetTimeout here: still held)
+                silent.recv(timeout=10.0)
+        finally:
+            if silent is not None:
+                silent.close()
+            server.stop()
+
+    env.run(body)
+
+
 def test_a_connection_accepted_while_the_server_stops_is_closed():
     """stop() closes the connections it knows of; one accepted just before (its accept returned, its on_accept not
     yet run) is closed when it is registered instead of being served after the stop."""
