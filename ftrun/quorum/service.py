@@ -141,8 +141,9 @@ class Lighthouse:
     def _accept_loop(self) -> None:
         """Accepts until stop(). A failing accept (e.g. EMFILE, out of descriptors for now) is retried
         for ACCEPT_FAIL_AFTER_S; past that the lighthouse is marked failed rather than deaf while /status
-        still answered."""
+        still answered. A connection whose reader cannot be started is closed, and the next accepted."""
         failing_since = None
+        spawn_failing = False  # a reader could not be started: logged once per run of such failures
         while True:
             try:
                 conn = self._listener.accept()
@@ -160,7 +161,16 @@ class Lighthouse:
                 self.env.clock.sleep(0.1)
                 continue
             failing_since = None
-            self.env.spawn(self._reader, conn, name="lighthouse-reader")
+            try:
+                self.env.spawn(self._reader, conn, name="lighthouse-reader")
+            except Exception as e:  # e.g. no thread can be started: this connection is lost, not the listener
+                conn.close()
+                if not spawn_failing:
+                    log.error("lighthouse: starting a connection's reader failed: %s; closing each connection "
+                              "until one starts", e)
+                spawn_failing = True
+                continue
+            spawn_failing = False
 
     def evict(self, replica_ids: tuple[str, ...], why: str) -> None:
         """Evict replicas the diagnosis names (decide rule 9); safe from any task."""
