@@ -31,6 +31,7 @@ from ftrun.catchup.server import Fault, FaultHook
 from ftrun.catchup.snapshot import SnapshotStore, tensor_views
 from ftrun.catchup.transport import ShardFailed, SourceFailed
 from ftrun.env.base import ConnectError, Env, EnvTimeout, NetError, NetTimeout, PeerClosed, serve_connections
+from ftrun.net import require_token
 
 log = logging.getLogger("ftrun.heal")
 
@@ -113,9 +114,8 @@ class NetCatchupServer:
 
     def __init__(self, *, env: Env, token: str, config: CatchupConfig = CatchupConfig(),
                  store: StoreFactory | None = None, fault: FaultHook | None = None) -> None:
-        if not token:
-            raise ValueError("NetCatchupServer needs a non-empty job token")
-        self.env, self.config, self._token, self._fault = env, config, token, fault
+        self.env, self.config, self._fault = env, config, fault
+        self._token = require_token(token, "NetCatchupServer")
         make = store or (lambda on_change: SnapshotStore(env=env, max_shard_bytes=config.max_shard_bytes,
                                                          on_change=on_change))
         self.store = make(self._wake)

@@ -33,6 +33,7 @@ from typing import Any
 
 from ftrun.env.base import Env, EnvTimeout, NetError, PeerClosed, serve_connections
 from ftrun.launch.procs import SpawnLauncher
+from ftrun.net import require_token
 
 AGENT_PORT = 29511
 SHUTTING_DOWN = "the agent is shutting down (a bye was received): it starts no process or store"
@@ -132,7 +133,8 @@ class Agent:
     process table is shared under a lock."""
 
     def __init__(self, *, env: Env, token: str, bind: str, out: str, fork_server: bool = False) -> None:
-        self.env, self.token, self.out = env, token, os.path.abspath(out)
+        self.env, self.out = env, os.path.abspath(out)
+        self.token = require_token(token, "the launch agent")
         self.host = bind.rpartition(":")[0]
         self._listener = env.net.listen(bind)
         self.addr = self._listener.addr

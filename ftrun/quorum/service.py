@@ -35,6 +35,7 @@ from typing import Any
 from ftrun.config import LighthouseConfig
 from ftrun.env import wire
 from ftrun.env.base import Connection, Env, EnvTimeout, NetError, NetTimeout, PeerClosed
+from ftrun.net import require_token
 from ftrun.quorum import protocol
 from ftrun.quorum.decide import (Decision, LighthouseState, Member, QuorumRequest, apply, decide, evict,
                                  expect_previous, finish, live_members)
@@ -97,7 +98,8 @@ class Lighthouse:
         self, *, env: Env, config: LighthouseConfig, token: str,
         storage: Storage | None = None, bind: str = "127.0.0.1:0",
     ) -> None:
-        self.env, self.config, self._token, self._storage, self._bind = env, config, token, storage, bind
+        self.env, self.config, self._storage, self._bind = env, config, storage, bind
+        self._token = require_token(token, "Lighthouse")
         self._events = env.queue()  # for the main task: evict, stop, and kicks when a deadline moved earlier
         self._lock = env.lock()  # held while the state changes: by a reader handling its event, or by main
         self._wake_at: float | None = None  # when the main task plans to decide again (None: not planned)
