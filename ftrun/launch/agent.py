@@ -19,14 +19,15 @@ every host; a wrong token closes the connection. Then one reply per request:
                                                           replica's next incarnation (its previous one is dropped)
     bye {}                  -> {}                          kill every process, then the agent exits
 
-Every request is checked by `parse_request` (pure, unit-tested): a bad one gets {"error": why} and the
-connection stays usable. Names are plain file names (no path separators, no ".."), so a request can only
-reach files under the agent's --out folder.
+Every request is checked by `parse_request` (pure, unit-tested): a bad one, or one that fails, gets
+{"error": why} and the connection stays usable. Names are plain file names (no path separators, no ".."),
+so a request can only reach files under the agent's --out folder.
 """
 
 from __future__ import annotations
 
 import hmac
+import logging
 import os
 import re
 from typing import Any
@@ -35,6 +36,7 @@ from ftrun.env.base import Env, EnvTimeout, NetError, PeerClosed, serve_connecti
 from ftrun.launch.procs import SpawnLauncher
 from ftrun.net import require_token
 
+log = logging.getLogger("ftrun.launch")
 AGENT_PORT = 29511
 SHUTTING_DOWN = "the agent is shutting down (a bye was received): it starts no process or store"
 MAX_READ = 1 << 20
@@ -162,6 +164,9 @@ class Agent:
                     reply = self.handle(parse_request(msg))
                 except (BadRequest, OSError) as e:
                     reply = {"error": str(e)}
+                except Exception as e:  # unexpected: named to the launcher and logged; the connection serves on
+                    log.error("agent: %s failed", msg.get("type"), exc_info=True)
+                    reply = {"error": f"{msg.get('type')!s:.20} failed: {type(e).__name__}: {e}"}
                 conn.send(reply)
                 if msg.get("type") == "bye":
                     self._done.set()

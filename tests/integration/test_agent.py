@@ -138,3 +138,22 @@ def test_shutdown_releases_the_rendezvous_stores(agent):
     deadline = time.monotonic() + 10.0
     for port in ports:
         _stops_serving(port, deadline)
+
+
+def test_a_request_that_fails_unexpectedly_is_an_error_reply_naming_it(agent, monkeypatch):
+    """An exception handle() does not expect (here: the rendezvous store cannot be made, as torch raises when
+    no port can be bound) is answered with its type and text, and the connection serves on: it used to end
+    the connection's task, recorded on a task nobody joins, so neither log nor launcher said what failed."""
+    from ftrun.env import real_store
+
+    env, a = agent
+
+    def no_store(host, *, timeout_s):
+        raise RuntimeError("the server socket has failed to bind")
+
+    monkeypatch.setattr(real_store, "bound_store", no_store)
+    client = AgentClient(env, a.addr, "tok")
+    with pytest.raises(AgentError, match="store failed: RuntimeError: the server socket has failed to bind"):
+        client.call({"type": "store", "replica": "r0"})
+    assert client.call({"type": "poll", "ids": [42]}) == {"codes": [None]}
+    client.close()
