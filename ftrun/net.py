@@ -86,7 +86,8 @@ def require_token(token: object, service: str) -> str:
     """`token` when it is a non-empty string, else TokenError naming `service`: a service given an empty token
     would take an empty one (or, over HTTP, no Authorization header at all) as the right one."""
     if not isinstance(token, str) or not token:
-        raise TokenError(f"{service} needs a non-empty job token, got {token!r:.20}")
+        got = "an empty string" if token == "" else type(token).__name__  # never any of a token's characters
+        raise TokenError(f"{service} needs a non-empty job token (a str), got {got}")
     return token
 
 
