@@ -82,6 +82,15 @@ class TokenError(ValueError):
     """The job token is missing, empty, or in a file other users can read."""
 
 
+def require_token(token: object, service: str) -> str:
+    """`token` when it is a non-empty string, else TokenError naming `service`: a service given an empty token
+    would take an empty one (or, over HTTP, no Authorization header at all) as the right one."""
+    if not isinstance(token, str) or not token:
+        got = "an empty string" if token == "" else type(token).__name__  # never any of a token's characters
+        raise TokenError(f"{service} needs a non-empty job token (a str), got {got}")
+    return token
+
+
 def read_token_file(path: str) -> str:
     """The token in `path` (surrounding whitespace stripped). Raises TokenError when the file is missing,
     empty, not a regular file, or readable or writable by group or others."""

@@ -7,14 +7,15 @@
 
 The same statuses and long-poll rules as the HTTP server (ftrun.catchup.server): a step not published
 yet is waited for up to `wait` (at most long_poll_s), a retired or superseded one answers 410 at once,
-a wrong token 401. It runs on any Env: with the real one it is TCP, with the emulator's it is the
-modeled network, and the published store may hold shape-only payloads (the `payloads` of the client and
-the store of the server decide that; nothing here looks at bytes beyond slicing them).
+a wrong token 401 (and the connection closed). It runs on any Env: with the real one it is TCP, with the
+emulator's it is the modeled network, and the published store may hold shape-only payloads (the `payloads`
+of the client and the store of the server decide that; nothing here looks at bytes beyond slicing them).
 Threading: publish/retire from the training task; one server task per connection.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
 from typing import Any, Callable, Collection, Mapping, Sequence
 
@@ -30,6 +31,7 @@ from ftrun.catchup.server import Fault, FaultHook
 from ftrun.catchup.snapshot import SnapshotStore, tensor_views
 from ftrun.catchup.transport import ShardFailed, SourceFailed
 from ftrun.env.base import ConnectError, Env, EnvTimeout, NetError, NetTimeout, PeerClosed, serve_connections
+from ftrun.net import require_token
 
 log = logging.getLogger("ftrun.heal")
 
@@ -112,9 +114,8 @@ class NetCatchupServer:
 
     def __init__(self, *, env: Env, token: str, config: CatchupConfig = CatchupConfig(),
                  store: StoreFactory | None = None, fault: FaultHook | None = None) -> None:
-        if not token:
-            raise ValueError("NetCatchupServer needs a non-empty job token")
-        self.env, self.config, self._token, self._fault = env, config, token, fault
+        self.env, self.config, self._fault = env, config, fault
+        self._token = require_token(token, "NetCatchupServer")
         make = store or (lambda on_change: SnapshotStore(env=env, max_shard_bytes=config.max_shard_bytes,
                                                          on_change=on_change))
         self.store = make(self._wake)
@@ -159,7 +160,10 @@ class NetCatchupServer:
         old.set()
 
     def _serve(self, conn: Any) -> None:
+        """Answers requests until the peer closes. The first must come within connect_timeout_s (a client
+        sends it as soon as it connects); later ones may wait: the fetcher closes its links when done."""
         try:
+            self._answer(conn, conn.recv(timeout=self.config.timeouts.connect_timeout_s))
             while True:
                 self._answer(conn, conn.recv(timeout=None))
         except (NetError, EnvTimeout):
@@ -169,8 +173,12 @@ class NetCatchupServer:
             self._conns.discard(conn)
 
     def _answer(self, conn: Any, req: Any) -> None:
-        if not isinstance(req, dict) or req.get("token") != self._token:
+        token = req.get("token") if isinstance(req, dict) else None
+        if not isinstance(token, str) or not hmac.compare_digest(token.encode(), self._token.encode()):
+            # closed, as every ftrun listener closes a peer without the token: left open, each one would
+            # hold a live connection and its task forever, and a few at the listener's cap lock peers out
             conn.send({"status": 401, "error": "missing or wrong job token", "have": None})
+            conn.close()
             return
         step, index, op = req.get("step"), req.get("index", 0), req.get("op")
         if type(step) is not int or step < 0 or type(index) is not int or index < 0 or op not in ("manifest", "shard"):

@@ -40,6 +40,7 @@ from ftrun.catchup.http_guard import ConnectionGuard, GuardedSite, HttpLimits, b
 from ftrun.catchup.manifest import ShardSpec
 from ftrun.catchup.snapshot import Published, SnapshotStore
 from ftrun.env.base import Env
+from ftrun.net import require_token
 
 log = logging.getLogger("ftrun.heal")
 
@@ -70,9 +71,8 @@ FaultHook = Callable[[int, int], "Fault | None"]  # (step, shard index) -> fault
 class CatchupServer:
     def __init__(self, *, env: Env, token: str, config: CatchupConfig = CatchupConfig(),
                  fault: FaultHook | None = None, limits: HttpLimits = HttpLimits()) -> None:
-        if not token:
-            raise ValueError("CatchupServer needs a non-empty job token")
-        self.env, self.config, self._token, self._fault = env, config, token, fault
+        self.env, self.config, self._fault = env, config, fault
+        self._token = require_token(token, "CatchupServer")
         self.guard = ConnectionGuard(limits, log, name="catch-up server")
         self.store = SnapshotStore(env=env, max_shard_bytes=config.max_shard_bytes, on_change=self._store_changed)
         self.url = ""

@@ -32,6 +32,7 @@ from ftrun.diagnose.model import AnalysisConfig, Layout, Snapshot, Verdict
 from ftrun.diagnose.summary import HIST, HIST_LEN, SUMMARY, empty_hist, empty_summary, summarize
 from ftrun.diagnose.telemetry import Ev, Op, Recorder
 from ftrun.env.base import Connection, Env, NetError, serve_connections
+from ftrun.net import require_token
 
 log = logging.getLogger("ftrun.diagnose")
 
@@ -108,7 +109,8 @@ class _Service:
     """Accept loop + one short-lived handler per connection (one request, one reply)."""
 
     def __init__(self, env: Env, token: str, bind: str, name: str) -> None:
-        self.env, self._token, self._bind, self._name = env, token, bind, name
+        self.env, self._bind, self._name = env, bind, name
+        self._token = require_token(token, f"the diagnose {name} service")
         self.addr = ""
         self._listener = None
         self._task = None

@@ -217,7 +217,16 @@ def serve_connections(env: Env, listener: Listener, handle: Callable[[Connection
     listener (AcceptFailed, e.g. out of descriptors) is logged once per run of failures and tried again every
     ACCEPT_RETRY_S: connections wait in the backlog meanwhile instead of the listener going deaf for good.
     A connection whose handler cannot be started (env.spawn raised, e.g. no thread left) is closed, logged once
-    per run of such failures, and the next one accepted."""
+    per run of such failures, and the next one accepted. A handler that raises an Exception is logged with its
+    traceback and its connection closed (nobody joins a handler's task to see what it raised)."""
+
+    def serve(conn: Connection) -> None:
+        try:
+            handle(conn)
+        except Exception:
+            _log.error("%s: the handler of a connection from %s failed; connection closed", conn_name,
+                       conn.peer_addr, exc_info=True)
+            conn.close()
 
     def accept_loop() -> None:
         failing = ""  # what failed last: "accepting a connection" or "starting a handler"; "" once one is served
@@ -240,7 +249,7 @@ def serve_connections(env: Env, listener: Listener, handle: Callable[[Connection
             if on_accept is not None:
                 on_accept(conn)
             try:
-                env.spawn(handle, conn, name=conn_name)
+                env.spawn(serve, conn, name=conn_name)
             except Exception as e:  # e.g. RuntimeError: can't start new thread
                 conn.close()
                 failed("starting a handler", e, "closing each connection until one starts")

@@ -32,6 +32,7 @@ from ftrun.ftar.ring import FatalError, RecoverableError, RingLinks, RingListene
 from ftrun.ftar.run import RingRun
 from ftrun.ftar.schedule import Schedule, schedule
 from ftrun.ftar.shm import SharedSlots, host_identity, same_machine
+from ftrun.net import require_token
 
 
 @lru_cache(maxsize=64)
@@ -46,7 +47,8 @@ class FtarEngine:
 
     def __init__(self, *, env: Env, kernels: Kernels, token: str, config: FtarConfig = FtarConfig(),
                  bind: str = "127.0.0.1:0", advertise_host: str | None = None) -> None:
-        self.env, self.kernels, self.config, self._token = env, kernels, config, token
+        self.env, self.kernels, self.config = env, kernels, config
+        self._token = require_token(token, "FtarEngine")
         warmup = getattr(kernels, "warmup", None)
         if warmup is not None:
             warmup()  # load compiled kernels now: a first all-reduce must not stall its ring for a second

@@ -19,21 +19,24 @@ every host; a wrong token closes the connection. Then one reply per request:
                                                           replica's next incarnation (its previous one is dropped)
     bye {}                  -> {}                          kill every process, then the agent exits
 
-Every request is checked by `parse_request` (pure, unit-tested): a bad one gets {"error": why} and the
-connection stays usable. Names are plain file names (no path separators, no ".."), so a request can only
-reach files under the agent's --out folder.
+Every request is checked by `parse_request` (pure, unit-tested): a bad one, or one that fails, gets
+{"error": why} and the connection stays usable. Names are plain file names (no path separators, no ".."),
+so a request can only reach files under the agent's --out folder.
 """
 
 from __future__ import annotations
 
 import hmac
+import logging
 import os
 import re
 from typing import Any
 
 from ftrun.env.base import Env, EnvTimeout, NetError, PeerClosed, serve_connections
 from ftrun.launch.procs import SpawnLauncher
+from ftrun.net import require_token
 
+log = logging.getLogger("ftrun.launch")
 AGENT_PORT = 29511
 SHUTTING_DOWN = "the agent is shutting down (a bye was received): it starts no process or store"
 MAX_READ = 1 << 20
@@ -50,16 +53,29 @@ def check_name(value: Any, what: str) -> str:
     return value
 
 
-def _int(msg: dict, key: str, low: int = 0) -> int:
+def _int(msg: dict, key: str, low: int = 0, high: int = 2**63 - 1) -> int:
+    """An integer in [low, high]; the default high is the largest file offset (off_t)."""
     value = msg.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise BadRequest(f"{key} must be an integer >= {low}, got {value!r:.80}")
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise BadRequest(f"{key} must be an integer in [{low}, {high}], got {value!r:.80}")
     return value
 
 
+def _os_string(value: Any) -> bool:
+    """A string the OS takes as an argument or environment value (no NUL byte)."""
+    return isinstance(value, str) and "\0" not in value
+
+
 def _strings(value: Any, what: str) -> list[str]:
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise BadRequest(f"{what} must be a list of strings")
+    if not isinstance(value, list) or not all(_os_string(v) for v in value):
+        raise BadRequest(f"{what} must be a list of strings without NUL")
+    return value
+
+
+def _environment(value: Any) -> dict[str, str]:
+    if not isinstance(value, dict) or not all(_os_string(k) and k and "=" not in k and _os_string(v)
+                                              for k, v in value.items()):
+        raise BadRequest("env must map strings without NUL (names non-empty, without '=') to strings without NUL")
     return value
 
 
@@ -70,11 +86,9 @@ def parse_request(msg: Any) -> dict:
     kind = msg.get("type")
     if kind == "start":
         argv = _strings(msg.get("argv"), "argv")
-        env = msg.get("env")
         if not argv:
             raise BadRequest("argv must not be empty")
-        if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
-            raise BadRequest("env must map strings to strings")
+        env = _environment(msg.get("env"))
         return {"type": kind, "id": _int(msg, "id"), "job": check_name(msg.get("job"), "job"), "argv": argv,
                 "env": env, "stdout": check_name(msg.get("stdout"), "stdout"),
                 "stderr": check_name(msg.get("stderr"), "stderr")}
@@ -121,7 +135,8 @@ class Agent:
     process table is shared under a lock."""
 
     def __init__(self, *, env: Env, token: str, bind: str, out: str, fork_server: bool = False) -> None:
-        self.env, self.token, self.out = env, token, os.path.abspath(out)
+        self.env, self.out = env, os.path.abspath(out)
+        self.token = require_token(token, "the launch agent")
         self.host = bind.rpartition(":")[0]
         self._listener = env.net.listen(bind)
         self.addr = self._listener.addr
@@ -149,6 +164,9 @@ class Agent:
                     reply = self.handle(parse_request(msg))
                 except (BadRequest, OSError) as e:
                     reply = {"error": str(e)}
+                except Exception as e:  # unexpected: named to the launcher and logged; the connection serves on
+                    log.error("agent: %s failed", msg.get("type"), exc_info=True)
+                    reply = {"error": f"{msg.get('type')!s:.20} failed: {type(e).__name__}: {e}"}
                 conn.send(reply)
                 if msg.get("type") == "bye":
                     self._done.set()

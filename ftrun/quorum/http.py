@@ -25,6 +25,7 @@ from ftrun.catchup.http_guard import ConnectionGuard, GuardedSite, HttpLimits, b
 from ftrun.diagnose import graph
 from ftrun.env.base import Env
 from ftrun.quorum import page
+from ftrun.net import require_token
 from ftrun.quorum.service import Lighthouse
 
 log = logging.getLogger("ftrun.quorum")
@@ -57,7 +58,8 @@ def session_value(token: str) -> str:
 class StatusServer:
     def __init__(self, *, env: Env, lighthouse: Lighthouse, token: str, bind: str = "127.0.0.1:0",
                  limits: HttpLimits = HttpLimits(max_connections=64), advertise_host: str | None = None) -> None:
-        self.env, self.lighthouse, self._token, self._advertise_host = env, lighthouse, token, advertise_host
+        self.env, self.lighthouse, self._advertise_host = env, lighthouse, advertise_host
+        self._token = require_token(token, "StatusServer")
         self.guard = ConnectionGuard(limits, log, name="lighthouse status server")
         host, _, port = bind.rpartition(":")
         self._host, self._port = host or "127.0.0.1", int(port)

@@ -35,6 +35,7 @@ from typing import Any
 from ftrun.config import LighthouseConfig
 from ftrun.env import wire
 from ftrun.env.base import Connection, Env, EnvTimeout, NetError, NetTimeout, PeerClosed
+from ftrun.net import require_token
 from ftrun.quorum import protocol
 from ftrun.quorum.decide import (Decision, LighthouseState, Member, QuorumRequest, apply, decide, evict,
                                  expect_previous, finish, live_members)
@@ -97,7 +98,8 @@ class Lighthouse:
         self, *, env: Env, config: LighthouseConfig, token: str,
         storage: Storage | None = None, bind: str = "127.0.0.1:0",
     ) -> None:
-        self.env, self.config, self._token, self._storage, self._bind = env, config, token, storage, bind
+        self.env, self.config, self._storage, self._bind = env, config, storage, bind
+        self._token = require_token(token, "Lighthouse")
         self._events = env.queue()  # for the main task: evict, stop, and kicks when a deadline moved earlier
         self._lock = env.lock()  # held while the state changes: by a reader handling its event, or by main
         self._wake_at: float | None = None  # when the main task plans to decide again (None: not planned)
@@ -141,8 +143,9 @@ class Lighthouse:
     def _accept_loop(self) -> None:
         """Accepts until stop(). A failing accept (e.g. EMFILE, out of descriptors for now) is retried
         for ACCEPT_FAIL_AFTER_S; past that the lighthouse is marked failed rather than deaf while /status
-        still answered."""
+        still answered. A connection whose reader cannot be started is closed, and the next accepted."""
         failing_since = None
+        spawn_failing = False  # a reader could not be started: logged once per run of such failures
         while True:
             try:
                 conn = self._listener.accept()
@@ -160,7 +163,16 @@ class Lighthouse:
                 self.env.clock.sleep(0.1)
                 continue
             failing_since = None
-            self.env.spawn(self._reader, conn, name="lighthouse-reader")
+            try:
+                self.env.spawn(self._reader, conn, name="lighthouse-reader")
+            except Exception as e:  # e.g. no thread can be started: this connection is lost, not the listener
+                conn.close()
+                if not spawn_failing:
+                    log.error("lighthouse: starting a connection's reader failed: %s; closing each connection "
+                              "until one starts", e)
+                spawn_failing = True
+                continue
+            spawn_failing = False
 
     def evict(self, replica_ids: tuple[str, ...], why: str) -> None:
         """Evict replicas the diagnosis names (decide rule 9); safe from any task."""

@@ -65,6 +65,27 @@ def test_wrong_token_and_paths_outside_are_refused(agent):
     client.close()
 
 
+@pytest.mark.parametrize("msg, message", [
+    ({"type": "read", "job": "j", "where": "run", "name": "a", "offset": 2**63}, "offset must be an integer"),
+    ({"type": "start", "id": 1, "job": "j", "argv": ["-c", "pass"], "env": {"A": "x\0y"}, "stdout": "o",
+      "stderr": "e"}, "env must map strings without NUL"),
+    ({"type": "start", "id": 1, "job": "j", "argv": ["-c", "pass\0"], "env": {}, "stdout": "o", "stderr": "e"},
+     "argv must be a list of strings without NUL"),
+])
+def test_a_request_the_os_cannot_take_is_an_error_reply_and_the_connection_serves_on(agent, tmp_path, msg, message):
+    """Values that pass a type check but that the OS refuses (an offset past 2^63, a NUL byte in an argument)
+    are refused by name; they used to end the connection's task with a traceback and the launcher saw only
+    the connection close."""
+    env, a = agent
+    (tmp_path / "agent" / "j").mkdir(parents=True)
+    (tmp_path / "agent" / "j" / "a").write_bytes(b"abc")  # read reaches its seek
+    client = AgentClient(env, a.addr, "tok")
+    with pytest.raises(AgentError, match=message):
+        client.call(msg)
+    assert client.call({"type": "poll", "ids": [42]}) == {"codes": [None]}
+    client.close()
+
+
 def test_no_agent_is_a_clear_error():
     with pytest.raises(AgentError, match="no agent at 127.0.0.1:9 .*--host-index"):
         AgentClient(RealEnv(), "127.0.0.1:9", "tok", connect_timeout_s=0.5)
@@ -117,3 +138,22 @@ def test_shutdown_releases_the_rendezvous_stores(agent):
     deadline = time.monotonic() + 10.0
     for port in ports:
         _stops_serving(port, deadline)
+
+
+def test_a_request_that_fails_unexpectedly_is_an_error_reply_naming_it(agent, monkeypatch):
+    """An exception handle() does not expect (here: the rendezvous store cannot be made, as torch raises when
+    no port can be bound) is answered with its type and text, and the connection serves on: it used to end
+    the connection's task, recorded on a task nobody joins, so neither log nor launcher said what failed."""
+    from ftrun.env import real_store
+
+    env, a = agent
+
+    def no_store(host, *, timeout_s):
+        raise RuntimeError("the server socket has failed to bind")
+
+    monkeypatch.setattr(real_store, "bound_store", no_store)
+    client = AgentClient(env, a.addr, "tok")
+    with pytest.raises(AgentError, match="store failed: RuntimeError: the server socket has failed to bind"):
+        client.call({"type": "store", "replica": "r0"})
+    assert client.call({"type": "poll", "ids": [42]}) == {"codes": [None]}
+    client.close()

@@ -15,6 +15,7 @@ import urllib.request
 import pytest
 
 from ftrun.config import LighthouseConfig, Timeouts
+from ftrun.env.base import PeerClosed
 from ftrun.env.real import RealEnv
 from ftrun.quorum import service
 from ftrun.quorum.client import LighthouseClient, LighthouseRejected
@@ -194,4 +195,30 @@ def test_a_lighthouse_that_cannot_accept_any_more_is_marked_failed_not_deaf(env,
     assert lh.failed is not None and "accepting connections failed" in lh.failed
     with pytest.raises(LighthouseDown):
         lh.status()
+    lh.stop()
+
+
+def test_a_connection_whose_reader_cannot_start_is_closed_and_the_lighthouse_accepts_on(env, monkeypatch, caplog):
+    """env.spawn failing for one connection's reader (no thread can be started, e.g. many connections at once)
+    loses that connection only: the accept task used to end with the exception, and the lighthouse went deaf
+    for good while `failed` stayed None and /status answered."""
+    lh = start(env)
+    spawn, failures = env.spawn, [RuntimeError("can't start new thread")] * 2
+
+    def failing_spawn(fn, *args, name):
+        if name == "lighthouse-reader" and failures:
+            raise failures.pop()
+        return spawn(fn, *args, name=name)
+
+    monkeypatch.setattr(env, "spawn", failing_spawn)
+    for _ in range(2):
+        lost = env.net.connect(lh.addr, timeout=2.0)
+        lost.send({"type": "hello", "token": TOKEN, "replica_id": "r0"})
+        with pytest.raises(PeerClosed):
+            lost.recv(timeout=5.0)
+        lost.close()
+    c = client(env, lh, "r0")
+    assert c.quorum(0).quorum_id == 1 and lh.failed is None
+    assert caplog.text.count("can't start new thread") == 1  # once per run of failures
+    c.close()
     lh.stop()

@@ -14,6 +14,8 @@ from ftrun.catchup.http_transport import HttpCatchup
 from ftrun.catchup.net_transport import NetCatchup, NetCatchupServer
 from ftrun.catchup.snapshot import SnapshotStore, pieces, tensor_views
 from ftrun.config import Timeouts
+from ftrun.env.admission import ListenLimits
+from ftrun.env.base import PeerClosed
 from ftrun.env.real import RealEnv
 from harness.engine import EmulatedWorld
 from harness.run.seams import ShapePayloads, ShapeSnapshotStore
@@ -250,6 +252,56 @@ def test_a_wrong_token_is_refused(kind):
             me.stop()
 
     _run(kind, body)
+
+
+def test_peers_without_the_token_are_disconnected_and_cannot_fill_the_connection_cap():
+    """A wrong-token request is answered 401 and its connection closed: peers without the token that stay
+    connected after their 401 would each hold a live slot (and a server task) forever, and a few of them
+    at the listener's cap would lock every real fetch out."""
+    env = RealEnv(net_limits=ListenLimits(max_connections=4, max_pending=2))
+
+    def body():
+        a, me = _net(env), _net(env)
+        intruders = []
+        try:
+            a.publish(1, _state(), {})
+            for _ in range(4):
+                conn = env.net.connect(a.url, timeout=2.0)
+                intruders.append(conn)
+                conn.send({"op": "manifest", "step": 1, "token": "guess"})
+                assert conn.recv(timeout=2.0)["status"] == 401
+                with pytest.raises(PeerClosed):  # closed by the server, not left to idle
+                    conn.recv(timeout=2.0)
+            got = me.fetch(1, [a.url])
+            return _same(got.tensors, _state(), "cpu")
+        finally:
+            for conn in intruders:
+                conn.close()
+            a.stop()
+            me.stop()
+
+    assert env.run(body)
+
+
+def test_a_peer_that_connects_and_sends_nothing_is_closed_after_the_connect_timeout():
+    """A silent connection holds a server task only until connect_timeout_s (as the lighthouse's, the ring's
+    and the agent's first message do), not until enough newer connections evict it."""
+    env = RealEnv()
+    config = CatchupConfig(timeouts=Timeouts(connect_timeout_s=0.3))
+
+    def body():
+        server = NetCatchupServer(env=env, token=TOKEN, config=config)
+        silent = None
+        try:
+            silent = env.net.connect(server.start(), timeout=2.0)
+            with pytest.raises(PeerClosed):  # closed by the server (a NetTimeout here: still held)
+                silent.recv(timeout=10.0)
+        finally:
+            if silent is not None:
+                silent.close()
+            server.stop()
+
+    env.run(body)
 
 
 def test_a_connection_accepted_while_the_server_stops_is_closed():

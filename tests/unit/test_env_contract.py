@@ -370,6 +370,39 @@ def test_serve_connections_closes_a_connection_whose_handler_cannot_start(env, c
         (logging.ERROR, True), (logging.WARNING, False)]  # once for the two, then served again
 
 
+def test_serve_connections_logs_and_closes_a_connection_whose_handler_raised(env, caplog):
+    """A handler that raised what it did not expect (a bug its peer's input reached) is logged with its
+    traceback and its connection closed, so the peer learns at once; the task recorded it where no one
+    looks (handler tasks are never joined), and the connection stayed open until garbage collection."""
+    def body():
+        listener = env.net.listen(ADDR)
+
+        def handle(conn):
+            n = conn.recv(timeout=2.0)["n"]
+            if n == 1:
+                raise RuntimeError("handler bug reached by n=1")
+            conn.send({"echo": n})
+
+        task = serve_connections(env, listener, handle, name="contract-accept", conn_name="contract-conn")
+        bad = env.net.connect(listener.addr, timeout=2.0)
+        bad.send({"n": 1})
+        with pytest.raises(PeerClosed):
+            bad.recv(timeout=2.0)
+        good = env.net.connect(listener.addr, timeout=2.0)
+        good.send({"n": 2})
+        answer = good.recv(timeout=2.0)
+        listener.close()
+        task.join(timeout=2.0)
+        bad.close()
+        good.close()
+        return answer
+
+    with caplog.at_level(logging.ERROR, logger="ftrun.env"):
+        assert env.run(body) == {"echo": 2}
+    [record] = caplog.records
+    assert "contract-conn" in record.getMessage() and "handler bug reached by n=1" in record.exc_text
+
+
 def test_bad_address_is_a_value_error(env):
     with pytest.raises(ValueError):
         env.run(env.net.listen, "no-port-here")

@@ -132,3 +132,37 @@ def test_lighthouse_addresses_from_flags_or_environment(argv, environ, bind, htt
 def test_lighthouse_wildcard_bind_without_advertise_is_an_error():
     with pytest.raises(ValueError, match="needs an advertise_host"):
         lighthouse_cli.resolve_net(_lighthouse_args(["--bind", "0.0.0.0:1"]), {})
+
+
+def _services():
+    from ftrun.catchup.net_transport import NetCatchupServer
+    from ftrun.catchup.server import CatchupServer
+    from ftrun.config import LighthouseConfig
+    from ftrun.diagnose.collect import Collector, TelemetryServer
+    from ftrun.ftar.cpu_kernels import CpuKernels
+    from ftrun.ftar.engine import FtarEngine
+    from ftrun.launch.agent import Agent
+    from ftrun.quorum.http import StatusServer
+    from ftrun.quorum.service import Lighthouse
+
+    return {
+        "Lighthouse": lambda env, t: Lighthouse(env=env, config=LighthouseConfig(), token=t),
+        "StatusServer": lambda env, t: StatusServer(env=env, lighthouse=None, token=t),
+        "FtarEngine": lambda env, t: FtarEngine(env=env, kernels=CpuKernels(), token=t),
+        "the diagnose collector service": lambda env, t: Collector(env=env, token=t),
+        "the diagnose telemetry service": lambda env, t: TelemetryServer(env=env, token=t, ranks={}),
+        "the launch agent": lambda env, t: Agent(env=env, token=t, bind="127.0.0.1:0", out="/nonexistent"),
+        "CatchupServer": lambda env, t: CatchupServer(env=env, token=t),
+        "NetCatchupServer": lambda env, t: NetCatchupServer(env=env, token=t),
+    }
+
+
+@pytest.mark.parametrize("service", list(_services()))
+@pytest.mark.parametrize("token, got", [("", "an empty string"), (None, "NoneType"), (b"s3cret", "bytes")])
+def test_every_service_refuses_an_empty_job_token_before_it_listens(service, token, got):
+    """With an empty token, hmac.compare_digest(b"", b"") would let in every peer that sends an empty one (and
+    an HTTP request with no Authorization header at all). The error names the type, never the value."""
+    from ftrun.env.real import RealEnv
+
+    with pytest.raises(TokenError, match=f"{service} needs a non-empty job token \\(a str\\), got {got}$"):
+        _services()[service](RealEnv(), token)

@@ -1,0 +1,168 @@
+"""Every env.net service a job runs, each a real instance on 127.0.0.1 port 0, against peers without the job
+token: a frame no service can read (bytes of another protocol, a length prefix past the 16 MiB cap, a bulk
+frame first, bad msgpack, a list instead of a map), wrong-typed fields or a wrong token. Each such connection
+is closed at once, and while it and a peer that sends half a frame or nothing at all stay connected, a peer
+with the token is still served. (The HTTP servers: test_http_bounds.py; the listener's caps:
+tests/unit/test_real_net_limits.py.)"""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+import msgpack
+import pytest
+
+from ftrun.catchup.config import CatchupConfig
+from ftrun.catchup.net_transport import NetCatchupServer
+from ftrun.config import LighthouseConfig, Timeouts
+from ftrun.diagnose.collect import Collector, request
+from ftrun.env import wire
+from ftrun.env.real import RealEnv
+from ftrun.ftar.ring import RingListener, ping_request
+from ftrun.launch.agent import Agent
+from ftrun.launch.remote import AgentClient
+from ftrun.quorum.client import LighthouseClient
+from ftrun.quorum.service import Lighthouse
+
+pytestmark = pytest.mark.timeout(60)
+TOKEN = "job-token"
+
+
+def _frame(payload: bytes, kind: int = wire.KIND_MSG) -> bytes:
+    return wire.HEADER.pack(kind, len(payload)) + payload
+
+
+def _msg(obj) -> bytes:
+    return _frame(msgpack.packb(obj, use_bin_type=True))
+
+
+REFUSED = {  # closed by the service as soon as it has read them
+    "another protocol": b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+    "length past the cap": wire.HEADER.pack(wire.KIND_MSG, 2**64 - 1),
+    "bulk frame first": wire.HEADER.pack(wire.KIND_BULK, 2**40),
+    "bad msgpack": _frame(b"\xc1\xc1\xc1"),
+    "a list, not a map": _msg([1, 2, 3]),
+    "wrong types": _msg({"type": 5, "token": 7, "replica_id": None, "epoch": "x", "op": [], "step": "1"}),
+    "wrong token": _msg({"type": "hello", "token": "guess", "replica_id": "r9", "epoch": 1, "ping": 1,
+                         "op": "manifest", "step": 0}),
+    "no token": _msg({"type": "hello", "replica_id": "r9", "epoch": 1, "op": "manifest", "step": 0}),
+}
+HELD = {  # a service may keep these until its first-message timeout; they must not stop it serving others
+    "half a frame": struct.pack("!BQ", wire.KIND_MSG, 100) + b"abc",
+    "nothing": b"",
+}
+
+
+def _lighthouse(env):
+    lh = Lighthouse(env=env, config=LighthouseConfig(min_replicas=1), token=TOKEN)
+    lh.start()
+
+    def good():
+        c = LighthouseClient(env=env, addr=lh.addr, token=TOKEN, replica_id="r0", timeouts=Timeouts())
+        c.connect()
+        try:
+            return c.quorum(0).quorum_id == 1
+        finally:
+            c.close()
+
+    return lh.addr, good, lh.stop
+
+
+def _ring(env):
+    ring = RingListener(env, TOKEN, "127.0.0.1:0")
+
+    def good():
+        conn = env.net.connect(ring.addr, timeout=5.0)
+        try:
+            conn.send(ping_request(TOKEN, 7))
+            return conn.recv(timeout=5.0) == {"pong": 7}
+        finally:
+            conn.close()
+
+    return ring.addr, good, ring.close
+
+
+def _collector(env):
+    c = Collector(env=env, token=TOKEN)
+    c.start()
+    return c.addr, lambda: request(env, c.addr, {"type": "verdict", "token": TOKEN}, 5.0)["type"] == "verdict", c.stop
+
+
+def _agent(env, tmp_path):
+    a = Agent(env=env, token=TOKEN, bind="127.0.0.1:0", out=str(tmp_path))
+    task = env.spawn(a.serve, name="agent")
+
+    def good():
+        client = AgentClient(env, a.addr, TOKEN, connect_timeout_s=5.0)
+        try:
+            return client.call({"type": "poll", "ids": [1]}) == {"codes": [None]}
+        finally:
+            client.close()
+
+    def stop():
+        AgentClient(env, a.addr, TOKEN, connect_timeout_s=5.0).call({"type": "bye"})
+        assert task.join(10.0)
+
+    return a.addr, good, stop
+
+
+def _catchup(env):
+    server = NetCatchupServer(env=env, token=TOKEN, config=CatchupConfig())
+    addr = server.start()
+
+    def good():
+        conn = env.net.connect(addr, timeout=5.0)
+        try:
+            conn.send({"op": "manifest", "step": 3, "token": TOKEN, "wait": 0})
+            return conn.recv(timeout=5.0)["status"] == 404  # nothing published: the step is not here
+        finally:
+            conn.close()
+
+    return addr, good, server.stop
+
+
+SERVICES = {"lighthouse": _lighthouse, "ftar ring": _ring, "diagnose collector": _collector,
+            "launch agent": _agent, "catch-up over env.net": _catchup}
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """True once the service closed the connection (whatever it answered before)."""
+    sock.settimeout(5.0)
+    try:
+        while sock.recv(65536):
+            pass
+    except ConnectionResetError:
+        pass
+    except socket.timeout:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("service", list(SERVICES))
+def test_peers_without_the_token_are_closed_and_never_stop_a_peer_with_it(service, tmp_path):
+    env = RealEnv()
+
+    def body():
+        make = SERVICES[service]
+        addr, good, stop = make(env, tmp_path) if service == "launch agent" else make(env)
+        host, port = addr.rsplit(":", 1)
+        held = []
+        try:
+            for data in HELD.values():
+                for _ in range(8):
+                    held.append(socket.create_connection((host, int(port)), timeout=5.0))
+                    held[-1].sendall(data)
+            refused = {}
+            for name, data in REFUSED.items():
+                with socket.create_connection((host, int(port)), timeout=5.0) as s:
+                    s.sendall(data)
+                    refused[name] = _closed_by_peer(s)
+            assert refused == {name: True for name in REFUSED}
+            assert good()  # with 16 connections held half-sent or silent
+        finally:
+            for s in held:
+                s.close()
+            stop()
+
+    env.run(body)
