@@ -49,6 +49,10 @@ class TrainState(Protocol):
         retires its catch-up snapshot before either, so the snapshot may serve them in place). Optional:
         a state without it is copied whole at every publish (`stable_names`)."""
 
+    def peer_shapes(self) -> dict[str, torch.Tensor]:
+        """What a healthy peer publishes for this rank, as tensors or meta tensors of its names, dtypes and
+        shapes (what a joiner's receive buffer is sized by, ahead of its fetch). Optional (`peer_shapes`)."""
+
     def load(self, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any]) -> None:
         """Replace this rank's state by a peer's. Raises ValueError if it does not fit this model.
         `tensors` are handed over: the state may keep them (the trainer's fetches are over a buffer of their
@@ -84,6 +88,34 @@ class ReplicaState:
                     if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.max_norm is not None}
         names = {MODEL + name for name, _ in self.model.named_parameters()} - renormed
         return frozenset(k for k in self.tensors() if k in names or k.startswith(OPTIM))
+
+    def peer_shapes(self) -> dict[str, torch.Tensor]:
+        """tensors(), where the optimizer holds its state; before its first step (a restarted replica: a
+        peer's optimizer has stepped) the state that step creates stands in as meta tensors, made by a
+        throwaway step of the same optimizer class and groups over meta copies of the parameters (no
+        memory, no change to this optimizer). An optimizer that cannot step on meta tensors (a fused
+        one, a custom class) gives tensors() as they are: the receive buffer is then too small, and
+        the fetch allocates its own."""
+        out = self.tensors()
+        if self.optimizer.state:
+            return out
+        metas = []
+        for p in self._params:
+            meta = torch.nn.Parameter(torch.empty_like(local(p), device="meta"), requires_grad=p.requires_grad)
+            meta.grad = torch.zeros_like(meta)
+            metas.append(meta)
+        it = iter(metas)
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [next(it) for _ in g["params"]]}
+                  for g in self.optimizer.param_groups]
+        try:
+            state = _meta_step(type(self.optimizer), groups, self.optimizer.defaults)
+        except Exception:  # only a size hint (see the docstring)
+            return out
+        for index, entries in state.items():
+            for key, value in entries.items():
+                if isinstance(value, torch.Tensor):
+                    out[f"{OPTIM}{self._fqns[index]}.{key}"] = value.detach()
+        return out
 
     def metadata(self) -> dict[str, Any]:
         sd = self.optimizer.state_dict()
@@ -145,6 +177,24 @@ def stable_names(state: Any) -> frozenset[str]:
     """`state.stable()`, or none for a TrainState that does not say (its snapshot copies every tensor)."""
     stable = getattr(state, "stable", None)
     return frozenset() if stable is None else frozenset(stable())
+
+
+def _meta_step(cls: type, groups: list[dict], defaults: dict) -> dict:
+    """The state dict's "state" after one step of a `cls` optimizer made over `groups`: from the groups
+    alone (they hold every hyperparameter; AdamW takes no `decoupled_weight_decay` argument, say), else
+    with the defaults as arguments too (an optimizer that needs them)."""
+    try:
+        throwaway = cls(groups)
+    except TypeError:
+        throwaway = cls(groups, **defaults)
+    throwaway.step()
+    return throwaway.state_dict()["state"]
+
+
+def peer_shapes(state: Any) -> dict[str, torch.Tensor]:
+    """`state.peer_shapes()`, or its tensors() for a TrainState that does not say."""
+    shapes = getattr(state, "peer_shapes", None)
+    return state.tensors() if shapes is None else shapes()
 
 
 def _group_value(value: Any) -> Any:

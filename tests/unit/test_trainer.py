@@ -154,6 +154,34 @@ def test_replica_state_stable_tensors_are_parameters_and_optimizer_state_not_buf
         set(state.tensors()) - state.stable()
 
 
+@pytest.mark.parametrize("make_opt", [
+    lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01),
+    lambda ps: torch.optim.Adam(ps, lr=torch.tensor(1e-3)),
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    lambda ps: torch.optim.SGD(ps, lr=0.1),  # no state at all
+], ids=["adamw", "adam-tensor-lr", "sgd-momentum", "sgd"])
+def test_peer_shapes_before_the_first_step_are_the_layout_a_peer_publishes_after_it(make_opt):
+    """A restarted replica sizes its receive buffer before its optimizer has state: peer_shapes stands
+    the state of the first step in, exactly, and leaves this optimizer untouched."""
+    model = make_model(TOY)
+    params = list(model.parameters())
+    opt = make_opt([{"params": params[:2]}, {"params": params[2:], "weight_decay": 0.0}])
+    state = ReplicaState(model=model, optimizer=opt)
+    shapes = state.peer_shapes()
+    assert not opt.state and param_hash(model) == param_hash(make_model(TOY))
+    lm_loss(model, DATA[:8]).backward()
+    opt.step()
+    assert snapshot.describe(shapes, shape_only=True) == snapshot.describe(state.tensors())
+    assert state.peer_shapes().keys() == state.tensors().keys()  # after a step: tensors() itself
+
+
+def test_peer_shapes_of_an_optimizer_that_cannot_step_on_meta_tensors_are_its_tensors():
+    model = make_model(TOY)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)  # no meta kernels
+    state = ReplicaState(model=model, optimizer=opt)
+    assert state.peer_shapes().keys() == state.tensors().keys() and not opt.state
+
+
 def test_replica_state_rejects_another_models_state():
     with pytest.raises(ValueError, match="not parameters of the model"):
         ReplicaState(model=make_model(TOY), optimizer=torch.optim.SGD(make_model(TOY).parameters(), lr=1.0))
@@ -300,8 +328,9 @@ LAYOUT = DataLayout(dataset_size=len(DATA), num_replicas=3, ranks_per_replica=1,
 
 class Rep:
     def __init__(self, env, lighthouse, rid, root, *, checkpoint=None, checkpointer=None, on_phase=None,
-                 optimizer=None, layout=LAYOUT):
-        """checkpoint/checkpointer(model, optimizer): persistent checkpoints (default: none).
+                 optimizer=None, layout=LAYOUT, joining=False):
+        """checkpoint/checkpointer(model, optimizer): persistent checkpoints (default: none). joining:
+        build's (a restart: the receive buffer of a heal is prepared).
         on_phase(rep, phase, step): a test's own hook at every phase boundary. optimizer(model): the
         optimizer (default AdamW, lr 1e-2). layout: the job's data layout (its replicas are IDS' first)."""
         self.rid, self.records, self.events, self.results = rid, [], [], []
@@ -326,7 +355,7 @@ class Rep:
                 exchange=GradientExchange(engine=self.engine, rank=0), catchup=self.server,
                 loader_store=LoaderStateStore(storage=FileStorage(root / rid)), audit=AuditLog(self.records.append),
                 checkpointer=checkpointer(self.model, self.opt) if checkpointer is not None else None,
-                on_event=self.events.append, on_phase=self.on_phase)
+                on_event=self.events.append, on_phase=self.on_phase, joining=joining)
         except BaseException:
             self.engine.close()
             self.server.stop()
@@ -429,9 +458,14 @@ def test_trainer_heals_a_late_replica_and_retries_a_failed_backward(tmp_path, mo
     env = RealEnv()
     lighthouse = Lighthouse(env=env, token=TOKEN, config=LighthouseConfig(min_replicas=2, timeouts=T))
     lighthouse.start()
-    reps = [Rep(env, lighthouse, rid, tmp_path) for rid in IDS]
+    # r2 restarts (its receive buffer prepared before it checks in); so does r0, which has nobody to heal from
+    reps = [Rep(env, lighthouse, rid, tmp_path, joining=rid != "r1") for rid in IDS]
     try:
         r0, r1, r2 = reps
+        payloads = {r.rid: r.server.transport.payloads for r in reps}
+        assert payloads["r1"]._preparing is None
+        payloads["r2"]._preparing.join()
+        prepared = torch.frombuffer(payloads["r2"]._prepared, dtype=torch.uint8)
         reserved = {r.rid: [] for r in reps}  # the state names of each catch-up reserve (trainer -> service)
         for r in reps:
             r.server.reserve = lambda state, borrow, rid=r.rid, real=r.server.reserve: (
@@ -439,6 +473,7 @@ def test_trainer_heals_a_late_replica_and_retries_a_failed_backward(tmp_path, mo
         changes = []  # changes of a lent tensor while it was lent: there must be none
         publishes = {r.rid: watch_lent_state(r, changes) for r in reps}
         run(env, [r0, r1], 3)  # r2 is not there yet
+        assert payloads["r0"]._preparing is None and payloads["r0"]._prepared is None  # dropped at its 1st commit
         own = sorted(r0.trainer.state.tensors())
         assert reserved == {"r0": [own], "r1": [own], "r2": []}  # once, optimizer state included, while r2 is away
         fetched = []  # weak references to the model's tensors r2 fetches (views into the fetch's buffer)
@@ -456,6 +491,9 @@ def test_trainer_heals_a_late_replica_and_retries_a_failed_backward(tmp_path, mo
         gc.collect()
         assert views and all(v() is None for v in views)  # loaded (copied into the model): nothing keeps them
         assert r2.trainer.last_fetch.num_bytes > 0  # the fetch's figures are kept
+        moments = r2.opt.state[r2.model.up.weight]["exp_avg"]  # the fetch landed in the prepared pages
+        assert prepared.data_ptr() <= moments.data_ptr() < prepared.data_ptr() + prepared.numel()
+        assert r2.trainer.last_fetch.num_bytes == prepared.numel() and payloads["r2"]._preparing is None  # exact
         assert len({param_hash(r.model) for r in reps}) == 1  # healed from tensors served in place
         assert reserved == {"r0": [own], "r1": [own], "r2": []}  # r2 joined a full quorum: nothing to reserve
         stable = sorted(k for k in own if k.startswith(("model.", "optim.")))
