@@ -31,6 +31,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Protocol
 
 import torch
+import torch.optim.optimizer as optim_module
 
 from ftrun.train.shard import is_dtensor, like, local
 
@@ -93,11 +94,12 @@ class ReplicaState:
         """tensors(), where the optimizer holds its state; before its first step (a restarted replica: a
         peer's optimizer has stepped) the state that step creates stands in as meta tensors, made by a
         throwaway step of the same optimizer class and groups over meta copies of the parameters (no
-        memory, no change to this optimizer). An optimizer that cannot step on meta tensors (a fused
-        one, a custom class) gives tensors() as they are: the receive buffer is then too small, and
-        the fetch allocates its own."""
+        memory, no change to this optimizer; not taken while global optimizer step hooks are registered,
+        which would see it). An optimizer that cannot step on meta tensors (a fused one, a custom class)
+        gives tensors() as they are: the receive buffer is then too small, and the fetch allocates its own."""
         out = self.tensors()
-        if self.optimizer.state:
+        if self.optimizer.state or getattr(optim_module, "_global_optimizer_pre_hooks", None) \
+                or getattr(optim_module, "_global_optimizer_post_hooks", None):
             return out
         metas = []
         for p in self._params:

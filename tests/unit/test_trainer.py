@@ -13,6 +13,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ftrun.catchup import snapshot
 from ftrun.catchup.config import CatchupConfig
@@ -180,6 +181,18 @@ def test_peer_shapes_of_an_optimizer_that_cannot_step_on_meta_tensors_are_its_te
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)  # no meta kernels
     state = ReplicaState(model=model, optimizer=opt)
     assert state.peer_shapes().keys() == state.tensors().keys() and not opt.state
+
+
+def test_peer_shapes_take_no_throwaway_step_that_a_global_step_hook_would_see():
+    model = make_model(TOY)
+    state = ReplicaState(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2))
+    seen = []
+    handle = register_optimizer_step_pre_hook(lambda opt, *_: seen.append(opt))
+    try:
+        assert state.peer_shapes().keys() == state.tensors().keys() and seen == []
+    finally:
+        handle.remove()
+    assert len(state.peer_shapes()) > len(state.tensors())
 
 
 def test_replica_state_rejects_another_models_state():
