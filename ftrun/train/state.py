@@ -14,14 +14,16 @@ compiled optimizer step uses) travels as its number and is loaded back as a tens
 On a GPU (FTConfig.device) `tensors()` are the device tensors (the catch-up snapshot copies them to host
 memory) and a load copies the fetched host tensors onto the device: the model's in place, the optimizer's
 through `Optimizer.load_state_dict`, which puts each state tensor on its parameter's device.
-Loading copies into the live tensors (parameters keep their identity, so the optimizer still holds
-them; a shard is copied into the DTensor's local tensor, which FSDP2's all-gather reads) and rebuilds
+Loading puts the fetched values into the live tensors (parameters keep their identity, so the optimizer
+still holds them; a shard is copied into the DTensor's local tensor, which FSDP2's all-gather reads): a
+CPU parameter whose storage nothing else shares takes the fetched tensor as its data (no copy, 2.3 ->
+0.6 ms for benchmarks/catchup_mlp_worker.py's MLP), any other is copied into; and it rebuilds
 the optimizer state with `Optimizer.load_state_dict` (per-element state of a sharded parameter wrapped
 back into a DTensor like it), so a healed rank's optimizer (step counters included) is bitwise the
 source's. On a CPU the optimizer keeps the fetched tensors themselves, views into the fetch's buffer: no
 copy on the joiner's critical path (benchmarks/catchup_launch.py's 33.6 MB of AdamW moments: a load took
-18-48 ms with a clone, 2-10 ms without, in traced launches on 2 busy cores). The price: those views keep
-the whole fetch buffer, the model's part of it too, until the next heal replaces them.
+18-48 ms with a clone, 2-10 ms without, in traced launches on 2 busy cores). Those views keep the whole
+fetch buffer until the next heal replaces them (its model part is the adopted parameters' memory).
 
 Threading: one task (the training loop) per instance.
 """
@@ -135,8 +137,26 @@ class ReplicaState:
                 for key, value in live.items():
                     local(value).copy_(model_sd[key])
         else:
-            self.model.load_state_dict(model_sd, strict=True)  # copies into the live tensors
+            del live  # its detached aliases would make every parameter look shared to _adopt
+            self._adopt(model_sd)
+            self.model.load_state_dict(model_sd, strict=True)  # copies into the rest (an adopted one is itself)
         self.optimizer.load_state_dict(self._optimizer_state_dict(tensors, metadata))
+
+    def _adopt(self, model_sd: Mapping[str, torch.Tensor]) -> None:
+        """Each CPU parameter takes its fetched tensor as its data (`param.data = fetched`: the Parameter
+        keeps its identity, so the optimizer, hooks and references to the Parameter still hold) where the
+        two match in device, dtype, shape and contiguity and nothing else shares the parameter's storage
+        (`_sole_owner`: an alias such as `p.detach()` kept by user code, a view of a flat buffer, a
+        snapshot lending it would go stale): no copy, and the fetch buffer's model part is used rather
+        than kept beside the old storage. The rest is copied by the caller: buffers (a forward changes
+        them in place), GPU parameters (the fetch is in host memory), shared or non-contiguous ones."""
+        live = self.model.state_dict(keep_vars=True)
+        for key, got in model_sd.items():
+            param = live.get(key)
+            if isinstance(param, torch.nn.Parameter) and param.device.type == got.device.type == "cpu" \
+                    and param.dtype == got.dtype and param.shape == got.shape and param.is_contiguous() \
+                    and got.is_contiguous() and _sole_owner(param):
+                param.data = got
 
     def _check_names(self, tensors: Mapping[str, torch.Tensor]) -> None:
         own = {MODEL + k: local(v) for k, v in self.model.state_dict().items()}
@@ -179,6 +199,17 @@ def stable_names(state: Any) -> frozenset[str]:
     """`state.stable()`, or none for a TrainState that does not say (its snapshot copies every tensor)."""
     stable = getattr(state, "stable", None)
     return frozenset() if stable is None else frozenset(stable())
+
+
+def _sole_owner(t: torch.Tensor) -> bool:
+    """True when no other tensor shares `t`'s storage: not a view, the whole storage, and torch's storage
+    use count no higher than a fresh tensor's (False where this torch lacks that count)."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None or t._base is not None or t.storage_offset() != 0:
+        return False
+    fresh = torch.empty(1)
+    storage = t.untyped_storage()
+    return storage.nbytes() == t.nbytes and use_count(storage._cdata) <= use_count(fresh.untyped_storage()._cdata)
 
 
 def _meta_step(cls: type, groups: list[dict], defaults: dict) -> dict:

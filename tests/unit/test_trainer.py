@@ -140,6 +140,31 @@ def test_replica_state_load_keeps_the_handed_tensors_as_the_optimizer_state():
     assert not torch.equal(moments, before)  # updated where it lies
 
 
+def test_replica_state_load_adopts_the_handed_tensors_as_cpu_parameters_unless_shared():
+    """A CPU parameter takes its fetched tensor as its data (no copy; the Parameter, which the optimizer
+    holds, stays the same object); one whose storage something else shares (an alias kept outside, a view
+    of a flat buffer) is copied into instead, so the alias sees the loaded values; buffers are copied."""
+    src_model, src_opt = trained(2)
+    src_model.register_buffer("scale", torch.arange(3.0))
+    dst_model = make_model(replace(TOY, seed=99))
+    dst_model.register_buffer("scale", torch.zeros(3))
+    dst_opt = torch.optim.AdamW(dst_model.parameters(), lr=5.0)
+    params = list(dst_model.parameters())
+    alias = dst_model.up.weight.detach()  # e.g. user code keeping p.detach()
+    src = ReplicaState(model=src_model, optimizer=src_opt)
+    handed = {k: v.clone() for k, v in src.tensors().items()}
+    ReplicaState(model=dst_model, optimizer=dst_opt).load(handed, src.metadata())
+    assert list(dst_model.parameters()) == params and dst_opt.param_groups[0]["params"] == params
+    adopted = [n for n, p in dst_model.named_parameters() if p.data_ptr() == handed[f"model.{n}"].data_ptr()]
+    assert adopted == [n for n, _ in dst_model.named_parameters() if n != "up.weight"]
+    assert torch.equal(alias, src_model.up.weight) and alias.data_ptr() == dst_model.up.weight.data_ptr()
+    assert torch.equal(dst_model.scale, src_model.scale) and dst_model.scale.data_ptr() != handed["model.scale"].data_ptr()
+    grads = [torch.randn_like(p) for p in src_model.parameters()]
+    one_step(src_model, src_opt, grads)
+    one_step(dst_model, dst_opt, grads)
+    assert param_hash(dst_model) == param_hash(src_model)
+
+
 def test_replica_state_stable_tensors_are_parameters_and_optimizer_state_not_buffers():
     """What a catch-up snapshot may serve in place: what only the optimizer step (or a load) changes; a
     forward updates BatchNorm's running statistics, so buffers are copied."""
@@ -502,10 +527,11 @@ def test_trainer_heals_a_late_replica_and_retries_a_failed_backward(tmp_path, mo
         assert [e for e in r2.events if e["event"] == "catchup"][0]["step"] == 3
         views = [weakref.ref(t) for k, t in fetched.pop().tensors.items() if k.startswith("model.")]
         gc.collect()
-        assert views and all(v() is None for v in views)  # loaded (copied into the model): nothing keeps them
+        assert views and all(v() is None for v in views)  # loaded: the fetch's own tensor objects are gone
         assert r2.trainer.last_fetch.num_bytes > 0  # the fetch's figures are kept
-        moments = r2.opt.state[r2.model.up.weight]["exp_avg"]  # the fetch landed in the prepared pages
-        assert prepared.data_ptr() <= moments.data_ptr() < prepared.data_ptr() + prepared.numel()
+        moments = r2.opt.state[r2.model.up.weight]["exp_avg"]  # the fetch landed in the prepared pages,
+        for t in (moments, r2.model.up.weight):  # where the optimizer and (adopted, not copied) the model use it
+            assert prepared.data_ptr() <= t.data_ptr() < prepared.data_ptr() + prepared.numel()
         assert r2.trainer.last_fetch.num_bytes == prepared.numel() and payloads["r2"]._preparing is None  # exact
         assert len({param_hash(r.model) for r in reps}) == 1  # healed from tensors served in place
         assert reserved == {"r0": [own], "r1": [own], "r2": []}  # r2 joined a full quorum: nothing to reserve
