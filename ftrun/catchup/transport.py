@@ -83,6 +83,13 @@ class CatchupService(Protocol):
     def retire(self, step: int) -> None:
         """Stop serving `step` (a no-op for another step)."""
 
+    def prepare_fetch(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Prepare, in the background, the receive buffer of a later fetch of a state like `state` (meta
+        tensors stand for shapes): the next fetch that fits receives into it (returns at once)."""
+
+    def release_fetch(self) -> None:
+        """Drop what prepare_fetch made, if no fetch took it."""
+
     def fetch(self, step: int, sources: Sequence[str]) -> Any:
         """The state of `step` from `sources` (a FetchResult). Raises CatchupError."""
 

@@ -14,14 +14,16 @@ compiled optimizer step uses) travels as its number and is loaded back as a tens
 On a GPU (FTConfig.device) `tensors()` are the device tensors (the catch-up snapshot copies them to host
 memory) and a load copies the fetched host tensors onto the device: the model's in place, the optimizer's
 through `Optimizer.load_state_dict`, which puts each state tensor on its parameter's device.
-Loading copies into the live tensors (parameters keep their identity, so the optimizer still holds
-them; a shard is copied into the DTensor's local tensor, which FSDP2's all-gather reads) and rebuilds
+Loading puts the fetched values into the live tensors (parameters keep their identity, so the optimizer
+still holds them; a shard is copied into the DTensor's local tensor, which FSDP2's all-gather reads): a
+CPU parameter whose storage nothing else shares takes the fetched tensor as its data (no copy, 2.3 ->
+0.6 ms for benchmarks/catchup_mlp_worker.py's MLP), any other is copied into; and it rebuilds
 the optimizer state with `Optimizer.load_state_dict` (per-element state of a sharded parameter wrapped
 back into a DTensor like it), so a healed rank's optimizer (step counters included) is bitwise the
 source's. On a CPU the optimizer keeps the fetched tensors themselves, views into the fetch's buffer: no
 copy on the joiner's critical path (benchmarks/catchup_launch.py's 33.6 MB of AdamW moments: a load took
-18-48 ms with a clone, 2-10 ms without, in traced launches on 2 busy cores). The price: those views keep
-the whole fetch buffer, the model's part of it too, until the next heal replaces them.
+18-48 ms with a clone, 2-10 ms without, in traced launches on 2 busy cores). Those views keep the whole
+fetch buffer until the next heal replaces them (its model part is the adopted parameters' memory).
 
 Threading: one task (the training loop) per instance.
 """
@@ -31,6 +33,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Protocol
 
 import torch
+import torch.optim.optimizer as optim_module
 
 from ftrun.train.shard import is_dtensor, like, local
 
@@ -48,6 +51,10 @@ class TrainState(Protocol):
         """The names in tensors() that nothing but the optimizer's step or a `load` changes (the trainer
         retires its catch-up snapshot before either, so the snapshot may serve them in place). Optional:
         a state without it is copied whole at every publish (`stable_names`)."""
+
+    def peer_shapes(self) -> dict[str, torch.Tensor]:
+        """What a healthy peer publishes for this rank, as tensors or meta tensors of its names, dtypes and
+        shapes (what a joiner's receive buffer is sized by, ahead of its fetch). Optional (`peer_shapes`)."""
 
     def load(self, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any]) -> None:
         """Replace this rank's state by a peer's. Raises ValueError if it does not fit this model.
@@ -85,6 +92,35 @@ class ReplicaState:
         names = {MODEL + name for name, _ in self.model.named_parameters()} - renormed
         return frozenset(k for k in self.tensors() if k in names or k.startswith(OPTIM))
 
+    def peer_shapes(self) -> dict[str, torch.Tensor]:
+        """tensors(), where the optimizer holds its state; before its first step (a restarted replica: a
+        peer's optimizer has stepped) the state that step creates stands in as meta tensors, made by a
+        throwaway step of the same optimizer class and groups over meta copies of the parameters (no
+        memory, no change to this optimizer; not taken while global optimizer step hooks are registered,
+        which would see it). An optimizer that cannot step on meta tensors (a fused one, a custom class)
+        gives tensors() as they are: the receive buffer is then too small, and the fetch allocates its own."""
+        out = self.tensors()
+        if self.optimizer.state or getattr(optim_module, "_global_optimizer_pre_hooks", None) \
+                or getattr(optim_module, "_global_optimizer_post_hooks", None):
+            return out
+        metas = []
+        for p in self._params:
+            meta = torch.nn.Parameter(torch.empty_like(local(p), device="meta"), requires_grad=p.requires_grad)
+            meta.grad = torch.zeros_like(meta)
+            metas.append(meta)
+        it = iter(metas)
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [next(it) for _ in g["params"]]}
+                  for g in self.optimizer.param_groups]
+        try:
+            state = _meta_step(type(self.optimizer), groups, self.optimizer.defaults)
+        except Exception:  # only a size hint (see the docstring)
+            return out
+        for index, entries in state.items():
+            for key, value in entries.items():
+                if isinstance(value, torch.Tensor):
+                    out[f"{OPTIM}{self._fqns[index]}.{key}"] = value.detach()
+        return out
+
     def metadata(self) -> dict[str, Any]:
         sd = self.optimizer.state_dict()
         scalars = {self._fqns[i]: {k: v for k, v in s.items() if not isinstance(v, torch.Tensor)}
@@ -101,8 +137,26 @@ class ReplicaState:
                 for key, value in live.items():
                     local(value).copy_(model_sd[key])
         else:
-            self.model.load_state_dict(model_sd, strict=True)  # copies into the live tensors
+            del live  # its detached aliases would make every parameter look shared to _adopt
+            self._adopt(model_sd)
+            self.model.load_state_dict(model_sd, strict=True)  # copies into the rest (an adopted one is itself)
         self.optimizer.load_state_dict(self._optimizer_state_dict(tensors, metadata))
+
+    def _adopt(self, model_sd: Mapping[str, torch.Tensor]) -> None:
+        """Each CPU parameter takes its fetched tensor as its data (`param.data = fetched`: the Parameter
+        keeps its identity, so the optimizer, hooks and references to the Parameter still hold) where the
+        two match in device, dtype, shape and contiguity and nothing else shares the parameter's storage
+        (`_sole_owner`: an alias such as `p.detach()` kept by user code, a view of a flat buffer, a
+        snapshot lending it would go stale): no copy, and the fetch buffer's model part is used rather
+        than kept beside the old storage. The rest is copied by the caller: buffers (a forward changes
+        them in place), GPU parameters (the fetch is in host memory), shared or non-contiguous ones."""
+        live = self.model.state_dict(keep_vars=True)
+        for key, got in model_sd.items():
+            param = live.get(key)
+            if isinstance(param, torch.nn.Parameter) and param.device.type == got.device.type == "cpu" \
+                    and param.dtype == got.dtype and param.shape == got.shape and param.is_contiguous() \
+                    and got.is_contiguous() and _sole_owner(param):
+                param.data = got
 
     def _check_names(self, tensors: Mapping[str, torch.Tensor]) -> None:
         own = {MODEL + k: local(v) for k, v in self.model.state_dict().items()}
@@ -145,6 +199,35 @@ def stable_names(state: Any) -> frozenset[str]:
     """`state.stable()`, or none for a TrainState that does not say (its snapshot copies every tensor)."""
     stable = getattr(state, "stable", None)
     return frozenset() if stable is None else frozenset(stable())
+
+
+def _sole_owner(t: torch.Tensor) -> bool:
+    """True when no other tensor shares `t`'s storage: not a view, the whole storage, and torch's storage
+    use count no higher than a fresh tensor's (False where this torch lacks that count)."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None or t._base is not None or t.storage_offset() != 0:
+        return False
+    fresh = torch.empty(1)
+    storage = t.untyped_storage()
+    return storage.nbytes() == t.nbytes and use_count(storage._cdata) <= use_count(fresh.untyped_storage()._cdata)
+
+
+def _meta_step(cls: type, groups: list[dict], defaults: dict) -> dict:
+    """The state dict's "state" after one step of a `cls` optimizer made over `groups`: from the groups
+    alone (they hold every hyperparameter; AdamW takes no `decoupled_weight_decay` argument, say), else
+    with the defaults as arguments too (an optimizer that needs them)."""
+    try:
+        throwaway = cls(groups)
+    except TypeError:
+        throwaway = cls(groups, **defaults)
+    throwaway.step()
+    return throwaway.state_dict()["state"]
+
+
+def peer_shapes(state: Any) -> dict[str, torch.Tensor]:
+    """`state.peer_shapes()`, or its tensors() for a TrainState that does not say."""
+    shapes = getattr(state, "peer_shapes", None)
+    return state.tensors() if shapes is None else shapes()
 
 
 def _group_value(value: Any) -> Any:

@@ -106,7 +106,7 @@ from ftrun.train.compute import Compute, LossFn  # noqa: F401 (LossFn re-exporte
 from ftrun.train.exchange import GradientExchange
 from ftrun.train.lr import LRConfig, lr_factor
 from ftrun.train.overlap import OverlapExchange, may_overlap
-from ftrun.train.state import stable_names
+from ftrun.train.state import peer_shapes, stable_names
 
 log = logging.getLogger("ftrun.train")
 
@@ -185,7 +185,8 @@ class FaultTolerantTrainer:
                  manager: Manager, exchange: GradientExchange, catchup: CatchupService,
                  loader_store: LoaderStateStore, audit: AuditLog, checkpointer: Checkpointer | None = None,
                  checkpointed: tuple[int, str] | None = None, on_event: EventFn | None = None,
-                 on_phase: PhaseFn | None = None, overlap: OverlapExchange | None = None) -> None:
+                 on_phase: PhaseFn | None = None, overlap: OverlapExchange | None = None,
+                 fetch_prepared: bool = False) -> None:
         self.config, self.env, self.compute, self.progress, self.manager = config, env, compute, progress, manager
         self.exchange, self.catchup = exchange, catchup
         self.loader_store, self.audit = loader_store, audit
@@ -198,6 +199,7 @@ class FaultTolerantTrainer:
             rank=config.rank, emit=self._emit, checkpointed=checkpointed) if checkpointer is not None else None
         self.last_fetch: FetchResult | None = None  # the last heal's fetch, without its tensors
         self._reserved = False  # the catch-up snapshot's buffer was reserved (once: its layout stays)
+        self._fetch_prepared = fetch_prepared  # a receive buffer waits for a heal (build's `joining`)
         self._kept: tuple[tuple[int, str], float, Any] | None = None  # ((step, lineage), loss, gradient)
         self._compute_s: float | None = None  # the last forward/backward's seconds
         self._snapshot_bytes = 0  # the size of the last published catch-up snapshot
@@ -390,6 +392,9 @@ class FaultTolerantTrainer:
             # snapshot's buffer now (for what it copies), with the optimizer's state
             self.catchup.reserve(self.state.tensors(), borrow=stable_names(self.state))
             self._reserved = True
+        if self._fetch_prepared:  # its heal, if any, is done (and took the buffer): not kept for a later one
+            self.catchup.release_fetch()
+            self._fetch_prepared = False
         self._kept = None
 
     def _unpublish(self) -> None:
@@ -464,14 +469,19 @@ def build(*, config: TrainerConfig, env: Env, compute: Compute, layout: DataLayo
           exchange: GradientExchange, catchup: CatchupService, loader_store: LoaderStateStore, audit: AuditLog,
           checkpointer: Checkpointer | None = None, on_event: EventFn | None = None,
           on_phase: PhaseFn | None = None, make_progress: ProgressFn = DataProgress,
-          overlap: OverlapExchange | None = None) -> FaultTolerantTrainer:
+          overlap: OverlapExchange | None = None, joining: bool = False) -> FaultTolerantTrainer:
     """Resume (the checkpointer's latest complete checkpoint, else step 0), make the Manager with this
     rank's endpoints ({"ftar", "catchup"}) and the trainer's heal hook, and wire the trainer. `catchup`
     must be started. Raises ValueError for a catch-up service that is not started, and whatever the
     checkpointer's `restore` raises. `make_progress(replica_id=, state=)` makes the rank's DataProgress
     (the emulator shares the identical ledger transitions of a replica's ranks). Raises CatchupUsageError,
     naming what is wrong, for a state the catch-up service cannot publish in a job of several replicas (one
-    that restarts or starts late heals from it): at once, not after the steps committed until it is needed."""
+    that restarts or starts late heals from it): at once, not after the steps committed until it is needed.
+    `joining`: this replica will heal from its peers at its first quorum (a restart): the receive buffer of
+    that fetch is made now, its pages faulted in, in the background, before the replica checks in and
+    off its peers' critical path (a fresh one faults in as the bytes arrive, while they wait); its size is
+    the state a peer publishes (TrainState.peer_shapes: the optimizer's state too, before its first step).
+    The trainer drops it at its first commit if no heal took it."""
     if not catchup.url:
         raise ValueError("start the catch-up service before build(): its URL is this rank's catch-up endpoint")
     start = checkpointer.restore(layout, replica_ids) if checkpointer is not None else None
@@ -481,6 +491,9 @@ def build(*, config: TrainerConfig, env: Env, compute: Compute, layout: DataLayo
         except CatchupUsageError as e:
             raise CatchupUsageError(f"replica {config.replica_id} rank {config.rank}: its state cannot be published "
                                     f"for a replica of the {layout.num_replicas} to heal from: {e}") from None
+    prepare = joining and layout.num_replicas > 1
+    if prepare:
+        catchup.prepare_fetch(peer_shapes(compute.state))
     step, ledger = start if start is not None else (0, LoaderState.initial(layout, replica_ids))
     endpoints = encode_endpoints({"ftar": exchange.engine.addr, "catchup": catchup.url})
     trainer: FaultTolerantTrainer | None = None
@@ -498,5 +511,5 @@ def build(*, config: TrainerConfig, env: Env, compute: Compute, layout: DataLayo
         config=config, env=env, compute=compute, progress=make_progress(replica_id=config.replica_id, state=ledger),
         manager=manager, exchange=exchange, catchup=catchup, loader_store=loader_store, audit=audit,
         checkpointer=checkpointer, checkpointed=(step, ledger.lineage) if step > 0 else None, on_event=on_event,
-        on_phase=on_phase, overlap=overlap)
+        on_phase=on_phase, overlap=overlap, fetch_prepared=prepare)
     return trainer

@@ -28,7 +28,7 @@ from typing import Any, Mapping
 import torch
 
 from ftrun.train.shard import like, local
-from ftrun.train.state import TrainState
+from ftrun.train.state import TrainState, peer_shapes
 
 PREFIX = "user."
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
@@ -153,6 +153,10 @@ class WithUserState:
         step, a weight clamp, an EMA swap for an evaluation); a snapshot serving them in place would serve
         those bytes, checksummed or not, instead of the state the step began with. So it copies them all."""
         return frozenset()
+
+    def peer_shapes(self) -> dict[str, torch.Tensor]:
+        tensors, _ = self.user.split()
+        return {**peer_shapes(self.base), **tensors}
 
     def metadata(self) -> dict[str, Any]:
         _, skeleton = self.user.split()

@@ -116,7 +116,7 @@ def _build(*, job: RankJob, model: torch.nn.Module, optimizer: torch.optim.Optim
             comm=job.comm, lighthouse=lighthouse, exchange=exchange,
             catchup=server, loader_store=LoaderStateStore(storage=FileStorage(spec.run_dir)),
             audit=AuditLog(sink), checkpointer=checkpointer, on_event=job.emit, on_phase=_phase_hook(job, hooks.on_phase),
-            overlap=overlapped)
+            overlap=overlapped, joining=spec.incarnation > 0)
         if lighthouse is not None and spec.ranks_per_replica > 1:  # a frozen rank stops the leader's heartbeats
             t = cfg.timeouts
             watch = RankWatch(env=env, token=spec.token, own=engine.addr, interval_s=t.heartbeat_interval_s,

@@ -174,6 +174,12 @@ class LeadCatchup:
     def reserve(self, *args: Any, **kwargs: Any) -> None:
         self._s.reserve(*args, **kwargs)
 
+    def prepare_fetch(self, state: Any) -> None:
+        self._s.prepare_fetch(state)
+
+    def release_fetch(self) -> None:
+        self._s.release_fetch()
+
     def retire(self, step: int) -> None:
         self._s.retire(step)
 
@@ -197,6 +203,12 @@ class MirrorCatchup:
 
     def reserve(self, *args: Any, **kwargs: Any) -> None:
         """Nothing is published."""
+
+    def prepare_fetch(self, state: Any) -> None:
+        """A mirror receives nothing."""
+
+    def release_fetch(self) -> None:
+        """Nothing was prepared."""
 
     def retire(self, step: int) -> None:
         """Nothing published."""

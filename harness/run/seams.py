@@ -38,6 +38,12 @@ class ShapePayloads:
     def crc32(self, buf: Any) -> int:
         return 0
 
+    def prepare(self, env: Any, nbytes: int) -> None:
+        """Shape-only fetches have no receive buffer to prepare."""
+
+    def release(self) -> None:
+        """Nothing was prepared."""
+
 
 @dataclass(frozen=True)
 class _ShapeBuffer:
@@ -200,6 +206,12 @@ class TimedCatchup:
 
     def reserve(self, *args: Any, **kwargs: Any) -> None:
         self._s.reserve(*args, **kwargs)
+
+    def prepare_fetch(self, state: Any) -> None:
+        self._s.prepare_fetch(state)
+
+    def release_fetch(self) -> None:
+        self._s.release_fetch()
 
     def retire(self, step: int) -> None:
         self._s.retire(step)

@@ -236,3 +236,23 @@ def test_overlapped_exchange_and_background_checkpoints_on_the_gpu(tmp_path):
     resumed, trained = train_mlp(tmp_path / "ckpt", 8, checkpoint=ckpt)
     assert trained[0] == 3 and trained[-1] == 7  # restored after step 3, then steps 3..7 on the device
     assert resumed.param_hash == plain.param_hash
+
+
+@pytest.mark.timeout(60)
+def test_peer_shapes_of_a_gpu_state_before_its_first_step_are_its_layout_after_it():
+    """A restarted replica on the GPU sizes its (host) receive buffer by the meta step of its optimizer;
+    a fused optimizer has no meta kernels and falls back to its tensors (the fetch allocates its own)."""
+    from ftrun.catchup.snapshot import describe
+    from ftrun.train.state import ReplicaState
+
+    for fused in (False, True):
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4)).to(DEVICE)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
+        state = ReplicaState(model=model, optimizer=opt)
+        shapes, before = state.peer_shapes(), state.tensors()
+        assert not opt.state
+        model(torch.randn(8, 16, device=DEVICE)).sum().backward()
+        opt.step()
+        if fused and shapes.keys() == before.keys():
+            continue  # the meta step was refused: a size hint only
+        assert describe(shapes, shape_only=True) == describe(state.tensors()), fused

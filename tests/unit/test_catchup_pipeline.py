@@ -145,3 +145,44 @@ def test_the_first_manifest_to_arrive_starts_the_fetch(late):
         assert "a" not in by and result.failures[0].startswith("skipped a: SourceFailed: a stalled")
     else:
         assert len(by["a"]) == 1 and not result.failures
+
+
+def _address_in(t: torch.Tensor, mem: memoryview) -> bool:
+    start = torch.frombuffer(mem, dtype=torch.uint8).data_ptr()
+    return start <= t.data_ptr() < start + len(mem)
+
+
+def test_a_prepared_buffer_is_received_into_once_then_fetches_allocate_again():
+    t = FakeTransport(pipelines=True)
+    t.payloads.prepare(RealEnv(), len(DATA) + 100)  # larger is fine: the fetch takes its first bytes
+    prepared = t.payloads._preparing
+    first = _fetch(t)  # bitwise checked
+    assert prepared.join(timeout=0) and t.payloads._preparing is None  # taken: the state keeps its views
+    second = _fetch(t)
+    assert first.tensors["w"].data_ptr() != second.tensors["w"].data_ptr()  # not overwritten by the next
+    assert bytes(first.tensors["w"].numpy()) == DATA
+
+
+def test_the_fetch_lands_in_the_prepared_pages():
+    payloads = BytePayloads()
+    payloads.prepare(RealEnv(), 4096)
+    payloads._preparing.join()
+    mem = memoryview(payloads._prepared)
+    dest = payloads.destination(1000)
+    assert len(dest) == 1000 and _address_in(torch.frombuffer(dest, dtype=torch.uint8), mem)
+    assert not _address_in(torch.frombuffer(payloads.destination(1000), dtype=torch.uint8), mem)  # once
+
+
+def test_a_prepared_buffer_too_small_is_dropped_and_the_fetch_still_arrives_whole():
+    t = FakeTransport(pipelines=True)
+    t.payloads.prepare(RealEnv(), len(DATA) - 1)
+    _fetch(t)
+    assert t.payloads._preparing is None and t.payloads._prepared is None
+
+
+def test_release_drops_a_prepared_buffer_no_fetch_took():
+    payloads = BytePayloads()
+    payloads.prepare(RealEnv(), 1 << 20)
+    payloads.release()
+    assert payloads._preparing is None and payloads._prepared is None
+    payloads.release()  # idempotent

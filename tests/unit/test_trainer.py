@@ -13,6 +13,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ftrun.catchup import snapshot
 from ftrun.catchup.config import CatchupConfig
@@ -139,6 +140,31 @@ def test_replica_state_load_keeps_the_handed_tensors_as_the_optimizer_state():
     assert not torch.equal(moments, before)  # updated where it lies
 
 
+def test_replica_state_load_adopts_the_handed_tensors_as_cpu_parameters_unless_shared():
+    """A CPU parameter takes its fetched tensor as its data (no copy; the Parameter, which the optimizer
+    holds, stays the same object); one whose storage something else shares (an alias kept outside, a view
+    of a flat buffer) is copied into instead, so the alias sees the loaded values; buffers are copied."""
+    src_model, src_opt = trained(2)
+    src_model.register_buffer("scale", torch.arange(3.0))
+    dst_model = make_model(replace(TOY, seed=99))
+    dst_model.register_buffer("scale", torch.zeros(3))
+    dst_opt = torch.optim.AdamW(dst_model.parameters(), lr=5.0)
+    params = list(dst_model.parameters())
+    alias = dst_model.up.weight.detach()  # e.g. user code keeping p.detach()
+    src = ReplicaState(model=src_model, optimizer=src_opt)
+    handed = {k: v.clone() for k, v in src.tensors().items()}
+    ReplicaState(model=dst_model, optimizer=dst_opt).load(handed, src.metadata())
+    assert list(dst_model.parameters()) == params and dst_opt.param_groups[0]["params"] == params
+    adopted = [n for n, p in dst_model.named_parameters() if p.data_ptr() == handed[f"model.{n}"].data_ptr()]
+    assert adopted == [n for n, _ in dst_model.named_parameters() if n != "up.weight"]
+    assert torch.equal(alias, src_model.up.weight) and alias.data_ptr() == dst_model.up.weight.data_ptr()
+    assert torch.equal(dst_model.scale, src_model.scale) and dst_model.scale.data_ptr() != handed["model.scale"].data_ptr()
+    grads = [torch.randn_like(p) for p in src_model.parameters()]
+    one_step(src_model, src_opt, grads)
+    one_step(dst_model, dst_opt, grads)
+    assert param_hash(dst_model) == param_hash(src_model)
+
+
 def test_replica_state_stable_tensors_are_parameters_and_optimizer_state_not_buffers():
     """What a catch-up snapshot may serve in place: what only the optimizer step (or a load) changes; a
     forward updates BatchNorm's running statistics, so buffers are copied."""
@@ -152,6 +178,46 @@ def test_replica_state_stable_tensors_are_parameters_and_optimizer_state_not_buf
     assert optim and state.stable() == params | optim
     assert {"model.1.running_mean", "model.1.running_var", "model.1.num_batches_tracked"} <= \
         set(state.tensors()) - state.stable()
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01),
+    lambda ps: torch.optim.Adam(ps, lr=torch.tensor(1e-3)),
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    lambda ps: torch.optim.SGD(ps, lr=0.1),  # no state at all
+], ids=["adamw", "adam-tensor-lr", "sgd-momentum", "sgd"])
+def test_peer_shapes_before_the_first_step_are_the_layout_a_peer_publishes_after_it(make_opt):
+    """A restarted replica sizes its receive buffer before its optimizer has state: peer_shapes stands
+    the state of the first step in, exactly, and leaves this optimizer untouched."""
+    model = make_model(TOY)
+    params = list(model.parameters())
+    opt = make_opt([{"params": params[:2]}, {"params": params[2:], "weight_decay": 0.0}])
+    state = ReplicaState(model=model, optimizer=opt)
+    shapes = state.peer_shapes()
+    assert not opt.state and param_hash(model) == param_hash(make_model(TOY))
+    lm_loss(model, DATA[:8]).backward()
+    opt.step()
+    assert snapshot.describe(shapes, shape_only=True) == snapshot.describe(state.tensors())
+    assert state.peer_shapes().keys() == state.tensors().keys()  # after a step: tensors() itself
+
+
+def test_peer_shapes_of_an_optimizer_that_cannot_step_on_meta_tensors_are_its_tensors():
+    model = make_model(TOY)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)  # no meta kernels
+    state = ReplicaState(model=model, optimizer=opt)
+    assert state.peer_shapes().keys() == state.tensors().keys() and not opt.state
+
+
+def test_peer_shapes_take_no_throwaway_step_that_a_global_step_hook_would_see():
+    model = make_model(TOY)
+    state = ReplicaState(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2))
+    seen = []
+    handle = register_optimizer_step_pre_hook(lambda opt, *_: seen.append(opt))
+    try:
+        assert state.peer_shapes().keys() == state.tensors().keys() and seen == []
+    finally:
+        handle.remove()
+    assert len(state.peer_shapes()) > len(state.tensors())
 
 
 def test_replica_state_rejects_another_models_state():
@@ -300,8 +366,9 @@ LAYOUT = DataLayout(dataset_size=len(DATA), num_replicas=3, ranks_per_replica=1,
 
 class Rep:
     def __init__(self, env, lighthouse, rid, root, *, checkpoint=None, checkpointer=None, on_phase=None,
-                 optimizer=None, layout=LAYOUT):
-        """checkpoint/checkpointer(model, optimizer): persistent checkpoints (default: none).
+                 optimizer=None, layout=LAYOUT, joining=False):
+        """checkpoint/checkpointer(model, optimizer): persistent checkpoints (default: none). joining:
+        build's (a restart: the receive buffer of a heal is prepared).
         on_phase(rep, phase, step): a test's own hook at every phase boundary. optimizer(model): the
         optimizer (default AdamW, lr 1e-2). layout: the job's data layout (its replicas are IDS' first)."""
         self.rid, self.records, self.events, self.results = rid, [], [], []
@@ -326,7 +393,7 @@ class Rep:
                 exchange=GradientExchange(engine=self.engine, rank=0), catchup=self.server,
                 loader_store=LoaderStateStore(storage=FileStorage(root / rid)), audit=AuditLog(self.records.append),
                 checkpointer=checkpointer(self.model, self.opt) if checkpointer is not None else None,
-                on_event=self.events.append, on_phase=self.on_phase)
+                on_event=self.events.append, on_phase=self.on_phase, joining=joining)
         except BaseException:
             self.engine.close()
             self.server.stop()
@@ -429,9 +496,14 @@ def test_trainer_heals_a_late_replica_and_retries_a_failed_backward(tmp_path, mo
     env = RealEnv()
     lighthouse = Lighthouse(env=env, token=TOKEN, config=LighthouseConfig(min_replicas=2, timeouts=T))
     lighthouse.start()
-    reps = [Rep(env, lighthouse, rid, tmp_path) for rid in IDS]
+    # r2 restarts (its receive buffer prepared before it checks in); so does r0, which has nobody to heal from
+    reps = [Rep(env, lighthouse, rid, tmp_path, joining=rid != "r1") for rid in IDS]
     try:
         r0, r1, r2 = reps
+        payloads = {r.rid: r.server.transport.payloads for r in reps}
+        assert payloads["r1"]._preparing is None
+        payloads["r2"]._preparing.join()
+        prepared = torch.frombuffer(payloads["r2"]._prepared, dtype=torch.uint8)
         reserved = {r.rid: [] for r in reps}  # the state names of each catch-up reserve (trainer -> service)
         for r in reps:
             r.server.reserve = lambda state, borrow, rid=r.rid, real=r.server.reserve: (
@@ -439,6 +511,7 @@ def test_trainer_heals_a_late_replica_and_retries_a_failed_backward(tmp_path, mo
         changes = []  # changes of a lent tensor while it was lent: there must be none
         publishes = {r.rid: watch_lent_state(r, changes) for r in reps}
         run(env, [r0, r1], 3)  # r2 is not there yet
+        assert payloads["r0"]._preparing is None and payloads["r0"]._prepared is None  # dropped at its 1st commit
         own = sorted(r0.trainer.state.tensors())
         assert reserved == {"r0": [own], "r1": [own], "r2": []}  # once, optimizer state included, while r2 is away
         fetched = []  # weak references to the model's tensors r2 fetches (views into the fetch's buffer)
@@ -454,8 +527,12 @@ def test_trainer_heals_a_late_replica_and_retries_a_failed_backward(tmp_path, mo
         assert [e for e in r2.events if e["event"] == "catchup"][0]["step"] == 3
         views = [weakref.ref(t) for k, t in fetched.pop().tensors.items() if k.startswith("model.")]
         gc.collect()
-        assert views and all(v() is None for v in views)  # loaded (copied into the model): nothing keeps them
+        assert views and all(v() is None for v in views)  # loaded: the fetch's own tensor objects are gone
         assert r2.trainer.last_fetch.num_bytes > 0  # the fetch's figures are kept
+        moments = r2.opt.state[r2.model.up.weight]["exp_avg"]  # the fetch landed in the prepared pages,
+        for t in (moments, r2.model.up.weight):  # where the optimizer and (adopted, not copied) the model use it
+            assert prepared.data_ptr() <= t.data_ptr() < prepared.data_ptr() + prepared.numel()
+        assert r2.trainer.last_fetch.num_bytes == prepared.numel() and payloads["r2"]._preparing is None  # exact
         assert len({param_hash(r.model) for r in reps}) == 1  # healed from tensors served in place
         assert reserved == {"r0": [own], "r1": [own], "r2": []}  # r2 joined a full quorum: nothing to reserve
         stable = sorted(k for k in own if k.startswith(("model.", "optim.")))
