@@ -63,8 +63,11 @@ def main() -> None:
         doc = json.loads(f.read().strip().splitlines()[-1])
     q = argparse.ArgumentParser()
     fd.add_arguments(q)
+    kills = doc.get("kills", 4)
+    # the run's kill spacing (runs before its `kill_step_interval` key ran --steps = 15 + kills x interval)
+    interval = doc.get("kill_step_interval") or (doc["steps"] - 15) // kills
     args = q.parse_args(["--replicas", str(doc["replicas"]), "--ranks-per-replica", str(doc["ranks_per_replica"]),
-                         "--steps", str(doc["steps"])])
+                         "--steps", str(doc["steps"]), "--kills", str(kills), "--kill-step-interval", str(interval)])
     real_evs, traces = [], []
     for d in sorted(x for x in os.listdir(a.out_dir) if x.startswith("real")):
         with open(os.path.join(a.out_dir, d, "events.jsonl")) as f:
