@@ -11,8 +11,11 @@ restarts after --restart-delay (real `--restart-delay`; emulated scheduler.alloc
 as the real runs' did (`ftrun launch` forks the ranks one after another: the first replica trains alone until the
 others are up, and they join behind and heal): each starts in the emulated job at its median offset in the real
 runs (`start_offsets`, scheduler.first_start_s). One kill is as
-noisy as the machine's load: the per-fault figures are medians over the kills, and `--json` gives each one's
-spread over them (`spread`). With --repeat N the real job runs N times: the real figures are medians over the
+noisy as the machine's load: the per-fault figures are medians over the kills (KILLS by default), and `--json`
+gives each one's spread over them (`spread`). The kills are --kill-step-interval steps apart, by default
+`spaced_interval`: the replica's recovery (teardown, restart delay, start, slow fetch) in steps of a lone replica's
+period, plus LOCAL_GAPS + 1 steady steps, so each kill finds the job recovered from the last (`recoveries` says
+whether it did, per kill, in both worlds; `--json` `recoveries`). With --repeat N the real job runs N times: the real figures are medians over the
 runs (the per-fault ones over all their faults), and each row's `real_spread` (the runs' largest |ln(a/b)|
 among themselves) and `inside_noise` say which ratios are inside this machine's own run-to-run noise.
 
