@@ -171,12 +171,6 @@ class TrainConfig:
     # measures it: the spread of the leaders' commits of a step in its 2-replica run (R / 2 of it with R up, as
     # above). 0: the replicas commit together.
     rank_exchange_skew_s: float = 0.0
-    # How the costs measured with 2 replicas up (rank_start_skew_s, rank_exchange_skew_s, replica_compute_extra_s,
-    # ftar.sync_overhead_s) scale with R replicas up: "replicas", R / 2 of them; "cores", by the CPU contention of
-    # the live ranks against that of the 2-replica run's (harness.run.job.cpu_share_factor with the job's busy share
-    # and shared_cpu_cores: one measured figure, the cores, for every phase that waits on the shared CPUs; as
-    # "replicas" without shared_cpu_cores).
-    shared_cpu_scaling: Literal["replicas", "cores"] = "replicas"
 
     def __post_init__(self) -> None:
         _positive(self, "step_compute_s", "steps", "min_replicas")
@@ -184,7 +178,6 @@ class TrainConfig:
                       "shared_cpu_cores", "step_bookkeeping_s", "replica_compute_extra_s",
                       "rank_start_skew_s", "rank_exchange_skew_s")
         _one_of(self, "lr_intervention", ("none", "linear", "sqrt"))
-        _one_of(self, "shared_cpu_scaling", ("replicas", "cores"))
         _check(self.step_jitter < 1, "step_jitter", "< 1", self.step_jitter)
 
 

@@ -79,15 +79,6 @@ def start_skew(mean_s: float, key: str) -> float:
     return -mean_s * math.log(1.0 - random.Random(key).random())
 
 
-
-def cpu_share_factor(ranks: int, u: float, cores: float) -> float:
-    """How much a CPU-bound phase stretches while `ranks` rank processes, each busy a share `u` of its step, share
-    `cores` CPUs: max(1, ranks x u / cores) (they ask for ranks x u cores; beyond the machine's, each gets its
-    share of them). Pure."""
-    if ranks < 0 or not 0 <= u <= 1 or cores <= 0:
-        raise ValueError(f"cpu_share_factor needs ranks >= 0, 0 <= u <= 1 and cores > 0, got {ranks}, {u}, {cores}")
-    return max(1.0, ranks * u / cores)
-
 class Incarnation:
     """One start of one replica: its hosts, Envs, wiring, and how many of its ranks are still running."""
 
@@ -244,26 +235,11 @@ class EmulatedJob(JobFolding):
 
     def _skew_scale(self) -> float:
         """The late starts' and wakes' means are measured with 2 replicas up (`ftrun calibrate SCRIPT`'s 2-replica
-        run, which its 1-replica step's calibration takes as is); with more up, scaled as `_two_replica_scale` (1
-        and 2 replicas take the mean as measured)."""
-        return self._two_replica_scale(at_least_two=True)
-
-    def _two_replica_scale(self, at_least_two: bool = False) -> float:
-        """How a cost measured with 2 replicas up scales to the replicas up now (train.shared_cpu_scaling): "replicas",
-        R / 2 (each replica's ranks wake on the shared CPUs: more replicas, more wake-ups; real runs' spreads against
-        their restep's 2-replica one: 1.3-2.7x at 3 and 4 replicas, benchmarks/results/fidelity.md); "cores", the
-        ratio of the CPU contention factor (`cpu_share_factor`) of the live ranks to that of the 2-replica run's
-        2K ranks, with the job's busy share u and train.shared_cpu_cores. `at_least_two`: fewer than 2 up count as
-        2 (a measured mean, never below it)."""
+        run, which its 1-replica step's calibration takes as is); with R up, R / 2 of them, as the all-reduce
+        overhead: more rank processes wake on the shared CPUs (real runs' spreads against their restep's 2-replica
+        one: 1.3-2.7x at 3 and 4 replicas, benchmarks/results/fidelity.md)."""
         up = sum(1 for inc in self._incarnations if inc is not None and inc.alive)
-        t = self.profile.train
-        if t.shared_cpu_scaling == "replicas" or not t.shared_cpu_cores:
-            return (max(up, 2) if at_least_two else up) / 2
-        live = sum(inc.world_size for inc in self._incarnations if inc is not None and inc.alive)
-        two = 2 * self.profile.ranks_per_replica
-        u = self._busy_share()
-        live = max(live, two) if at_least_two else live
-        return cpu_share_factor(live, u, t.shared_cpu_cores) / cpu_share_factor(two, u, t.shared_cpu_cores)
+        return max(up, 2) / 2
 
     # -- running ---------------------------------------------------------------------------------
     def run(self, progress: Callable[[int], None] | None = None) -> Recorder:
@@ -478,20 +454,16 @@ class EmulatedJob(JobFolding):
     def contention_extra_s(self) -> float:
         """Extra compute time of a step while the job's ranks share the machine's CPUs (train.shared_cpu_cores,
         c): each live rank keeps a CPU busy for its compute and bookkeeping, a fraction u of the job's recent step
-        period (`_busy_share`), so N ranks ask for N x u cores; beyond c, compute stretches by
-        `cpu_share_factor`. 0 when ranks have CPUs of their own."""
+        period, so the ranks ask for N x u cores; beyond c, compute stretches by N x u / c. 0 when ranks have
+        CPUs of their own."""
         t = self.profile.train
         if not t.shared_cpu_cores:
             return 0.0
         live = sum(inc.world_size for inc in self._incarnations if inc is not None and inc.alive)
-        return t.step_compute_s * (cpu_share_factor(live, self._busy_share(), t.shared_cpu_cores) - 1.0)
-
-    def _busy_share(self) -> float:
-        """u: the share of the job's recent step period (the median commit gap) a rank keeps a CPU busy for its
-        compute and bookkeeping (1 before the first commit gap)."""
-        t = self.profile.train
         gaps = sorted(self._commit_gaps)
-        return min(1.0, (t.step_compute_s + t.step_bookkeeping_s) / gaps[len(gaps) // 2]) if gaps else 1.0
+        busy = t.step_compute_s + t.step_bookkeeping_s
+        u = min(1.0, busy / gaps[len(gaps) // 2]) if gaps else 1.0
+        return t.step_compute_s * max(0.0, live * u / t.shared_cpu_cores - 1.0)
 
     def ftar_overhead_s(self) -> float:
         """The all-reduce's measured overhead while more than one replica is up (seams.OverheadExchange charges
@@ -505,9 +477,9 @@ class EmulatedJob(JobFolding):
         return self._per_replica_up(self.profile.train.replica_compute_extra_s)
 
     def _per_replica_up(self, at_two_s: float) -> float:
-        """`at_two_s`, measured with 2 replicas up, scaled to the replicas up now (`_two_replica_scale`; 0 with one)."""
+        """`at_two_s`, measured with 2 replicas up, scaled to the replicas up now (R / 2; 0 with one)."""
         up = sum(1 for inc in self._incarnations if inc is not None and inc.alive)
-        return at_two_s * self._two_replica_scale() if up > 1 else 0.0
+        return at_two_s * up / 2 if up > 1 else 0.0
 
     def slow_fetch(self) -> tuple[float, float] | None:
         """(factor, delay_s) of the slow fetch fault in force now (F x the modeled transfer, plus D), or None. As

@@ -122,32 +122,6 @@ def test_the_all_reduce_overhead_is_measured_at_2_replicas_and_scales_with_the_r
     assert spans[4] - spans[2] == pytest.approx(overhead * (4 / 2 - 1), abs=0.02)  # the modeled ring is ~free
 
 
-def test_the_cpu_share_factor_stretches_only_beyond_the_machines_cores():
-    from harness.run.job import cpu_share_factor
-
-    assert cpu_share_factor(3, 0.5, 2.0) == 1.0  # 1.5 cores asked of 2
-    assert cpu_share_factor(8, 0.5, 2.0) == pytest.approx(2.0)
-    assert cpu_share_factor(8, 0.5, 2.0) / cpu_share_factor(4, 0.5, 2.0) == pytest.approx(2.0)  # R / 2 when saturated
-    for bad in ((3, 1.5, 2.0), (3, 0.5, 0.0), (-1, 0.5, 2.0)):
-        with pytest.raises(ValueError, match="cpu_share_factor"):
-            cpu_share_factor(*bad)
-
-
-@pytest.mark.timeout(120)
-def test_with_cores_to_spare_the_cores_scaling_keeps_the_2_replica_overhead():
-    """train.shared_cpu_scaling=cores: the all-reduce overhead measured with 2 replicas scales by the contention of
-    the live ranks against the 2-replica run's; on a machine with cores to spare neither contends, so 4 replicas
-    pay the 2-replica overhead (R / 2 of it under "replicas", the test above)."""
-    overhead, spans = 0.2, {}
-    for replicas in (2, 4):
-        overrides = [f"ftar.sync_overhead_s={overhead}", f"replicas={replicas}", "train.shared_cpu_cores=1000",
-                     "train.shared_cpu_scaling=cores"]
-        f, job = execute(build_profile("ci-small", overrides, steps=4, cpu_charging=False), JobOptions(steps=4))
-        assert f["complete"]
-        spans[replicas] = _quorum_to_commit(job)
-    assert spans[4] - spans[2] == pytest.approx(0.0, abs=0.02)
-
-
 def _kill_and_detection(overrides: list[str], at_fraction: float = 0.5) -> tuple[float, float, float]:
     """(kill time - r1's quorum of the killed step, first error or abort of a survivor - kill, r1's compute)."""
     from harness.calibrate.fidelity import per_fault
