@@ -111,12 +111,17 @@ def recovery_inputs(keys: dict[str, float], figures: dict[str, float], args: arg
     """(recovery_s, period_s) for `spaced_interval` from a calibrated profile's keys (flat, "section.key") and
     measured figures (by name): the killed rank's teardown (network.crash_fin_delay_s) + --restart-delay + the
     script's start (scheduler.process_start_s) + --slow-fetch-delay + 2 catch-up requests
-    (train.catchup_fetch_extra_s); the period: the script's 1-replica step period (`script_step_period_s`), else the
-    emulator's lone step (train.step_compute_s + train.step_bookkeeping_s). Pure."""
+    (train.catchup_fetch_extra_s); the period: the shorter of the script's 1-replica step period
+    (`script_step_period_s`) and its 2-replica one (`script_step_2_replicas_s` + `script_commit_to_quorum_2_replicas_s`),
+    where measured (either alone swings under load: a lone replica's commit-to-quorum read 2.6 and 13.8 ms in two
+    runs minutes apart, benchmarks/results/fidelity.md), else the emulator's lone step (train.step_compute_s +
+    train.step_bookkeeping_s). Pure."""
     recovery = (keys.get("network.crash_fin_delay_s", 0.0) + args.restart_delay + keys.get("scheduler.process_start_s", 0.0)
                 + args.slow_fetch_delay + 2 * keys.get("train.catchup_fetch_extra_s", 0.0))
-    period = figures.get("script_step_period_s") or (keys.get("train.step_compute_s", 0.0)
-                                                     + keys.get("train.step_bookkeeping_s", 0.0))
+    two = ([figures["script_step_2_replicas_s"] + figures["script_commit_to_quorum_2_replicas_s"]]
+           if "script_step_2_replicas_s" in figures and "script_commit_to_quorum_2_replicas_s" in figures else [])
+    periods = [x for x in [figures.get("script_step_period_s"), *two] if x]
+    period = min(periods) if periods else keys.get("train.step_compute_s", 0.0) + keys.get("train.step_bookkeeping_s", 0.0)
     return recovery, period
 
 

@@ -199,6 +199,9 @@ def test_kills_are_spaced_by_the_recovery_in_steps_of_a_lone_replica():
             "train.step_compute_s": 0.002, "train.step_bookkeeping_s": 0.001}
     rec, period = recovery_inputs(keys, {"script_step_period_s": 0.004}, p.parse_args([]))
     assert rec == pytest.approx(0.01 + 0.5 + 0.1 + 0.2 + 0.01) and period == 0.004  # restart 0.5 s, slow fetch 0.2 s
+    two = {"script_step_2_replicas_s": 0.002, "script_commit_to_quorum_2_replicas_s": 0.001}
+    assert recovery_inputs(keys, {"script_step_period_s": 0.019, **two}, p.parse_args([]))[1] == pytest.approx(0.003)
+    assert recovery_inputs(keys, {"script_step_period_s": 0.002, **two}, p.parse_args([]))[1] == 0.002  # the shorter
     rec, period = recovery_inputs(keys, {}, p.parse_args(["--restart-delay", "1", "--slow-fetch-delay", "0"]))
     assert rec == pytest.approx(0.01 + 1 + 0.1 + 0.01) and period == pytest.approx(0.003)  # the emulator's lone step
 
