@@ -13,9 +13,10 @@ others are up, and they join behind and heal): each starts in the emulated job a
 runs (`start_offsets`, scheduler.first_start_s). One kill is as
 noisy as the machine's load: the per-fault figures are medians over the kills (KILLS by default), and `--json`
 gives each one's spread over them (`spread`). The kills are --kill-step-interval steps apart, by default
-`spaced_interval`: the replica's recovery (teardown, restart delay, start, slow fetch) in steps of a lone replica's
-period, plus LOCAL_GAPS + 1 steady steps, so each kill finds the job recovered from the last (`recoveries` says
-whether it did, per kill, in both worlds; `--json` `recoveries`). With --repeat N the real job runs N times: the real figures are medians over the
+`spaced_interval`: the replica's recovery (teardown, restart delay, start, slow fetch) in steps of the fastest step
+measured, plus LOCAL_GAPS + 1 steady steps, so each kill finds the job recovered from the last (`recoveries` says
+whether it did, per kill, in both worlds; `--json` `recoveries`). With --repeat N the real job runs N times: the
+real figures are medians over the
 runs (the per-fault ones over all their faults), and each row's `real_spread` (the runs' largest |ln(a/b)|
 among themselves) and `inside_noise` say which ratios are inside this machine's own run-to-run noise.
 
@@ -112,16 +113,18 @@ def recovery_inputs(keys: dict[str, float], figures: dict[str, float], args: arg
     measured figures (by name): the killed rank's teardown (network.crash_fin_delay_s) + --restart-delay + the
     script's start (scheduler.process_start_s) + --slow-fetch-delay + 2 catch-up requests
     (train.catchup_fetch_extra_s); the period: the shorter of the script's 1-replica step period
-    (`script_step_period_s`) and its 2-replica one (`script_step_2_replicas_s` + `script_commit_to_quorum_2_replicas_s`),
-    where measured (either alone swings under load: a lone replica's commit-to-quorum read 2.6 and 13.8 ms in two
-    runs minutes apart, benchmarks/results/fidelity.md), else the emulator's lone step (train.step_compute_s +
-    train.step_bookkeeping_s). Pure."""
-    recovery = (keys.get("network.crash_fin_delay_s", 0.0) + args.restart_delay + keys.get("scheduler.process_start_s", 0.0)
-                + args.slow_fetch_delay + 2 * keys.get("train.catchup_fetch_extra_s", 0.0))
+    (`script_step_period_s`) and its 2-replica one (`script_step_2_replicas_s` +
+    `script_commit_to_quorum_2_replicas_s`), where measured (either alone swings under load: a lone replica's
+    commit-to-quorum read 2.6 and 13.8 ms in two runs minutes apart, benchmarks/results/fidelity.md), else the
+    emulator's lone step (train.step_compute_s + train.step_bookkeeping_s). Pure."""
+    recovery = (keys.get("network.crash_fin_delay_s", 0.0) + args.restart_delay
+                + keys.get("scheduler.process_start_s", 0.0) + args.slow_fetch_delay
+                + 2 * keys.get("train.catchup_fetch_extra_s", 0.0))
     two = ([figures["script_step_2_replicas_s"] + figures["script_commit_to_quorum_2_replicas_s"]]
            if "script_step_2_replicas_s" in figures and "script_commit_to_quorum_2_replicas_s" in figures else [])
     periods = [x for x in [figures.get("script_step_period_s"), *two] if x]
-    period = min(periods) if periods else keys.get("train.step_compute_s", 0.0) + keys.get("train.step_bookkeeping_s", 0.0)
+    lone = keys.get("train.step_compute_s", 0.0) + keys.get("train.step_bookkeeping_s", 0.0)
+    period = min(periods) if periods else lone
     return recovery, period
 
 
@@ -838,7 +841,8 @@ def run(args: argparse.Namespace) -> int:
           f"wall {time.monotonic() - started:.1f} s")
     if args.json:
         emit_json({**table, "replicas": args.replicas, "ranks_per_replica": args.ranks_per_replica,
-                   "steps": total_steps(args), "kill_step_interval": args.kill_step_interval, "profile": profile, "out": out, "real_complete": real_complete,
+                   "steps": total_steps(args), "kill_step_interval": args.kill_step_interval, "profile": profile,
+                   "out": out, "real_complete": real_complete,
                    "emulated_complete": emu_f.get("complete"), "repeat": args.repeat, "real_runs": real_each,
                    "phases": {"real": real_ph, "emulated": emu_ph}, "real_rank_phases": rank_ph, "stall_phases": stall_ph, "restep": restep,
                    "restep_before": before, "restep_after": after,

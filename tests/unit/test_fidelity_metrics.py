@@ -108,7 +108,8 @@ def test_both_runs_get_the_same_faults_in_the_one_grammar():
     add_arguments(p)
     args = p.parse_args(["--replicas", "4", "--ranks-per-replica", "2", "--kill-step-interval", "80"])
     specs = fault_specs(args)
-    assert specs == [f"kill replica=1 step={15 + 80 * i} at=0.5" for i in range(10)] + ["slow fetch replica=1 delay=0.2"]
+    kills = [f"kill replica=1 step={15 + 80 * i} at=0.5" for i in range(10)]
+    assert specs == kills + ["slow fetch replica=1 delay=0.2"]
     assert total_steps(args) == 815  # the last kill has its 80 steps to recover in, as the others
     assert total_steps(p.parse_args(["--steps", "900"])) == 900
     with pytest.raises(ValueError, match="total_steps"):
@@ -235,8 +236,8 @@ def test_kills_must_fit_in_the_run():
 
     p = argparse.ArgumentParser()
     add_arguments(p)
-    for argv in (["--steps", "175", "--kills", "5", "--kill-step-interval", "40"], ["--kills", "0"], ["--kill-step-interval", "0"],
-                 ["--kill-at-fraction", "1.0"]):
+    for argv in (["--steps", "175", "--kills", "5", "--kill-step-interval", "40"], ["--kills", "0"],
+                 ["--kill-step-interval", "0"], ["--kill-at-fraction", "1.0"]):
         with pytest.raises(UsageError, match="--kill"):
             run(p.parse_args(argv))
 
