@@ -456,7 +456,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # (a duration between random kills) or --kill-at (step=N[,replica=ID]), which these flags used to shadow.
     p.add_argument("--kill-step-interval", type=int, default=None, metavar="STEPS",
                    help="steps between one kill's step=S and the next's (default: `spaced_interval` of the profile's "
-                        "recovery and lone step period, so each kill finds the job recovered from the last; "
+                        "recovery in its fastest measured step period, so each kill finds the job recovered from the last; "
                         "`recoveries` checks it)")
     p.add_argument("--kill-at-fraction", type=float, default=0.5, metavar="F",
                    help="each kill's at=F: F x a step's compute after r1's commit of step S (default %(default)s)")
