@@ -101,8 +101,8 @@ def spaced_interval(recovery_s: float, period_s: float) -> int:
     """Steps between two kills so that the second finds the job recovered from the first (`recoveries`): the
     replica's recovery (`recovery_s`: its teardown, restart delay, start and catch-up) in steps of `period_s`,
     plus LOCAL_GAPS + 1 steady steps (the step a stall is measured against). `period_s` should be the fastest a
-    step runs (a lone replica's): the recovery is a time, a job whose steps run faster takes more of them to cover
-    it (fid4's 40 steps: a 3 x 1 kill came 1-14 steps after the last rejoin). Pure."""
+    step runs (`recovery_inputs`): the recovery is a time, and a job whose steps run faster takes more of them to
+    cover it (fid4's fixed 40 steps: a 3 x 1 kill came 1-14 steps after the last rejoin). Pure."""
     if recovery_s < 0 or period_s <= 0:
         raise ValueError(f"spaced_interval needs recovery_s >= 0 and period_s > 0, got {recovery_s}, {period_s}")
     return math.ceil(recovery_s / period_s) + LOCAL_GAPS + 1
@@ -455,9 +455,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # Steps and a fraction of a step, as in the fault grammar's step=S at=F: not `ftrun launch`'s --kill-every
     # (a duration between random kills) or --kill-at (step=N[,replica=ID]), which these flags used to shadow.
     p.add_argument("--kill-step-interval", type=int, default=None, metavar="STEPS",
-                   help="steps between one kill's step=S and the next's (default: `spaced_interval` of the profile's "
-                        "recovery in its fastest measured step period, so each kill finds the job recovered from the last; "
-                        "`recoveries` checks it)")
+                   help="steps between one kill's step=S and the next's (default: `spaced_interval` of the "
+                        "profile's recovery in its fastest measured step period, so each kill finds the job "
+                        "recovered from the last; `recoveries` checks it)")
     p.add_argument("--kill-at-fraction", type=float, default=0.5, metavar="F",
                    help="each kill's at=F: F x a step's compute after r1's commit of step S (default %(default)s)")
     p.add_argument("--slow-fetch-delay", type=float, default=0.2, metavar="SECONDS",
