@@ -18,7 +18,8 @@ FIDELITY_STDOUT: the file the run's stdout went to (its last line is the --json 
 --teardown: the killed rank's teardown the run emulated with ("run", the default), the real runs' own kills' (their
   trace.json, `harness.calibrate.fidelity.real_teardown`) or the restep's mean ("restep", as runs before the real one).
 --skews: the ranks' late starts and wakes from the all-reduce the run emulated with ("run"), the real runs' own
-  (their events, `harness.calibrate.fidelity.real_skews`) or the restep's means ("restep").
+  (their events, `harness.calibrate.fidelity.real_skews`; "real-unscaled": divided by the R / 2 the emulator
+  scales them by with R replicas up, as they were measured with R up) or the restep's means ("restep").
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def main() -> None:
     w.add_argument("--real-write", action="store_true")
     w.add_argument("--sampled-write", action="store_true")
     p.add_argument("--teardown", choices=("run", "real", "restep"), default="run")
-    p.add_argument("--skews", choices=("run", "real", "restep"), default="run")
+    p.add_argument("--skews", choices=("run", "real", "real-unscaled", "restep"), default="run")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--save", default=None)
     a = p.parse_args()
@@ -63,8 +64,11 @@ def main() -> None:
         doc = json.loads(f.read().strip().splitlines()[-1])
     q = argparse.ArgumentParser()
     fd.add_arguments(q)
+    kills = doc.get("kills", 4)
+    # the run's kill spacing (runs before its `kill_step_interval` key ran --steps = 15 + kills x interval)
+    interval = doc.get("kill_step_interval") or (doc["steps"] - 15) // kills
     args = q.parse_args(["--replicas", str(doc["replicas"]), "--ranks-per-replica", str(doc["ranks_per_replica"]),
-                         "--steps", str(doc["steps"])])
+                         "--steps", str(doc["steps"]), "--kills", str(kills), "--kill-step-interval", str(interval)])
     real_evs, traces = [], []
     for d in sorted(x for x in os.listdir(a.out_dir) if x.startswith("real")):
         with open(os.path.join(a.out_dir, d, "events.jsonl")) as f:
@@ -95,8 +99,11 @@ def main() -> None:
             t = fd.real_teardown(traces) if a.teardown == "real" else None
             teardown = None if t is None else t.value
         if model == "after" and a.skews != "run":
-            skews = ({key: f.value for key, f in fd.real_skews(real_evs, args.ranks_per_replica).items()}
-                     if a.skews == "real" else {})
+            # real-unscaled: the real runs' own, divided by the R / 2 the emulator scales them by with R replicas up
+            # (they were measured with R up, not 2)
+            scale = args.replicas / 2 if a.skews == "real-unscaled" else 1.0
+            skews = ({key: f.value / scale for key, f in fd.real_skews(real_evs, args.ranks_per_replica).items()}
+                     if a.skews.startswith("real") else {})
         overrides = fd.with_override(overrides, fd.TEARDOWN_KEY, teardown)
         if "script_exchange_skew_s" in drop:  # no late wake from the all-reduce at all (as before that key)
             skews["train.rank_exchange_skew_s"] = 0.0

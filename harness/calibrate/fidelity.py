@@ -11,8 +11,12 @@ restarts after --restart-delay (real `--restart-delay`; emulated scheduler.alloc
 as the real runs' did (`ftrun launch` forks the ranks one after another: the first replica trains alone until the
 others are up, and they join behind and heal): each starts in the emulated job at its median offset in the real
 runs (`start_offsets`, scheduler.first_start_s). One kill is as
-noisy as the machine's load: the per-fault figures are medians over the kills, and `--json` gives each one's
-spread over them (`spread`). With --repeat N the real job runs N times: the real figures are medians over the
+noisy as the machine's load: the per-fault figures are medians over the kills (KILLS by default), and `--json`
+gives each one's spread over them (`spread`). The kills are --kill-step-interval steps apart, by default
+`spaced_interval`: the replica's recovery (teardown, restart delay, start, slow fetch) in steps of the fastest step
+measured, plus LOCAL_GAPS + 1 steady steps, so each kill finds the job recovered from the last (`recoveries` says
+whether it did, per kill, in both worlds; `--json` `recoveries`). With --repeat N the real job runs N times: the
+real figures are medians over the
 runs (the per-fault ones over all their faults), and each row's `real_spread` (the runs' largest |ln(a/b)|
 among themselves) and `inside_noise` say which ratios are inside this machine's own run-to-run noise.
 
@@ -88,6 +92,40 @@ def normalize(events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
 
 # Commit gaps before a fault whose median is the step a stall is measured against.
 LOCAL_GAPS = 10
+# Kills of r1 per real run by default. One kill's detection and stall vary 2-4x from the next under a shared
+# machine's load (benchmarks/results/fidelity.md): the per-fault figures are medians over them.
+KILLS = 10
+
+
+def spaced_interval(recovery_s: float, period_s: float) -> int:
+    """Steps between two kills so that the second finds the job recovered from the first (`recoveries`): the
+    replica's recovery (`recovery_s`: its teardown, restart delay, start and catch-up) in steps of `period_s`,
+    plus LOCAL_GAPS + 1 steady steps (the step a stall is measured against). `period_s` should be the fastest a
+    step runs (`recovery_inputs`): the recovery is a time, and a job whose steps run faster takes more of them to
+    cover it (fid4's fixed 40 steps: a 3 x 1 kill came 1-14 steps after the last rejoin). Pure."""
+    if recovery_s < 0 or period_s <= 0:
+        raise ValueError(f"spaced_interval needs recovery_s >= 0 and period_s > 0, got {recovery_s}, {period_s}")
+    return math.ceil(recovery_s / period_s) + LOCAL_GAPS + 1
+
+
+def recovery_inputs(keys: dict[str, float], figures: dict[str, float], args: argparse.Namespace) -> tuple[float, float]:
+    """(recovery_s, period_s) for `spaced_interval` from a calibrated profile's keys (flat, "section.key") and
+    measured figures (by name): the killed rank's teardown (network.crash_fin_delay_s) + --restart-delay + the
+    script's start (scheduler.process_start_s) + --slow-fetch-delay + 2 catch-up requests
+    (train.catchup_fetch_extra_s); the period: the shorter of the script's 1-replica step period
+    (`script_step_period_s`) and its 2-replica one (`script_step_2_replicas_s` +
+    `script_commit_to_quorum_2_replicas_s`), where measured (either alone swings under load: a lone replica's
+    commit-to-quorum read 2.6 and 13.8 ms in two runs minutes apart, benchmarks/results/fidelity.md), else the
+    emulator's lone step (train.step_compute_s + train.step_bookkeeping_s). Pure."""
+    recovery = (keys.get("network.crash_fin_delay_s", 0.0) + args.restart_delay
+                + keys.get("scheduler.process_start_s", 0.0) + args.slow_fetch_delay
+                + 2 * keys.get("train.catchup_fetch_extra_s", 0.0))
+    two = ([figures["script_step_2_replicas_s"] + figures["script_commit_to_quorum_2_replicas_s"]]
+           if "script_step_2_replicas_s" in figures and "script_commit_to_quorum_2_replicas_s" in figures else [])
+    periods = [x for x in [figures.get("script_step_period_s"), *two] if x]
+    lone = keys.get("train.step_compute_s", 0.0) + keys.get("train.step_bookkeeping_s", 0.0)
+    period = min(periods) if periods else lone
+    return recovery, period
 
 
 def per_fault(events: Iterable[dict[str, Any]]) -> dict[str, list[float]]:
@@ -155,6 +193,39 @@ def _per_fault(ev: list[dict[str, Any]], commits: dict, quorums: dict) -> dict[s
             if s is not None:
                 out["rejoin_stall_s"].append(s)
     return out
+
+
+def recoveries(events: Iterable[dict[str, Any]]) -> list[int | None]:
+    """Per kill (time order), the steps the job committed (its highest commit step) from the last join before it
+    (any replica incarnation's first quorum: the replicas' start, the previous victim's rejoin) to the kill; None
+    where the previous kill's replica had not rejoined by then. A kill after fewer than LOCAL_GAPS + 1 such steps
+    is measured against a step that still holds the last recovery (`per_fault`'s step before the stall), and its
+    stall and detection meet a job that is not in its steady state. Pure."""
+    ev = normalize(events)
+    joins = sorted({(e.get("replica_id"), e.get("incarnation", 0)): e["t"] for e in reversed(ev)
+                    if e["event"] == "quorum"}.items(), key=lambda kv: kv[1])
+    commits = [(e["t"], e["step"]) for e in ev if e["event"] == "commit"]
+
+    def step_at(t: float) -> int:
+        return max((s for tc, s in commits if tc <= t), default=0)
+
+    kills = [e for e in ev if e["event"] == "kill"]
+    out: list[int | None] = []
+    for i, k in enumerate(kills):
+        prev = kills[i - 1] if i else None
+        if prev is not None and not any(rid == prev["replica_id"] and inc > prev.get("incarnation", 0)
+                                        and prev["t"] < t < k["t"] for (rid, inc), t in joins):
+            out.append(None)
+            continue
+        last = max((t for _, t in joins if t < k["t"]), default=None)
+        out.append(None if last is None else step_at(k["t"]) - step_at(last))
+    return out
+
+
+def recovered(steps: list[int | None]) -> int:
+    """How many of `recoveries`' kills found the job recovered: LOCAL_GAPS + 1 steps or more since the last
+    join. Pure."""
+    return sum(1 for s in steps if s is not None and s > LOCAL_GAPS)
 
 
 STALL_PHASES = ("commit_to_quorum", "quorum_to_kill", "detection", "vote", "requorum", "more_quorums", "retry_step")
@@ -374,15 +445,19 @@ def side_by_side(real: dict[str, float | None], emulated: dict[str, float | None
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replicas", type=int, default=3)
     p.add_argument("--ranks-per-replica", type=int, default=1)
-    p.add_argument("--steps", type=int, default=175)
+    p.add_argument("--steps", type=int, default=None,
+                   help="steps of the job (default: --kill-step + --kills x --kill-step-interval, so the last kill "
+                        "recovers as the others do)")
     p.add_argument("--kill-step", type=int, default=15, help="kill replica r1 once the job committed this step")
-    p.add_argument("--kills", type=int, default=4,
+    p.add_argument("--kills", type=int, default=KILLS,
                    help="kill r1 this many times, --kill-step-interval steps apart; the per-fault figures are "
                         "medians over them (default %(default)s)")
     # Steps and a fraction of a step, as in the fault grammar's step=S at=F: not `ftrun launch`'s --kill-every
     # (a duration between random kills) or --kill-at (step=N[,replica=ID]), which these flags used to shadow.
-    p.add_argument("--kill-step-interval", type=int, default=40, metavar="STEPS",
-                   help="steps between one kill's step=S and the next's (default %(default)s)")
+    p.add_argument("--kill-step-interval", type=int, default=None, metavar="STEPS",
+                   help="steps between one kill's step=S and the next's (default: `spaced_interval` of the "
+                        "profile's recovery in its fastest measured step period, so each kill finds the job "
+                        "recovered from the last; `recoveries` checks it)")
     p.add_argument("--kill-at-fraction", type=float, default=0.5, metavar="F",
                    help="each kill's at=F: F x a step's compute after r1's commit of step S (default %(default)s)")
     p.add_argument("--slow-fetch-delay", type=float, default=0.2, metavar="SECONDS",
@@ -414,7 +489,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _real(args: argparse.Namespace, out: str) -> tuple[dict, list[dict], dict]:
     cmd = [sys.executable, "-m", "ftrun.cli", "launch", "--replicas", str(args.replicas), "--ranks-per-replica",
-           str(args.ranks_per_replica), "--steps", str(args.steps), "--min-replicas", "1",
+           str(args.ranks_per_replica), "--steps", str(total_steps(args)), "--min-replicas", "1",
            "--restart-delay", f"{args.restart_delay}s", *(x for spec in fault_specs(args) for x in ("--inject", spec)),
            "--out", out, "--no-progress", "--json", "-m", "ftrun.train.ft_worker",
            "--chunk-bytes", str(CHUNK_BYTES), "--max-shard-bytes", str(SHARD_BYTES)]
@@ -439,9 +514,26 @@ def read_trace(out: str) -> dict:
         return json.load(f)
 
 
+def check_kills_fit(args: argparse.Namespace) -> None:
+    """UsageError unless every kill step is inside the job."""
+    if kill_steps(args)[-1] >= total_steps(args):
+        raise UsageError(f"every kill step ({kill_steps(args)}: --kill-step + i x --kill-step-interval) must be in "
+                         f"1..--steps-1 ({total_steps(args) - 1})")
+
+
+def total_steps(args: argparse.Namespace) -> int:
+    """The job's steps: --steps, else --kill-step + --kills x --kill-step-interval (the last kill has an interval
+    to recover in, as the others). Pure."""
+    if args.steps is None and args.kill_step_interval is None:
+        raise ValueError("total_steps: neither --steps nor --kill-step-interval is set yet")
+    return args.steps if args.steps is not None else args.kill_step + args.kills * args.kill_step_interval
+
+
 def kill_steps(args: argparse.Namespace) -> list[int]:
     """The steps at which r1 is killed: --kills of them from --kill-step, --kill-step-interval apart. Pure."""
-    return [args.kill_step + i * args.kill_step_interval for i in range(args.kills)]
+    if args.kill_step_interval is None and args.kills > 1:
+        raise ValueError("kill_steps: --kill-step-interval is not set yet")
+    return [args.kill_step + i * (args.kill_step_interval or 0) for i in range(args.kills)]
 
 
 def fault_specs(args: argparse.Namespace) -> list[str]:
@@ -457,7 +549,7 @@ def emulated_overrides(args: argparse.Namespace, num_params: int) -> list[str]:
     chunking, timeouts, the restart delay. Pure."""
     k = args.ranks_per_replica
     return ([f"replicas={args.replicas}", f"ranks_per_replica={k}", f"topology.gpus_per_host={k}",
-             f"train.steps={args.steps}", "train.min_replicas=1", "failures.mode=none",
+             f"train.steps={total_steps(args)}", "train.min_replicas=1", "failures.mode=none",
              f"scheduler.alloc_delay_warm_s={args.restart_delay}",
              f"ftar.engine.chunk_bytes={CHUNK_BYTES}", f"ftar.engine.num_chunks={NUM_CHUNKS}",
              "checkpoint=none",  # the real worker runs without --checkpoint-every
@@ -583,6 +675,26 @@ def real_teardown(traces: list[dict]) -> Figure | None:
                   "time from the kill to the lighthouse's loss of the killed replica's connection (trace.json)", len(down))
 
 
+def _recovery_of(profile_path: str, restep: dict[str, float], figures: dict[str, float],
+                 args: argparse.Namespace) -> tuple[float, float]:
+    """`recovery_inputs` from the profile (its keys and [calibration] figures), the restep's where re-measured."""
+    from harness.profile import _to_dict, load_profile
+
+    p = load_profile(profile_path)
+    flat: dict[str, float] = {}
+
+    def walk(d: dict, prefix: str) -> None:
+        for k, v in d.items():
+            if isinstance(v, dict):
+                walk(v, f"{prefix}{k}.")
+            elif isinstance(v, (int, float)) and not isinstance(v, bool):
+                flat[f"{prefix}{k}"] = float(v)
+
+    walk(_to_dict(p), "")
+    measured = {v.key.removeprefix("measured."): v.value for v in (p.calibration.values if p.calibration else ())}
+    return recovery_inputs({**flat, **restep}, {**measured, **figures}, args)
+
+
 def _emulated(args: argparse.Namespace, profile_path: str, extra: list[str] = ()) -> tuple[dict, list[dict], list[float]]:
     from harness.cli import execute
     from harness.profile import apply_overrides, load_profile
@@ -592,7 +704,7 @@ def _emulated(args: argparse.Namespace, profile_path: str, extra: list[str] = ()
     base = load_profile(profile_path)
     p = apply_overrides(base, [*emulated_overrides(args, _toy_params()), *extra])
     kills, others = split_faults([parse_inject(spec) for spec in fault_specs(args)])
-    f, job = execute(p, JobOptions(steps=args.steps, kills=kills, faults=others))
+    f, job = execute(p, JobOptions(steps=total_steps(args), kills=kills, faults=others))
     heals = [b - a for _, number, name, a, b in (job.recorder.spans or [])
              if name == "ftrun::catchup::heal" and number > 0]  # a restarted replica's (per_fault's catchup_s)
     return f, job.recorder.events, heals
@@ -606,11 +718,12 @@ def run(args: argparse.Namespace) -> int:
     if args.replicas < 2 or args.ranks_per_replica < 1:
         raise UsageError(f"--replicas must be >= 2 and --ranks-per-replica >= 1, got {args.replicas}, "
                          f"{args.ranks_per_replica}")
-    if args.kills < 1 or args.kill_step_interval < 1:
+    if args.kills < 1 or (args.kill_step_interval is not None and args.kill_step_interval < 1):
         raise UsageError(f"--kills and --kill-step-interval must be >= 1, got {args.kills}, {args.kill_step_interval}")
-    if not 1 <= args.kill_step or kill_steps(args)[-1] >= args.steps:
-        raise UsageError(f"every kill step ({kill_steps(args)}: --kill-step + i x --kill-step-interval) must be in "
-                         f"1..--steps-1 ({args.steps - 1})")
+    if args.kill_step < 1:
+        raise UsageError(f"--kill-step must be >= 1, got {args.kill_step}")
+    if args.kill_step_interval is not None:
+        check_kills_fit(args)
     if not 0 <= args.kill_at_fraction < 1:
         raise UsageError(f"--kill-at-fraction must be in [0, 1), got {args.kill_at_fraction}")
     if args.slow_fetch_delay < 0:
@@ -642,6 +755,11 @@ def run(args: argparse.Namespace) -> int:
     if args.profile is not None and args.restep:
         print("ftrun fidelity: re-measuring the script's step (1 and 2 replicas) ...", file=sys.stderr, flush=True)
         before, figures_before = restep_values(profile, args.ranks_per_replica)
+    if args.kill_step_interval is None:
+        args.kill_step_interval = spaced_interval(*_recovery_of(profile, before, figures_before, args))
+        print(f"ftrun fidelity: kills {args.kill_step_interval} steps apart ({total_steps(args)} steps)",
+              file=sys.stderr, flush=True)
+        check_kills_fit(args)
     reals = []
     sampler = WriteSampler().start() if before else None  # the loader_state write while the real runs run
     try:
@@ -673,7 +791,7 @@ def run(args: argparse.Namespace) -> int:
     real_spread, emu_spread = spread(pooled_faults(real_evs)), spread({**per_fault(emu_ev), "catchup_s": heals})
     emulated = metrics(emu_ev, num_replicas=args.replicas, catchup_s=heals)
     table = side_by_side(real, emulated, noise(real_each) if args.repeat > 1 else None)
-    print(f"ftrun fidelity: {args.replicas} replicas x {args.ranks_per_replica} ranks, {args.steps} steps, "
+    print(f"ftrun fidelity: {args.replicas} replicas x {args.ranks_per_replica} ranks, {total_steps(args)} steps, "
           f"faults {'; '.join(fault_specs(args))}, restart after {args.restart_delay} s; profile {profile}; "
           f"real runs: {args.repeat}")
     print(f"  {'metric':<24} {'real':>12} {'emulated':>12} {'emu/real':>9}"
@@ -701,6 +819,11 @@ def run(args: argparse.Namespace) -> int:
     print("  (where a failure's stall goes, ms, medians over the faults: "
           + "; ".join(f"{c} {_ms(stall_ph['real'][c])} / {_ms(stall_ph['emulated'][c])}" for c in STALL_COLUMNS)
           + " (real / emulated))")
+    recs = {"real": [recoveries(ev) for ev in real_evs], "emulated": recoveries(emu_ev)}
+    print(f"  (steps from the last join to each kill, real runs / emulated: {recs['real']} / {recs['emulated']}; "
+          f"{sum(recovered(r) for r in recs['real'])} of {sum(len(r) for r in recs['real'])} real kills and "
+          f"{recovered(recs['emulated'])} of {len(recs['emulated'])} emulated found the job recovered, more than "
+          f"{LOCAL_GAPS} steps)")
     if offsets is not None:
         print(f"  (first start of each replica, median of the real runs: {', '.join(f'{o:.3f}' for o in offsets)} s)")
     for key in before:
@@ -718,7 +841,8 @@ def run(args: argparse.Namespace) -> int:
           f"wall {time.monotonic() - started:.1f} s")
     if args.json:
         emit_json({**table, "replicas": args.replicas, "ranks_per_replica": args.ranks_per_replica,
-                   "steps": args.steps, "profile": profile, "out": out, "real_complete": real_complete,
+                   "steps": total_steps(args), "kill_step_interval": args.kill_step_interval, "profile": profile,
+                   "out": out, "real_complete": real_complete,
                    "emulated_complete": emu_f.get("complete"), "repeat": args.repeat, "real_runs": real_each,
                    "phases": {"real": real_ph, "emulated": emu_ph}, "real_rank_phases": rank_ph, "stall_phases": stall_ph, "restep": restep,
                    "restep_before": before, "restep_after": after,
@@ -726,6 +850,6 @@ def run(args: argparse.Namespace) -> int:
                    "write_during_real_s": None if write is None else write.value,
                    "write_sampled_s": None if sampled is None else sampled.value,
                    "teardown_during_real_s": None if teardown is None else teardown.value,
-                   "real_skews_s": {key: f.value for key, f in skews.items()},
+                   "real_skews_s": {key: f.value for key, f in skews.items()}, "recoveries": recs,
                    "spread": {"real": real_spread, "emulated": emu_spread}, "kills": args.kills, "wall_s": round(time.monotonic() - started, 3)})
     return 0 if real_complete and emu_f.get("complete") else 1

@@ -1,4 +1,4 @@
-"""`ftrun fidelity`: the same small job with 4 mid-step kills, restarts and a slow fetch, run for real
+"""`ftrun fidelity`: the same small job with 10 mid-step kills, restarts and a slow fetch, run for real
 (`ftrun launch`) and emulated with a calibrated profile. The figures the emulator reproduced within 2x in every
 measured run on a loaded 2-core machine (step, catch-up, rejoin stall, effective training time) are checked to
 2x; detection, stall and get_quorum moved between 0.5x and 2.1x from run to run (the real run's own spread over

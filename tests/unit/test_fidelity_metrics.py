@@ -101,15 +101,21 @@ def test_both_runs_get_the_same_faults_in_the_one_grammar():
     import argparse
 
     from ftrun.launch.inject import parse
-    from harness.calibrate.fidelity import add_arguments, emulated_overrides, fault_specs
+    from harness.calibrate.fidelity import add_arguments, emulated_overrides, fault_specs, total_steps
     from harness.run.faults import parse_inject
 
     p = argparse.ArgumentParser()
     add_arguments(p)
-    args = p.parse_args(["--replicas", "4", "--ranks-per-replica", "2"])
+    args = p.parse_args(["--replicas", "4", "--ranks-per-replica", "2", "--kill-step-interval", "80"])
     specs = fault_specs(args)
-    assert specs == ["kill replica=1 step=15 at=0.5", "kill replica=1 step=55 at=0.5", "kill replica=1 step=95 at=0.5",
-                     "kill replica=1 step=135 at=0.5", "slow fetch replica=1 delay=0.2"]
+    kills = [f"kill replica=1 step={15 + 80 * i} at=0.5" for i in range(10)]
+    assert specs == kills + ["slow fetch replica=1 delay=0.2"]
+    assert total_steps(args) == 815  # the last kill has its 80 steps to recover in, as the others
+    assert total_steps(p.parse_args(["--steps", "900"])) == 900
+    with pytest.raises(ValueError, match="total_steps"):
+        total_steps(p.parse_args([]))  # the interval comes from the profile, once there is one
+    with pytest.raises(ValueError, match="kill_steps"):
+        fault_specs(p.parse_args([]))
     for spec in specs:
         parse(spec), parse_inject(spec)  # both worlds accept them
     o = emulated_overrides(args, 5216)
@@ -166,6 +172,41 @@ def test_per_fault_figures_and_their_medians_over_two_kills():
     assert "catchup_s" not in sp  # no values, no spread
 
 
+def test_recoveries_count_the_steps_from_the_last_join_to_each_kill():
+    from harness.calibrate.fidelity import recovered, recoveries
+
+    ev = two_kill_events()
+    # kill 1 (0.25 s): 2 steps after r1's start (its first quorum, step 0); kill 2 (2.5 s, the job at step 20):
+    # 12 steps after r1's rejoin (its incarnation 1's first quorum, step 8)
+    assert recoveries(ev) == [2, 12]
+    assert recovered([2, 12]) == 1 and recovered([11, None, 10]) == 1  # more than LOCAL_GAPS (10) steps
+    # r1's incarnation 1 never rejoined before the second kill: that kill met a job still recovering
+    assert recoveries([e for e in ev if not (e["event"] == "quorum" and e.get("incarnation") == 1)]) == [2, None]
+    assert recoveries([e for e in ev if e["event"] != "kill"]) == []
+
+
+def test_kills_are_spaced_by_the_recovery_in_steps_of_a_lone_replica():
+    import argparse
+
+    from harness.calibrate.fidelity import add_arguments, recovery_inputs, spaced_interval
+
+    assert spaced_interval(0.8, 0.004) == 200 + 11  # the recovery's steps, then LOCAL_GAPS + 1 steady ones
+    assert spaced_interval(0.0, 0.01) == 11
+    with pytest.raises(ValueError, match="spaced_interval"):
+        spaced_interval(0.8, 0.0)
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    keys = {"network.crash_fin_delay_s": 0.01, "scheduler.process_start_s": 0.1, "train.catchup_fetch_extra_s": 0.005,
+            "train.step_compute_s": 0.002, "train.step_bookkeeping_s": 0.001}
+    rec, period = recovery_inputs(keys, {"script_step_period_s": 0.004}, p.parse_args([]))
+    assert rec == pytest.approx(0.01 + 0.5 + 0.1 + 0.2 + 0.01) and period == 0.004  # restart 0.5 s, slow fetch 0.2 s
+    two = {"script_step_2_replicas_s": 0.002, "script_commit_to_quorum_2_replicas_s": 0.001}
+    assert recovery_inputs(keys, {"script_step_period_s": 0.019, **two}, p.parse_args([]))[1] == pytest.approx(0.003)
+    assert recovery_inputs(keys, {"script_step_period_s": 0.002, **two}, p.parse_args([]))[1] == 0.002  # the shorter
+    rec, period = recovery_inputs(keys, {}, p.parse_args(["--restart-delay", "1", "--slow-fetch-delay", "0"]))
+    assert rec == pytest.approx(0.01 + 1 + 0.1 + 0.01) and period == pytest.approx(0.003)  # the emulator's lone step
+
+
 def test_a_stall_is_measured_against_the_step_just_before_it():
     from harness.calibrate.fidelity import per_fault
 
@@ -195,8 +236,8 @@ def test_kills_must_fit_in_the_run():
 
     p = argparse.ArgumentParser()
     add_arguments(p)
-    for argv in (["--kills", "5", "--kill-step-interval", "40"], ["--kills", "0"], ["--kill-step-interval", "0"],
-                 ["--kill-at-fraction", "1.0"]):
+    for argv in (["--steps", "175", "--kills", "5", "--kill-step-interval", "40"], ["--kills", "0"],
+                 ["--kill-step-interval", "0"], ["--kill-at-fraction", "1.0"]):
         with pytest.raises(UsageError, match="--kill"):
             run(p.parse_args(argv))
 
