@@ -263,38 +263,30 @@ def test_the_ranks_late_wake_from_the_all_reduce_spreads_the_replicas_commits():
     assert _quorum_to_commit(job(m, replicas=1)) == pytest.approx(_quorum_to_commit(job(0.0, replicas=1)), abs=1e-6)
 
 
+def _commit_to_quorum(override: str) -> float:
+    """Rank 0's median commit-to-quorum in a failure-free 6-step ci-small job with `override`."""
+    from statistics import median
+
+    from harness.calibrate import commit_to_quorum_s
+
+    overrides = [override, "train.shared_cpu_cores=0", "failures.mode=none", "failures.events=[]"]
+    f, job = execute(build_profile("ci-small", overrides, steps=6, cpu_charging=False), JobOptions(steps=6))
+    assert f["complete"]
+    return median(commit_to_quorum_s([e for e in job.recorder.events if e.get("rank", 0) == 0]))
+
+
 @pytest.mark.timeout(120)
 def test_a_lighthouse_that_keeps_its_state_in_memory_hands_out_a_decision_without_a_write():
     """storage.lighthouse_persists=false (`ftrun launch`'s in-process lighthouse, which has no state directory): the
     quorum decision waits for no write of the lighthouse's state, so a step's commit-to-quorum is that write
     (MockObjectStore.local_disk's 1 ms) shorter; the rest of the job is the same."""
-    from statistics import median
-
-    from harness.calibrate import commit_to_quorum_s
-
-    def after_commit(persists: str) -> float:
-        overrides = [f"storage.lighthouse_persists={persists}", "train.shared_cpu_cores=0", "failures.mode=none",
-                     "failures.events=[]"]
-        f, job = execute(build_profile("ci-small", overrides, steps=6, cpu_charging=False), JobOptions(steps=6))
-        assert f["complete"]
-        return median(commit_to_quorum_s([e for e in job.recorder.events if e.get("rank", 0) == 0]))
-
-    assert after_commit("true") - after_commit("false") == pytest.approx(0.001, abs=2e-4)
+    assert (_commit_to_quorum("storage.lighthouse_persists=true")
+            - _commit_to_quorum("storage.lighthouse_persists=false")) == pytest.approx(0.001, abs=2e-4)
 
 
 @pytest.mark.timeout(120)
 def test_the_writers_loader_state_save_reads_both_slots_at_the_calibrated_read_latency():
     """storage.local_read_latency_s (`ftrun calibrate`: FileStorage.read, ~14 us; 0.2 ms assumed before): the writer's
     loader_state save reads its two slots before the write, and every replica's next quorum waits for the writer."""
-    from statistics import median
-
-    from harness.calibrate import commit_to_quorum_s
-
-    def after_commit(read_s: float) -> float:
-        overrides = [f"storage.local_read_latency_s={read_s}", "train.shared_cpu_cores=0", "failures.mode=none",
-                     "failures.events=[]"]
-        f, job = execute(build_profile("ci-small", overrides, steps=6, cpu_charging=False), JobOptions(steps=6))
-        assert f["complete"]
-        return median(commit_to_quorum_s([e for e in job.recorder.events if e.get("rank", 0) == 0]))
-
-    assert after_commit(0.01) - after_commit(0.0) == pytest.approx(2 * 0.01, abs=2e-3)
+    assert (_commit_to_quorum("storage.local_read_latency_s=0.01")
+            - _commit_to_quorum("storage.local_read_latency_s=0.0")) == pytest.approx(2 * 0.01, abs=2e-3)
