@@ -58,15 +58,21 @@ class BytePayloads:
         self._preparing: Any = None  # the task making the prepared buffer, until a fetch or `release` takes it
         self._prepared: mmap.mmap | None = None  # what it made
 
-    def prepare(self, env: Env, nbytes: int) -> None:
-        """Make, in a background task, a receive buffer of `nbytes` with its pages faulted in, for the next
-        fetch (returns at once; replaces one prepared before)."""
+    def prepare(self, env: Env, size: Callable[[], int]) -> None:
+        """Make, in a background task, a receive buffer of `size()` bytes (called there: sizing may cost, e.g.
+        a throwaway optimizer step) with its pages faulted in, for the next fetch (returns at once; replaces
+        one prepared before)."""
         self.release()
 
         def make() -> None:
             try:
+                nbytes = size()
+            except Exception as e:  # an optimisation only: the fetch allocates its own
+                log.warning("catch-up: could not size a receive buffer to prepare: %s: %s", type(e).__name__, e)
+                return
+            try:
                 self._prepared = anonymous_buffer(nbytes, populate=True)
-            except OSError as e:  # an optimisation only: the fetch allocates its own
+            except OSError as e:
                 log.warning("catch-up: could not prepare a %d-byte receive buffer: %s", nbytes, e)
 
         self._preparing = env.spawn(make, name="catchup-prepare")
@@ -146,8 +152,8 @@ class ServedCatchup:
     def retire(self, step: int) -> None:
         self.server.retire(step)
 
-    def prepare_fetch(self, state: Mapping[str, torch.Tensor]) -> None:
-        self.transport.payloads.prepare(self.env, fetch_bytes(state, self.config))
+    def prepare_fetch(self, shapes: Callable[[], Mapping[str, torch.Tensor]]) -> None:
+        self.transport.payloads.prepare(self.env, lambda: fetch_bytes(shapes(), self.config))
 
     def release_fetch(self) -> None:
         self.transport.payloads.release()
