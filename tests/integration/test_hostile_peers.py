@@ -198,6 +198,9 @@ def test_catchup_over_env_net_drops_a_peer_that_stops_reading_mid_shard():
             stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the kernel buffers little of it
             stalled.connect((host, int(port)))
             stalled.sendall(_msg({"op": "shard", "step": 1, "index": 0, "token": TOKEN, "wait": 5}))
+            stalled.settimeout(10.0)
+            assert stalled.recv(1, socket.MSG_PEEK)  # the server read the request (it no longer counts as
+            # pending, which a newer connection would evict) and is sending the shard
             t0 = env.clock.now()
             served = False
             while not served and env.clock.now() - t0 < stall_s + 10.0:
@@ -212,5 +215,5 @@ def test_catchup_over_env_net_drops_a_peer_that_stops_reading_mid_shard():
             server.stop()
 
     served, served_after, closed = env.run(body)
-    assert served and stall_s <= served_after < stall_s + 5.0, served_after
+    assert served and 0.8 * stall_s <= served_after < stall_s + 5.0, served_after
     assert closed
