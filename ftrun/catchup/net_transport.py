@@ -7,7 +7,8 @@
 
 The same statuses and long-poll rules as the HTTP server (ftrun.catchup.server): a step not published
 yet is waited for up to `wait` (at most long_poll_s), a retired or superseded one answers 410 at once,
-a wrong token 401 (and the connection closed). It runs on any Env: with the real one it is TCP, with the
+a wrong token 401 (and the connection closed); a client that does not take a response within
+catchup_stall_s (it stopped reading) is dropped. It runs on any Env: with the real one it is TCP, with the
 emulator's it is the modeled network, and the published store may hold shape-only payloads (the `payloads`
 of the client and the store of the server decide that; nothing here looks at bytes beyond slicing them).
 Threading: publish/retire from the training task; one server task per connection.
@@ -57,15 +58,21 @@ class BytePayloads:
         self._preparing: Any = None  # the task making the prepared buffer, until a fetch or `release` takes it
         self._prepared: mmap.mmap | None = None  # what it made
 
-    def prepare(self, env: Env, nbytes: int) -> None:
-        """Make, in a background task, a receive buffer of `nbytes` with its pages faulted in, for the next
-        fetch (returns at once; replaces one prepared before)."""
+    def prepare(self, env: Env, size: Callable[[], int]) -> None:
+        """Make, in a background task, a receive buffer of `size()` bytes (called there: sizing may cost, e.g.
+        a throwaway optimizer step) with its pages faulted in, for the next fetch (returns at once; replaces
+        one prepared before)."""
         self.release()
 
         def make() -> None:
             try:
+                nbytes = size()
+            except Exception as e:  # an optimisation only: the fetch allocates its own
+                log.warning("catch-up: could not size a receive buffer to prepare: %s: %s", type(e).__name__, e)
+                return
+            try:
                 self._prepared = anonymous_buffer(nbytes, populate=True)
-            except OSError as e:  # an optimisation only: the fetch allocates its own
+            except OSError as e:
                 log.warning("catch-up: could not prepare a %d-byte receive buffer: %s", nbytes, e)
 
         self._preparing = env.spawn(make, name="catchup-prepare")
@@ -145,8 +152,8 @@ class ServedCatchup:
     def retire(self, step: int) -> None:
         self.server.retire(step)
 
-    def prepare_fetch(self, state: Mapping[str, torch.Tensor]) -> None:
-        self.transport.payloads.prepare(self.env, fetch_bytes(state, self.config))
+    def prepare_fetch(self, shapes: Callable[[], Mapping[str, torch.Tensor]]) -> None:
+        self.transport.payloads.prepare(self.env, lambda: fetch_bytes(shapes(), self.config))
 
     def release_fetch(self) -> None:
         self.transport.payloads.release()
@@ -227,12 +234,13 @@ class NetCatchupServer:
         if not isinstance(token, str) or not hmac.compare_digest(token.encode(), self._token.encode()):
             # closed, as every ftrun listener closes a peer without the token: left open, each one would
             # hold a live connection and its task forever, and a few at the listener's cap lock peers out
-            conn.send({"status": 401, "error": "missing or wrong job token", "have": None})
+            self._reply(conn, {"status": 401, "error": "missing or wrong job token", "have": None})
             conn.close()
             return
         step, index, op = req.get("step"), req.get("index", 0), req.get("op")
         if type(step) is not int or step < 0 or type(index) is not int or index < 0 or op not in ("manifest", "shard"):
-            conn.send({"status": 400, "error": f"bad request {op!r} step {step!r} index {index!r}", "have": None})
+            self._reply(conn, {"status": 400, "error": f"bad request {op!r} step {step!r} index {index!r}",
+                               "have": None})
             return
         wait = req.get("wait")
         wait = min(float(wait), self.config.long_poll_s) if isinstance(wait, (int, float)) and wait >= 0 else 0.0
@@ -240,13 +248,20 @@ class NetCatchupServer:
         if published is None:
             return
         if op == "manifest":
-            conn.send({"status": 200, "manifest": published.manifest_json})
+            self._reply(conn, {"status": 200, "manifest": published.manifest_json})
             return
         shards = published.manifest.layout.shards
         if index >= len(shards):
-            conn.send({"status": 404, "error": f"step {step} has {len(shards)} shards, not {index}", "have": step})
+            self._reply(conn, {"status": 404, "error": f"step {step} has {len(shards)} shards, not {index}",
+                               "have": step})
             return
         self._send_shard(conn, published, shards[index])
+
+    def _reply(self, conn: Any, msg: dict) -> None:
+        """Send one response. Every send is bounded by catchup_stall_s, the time a client gives a silent
+        source (its receive of a shard is bounded alike): a client that stops reading is dropped then (a
+        NetTimeout closes the connection), freeing its slot and task, as the HTTP server drops an idle one."""
+        conn.send(msg, timeout=self.config.stall_s)
 
     def _await_step(self, conn: Any, step: int, wait: float) -> Any:
         deadline = self.env.clock.now() + wait
@@ -257,19 +272,25 @@ class NetCatchupServer:
                 return published
             remaining = deadline - self.env.clock.now()
             if availability.kind == "gone" or remaining <= 0:
-                conn.send({"status": availability.status, "error": availability.reason, "have": self.store.newest})
+                self._reply(conn, {"status": availability.status, "error": availability.reason,
+                                   "have": self.store.newest})
                 return None
             changed.wait(timeout=remaining)
 
     def _send_shard(self, conn: Any, published: Any, shard: ShardSpec) -> None:
         data = published.read(shard.offset, shard.nbytes)
         fault = self._fault(published.step, shard.index) if self._fault else None
-        conn.send({"status": 200, "nbytes": shard.nbytes})
+        self._reply(conn, {"status": 200, "nbytes": shard.nbytes})
         if fault is None or fault.kind == "slow":
             if fault is not None and fault.delay_s and shard.index == 0:
                 self.env.clock.sleep(fault.delay_s)  # a slow source, as the HTTP server's
             t0 = self.env.clock.now()
-            conn.send_bytes(data)
+            try:
+                conn.send_bytes(data, timeout=self.config.stall_s)
+            except NetTimeout:
+                log.warning("catch-up: a client did not take step %d shard %d within %.1fs: connection dropped",
+                            published.step, shard.index, self.config.stall_s)
+                raise
             if fault is not None and fault.factor > 1.0:  # a throttled source: the shard takes factor x as long
                 self.env.clock.sleep((fault.factor - 1.0) * (self.env.clock.now() - t0))
             return
@@ -277,7 +298,7 @@ class NetCatchupServer:
         if fault.kind == "corrupt":
             spoiled = bytearray(data)
             spoiled[len(spoiled) // 2] ^= 0xFF
-            conn.send_bytes(spoiled)
+            conn.send_bytes(spoiled, timeout=self.config.stall_s)
         else:
             conn.close()  # "truncate": the frame never completes
         if fault.then is not None:

@@ -26,7 +26,7 @@ The serving side is a `CatchupService` (publish/retire/fetch/url), what the trai
 
 from __future__ import annotations
 
-from typing import Any, Collection, Mapping, Protocol, Sequence
+from typing import Any, Callable, Collection, Mapping, Protocol, Sequence
 
 import torch
 
@@ -83,9 +83,10 @@ class CatchupService(Protocol):
     def retire(self, step: int) -> None:
         """Stop serving `step` (a no-op for another step)."""
 
-    def prepare_fetch(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Prepare, in the background, the receive buffer of a later fetch of a state like `state` (meta
-        tensors stand for shapes): the next fetch that fits receives into it (returns at once)."""
+    def prepare_fetch(self, shapes: Callable[[], Mapping[str, torch.Tensor]]) -> None:
+        """Prepare, in the background, the receive buffer of a later fetch of a state like `shapes()` (meta
+        tensors stand for shapes; called in that background task): the next fetch that fits receives into
+        it (returns at once)."""
 
     def release_fetch(self) -> None:
         """Drop what prepare_fetch made, if no fetch took it."""

@@ -209,7 +209,8 @@ class Env(Protocol):
 
 
 def serve_connections(env: Env, listener: Listener, handle: Callable[[Connection], Any], *, name: str,
-                      conn_name: str, on_accept: Callable[[Connection], Any] | None = None) -> Task:
+                      conn_name: str, on_accept: Callable[[Connection], Any] | None = None,
+                      give_up_after_s: float | None = None, on_end: Callable[[str], Any] | None = None) -> Task:
     """Spawn task `name`, which accepts on `listener` until it is closed and starts `handle(conn)` as task
     `conn_name` for every connection; `on_accept(conn)` runs first, in the accepting task (e.g. to note the
     connection where a stop() closes it even before its handler runs). Handlers own their connections.
@@ -218,7 +219,10 @@ def serve_connections(env: Env, listener: Listener, handle: Callable[[Connection
     ACCEPT_RETRY_S: connections wait in the backlog meanwhile instead of the listener going deaf for good.
     A connection whose handler cannot be started (env.spawn raised, e.g. no thread left) is closed, logged once
     per run of such failures, and the next one accepted. A handler that raises an Exception is logged with its
-    traceback and its connection closed (nobody joins a handler's task to see what it raised)."""
+    traceback and its connection closed (nobody joins a handler's task to see what it raised).
+    `give_up_after_s`: accepts failing that long in a row end the task instead (None: retried for good).
+    `on_end(why)` runs in the accepting task as it ends, saying why: the listener is closed or gone (an
+    owner that closed it tells its own close apart), or every accept failed for give_up_after_s."""
 
     def serve(conn: Connection) -> None:
         try:
@@ -229,7 +233,13 @@ def serve_connections(env: Env, listener: Listener, handle: Callable[[Connection
             conn.close()
 
     def accept_loop() -> None:
+        why = accept_until_ended()
+        if on_end is not None:
+            on_end(why)
+
+    def accept_until_ended() -> str:
         failing = ""  # what failed last: "accepting a connection" or "starting a handler"; "" once one is served
+        accepts_failing_since = None  # when the accepts failing now began to
 
         def failed(what: str, error: Exception, then: str) -> None:
             nonlocal failing
@@ -241,11 +251,16 @@ def serve_connections(env: Env, listener: Listener, handle: Callable[[Connection
             try:
                 conn = listener.accept()
             except AcceptFailed as e:
+                now = env.clock.now()
+                accepts_failing_since = now if accepts_failing_since is None else accepts_failing_since
+                if give_up_after_s is not None and now - accepts_failing_since > give_up_after_s:
+                    return f"every accept failed for {give_up_after_s}s: {e}"
                 failed("accepting a connection", e, f"retrying every {ACCEPT_RETRY_S}s")
                 env.clock.sleep(ACCEPT_RETRY_S)
                 continue
-            except NetError:
-                return
+            except NetError as e:
+                return f"the listener is closed: {e}"
+            accepts_failing_since = None
             if on_accept is not None:
                 on_accept(conn)
             try:

@@ -7,6 +7,7 @@ socket (tests/unit/test_import_lint.py).
 from __future__ import annotations
 
 import ctypes
+import logging
 import queue as _queue
 import threading
 import time
@@ -17,6 +18,8 @@ from ftrun.env.admission import ListenLimits
 from ftrun.env.real_net import RealNetwork
 
 T = TypeVar("T")
+
+_log = logging.getLogger("ftrun.env")
 
 
 class RealClock:
@@ -29,23 +32,26 @@ class RealClock:
 
 
 class RealTask:
-    """A daemon thread running fn(*args); remembers what it raised."""
+    """A daemon thread running fn(*args); remembers what it raised.
+
+    What it raised is read through `exception` (or a `join` that sees the task ended). A task collected
+    with an exception nobody read logs it once, with its traceback, as asyncio does for a task whose
+    exception was never retrieved: a thread has nowhere to raise to, so it would be lost. TaskKilled is
+    not logged (whoever killed the task asked for it)."""
 
     def __init__(self, fn: Callable[..., Any], args: tuple, name: str) -> None:
         self.name = name
-        self._exception: BaseException | None = None
-        self._thread = threading.Thread(target=self._main, args=(fn, args), name=name, daemon=True)
+        self._outcome: list[BaseException] = []  # what fn raised; the thread holds this list, not the task,
+        # so a task dropped after its thread ended is collected (and logs) at once
+        self._retrieved = False
+        self._thread = threading.Thread(target=_run, args=(fn, args, self._outcome), name=name, daemon=True)
         self._thread.start()
-
-    def _main(self, fn: Callable[..., Any], args: tuple) -> None:
-        try:
-            fn(*args)
-        except BaseException as e:  # recorded for the joiner; a thread has nowhere to raise to
-            self._exception = e
 
     def join(self, timeout: float | None = None) -> bool:
         self._thread.join(timeout)
-        return not self._thread.is_alive()
+        ended = not self._thread.is_alive()
+        self._retrieved = self._retrieved or ended
+        return ended
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()
@@ -59,7 +65,21 @@ class RealTask:
 
     @property
     def exception(self) -> BaseException | None:
-        return self._exception
+        self._retrieved = True
+        return self._outcome[0] if self._outcome else None
+
+    def __del__(self) -> None:
+        if self._outcome and not self._retrieved and not isinstance(self._outcome[0], TaskKilled):
+            error = self._outcome[0]
+            _log.error("task %s raised %s, and nobody read it", self.name, type(error).__name__,
+                       exc_info=(type(error), error, error.__traceback__))
+
+
+def _run(fn: Callable[..., Any], args: tuple, outcome: list[BaseException]) -> None:
+    try:
+        fn(*args)
+    except BaseException as e:  # recorded for the joiner; a thread has nowhere to raise to
+        outcome.append(e)
 
 
 class RealQueue:

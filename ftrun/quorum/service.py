@@ -34,7 +34,7 @@ from typing import Any
 
 from ftrun.config import LighthouseConfig
 from ftrun.env import wire
-from ftrun.env.base import Connection, Env, EnvTimeout, NetError, NetTimeout, PeerClosed
+from ftrun.env.base import Connection, Env, EnvTimeout, NetError, NetTimeout, serve_connections
 from ftrun.net import require_token
 from ftrun.quorum import protocol
 from ftrun.quorum.decide import (Decision, LighthouseState, Member, QuorumRequest, apply, decide, evict,
@@ -124,7 +124,9 @@ class Lighthouse:
         self._listener = self.env.net.listen(self._bind)
         self.addr = self._listener.addr
         self._tasks = [
-            self.env.spawn(self._accept_loop, name="lighthouse-accept"),
+            serve_connections(self.env, self._listener, self._reader, name="lighthouse-accept",
+                              conn_name="lighthouse-reader", give_up_after_s=ACCEPT_FAIL_AFTER_S,
+                              on_end=self._accept_ended),
             self.env.spawn(self._main_loop, name="lighthouse-main"),
         ]
         log.info("lighthouse at %s, quorum_id=%d", self.addr, self._state.quorum_id)
@@ -140,39 +142,14 @@ class Lighthouse:
             conn.close()
 
     # -- connection tasks ----------------------------------------------------------------------
-    def _accept_loop(self) -> None:
-        """Accepts until stop(). A failing accept (e.g. EMFILE, out of descriptors for now) is retried
-        for ACCEPT_FAIL_AFTER_S; past that the lighthouse is marked failed rather than deaf while /status
-        still answered. A connection whose reader cannot be started is closed, and the next accepted."""
-        failing_since = None
-        spawn_failing = False  # a reader could not be started: logged once per run of such failures
-        while True:
-            try:
-                conn = self._listener.accept()
-            except (PeerClosed, NetError) as e:
-                if self._stopping or self.failed is not None:
-                    return
-                now = self.env.clock.now()
-                if failing_since is None:
-                    failing_since = now
-                    log.error("lighthouse: accepting a connection failed: %s; retrying", e)
-                elif now - failing_since > ACCEPT_FAIL_AFTER_S:
-                    self.failed = f"accepting connections failed for {ACCEPT_FAIL_AFTER_S}s: {e}"
-                    log.critical("lighthouse: %s", self.failed)
-                    return
-                self.env.clock.sleep(0.1)
-                continue
-            failing_since = None
-            try:
-                self.env.spawn(self._reader, conn, name="lighthouse-reader")
-            except Exception as e:  # e.g. no thread can be started: this connection is lost, not the listener
-                conn.close()
-                if not spawn_failing:
-                    log.error("lighthouse: starting a connection's reader failed: %s; closing each connection "
-                              "until one starts", e)
-                spawn_failing = True
-                continue
-            spawn_failing = False
+    def _accept_ended(self, why: str) -> None:
+        """The accept task ended (serve_connections' `on_end`): by stop(), or on its own, when accepts kept
+        failing (e.g. EMFILE, out of descriptors) for ACCEPT_FAIL_AFTER_S or the listener is gone. Then the
+        lighthouse is marked failed rather than deaf while /status still answered."""
+        if self._stopping or self.failed is not None:
+            return
+        self.failed = f"accepting connections failed: {why}"
+        log.critical("lighthouse: %s", self.failed)
 
     def evict(self, replica_ids: tuple[str, ...], why: str) -> None:
         """Evict replicas the diagnosis names (decide rule 9); safe from any task."""

@@ -30,7 +30,8 @@ Threading: one task (the training loop) per instance.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Protocol
+import copy
+from typing import Any, Callable, Mapping, Protocol
 
 import torch
 import torch.optim.optimizer as optim_module
@@ -52,9 +53,11 @@ class TrainState(Protocol):
         retires its catch-up snapshot before either, so the snapshot may serve them in place). Optional:
         a state without it is copied whole at every publish (`stable_names`)."""
 
-    def peer_shapes(self) -> dict[str, torch.Tensor]:
-        """What a healthy peer publishes for this rank, as tensors or meta tensors of its names, dtypes and
-        shapes (what a joiner's receive buffer is sized by, ahead of its fetch). Optional (`peer_shapes`)."""
+    def peer_shapes(self) -> Callable[[], dict[str, torch.Tensor]]:
+        """A function giving what a healthy peer publishes for this rank, as meta tensors of its names, dtypes
+        and shapes (what a joiner's receive buffer is sized by, ahead of its fetch). It runs later, in another
+        task, while the training loop steps and loads this state: what it needs of the live state is taken
+        when peer_shapes() returns. Optional (`peer_shapes`)."""
 
     def load(self, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any]) -> None:
         """Replace this rank's state by a peer's. Raises ValueError if it does not fit this model.
@@ -92,34 +95,42 @@ class ReplicaState:
         names = {MODEL + name for name, _ in self.model.named_parameters()} - renormed
         return frozenset(k for k in self.tensors() if k in names or k.startswith(OPTIM))
 
-    def peer_shapes(self) -> dict[str, torch.Tensor]:
+    def peer_shapes(self) -> Callable[[], dict[str, torch.Tensor]]:
         """tensors(), where the optimizer holds its state; before its first step (a restarted replica: a
         peer's optimizer has stepped) the state that step creates stands in as meta tensors, made by a
         throwaway step of the same optimizer class and groups over meta copies of the parameters (no
         memory, no change to this optimizer; not taken while global optimizer step hooks are registered,
         which would see it). An optimizer that cannot step on meta tensors (a fused one, a custom class)
-        gives tensors() as they are: the receive buffer is then too small, and the fetch allocates its own."""
-        out = self.tensors()
-        if self.optimizer.state or getattr(optim_module, "_global_optimizer_pre_hooks", None) \
-                or getattr(optim_module, "_global_optimizer_post_hooks", None):
+        gives tensors() as they are: the receive buffer is then too small, and the fetch allocates its own.
+        What the returned function reads is taken now (shapes, dtypes, copies of the param groups), so the
+        throwaway step, the costly part, runs where it is called without touching this state."""
+        taken = taken_shapes(self.tensors())
+        if self.optimizer.state:
+            return taken
+        params = [(local(p).shape, local(p).dtype, p.requires_grad) for p in self._params]
+        groups = [copy.deepcopy({k: v for k, v in g.items() if k != "params"}) for g in self.optimizer.param_groups]
+        sizes = [len(g["params"]) for g in self.optimizer.param_groups]
+        defaults = copy.deepcopy(self.optimizer.defaults)
+        cls, fqns = type(self.optimizer), list(self._fqns)
+
+        def with_first_step_state() -> dict[str, torch.Tensor]:
+            out = taken()
+            if getattr(optim_module, "_global_optimizer_pre_hooks", None) \
+                    or getattr(optim_module, "_global_optimizer_post_hooks", None):
+                return out
+            metas = iter([_meta_param(*param) for param in params])
+            meta_groups = [{**g, "params": [next(metas) for _ in range(n)]} for g, n in zip(groups, sizes)]
+            try:
+                state = _meta_step(cls, meta_groups, defaults)
+            except Exception:  # only a size hint (see the docstring)
+                return out
+            for index, entries in state.items():
+                for key, value in entries.items():
+                    if isinstance(value, torch.Tensor):
+                        out[f"{OPTIM}{fqns[index]}.{key}"] = value.detach()
             return out
-        metas = []
-        for p in self._params:
-            meta = torch.nn.Parameter(torch.empty_like(local(p), device="meta"), requires_grad=p.requires_grad)
-            meta.grad = torch.zeros_like(meta)
-            metas.append(meta)
-        it = iter(metas)
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [next(it) for _ in g["params"]]}
-                  for g in self.optimizer.param_groups]
-        try:
-            state = _meta_step(type(self.optimizer), groups, self.optimizer.defaults)
-        except Exception:  # only a size hint (see the docstring)
-            return out
-        for index, entries in state.items():
-            for key, value in entries.items():
-                if isinstance(value, torch.Tensor):
-                    out[f"{OPTIM}{self._fqns[index]}.{key}"] = value.detach()
-        return out
+
+        return with_first_step_state
 
     def metadata(self) -> dict[str, Any]:
         sd = self.optimizer.state_dict()
@@ -212,6 +223,19 @@ def _sole_owner(t: torch.Tensor) -> bool:
     return storage.nbytes() == t.nbytes and use_count(storage._cdata) <= use_count(fresh.untyped_storage()._cdata)
 
 
+def taken_shapes(tensors: Mapping[str, torch.Tensor]) -> Callable[[], dict[str, torch.Tensor]]:
+    """A function giving meta tensors of the names, shapes and dtypes `tensors` have now, holding none of them
+    (an alias of a parameter would keep `_sole_owner` from letting it adopt a fetched tensor)."""
+    shapes = {name: (t.shape, t.dtype) for name, t in tensors.items()}
+    return lambda: {name: torch.empty(shape, dtype=dtype, device="meta") for name, (shape, dtype) in shapes.items()}
+
+
+def _meta_param(shape: torch.Size, dtype: torch.dtype, requires_grad: bool) -> torch.nn.Parameter:
+    meta = torch.nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"), requires_grad=requires_grad)
+    meta.grad = torch.zeros_like(meta)
+    return meta
+
+
 def _meta_step(cls: type, groups: list[dict], defaults: dict) -> dict:
     """The state dict's "state" after one step of a `cls` optimizer made over `groups`: from the groups
     alone (they hold every hyperparameter; AdamW takes no `decoupled_weight_decay` argument, say), else
@@ -224,10 +248,10 @@ def _meta_step(cls: type, groups: list[dict], defaults: dict) -> dict:
     return throwaway.state_dict()["state"]
 
 
-def peer_shapes(state: Any) -> dict[str, torch.Tensor]:
-    """`state.peer_shapes()`, or its tensors() for a TrainState that does not say."""
+def peer_shapes(state: Any) -> Callable[[], dict[str, torch.Tensor]]:
+    """`state.peer_shapes()`, or `taken_shapes` of its tensors() for a TrainState that does not say."""
     shapes = getattr(state, "peer_shapes", None)
-    return state.tensors() if shapes is None else shapes()
+    return taken_shapes(state.tensors()) if shapes is None else shapes()
 
 
 def _group_value(value: Any) -> Any:

@@ -480,8 +480,9 @@ def build(*, config: TrainerConfig, env: Env, compute: Compute, layout: DataLayo
     `joining`: this replica will heal from its peers at its first quorum (a restart): the receive buffer of
     that fetch is made now, its pages faulted in, in the background, before the replica checks in and
     off its peers' critical path (a fresh one faults in as the bytes arrive, while they wait); its size is
-    the state a peer publishes (TrainState.peer_shapes: the optimizer's state too, before its first step).
-    The trainer drops it at its first commit if no heal took it."""
+    the state a peer publishes (TrainState.peer_shapes: the optimizer's state too, before its first step),
+    worked out in that background task too (only shapes and param groups are taken here). The trainer drops
+    it at its first commit if no heal took it."""
     if not catchup.url:
         raise ValueError("start the catch-up service before build(): its URL is this rank's catch-up endpoint")
     start = checkpointer.restore(layout, replica_ids) if checkpointer is not None else None

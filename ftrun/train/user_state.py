@@ -23,12 +23,12 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
 from ftrun.train.shard import like, local
-from ftrun.train.state import TrainState, peer_shapes
+from ftrun.train.state import TrainState, peer_shapes, taken_shapes
 
 PREFIX = "user."
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
@@ -154,9 +154,10 @@ class WithUserState:
         those bytes, checksummed or not, instead of the state the step began with. So it copies them all."""
         return frozenset()
 
-    def peer_shapes(self) -> dict[str, torch.Tensor]:
+    def peer_shapes(self) -> Callable[[], dict[str, torch.Tensor]]:
         tensors, _ = self.user.split()
-        return {**peer_shapes(self.base), **tensors}
+        base, user = peer_shapes(self.base), taken_shapes(tensors)
+        return lambda: {**base(), **user()}
 
     def metadata(self) -> dict[str, Any]:
         _, skeleton = self.user.split()

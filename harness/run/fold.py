@@ -174,8 +174,8 @@ class LeadCatchup:
     def reserve(self, *args: Any, **kwargs: Any) -> None:
         self._s.reserve(*args, **kwargs)
 
-    def prepare_fetch(self, state: Any) -> None:
-        self._s.prepare_fetch(state)
+    def prepare_fetch(self, shapes: Any) -> None:
+        self._s.prepare_fetch(shapes)
 
     def release_fetch(self) -> None:
         self._s.release_fetch()
@@ -204,7 +204,7 @@ class MirrorCatchup:
     def reserve(self, *args: Any, **kwargs: Any) -> None:
         """Nothing is published."""
 
-    def prepare_fetch(self, state: Any) -> None:
+    def prepare_fetch(self, shapes: Any) -> None:
         """A mirror receives nothing."""
 
     def release_fetch(self) -> None:

@@ -38,7 +38,7 @@ class ShapePayloads:
     def crc32(self, buf: Any) -> int:
         return 0
 
-    def prepare(self, env: Any, nbytes: int) -> None:
+    def prepare(self, env: Any, size: Callable[[], int]) -> None:
         """Shape-only fetches have no receive buffer to prepare."""
 
     def release(self) -> None:
@@ -207,8 +207,8 @@ class TimedCatchup:
     def reserve(self, *args: Any, **kwargs: Any) -> None:
         self._s.reserve(*args, **kwargs)
 
-    def prepare_fetch(self, state: Any) -> None:
-        self._s.prepare_fetch(state)
+    def prepare_fetch(self, shapes: Any) -> None:
+        self._s.prepare_fetch(shapes)
 
     def release_fetch(self) -> None:
         self._s.release_fetch()

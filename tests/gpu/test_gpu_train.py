@@ -249,7 +249,7 @@ def test_peer_shapes_of_a_gpu_state_before_its_first_step_are_its_layout_after_i
         model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4)).to(DEVICE)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
         state = ReplicaState(model=model, optimizer=opt)
-        shapes, before = state.peer_shapes(), state.tensors()
+        shapes, before = state.peer_shapes()(), state.tensors()
         assert not opt.state
         model(torch.randn(8, 16, device=DEVICE)).sum().backward()
         opt.step()

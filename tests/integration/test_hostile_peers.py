@@ -3,7 +3,8 @@ token: a frame no service can read (bytes of another protocol, a length prefix p
 frame first, bad msgpack, a list instead of a map), wrong-typed fields or a wrong token. Each such connection
 is closed at once, and while it and a peer that sends half a frame or nothing at all stay connected, a peer
 with the token is still served. (The HTTP servers: test_http_bounds.py; the listener's caps:
-tests/unit/test_real_net_limits.py.)"""
+tests/unit/test_real_net_limits.py.) The catch-up server also drops a peer that asks for a shard and stops reading it.
+"""
 
 from __future__ import annotations
 
@@ -12,12 +13,15 @@ import struct
 
 import msgpack
 import pytest
+import torch
 
 from ftrun.catchup.config import CatchupConfig
 from ftrun.catchup.net_transport import NetCatchupServer
 from ftrun.config import LighthouseConfig, Timeouts
 from ftrun.diagnose.collect import Collector, request
 from ftrun.env import wire
+from ftrun.env.admission import ListenLimits
+from ftrun.env.base import NetError
 from ftrun.env.real import RealEnv
 from ftrun.ftar.ring import RingListener, ping_request
 from ftrun.launch.agent import Agent
@@ -166,3 +170,50 @@ def test_peers_without_the_token_are_closed_and_never_stop_a_peer_with_it(servic
             stop()
 
     env.run(body)
+
+
+def test_catchup_over_env_net_drops_a_peer_that_stops_reading_mid_shard():
+    """A peer that asks for a shard far larger than the socket buffers and never reads it holds the server's
+    send only for catchup_stall_s: then its connection is closed, and its slot (the listener's only one here)
+    and task are free for a peer with the token."""
+    stall_s = 0.5
+    env = RealEnv(net_limits=ListenLimits(max_connections=1, max_pending=1))
+    config = CatchupConfig(max_shard_bytes=32 << 20, timeouts=Timeouts(catchup_stall_s=stall_s))
+
+    def good(addr):
+        conn = env.net.connect(addr, timeout=5.0)
+        try:
+            conn.send({"op": "manifest", "step": 1, "token": TOKEN, "wait": 0})
+            return conn.recv(timeout=5.0)["status"] == 200
+        finally:
+            conn.close()
+
+    def body():
+        server = NetCatchupServer(env=env, token=TOKEN, config=config)
+        addr = server.start()
+        server.publish(1, {"w": torch.ones(8 << 20)})  # one 32 MiB shard
+        host, port = addr.rsplit(":", 1)
+        stalled = socket.socket()
+        try:
+            stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the kernel buffers little of it
+            stalled.connect((host, int(port)))
+            stalled.sendall(_msg({"op": "shard", "step": 1, "index": 0, "token": TOKEN, "wait": 5}))
+            stalled.settimeout(10.0)
+            assert stalled.recv(1, socket.MSG_PEEK)  # the server read the request (it no longer counts as
+            # pending, which a newer connection would evict) and is sending the shard
+            t0 = env.clock.now()
+            served = False
+            while not served and env.clock.now() - t0 < stall_s + 10.0:
+                try:
+                    served = good(addr)  # refused at the cap while the stalled peer holds the slot
+                except NetError:
+                    env.clock.sleep(0.05)
+            served_after = env.clock.now() - t0
+            return served, served_after, _closed_by_peer(stalled)  # it reads what was buffered, then the close
+        finally:
+            stalled.close()
+            server.stop()
+
+    served, served_after, closed = env.run(body)
+    assert served and 0.8 * stall_s <= served_after < stall_s + 5.0, served_after
+    assert closed

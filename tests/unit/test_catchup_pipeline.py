@@ -5,12 +5,15 @@ pipeline, no link is ever handed one."""
 
 from __future__ import annotations
 
+import logging
+import threading
 import zlib
 
 import pytest
 import torch
 
 from ftrun.catchup.config import CatchupConfig
+from ftrun.catchup.errors import CatchupUsageError
 from ftrun.catchup.fetcher import fetch_with
 from ftrun.catchup.manifest import Manifest, layout_for
 from ftrun.catchup.net_transport import BytePayloads, PayloadTransport
@@ -154,7 +157,7 @@ def _address_in(t: torch.Tensor, mem: memoryview) -> bool:
 
 def test_a_prepared_buffer_is_received_into_once_then_fetches_allocate_again():
     t = FakeTransport(pipelines=True)
-    t.payloads.prepare(RealEnv(), len(DATA) + 100)  # larger is fine: the fetch takes its first bytes
+    t.payloads.prepare(RealEnv(), lambda: len(DATA) + 100)  # larger is fine: the fetch takes its first bytes
     prepared = t.payloads._preparing
     first = _fetch(t)  # bitwise checked
     assert prepared.join(timeout=0) and t.payloads._preparing is None  # taken: the state keeps its views
@@ -165,7 +168,7 @@ def test_a_prepared_buffer_is_received_into_once_then_fetches_allocate_again():
 
 def test_the_fetch_lands_in_the_prepared_pages():
     payloads = BytePayloads()
-    payloads.prepare(RealEnv(), 4096)
+    payloads.prepare(RealEnv(), lambda: 4096)
     payloads._preparing.join()
     mem = memoryview(payloads._prepared)
     dest = payloads.destination(1000)
@@ -175,14 +178,40 @@ def test_the_fetch_lands_in_the_prepared_pages():
 
 def test_a_prepared_buffer_too_small_is_dropped_and_the_fetch_still_arrives_whole():
     t = FakeTransport(pipelines=True)
-    t.payloads.prepare(RealEnv(), len(DATA) - 1)
+    t.payloads.prepare(RealEnv(), lambda: len(DATA) - 1)
     _fetch(t)
     assert t.payloads._preparing is None and t.payloads._prepared is None
 
 
+def test_the_buffer_is_sized_in_the_background_task_and_a_failed_sizing_only_costs_the_preparation(caplog):
+    """prepare returns at once: `size` runs in the task that makes the buffer (the caller may be on a critical
+    path); sizing that raises is logged, nothing is prepared, and the fetch allocates its own."""
+    env, sized_in, release = RealEnv(), [], RealEnv().event()
+
+    def size():
+        assert release.wait(5.0)
+        sized_in.append(threading.current_thread().name)
+        return len(DATA)
+
+    t = FakeTransport(pipelines=True)
+    t.payloads.prepare(env, size)
+    assert sized_in == [] and t.payloads._preparing.is_alive()  # returned before sizing
+    release.set()
+    assert bytes(_fetch(t).tensors["w"].numpy()) == DATA and sized_in == ["catchup-prepare"]
+
+    def unsizable():
+        raise CatchupUsageError("tensor 'x' has no bytes to publish")
+
+    with caplog.at_level(logging.WARNING, logger="ftrun.heal"):
+        t.payloads.prepare(env, unsizable)
+        assert bytes(_fetch(t).tensors["w"].numpy()) == DATA
+    assert t.payloads._preparing is None and t.payloads._prepared is None
+    assert "could not size a receive buffer to prepare: CatchupUsageError: tensor 'x'" in caplog.text
+
+
 def test_release_drops_a_prepared_buffer_no_fetch_took():
     payloads = BytePayloads()
-    payloads.prepare(RealEnv(), 1 << 20)
+    payloads.prepare(RealEnv(), lambda: 1 << 20)
     payloads.release()
     assert payloads._preparing is None and payloads._prepared is None
     payloads.release()  # idempotent

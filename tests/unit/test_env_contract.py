@@ -328,6 +328,38 @@ def test_serve_connections_retries_a_failed_accept(env, caplog):
     assert [r.getMessage().count("Too many open files") for r in caplog.records] == [1]  # once for the three
 
 
+def test_serve_connections_gives_up_on_accepts_that_keep_failing_and_says_why_it_ended(env):
+    """give_up_after_s: accepts failing that long in a row end the accepting task, and `on_end` says so; a
+    closed listener ends it too, with its own reason."""
+    def body():
+        listener = env.net.listen(ADDR)
+
+        class Failing:  # every accept fails, as when the process stays out of descriptors
+            addr = listener.addr
+
+            def accept(self, timeout=None):
+                raise AcceptFailed("accept on test failed: [Errno 24] Too many open files")
+
+        ends: list[tuple[str, float]] = []
+        t0 = env.clock.now()
+        gave_up = serve_connections(env, Failing(), lambda conn: None, name="contract-accept",
+                                    conn_name="contract-conn", give_up_after_s=0.2,
+                                    on_end=lambda why: ends.append((why, env.clock.now() - t0)))
+        closed = serve_connections(env, listener, lambda conn: None, name="contract-accept",
+                                   conn_name="contract-conn", give_up_after_s=0.2,
+                                   on_end=lambda why: ends.append((why, env.clock.now() - t0)))
+        ended = gave_up.join(timeout=5.0)
+        listener.close()
+        return ends, ended and closed.join(timeout=5.0)
+
+    ends, ended = env.run(body)
+    assert ended and len(ends) == 2
+    (failed, failed_after), (closed, _) = ends
+    assert failed.startswith("every accept failed for 0.2s: ") and "Too many open files" in failed
+    assert 0.2 <= failed_after < 2.0
+    assert closed.startswith("the listener is closed")
+
+
 def test_serve_connections_closes_a_connection_whose_handler_cannot_start(env, caplog):
     """A handler task that cannot be started (env.spawn raised: no thread left) costs that one connection,
     which is closed; the failure is logged once for the run of them and the next connection is served."""

@@ -108,30 +108,34 @@ def test_the_analytic_cost_sees_a_slowed_link_while_it_lasts():
 
 
 def test_an_all_reduce_refused_for_an_aborted_epoch_is_recorded_as_entered_and_failed_as_by_the_chunk_engine():
-    from ftrun.env.real import RealEnv
     from ftrun.ftar.cpu_kernels import CpuKernels
     from ftrun.ftar.engine import FtarConfig
     from ftrun.ftar.ring import RecoverableError
     from harness.run.ring_model import AnalyticFtarEngine
 
-    env = RealEnv()
-    engs = [AnalyticFtarEngine(board=RingBoard(), cost=None, env=env, kernels=CpuKernels(), token="job",
-                               config=FtarConfig(chunk_bytes=4096, num_chunks=2, timeout_s=20.0, transport="socket"))
-            for _ in range(2)]
-    try:
-        rec = engs[0].telemetry = Recorder(env.clock, capacity=64)
-        ring = [e.addr for e in engs]
-        tasks = [env.spawn(lambda e=e, i=i: e.reconfigure(epoch=4, ring=ring, index=i), name="build")
-                 for i, e in enumerate(engs)]
-        assert all(t.join(20.0) for t in tasks)
-        assert engs[0].abort(4)
-        with pytest.raises(RecoverableError, match="aborted"):
-            engs[0].all_reduce(np.ones(100, np.float32))
-        s, _ = summarize(rec.records(), env.clock.now())
-        assert (s["f_qid"][0], s["f_cid"][0], s["f_state"][0], s["f_ring"][0]) == (4, 0, FAILED, 2)
-    finally:
-        for e in engs:
-            e.close()
+    env = EmulatedWorld(seed=0).host_env("host-0")  # its connections have the wait_closed the link watch uses
+
+    def body():
+        engs = [AnalyticFtarEngine(board=RingBoard(), cost=None, env=env, kernels=CpuKernels(), token="job",
+                                   config=FtarConfig(chunk_bytes=4096, num_chunks=2, timeout_s=20.0,
+                                                     transport="socket"))
+                for _ in range(2)]
+        try:
+            rec = engs[0].telemetry = Recorder(env.clock, capacity=64)
+            ring = [e.addr for e in engs]
+            tasks = [env.spawn(lambda e=e, i=i: e.reconfigure(epoch=4, ring=ring, index=i), name="build")
+                     for i, e in enumerate(engs)]
+            assert all(t.join(20.0) and t.exception is None for t in tasks)
+            assert engs[0].abort(4)
+            with pytest.raises(RecoverableError, match="aborted"):
+                engs[0].all_reduce(np.ones(100, np.float32))
+            s, _ = summarize(rec.records(), env.clock.now())
+            assert (s["f_qid"][0], s["f_cid"][0], s["f_state"][0], s["f_ring"][0]) == (4, 0, FAILED, 2)
+        finally:
+            for e in engs:
+                e.close()
+
+    env.run(body)
 
 
 # -- the per-call latch ----------------------------------------------------------------------------------

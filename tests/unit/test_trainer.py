@@ -193,19 +193,46 @@ def test_peer_shapes_before_the_first_step_are_the_layout_a_peer_publishes_after
     params = list(model.parameters())
     opt = make_opt([{"params": params[:2]}, {"params": params[2:], "weight_decay": 0.0}])
     state = ReplicaState(model=model, optimizer=opt)
-    shapes = state.peer_shapes()
+    shapes = state.peer_shapes()()
     assert not opt.state and param_hash(model) == param_hash(make_model(TOY))
     lm_loss(model, DATA[:8]).backward()
     opt.step()
     assert snapshot.describe(shapes, shape_only=True) == snapshot.describe(state.tensors())
-    assert state.peer_shapes().keys() == state.tensors().keys()  # after a step: tensors() itself
+    assert state.peer_shapes()().keys() == state.tensors().keys()  # after a step: tensors() itself
+
+
+def test_peer_shapes_take_what_they_need_now_and_step_only_when_called_even_after_the_live_optimizer_did():
+    """build's synchronous path only takes shapes and param groups; the throwaway step runs when the function
+    is called (in the catch-up's background task), and the live optimizer stepping or changing its LR in
+    between changes neither its answer nor is touched by it."""
+    class Counted(torch.optim.AdamW):
+        steps = 0
+
+        def step(self, closure=None):
+            Counted.steps += 1
+            return super().step(closure)
+
+    model = make_model(TOY)
+    opt = Counted(model.parameters(), lr=1e-2, weight_decay=0.01)
+    state = ReplicaState(model=model, optimizer=opt)
+    shapes = state.peer_shapes()
+    assert Counted.steps == 0 and not opt.state  # nothing stepped yet
+    lm_loss(model, DATA[:8]).backward()
+    opt.step()  # the training loop's first step, before the background task gets to run
+    opt.param_groups[0]["lr"] = 5.0
+    stepped = {k: v.clone() for k, v in state.tensors().items()}
+    got = shapes()
+    assert Counted.steps == 2 and opt.param_groups[0]["lr"] == 5.0  # the live step and the throwaway one
+    assert all(t.device.type == "meta" for name, t in got.items() if not name.endswith(".step"))  # no memory
+    assert snapshot.describe(got, shape_only=True) == snapshot.describe(state.tensors())
+    assert all(torch.equal(stepped[k], v) for k, v in state.tensors().items())  # the live state untouched
 
 
 def test_peer_shapes_of_an_optimizer_that_cannot_step_on_meta_tensors_are_its_tensors():
     model = make_model(TOY)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)  # no meta kernels
     state = ReplicaState(model=model, optimizer=opt)
-    assert state.peer_shapes().keys() == state.tensors().keys() and not opt.state
+    assert state.peer_shapes()().keys() == state.tensors().keys() and not opt.state
 
 
 def test_peer_shapes_take_no_throwaway_step_that_a_global_step_hook_would_see():
@@ -214,10 +241,10 @@ def test_peer_shapes_take_no_throwaway_step_that_a_global_step_hook_would_see():
     seen = []
     handle = register_optimizer_step_pre_hook(lambda opt, *_: seen.append(opt))
     try:
-        assert state.peer_shapes().keys() == state.tensors().keys() and seen == []
+        assert state.peer_shapes()().keys() == state.tensors().keys() and seen == []
     finally:
         handle.remove()
-    assert len(state.peer_shapes()) > len(state.tensors())
+    assert len(state.peer_shapes()()) > len(state.tensors())
 
 
 def test_replica_state_rejects_another_models_state():

@@ -1,0 +1,68 @@
+"""RealTask: a thread nobody joins does not lose what it raised (logged once when the task is collected)."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+
+import pytest
+
+from ftrun.env.real import RealEnv
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _fail() -> None:
+    raise ValueError("nobody is waiting for this")
+
+
+def _ended(task) -> None:
+    """Wait until the task's thread ended, without join (which counts as reading its outcome)."""
+    deadline = time.monotonic() + 10.0
+    while task.is_alive():
+        assert time.monotonic() < deadline, f"task {task.name} did not end"
+        time.sleep(0.01)
+
+
+def _unread_records(caplog) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == "ftrun.env" and "nobody read it" in r.getMessage()]
+
+
+def test_a_dropped_task_that_raised_logs_it_once_with_its_traceback(caplog):
+    caplog.set_level(logging.ERROR, logger="ftrun.env")
+    task = RealEnv().spawn(_fail, name="dropped")
+    _ended(task)
+    del task
+    gc.collect()
+    records = _unread_records(caplog)
+    assert len(records) == 1 and "task dropped raised ValueError" in records[0].getMessage()
+    assert records[0].exc_info[1].args == ("nobody is waiting for this",)
+    assert "in _fail" in caplog.text  # the traceback is in the record
+
+
+@pytest.mark.parametrize("read", ["exception", "join"])
+def test_a_task_whose_exception_was_read_logs_nothing(caplog, read):
+    caplog.set_level(logging.ERROR, logger="ftrun.env")
+    task = RealEnv().spawn(_fail, name="read")
+    if read == "exception":
+        _ended(task)
+        assert isinstance(task.exception, ValueError)
+    else:
+        assert task.join(timeout=10.0)
+    del task
+    gc.collect()
+    assert _unread_records(caplog) == []
+
+
+def test_a_killed_task_or_one_that_returned_logs_nothing(caplog):
+    caplog.set_level(logging.ERROR, logger="ftrun.env")
+    env = RealEnv()
+    killed = env.spawn(lambda: [time.sleep(0.01) for _ in range(1000)], name="killed")
+    killed.kill()
+    returned = env.spawn(lambda: None, name="returned")
+    _ended(killed)
+    _ended(returned)
+    del killed, returned
+    gc.collect()
+    assert _unread_records(caplog) == []
