@@ -171,13 +171,25 @@ class TrainConfig:
     # measures it: the spread of the leaders' commits of a step in its 2-replica run (R / 2 of it with R up, as
     # above). 0: the replicas commit together.
     rank_exchange_skew_s: float = 0.0
+    # How the CPU waits measured with 2 replicas up (the two skews above, ftar.sync_overhead_s and
+    # replica_compute_extra_s) grow with R replicas up: "replicas", R / 2 of them; "queue", the finite-source
+    # queue's wait (harness.run.cpu_queue.wait_scale) of the live ranks against the rank_cpu_share_ranks processes
+    # of the run that measured them, each busy rank_cpu_share of its time, on shared_cpu_cores cores (needs all
+    # three; else as "replicas").
+    shared_cpu_model: Literal["replicas", "queue"] = "replicas"
+    # A rank process's busy share (its CPU time over wall time, from its phase events' `cpu`) in `ftrun calibrate
+    # SCRIPT`'s 2-replica run, and that run's rank processes (2 x its ranks per replica). 0: not measured.
+    rank_cpu_share: float = 0.0
+    rank_cpu_share_ranks: float = 0.0
 
     def __post_init__(self) -> None:
         _positive(self, "step_compute_s", "steps", "min_replicas")
         _non_negative(self, "first_step_extra_s", "first_batch_s", "step_jitter", "catchup_fetch_extra_s",
                       "shared_cpu_cores", "step_bookkeeping_s", "replica_compute_extra_s",
-                      "rank_start_skew_s", "rank_exchange_skew_s")
+                      "rank_start_skew_s", "rank_exchange_skew_s", "rank_cpu_share_ranks")
         _one_of(self, "lr_intervention", ("none", "linear", "sqrt"))
+        _one_of(self, "shared_cpu_model", ("replicas", "queue"))
+        _check(0 <= self.rank_cpu_share <= 1, "rank_cpu_share", "in [0, 1]", self.rank_cpu_share)
         _check(self.step_jitter < 1, "step_jitter", "< 1", self.step_jitter)
 
 

@@ -42,6 +42,7 @@ from harness.profile import Profile
 from harness.run.fold import Mirror
 from harness.run.diagnosis import DIAGNOSIS_HOST, JobDiagnosis, ScenarioFaults
 from harness.run.faults import SCENARIO_FAULTS, CutBuilding, Kill, KillLighthouse, SlowFetch, SlowHost, check_faults
+from harness.run.cpu_queue import wait_scale
 from harness.run.job_fold import JobFolding
 from harness.run.options import JobOptions
 from harness.run.ring_model import RingBoard
@@ -235,11 +236,22 @@ class EmulatedJob(JobFolding):
 
     def _skew_scale(self) -> float:
         """The late starts' and wakes' means are measured with 2 replicas up (`ftrun calibrate SCRIPT`'s 2-replica
-        run, which its 1-replica step's calibration takes as is); with R up, R / 2 of them, as the all-reduce
-        overhead: more rank processes wake on the shared CPUs (real runs' spreads against their restep's 2-replica
-        one: 1.3-2.7x at 3 and 4 replicas, benchmarks/results/fidelity.md)."""
+        run, which its 1-replica step's calibration takes as is); with R up, `_cpu_wait_scale` of them (never less
+        than at 2): more rank processes wake on the shared CPUs (real runs' spreads against their restep's
+        2-replica one: 1.3-2.7x at 3 and 4 replicas, benchmarks/results/fidelity.md)."""
         up = sum(1 for inc in self._incarnations if inc is not None and inc.alive)
-        return max(up, 2) / 2
+        return self._cpu_wait_scale(max(up, 2))
+
+    def _cpu_wait_scale(self, up: int) -> float:
+        """What a CPU wait measured with 2 replicas up becomes with `up` replicas up (train.shared_cpu_model):
+        "replicas", up / 2; "queue", the finite-source queue's (harness.run.cpu_queue.wait_scale) of the live
+        ranks (up x ranks per replica) against the measuring run's train.rank_cpu_share_ranks, each busy
+        train.rank_cpu_share, on train.shared_cpu_cores cores."""
+        t = self.profile.train
+        if t.shared_cpu_model == "queue" and t.shared_cpu_cores and t.rank_cpu_share and t.rank_cpu_share_ranks:
+            return wait_scale(t.rank_cpu_share, round(t.rank_cpu_share_ranks), up * self.profile.ranks_per_replica,
+                              t.shared_cpu_cores)
+        return up / 2
 
     # -- running ---------------------------------------------------------------------------------
     def run(self, progress: Callable[[int], None] | None = None) -> Recorder:
@@ -468,18 +480,20 @@ class EmulatedJob(JobFolding):
     def ftar_overhead_s(self) -> float:
         """The all-reduce's measured overhead while more than one replica is up (seams.OverheadExchange charges
         it after the modeled ring): ftar.sync_overhead_s is measured with 2 replicas; with R up it is R / 2 of
-        that (each replica's rank wakes for its ring steps on the shared CPUs: more replicas, more wake-ups)."""
+        that, or the CPU queue's (`_cpu_wait_scale`: each replica's rank wakes for its ring steps on the shared CPUs:
+        more replicas, more wake-ups)."""
         return self._per_replica_up(self.profile.ftar.sync_overhead_s)
 
     def replica_compute_extra_s(self) -> float:
         """The compute a step gains from the other replicas up (train.replica_compute_extra_s, measured with 2
-        replicas: R / 2 of it with R up, as the all-reduce's overhead): their ranks compute on the same CPUs."""
+        replicas: `_cpu_wait_scale` of it with R up, as the all-reduce's overhead): their ranks compute on the same
+        CPUs."""
         return self._per_replica_up(self.profile.train.replica_compute_extra_s)
 
     def _per_replica_up(self, at_two_s: float) -> float:
-        """`at_two_s`, measured with 2 replicas up, scaled to the replicas up now (R / 2; 0 with one)."""
+        """`at_two_s`, measured with 2 replicas up, scaled to the replicas up now (`_cpu_wait_scale`; 0 with one)."""
         up = sum(1 for inc in self._incarnations if inc is not None and inc.alive)
-        return at_two_s * up / 2 if up > 1 else 0.0
+        return at_two_s * self._cpu_wait_scale(up) if up > 1 else 0.0
 
     def slow_fetch(self) -> tuple[float, float] | None:
         """(factor, delay_s) of the slow fetch fault in force now (F x the modeled transfer, plus D), or None. As
