@@ -171,11 +171,12 @@ class TrainConfig:
     # measures it: the spread of the leaders' commits of a step in its 2-replica run (R / 2 of it with R up, as
     # above). 0: the replicas commit together.
     rank_exchange_skew_s: float = 0.0
-    # How the CPU waits measured with 2 replicas up (the two skews above, ftar.sync_overhead_s and
-    # replica_compute_extra_s) grow with R replicas up: "replicas", R / 2 of them; "queue", the finite-source
-    # queue's wait (harness.run.cpu_queue.wait_scale) of the live ranks against the rank_cpu_share_ranks processes
-    # of the run that measured them, each busy rank_cpu_share of its time, on shared_cpu_cores cores (needs all
-    # three; else as "replicas").
+    # How what is measured with 2 replicas up grows with R replicas up: the waits for a CPU (the two skews above)
+    # and the CPU work on a step's path (ftar.sync_overhead_s, replica_compute_extra_s). "replicas": R / 2 of each.
+    # "queue": the finite-source CPU queue (harness.run.cpu_queue) of the live ranks against the
+    # rank_cpu_share_ranks processes of the run that measured them, each busy rank_cpu_share of its time, on
+    # shared_cpu_cores cores (needs all three; else as "replicas"): the skews x its wait ratio, the work x R / 2 x
+    # its burst's slowdown ratio.
     shared_cpu_model: Literal["replicas", "queue"] = "replicas"
     # A rank process's busy share (its CPU time over wall time, from its phase events' `cpu`) in `ftrun calibrate
     # SCRIPT`'s 2-replica run, and that run's rank processes (2 x its ranks per replica). 0: not measured.

@@ -10,8 +10,9 @@ chain on 0..N with birth rate (N - n) / Z and death rate min(n, c) / S; its stat
 - d, the mean extra time a burst spends runnable but not served, in bursts: L / (sum_n p_n min(n, c)) - 1 (Little's
   law: L the mean number runnable), the same for first-come-first-served cores and for processor sharing.
 The shape depends on x = Z / S only, so one measured u at N processes fixes x (`think_ratio`), and the wait at
-another N follows in units of the burst S, which cancels in `wait_scale`: the wait at N over the wait at the
-calibration point. Unlike an open queue (M/M/c), the chain is stable at any N: N processes can never ask for more
+another N follows in units of the burst S, which cancels in the ratios to the calibration point: `wait_scale`, the
+wait at N over the wait there (what a late wake-up grows by), and `slowdown_scale`, a burst's wall time (S + wait)
+at N over its wall time there (what a piece of CPU work on a step's path grows by). Unlike an open queue (M/M/c), the chain is stable at any N: N processes can never ask for more
 than N cores, however busy each one is.
 """
 
@@ -72,3 +73,12 @@ def wait_scale(u: float, n_cal: int, n: int, cores: float) -> float:
     if at_cal <= 0:
         return 1.0
     return busy_share_and_wait(x, n, cores)[1] / at_cal
+
+
+@functools.lru_cache(maxsize=1024)
+def slowdown_scale(u: float, n_cal: int, n: int, cores: float) -> float:
+    """How much longer a burst of CPU work takes, from its wake to its end, with n rank processes up than at the
+    calibration point (module docstring: n_cal processes each busy a measured share u): (1 + d(x, n, c)) /
+    (1 + d(x, n_cal, c)). Pure."""
+    x = think_ratio(u, n_cal, cores)
+    return (1 + busy_share_and_wait(x, n, cores)[1]) / (1 + busy_share_and_wait(x, n_cal, cores)[1])

@@ -42,7 +42,7 @@ from harness.profile import Profile
 from harness.run.fold import Mirror
 from harness.run.diagnosis import DIAGNOSIS_HOST, JobDiagnosis, ScenarioFaults
 from harness.run.faults import SCENARIO_FAULTS, CutBuilding, Kill, KillLighthouse, SlowFetch, SlowHost, check_faults
-from harness.run.cpu_queue import wait_scale
+from harness.run.cpu_queue import slowdown_scale, wait_scale
 from harness.run.job_fold import JobFolding
 from harness.run.options import JobOptions
 from harness.run.ring_model import RingBoard
@@ -243,15 +243,29 @@ class EmulatedJob(JobFolding):
         return self._cpu_wait_scale(max(up, 2))
 
     def _cpu_wait_scale(self, up: int) -> float:
-        """What a CPU wait measured with 2 replicas up becomes with `up` replicas up (train.shared_cpu_model):
-        "replicas", up / 2; "queue", the finite-source queue's (harness.run.cpu_queue.wait_scale) of the live
-        ranks (up x ranks per replica) against the measuring run's train.rank_cpu_share_ranks, each busy
-        train.rank_cpu_share, on train.shared_cpu_cores cores."""
+        """What a wait for a CPU measured with 2 replicas up (a late start or wake) becomes with `up` replicas up
+        (train.shared_cpu_model): "replicas", up / 2; "queue", the finite-source queue's wait at the live ranks (up x
+        ranks per replica) over its wait at the measuring run's (`_cpu_queue`: harness.run.cpu_queue.wait_scale)."""
+        q = self._cpu_queue(up)
+        return wait_scale(*q) if q is not None else up / 2
+
+    def _cpu_work_scale(self, up: int) -> float:
+        """What CPU work on a step's path measured with 2 replicas up (the all-reduce's overhead, the compute extra)
+        becomes with `up` replicas up: up / 2 (more replicas: more wake-ups and messages per step); "queue": each of
+        them also slowed by the finite-source queue, its burst's wall time at the live ranks over that at the
+        measuring run's (harness.run.cpu_queue.slowdown_scale)."""
+        q = self._cpu_queue(up)
+        return up / 2 * (slowdown_scale(*q) if q is not None else 1.0)
+
+    def _cpu_queue(self, up: int) -> tuple[float, int, int, float] | None:
+        """The CPU queue's arguments with `up` replicas up (train.shared_cpu_model "queue", with the measuring run's
+        busy share train.rank_cpu_share of its train.rank_cpu_share_ranks processes and train.shared_cpu_cores
+        measured): (u, processes then, live ranks now, cores); None otherwise."""
         t = self.profile.train
         if t.shared_cpu_model == "queue" and t.shared_cpu_cores and t.rank_cpu_share and t.rank_cpu_share_ranks:
-            return wait_scale(t.rank_cpu_share, round(t.rank_cpu_share_ranks), up * self.profile.ranks_per_replica,
-                              t.shared_cpu_cores)
-        return up / 2
+            return (t.rank_cpu_share, round(t.rank_cpu_share_ranks), up * self.profile.ranks_per_replica,
+                    t.shared_cpu_cores)
+        return None
 
     # -- running ---------------------------------------------------------------------------------
     def run(self, progress: Callable[[int], None] | None = None) -> Recorder:
@@ -480,20 +494,20 @@ class EmulatedJob(JobFolding):
     def ftar_overhead_s(self) -> float:
         """The all-reduce's measured overhead while more than one replica is up (seams.OverheadExchange charges
         it after the modeled ring): ftar.sync_overhead_s is measured with 2 replicas; with R up it is R / 2 of
-        that, or the CPU queue's (`_cpu_wait_scale`: each replica's rank wakes for its ring steps on the shared CPUs:
-        more replicas, more wake-ups)."""
+        that (each replica's rank wakes for its ring steps on the shared CPUs: more replicas, more wake-ups), with the
+        CPU queue each wake-up's work slowed as well (`_cpu_work_scale`)."""
         return self._per_replica_up(self.profile.ftar.sync_overhead_s)
 
     def replica_compute_extra_s(self) -> float:
         """The compute a step gains from the other replicas up (train.replica_compute_extra_s, measured with 2
-        replicas: `_cpu_wait_scale` of it with R up, as the all-reduce's overhead): their ranks compute on the same
+        replicas: `_cpu_work_scale` of it with R up, as the all-reduce's overhead): their ranks compute on the same
         CPUs."""
         return self._per_replica_up(self.profile.train.replica_compute_extra_s)
 
     def _per_replica_up(self, at_two_s: float) -> float:
-        """`at_two_s`, measured with 2 replicas up, scaled to the replicas up now (`_cpu_wait_scale`; 0 with one)."""
+        """`at_two_s`, measured with 2 replicas up, scaled to the replicas up now (`_cpu_work_scale`; 0 with one)."""
         up = sum(1 for inc in self._incarnations if inc is not None and inc.alive)
-        return at_two_s * self._cpu_wait_scale(up) if up > 1 else 0.0
+        return at_two_s * self._cpu_work_scale(up) if up > 1 else 0.0
 
     def slow_fetch(self) -> tuple[float, float] | None:
         """(factor, delay_s) of the slow fetch fault in force now (F x the modeled transfer, plus D), or None. As
