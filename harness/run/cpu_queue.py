@@ -10,9 +10,9 @@ chain on 0..N with birth rate (N - n) / Z and death rate min(n, c) / S; its stat
 - d, the mean extra time a burst spends runnable but not served, in bursts: L / (sum_n p_n min(n, c)) - 1 (Little's
   law: L the mean number runnable), the same for first-come-first-served cores and for processor sharing.
 The shape depends on x = Z / S only, so one measured u at N processes fixes x (`think_ratio`), and the wait at
-another N follows in units of the burst S, which cancels in the ratios to the calibration point: `wait_scale`, the
-wait at N over the wait there (what a late wake-up grows by), and `slowdown_scale`, a burst's wall time (S + wait)
-at N over its wall time there (what a piece of CPU work on a step's path grows by). Unlike an open queue (M/M/c), the chain is stable at any N: N processes can never ask for more
+another N follows per unit of CPU work: `wait_growth`, how much more a second of CPU work waits at N than at the
+calibration point (what a rank's late wake-ups grow by, times its CPU work per step), and `slowdown_scale`, a
+burst's wall time (S + wait) at N over its wall time there (what a piece of CPU work on a step's path grows by). Unlike an open queue (M/M/c), the chain is stable at any N: N processes can never ask for more
 than N cores, however busy each one is.
 """
 
@@ -64,15 +64,13 @@ def think_ratio(u: float, n: int, cores: float) -> float:
 
 
 @functools.lru_cache(maxsize=1024)
-def wait_scale(u: float, n_cal: int, n: int, cores: float) -> float:
-    """How much longer a rank waits for a CPU with n rank processes up than at the calibration point (n_cal
-    processes, each busy a measured share u): d(x, n, c) / d(x, n_cal, c), x from u at n_cal. 1 when the calibration
-    point did not queue (n_cal <= c: d = 0 there, no wait to scale; whatever was measured there is kept). Pure."""
+def wait_growth(u: float, n_cal: int, n: int, cores: float) -> float:
+    """The extra wait for a CPU per second of CPU work with n rank processes up over that at the calibration point
+    (n_cal processes, each busy a measured share u): d(x, n, c) - d(x, n_cal, c), x from u at n_cal (negative with
+    fewer processes than there). A rank whose step does C seconds of CPU work waits C x d of it runnable (Little's law
+    over the chain), so its step's wait grows by C x this. Pure."""
     x = think_ratio(u, n_cal, cores)
-    at_cal = busy_share_and_wait(x, n_cal, cores)[1]
-    if at_cal <= 0:
-        return 1.0
-    return busy_share_and_wait(x, n, cores)[1] / at_cal
+    return busy_share_and_wait(x, n, cores)[1] - busy_share_and_wait(x, n_cal, cores)[1]
 
 
 @functools.lru_cache(maxsize=1024)

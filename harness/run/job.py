@@ -42,7 +42,7 @@ from harness.profile import Profile
 from harness.run.fold import Mirror
 from harness.run.diagnosis import DIAGNOSIS_HOST, JobDiagnosis, ScenarioFaults
 from harness.run.faults import SCENARIO_FAULTS, CutBuilding, Kill, KillLighthouse, SlowFetch, SlowHost, check_faults
-from harness.run.cpu_queue import slowdown_scale, wait_scale
+from harness.run.cpu_queue import slowdown_scale, wait_growth
 from harness.run.job_fold import JobFolding
 from harness.run.options import JobOptions
 from harness.run.ring_model import RingBoard
@@ -219,35 +219,38 @@ class EmulatedJob(JobFolding):
         return self.profile.train.step_compute_s * random.Random(f"{self.options.seed}/{replica}/{step}").uniform(-j, j)
 
     def start_skew_s(self, replica: int, rank: int, n: int | str) -> float:
-        """A rank's late start of a step (train.rank_start_skew_s, scaled as `_skew_scale`: an exponential draw of
-        that mean, seeded by the job's seed, replica, rank and `n`, 0 without one): rank 0's after each quorum
+        """A rank's late start of a step (train.rank_start_skew_s, with the replicas up as `_skew_mean`: an exponential
+        draw of that mean, seeded by the job's seed, replica, rank and `n`, 0 without one): rank 0's after each quorum
         decision (n: its quorum id and step), the others' before their compute of step n."""
-        return start_skew(self.profile.train.rank_start_skew_s * self._skew_scale(),
+        return start_skew(self._skew_mean(self.profile.train.rank_start_skew_s),
                           f"{self.options.seed}/{replica}/{rank}/{n}")
 
     def exchange_skew_s(self, replica: int, rank: int, quorum: Any) -> float:
         """A rank's late wake from the cross-replica all-reduce of `quorum` (a StepQuorum; train.rank_exchange_skew_s,
-        scaled as `_skew_scale`: an exponential draw of that mean, seeded by the job's seed, replica, rank, quorum id
-        and step), 0 when the all-reduce had no peer to wait for (one participant) or without one."""
+        with the replicas up as `_skew_mean`: an exponential draw of that mean, seeded by the job's seed, replica, rank,
+        quorum id and step), 0 when the all-reduce had no peer to wait for (one participant) or without one."""
         if quorum.num_participants < 2:
             return 0.0
-        return start_skew(self.profile.train.rank_exchange_skew_s * self._skew_scale(),
+        return start_skew(self._skew_mean(self.profile.train.rank_exchange_skew_s),
                           f"{self.options.seed}/{replica}/{rank}/x{quorum.quorum_id}/{quorum.step}")
 
-    def _skew_scale(self) -> float:
-        """The late starts' and wakes' means are measured with 2 replicas up (`ftrun calibrate SCRIPT`'s 2-replica
-        run, which its 1-replica step's calibration takes as is); with R up, `_cpu_wait_scale` of them (never less
-        than at 2): more rank processes wake on the shared CPUs (real runs' spreads against their restep's
-        2-replica one: 1.3-2.7x at 3 and 4 replicas, benchmarks/results/fidelity.md)."""
-        up = sum(1 for inc in self._incarnations if inc is not None and inc.alive)
-        return self._cpu_wait_scale(max(up, 2))
-
-    def _cpu_wait_scale(self, up: int) -> float:
-        """What a wait for a CPU measured with 2 replicas up (a late start or wake) becomes with `up` replicas up
-        (train.shared_cpu_model): "replicas", up / 2; "queue", the finite-source queue's wait at the live ranks (up x
-        ranks per replica) over its wait at the measuring run's (`_cpu_queue`: harness.run.cpu_queue.wait_scale)."""
+    def _skew_mean(self, measured_s: float) -> float:
+        """The mean of a late start or wake (train.rank_start_skew_s or rank_exchange_skew_s, `measured_s`) with the
+        replicas up now (never fewer than 2). Both are measured with 2 replicas up (`ftrun calibrate SCRIPT`'s
+        2-replica run, which its 1-replica step's calibration takes as is); more rank processes wake on the shared
+        CPUs with more up (real runs' spreads against their restep's 2-replica one: 1.3-2.7x at 3 and 4 replicas,
+        benchmarks/results/fidelity.md). train.shared_cpu_model "replicas": R / 2 of it. "queue": it plus its share
+        (its part of the two skews' sum, half without either) of the growth of a rank's wait for a CPU per step, its
+        CPU work per step (train.rank_cpu_step_s) x the finite-source queue's `wait_growth` from the measuring run's
+        ranks to the live ones: a measured skew is kept as it is, whatever load it met, and only what more ranks add
+        is modeled."""
+        up = max(sum(1 for inc in self._incarnations if inc is not None and inc.alive), 2)
         q = self._cpu_queue(up)
-        return wait_scale(*q) if q is not None else up / 2
+        if q is None:
+            return measured_s * up / 2
+        t = self.profile.train
+        both = t.rank_start_skew_s + t.rank_exchange_skew_s
+        return measured_s + (measured_s / both if both else 0.5) * t.rank_cpu_step_s * wait_growth(*q)
 
     def _cpu_work_scale(self, up: int) -> float:
         """What CPU work on a step's path measured with 2 replicas up (the all-reduce's overhead, the compute extra)
@@ -259,10 +262,12 @@ class EmulatedJob(JobFolding):
 
     def _cpu_queue(self, up: int) -> tuple[float, int, int, float] | None:
         """The CPU queue's arguments with `up` replicas up (train.shared_cpu_model "queue", with the measuring run's
-        busy share train.rank_cpu_share of its train.rank_cpu_share_ranks processes and train.shared_cpu_cores
-        measured): (u, processes then, live ranks now, cores); None otherwise."""
+        busy share train.rank_cpu_share of its train.rank_cpu_share_ranks processes, their CPU work per step
+        train.rank_cpu_step_s and train.shared_cpu_cores measured): (u, processes then, live ranks now, cores); None
+        otherwise."""
         t = self.profile.train
-        if t.shared_cpu_model == "queue" and t.shared_cpu_cores and t.rank_cpu_share and t.rank_cpu_share_ranks:
+        if (t.shared_cpu_model == "queue" and t.shared_cpu_cores and t.rank_cpu_share and t.rank_cpu_share_ranks
+                and t.rank_cpu_step_s):
             return (t.rank_cpu_share, round(t.rank_cpu_share_ranks), up * self.profile.ranks_per_replica,
                     t.shared_cpu_cores)
         return None

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from harness.run.cpu_queue import busy_share_and_wait, slowdown_scale, think_ratio, wait_scale
+from harness.run.cpu_queue import busy_share_and_wait, slowdown_scale, think_ratio, wait_growth
 
 
 def test_the_chain_matches_the_closed_forms_of_one_and_two_processes():
@@ -35,16 +35,17 @@ def test_the_think_ratio_gives_back_the_measured_busy_share():
     assert think_ratio(0.99, 2, 1.0) == pytest.approx(1e-9, rel=0.01)  # beyond what 2 on 1 core can be: saturated
 
 
-def test_the_wait_scale_is_one_at_the_calibration_point_and_grows_faster_than_the_replicas():
-    """With a measured busy share u of 2 processes on 1.63 cores (a 2 x 1 restep on this machine: 0.3-0.65), the wait
-    with 3 and 4 grows well beyond R / 2 (the scaling it replaces: 1.5, 2), the more so the busier they are. No queue
-    at the calibration point (2 on 2 cores): nothing to scale (1)."""
-    assert wait_scale(0.5, 2, 2, 1.63) == pytest.approx(1.0)
-    idle, busy = [wait_scale(0.3, 2, n, 1.63) for n in (3, 4)], [wait_scale(0.6, 2, n, 1.63) for n in (3, 4)]
-    assert 1.5 < idle[0] < idle[1] and 2 < idle[1]
-    assert busy[0] > idle[0] and busy[1] > idle[1]
-    assert wait_scale(0.5, 2, 1, 1.63) == 0.0  # one process alone never waits
-    assert wait_scale(0.5, 2, 4, 2.0) == 1.0
+def test_the_wait_growth_is_zero_at_the_calibration_point_and_grows_with_the_processes():
+    """d(N) - d(N_cal): 0 at the calibration point, negative below it, growing above it, the more so the busier each
+    process measured (2 processes on 1.63 cores, a 2 x 1 restep on this machine: u 0.4-0.7); nothing where every process
+    keeps a core at both points."""
+    assert wait_growth(0.5, 2, 2, 1.63) == 0.0
+    x = think_ratio(0.5, 2, 1.63)
+    assert wait_growth(0.5, 2, 4, 1.63) == pytest.approx(busy_share_and_wait(x, 4, 1.63)[1]
+                                                         - busy_share_and_wait(x, 2, 1.63)[1])
+    assert wait_growth(0.5, 2, 1, 1.63) < 0 < wait_growth(0.5, 2, 3, 1.63) < wait_growth(0.5, 2, 4, 1.63)
+    assert wait_growth(0.4, 2, 4, 1.63) < wait_growth(0.7, 2, 4, 1.63)
+    assert wait_growth(0.5, 2, 3, 3.0) == 0.0
 
 
 def test_the_slowdown_scale_is_a_bursts_wall_time_ratio():
@@ -54,7 +55,8 @@ def test_the_slowdown_scale_is_a_bursts_wall_time_ratio():
     d2, d4 = busy_share_and_wait(x, 2, 1.63)[1], busy_share_and_wait(x, 4, 1.63)[1]
     assert slowdown_scale(0.5, 2, 2, 1.63) == pytest.approx(1.0)
     assert slowdown_scale(0.5, 2, 4, 1.63) == pytest.approx((1 + d4) / (1 + d2))
-    assert 1 < slowdown_scale(0.5, 2, 4, 1.63) < wait_scale(0.5, 2, 4, 1.63)
+    assert slowdown_scale(0.5, 2, 4, 1.63) == pytest.approx(1 + wait_growth(0.5, 2, 4, 1.63) / (1 + d2))
+    assert slowdown_scale(0.5, 2, 4, 1.63) > 1
     assert slowdown_scale(0.5, 2, 4, 2.0) == pytest.approx((1 + busy_share_and_wait(think_ratio(0.5, 2, 2.0), 4, 2.0)[1]))
 
 
@@ -86,26 +88,29 @@ def _up(job, replicas: int) -> None:
 
 def test_the_job_scales_its_2_replica_cpu_waits_by_the_queue_or_by_r_over_2():
     """train.shared_cpu_model: "replicas" (the default) scales the overhead, the compute extra and the skews measured
-    with 2 replicas up by R / 2; "queue" the skews by the CPU queue's wait_scale of the live ranks against the
-    measuring run's and the overhead and compute extra by R / 2 x its slowdown_scale, where the share, its ranks and
-    the cores are measured (else R / 2); the skews never below their 2-replica value, the overhead and compute extra
-    0 with one replica up."""
+    with 2 replicas up by R / 2; "queue" adds to each skew its share of the CPU work per step x the queue's wait growth
+    from the measuring run's ranks to the live ones, and scales the overhead and compute extra by R / 2 x its slowdown,
+    where the share, its ranks, the CPU per step and the cores are measured (else R / 2); the skews never below their
+    2-replica value, the overhead and compute extra 0 with one replica up."""
     keys = ["replicas=4", "ranks_per_replica=1", "topology.gpus_per_host=1", "ftar.sync_overhead_s=0.01",
             "train.replica_compute_extra_s=0.002", "train.shared_cpu_cores=1.63", "train.rank_cpu_share=0.4",
-            "train.rank_cpu_share_ranks=2"]
+            "train.rank_cpu_share_ranks=2", "train.rank_start_skew_s=0.003", "train.rank_exchange_skew_s=0.001",
+            "train.rank_cpu_step_s=0.006"]
     plain, queued = _job(keys), _job([*keys, "train.shared_cpu_model=queue"])
     for up in (1, 2, 3, 4):
         _up(plain, up)
         _up(queued, up)
-        scale = up / 2 * slowdown_scale(0.4, 2, up, 1.63)
+        work = up / 2 * slowdown_scale(0.4, 2, up, 1.63)
+        grown = 0.006 * wait_growth(0.4, 2, max(up, 2), 1.63)
         assert plain.ftar_overhead_s() == pytest.approx(0.01 * up / 2 if up > 1 else 0.0)
-        assert queued.ftar_overhead_s() == pytest.approx(0.01 * scale if up > 1 else 0.0)
-        assert queued.replica_compute_extra_s() == pytest.approx(0.002 * scale if up > 1 else 0.0)
-        assert plain._skew_scale() == max(up, 2) / 2
-        assert queued._skew_scale() == pytest.approx(wait_scale(0.4, 2, max(up, 2), 1.63))
-    unmeasured = _job([*keys[:-2], "train.shared_cpu_model=queue"])
+        assert queued.ftar_overhead_s() == pytest.approx(0.01 * work if up > 1 else 0.0)
+        assert queued.replica_compute_extra_s() == pytest.approx(0.002 * work if up > 1 else 0.0)
+        assert plain._skew_mean(0.003) == pytest.approx(0.003 * max(up, 2) / 2)
+        assert queued._skew_mean(0.003) == pytest.approx(0.003 + 0.75 * grown)  # 3 of the skews' 4 ms
+        assert queued._skew_mean(0.001) == pytest.approx(0.001 + 0.25 * grown)
+    unmeasured = _job([*keys[:-1], "train.shared_cpu_model=queue"])
     _up(unmeasured, 4)
-    assert unmeasured._skew_scale() == 2.0
+    assert unmeasured._skew_mean(0.003) == pytest.approx(0.006)
 
 
 def test_a_bad_cpu_model_or_share_is_refused_naming_it():
