@@ -171,12 +171,11 @@ class TrainConfig:
     # measures it: the spread of the leaders' commits of a step in its 2-replica run (R / 2 of it with R up, as
     # above). 0: the replicas commit together.
     rank_exchange_skew_s: float = 0.0
-    # How what is measured with 2 replicas up grows with R replicas up: the waits for a CPU (the two skews above)
-    # and the CPU work on a step's path (ftar.sync_overhead_s, replica_compute_extra_s). "replicas": R / 2 of each.
-    # "queue": the finite-source CPU queue (harness.run.cpu_queue) of the live ranks against the
-    # rank_cpu_share_ranks processes of the run that measured them, each busy rank_cpu_share of its time, on
-    # shared_cpu_cores cores, their CPU work per step rank_cpu_step_s (needs all four; else as "replicas"): the
-    # skews plus their share of its wait's growth per step, the work x R / 2 x its burst's slowdown ratio.
+    # How the waits for a CPU measured with 2 replicas up (the two skews above) grow with R replicas up: "replicas",
+    # R / 2 of each; "queue", each plus half the growth of a rank's wait per step in the finite-source CPU queue
+    # (harness.run.cpu_queue.wait_growth x rank_cpu_step_s) of the live ranks against the rank_cpu_share_ranks
+    # processes of the run that measured them, each busy rank_cpu_share of its time, on shared_cpu_cores cores (needs
+    # all four; else as "replicas"). ftar.sync_overhead_s and replica_compute_extra_s take R / 2 either way.
     shared_cpu_model: Literal["replicas", "queue"] = "replicas"
     # A rank process's busy share (its CPU time over wall time, from its phase events' `cpu`) in `ftrun calibrate
     # SCRIPT`'s 2-replica run, and that run's rank processes (2 x its ranks per replica). 0: not measured.

@@ -11,8 +11,7 @@ chain on 0..N with birth rate (N - n) / Z and death rate min(n, c) / S; its stat
   law: L the mean number runnable), the same for first-come-first-served cores and for processor sharing.
 The shape depends on x = Z / S only, so one measured u at N processes fixes x (`think_ratio`), and the wait at
 another N follows per unit of CPU work: `wait_growth`, how much more a second of CPU work waits at N than at the
-calibration point (what a rank's late wake-ups grow by, times its CPU work per step), and `slowdown_scale`, a
-burst's wall time (S + wait) at N over its wall time there (what a piece of CPU work on a step's path grows by). Unlike an open queue (M/M/c), the chain is stable at any N: N processes can never ask for more
+calibration point (what a rank's late wake-ups grow by, times its CPU work per step). Unlike an open queue (M/M/c), the chain is stable at any N: N processes can never ask for more
 than N cores, however busy each one is.
 """
 
@@ -71,12 +70,3 @@ def wait_growth(u: float, n_cal: int, n: int, cores: float) -> float:
     over the chain), so its step's wait grows by C x this. Pure."""
     x = think_ratio(u, n_cal, cores)
     return busy_share_and_wait(x, n, cores)[1] - busy_share_and_wait(x, n_cal, cores)[1]
-
-
-@functools.lru_cache(maxsize=1024)
-def slowdown_scale(u: float, n_cal: int, n: int, cores: float) -> float:
-    """How much longer a burst of CPU work takes, from its wake to its end, with n rank processes up than at the
-    calibration point (module docstring: n_cal processes each busy a measured share u): (1 + d(x, n, c)) /
-    (1 + d(x, n_cal, c)). Pure."""
-    x = think_ratio(u, n_cal, cores)
-    return (1 + busy_share_and_wait(x, n, cores)[1]) / (1 + busy_share_and_wait(x, n_cal, cores)[1])

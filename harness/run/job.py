@@ -42,7 +42,7 @@ from harness.profile import Profile
 from harness.run.fold import Mirror
 from harness.run.diagnosis import DIAGNOSIS_HOST, JobDiagnosis, ScenarioFaults
 from harness.run.faults import SCENARIO_FAULTS, CutBuilding, Kill, KillLighthouse, SlowFetch, SlowHost, check_faults
-from harness.run.cpu_queue import slowdown_scale, wait_growth
+from harness.run.cpu_queue import wait_growth
 from harness.run.job_fold import JobFolding
 from harness.run.options import JobOptions
 from harness.run.ring_model import RingBoard
@@ -239,26 +239,16 @@ class EmulatedJob(JobFolding):
         replicas up now (never fewer than 2). Both are measured with 2 replicas up (`ftrun calibrate SCRIPT`'s
         2-replica run, which its 1-replica step's calibration takes as is); more rank processes wake on the shared
         CPUs with more up (real runs' spreads against their restep's 2-replica one: 1.3-2.7x at 3 and 4 replicas,
-        benchmarks/results/fidelity.md). train.shared_cpu_model "replicas": R / 2 of it. "queue": it plus its share
-        (its part of the two skews' sum, half without either) of the growth of a rank's wait for a CPU per step, its
-        CPU work per step (train.rank_cpu_step_s) x the finite-source queue's `wait_growth` from the measuring run's
-        ranks to the live ones: a measured skew is kept as it is, whatever load it met, and only what more ranks add
-        is modeled."""
+        benchmarks/results/fidelity.md). train.shared_cpu_model "replicas": R / 2 of it. "queue": it plus half the
+        growth of a rank's wait for a CPU per step, its CPU work per step (train.rank_cpu_step_s) x the finite-source
+        queue's `wait_growth` from the measuring run's ranks to the live ones (the queue says how long a step waits,
+        not where: the emulator charges it at its two wake-ups, the start and the wake from the all-reduce, half
+        each): a measured skew is kept as it is, whatever load it met, and only what more ranks add is modeled."""
         up = max(sum(1 for inc in self._incarnations if inc is not None and inc.alive), 2)
         q = self._cpu_queue(up)
         if q is None:
             return measured_s * up / 2
-        t = self.profile.train
-        both = t.rank_start_skew_s + t.rank_exchange_skew_s
-        return measured_s + (measured_s / both if both else 0.5) * t.rank_cpu_step_s * wait_growth(*q)
-
-    def _cpu_work_scale(self, up: int) -> float:
-        """What CPU work on a step's path measured with 2 replicas up (the all-reduce's overhead, the compute extra)
-        becomes with `up` replicas up: up / 2 (more replicas: more wake-ups and messages per step); "queue": each of
-        them also slowed by the finite-source queue, its burst's wall time at the live ranks over that at the
-        measuring run's (harness.run.cpu_queue.slowdown_scale)."""
-        q = self._cpu_queue(up)
-        return up / 2 * (slowdown_scale(*q) if q is not None else 1.0)
+        return measured_s + self.profile.train.rank_cpu_step_s * wait_growth(*q) / 2
 
     def _cpu_queue(self, up: int) -> tuple[float, int, int, float] | None:
         """The CPU queue's arguments with `up` replicas up (train.shared_cpu_model "queue", with the measuring run's
@@ -499,20 +489,20 @@ class EmulatedJob(JobFolding):
     def ftar_overhead_s(self) -> float:
         """The all-reduce's measured overhead while more than one replica is up (seams.OverheadExchange charges
         it after the modeled ring): ftar.sync_overhead_s is measured with 2 replicas; with R up it is R / 2 of
-        that (each replica's rank wakes for its ring steps on the shared CPUs: more replicas, more wake-ups), with the
-        CPU queue each wake-up's work slowed as well (`_cpu_work_scale`)."""
+        that (each replica's rank wakes for its ring steps on the shared CPUs: more replicas, more wake-ups)."""
         return self._per_replica_up(self.profile.ftar.sync_overhead_s)
 
     def replica_compute_extra_s(self) -> float:
         """The compute a step gains from the other replicas up (train.replica_compute_extra_s, measured with 2
-        replicas: `_cpu_work_scale` of it with R up, as the all-reduce's overhead): their ranks compute on the same
-        CPUs."""
+        replicas: R / 2 of it with R up, as the all-reduce's overhead): their ranks compute on the same CPUs."""
         return self._per_replica_up(self.profile.train.replica_compute_extra_s)
 
     def _per_replica_up(self, at_two_s: float) -> float:
-        """`at_two_s`, measured with 2 replicas up, scaled to the replicas up now (`_cpu_work_scale`; 0 with one)."""
+        """`at_two_s`, measured with 2 replicas up, scaled to the replicas up now (R / 2; 0 with one). Also with
+        train.shared_cpu_model "queue": R / 2 x the queue's slowdown of a burst of CPU work overshot (4 x 1 step 1.25
+        against 1.04, benchmarks/results/fidelity.md)."""
         up = sum(1 for inc in self._incarnations if inc is not None and inc.alive)
-        return at_two_s * self._cpu_work_scale(up) if up > 1 else 0.0
+        return at_two_s * up / 2 if up > 1 else 0.0
 
     def slow_fetch(self) -> tuple[float, float] | None:
         """(factor, delay_s) of the slow fetch fault in force now (F x the modeled transfer, plus D), or None. As

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from harness.run.cpu_queue import busy_share_and_wait, slowdown_scale, think_ratio, wait_growth
+from harness.run.cpu_queue import busy_share_and_wait, think_ratio, wait_growth
 
 
 def test_the_chain_matches_the_closed_forms_of_one_and_two_processes():
@@ -48,18 +48,6 @@ def test_the_wait_growth_is_zero_at_the_calibration_point_and_grows_with_the_pro
     assert wait_growth(0.5, 2, 3, 3.0) == 0.0
 
 
-def test_the_slowdown_scale_is_a_bursts_wall_time_ratio():
-    """A burst's wall time is S (1 + d): at the calibration point 1, beyond it (1 + d_N) / (1 + d_cal), which grows
-    with N but less than the wait alone (the burst's own S does not grow)."""
-    x = think_ratio(0.5, 2, 1.63)
-    d2, d4 = busy_share_and_wait(x, 2, 1.63)[1], busy_share_and_wait(x, 4, 1.63)[1]
-    assert slowdown_scale(0.5, 2, 2, 1.63) == pytest.approx(1.0)
-    assert slowdown_scale(0.5, 2, 4, 1.63) == pytest.approx((1 + d4) / (1 + d2))
-    assert slowdown_scale(0.5, 2, 4, 1.63) == pytest.approx(1 + wait_growth(0.5, 2, 4, 1.63) / (1 + d2))
-    assert slowdown_scale(0.5, 2, 4, 1.63) > 1
-    assert slowdown_scale(0.5, 2, 4, 2.0) == pytest.approx((1 + busy_share_and_wait(think_ratio(0.5, 2, 2.0), 4, 2.0)[1]))
-
-
 @pytest.mark.parametrize("call, match", [
     (lambda: busy_share_and_wait(1.0, 0, 1.0), "n >= 1"),
     (lambda: busy_share_and_wait(1.0, 2, 0.0), "cores > 0"),
@@ -88,10 +76,10 @@ def _up(job, replicas: int) -> None:
 
 def test_the_job_scales_its_2_replica_cpu_waits_by_the_queue_or_by_r_over_2():
     """train.shared_cpu_model: "replicas" (the default) scales the overhead, the compute extra and the skews measured
-    with 2 replicas up by R / 2; "queue" adds to each skew its share of the CPU work per step x the queue's wait growth
-    from the measuring run's ranks to the live ones, and scales the overhead and compute extra by R / 2 x its slowdown,
-    where the share, its ranks, the CPU per step and the cores are measured (else R / 2); the skews never below their
-    2-replica value, the overhead and compute extra 0 with one replica up."""
+    with 2 replicas up by R / 2; "queue" adds to each skew half the CPU work per step x the queue's wait growth
+    from the measuring run's ranks to the live ones, where the share, its ranks, the CPU per step and the cores are
+    measured (else R / 2), and leaves the overhead and compute extra at R / 2; the skews never below their 2-replica
+    value, the overhead and compute extra 0 with one replica up."""
     keys = ["replicas=4", "ranks_per_replica=1", "topology.gpus_per_host=1", "ftar.sync_overhead_s=0.01",
             "train.replica_compute_extra_s=0.002", "train.shared_cpu_cores=1.63", "train.rank_cpu_share=0.4",
             "train.rank_cpu_share_ranks=2", "train.rank_start_skew_s=0.003", "train.rank_exchange_skew_s=0.001",
@@ -100,14 +88,14 @@ def test_the_job_scales_its_2_replica_cpu_waits_by_the_queue_or_by_r_over_2():
     for up in (1, 2, 3, 4):
         _up(plain, up)
         _up(queued, up)
-        work = up / 2 * slowdown_scale(0.4, 2, up, 1.63)
+        work = up / 2
         grown = 0.006 * wait_growth(0.4, 2, max(up, 2), 1.63)
         assert plain.ftar_overhead_s() == pytest.approx(0.01 * up / 2 if up > 1 else 0.0)
         assert queued.ftar_overhead_s() == pytest.approx(0.01 * work if up > 1 else 0.0)
         assert queued.replica_compute_extra_s() == pytest.approx(0.002 * work if up > 1 else 0.0)
         assert plain._skew_mean(0.003) == pytest.approx(0.003 * max(up, 2) / 2)
-        assert queued._skew_mean(0.003) == pytest.approx(0.003 + 0.75 * grown)  # 3 of the skews' 4 ms
-        assert queued._skew_mean(0.001) == pytest.approx(0.001 + 0.25 * grown)
+        assert queued._skew_mean(0.003) == pytest.approx(0.003 + grown / 2)  # half the step's wait growth each
+        assert queued._skew_mean(0.001) == pytest.approx(0.001 + grown / 2)
     unmeasured = _job([*keys[:-1], "train.shared_cpu_model=queue"])
     _up(unmeasured, 4)
     assert unmeasured._skew_mean(0.003) == pytest.approx(0.006)
