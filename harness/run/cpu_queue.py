@@ -11,8 +11,8 @@ chain on 0..N with birth rate (N - n) / Z and death rate min(n, c) / S; its stat
   law: L the mean number runnable), the same for first-come-first-served cores and for processor sharing.
 The shape depends on x = Z / S only, so one measured u at N processes fixes x (`think_ratio`), and the wait at
 another N follows per unit of CPU work: `wait_growth`, how much more a second of CPU work waits at N than at the
-calibration point (what a rank's late wake-ups grow by, times its CPU work per step). Unlike an open queue (M/M/c), the chain is stable at any N: N processes can never ask for more
-than N cores, however busy each one is.
+calibration point (what a rank's late wake-ups grow by, times its CPU work per step). Unlike an open queue (M/M/c),
+the chain is stable at any N: N processes can never ask for more than N cores, however busy each one is.
 """
 
 from __future__ import annotations
