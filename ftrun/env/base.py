@@ -84,6 +84,11 @@ class Clock(Protocol):
     def sleep(self, seconds: float) -> None:
         """Block the calling task for `seconds`."""
 
+    def cpu(self) -> float:
+        """Seconds of CPU the calling task's process has used so far (a counter: take differences). Real: the
+        process's CPU time, every thread of it (`time.process_time`); emulated: the busy time modeled for its
+        process (the compute and bookkeeping the emulator charges, and with CPU charging its slices)."""
+
 
 class Task(Protocol):
     name: str

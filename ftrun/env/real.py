@@ -30,6 +30,12 @@ class RealClock:
         if seconds > 0:
             time.sleep(seconds)
 
+    def cpu(self) -> float:
+        # The whole process's CPU, not the calling thread's (time.thread_time): a rank's demand on the cores it
+        # shares with the job's other ranks is its trainer thread's and its FTAR engine, catch-up server and
+        # heartbeat threads' together, and what queues for a core is the process's runnable work.
+        return time.process_time()
+
 
 class RealTask:
     """A daemon thread running fn(*args); remembers what it raised.

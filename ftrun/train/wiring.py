@@ -156,13 +156,14 @@ def _no_audit(data: bytes) -> None:
 
 def _phase_hook(job: RankJob, on_phase: PhaseFn | None) -> PhaseFn | None:
     """The trainer's phase hook: the user's (Hooks.on_phase), after this rank's "phase" event where
-    FTConfig.phase_events asks for them (printed first: the user's hook may end the process)."""
+    FTConfig.phase_events asks for them (printed first: the user's hook may end the process). The event's `cpu`:
+    the rank process's CPU seconds so far (the Env's clock.cpu()), for its busy share of a step."""
     if not job.config.phase_events:
         return on_phase
     clock, rank = job.env.clock, job.spec.rank
 
     def hook(phase: str, step: int) -> None:
-        job.emit({"event": "phase", "t": clock.now(), "phase": phase, "step": step, "rank": rank})
+        job.emit({"event": "phase", "t": clock.now(), "cpu": clock.cpu(), "phase": phase, "step": step, "rank": rank})
         if on_phase is not None:
             on_phase(phase, step)
 

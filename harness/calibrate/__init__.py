@@ -115,6 +115,29 @@ def phase_spans(events: list[dict], start: str, end: str) -> list[float]:
     return out
 
 
+def cpu_steps(events: list[dict]) -> list[tuple[float, float]]:
+    """Per step of every rank (its first "quorum" phase event of a step and of the next, each with the rank process's
+    `cpu`: ftrun.train.wiring), (CPU seconds, wall seconds) between the two. Steps without a `cpu` (older events) are
+    left out. Pure."""
+    first: dict[tuple, dict[int, tuple[float, float]]] = {}
+    for e in events:
+        if e.get("event") == "phase" and e.get("phase") == "quorum" and "t" in e and "cpu" in e:
+            key = (e.get("replica_id"), e.get("incarnation", 0), e.get("rank", 0))
+            first.setdefault(key, {}).setdefault(e["step"], (e["t"], e["cpu"]))
+    out = []
+    for by_step in first.values():
+        for step, (t, cpu) in by_step.items():
+            nxt = by_step.get(step + 1)
+            if nxt is not None and nxt[0] > t:
+                out.append((nxt[1] - cpu, nxt[0] - t))
+    return out
+
+
+def cpu_shares(events: list[dict]) -> list[float]:
+    """Per step of every rank (`cpu_steps`), its busy share: its process's CPU seconds over the wall seconds. Pure."""
+    return [cpu / wall for cpu, wall in cpu_steps(events)]
+
+
 def _at_commits(events: list[dict], phase: str) -> list[tuple[float, dict[int, float]]]:
     """Per leader commit of a replica of more than one rank: (its time, {rank: that rank's last `phase` event of
     the committed step before it}); only commits where every rank of the replica has one. Pure."""
@@ -305,7 +328,8 @@ def _script_runs(script: str, steps: int, module: bool, ranks: int) -> list[Figu
 def phase_figures(events: list[dict], how: str, suffix: str) -> list[Figure]:
     """From the phase events of `how`'s run: the ranks' compute (`script_compute{suffix}`), and with more than one
     rank the commit vote (`script_commit_vote{suffix}`) and the decision broadcast's lag
-    (`script_decision_broadcast{suffix}`), medians (the module's pure functions say how each is cut)."""
+    (`script_decision_broadcast{suffix}`), and every rank's busy share of a step (`script_cpu_share{suffix}`) and CPU
+    seconds per step (`script_cpu_step{suffix}_s`), medians (the module's pure functions say how each is cut)."""
     out = []
     for name, xs, what in (
             (f"script_compute{suffix}_s", phase_spans(events, "forward", "exchange"), "from a rank's forward phase "
@@ -313,10 +337,16 @@ def phase_figures(events: list[dict], how: str, suffix: str) -> list[Figure]:
             (f"script_commit_vote{suffix}_s", commit_votes(events), "from the last rank's before_commit phase to "
              "the leader's commit event (the commit vote, an all-reduce over the replica's gloo comm)"),
             (f"script_decision_broadcast{suffix}_s", decision_broadcasts(events), "of the other ranks' started "
-             "phase less the leader's (the quorum decision's broadcast over the replica's gloo comm)")):
+             "phase less the leader's (the quorum decision's broadcast over the replica's gloo comm)"),
+            (f"script_cpu_share{suffix}", cpu_shares(events), "over every rank's steps of its process's CPU seconds "
+             "over the wall seconds from its quorum phase of a step to that of the next (the phase events' cpu: "
+             "time.process_time, every thread of the rank)"),
+            (f"script_cpu_step{suffix}_s", [cpu for cpu, _ in cpu_steps(events)], "over every rank's steps of its "
+             "process's CPU seconds from its quorum phase of a step to that of the next (the phase events' cpu)")):
         if xs:
-            out.append(Figure(name, median(xs), "s", f"median time {what}, {how} with FTRUN_PHASE_EVENTS=1",
-                              len(xs)))
+            share = name.startswith("script_cpu_share")
+            out.append(Figure(name, median(xs), "share" if share else "s", f"median {'' if share else 'time '}{what}, "
+                              f"{how} with FTRUN_PHASE_EVENTS=1", len(xs)))
     return out
 
 

@@ -84,6 +84,15 @@ def profile_keys(figures: Mapping[str, Figure]) -> dict[str, tuple[float, str, s
     if skew is not None:
         out["train.rank_start_skew_s"] = (m, "s", skew.method, skew.samples)
     direct("train.rank_exchange_skew_s", "script_exchange_skew_s")
+    # a rank's busy share where the skews above are measured (the 2-replica run), and that run's rank processes: the
+    # calibration point of the CPU queue (train.shared_cpu_model = "queue", harness.run.cpu_queue)
+    share, ranks = figures.get("script_cpu_share_2_replicas"), figures.get("script_ranks")
+    if share is not None and ranks is not None:
+        out["train.rank_cpu_share"] = (min(share.value, 1.0), "share", share.method + ", at most 1", share.samples)
+        out["train.rank_cpu_share_ranks"] = (2 * ranks.value, "ranks", "2 x measured.script_ranks: the rank processes "
+                                             "of the 2-replica run that measured train.rank_cpu_share (not measured: "
+                                             "its layout)", 1)
+    direct("train.rank_cpu_step_s", "script_cpu_step_2_replicas_s")
     # the 2-replica run's, where timed: the runs the emulator stands in for have 2 or more replicas
     after = figures.get("script_commit_to_quorum_2_replicas_s") or figures.get("script_commit_to_quorum_s")
     if after is not None and write is not None and lat is not None:
@@ -253,7 +262,8 @@ def _without_contention(figures: Mapping[str, Figure], keys: Mapping[str, tuple]
 
 # Figures that set a key one to one are recorded under that key only.
 _ONE_TO_ONE = {"step_s", "cpu_cores_effective", "storage_append_s", "storage_read_s", "ftar_sync_overhead_s", "ftar_reduce_gb_s", "ftar_copy_gb_s", "crash_detect_s", "tcp_one_way_us", "peer_reset_s",
-               *WRITE_FIGURES, "script_peer_reset_s", "script_start_skew_s", "script_exchange_skew_s"}
+               *WRITE_FIGURES, "script_peer_reset_s", "script_start_skew_s", "script_exchange_skew_s",
+               "script_cpu_step_2_replicas_s"}
 
 
 def calibrated_document(base: Mapping[str, Any], figures: Mapping[str, Figure], *, measured_at: str, host: str,

@@ -70,7 +70,7 @@ class Task:
 
     __slots__ = ("name", "host", "_sched", "_glet", "_fn", "_args", "_result", "_exception", "_done",
                  "_kill_pending", "_token", "_joiners", "_waiting_on", "_handoff", "_busy_until", "proc",
-                 "__weakref__")
+                 "cpu_s", "__weakref__")
 
     def __init__(self, sched: "Scheduler", host: Host, fn: Callable[..., Any], args: tuple, name: str) -> None:
         self.name = name
@@ -87,6 +87,7 @@ class Task:
         self._handoff: Any = None  # resource that handed this task something it must give back if killed
         self._busy_until = 0.0  # CPU charging: virtual end of this task's last slice
         self.proc: Any = self  # the emulated process: the root task (see Scheduler.spawn)
+        self.cpu_s = 0.0  # on a root task: its process's modeled CPU seconds (Scheduler.charge_cpu, charged slices)
         self._glet = greenlet.greenlet(sched._task_main, sched._loop_glet)
 
     def join(self, timeout: float | None = None) -> bool:
@@ -157,6 +158,18 @@ class Scheduler:
     def call_at(self, when: float, fn: Callable[[Any, Any], None], a: Any = None, b: Any = None) -> None:
         """Schedule fn(a, b) in the loop at virtual time `when` (clamped to now). fn must not block."""
         heapq.heappush(self._events, (when if when > self.now else self.now, next(self._seq), fn, a, b))
+
+    def charge_cpu(self, seconds: float) -> None:
+        """Count `seconds` of modeled CPU to the running task's process (what `cpu` reads; no wait)."""
+        if seconds < 0:
+            raise ValueError(f"charge_cpu needs seconds >= 0, got {seconds}")
+        self.current_task().proc.cpu_s += seconds
+
+    def cpu(self) -> float:
+        """The running task's process's modeled CPU seconds so far: `charge_cpu`'s, and with CPU charging its tasks'
+        slices (the current one so far included)."""
+        task = self.current_task()
+        return task.proc.cpu_s + (self.vnow() - self.now if self.charging else 0.0)
 
     # -- tasks --------------------------------------------------------------------------------------
     def spawn(self, host: Host, fn: Callable[..., Any], args: tuple, name: str) -> Task:
@@ -378,6 +391,7 @@ class Scheduler:
                 task._glet.switch(value)
             if charging:
                 end = task._busy_until = self.now + (clock() - t0) * scale
+                task.proc.cpu_s += end - self.now
                 heapq.heapreplace(lanes, end)
                 if self._slice_woken:
                     self._after_slice(end)

@@ -43,6 +43,15 @@ class EmuClock:
         else:
             self._sched.yield_now()
 
+    def cpu(self) -> float:
+        """The calling task's process's modeled busy time (Scheduler.cpu): the Env seam's CPU counter."""
+        return self._sched.cpu()
+
+    def charge(self, seconds: float) -> None:
+        """Count `seconds` of modeled CPU to the calling task's process, without waiting (the emulator's compute
+        and bookkeeping, whose wall time it models as sleeps)."""
+        self._sched.charge_cpu(seconds)
+
 
 class EmulatedEnv:
     """The Env of one emulated host (ftrun.env.base.Env)."""

@@ -42,6 +42,7 @@ from harness.profile import Profile
 from harness.run.fold import Mirror
 from harness.run.diagnosis import DIAGNOSIS_HOST, JobDiagnosis, ScenarioFaults
 from harness.run.faults import SCENARIO_FAULTS, CutBuilding, Kill, KillLighthouse, SlowFetch, SlowHost, check_faults
+from harness.run.cpu_queue import wait_growth
 from harness.run.job_fold import JobFolding
 from harness.run.options import JobOptions
 from harness.run.ring_model import RingBoard
@@ -218,28 +219,48 @@ class EmulatedJob(JobFolding):
         return self.profile.train.step_compute_s * random.Random(f"{self.options.seed}/{replica}/{step}").uniform(-j, j)
 
     def start_skew_s(self, replica: int, rank: int, n: int | str) -> float:
-        """A rank's late start of a step (train.rank_start_skew_s, scaled as `_skew_scale`: an exponential draw of
-        that mean, seeded by the job's seed, replica, rank and `n`, 0 without one): rank 0's after each quorum
+        """A rank's late start of a step (train.rank_start_skew_s, with the replicas up as `_skew_mean`: an exponential
+        draw of that mean, seeded by the job's seed, replica, rank and `n`, 0 without one): rank 0's after each quorum
         decision (n: its quorum id and step), the others' before their compute of step n."""
-        return start_skew(self.profile.train.rank_start_skew_s * self._skew_scale(),
+        return start_skew(self._skew_mean(self.profile.train.rank_start_skew_s),
                           f"{self.options.seed}/{replica}/{rank}/{n}")
 
     def exchange_skew_s(self, replica: int, rank: int, quorum: Any) -> float:
         """A rank's late wake from the cross-replica all-reduce of `quorum` (a StepQuorum; train.rank_exchange_skew_s,
-        scaled as `_skew_scale`: an exponential draw of that mean, seeded by the job's seed, replica, rank, quorum id
-        and step), 0 when the all-reduce had no peer to wait for (one participant) or without one."""
+        with the replicas up as `_skew_mean`: an exponential draw of that mean, seeded by the job's seed, replica, rank,
+        quorum id and step), 0 when the all-reduce had no peer to wait for (one participant) or without one."""
         if quorum.num_participants < 2:
             return 0.0
-        return start_skew(self.profile.train.rank_exchange_skew_s * self._skew_scale(),
+        return start_skew(self._skew_mean(self.profile.train.rank_exchange_skew_s),
                           f"{self.options.seed}/{replica}/{rank}/x{quorum.quorum_id}/{quorum.step}")
 
-    def _skew_scale(self) -> float:
-        """The late starts' and wakes' means are measured with 2 replicas up (`ftrun calibrate SCRIPT`'s 2-replica
-        run, which its 1-replica step's calibration takes as is); with R up, R / 2 of them, as the all-reduce
-        overhead: more rank processes wake on the shared CPUs (real runs' spreads against their restep's 2-replica
-        one: 1.3-2.7x at 3 and 4 replicas, benchmarks/results/fidelity.md)."""
-        up = sum(1 for inc in self._incarnations if inc is not None and inc.alive)
-        return max(up, 2) / 2
+    def _skew_mean(self, measured_s: float) -> float:
+        """The mean of a late start or wake (train.rank_start_skew_s or rank_exchange_skew_s, `measured_s`) with the
+        replicas up now (never fewer than 2). Both are measured with 2 replicas up (`ftrun calibrate SCRIPT`'s
+        2-replica run, which its 1-replica step's calibration takes as is); more rank processes wake on the shared
+        CPUs with more up (real runs' spreads against their restep's 2-replica one: 1.3-2.7x at 3 and 4 replicas,
+        benchmarks/results/fidelity.md). train.shared_cpu_model "replicas": R / 2 of it. "queue": it plus half the
+        growth of a rank's wait for a CPU per step, its CPU work per step (train.rank_cpu_step_s) x the finite-source
+        queue's `wait_growth` from the measuring run's ranks to the live ones (the queue says how long a step waits,
+        not where: the emulator charges it at its two wake-ups, the start and the wake from the all-reduce, half
+        each): a measured skew is kept as it is, whatever load it met, and only what more ranks add is modeled."""
+        up = max(sum(1 for inc in self._incarnations if inc is not None and inc.alive), 2)
+        q = self._cpu_queue(up)
+        if q is None:
+            return measured_s * up / 2
+        return measured_s + self.profile.train.rank_cpu_step_s * wait_growth(*q) / 2
+
+    def _cpu_queue(self, up: int) -> tuple[float, int, int, float] | None:
+        """The CPU queue's arguments with `up` replicas up (train.shared_cpu_model "queue", with the measuring run's
+        busy share train.rank_cpu_share of its train.rank_cpu_share_ranks processes, their CPU work per step
+        train.rank_cpu_step_s and train.shared_cpu_cores measured): (u, processes then, live ranks now, cores); None
+        otherwise."""
+        t = self.profile.train
+        if (t.shared_cpu_model == "queue" and t.shared_cpu_cores and t.rank_cpu_share and t.rank_cpu_share_ranks
+                and t.rank_cpu_step_s):
+            return (t.rank_cpu_share, round(t.rank_cpu_share_ranks), up * self.profile.ranks_per_replica,
+                    t.shared_cpu_cores)
+        return None
 
     # -- running ---------------------------------------------------------------------------------
     def run(self, progress: Callable[[int], None] | None = None) -> Recorder:
@@ -477,7 +498,9 @@ class EmulatedJob(JobFolding):
         return self._per_replica_up(self.profile.train.replica_compute_extra_s)
 
     def _per_replica_up(self, at_two_s: float) -> float:
-        """`at_two_s`, measured with 2 replicas up, scaled to the replicas up now (R / 2; 0 with one)."""
+        """`at_two_s`, measured with 2 replicas up, scaled to the replicas up now (R / 2; 0 with one). Also with
+        train.shared_cpu_model "queue": R / 2 x the queue's slowdown of a burst of CPU work overshot (4 x 1 step 1.25
+        against 1.04, benchmarks/results/fidelity.md)."""
         up = sum(1 for inc in self._incarnations if inc is not None and inc.alive)
         return at_two_s * up / 2 if up > 1 else 0.0
 

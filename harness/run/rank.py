@@ -195,6 +195,7 @@ def _build(job: RankJob, inc: RankIncarnation, rank: int, index: int, env: Any, 
         if phase == "quorum" and bookkeeping and lead and marks.stepped:
             # the script's own per-step work between a step's end and the next quorum request (measured after a
             # commit; a real rank's loop pays it after an aborted attempt too: its step event, hooks, wake-ups)
+            env.clock.charge(bookkeeping)
             env.clock.sleep(bookkeeping)
         if phase in ("quorum", "started", "exchange"):
             setattr(marks, phase, env.clock.now())

@@ -164,7 +164,8 @@ class EmulatedCompute(ShapeOnlyTrainCompute):
     """One emulated rank's shape-only compute with the job's timing effects: a restarted replica's
     first-step costs (`FirstStepCosts`), step jitter and straggler hosts (`extra_s(step)`).
     A mirroring rank (folded rings) computes in zero time: its lead's compute is inside the lead's
-    exchange it waits for."""
+    exchange it waits for. A lead's modeled step compute (step_time_s) is its process's busy time
+    (env.clock.charge: what the Env's clock.cpu() reads, as a real rank's phase events do)."""
 
     def __init__(self, *, lead: bool, first_extra_s: float, first_batch_s: float, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -176,6 +177,7 @@ class EmulatedCompute(ShapeOnlyTrainCompute):
             return 0.0
         if due := self._first.take(forward=True):
             self.env.clock.sleep(due)
+        self.env.clock.charge(self._base_s)  # the modeled compute is busy time; its extras (skews, contention) wait
         return super().forward_backward(step, samples, seed)
 
     def zero_grads(self) -> None:

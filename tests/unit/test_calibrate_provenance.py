@@ -595,3 +595,34 @@ def test_the_read_latency_is_the_measured_file_read():
     doc = calibrated_document({"name": "x"}, {"storage_read_s": fig("storage_read_s", 14e-6)}, measured_at=AT,
                               host="h", command="c", quick=False)
     assert {v["key"] for v in doc["calibration"]["values"]} == {"storage.local_read_latency_s"}
+
+
+def test_cpu_shares_are_each_ranks_cpu_over_wall_between_its_quorum_phases_of_consecutive_steps():
+    from harness.calibrate import cpu_shares, cpu_steps, phase_figures
+
+    def q(rid, rank, step, t, cpu, inc=0):
+        return {**_phase(rid, rank, "quorum", step, t), "incarnation": inc, "cpu": cpu}
+
+    events = [q("r0", 0, 1, 1.00, 0.50), q("r0", 0, 1, 1.05, 0.51),  # a retried quorum of step 1: the first counts
+              q("r0", 0, 2, 1.10, 0.54), q("r0", 0, 3, 1.20, 0.60),
+              q("r0", 1, 1, 1.00, 0.20), q("r0", 1, 3, 1.30, 0.30),  # rank 1 has no step 2: no pair
+              q("r1", 0, 5, 2.00, 1.00, inc=1), q("r1", 0, 6, 2.10, 1.05, inc=1),
+              q("r1", 0, 6, 9.00, 9.00, inc=2),  # another incarnation: not paired with the first
+              _phase("r0", 0, "quorum", 4, 1.30)]  # no cpu (older events): left out
+    assert sorted(cpu_shares(events)) == pytest.approx([0.4, 0.5, 0.6])
+    assert sorted(cpu for cpu, _ in cpu_steps(events)) == pytest.approx([0.04, 0.05, 0.06])
+    share, step = [f for f in phase_figures(events, "a run", "_2_replicas") if f.name.startswith("script_cpu")]
+    assert share.name == "script_cpu_share_2_replicas" and share.value == pytest.approx(0.5) and share.unit == "share"
+    assert step.name == "script_cpu_step_2_replicas_s" and step.value == pytest.approx(0.05) and step.unit == "s"
+    assert cpu_shares(PHASED) == []
+
+
+def test_the_2_replica_runs_cpu_share_sets_the_queues_calibration_point():
+    keys = profile_keys({f.name: f for f in [fig("script_cpu_share_2_replicas", 0.42, "share"),
+                                              fig("script_cpu_share", 0.3, "share"), fig("script_ranks", 2, "ranks"),
+                                              fig("script_cpu_step_2_replicas_s", 0.006)]})
+    assert keys["train.rank_cpu_share"][0] == pytest.approx(0.42) and keys["train.rank_cpu_step_s"][0] == 0.006
+    assert keys["train.rank_cpu_share_ranks"][0] == 4
+    busy = profile_keys({f.name: f for f in [fig("script_cpu_share_2_replicas", 1.3, "share"), fig("script_ranks", 1)]})
+    assert busy["train.rank_cpu_share"][0] == 1.0  # a process's threads can add up past a core: at most 1
+    assert "train.rank_cpu_share" not in profile_keys({"script_ranks": fig("script_ranks", 1)})

@@ -438,3 +438,69 @@ def test_serve_connections_logs_and_closes_a_connection_whose_handler_raised(env
 def test_bad_address_is_a_value_error(env):
     with pytest.raises(ValueError):
         env.run(env.net.listen, "no-port-here")
+
+
+def test_cpu_counts_the_process_busy_not_its_waits(env):
+    """clock.cpu() is the process's CPU so far: it does not go back, and a sleep adds (almost) nothing to it."""
+    def body():
+        c0 = env.clock.cpu()
+        env.clock.sleep(0.05)
+        c1 = env.clock.cpu()
+        return c0, c1
+
+    c0, c1 = env.run(body)
+    assert 0 <= c0 <= c1 < c0 + 0.04
+
+
+def test_a_phase_event_carries_the_rank_process_cpu_in_either_env(env):
+    """The trainer's phase events (ftrun.train.wiring) carry the Env's CPU counter: a real rank's process CPU grows
+    with work it does; an emulated rank's by the busy time the emulator charges its process (EmuClock.charge)."""
+    from types import SimpleNamespace
+
+    from ftrun.train.job_config import FTConfig
+    from ftrun.train.wiring import _phase_hook
+
+    events: list[dict] = []
+    hook = _phase_hook(SimpleNamespace(config=FTConfig(phase_events=True), env=env, spec=SimpleNamespace(rank=0),
+                                       emit=events.append), None)
+
+    def body():
+        hook("forward", 1)
+        if hasattr(env.clock, "charge"):  # emulated: the modeled compute
+            env.clock.charge(0.03)
+            env.clock.sleep(0.03)
+        else:  # real: burn CPU for 30 ms of it
+            c0 = env.clock.cpu()
+            while env.clock.cpu() - c0 < 0.03:
+                sum(range(1000))
+        hook("exchange", 1)
+
+    env.run(body)
+    a, b = events
+    assert [e["phase"] for e in events] == ["forward", "exchange"] and all(isinstance(e["cpu"], float) for e in events)
+    assert 0.03 <= b["cpu"] - a["cpu"] < 0.5
+
+
+def test_emulated_cpu_is_per_process_and_charged_exactly():
+    """Emulated, without CPU charging: a process's counter holds exactly what was charged to its tasks (a task
+    spawned on its own host belongs to its process), and another process's stays apart."""
+    from harness.engine import EmulatedWorld
+
+    world = EmulatedWorld(seed=0, cpu_charging=False)
+    a, b = world.host_env("a"), world.host_env("b")
+
+    def other():
+        b.clock.charge(0.5)
+        return b.clock.cpu()
+
+    def body():
+        a.clock.charge(0.25)
+        helper = a.spawn(lambda: a.clock.charge(0.125), name="helper")  # the same process
+        elsewhere = b.spawn(other, name="other")  # another host: another process
+        helper.join(1.0)
+        elsewhere.join(1.0)
+        with pytest.raises(ValueError, match="seconds >= 0"):
+            a.clock.charge(-1.0)
+        return a.clock.cpu(), elsewhere.result
+
+    assert a.run(body) == (0.375, 0.5)

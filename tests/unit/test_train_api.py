@@ -89,11 +89,12 @@ def test_phase_events_come_before_the_users_phase_hook_and_only_when_asked():
     from ftrun.train.wiring import _phase_hook
 
     seen = []
-    job = SimpleNamespace(config=FTConfig(phase_events=True), env=SimpleNamespace(clock=SimpleNamespace(now=lambda: 7.0)),
+    clock = SimpleNamespace(now=lambda: 7.0, cpu=lambda: 0.25)
+    job = SimpleNamespace(config=FTConfig(phase_events=True), env=SimpleNamespace(clock=clock),
                           spec=SimpleNamespace(rank=1), emit=seen.append)
     hook = _phase_hook(job, lambda phase, step: seen.append((phase, step)))
     hook("forward", 3)
-    assert seen == [{"event": "phase", "t": 7.0, "phase": "forward", "step": 3, "rank": 1}, ("forward", 3)]
+    assert seen == [{"event": "phase", "t": 7.0, "cpu": 0.25, "phase": "forward", "step": 3, "rank": 1}, ("forward", 3)]
     user = lambda phase, step: None  # noqa: E731
     assert _phase_hook(SimpleNamespace(config=FTConfig()), user) is user
 
