@@ -228,6 +228,23 @@ def test_peer_shapes_take_what_they_need_now_and_step_only_when_called_even_afte
     assert all(torch.equal(stepped[k], v) for k, v in state.tensors().items())  # the live state untouched
 
 
+def test_peer_shapes_share_a_param_group_value_that_cannot_be_copied():
+    """A param group may hold what deepcopy refuses (a process group, say): build's synchronous path must not fail
+    on it. Such a value is shared as it is, and the function still gives the first step's layout."""
+    class ProcessGroupLike:
+        def __deepcopy__(self, memo):
+            raise TypeError("cannot pickle 'ProcessGroup' object")
+
+    model = make_model(TOY)
+    opt = torch.optim.AdamW([{"params": list(model.parameters()), "group": ProcessGroupLike()}], lr=1e-2)
+    state = ReplicaState(model=model, optimizer=opt)
+    shapes = state.peer_shapes()()
+    assert not opt.state
+    lm_loss(model, DATA[:8]).backward()
+    opt.step()
+    assert snapshot.describe(shapes, shape_only=True) == snapshot.describe(state.tensors())
+
+
 def test_peer_shapes_of_an_optimizer_that_cannot_step_on_meta_tensors_are_its_tensors():
     model = make_model(TOY)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)  # no meta kernels
