@@ -109,6 +109,8 @@ def test_a_bad_cpu_model_or_share_is_refused_naming_it():
         build_profile("ci-small", ["train.shared_cpu_model=mm1"], steps=4, cpu_charging=False)
     with pytest.raises(UsageError, match="rank_cpu_share"):
         build_profile("ci-small", ["train.rank_cpu_share=1.5"], steps=4, cpu_charging=False)
+    with pytest.raises(UsageError, match="rank_cpu_share_ranks must be a whole number"):  # not rounded to 0 processes
+        build_profile("ci-small", ["train.rank_cpu_share_ranks=0.4"], steps=4, cpu_charging=False)
 
 
 def test_the_queue_never_takes_a_skew_below_its_measured_value_with_fewer_ranks_than_measured():
