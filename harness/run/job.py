@@ -500,9 +500,9 @@ class EmulatedJob(JobFolding):
         return self._per_replica_up(self.profile.train.replica_compute_extra_s)
 
     def _per_replica_up(self, at_two_s: float) -> float:
-        """`at_two_s`, measured with 2 replicas up, scaled to the replicas up now (R / 2; 0 with one). Also with
-        train.shared_cpu_model "queue": R / 2 x the queue's slowdown of a burst of CPU work overshot (4 x 1 step 1.25
-        against 1.04, benchmarks/results/fidelity.md)."""
+        """`at_two_s`, measured with 2 replicas up, scaled to the replicas up now (R / 2; 0 with one). The same with
+        train.shared_cpu_model "queue" (R / 2 times the queue's slowdown of a burst of CPU work as well overshot: 4 x 1
+        step 1.25 against 1.04, benchmarks/results/fidelity.md)."""
         up = sum(1 for inc in self._incarnations if inc is not None and inc.alive)
         return at_two_s * up / 2 if up > 1 else 0.0
 
