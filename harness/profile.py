@@ -193,6 +193,8 @@ class TrainConfig:
         _one_of(self, "lr_intervention", ("none", "linear", "sqrt"))
         _one_of(self, "shared_cpu_model", ("replicas", "queue"))
         _check(0 <= self.rank_cpu_share <= 1, "rank_cpu_share", "in [0, 1]", self.rank_cpu_share)
+        _check(float(self.rank_cpu_share_ranks).is_integer(), "rank_cpu_share_ranks", "a whole number of processes "
+               "(0: not measured)", self.rank_cpu_share_ranks)
         _check(self.step_jitter < 1, "step_jitter", "< 1", self.step_jitter)
 
 

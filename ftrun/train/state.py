@@ -102,15 +102,15 @@ class ReplicaState:
         memory, no change to this optimizer; not taken while global optimizer step hooks are registered,
         which would see it). An optimizer that cannot step on meta tensors (a fused one, a custom class)
         gives tensors() as they are: the receive buffer is then too small, and the fetch allocates its own.
-        What the returned function reads is taken now (shapes, dtypes, copies of the param groups), so the
-        throwaway step, the costly part, runs where it is called without touching this state."""
+        What the returned function reads is taken now (shapes, dtypes, copies of the param groups' values,
+        `_copied`), so the throwaway step, the costly part, runs where it is called without touching this state."""
         taken = taken_shapes(self.tensors())
         if self.optimizer.state:
             return taken
         params = [(local(p).shape, local(p).dtype, p.requires_grad) for p in self._params]
-        groups = [copy.deepcopy({k: v for k, v in g.items() if k != "params"}) for g in self.optimizer.param_groups]
+        groups = [{k: _copied(v) for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         sizes = [len(g["params"]) for g in self.optimizer.param_groups]
-        defaults = copy.deepcopy(self.optimizer.defaults)
+        defaults = {k: _copied(v) for k, v in self.optimizer.defaults.items()}
         cls, fqns = type(self.optimizer), list(self._fqns)
 
         def with_first_step_state() -> dict[str, torch.Tensor]:
@@ -228,6 +228,16 @@ def taken_shapes(tensors: Mapping[str, torch.Tensor]) -> Callable[[], dict[str, 
     (an alias of a parameter would keep `_sole_owner` from letting it adopt a fetched tensor)."""
     shapes = {name: (t.shape, t.dtype) for name, t in tensors.items()}
     return lambda: {name: torch.empty(shape, dtype=dtype, device="meta") for name, (shape, dtype) in shapes.items()}
+
+
+def _copied(value: Any) -> Any:
+    """A deep copy of a param group's value (the live optimizer may change it while a peer_shapes function runs),
+    or the value itself where it cannot be copied (e.g. a process group): sizing is only a hint, and build's
+    synchronous path must not fail on it."""
+    try:
+        return copy.deepcopy(value)
+    except Exception:
+        return value
 
 
 def _meta_param(shape: torch.Size, dtype: torch.dtype, requires_grad: bool) -> torch.nn.Parameter:

@@ -243,12 +243,14 @@ class EmulatedJob(JobFolding):
         growth of a rank's wait for a CPU per step, its CPU work per step (train.rank_cpu_step_s) x the finite-source
         queue's `wait_growth` from the measuring run's ranks to the live ones (the queue says how long a step waits,
         not where: the emulator charges it at its two wake-ups, the start and the wake from the all-reduce, half
-        each): a measured skew is kept as it is, whatever load it met, and only what more ranks add is modeled."""
+        each): a measured skew is kept as it is, whatever load it met, and only what more ranks add is modeled (with
+        fewer live ranks than the measuring run's, e.g. a profile measured on 2-rank replicas emulating 1-rank ones, the
+        queue's negative growth is not taken: it could take the mean below 0)."""
         up = max(sum(1 for inc in self._incarnations if inc is not None and inc.alive), 2)
         q = self._cpu_queue(up)
         if q is None:
             return measured_s * up / 2
-        return measured_s + self.profile.train.rank_cpu_step_s * wait_growth(*q) / 2
+        return measured_s + self.profile.train.rank_cpu_step_s * max(wait_growth(*q), 0.0) / 2
 
     def _cpu_queue(self, up: int) -> tuple[float, int, int, float] | None:
         """The CPU queue's arguments with `up` replicas up (train.shared_cpu_model "queue", with the measuring run's
@@ -498,9 +500,9 @@ class EmulatedJob(JobFolding):
         return self._per_replica_up(self.profile.train.replica_compute_extra_s)
 
     def _per_replica_up(self, at_two_s: float) -> float:
-        """`at_two_s`, measured with 2 replicas up, scaled to the replicas up now (R / 2; 0 with one). Also with
-        train.shared_cpu_model "queue": R / 2 x the queue's slowdown of a burst of CPU work overshot (4 x 1 step 1.25
-        against 1.04, benchmarks/results/fidelity.md)."""
+        """`at_two_s`, measured with 2 replicas up, scaled to the replicas up now (R / 2; 0 with one). The same with
+        train.shared_cpu_model "queue" (R / 2 times the queue's slowdown of a burst of CPU work as well overshot: 4 x 1
+        step 1.25 against 1.04, benchmarks/results/fidelity.md)."""
         up = sum(1 for inc in self._incarnations if inc is not None and inc.alive)
         return at_two_s * up / 2 if up > 1 else 0.0
 

@@ -109,3 +109,22 @@ def test_a_bad_cpu_model_or_share_is_refused_naming_it():
         build_profile("ci-small", ["train.shared_cpu_model=mm1"], steps=4, cpu_charging=False)
     with pytest.raises(UsageError, match="rank_cpu_share"):
         build_profile("ci-small", ["train.rank_cpu_share=1.5"], steps=4, cpu_charging=False)
+    with pytest.raises(UsageError, match="rank_cpu_share_ranks must be a whole number"):  # not rounded to 0 processes
+        build_profile("ci-small", ["train.rank_cpu_share_ranks=0.4"], steps=4, cpu_charging=False)
+
+
+def test_the_queue_never_takes_a_skew_below_its_measured_value_with_fewer_ranks_than_measured():
+    """A profile measured on 2 replicas of 2 ranks (4 processes) emulating replicas of 1 rank: the live ranks (2 at 2
+    replicas up) are fewer than the measuring run's, where the queue's wait growth is negative. The skew keeps its
+    measured value (only what more ranks add is modeled), and its mean never goes below 0, which would draw negative
+    late starts and shorten the modeled compute."""
+    keys = ["replicas=4", "ranks_per_replica=1", "topology.gpus_per_host=1", "train.shared_cpu_cores=1.63",
+            "train.rank_cpu_share=0.35", "train.rank_cpu_share_ranks=4", "train.rank_start_skew_s=0.001",
+            "train.rank_exchange_skew_s=0.001", "train.rank_cpu_step_s=0.006", "train.shared_cpu_model=queue"]
+    job = _job(keys)
+    assert 0.001 + 0.006 * wait_growth(0.35, 4, 2, 1.63) / 2 < 0  # what the queue alone would give at 2 up
+    _up(job, 2)
+    assert job._skew_mean(0.001) == 0.001
+    assert job.start_skew_s(0, 1, 3) > 0
+    _up(job, 4)  # 4 live ranks: the measuring run's count, no growth
+    assert job._skew_mean(0.001) == pytest.approx(0.001)

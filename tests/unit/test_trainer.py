@@ -203,7 +203,7 @@ def test_peer_shapes_before_the_first_step_are_the_layout_a_peer_publishes_after
 
 def test_peer_shapes_take_what_they_need_now_and_step_only_when_called_even_after_the_live_optimizer_did():
     """build's synchronous path only takes shapes and param groups; the throwaway step runs when the function
-    is called (in the catch-up's background task), and the live optimizer stepping or changing its LR in
+    is called (in the catch-up's background task), and the live optimizer stepping or changing its groups in
     between changes neither its answer nor is touched by it."""
     class Counted(torch.optim.AdamW):
         steps = 0
@@ -220,12 +220,31 @@ def test_peer_shapes_take_what_they_need_now_and_step_only_when_called_even_afte
     lm_loss(model, DATA[:8]).backward()
     opt.step()  # the training loop's first step, before the background task gets to run
     opt.param_groups[0]["lr"] = 5.0
+    opt.param_groups[0]["amsgrad"] = True  # would add state (max_exp_avg_sq) to a step: the groups were taken before
     stepped = {k: v.clone() for k, v in state.tensors().items()}
     got = shapes()
     assert Counted.steps == 2 and opt.param_groups[0]["lr"] == 5.0  # the live step and the throwaway one
+    assert not any(name.endswith(".max_exp_avg_sq") for name in got)
     assert all(t.device.type == "meta" for name, t in got.items() if not name.endswith(".step"))  # no memory
     assert snapshot.describe(got, shape_only=True) == snapshot.describe(state.tensors())
     assert all(torch.equal(stepped[k], v) for k, v in state.tensors().items())  # the live state untouched
+
+
+def test_peer_shapes_share_a_param_group_value_that_cannot_be_copied():
+    """A param group may hold what deepcopy refuses (a process group, say): build's synchronous path must not fail
+    on it. Such a value is shared as it is, and the function still gives the first step's layout."""
+    class ProcessGroupLike:
+        def __deepcopy__(self, memo):
+            raise TypeError("cannot pickle 'ProcessGroup' object")
+
+    model = make_model(TOY)
+    opt = torch.optim.AdamW([{"params": list(model.parameters()), "group": ProcessGroupLike()}], lr=1e-2)
+    state = ReplicaState(model=model, optimizer=opt)
+    shapes = state.peer_shapes()()
+    assert not opt.state
+    lm_loss(model, DATA[:8]).backward()
+    opt.step()
+    assert snapshot.describe(shapes, shape_only=True) == snapshot.describe(state.tensors())
 
 
 def test_peer_shapes_of_an_optimizer_that_cannot_step_on_meta_tensors_are_its_tensors():
