@@ -9,9 +9,8 @@ import logging
 import pytest
 
 from ftrun.env.base import NetError, PeerClosed
-from ftrun.net import TokenError
 from ftrun.replica.comm import ReplicaCommError
-from ftrun.replica.tree_comm import FlatComm, TreeComm, check_hello
+from ftrun.replica.tree_comm import TreeComm, check_hello
 from harness.engine import EmulatedWorld
 
 TOKEN = "job-token"
@@ -135,16 +134,3 @@ def test_build_times_out_naming_the_missing_children_and_closes_what_it_accepted
 
     waited, impostor_closed, silent_closed = world.run_on("driver", driver)
     assert waited == pytest.approx(2.0, abs=0.1) and impostor_closed and silent_closed
-
-
-@pytest.mark.parametrize("cls", [TreeComm, FlatComm])
-@pytest.mark.parametrize("token", ["", None])
-def test_build_needs_the_job_token(cls, token):
-    world, envs = _emulated(1)
-
-    def driver():
-        listener = envs[0].net.listen("127.0.0.1:0")
-        with pytest.raises(TokenError, match="TreeComm needs a non-empty job token"):
-            cls.build(env=envs[0], rank=0, world_size=1, listener=listener, addrs=[listener.addr], token=token)
-
-    world.run_on("driver", driver)
