@@ -12,6 +12,7 @@ The job token comes from FTRUN_TOKEN or a file named by FTRUN_TOKEN_FILE that on
 
 from __future__ import annotations
 
+import hmac
 import os
 import re
 import stat
@@ -89,6 +90,13 @@ def require_token(token: object, service: str) -> str:
         got = "an empty string" if token == "" else type(token).__name__  # never any of a token's characters
         raise TokenError(f"{service} needs a non-empty job token (a str), got {got}")
     return token
+
+
+def token_matches(given: object, token: str) -> bool:
+    """Whether `given`, what a peer sent as its token (of any type), is the job token `token`; compared in
+    constant time, so the time a refusal takes says nothing about how much of a guess was right (a lone surrogate
+    in `given` is compared, never raised on)."""
+    return isinstance(given, str) and hmac.compare_digest(given.encode("utf-8", "surrogatepass"), token.encode())
 
 
 def read_token_file(path: str) -> str:

@@ -16,7 +16,6 @@ Threading: publish/retire from the training task; one server task per connection
 
 from __future__ import annotations
 
-import hmac
 import logging
 import mmap
 from typing import Any, Callable, Collection, Mapping, Sequence
@@ -33,7 +32,7 @@ from ftrun.catchup.server import Fault, FaultHook
 from ftrun.catchup.snapshot import SnapshotStore, anonymous_buffer, describe, tensor_views
 from ftrun.catchup.transport import ShardFailed, SourceFailed
 from ftrun.env.base import ConnectError, Env, EnvTimeout, NetError, NetTimeout, PeerClosed, serve_connections
-from ftrun.net import require_token
+from ftrun.net import require_token, token_matches
 
 log = logging.getLogger("ftrun.heal")
 
@@ -231,7 +230,7 @@ class NetCatchupServer:
 
     def _answer(self, conn: Any, req: Any) -> None:
         token = req.get("token") if isinstance(req, dict) else None
-        if not isinstance(token, str) or not hmac.compare_digest(token.encode(), self._token.encode()):
+        if not token_matches(token, self._token):
             # closed, as every ftrun listener closes a peer without the token: left open, each one would
             # hold a live connection and its task forever, and a few at the listener's cap lock peers out
             self._reply(conn, {"status": 401, "error": "missing or wrong job token", "have": None})

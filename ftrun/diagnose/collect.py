@@ -18,7 +18,6 @@ offset of each reply (collector now - rank now), so hosts need no common clock.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import math
 from dataclasses import dataclass, field
@@ -32,7 +31,7 @@ from ftrun.diagnose.model import AnalysisConfig, Layout, Snapshot, Verdict
 from ftrun.diagnose.summary import HIST, HIST_LEN, SUMMARY, empty_hist, empty_summary, summarize
 from ftrun.diagnose.telemetry import Ev, Op, Recorder
 from ftrun.env.base import Connection, Env, NetError, serve_connections
-from ftrun.net import require_token
+from ftrun.net import require_token, token_matches
 
 log = logging.getLogger("ftrun.diagnose")
 
@@ -83,7 +82,7 @@ def _index(entry: dict, i: int, name: str, limit: int, default: int | None = Non
 
 def _check_token(msg: dict, token: str) -> None:
     got = msg.get("token")
-    if not isinstance(got, str) or not hmac.compare_digest(got.encode(), token.encode()):
+    if not token_matches(got, token):
         raise DiagnoseError("wrong job token")
 
 

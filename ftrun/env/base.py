@@ -77,6 +77,16 @@ class TaskKilled(BaseException):
     """Raised inside a task by `Task.kill()`. A BaseException so `except Exception` does not eat it."""
 
 
+def log_unread_exception(name: str, error: BaseException) -> None:
+    """Log, with its traceback, what task `name` raised when the task is collected and nobody read it (through
+    `exception`, or a `join` that saw the task end), as asyncio does for a task whose exception was never
+    retrieved: a task has nowhere to raise to, so it would be lost. Both Envs' tasks call this. TaskKilled is not
+    logged: whoever killed the task asked for it."""
+    if not isinstance(error, TaskKilled):
+        _log.error("task %s raised %s, and nobody read it", name, type(error).__name__,
+                   exc_info=(type(error), error, error.__traceback__))
+
+
 class Clock(Protocol):
     def now(self) -> float:
         """Seconds on a monotonic clock (virtual in emulation)."""
@@ -103,7 +113,8 @@ class Task(Protocol):
 
     @property
     def exception(self) -> BaseException | None:
-        """What the task raised, if it ended with an exception (TaskKilled included)."""
+        """What the task raised, if it ended with an exception (TaskKilled included). A task collected with an
+        exception nobody read (here or through a `join` that saw it end) logs it (log_unread_exception)."""
 
 
 class Event(Protocol):

@@ -7,19 +7,16 @@ socket (tests/unit/test_import_lint.py).
 from __future__ import annotations
 
 import ctypes
-import logging
 import queue as _queue
 import threading
 import time
 from typing import Any, Callable, TypeVar
 
-from ftrun.env.base import EnvTimeout, TaskKilled
+from ftrun.env.base import EnvTimeout, TaskKilled, log_unread_exception
 from ftrun.env.admission import ListenLimits
 from ftrun.env.real_net import RealNetwork
 
 T = TypeVar("T")
-
-_log = logging.getLogger("ftrun.env")
 
 
 class RealClock:
@@ -41,9 +38,7 @@ class RealTask:
     """A daemon thread running fn(*args); remembers what it raised.
 
     What it raised is read through `exception` (or a `join` that sees the task ended). A task collected
-    with an exception nobody read logs it once, with its traceback, as asyncio does for a task whose
-    exception was never retrieved: a thread has nowhere to raise to, so it would be lost. TaskKilled is
-    not logged (whoever killed the task asked for it)."""
+    with an exception nobody read logs it once (ftrun.env.base.log_unread_exception)."""
 
     def __init__(self, fn: Callable[..., Any], args: tuple, name: str) -> None:
         self.name = name
@@ -75,10 +70,8 @@ class RealTask:
         return self._outcome[0] if self._outcome else None
 
     def __del__(self) -> None:
-        if self._outcome and not self._retrieved and not isinstance(self._outcome[0], TaskKilled):
-            error = self._outcome[0]
-            _log.error("task %s raised %s, and nobody read it", self.name, type(error).__name__,
-                       exc_info=(type(error), error, error.__traceback__))
+        if self._outcome and not self._retrieved:
+            log_unread_exception(self.name, self._outcome[0])
 
 
 def _run(fn: Callable[..., Any], args: tuple, outcome: list[BaseException]) -> None:

@@ -18,11 +18,11 @@ heartbeating, so the lighthouse evicts the replica and tells its peers, whose ev
 
 from __future__ import annotations
 
-import hmac
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from ftrun.env.base import Connection, Env, EnvTimeout, NetError, PeerClosed, serve_connections
+from ftrun.net import token_matches
 
 MAX_EPOCH = 2**63 - 1
 
@@ -67,7 +67,7 @@ def parse_greeting(msg: Any, token: str) -> tuple[str, int] | None:
     if not isinstance(msg, dict):
         return None
     got = msg.get("token")
-    if not isinstance(got, str) or not hmac.compare_digest(got.encode(), token.encode()):
+    if not token_matches(got, token):
         return None
     for kind, key in (("abort", "abort"), ("ping", "ping"), ("ring", "epoch")):
         value = msg.get(key)

@@ -26,7 +26,6 @@ so a request can only reach files under the agent's --out folder.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import os
 import re
@@ -34,7 +33,7 @@ from typing import Any
 
 from ftrun.env.base import Env, EnvTimeout, NetError, PeerClosed, serve_connections
 from ftrun.launch.procs import SpawnLauncher
-from ftrun.net import require_token
+from ftrun.net import require_token, token_matches
 
 log = logging.getLogger("ftrun.launch")
 AGENT_PORT = 29511
@@ -126,7 +125,7 @@ def check_hello(msg: Any, token: str) -> None:
     """BadRequest unless `msg` is a hello carrying `token` (compared in constant time)."""
     if not isinstance(msg, dict) or msg.get("type") != "hello" or not isinstance(msg.get("token"), str):
         raise BadRequest("the first message must be a hello with the job token")
-    if not hmac.compare_digest(msg["token"].encode(), token.encode()):
+    if not token_matches(msg["token"], token):
         raise BadRequest("wrong job token")
 
 

@@ -25,7 +25,6 @@ every connection is closed, so replicas see the loss and `ftrun lighthouse` exit
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 from collections import deque
@@ -35,7 +34,7 @@ from typing import Any
 from ftrun.config import LighthouseConfig
 from ftrun.env import wire
 from ftrun.env.base import Connection, Env, EnvTimeout, NetError, NetTimeout, serve_connections
-from ftrun.net import require_token
+from ftrun.net import require_token, token_matches
 from ftrun.quorum import protocol
 from ftrun.quorum.decide import (Decision, LighthouseState, Member, QuorumRequest, apply, decide, evict,
                                  expect_previous, finish, live_members)
@@ -163,7 +162,7 @@ class Lighthouse:
                 self._answer_verdict(conn, first)
                 return
             token, replica_id = protocol.parse_hello(first)
-            if not hmac.compare_digest(token.encode(), self._token.encode()):
+            if not token_matches(token, self._token):
                 raise protocol.BadRequest("wrong job token")
         except (protocol.BadRequest, NetError) as e:
             self._reject(conn, str(e))
@@ -187,7 +186,7 @@ class Lighthouse:
 
     def _answer_verdict(self, conn: Connection, msg: dict) -> None:
         token = msg.get("token")
-        if not isinstance(token, str) or not hmac.compare_digest(token.encode(), self._token.encode()):
+        if not token_matches(token, self._token):
             self._reject(conn, "wrong job token")
             return
         try:

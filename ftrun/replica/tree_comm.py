@@ -10,11 +10,14 @@ can show the scale bug it causes.
 
 from __future__ import annotations
 
-from typing import Callable
+import logging
+from typing import Any, Callable, Collection
 
-from ftrun.env.base import Connection, Env, Listener, NetError
+from ftrun.env.base import Connection, Env, Listener, NetError, serve_connections
+from ftrun.net import require_token, token_matches
 from ftrun.replica.comm import ReduceOp, ReplicaCommError
 
+log = logging.getLogger("ftrun.replica")
 _COMBINE: dict[str, Callable[[int, int], int]] = {"min": min, "max": max, "sum": lambda a, b: a + b}
 
 
@@ -39,22 +42,26 @@ class TreeComm:
         return [c for c in range(rank * fanout + 1, rank * fanout + fanout + 1) if c < world_size]
 
     @classmethod
-    def build(cls, *, env: Env, rank: int, world_size: int, listener: Listener, addrs: list[str],
+    def build(cls, *, env: Env, rank: int, world_size: int, listener: Listener, addrs: list[str], token: str,
               fanout: int = 16, timeout_s: float = 30.0) -> "TreeComm":
-        """`addrs[r]` is rank r's listener address; `listener` is this rank's own."""
+        """Connect to the parent and accept the children. `addrs[r]` is rank r's listener address; `listener` is
+        this rank's own, closed once the children are in (or the build failed); `token`: the job token, which
+        every hello carries. A connection whose hello is not a missing child's with the token (check_hello) is
+        closed and logged, and accepting goes on. Raises ReplicaCommError when the parent cannot be reached
+        within `timeout_s` or the children are not all in `timeout_s` after accepting began."""
         if fanout < 1 or len(addrs) != world_size:
             raise ValueError(f"need fanout >= 1 and one address per rank, got {fanout}, {len(addrs)}")
+        require_token(token, "TreeComm")
+        expected = cls.children_of(rank, world_size, fanout)
         parent = None
         try:
             if rank > 0:
                 parent = env.net.connect(addrs[(rank - 1) // fanout], timeout=timeout_s)
-                parent.send({"rank": rank})
-            expected = cls.children_of(rank, world_size, fanout)
-            by_rank: dict[int, Connection] = {}
-            while len(by_rank) < len(expected):
-                conn = listener.accept(timeout=timeout_s)
-                by_rank[int(conn.recv(timeout=timeout_s)["rank"])] = conn
+                parent.send({"rank": rank, "token": token})
+            by_rank = _accept_children(env, listener, token, rank, expected, timeout_s)
         except (NetError, TimeoutError) as e:
+            if parent is not None:
+                parent.close()
             raise ReplicaCommError(f"rank {rank} could not join the replica tree: {e}") from e
         return cls(rank=rank, world_size=world_size, parent=parent,
                    children=[by_rank[c] for c in expected], timeout_s=timeout_s, fanout=fanout)
@@ -149,11 +156,79 @@ class TreeComm:
             conn.close()
 
 
+def check_hello(hello: Any, token: str, children: Collection[int], joined: Collection[int]) -> tuple[int | None, str]:
+    """(the child's rank, "") for a hello with the job token from one of `children` not in `joined` yet, else
+    (None, why). Pure."""
+    if not isinstance(hello, dict):
+        return None, f"its hello is a {type(hello).__name__}, not a map"
+    if not token_matches(hello.get("token"), token):
+        return None, "missing or wrong job token"
+    child = hello.get("rank")
+    if type(child) is not int:
+        return None, f"rank {child!r:.40} is not an int"
+    if child not in children:
+        return None, f"rank {child} is not a child of this rank"
+    if child in joined:
+        return None, f"child {child} joined already"
+    return child, ""
+
+
+def _accept_children(env: Env, listener: Listener, token: str, rank: int, expected: list[int],
+                     timeout_s: float) -> dict[int, Connection]:
+    """{child rank: its connection} for every rank in `expected`, accepted on `listener` (closed on return).
+    Each connection's hello is read on a task of its own, so a peer that never sends one holds nothing up;
+    the ones not kept are closed. Raises TimeoutError when the children are not all in within `timeout_s`."""
+    if not expected:
+        listener.close()
+        return {}
+    children, hellos, accepted, ended = set(expected), env.queue(), set(), env.event()
+    deadline = env.clock.now() + timeout_s
+
+    def note(conn: Connection) -> None:
+        accepted.add(conn)
+        if ended.is_set():  # accepted after the build ended, so its loop below missed it
+            conn.close()
+
+    def greet(conn: Connection) -> None:
+        try:
+            hellos.put((conn, conn.recv(timeout=max(deadline - env.clock.now(), 0.0))))
+        except NetError as e:  # garbage, a close or silence (closed below)
+            hellos.put((conn, e))
+
+    serve_connections(env, listener, greet, name=f"tree-accept-{rank}", conn_name=f"tree-hello-{rank}",
+                      on_accept=note)
+    by_rank: dict[int, Connection] = {}
+    try:
+        while len(by_rank) < len(expected):
+            try:
+                conn, hello = hellos.get(timeout=max(deadline - env.clock.now(), 0.0))
+            except TimeoutError:
+                missing = [c for c in expected if c not in by_rank]
+                raise TimeoutError(f"children {missing} did not join within {timeout_s}s") from None
+            if isinstance(hello, NetError):
+                child, why = None, f"no hello: {hello}"
+            else:
+                child, why = check_hello(hello, token, children, by_rank)
+            if child is None:
+                log.warning("replica tree rank %d: closed a connection from %s: %s", rank, conn.peer_addr, why)
+                conn.close()
+            else:
+                by_rank[child] = conn
+    finally:
+        ended.set()
+        listener.close()
+        keep = set(by_rank.values()) if len(by_rank) == len(expected) else set()
+        for conn in list(accepted):
+            if conn not in keep:
+                conn.close()
+    return by_rank
+
+
 class FlatComm(TreeComm):
     """Every rank is a direct child of the leader: the naive check-in the tree replaces."""
 
     @classmethod
-    def build(cls, *, env: Env, rank: int, world_size: int, listener: Listener, addrs: list[str],
+    def build(cls, *, env: Env, rank: int, world_size: int, listener: Listener, addrs: list[str], token: str,
               fanout: int = 0, timeout_s: float = 30.0) -> "TreeComm":
         return super().build(env=env, rank=rank, world_size=world_size, listener=listener, addrs=addrs,
-                             fanout=max(world_size - 1, 1), timeout_s=timeout_s)
+                             token=token, fanout=max(world_size - 1, 1), timeout_s=timeout_s)

@@ -38,7 +38,7 @@ from typing import Any, Callable
 
 import greenlet
 
-from ftrun.env.base import TaskKilled
+from ftrun.env.base import TaskKilled, log_unread_exception
 
 TIMEOUT = object()  # the value a wait returns when its timer fired first
 FROZEN_ALL = object()  # Host.frozen: every task of the host is stopped
@@ -65,12 +65,26 @@ class Host:
         self.net: Any = None
 
 
+class _Unread:
+    """What a task raised, until someone reads it: logged when collected unread (as a RealTask logs it). Made only
+    for a task that raised something other than TaskKilled, so the other tasks pay no finalizer."""
+
+    __slots__ = ("name", "error")
+
+    def __init__(self, name: str, error: BaseException) -> None:
+        self.name, self.error = name, error
+
+    def __del__(self) -> None:
+        if self.error is not None:
+            log_unread_exception(self.name, self.error)
+
+
 class Task:
     """A greenlet running fn(*args) on one host; the Env's Task handle."""
 
     __slots__ = ("name", "host", "_sched", "_glet", "_fn", "_args", "_result", "_exception", "_done",
                  "_kill_pending", "_token", "_joiners", "_waiting_on", "_handoff", "_busy_until", "proc",
-                 "cpu_s", "__weakref__")
+                 "cpu_s", "_unread", "__weakref__")
 
     def __init__(self, sched: "Scheduler", host: Host, fn: Callable[..., Any], args: tuple, name: str) -> None:
         self.name = name
@@ -79,6 +93,7 @@ class Task:
         self._fn, self._args = fn, args
         self._result: Any = None
         self._exception: BaseException | None = None
+        self._unread: _Unread | None = None  # what it raised, while nobody has read it
         self._done = False
         self._kill_pending = False
         self._token = 0  # non-zero while blocked in a wait
@@ -91,11 +106,14 @@ class Task:
         self._glet = greenlet.greenlet(sched._task_main, sched._loop_glet)
 
     def join(self, timeout: float | None = None) -> bool:
-        if self._done:
-            return True
-        if self._joiners is None:
-            self._joiners = []
-        return self._sched.wait(self._joiners, timeout, self) is not TIMEOUT
+        if not self._done:
+            if self._joiners is None:
+                self._joiners = []
+            if self._sched.wait(self._joiners, timeout, self) is TIMEOUT:
+                return False
+        if self._unread is not None:
+            self._read()
+        return True
 
     def is_alive(self) -> bool:
         return not self._done
@@ -105,7 +123,13 @@ class Task:
 
     @property
     def exception(self) -> BaseException | None:
+        if self._unread is not None:
+            self._read()
         return self._exception
+
+    def _read(self) -> None:
+        self._unread.error = None  # type: ignore[union-attr]
+        self._unread = None
 
     @property
     def result(self) -> Any:
@@ -194,6 +218,8 @@ class Scheduler:
             task._result = task._fn(*task._args)
         except BaseException as e:  # recorded for joiners, like a thread; never propagates to the loop
             task._exception = e
+            if not isinstance(e, TaskKilled):
+                task._unread = _Unread(task.name, e)
         finally:
             task._done = True
             task._fn = task._args = None
@@ -203,6 +229,8 @@ class Scheduler:
                 for waiter, token in task._joiners:
                     self.wake(waiter, token, True)
                 task._joiners = None
+            del task  # this frame lives on in the traceback of what the task raised: it must not hold the task, or
+            # the two would form a cycle, collected (and logged if unread) only by a full GC, not when dropped
 
     def current_task(self) -> Task:
         task = self.current

@@ -113,10 +113,10 @@ def _tree(job: RankJob, inc: RankIncarnation, index: int, env: Any) -> TreeComm:
     cls = FlatComm if job.options.comm == "flat" else TreeComm
     listener = inc.listeners[index]
     try:
-        return cls.build(env=env, rank=index, world_size=size, listener=listener, addrs=inc.addrs,
+        return cls.build(env=env, rank=index, world_size=size, listener=listener, addrs=inc.addrs, token=job.token,
                          fanout=job.options.fanout, timeout_s=timeout)
     finally:
-        listener.close()  # the tree is wired; nothing else connects here
+        listener.close()  # build closed it already, unless it failed before accepting
         inc.listeners[index] = None
 
 

@@ -130,7 +130,7 @@ def test_tree_collectives_and_their_summary_from_real_tree_comm():
 
     def build(rank):
         comms[rank] = TreeComm.build(env=env, rank=rank, world_size=n, listener=listeners[rank], addrs=addrs,
-                                     fanout=2, timeout_s=10.0)
+                                     token="t", fanout=2, timeout_s=10.0)
     tasks = [env.spawn(build, r, name="tree") for r in range(n)]
     assert all(t.join(20.0) for t in tasks)
     recs = {r: Recorder(env.clock) for r in range(n)}

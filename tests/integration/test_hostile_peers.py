@@ -2,7 +2,7 @@
 token: a frame no service can read (bytes of another protocol, a length prefix past the 16 MiB cap, a bulk
 frame first, bad msgpack, a list instead of a map), wrong-typed fields or a wrong token. Each such connection
 is closed at once, and while it and a peer that sends half a frame or nothing at all stay connected, a peer
-with the token is still served. (The HTTP servers: test_http_bounds.py; the listener's caps:
+with the token is still served (the replica tree: its child still joins while the tree builds). (The HTTP servers: test_http_bounds.py; the listener's caps:
 tests/unit/test_real_net_limits.py.) The catch-up server also drops a peer that asks for a shard and stops reading it.
 """
 
@@ -28,6 +28,7 @@ from ftrun.launch.agent import Agent
 from ftrun.launch.remote import AgentClient
 from ftrun.quorum.client import LighthouseClient
 from ftrun.quorum.service import Lighthouse
+from ftrun.replica.tree_comm import TreeComm
 
 pytestmark = pytest.mark.timeout(60)
 TOKEN = "job-token"
@@ -126,8 +127,37 @@ def _catchup(env):
     return addr, good, server.stop
 
 
+def _tree(env):
+    """Rank 0 of a 2-rank replica tree, building: it takes its one child (rank 1, built by `good`) with the token
+    and closes every other connection; `good` then runs an all-reduce over the tree."""
+    listeners = [env.net.listen("127.0.0.1:0") for _ in range(2)]
+    addrs = [ln.addr for ln in listeners]
+    built = env.queue()
+    root = env.spawn(lambda: built.put(TreeComm.build(env=env, rank=0, world_size=2, listener=listeners[0],
+                                                      addrs=addrs, token=TOKEN, timeout_s=30.0)), name="tree-root")
+    comms = []
+
+    def good():
+        comms.append(TreeComm.build(env=env, rank=1, world_size=2, listener=listeners[1], addrs=addrs, token=TOKEN,
+                                    timeout_s=5.0))
+        comms.insert(0, built.get(timeout=10.0))
+        total = env.queue()
+        task = env.spawn(lambda: total.put(comms[0].all_reduce_int([1], "sum")), name="tree-root-reduce")
+        ok = comms[1].all_reduce_int([2], "sum") == [3] and total.get(timeout=5.0) == [3]
+        return ok and task.join(5.0)
+
+    def stop():
+        for comm in comms:
+            comm.close()
+        for ln in listeners:
+            ln.close()
+        assert root.join(10.0) and root.exception is None
+
+    return addrs[0], good, stop
+
+
 SERVICES = {"lighthouse": _lighthouse, "ftar ring": _ring, "diagnose collector": _collector,
-            "launch agent": _agent, "catch-up over env.net": _catchup}
+            "launch agent": _agent, "catch-up over env.net": _catchup, "replica tree": _tree}
 
 
 def _closed_by_peer(sock: socket.socket) -> bool:

@@ -25,7 +25,7 @@ def build_replica(env, lh, rid, num_ranks, *, step=0, max_retries=3, heal=None, 
 
     def make(rank):
         comm = comm_cls.build(env=env, rank=rank, world_size=num_ranks, listener=listeners[rank], addrs=addrs,
-                              fanout=2, timeout_s=5.0)
+                              token="t", fanout=2, timeout_s=5.0)
         client = LighthouseClient(env=env, addr=lh.addr, token="t", replica_id=rid, timeouts=T) if rank == 0 else None
         if client is not None:
             client.connect()  # live before any replica asks, so the first quorum has every replica
@@ -139,7 +139,8 @@ def test_tree_gather_and_scatter_reach_the_right_ranks(world_size, fanout):
     listeners = [env.net.listen("127.0.0.1:0") for _ in range(world_size)]
     addrs = [ln.addr for ln in listeners]
     comms = run_all(env, [lambda r=r: TreeComm.build(env=env, rank=r, world_size=world_size, listener=listeners[r],
-                                                     addrs=addrs, fanout=fanout, timeout_s=10) for r in range(world_size)])
+                                                     addrs=addrs, token="t", fanout=fanout, timeout_s=10)
+                                for r in range(world_size)])
     try:
         gathered = run_all(env, [lambda c=c: c.gather_bytes(b"x" * c.rank) for c in comms])
         assert gathered[0] == [b"x" * r for r in range(world_size)] and gathered[1:] == [None] * (world_size - 1)

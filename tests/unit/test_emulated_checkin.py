@@ -62,9 +62,11 @@ def run_all_reduces(comm_cls, num_ranks: int) -> tuple[list[int], float]:
         ready = envs[0].event()
 
         def rank_main(r):
-            net = types.SimpleNamespace(net=_Counted(envs[r].net, tallies[r]))
+            env = envs[r]
+            net = types.SimpleNamespace(net=_Counted(env.net, tallies[r]), clock=env.clock, spawn=env.spawn,
+                                        queue=env.queue, event=env.event)
             comm = comm_cls.build(env=net, rank=r, world_size=num_ranks, listener=_Counted(listeners[r], tallies[r]),
-                                  addrs=addrs, fanout=FANOUT, timeout_s=600.0)
+                                  addrs=addrs, token="t", fanout=FANOUT, timeout_s=600.0)
             ready.wait(timeout=600.0)
             before, t0 = tallies[r][0], envs[r].clock.now()
             for _ in range(REPEATS):

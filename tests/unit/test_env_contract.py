@@ -6,6 +6,7 @@ or the emulator's event loop. Times are read from `env.clock`, so the bounds hol
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import pytest
@@ -69,6 +70,37 @@ def test_kill_ends_a_task(env):
         return t.exception
 
     assert isinstance(env.run(body), TaskKilled)
+
+
+def test_a_task_collected_with_an_exception_nobody_read_logs_it_once(env, caplog):
+    """As asyncio does for a task whose exception was never retrieved: logged once, with its traceback, when the
+    task is collected. Reading it (`exception`, or a `join` that saw the task end) or a kill (TaskKilled) or a
+    return logs nothing."""
+    caplog.set_level(logging.ERROR, logger="ftrun.env")
+
+    def fail():
+        raise ValueError("nobody is waiting for this")
+
+    def spin():
+        while True:
+            env.clock.sleep(0.01)
+
+    def body():
+        tasks = {name: env.spawn(spin if name == "unread-killed" else fail, name=name)
+                 for name in ("unread-dropped", "unread-read", "unread-joined", "unread-killed")}
+        tasks["unread-returned"] = env.spawn(lambda: None, name="unread-returned")
+        tasks["unread-killed"].kill()
+        while any(t.is_alive() for t in tasks.values()):  # ended, seen without join (which reads the outcome)
+            env.clock.sleep(0.01)
+        assert isinstance(tasks["unread-read"].exception, ValueError) and tasks["unread-joined"].join(timeout=1.0)
+
+    env.run(body)
+    gc.collect()
+    unread = [r for r in caplog.records if r.name == "ftrun.env" and "nobody read it" in r.getMessage()
+              and "task unread-" in r.getMessage()]
+    assert [r.getMessage() for r in unread] == ["task unread-dropped raised ValueError, and nobody read it"]
+    assert unread[0].exc_info[1].args == ("nobody is waiting for this",)
+    assert "in fail" in caplog.text  # the traceback is in the record
 
 
 def test_event_wakes_waiter_and_times_out(env):

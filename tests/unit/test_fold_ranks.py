@@ -51,7 +51,8 @@ def _on_two_folded_ranks(extra_s: float, pass_s: float, steps) -> tuple[dict, ob
         results = {}
 
         def rank(r):
-            comm = TreeComm.build(env=env, rank=r, world_size=2, listener=listeners[r], addrs=addrs, timeout_s=5)
+            comm = TreeComm.build(env=env, rank=r, world_size=2, listener=listeners[r], addrs=addrs, token="t",
+                                  timeout_s=5)
             folded = FoldedComm(comm, env, extra_s, pass_s)
             results[r] = steps(folded, r, env.clock)
             folded.close()

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from ftrun.net import NetConfig, TokenError, load_token, read_token_file, write_token_file
+from ftrun.net import NetConfig, TokenError, load_token, read_token_file, token_matches, write_token_file
 from ftrun.quorum import cli as lighthouse_cli
 
 
@@ -134,6 +134,14 @@ def test_lighthouse_wildcard_bind_without_advertise_is_an_error():
         lighthouse_cli.resolve_net(_lighthouse_args(["--bind", "0.0.0.0:1"]), {})
 
 
+@pytest.mark.parametrize("given, matches", [
+    ("s3cret", True), ("s3cre", False), ("s3cret ", False), ("", False), (None, False), (7, False),
+    (b"s3cret", False), (["s3cret"], False), ("s3cr\ud800", False),
+])
+def test_token_matches_only_the_token_itself(given, matches):
+    assert token_matches(given, "s3cret") is matches
+
+
 def _services():
     from ftrun.catchup.net_transport import NetCatchupServer
     from ftrun.catchup.server import CatchupServer
@@ -144,6 +152,7 @@ def _services():
     from ftrun.launch.agent import Agent
     from ftrun.quorum.http import StatusServer
     from ftrun.quorum.service import Lighthouse
+    from ftrun.replica.tree_comm import TreeComm
 
     return {
         "Lighthouse": lambda env, t: Lighthouse(env=env, config=LighthouseConfig(), token=t),
@@ -154,6 +163,7 @@ def _services():
         "the launch agent": lambda env, t: Agent(env=env, token=t, bind="127.0.0.1:0", out="/nonexistent"),
         "CatchupServer": lambda env, t: CatchupServer(env=env, token=t),
         "NetCatchupServer": lambda env, t: NetCatchupServer(env=env, token=t),
+        "TreeComm": lambda env, t: TreeComm.build(env=env, rank=0, world_size=1, listener=None, addrs=["-"], token=t),
     }
 
 
