@@ -10,6 +10,7 @@ import ctypes
 import queue as _queue
 import threading
 import time
+import weakref
 from typing import Any, Callable, TypeVar
 
 from ftrun.env.base import EnvTimeout, TaskKilled, log_unread_exception
@@ -38,14 +39,17 @@ class RealTask:
     """A daemon thread running fn(*args); remembers what it raised.
 
     What it raised is read through `exception` (or a `join` that sees the task ended). A task collected
-    with an exception nobody read logs it once (ftrun.env.base.log_unread_exception)."""
+    with an exception nobody read logs it once (ftrun.env.base.log_unread_exception), and so does the thread of
+    a task dropped while it ran, when it raises."""
 
     def __init__(self, fn: Callable[..., Any], args: tuple, name: str) -> None:
         self.name = name
         self._outcome: list[BaseException] = []  # what fn raised; the thread holds this list, not the task,
         # so a task dropped after its thread ended is collected (and logs) at once
         self._retrieved = False
-        self._thread = threading.Thread(target=_run, args=(fn, args, self._outcome), name=name, daemon=True)
+        self._unlogged = [True]  # popped by whoever logs an unread exception (here or _run), so it logs once
+        self._thread = threading.Thread(target=_run, name=name, daemon=True,
+                                        args=(fn, args, self._outcome, weakref.ref(self), self._unlogged))
         self._thread.start()
 
     def join(self, timeout: float | None = None) -> bool:
@@ -71,14 +75,25 @@ class RealTask:
 
     def __del__(self) -> None:
         if self._outcome and not self._retrieved:
-            log_unread_exception(self.name, self._outcome[0])
+            _log_once(self._unlogged, self.name, self._outcome[0])
 
 
-def _run(fn: Callable[..., Any], args: tuple, outcome: list[BaseException]) -> None:
+def _run(fn: Callable[..., Any], args: tuple, outcome: list[BaseException], task: "weakref.ref[RealTask]",
+         unlogged: list[bool]) -> None:
     try:
         fn(*args)
     except BaseException as e:  # recorded for the joiner; a thread has nowhere to raise to
         outcome.append(e)
+        if task() is None:  # dropped while it ran (fire and forget): nobody can read it now
+            _log_once(unlogged, threading.current_thread().name, e)
+
+
+def _log_once(unlogged: list[bool], name: str, error: BaseException) -> None:
+    try:
+        unlogged.pop()  # atomic: of the task's finalizer and its thread, only the first gets here
+    except IndexError:
+        return
+    log_unread_exception(name, error)
 
 
 class RealQueue:

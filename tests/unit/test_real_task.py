@@ -66,3 +66,27 @@ def test_a_killed_task_or_one_that_returned_logs_nothing(caplog):
     del killed, returned
     gc.collect()
     assert _unread_records(caplog) == []
+
+
+def test_a_task_dropped_while_it_ran_logs_what_it_raised_later_once(caplog):
+    """Fire and forget: the handle is gone before the thread raises, so the thread itself logs it."""
+    import threading
+    caplog.set_level(logging.ERROR, logger="ftrun.env")
+    go, done = threading.Event(), threading.Event()
+
+    def fail_later() -> None:
+        go.wait(10.0)
+        try:
+            _fail()
+        finally:
+            done.set()
+
+    task = RealEnv().spawn(fail_later, name="forgotten")
+    thread = task._thread
+    del task
+    gc.collect()
+    go.set()
+    thread.join(10.0)
+    assert done.is_set() and not thread.is_alive()
+    records = _unread_records(caplog)
+    assert len(records) == 1 and "task forgotten raised ValueError" in records[0].getMessage()
