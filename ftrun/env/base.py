@@ -238,7 +238,8 @@ def serve_connections(env: Env, listener: Listener, handle: Callable[[Connection
     traceback and its connection closed (nobody joins a handler's task to see what it raised).
     `give_up_after_s`: accepts failing that long in a row end the task instead (None: retried for good).
     `on_end(why)` runs in the accepting task as it ends, saying why: the listener is closed or gone (an
-    owner that closed it tells its own close apart), or every accept failed for give_up_after_s."""
+    owner that closed it tells its own close apart), every accept failed for give_up_after_s, or the loop itself
+    raised (logged with its traceback)."""
 
     def serve(conn: Connection) -> None:
         try:
@@ -249,7 +250,11 @@ def serve_connections(env: Env, listener: Listener, handle: Callable[[Connection
             conn.close()
 
     def accept_loop() -> None:
-        why = accept_until_ended()
+        try:
+            why = accept_until_ended()
+        except Exception as e:  # a listener or on_accept that raised what no branch expects: say so, then end
+            _log.error("%s: the accept loop failed; no more connections are accepted", name, exc_info=True)
+            why = f"the accept loop failed: {type(e).__name__}: {e}"
         if on_end is not None:
             on_end(why)
 

@@ -392,6 +392,29 @@ def test_serve_connections_gives_up_on_accepts_that_keep_failing_and_says_why_it
     assert closed.startswith("the listener is closed")
 
 
+def test_serve_connections_says_why_when_its_accept_loop_raises_the_unexpected(env, caplog):
+    """A listener raising what no branch expects ends the accepting task, logged with its traceback, and
+    `on_end` still hears why: an owner (the lighthouse) must not go deaf without knowing."""
+    caplog.set_level(logging.ERROR, logger="ftrun.env")
+
+    def body():
+        class Broken:
+            addr = "broken"
+
+            def accept(self, timeout=None):
+                raise RuntimeError("listener state corrupted")
+
+        ends: list[str] = []
+        task = serve_connections(env, Broken(), lambda conn: None, name="contract-accept",
+                                 conn_name="contract-conn", on_end=ends.append)
+        return ends, task.join(timeout=5.0)
+
+    ends, ended = env.run(body)
+    assert ended and len(ends) == 1
+    assert ends[0] == "the accept loop failed: RuntimeError: listener state corrupted"
+    assert "contract-accept: the accept loop failed" in caplog.text and "listener state corrupted" in caplog.text
+
+
 def test_serve_connections_closes_a_connection_whose_handler_cannot_start(env, caplog):
     """A handler task that cannot be started (env.spawn raised: no thread left) costs that one connection,
     which is closed; the failure is logged once for the run of them and the next connection is served."""
