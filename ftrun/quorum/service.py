@@ -105,6 +105,7 @@ class Lighthouse:
         self._state = expect_previous(load_state(storage), env.clock.now())
         self._requests: dict[str, QuorumRequest] = {}
         self._conns: dict[str, Connection] = {}
+        self._greeting: set[Connection] = set()  # accepted, hello not read yet: stop() closes these too
         self._last_decision: Decision | None = None
         self._behind: frozenset[str] = frozenset()  # the current quorum's participants that heal first
         self.history: deque[dict[str, Any]] = deque(maxlen=10_000)  # changes, for reports and /status
@@ -124,8 +125,8 @@ class Lighthouse:
         self.addr = self._listener.addr
         self._tasks = [
             serve_connections(self.env, self._listener, self._reader, name="lighthouse-accept",
-                              conn_name="lighthouse-reader", give_up_after_s=ACCEPT_FAIL_AFTER_S,
-                              on_end=self._accept_ended),
+                              conn_name="lighthouse-reader", on_accept=self._accepted,
+                              give_up_after_s=ACCEPT_FAIL_AFTER_S, on_end=self._accept_ended),
             self.env.spawn(self._main_loop, name="lighthouse-main"),
         ]
         log.info("lighthouse at %s, quorum_id=%d", self.addr, self._state.quorum_id)
@@ -137,10 +138,17 @@ class Lighthouse:
         self._listener.close()
         for t in self._tasks:
             t.join(timeout=5.0)
-        for conn in list(self._conns.values()):
+        for conn in list(self._conns.values()) + list(self._greeting):
             conn.close()
 
     # -- connection tasks ----------------------------------------------------------------------
+    def _accepted(self, conn: Connection) -> None:
+        """A connection just accepted (serve_connections' `on_accept`): kept where stop() closes it until its
+        hello is read, or closed now if stop() already ran (its loop over the connections missed it)."""
+        self._greeting.add(conn)
+        if self._stopping:
+            conn.close()
+
     def _accept_ended(self, why: str) -> None:
         """The accept task ended (serve_connections' `on_end`): by stop(), or on its own, when accepts kept
         failing (e.g. EMFILE, out of descriptors) for ACCEPT_FAIL_AFTER_S or the listener is gone. Then the
@@ -167,6 +175,8 @@ class Lighthouse:
         except (protocol.BadRequest, NetError) as e:
             self._reject(conn, str(e))
             return
+        finally:
+            self._greeting.discard(conn)  # from here on a replica's connection, in _conns once its hello is handled
         self._handle(_Event("hello", replica_id, conn))
         while True:
             try:

@@ -274,3 +274,28 @@ def test_waiting_since_is_the_oldest_pending_request_and_clears_when_the_quorum_
     for c in (r0, r1):
         c.close()
     lh.stop()
+
+
+def test_stop_closes_a_connection_that_has_not_sent_its_hello(env):
+    """A peer connected but silent (its hello not read yet) is closed by stop(), not left open until the
+    lighthouse's connect timeout; so is one a replica holds after its hello."""
+    import time
+    from ftrun.env.base import PeerClosed
+    lh = Lighthouse(env=env, config=LighthouseConfig(min_replicas=1, timeouts=Timeouts(
+        heartbeat_interval_s=0.05, heartbeat_timeout_s=30.0, connect_timeout_s=30.0)), token=TOKEN)
+    lh.start()
+    silent = env.net.connect(lh.addr, timeout=2.0)
+    greeted = env.net.connect(lh.addr, timeout=2.0)
+    greeted.send({"type": "hello", "token": TOKEN, "replica_id": "r0"})
+    assert greeted.recv(timeout=2.0)["type"] == "welcome"
+    deadline = time.monotonic() + 5.0
+    while not lh._greeting and time.monotonic() < deadline:  # the silent one accepted, its reader waiting
+        time.sleep(0.01)
+    t0 = time.monotonic()
+    lh.stop()
+    for conn in (silent, greeted):
+        with pytest.raises(PeerClosed):
+            while True:  # anything the lighthouse sent first, then the close
+                conn.recv(timeout=5.0)
+        conn.close()
+    assert time.monotonic() - t0 < 10.0
