@@ -185,8 +185,14 @@ class NetCatchupServer:
         self._listener = self.env.net.listen(self.config.bind)
         self.url = self._listener.addr
         serve_connections(self.env, self._listener, self._serve, name="catchup-accept",
-                          conn_name="catchup-serve", on_accept=self._register)
+                          conn_name="catchup-serve", on_accept=self._register, on_end=self._accept_ended)
         return self.url
+
+    def _accept_ended(self, why: str) -> None:
+        """Accepting ended (serve_connections' `on_end`): by stop(), or on its own (the listener is gone), when
+        peers can no longer fetch from this rank: said once, so a joiner's failed fetches have a cause in the log."""
+        if not self._stopped:
+            log.error("catch-up server at %s accepts no more connections: %s", self.url, why)
 
     def publish(self, step: int, state: Mapping[str, torch.Tensor], metadata: dict[str, Any] | None = None, *,
                 borrow: Collection[str] = ()) -> None:

@@ -326,3 +326,20 @@ def test_a_connection_accepted_while_the_server_stops_is_closed():
         return live.closed, late.closed
 
     assert env.run(body) == (True, True)
+
+
+def test_a_net_server_whose_listener_is_gone_says_so_once_and_a_stop_says_nothing(caplog):
+    import logging
+    import time
+    caplog.set_level(logging.ERROR, logger="ftrun.heal")
+    env = RealEnv()
+    gone, stopped = _net(env).server, _net(env).server  # each started serving
+    gone._listener.close()  # as if the socket went away under the server
+    stopped.stop()
+    deadline = time.monotonic() + 5.0
+    while "accepts no more connections" not in caplog.text and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)
+    records = [r for r in caplog.records if "accepts no more connections" in r.getMessage()]
+    assert len(records) == 1 and gone.url in records[0].getMessage()
+    gone.stop()
