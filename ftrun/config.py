@@ -36,7 +36,9 @@ class Timeouts:
     ftar_timeout_s: float = 10.0  # any single wait inside a cross-replica all-reduce
     catchup_timeout_s: float = 60.0  # fetching a peer's state
     catchup_long_poll_s: float = 5.0  # a catch-up server holds a request for a not-yet-published step this long
-    catchup_stall_s: float = 10.0  # a catch-up source that sends nothing for this long is treated as dead
+    # a catch-up source that sends nothing for this long is treated as dead (over HTTP: no byte arrives; over
+    # env.net: a response frame, a whole shard, does not complete), and a client that takes nothing is dropped
+    catchup_stall_s: float = 10.0
 
     @property
     def replica_comm_s(self) -> float:
