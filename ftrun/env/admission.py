@@ -7,6 +7,11 @@ job token is checked) and *live* until it is closed. Limits:
 - at most `max_connections` live connections: at the cap a new one evicts the oldest pending one if
   there is one, else it is refused (every live connection has spoken, so keep them);
 - a pending connection's first frame may claim at most `max_hello_bytes` (checked by the connection).
+Why evict rather than refuse at the pending cap: refusing would let whoever holds `max_pending` silent
+connections lock every real peer out until those time out; evicting the oldest means a flood has to open
+`max_pending` connections within a real peer's hello round trip to crowd it out.
+A run of accepts that the caps answer by closing a connection (a burst) is reported twice: when it begins
+and, with how many it closed, when an accept next fits under the caps (`Admit.log`), never once per connection.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ class Admit:
     keep: bool  # False: close the new connection at once
     evict: tuple  # ids of older pending connections to close
     reason: str
+    log: str = ""  # what the owner should log now ("" nothing): a burst of closing by the caps began or ended
 
 
 class Admission:
@@ -48,6 +54,7 @@ class Admission:
         self._live: set[Hashable] = set()
         self.num_refused = 0
         self.num_evicted = 0
+        self._burst = 0  # connections the caps closed since the burst began (0: none is going on)
 
     @property
     def num_live(self) -> int:
@@ -58,7 +65,7 @@ class Admission:
         return len(self._pending)
 
     def accepted(self, cid: Hashable) -> Admit:
-        """A new connection `cid` was accepted: keep it or not, and which pending ones to evict."""
+        """A new connection `cid` was accepted: keep it or not, which pending ones to evict, what to log."""
         evict: list[Hashable] = []
         full_pending = len(self._pending) >= self.limits.max_pending
         full_live = len(self._live) >= self.limits.max_connections
@@ -69,11 +76,23 @@ class Admission:
             self.num_evicted += 1
         if len(self._live) >= self.limits.max_connections:
             self.num_refused += 1
-            return Admit(False, tuple(evict), f"{len(self._live)} connections, all past their hello: at the cap")
+            return Admit(False, tuple(evict), f"{len(self._live)} connections, all past their hello: at the cap",
+                         self._closing_by_caps("refusing new connections: all "
+                                               f"{self.limits.max_connections} live ones are past their hello"))
         self._live.add(cid)
         self._pending[cid] = None
-        reason = "evicted the oldest pending connection" if evict else "under the caps"
-        return Admit(True, tuple(evict), reason)
+        if evict:
+            return Admit(True, tuple(evict), "evicted the oldest pending connection", self._closing_by_caps(
+                f"{self.limits.max_pending} connections have not sent their first message: closing the oldest "
+                "of them for each new one"))
+        ended, self._burst = self._burst, 0
+        return Admit(True, (), "under the caps", f"under the caps again; {ended} connections were closed by "
+                     "them meanwhile" if ended else "")
+
+    def _closing_by_caps(self, what: str) -> str:
+        """Counts one connection closed by the caps; what to log: `what` if a burst begins with it."""
+        self._burst += 1
+        return what if self._burst == 1 else ""
 
     def greeted(self, cid: Hashable) -> None:
         """`cid` completed its first frame: no longer pending."""

@@ -33,7 +33,8 @@ from typing import Any
 
 from ftrun.config import LighthouseConfig
 from ftrun.env import wire
-from ftrun.env.base import Connection, Env, EnvTimeout, NetError, NetTimeout, serve_connections
+from ftrun.env.base import (Connection, Env, EnvTimeout, NetError, NetTimeout, ProtocolError,
+                            serve_connections)
 from ftrun.net import require_token, token_matches
 from ftrun.quorum import protocol
 from ftrun.quorum.decide import (Decision, LighthouseState, Member, QuorumRequest, apply, decide, evict,
@@ -172,8 +173,13 @@ class Lighthouse:
             token, replica_id = protocol.parse_hello(first)
             if not token_matches(token, self._token):
                 raise protocol.BadRequest("wrong job token")
-        except (protocol.BadRequest, NetError) as e:
+        except (protocol.BadRequest, ProtocolError) as e:
             self._reject(conn, str(e))
+            return
+        except NetError as e:  # silent, gone, or closed by the listener's caps: nothing said, nothing to answer;
+            # not a warning each, or a flood of idle connections floods the log (the listener logs its bursts)
+            log.debug("connection from %s closed before its hello: %s", conn.peer_addr, e)
+            conn.close()
             return
         finally:
             self._greeting.discard(conn)  # from here on a replica's connection, in _conns once its hello is handled

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Collection
 
-from ftrun.env.base import Connection, Env, Listener, NetError, serve_connections
+from ftrun.env.base import Connection, Env, Listener, NetError, ProtocolError, serve_connections
 from ftrun.net import require_token, token_matches
 from ftrun.replica.comm import ReduceOp, ReplicaCommError
 
@@ -205,7 +205,13 @@ def _accept_children(env: Env, listener: Listener, token: str, rank: int, expect
             except TimeoutError:
                 missing = [c for c in expected if c not in by_rank]
                 raise TimeoutError(f"children {missing} did not join within {timeout_s}s") from None
-            if isinstance(hello, NetError):
+            if isinstance(hello, NetError) and not isinstance(hello, ProtocolError):  # silent or gone (the
+                # listener logs a flood of such once per burst): not a warning each
+                log.debug("replica tree rank %d: closed a connection from %s: no hello: %s", rank, conn.peer_addr,
+                          hello)
+                conn.close()
+                continue
+            if isinstance(hello, ProtocolError):
                 child, why = None, f"no hello: {hello}"
             else:
                 child, why = check_hello(hello, token, children, by_rank)
