@@ -378,3 +378,15 @@ def test_an_accept_racing_the_listener_s_close_ends_as_closed():
     with pytest.raises(NetError, match="closed"):
         listener.accept(timeout=1.0)
     listener.close()
+
+
+def test_a_job_s_listeners_take_their_caps_from_its_config(tmp_path):
+    from ftrun.train.api import FTConfig, init_from_env
+
+    with pytest.raises(ValueError, match="FTConfig.net_limits must be a ListenLimits"):
+        FTConfig(net_limits={"max_pending": 8})
+    limits = ListenLimits(max_connections=100, max_pending=3)
+    with init_from_env(FTConfig(run_dir=str(tmp_path), num_threads=None, net_limits=limits)) as job:
+        listener = job.env.net.listen("127.0.0.1:0")
+        assert listener.limits == limits
+        listener.close()
