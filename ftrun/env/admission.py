@@ -16,9 +16,12 @@ and, with how many it closed, when an accept next fits under the caps (`Admit.lo
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Hashable
+
+_log = logging.getLogger("ftrun.env")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,3 +105,11 @@ class Admission:
         """`cid` was closed (either side); idempotent."""
         self._pending.pop(cid, None)
         self._live.discard(cid)
+
+
+def log_admit(addr: str, decision: Admit) -> None:
+    """Log what `decision` says to (Admit.log) for listener `addr`: a warning as a burst of closing by the caps
+    begins, a line at INFO once it ended. Both Envs' listeners call it."""
+    if decision.log:
+        closing = decision.evict or not decision.keep
+        _log.log(logging.WARNING if closing else logging.INFO, "listener %s: %s", addr, decision.log)

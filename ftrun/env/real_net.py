@@ -12,7 +12,6 @@ connection's first frame (admission.ListenLimits, set per RealNetwork).
 from __future__ import annotations
 
 import errno
-import logging
 import os
 import select
 import socket
@@ -21,15 +20,13 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Callable, NoReturn
 
-from ftrun.env.admission import Admission, ListenLimits
+from ftrun.env.admission import Admission, ListenLimits, log_admit
 from ftrun.env.base import (CANCEL_CHECK_S, CONNECT_RETRY_S, AcceptFailed, ConnectError, EnvTimeout, Message,
                             NetTimeout, PeerClosed, ProtocolError, connect_cancelled, split_host_port)
 from ftrun.env import wire
 
 if TYPE_CHECKING:
     from ftrun.env.real_bulk import BlockingBulk
-
-_log = logging.getLogger("ftrun.env")
 
 _SOCK_BUF = 4 * 1024 * 1024
 # One recv() copies at most this much: a huge read holds the socket lock while it copies and stalls the
@@ -366,9 +363,7 @@ class RealListener:
         for old in evicted:
             if old is not None:
                 old.close()
-        if decision.log:  # once when a burst of closing by the caps begins, once when it ends
-            closing = decision.evict or not decision.keep
-            _log.log(logging.WARNING if closing else logging.INFO, "listener %s: %s", self.addr, decision.log)
+        log_admit(self.addr, decision)
         if not decision.keep:
             conn._on_event = None
             conn.close()
