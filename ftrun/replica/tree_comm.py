@@ -210,6 +210,7 @@ def _accept_children(env: Env, listener: Listener, token: str, rank: int, expect
                 log.debug("replica tree rank %d: closed a connection from %s: no hello: %s", rank, conn.peer_addr,
                           hello)
                 conn.close()
+                accepted.discard(conn)  # not kept until the build ends: a closed one still holds a descriptor
                 continue
             if isinstance(hello, ProtocolError):
                 child, why = None, f"no hello: {hello}"
@@ -218,6 +219,7 @@ def _accept_children(env: Env, listener: Listener, token: str, rank: int, expect
             if child is None:
                 log.warning("replica tree rank %d: closed a connection from %s: %s", rank, conn.peer_addr, why)
                 conn.close()
+                accepted.discard(conn)
             else:
                 by_rank[child] = conn
     finally:
