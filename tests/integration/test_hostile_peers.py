@@ -163,6 +163,14 @@ SERVICES = {"lighthouse": _lighthouse, "ftar ring": _ring, "diagnose collector":
             "launch agent": _agent, "catch-up over env.net": _catchup, "replica tree": _tree}
 
 
+def _start(service: str, env, tmp_path):
+    """(host, port, good, stop) of `service` started in `env`."""
+    make = SERVICES[service]
+    addr, good, stop = make(env, tmp_path) if service == "launch agent" else make(env)
+    host, port = addr.rsplit(":", 1)
+    return host, port, good, stop
+
+
 def _closed_by_peer(sock: socket.socket) -> bool:
     """True once the service closed the connection (whatever it answered before)."""
     sock.settimeout(5.0)
@@ -181,9 +189,7 @@ def test_peers_without_the_token_are_closed_and_never_stop_a_peer_with_it(servic
     env = RealEnv()
 
     def body():
-        make = SERVICES[service]
-        addr, good, stop = make(env, tmp_path) if service == "launch agent" else make(env)
-        host, port = addr.rsplit(":", 1)
+        host, port, good, stop = _start(service, env, tmp_path)
         held = []
         try:
             for data in HELD.values():
@@ -269,9 +275,7 @@ def test_a_flood_of_silent_connections_past_the_pending_cap_holds_few_descriptor
     env = RealEnv(net_limits=ListenLimits(max_pending=max_pending))
 
     def body():
-        make = SERVICES[service]
-        addr, good, stop = make(env, tmp_path) if service == "launch agent" else make(env)
-        host, port = addr.rsplit(":", 1)
+        host, port, good, stop = _start(service, env, tmp_path)
         silent = []
         try:
             with caplog.at_level("WARNING", logger="ftrun"):
