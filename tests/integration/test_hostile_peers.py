@@ -300,3 +300,27 @@ def test_a_flood_of_silent_connections_past_the_pending_cap_holds_few_descriptor
             stop()
 
     env.run(body)
+
+
+def test_a_flood_of_bad_hellos_to_the_lighthouse_is_one_warning_line(caplog):
+    """Each connection refused at its hello is answered and closed; the warnings are rate-limited (one line, the
+    next one counting those left out), so 30 wrong-token hellos log once, where before each logged a line."""
+    env = RealEnv()
+
+    def body():
+        addr, good, stop = _lighthouse(env)
+        host, port = addr.rsplit(":", 1)
+        try:
+            with caplog.at_level("WARNING", logger="ftrun.quorum"):
+                for _ in range(30):
+                    with socket.create_connection((host, int(port)), timeout=5.0) as s:
+                        s.sendall(REFUSED["wrong token"])
+                        assert _closed_by_peer(s)
+            assert good()
+        finally:
+            stop()
+
+    env.run(body)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "ftrun.quorum" and r.levelno >= logging.WARNING
+                and r.getMessage().startswith("rejecting connection")]
+    assert len(warnings) == 1 and warnings[0].endswith("wrong job token"), warnings
