@@ -123,9 +123,12 @@ class BytePayloads:
         if b is not None and b.dtype == torch.uint8 and b.device.type == "cpu" and b.is_contiguous() \
                 and b.dim() == 1 and b.numel() >= nbytes:
             return memoryview(b.numpy())[:nbytes]
+        preparing = self._preparation is not None and self._preparation.task.is_alive()
         prepared = self._take()
         if prepared is not None and len(prepared) >= nbytes:
             return memoryview(prepared)[:nbytes]
+        if prepared is None and preparing:  # a fetch slower than it could be: say why
+            log.info("catch-up: the receive buffer was still being prepared: the fetch allocates its own")
         if prepared is not None:
             prepared.close()  # too small: not kept for a later fetch
         return memoryview(np.empty(nbytes, np.uint8))

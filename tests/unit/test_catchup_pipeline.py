@@ -231,7 +231,7 @@ def test_release_drops_a_prepared_buffer_no_fetch_took():
     payloads.release()  # idempotent
 
 
-def test_a_fetch_does_not_wait_for_a_preparation_still_running_and_the_late_buffer_is_unmapped(monkeypatch):
+def test_a_fetch_does_not_wait_for_a_preparation_still_running_and_the_late_buffer_is_unmapped(monkeypatch, caplog):
     """A fetch that finds the buffer still being prepared (here: sizing that blocks until the test lets it go)
     allocates its own at once; the preparation is given up, and the mapping its task makes later is closed,
     not left behind. Before, the fetch joined the task without a bound."""
@@ -248,9 +248,11 @@ def test_a_fetch_does_not_wait_for_a_preparation_still_running_and_the_late_buff
     t = FakeTransport(pipelines=True)
     t.payloads.prepare(env, lambda: len(DATA) if sizing.wait(10.0) else 0)
     prepared = t.payloads._preparation
+    caplog.set_level(logging.INFO, logger="ftrun.heal")
     fetched = env.spawn(lambda: _fetch(t), name="fetch")
     done = fetched.join(timeout=5.0)  # with sizing still blocked
     sizing.set()
     assert done and fetched.exception is None, "the fetch waited for the preparation"
     assert prepared.task.join(5.0) and len(made) == 1
     assert made[0].closed and prepared.buffer is None and t.payloads._preparation is None
+    assert "the receive buffer was still being prepared: the fetch allocates its own" in caplog.text
