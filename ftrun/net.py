@@ -8,6 +8,8 @@ advertise the address other hosts route to. Only entry points call `NetConfig.fr
 
 The job token comes from FTRUN_TOKEN or a file named by FTRUN_TOKEN_FILE that only its owner can read
 (mode 0600 or stricter); never from argv (visible to every local user through ps) nor a URL.
+
+`WarnLimiter` rate-limits a service's warnings about peers it refuses (the HTTP servers, the lighthouse).
 """
 
 from __future__ import annotations
@@ -144,3 +146,20 @@ def write_token_file(path: str, token: str) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(token + "\n")
+
+
+class WarnLimiter:
+    """At most one log line per `every_s`. Pure: the caller passes `now`."""
+
+    def __init__(self, every_s: float) -> None:
+        self.every_s = every_s
+        self._last: float | None = None
+        self.suppressed = 0
+
+    def allow(self, now: float) -> int | None:
+        """None if this event is suppressed; else how many were suppressed since the last allowed one."""
+        if self._last is not None and now - self._last < self.every_s:
+            self.suppressed += 1
+            return None
+        self._last, count, self.suppressed = now, self.suppressed, 0
+        return count

@@ -13,7 +13,7 @@ What a client without the token, or a broken one, can cost a server:
   4xx and logged once at WARNING, one line, no traceback, at most once per `warn_every_s` (the
   suppressed count goes into the next line). A handler bug still logs its traceback at ERROR.
 
-`admit` and `WarnLimiter` are the pure decisions; the rest drives aiohttp.
+`admit` and `WarnLimiter` (ftrun.net) are the pure decisions; the rest drives aiohttp.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from typing import Any, Hashable, Sequence
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
+
+from ftrun.net import WarnLimiter
 
 MAX_PATH_INT_DIGITS = 19  # a step or shard index in a path: at most 19 ASCII digits (fits an int64)
 
@@ -81,23 +83,6 @@ def admit(*, num_open: int, idle_lru: Sequence[Hashable], cap: int) -> Admission
     if idle_lru:
         return Admission(True, idle_lru[0], f"at the cap of {cap}: evicting the least recently active idle one")
     return Admission(False, None, f"at the cap of {cap} and every connection is serving a request")
-
-
-class WarnLimiter:
-    """At most one log line per `every_s`. Pure: the caller passes `now`."""
-
-    def __init__(self, every_s: float) -> None:
-        self.every_s = every_s
-        self._last: float | None = None
-        self.suppressed = 0
-
-    def allow(self, now: float) -> int | None:
-        """None if this event is suppressed; else how many were suppressed since the last allowed one."""
-        if self._last is not None and now - self._last < self.every_s:
-            self.suppressed += 1
-            return None
-        self._last, count, self.suppressed = now, self.suppressed, 0
-        return count
 
 
 # -- aiohttp driver --------------------------------------------------------------------------------

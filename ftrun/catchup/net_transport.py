@@ -39,6 +39,33 @@ log = logging.getLogger("ftrun.heal")
 StoreFactory = Callable[[Callable[[], None]], Any]  # on_change -> a SnapshotStore-like store
 
 
+class _Preparation:
+    """One `BytePayloads.prepare`: its task, and the buffer it makes, handed over at most once: to the first
+    fetch that finds it made, or, when it was given up before it was made, closed by the task itself (the
+    mapping never outlives the preparation unowned)."""
+
+    def __init__(self, env: Env) -> None:
+        self._lock = env.lock()
+        self.task: Any = None
+        self.buffer: mmap.mmap | None = None
+        self._given_up = False
+
+    def made(self, buffer: mmap.mmap) -> None:
+        """In the task: keep `buffer` for a fetch, or close it if the preparation was given up meanwhile."""
+        with self._lock:
+            if not self._given_up:
+                self.buffer = buffer
+                return
+        buffer.close()
+
+    def take(self) -> mmap.mmap | None:
+        """Give the preparation up (never waiting for its task) and return its buffer if it was made."""
+        with self._lock:
+            self._given_up = True
+            buffer, self.buffer = self.buffer, None
+        return buffer
+
+
 class BytePayloads:
     """Real bytes: a flat uint8 buffer, typed tensor views, CRC32 (ftrun.catchup.checksum).
 
@@ -50,18 +77,22 @@ class BytePayloads:
     benchmarks/catchup_launch.py (50.4 MB, 2 cores, load 2.6-3.1) a restarted replica's fetch took 106 ms
     (median of 6) into a fresh buffer and 59 ms into one prepared before it checked in (the trainer's
     `joining`, with its load adopting the parameters: ftrun.train.state), alternating runs.
+    A fetch never waits for a preparation still running: it allocates its own and the preparation is given
+    up (its task closes the mapping it makes). Waiting would bound the fetch by however long sizing (e.g. a
+    throwaway optimizer step) and faulting in take, with no limit, to save the page faults alone (47 ms of
+    the 106 above); a fresh buffer costs at most those faults, and a bounded wait would only pick a number.
     """
 
     def __init__(self, buffer: torch.Tensor | None = None) -> None:
         self.buffer = buffer
-        self._preparing: Any = None  # the task making the prepared buffer, until a fetch or `release` takes it
-        self._prepared: mmap.mmap | None = None  # what it made
+        self._preparation: _Preparation | None = None  # the latest prepare, until a fetch or `release` takes it
 
     def prepare(self, env: Env, size: Callable[[], int]) -> None:
         """Make, in a background task, a receive buffer of `size()` bytes (called there: sizing may cost, e.g.
         a throwaway optimizer step) with its pages faulted in, for the next fetch (returns at once; replaces
         one prepared before)."""
         self.release()
+        preparation = self._preparation = _Preparation(env)
 
         def make() -> None:
             try:
@@ -70,32 +101,36 @@ class BytePayloads:
                 log.warning("catch-up: could not size a receive buffer to prepare: %s: %s", type(e).__name__, e)
                 return
             try:
-                self._prepared = anonymous_buffer(nbytes, populate=True)
+                preparation.made(anonymous_buffer(nbytes, populate=True))
             except OSError as e:
                 log.warning("catch-up: could not prepare a %d-byte receive buffer: %s", nbytes, e)
 
-        self._preparing = env.spawn(make, name="catchup-prepare")
+        preparation.task = env.spawn(make, name="catchup-prepare")
 
     def release(self) -> None:
-        """Drop the prepared buffer (waiting for its task), if a fetch did not take it."""
-        self._take()
+        """Drop the prepared buffer if a fetch did not take it, or give up a preparation still running (its
+        task closes what it makes). Never waits."""
+        buffer = self._take()
+        if buffer is not None:
+            buffer.close()
 
     def _take(self) -> mmap.mmap | None:
-        task, self._preparing = self._preparing, None
-        if task is None:
-            return None
-        task.join()
-        prepared, self._prepared = self._prepared, None
-        return prepared
+        preparation, self._preparation = self._preparation, None
+        return None if preparation is None else preparation.take()
 
     def destination(self, nbytes: int) -> memoryview:
         b = self.buffer
         if b is not None and b.dtype == torch.uint8 and b.device.type == "cpu" and b.is_contiguous() \
                 and b.dim() == 1 and b.numel() >= nbytes:
             return memoryview(b.numpy())[:nbytes]
+        preparing = self._preparation is not None and self._preparation.task.is_alive()
         prepared = self._take()
         if prepared is not None and len(prepared) >= nbytes:
             return memoryview(prepared)[:nbytes]
+        if prepared is None and preparing:  # a fetch slower than it could be: say why
+            log.info("catch-up: the receive buffer was still being prepared: the fetch allocates its own")
+        if prepared is not None:
+            prepared.close()  # too small: not kept for a later fetch
         return memoryview(np.empty(nbytes, np.uint8))
 
     def views(self, dest: memoryview, layout: Layout) -> dict[str, torch.Tensor]:

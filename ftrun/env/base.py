@@ -174,7 +174,9 @@ class Connection(Protocol):
 
 class Listener(Protocol):
     """Accepted connections may be bounded: an implementation may close, at accept, connections beyond
-    its caps (the real one: ftrun.env.admission.ListenLimits); accept() then keeps waiting."""
+    its caps (ftrun.env.admission.ListenLimits: the real one always, the emulated one when given them); accept()
+    then keeps waiting. Every accept loop (serve_connections) goes through these caps, so a flood of connections
+    that never send their first message holds at most max_pending of them, and their handlers' tasks."""
 
     addr: str
 

@@ -20,7 +20,7 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Callable, NoReturn
 
-from ftrun.env.admission import Admission, ListenLimits
+from ftrun.env.admission import Admission, ListenLimits, log_admit
 from ftrun.env.base import (CANCEL_CHECK_S, CONNECT_RETRY_S, AcceptFailed, ConnectError, EnvTimeout, Message,
                             NetTimeout, PeerClosed, ProtocolError, connect_cancelled, split_host_port)
 from ftrun.env import wire
@@ -363,6 +363,7 @@ class RealListener:
         for old in evicted:
             if old is not None:
                 old.close()
+        log_admit(self.addr, decision)
         if not decision.keep:
             conn._on_event = None
             conn.close()

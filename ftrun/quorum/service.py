@@ -33,8 +33,9 @@ from typing import Any
 
 from ftrun.config import LighthouseConfig
 from ftrun.env import wire
-from ftrun.env.base import Connection, Env, EnvTimeout, NetError, NetTimeout, serve_connections
-from ftrun.net import require_token, token_matches
+from ftrun.env.base import (Connection, Env, EnvTimeout, NetError, NetTimeout, ProtocolError,
+                            serve_connections)
+from ftrun.net import WarnLimiter, require_token, token_matches
 from ftrun.quorum import protocol
 from ftrun.quorum.decide import (Decision, LighthouseState, Member, QuorumRequest, apply, decide, evict,
                                  expect_previous, finish, live_members)
@@ -43,6 +44,7 @@ from ftrun.storage import Storage
 log = logging.getLogger("ftrun.quorum")
 STATE_KEY = "lighthouse_state.json"
 ACCEPT_FAIL_AFTER_S = 5.0  # a lighthouse whose accepts keep failing this long is marked failed
+REJECT_WARN_EVERY_S = 10.0  # at most one warning per this long for connections refused at their hello
 
 
 class LighthouseStateError(ValueError):
@@ -101,6 +103,7 @@ class Lighthouse:
         self._token = require_token(token, "Lighthouse")
         self._events = env.queue()  # for the main task: evict, stop, and kicks when a deadline moved earlier
         self._lock = env.lock()  # held while the state changes: by a reader handling its event, or by main
+        self._reject_warns, self._reject_lock = WarnLimiter(REJECT_WARN_EVERY_S), env.lock()
         self._wake_at: float | None = None  # when the main task plans to decide again (None: not planned)
         self._state = expect_previous(load_state(storage), env.clock.now())
         self._requests: dict[str, QuorumRequest] = {}
@@ -172,8 +175,13 @@ class Lighthouse:
             token, replica_id = protocol.parse_hello(first)
             if not token_matches(token, self._token):
                 raise protocol.BadRequest("wrong job token")
-        except (protocol.BadRequest, NetError) as e:
+        except (protocol.BadRequest, ProtocolError) as e:
             self._reject(conn, str(e))
+            return
+        except NetError as e:  # silent, gone, or closed by the listener's caps: nothing said, nothing to answer;
+            # not a warning each, or a flood of idle connections floods the log (the listener logs its bursts)
+            log.debug("connection from %s closed before its hello: %s", conn.peer_addr, e)
+            conn.close()
             return
         finally:
             self._greeting.discard(conn)  # from here on a replica's connection, in _conns once its hello is handled
@@ -208,7 +216,15 @@ class Lighthouse:
         conn.close()
 
     def _reject(self, conn: Connection, why: str) -> None:
-        log.warning("rejecting connection from %s: %s", conn.peer_addr, why)
+        """Answer `why` and close. Logged as a warning at most once per REJECT_WARN_EVERY_S (the next one
+        counts those left out), so a flood of bad hellos does not flood the log."""
+        with self._reject_lock:
+            suppressed = self._reject_warns.allow(self.env.clock.now())
+        if suppressed is None:
+            log.debug("rejecting connection from %s: %s", conn.peer_addr, why)
+        else:
+            more = f" ({suppressed} more since the last such warning)" if suppressed else ""
+            log.warning("rejecting connection from %s: %s%s", conn.peer_addr, why, more)
         self._reply(conn, {"type": "error", "error": why})
         conn.close()
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Collection
 
-from ftrun.env.base import Connection, Env, Listener, NetError, serve_connections
+from ftrun.env.base import Connection, Env, Listener, NetError, ProtocolError, serve_connections
 from ftrun.net import require_token, token_matches
 from ftrun.replica.comm import ReduceOp, ReplicaCommError
 
@@ -205,13 +205,21 @@ def _accept_children(env: Env, listener: Listener, token: str, rank: int, expect
             except TimeoutError:
                 missing = [c for c in expected if c not in by_rank]
                 raise TimeoutError(f"children {missing} did not join within {timeout_s}s") from None
-            if isinstance(hello, NetError):
+            if isinstance(hello, NetError) and not isinstance(hello, ProtocolError):  # silent or gone (the
+                # listener logs a flood of such once per burst): not a warning each
+                log.debug("replica tree rank %d: closed a connection from %s: no hello: %s", rank, conn.peer_addr,
+                          hello)
+                conn.close()
+                accepted.discard(conn)  # not kept until the build ends: a closed one still holds a descriptor
+                continue
+            if isinstance(hello, ProtocolError):
                 child, why = None, f"no hello: {hello}"
             else:
                 child, why = check_hello(hello, token, children, by_rank)
             if child is None:
                 log.warning("replica tree rank %d: closed a connection from %s: %s", rank, conn.peer_addr, why)
                 conn.close()
+                accepted.discard(conn)
             else:
                 by_rank[child] = conn
     finally:

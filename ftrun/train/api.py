@@ -90,7 +90,7 @@ def init_from_env(config: FTConfig | None = None, *, environ: Mapping[str, str] 
     torch.manual_seed(config.seed)  # a model the user's own loop builds next is the same in every replica
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)  # ranks share the host; torch's pool would fight FTAR's threads
-    env = RealEnv()
+    env = RealEnv(net_limits=config.net_limits)
     started = env.clock.now()
     lighthouse = None
     if any(k in environ for k in ("FTRUN_REPLICA_ID", "TORCHELASTIC_RUN_ID", "GROUP_RANK")):

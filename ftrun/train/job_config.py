@@ -13,6 +13,7 @@ import torch
 from ftrun.catchup.config import CatchupConfig
 from ftrun.checkpoint.policy import CheckpointConfig
 from ftrun.config import FtarConfig, Timeouts
+from ftrun.env.admission import ListenLimits
 from ftrun.env.base import Env
 from ftrun.ftar.kernels import Kernels
 from ftrun.launch.worker_env import WorkerSpec
@@ -43,7 +44,10 @@ class FTConfig:
     device: where each rank trains (ftrun.train.device): "cpu", "cuda" (the rank's GPU, cuda:{slot % GPUs},
     slot: its place among the ranks started on its host) or "cuda:N"; the model, optimizer state and
     batches live there, the cross-replica FTAR reduces a host copy of the gradients. A CUDA device takes
-    one rank per replica."""
+    one rank per replica.
+    net_limits: caps on each of the rank's listeners (FTAR ring, catch-up over env.net): connections not past
+    their first message (a new one beyond max_pending closes the oldest of them), live connections, and the
+    size of a first message (ftrun.env.admission)."""
 
     batch_size: int = 8
     seed: int = 0
@@ -61,8 +65,11 @@ class FTConfig:
     log_level: str = "WARNING"
     overlap_bucket_bytes: int | None = None
     device: str = "cpu"
+    net_limits: ListenLimits = field(default_factory=ListenLimits)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.net_limits, ListenLimits):
+            raise ValueError(f"FTConfig.net_limits must be a ListenLimits, got {self.net_limits!r}")
         if self.batch_size < 1:
             raise ValueError(f"FTConfig.batch_size must be >= 1, got {self.batch_size}")
         if self.ftar.timeout_s != self.timeouts.ftar_timeout_s:

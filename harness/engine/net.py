@@ -27,6 +27,7 @@ from typing import Any, Callable
 import msgpack
 
 from ftrun.env import wire
+from ftrun.env.admission import Admission, ListenLimits, log_admit
 from ftrun.env.base import (CANCEL_CHECK_S, CONNECT_RETRY_S, ConnectError, EnvTimeout, Message, NetTimeout,
                             PeerClosed, ProtocolError, connect_cancelled, split_host_port)
 from harness.engine.core import Scheduler
@@ -78,6 +79,8 @@ class Fabric:
         self.num_bytes = 0
         self.cuts: list[tuple[int, float, float]] = []  # (building, start, end): see the module docstring
         self.crash_fin_delay_s = 0.0  # a crashed host's FINs leave this long after the crash (OS teardown)
+        self.listen_limits: ListenLimits | None = None  # caps on each listener's connections (None: none), as
+        # ftrun.env.admission says; a connection counts as past its first message once that frame is sent
         self.link_factor: dict[tuple[str, str], float] = {}  # (src, dst) host names -> slowdown (slow_link)
         self._base_rate: dict[tuple[str, str], float] = {}
 
@@ -224,7 +227,7 @@ def _on_answer(ctx: tuple, answer: Any) -> None:
 
 
 class EmuListener:
-    __slots__ = ("_fab", "_host", "_key", "addr", "_backlog", "_waiters", "_closed", "owner")
+    __slots__ = ("_fab", "_host", "_key", "addr", "_backlog", "_waiters", "_closed", "owner", "_admission")
 
     def __init__(self, fab: Fabric, host: NetHost, key: int | str) -> None:
         self._fab, self._host, self._key = fab, host, key
@@ -233,6 +236,8 @@ class EmuListener:
         self._waiters: list = []
         self._closed = False
         self.owner: Any = None  # the process (root task) that listens
+        limits = fab.listen_limits
+        self._admission = None if limits is None else Admission(limits)
 
     def _enqueue(self, conn: "EmuConnection") -> None:
         self._backlog.append(conn)
@@ -249,11 +254,25 @@ class EmuListener:
                 conn = self._backlog.pop(0)
                 cur = sched.current
                 conn.owner = cur.proc if cur is not None else self.owner
-                return conn
+                if self._admission is None or self._admit(conn):
+                    return conn
+                continue
             remaining = None if deadline is None else deadline - sched.vnow()
             if remaining is not None and remaining <= 0:
                 raise EnvTimeout(f"accept timed out after {timeout}s")
             sched.wait(self._waiters, remaining, self)  # woken by a connection, a close or the deadline
+
+    def _admit(self, conn: "EmuConnection") -> bool:
+        """Under the listener's caps: closes the connections they evict, and `conn` if they refuse it."""
+        decision = self._admission.accepted(conn)
+        for old in decision.evict:
+            old.close()
+        log_admit(self.addr, decision)
+        if not decision.keep:
+            conn.close()
+            return False
+        conn._admission, conn._greeting = self._admission, True
+        return True
 
     def close(self) -> None:
         if self._closed:
@@ -281,7 +300,7 @@ class EmuConnection:
     """
 
     __slots__ = ("_fab", "_host", "_peer", "_route", "local_addr", "peer_addr", "_inbox", "_rx", "_watch",
-                 "_closed", "_fin_at", "_last_arrival", "owner", "__weakref__")
+                 "_closed", "_fin_at", "_last_arrival", "owner", "_admission", "_greeting", "__weakref__")
 
     def __init__(self, fab: Fabric, host: NetHost, local_addr: str, peer_addr: str) -> None:
         self._fab, self._host = fab, host
@@ -295,6 +314,8 @@ class EmuConnection:
         self._fin_at = _NEVER
         self._last_arrival = 0.0
         self.owner: Any = None  # the process (root task) that connected or accepted it, if known
+        self._admission: Admission | None = None  # its listener's bookkeeping, for an accepted one under caps
+        self._greeting = False  # accepted under caps, and no frame sent to it yet
         host.conns[self] = None
 
     @classmethod
@@ -343,6 +364,9 @@ class EmuConnection:
         self._last_arrival = arrival
         peer = self._peer
         if not peer._closed:
+            if peer._greeting:  # its first frame: no longer pending under its listener's caps
+                peer._greeting = False
+                peer._admission.greeted(peer)
             inbox = peer._inbox
             inbox.append((arrival, kind, payload))
             if peer._rx and len(inbox) == 1:  # the receiver waits for exactly this frame
@@ -432,6 +456,9 @@ class EmuConnection:
         self._closed = True
         self._inbox.clear()
         self._host.conns.pop(self, None)
+        if self._admission is not None:
+            self._admission.closed(self)
+            self._admission = None
         sched = self._fab.sched
         waiters, self._rx = self._rx + self._watch, []
         self._watch = []

@@ -16,6 +16,7 @@ from __future__ import annotations
 import random
 from typing import Any, Callable, TypeVar
 
+from ftrun.env.admission import ListenLimits
 from harness.engine.core import Host, Scheduler, Task
 from harness.engine.linkmodel import LinkModel
 from harness.engine.net import EmuNetwork, Fabric, NetHost
@@ -103,11 +104,14 @@ class EmulatedWorld:
         cpu_clock: "thread" (thread_time: the CPU the slice used, unaffected by other processes on
             the box) or "perf" (perf_counter: cheaper, but charges time the OS gave to others).
         trace: record (virtual time, task name) for every resume in `world.trace`.
+        net_limits: caps on every listener's connections (ftrun.env.admission, as RealEnv's); None: uncapped,
+            the default (a modeled network has no hostile peers, and its simultaneous connects, which a real
+            kernel's accept queue would spread, would count as a flood).
     """
 
     def __init__(self, seed: int, topology: Topology | None = None, *, network: NetworkConfig | None = None,
                  cpu_charging: bool = True, cpu_scale: float = 1.0, host_cpu_cores: int = 8,
-                 cpu_clock: str = "thread", trace: bool = False) -> None:
+                 cpu_clock: str = "thread", trace: bool = False, net_limits: ListenLimits | None = None) -> None:
         if host_cpu_cores < 1:
             raise ValueError(f"host_cpu_cores must be >= 1, got {host_cpu_cores}")
         self.seed = seed
@@ -118,6 +122,7 @@ class EmulatedWorld:
         self.clock = EmuClock(self.sched)
         self.fabric = Fabric(self.sched, LinkModel(self.network, self.topology, self.rng), self._host)
         self.fabric.crash_fin_delay_s = self.network.crash_fin_delay_s
+        self.fabric.listen_limits = net_limits
         self._cores = host_cpu_cores
         self._hosts: dict[str, Host] = {}
         self._envs: dict[str, EmulatedEnv] = {}

@@ -8,6 +8,9 @@ tests/unit/test_real_net_limits.py.) The catch-up server also drops a peer that 
 
 from __future__ import annotations
 
+import gc
+import logging
+import os
 import socket
 import struct
 
@@ -160,6 +163,14 @@ SERVICES = {"lighthouse": _lighthouse, "ftar ring": _ring, "diagnose collector":
             "launch agent": _agent, "catch-up over env.net": _catchup, "replica tree": _tree}
 
 
+def _start(service: str, env, tmp_path):
+    """(host, port, good, stop) of `service` started in `env`."""
+    make = SERVICES[service]
+    addr, good, stop = make(env, tmp_path) if service == "launch agent" else make(env)
+    host, port = addr.rsplit(":", 1)
+    return host, port, good, stop
+
+
 def _closed_by_peer(sock: socket.socket) -> bool:
     """True once the service closed the connection (whatever it answered before)."""
     sock.settimeout(5.0)
@@ -178,9 +189,7 @@ def test_peers_without_the_token_are_closed_and_never_stop_a_peer_with_it(servic
     env = RealEnv()
 
     def body():
-        make = SERVICES[service]
-        addr, good, stop = make(env, tmp_path) if service == "launch agent" else make(env)
-        host, port = addr.rsplit(":", 1)
+        host, port, good, stop = _start(service, env, tmp_path)
         held = []
         try:
             for data in HELD.values():
@@ -247,3 +256,71 @@ def test_catchup_over_env_net_drops_a_peer_that_stops_reading_mid_shard():
     served, served_after, closed = env.run(body)
     assert served and 0.8 * stall_s <= served_after < stall_s + 5.0, served_after
     assert closed
+
+
+def _num_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("service", list(SERVICES))
+def test_a_flood_of_silent_connections_past_the_pending_cap_holds_few_descriptors_and_a_real_peer_gets_in(
+        service, tmp_path, caplog):
+    """120 connections that send nothing against a listener that keeps at most 8 pending: each new one closes the
+    oldest pending one, so the service holds the descriptors of at most 8 of them (a socket and a wake-up eventfd
+    each; before, a replica tree's build kept every closed one's eventfd until it ended), a peer with the token
+    is served at once, and the log says so once as the flood begins, not once per connection."""
+    max_pending, num_silent = 8, 120
+    bound = 2 * max_pending + 4  # a socket and an eventfd for each pending connection; a few closed ones not yet
+    # collected (e.g. the last one a handler's traceback still holds)
+    env = RealEnv(net_limits=ListenLimits(max_pending=max_pending))
+
+    def body():
+        host, port, good, stop = _start(service, env, tmp_path)
+        silent = []
+        try:
+            with caplog.at_level("WARNING", logger="ftrun"):
+                before = _num_descriptors()
+                for _ in range(num_silent):
+                    silent.append(socket.create_connection((host, int(port)), timeout=5.0))
+                closed = sum(1 for s in silent[:num_silent - max_pending] if _closed_by_peer(s))  # all accepted
+                held = num_silent
+                for _ in range(500):  # polls until the closed ones are collected; no timing is asserted
+                    gc.collect()
+                    held = _num_descriptors() - before - num_silent  # beyond the flood's own sockets
+                    if held <= bound:
+                        break
+                    env.clock.sleep(0.01)
+            warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+            assert held <= bound and closed == num_silent - max_pending, (held, closed)
+            assert len(warnings) == 1 and "have not sent their first message" in warnings[0], warnings
+            assert good()
+        finally:
+            for s in silent:
+                s.close()
+            stop()
+
+    env.run(body)
+
+
+def test_a_flood_of_bad_hellos_to_the_lighthouse_is_one_warning_line(caplog):
+    """Each connection refused at its hello is answered and closed; the warnings are rate-limited (one line, the
+    next one counting those left out), so 30 wrong-token hellos log once, where before each logged a line."""
+    env = RealEnv()
+
+    def body():
+        addr, good, stop = _lighthouse(env)
+        host, port = addr.rsplit(":", 1)
+        try:
+            with caplog.at_level("WARNING", logger="ftrun.quorum"):
+                for _ in range(30):
+                    with socket.create_connection((host, int(port)), timeout=5.0) as s:
+                        s.sendall(REFUSED["wrong token"])
+                        assert _closed_by_peer(s)
+            assert good()
+        finally:
+            stop()
+
+    env.run(body)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "ftrun.quorum" and r.levelno >= logging.WARNING
+                and r.getMessage().startswith("rejecting connection")]
+    assert len(warnings) == 1 and warnings[0].endswith("wrong job token"), warnings

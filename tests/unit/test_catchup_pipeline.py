@@ -17,6 +17,7 @@ from ftrun.catchup.errors import CatchupUsageError
 from ftrun.catchup.fetcher import fetch_with
 from ftrun.catchup.manifest import Manifest, layout_for
 from ftrun.catchup.net_transport import BytePayloads, PayloadTransport
+from ftrun.catchup.snapshot import anonymous_buffer
 from ftrun.catchup.transport import ShardFailed, SourceFailed
 from ftrun.config import Timeouts
 from ftrun.env.real import RealEnv
@@ -158,9 +159,12 @@ def _address_in(t: torch.Tensor, mem: memoryview) -> bool:
 def test_a_prepared_buffer_is_received_into_once_then_fetches_allocate_again():
     t = FakeTransport(pipelines=True)
     t.payloads.prepare(RealEnv(), lambda: len(DATA) + 100)  # larger is fine: the fetch takes its first bytes
-    prepared = t.payloads._preparing
+    prepared = t.payloads._preparation
+    assert prepared.task.join(timeout=5.0)
+    made = memoryview(prepared.buffer)
     first = _fetch(t)  # bitwise checked
-    assert prepared.join(timeout=0) and t.payloads._preparing is None  # taken: the state keeps its views
+    assert _address_in(first.tensors["w"], made)
+    assert t.payloads._preparation is None and prepared.buffer is None  # taken: the state keeps its views
     second = _fetch(t)
     assert first.tensors["w"].data_ptr() != second.tensors["w"].data_ptr()  # not overwritten by the next
     assert bytes(first.tensors["w"].numpy()) == DATA
@@ -169,8 +173,8 @@ def test_a_prepared_buffer_is_received_into_once_then_fetches_allocate_again():
 def test_the_fetch_lands_in_the_prepared_pages():
     payloads = BytePayloads()
     payloads.prepare(RealEnv(), lambda: 4096)
-    payloads._preparing.join()
-    mem = memoryview(payloads._prepared)
+    assert payloads._preparation.task.join(5.0)
+    mem = memoryview(payloads._preparation.buffer)
     dest = payloads.destination(1000)
     assert len(dest) == 1000 and _address_in(torch.frombuffer(dest, dtype=torch.uint8), mem)
     assert not _address_in(torch.frombuffer(payloads.destination(1000), dtype=torch.uint8), mem)  # once
@@ -179,8 +183,11 @@ def test_the_fetch_lands_in_the_prepared_pages():
 def test_a_prepared_buffer_too_small_is_dropped_and_the_fetch_still_arrives_whole():
     t = FakeTransport(pipelines=True)
     t.payloads.prepare(RealEnv(), lambda: len(DATA) - 1)
+    prepared = t.payloads._preparation
+    assert prepared.task.join(5.0)
+    made = prepared.buffer
     _fetch(t)
-    assert t.payloads._preparing is None and t.payloads._prepared is None
+    assert t.payloads._preparation is None and made.closed
 
 
 def test_the_buffer_is_sized_in_the_background_task_and_a_failed_sizing_only_costs_the_preparation(caplog):
@@ -195,8 +202,10 @@ def test_the_buffer_is_sized_in_the_background_task_and_a_failed_sizing_only_cos
 
     t = FakeTransport(pipelines=True)
     t.payloads.prepare(env, size)
-    assert sized_in == [] and t.payloads._preparing.is_alive()  # returned before sizing
+    prepared = t.payloads._preparation
+    assert sized_in == [] and prepared.task.is_alive()  # returned before sizing
     release.set()
+    assert prepared.task.join(5.0)
     assert bytes(_fetch(t).tensors["w"].numpy()) == DATA and sized_in == ["catchup-prepare"]
 
     def unsizable():
@@ -204,14 +213,46 @@ def test_the_buffer_is_sized_in_the_background_task_and_a_failed_sizing_only_cos
 
     with caplog.at_level(logging.WARNING, logger="ftrun.heal"):
         t.payloads.prepare(env, unsizable)
+        prepared = t.payloads._preparation
+        assert prepared.task.join(5.0)
         assert bytes(_fetch(t).tensors["w"].numpy()) == DATA
-    assert t.payloads._preparing is None and t.payloads._prepared is None
+    assert t.payloads._preparation is None and prepared.buffer is None
     assert "could not size a receive buffer to prepare: CatchupUsageError: tensor 'x'" in caplog.text
 
 
 def test_release_drops_a_prepared_buffer_no_fetch_took():
     payloads = BytePayloads()
     payloads.prepare(RealEnv(), lambda: 1 << 20)
+    prepared = payloads._preparation
+    assert prepared.task.join(5.0)
+    made = prepared.buffer
     payloads.release()
-    assert payloads._preparing is None and payloads._prepared is None
+    assert payloads._preparation is None and prepared.buffer is None and made.closed
     payloads.release()  # idempotent
+
+
+def test_a_fetch_does_not_wait_for_a_preparation_still_running_and_the_late_buffer_is_unmapped(monkeypatch, caplog):
+    """A fetch that finds the buffer still being prepared (here: sizing that blocks until the test lets it go)
+    allocates its own at once; the preparation is given up, and the mapping its task makes later is closed,
+    not left behind. Before, the fetch joined the task without a bound."""
+    import ftrun.catchup.net_transport as net_transport
+
+    made = []
+
+    def recording(nbytes, *, populate=False):
+        made.append(anonymous_buffer(nbytes, populate=populate))
+        return made[-1]
+
+    monkeypatch.setattr(net_transport, "anonymous_buffer", recording)
+    env, sizing = RealEnv(), RealEnv().event()
+    t = FakeTransport(pipelines=True)
+    t.payloads.prepare(env, lambda: len(DATA) if sizing.wait(10.0) else 0)
+    prepared = t.payloads._preparation
+    caplog.set_level(logging.INFO, logger="ftrun.heal")
+    fetched = env.spawn(lambda: _fetch(t), name="fetch")
+    done = fetched.join(timeout=5.0)  # with sizing still blocked
+    sizing.set()
+    assert done and fetched.exception is None, "the fetch waited for the preparation"
+    assert prepared.task.join(5.0) and len(made) == 1
+    assert made[0].closed and prepared.buffer is None and t.payloads._preparation is None
+    assert "the receive buffer was still being prepared: the fetch allocates its own" in caplog.text

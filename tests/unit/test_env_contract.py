@@ -11,6 +11,7 @@ import logging
 
 import pytest
 
+from ftrun.env.admission import ListenLimits
 from ftrun.env.base import (AcceptFailed, ConnectError, EnvTimeout, NetTimeout, PeerClosed, ProtocolError, TaskKilled,
                              serve_connections)
 from tests.env_factories import ENV_FACTORIES
@@ -488,6 +489,53 @@ def test_serve_connections_logs_and_closes_a_connection_whose_handler_raised(env
         assert env.run(body) == {"echo": 2}
     [record] = caplog.records
     assert "contract-conn" in record.getMessage() and "handler bug reached by n=1" in record.exc_text
+
+
+@pytest.mark.parametrize("kind", sorted(ENV_FACTORIES))
+def test_serve_connections_under_a_pending_cap_closes_the_oldest_silent_connections_and_serves_a_real_peer(
+        kind, caplog):
+    """A listener capped at 4 connections not past their first message: each of 12 connections that send
+    nothing closes the oldest pending one, whose handler's receive ends at once (PeerClosed, not its 30 s
+    timeout); a peer that sends its first message is still served; the burst is logged once as it begins."""
+    env = ENV_FACTORIES[kind](net_limits=ListenLimits(max_pending=4))
+    caplog.set_level(logging.INFO, logger="ftrun.env")
+
+    def body():
+        listener = env.net.listen(ADDR)
+        ended = env.queue()  # how long each handler waited, for those whose connection was closed
+
+        def handle(conn):
+            t0 = env.clock.now()
+            try:
+                msg = conn.recv(timeout=30.0)
+            except PeerClosed:
+                ended.put(env.clock.now() - t0)
+                return
+            conn.send({"echo": msg["n"]})
+            conn.close()
+
+        task = serve_connections(env, listener, handle, name="contract-accept", conn_name="contract-conn")
+        silent = [env.net.connect(listener.addr, timeout=2.0) for _ in range(12)]
+        closed = []
+        for conn in silent[:8]:  # the 8 oldest: each closed by a newer one
+            with pytest.raises(PeerClosed):
+                conn.recv(timeout=5.0)
+            closed.append(ended.get(timeout=5.0))
+        real = env.net.connect(listener.addr, timeout=2.0)  # closes one more silent connection
+        real.send({"n": 1})
+        answer = real.recv(timeout=5.0)
+        closed.append(ended.get(timeout=5.0))
+        for conn in silent + [real]:
+            conn.close()
+        listener.close()
+        assert task.join(timeout=5.0)
+        return closed, answer
+
+    closed, answer = env.run(body)
+    assert answer == {"echo": 1}
+    assert len(closed) == 9 and max(closed) < 5.0, closed
+    warnings = [r.getMessage() for r in caplog.records if r.name == "ftrun.env" and r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "4 connections have not sent their first message" in warnings[0], warnings
 
 
 def test_bad_address_is_a_value_error(env):

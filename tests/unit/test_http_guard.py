@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ftrun.catchup.http_guard import HttpLimits, WarnLimiter, admit
+from ftrun.catchup.http_guard import HttpLimits, admit
+from ftrun.net import WarnLimiter
 
 ADMIT_CASES = [
     # (name, num_open, idle_lru, cap, admit, evict)

@@ -63,6 +63,28 @@ def test_admission_table(events, keep, evict, live, pending):
     assert (adm.num_live, adm.num_pending) == (live, pending)
 
 
+def test_admission_reports_a_burst_of_closing_when_it_begins_and_when_it_ends_not_per_connection():
+    """Limits: 3 live, 2 pending. Evictions and refusals in a row are one burst: a log line as it begins, none
+    for the rest, one with the count when an accept next fits under the caps."""
+    adm = Admission(ListenLimits(max_connections=3, max_pending=2))
+    logs = [adm.accepted(cid).log for cid in "abcde"]  # c, d, e each evict the oldest pending one
+    assert logs[:2] == ["", ""] and "2 connections have not sent their first message" in logs[2]
+    assert logs[3:] == ["", ""]
+    for cid in "de":
+        adm.closed(cid)
+    assert adm.accepted("f").log == "under the caps again; 3 connections were closed by them meanwhile"
+    assert adm.accepted("g").log == ""  # quiet while under the caps
+    for cid in "fg":
+        adm.greeted(cid)
+    assert adm.accepted("h").keep
+    adm.greeted("h")  # 3 live, all greeted: the live cap
+    refused = [adm.accepted(cid) for cid in "ij"]
+    assert [r.keep for r in refused] == [False, False]
+    assert "refusing new connections" in refused[0].log and refused[1].log == ""
+    adm.closed("h")
+    assert adm.accepted("k").log.endswith("2 connections were closed by them meanwhile")
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"max_connections": 0}, "max_connections"),
     ({"max_pending": -1}, "max_pending"),
@@ -179,6 +201,29 @@ def test_idle_connections_evict_each_other_and_a_real_peer_still_gets_in():
         conn.send({"type": "hello", "i": 7})
         assert conn.recv(timeout=10.0) == {"ok": 7}
         conn.close()
+    finally:
+        for c in idle:
+            c.close()
+        server.close()
+
+
+def test_a_flood_of_idle_connections_is_logged_once_as_it_begins_and_once_as_it_ends(caplog):
+    server = Server(ListenLimits(max_connections=64, max_pending=8))
+    idle = [raw_client(server.listener.addr) for _ in range(40)]
+    try:
+        with caplog.at_level("INFO", logger="ftrun.env"):
+            server.wait_for(lambda s: s["evicted"] == 32, "32 of 40 idle connections evicted")
+            for c in idle:
+                c.close()
+            server.wait_for(lambda s: s["pending"] == 0, "the idle connections gone")
+            conn = RealNetwork().connect(server.listener.addr, timeout=10.0)
+            conn.send({"type": "hello", "i": 1})
+            assert conn.recv(timeout=10.0) == {"ok": 1}
+            conn.close()
+        lines = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "ftrun.env"]
+        assert len(lines) == 2, lines
+        assert lines[0][0] == "WARNING" and "8 connections have not sent their first message" in lines[0][1]
+        assert lines[1][0] == "INFO" and lines[1][1].endswith("32 connections were closed by them meanwhile")
     finally:
         for c in idle:
             c.close()
@@ -333,3 +378,15 @@ def test_an_accept_racing_the_listener_s_close_ends_as_closed():
     with pytest.raises(NetError, match="closed"):
         listener.accept(timeout=1.0)
     listener.close()
+
+
+def test_a_job_s_listeners_take_their_caps_from_its_config(tmp_path):
+    from ftrun.train.api import FTConfig, init_from_env
+
+    with pytest.raises(ValueError, match="FTConfig.net_limits must be a ListenLimits"):
+        FTConfig(net_limits={"max_pending": 8})
+    limits = ListenLimits(max_connections=100, max_pending=3)
+    with init_from_env(FTConfig(run_dir=str(tmp_path), num_threads=None, net_limits=limits)) as job:
+        listener = job.env.net.listen("127.0.0.1:0")
+        assert listener.limits == limits
+        listener.close()

@@ -547,9 +547,9 @@ def test_trainer_heals_a_late_replica_and_retries_a_failed_backward(tmp_path, mo
     try:
         r0, r1, r2 = reps
         payloads = {r.rid: r.server.transport.payloads for r in reps}
-        assert payloads["r1"]._preparing is None
-        payloads["r2"]._preparing.join()
-        prepared = torch.frombuffer(payloads["r2"]._prepared, dtype=torch.uint8)
+        assert payloads["r1"]._preparation is None
+        assert payloads["r2"]._preparation.task.join(30.0)
+        prepared = torch.frombuffer(payloads["r2"]._preparation.buffer, dtype=torch.uint8)
         reserved = {r.rid: [] for r in reps}  # the state names of each catch-up reserve (trainer -> service)
         for r in reps:
             r.server.reserve = lambda state, borrow, rid=r.rid, real=r.server.reserve: (
@@ -557,7 +557,7 @@ def test_trainer_heals_a_late_replica_and_retries_a_failed_backward(tmp_path, mo
         changes = []  # changes of a lent tensor while it was lent: there must be none
         publishes = {r.rid: watch_lent_state(r, changes) for r in reps}
         run(env, [r0, r1], 3)  # r2 is not there yet
-        assert payloads["r0"]._preparing is None and payloads["r0"]._prepared is None  # dropped at its 1st commit
+        assert payloads["r0"]._preparation is None  # dropped at its 1st commit
         own = sorted(r0.trainer.state.tensors())
         assert reserved == {"r0": [own], "r1": [own], "r2": []}  # once, optimizer state included, while r2 is away
         fetched = []  # weak references to the model's tensors r2 fetches (views into the fetch's buffer)
@@ -578,7 +578,7 @@ def test_trainer_heals_a_late_replica_and_retries_a_failed_backward(tmp_path, mo
         moments = r2.opt.state[r2.model.up.weight]["exp_avg"]  # the fetch landed in the prepared pages,
         for t in (moments, r2.model.up.weight):  # where the optimizer and (adopted, not copied) the model use it
             assert prepared.data_ptr() <= t.data_ptr() < prepared.data_ptr() + prepared.numel()
-        assert r2.trainer.last_fetch.num_bytes == prepared.numel() and payloads["r2"]._preparing is None  # exact
+        assert r2.trainer.last_fetch.num_bytes == prepared.numel() and payloads["r2"]._preparation is None  # exact
         assert len({param_hash(r.model) for r in reps}) == 1  # healed from tensors served in place
         assert reserved == {"r0": [own], "r1": [own], "r2": []}  # r2 joined a full quorum: nothing to reserve
         stable = sorted(k for k in own if k.startswith(("model.", "optim.")))
