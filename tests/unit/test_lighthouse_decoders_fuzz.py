@@ -65,11 +65,16 @@ def messages(valid: dict) -> st.SearchStrategy[bytes]:
                      st.sampled_from([msgpack.packb([1] * 10), msgpack.packb({1: 2}), b"\xc1", b"\xdf\xff\xff\xff\xff"]))
 
 
-def _decode(payload: bytes):
-    """The reader's path: the frame's payload as wire.decode_msg returns it (None if it is rejected)."""
+def _accepted(payload: bytes, parse):
+    """The reader's path: `parse` of the frame's payload as wire.decode_msg returns it; None when either
+    rejects it with its documented error (ProtocolError, protocol.BadRequest); anything else raises."""
     try:
-        return wire.decode_msg(payload)
+        msg = wire.decode_msg(payload)
     except ProtocolError:
+        return None
+    try:
+        return parse(msg)
+    except protocol.BadRequest:
         return None
 
 
@@ -108,13 +113,10 @@ def test_frame_decode_raises_only_protocol_errors(frame):
 @PROFILE
 @given(payload=messages({"type": "hello", "token": "t0k", "replica_id": "r0"}))
 def test_hello_raises_only_bad_request(payload):
-    msg = _decode(payload)
-    if msg is None:
+    parsed = _accepted(payload, protocol.parse_hello)
+    if parsed is None:
         return
-    try:
-        token, rid = protocol.parse_hello(msg)
-    except protocol.BadRequest:
-        return
+    token, rid = parsed
     assert isinstance(token, str) and rid.isprintable() and 0 < len(rid) <= protocol.MAX_REPLICA_ID_CHARS
 
 
@@ -126,13 +128,10 @@ REQUEST = {"type": "quorum", "step": 7, "commit_failed": False, "own_failures": 
 @PROFILE
 @given(payload=messages(REQUEST))
 def test_quorum_request_raises_only_bad_request(payload):
-    msg = _decode(payload)
-    if msg is None:
+    parsed = _accepted(payload, protocol.parse_quorum_request)
+    if parsed is None:
         return
-    try:
-        step, failed, qid, addrs, own, fresh = protocol.parse_quorum_request(msg)
-    except protocol.BadRequest:
-        return
+    step, failed, qid, addrs, own, fresh = parsed
     assert all(type(v) is int and 0 <= v <= protocol.MAX_REQUEST_COUNTER for v in (step, qid, own))
     assert type(failed) is bool and type(fresh) is bool
     assert len(addrs) <= protocol.MAX_ADDRS and all(isinstance(a, str) and len(a) <= protocol.MAX_ADDR_CHARS
@@ -143,12 +142,8 @@ def test_quorum_request_raises_only_bad_request(payload):
 @PROFILE
 @given(payload=messages({"type": "finished", "step": 40}))
 def test_finished_report_raises_only_bad_request(payload):
-    msg = _decode(payload)
-    if msg is None:
-        return
-    try:
-        step = protocol.parse_finished(msg)
-    except protocol.BadRequest:
+    step = _accepted(payload, protocol.parse_finished)
+    if step is None:
         return
     assert type(step) is int and 0 <= step <= protocol.MAX_REQUEST_COUNTER
 
@@ -162,12 +157,8 @@ DECISION = protocol.encode_decision(Decision(True, "fast path", 5, (Participant(
 @PROFILE
 @given(payload=messages(DECISION))
 def test_decision_decode_raises_only_bad_request(payload):
-    msg = _decode(payload)
-    if msg is None:
-        return
-    try:
-        d = protocol.decode_decision(msg)
-    except protocol.BadRequest:
+    d = _accepted(payload, protocol.decode_decision)
+    if d is None:
         return
     assert 0 <= d.quorum_id <= protocol.MAX_COUNTER and 0 <= d.max_step <= protocol.MAX_COUNTER
     assert d.min_replicas >= 1 and set(d.behind) <= set(d.replica_ids)
