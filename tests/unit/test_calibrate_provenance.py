@@ -11,6 +11,7 @@ import pytest
 from harness.calibrate.measure import Figure, linear_fit
 from harness.calibrate.provenance import ONE_MACHINE, calibrated_document, profile_keys, to_toml
 from harness.profile import _to_dict, apply_overrides, load_profile, profile_from_dict, profile_value
+from tests.manual_clock import ManualClock
 
 AT = "2026-11-26T10:00:00Z"
 
@@ -142,20 +143,9 @@ def test_linear_fit():
 
 # -- the emulator reads the calibrated keys ------------------------------------------------------------
 
-class _Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def now(self) -> float:
-        return self.t
-
-    def sleep(self, s: float) -> None:
-        self.t += s
-
-
 class _Env:
     def __init__(self) -> None:
-        self.clock = _Clock()
+        self.clock = ManualClock()
 
 
 def test_timed_catchup_charges_the_per_fetch_extra():
