@@ -319,6 +319,21 @@ int dispatch(int dtype, int64_t count, int blocks, int threads, Run&& run) {
   }
 }
 
+// What every launcher does before its launch: dispatch (the checks and the element type), then the
+// region plan for that type; calls run(E{}, plan) when there is something to do (a count of 0
+// launches nothing). Returns run's code or the first check's error.
+template <Op kOp, typename Run>
+int plan_launch(void* dst, const void* src, void* out, int64_t count, int dtype, int blocks, int threads, Run&& run) {
+  return dispatch<kOp>(dtype, count, blocks, threads, [&](auto elem, auto) {
+    using T = typename decltype(elem)::T;
+    if (count == 0) return FTAR_OK;
+    Plan plan;
+    const int rc = plan_region(dst, src, out, kOp == Op::kReduceCopy, count, sizeof(T), &plan);
+    if (rc != FTAR_OK) return rc;
+    return run(elem, plan);
+  });
+}
+
 }  // namespace ftar
 
 #endif  // FTAR_BODIES_CUH_

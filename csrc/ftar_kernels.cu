@@ -50,17 +50,13 @@ int launch_status() {
   return err == cudaSuccess ? FTAR_OK : FTAR_ERR_CUDA_BASE + static_cast<int>(err);
 }
 
-// Checks (ftar::dispatch, ftar::plan_region), then one kernel launch on `stream`.
+// Checks and plan (ftar::plan_launch), then one kernel launch on `stream`.
 template <Op kOp>
 int launch(void* dst, const void* src, void* out, int64_t count, int dtype, const int32_t* guard, int blocks,
            int threads, ftar_stream_t stream) {
-  return ftar::dispatch<kOp>(dtype, count, blocks, threads, [&](auto elem, auto) {
+  return ftar::plan_launch<kOp>(dst, src, out, count, dtype, blocks, threads, [&](auto elem, const ftar::Plan& plan) {
     using E = decltype(elem);
     using T = typename E::T;
-    if (count == 0) return FTAR_OK;
-    ftar::Plan plan;
-    const int rc = ftar::plan_region(dst, src, out, kOp == Op::kReduceCopy, count, sizeof(T), &plan);
-    if (rc != FTAR_OK) return rc;
     elementwise_kernel<E, kOp><<<blocks, threads, 0, static_cast<cudaStream_t>(stream)>>>(
         static_cast<T*>(dst), static_cast<const T*>(src), static_cast<T*>(out), plan, guard);
     return launch_status();

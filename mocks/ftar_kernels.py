@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from ftrun.ftar.kernels import (
+    DEFAULT_BLOCKS,
+    DEFAULT_THREADS,
     DType,
     KernelError,
     KernelUnavailableError,
@@ -39,9 +41,6 @@ __all__ = [
     "default_library_path",
     "is_available",
 ]
-
-DEFAULT_BLOCKS = 2
-DEFAULT_THREADS = 512
 
 
 class ShapeOnlyKernels:

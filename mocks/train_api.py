@@ -32,7 +32,7 @@ import torch
 import shadow
 from ftrun.launch.worker_env import WorkerSpec
 from ftrun.train.events import param_hash, print_event  # noqa: F401 (re-exported, as the real API does)
-from ftrun.train.job_config import FTConfig, Hooks, TrainResult, steps_target
+from ftrun.train.job_config import FTConfig, Hooks, JobBasics, TrainResult, steps_target
 from ftrun.train.own import FTOptimizer as RealFTOptimizer, StepOutcome
 from mocks.script import ScriptModel, meta_model, script_shapes, step_flops, to_meta
 
@@ -78,7 +78,7 @@ def launcher_environ(session: Any) -> dict[str, str]:
     return {name: environ[name] for name in LAUNCHER_ENVIRON if name in environ}
 
 
-class FTJob:
+class FTJob(JobBasics):
     """The script's membership in the emulated job (module docstring). Threading: the script's thread."""
 
     def __init__(self, *, config: FTConfig, spec: WorkerSpec, env: Any = None, lighthouse: Any = None,
@@ -90,18 +90,6 @@ class FTJob:
         self.figures: dict[str, Any] | None = None  # the emulated job's, once it ran
 
     @property
-    def rank(self) -> int:
-        return self.spec.rank
-
-    @property
-    def replica_id(self) -> str:
-        return self.spec.replica_id
-
-    @property
-    def max_steps(self) -> int | None:
-        return self.spec.max_steps
-
-    @property
     def device(self) -> torch.device:
         """Where the script's process runs its model: the CPU (the emulated ranks train shape-only; what a
         script asks for on a GPU is made there too, shadow.cuda_tensors)."""
@@ -111,10 +99,6 @@ class FTJob:
     def step(self) -> int:
         """Steps committed: 0 until the emulated job ran, then the steps it committed."""
         return self._own_loop("step").step
-
-    def emit(self, event: dict) -> None:
-        if self.config.events:
-            print_event(event)
 
     def train(self, *, model_fn: ModelFn, optimizer_fn: OptimizerFn, loss_fn: Callable[..., Any], dataset: Any,
               steps: int | Callable[[], int] | None = None, shard_fn: Any = None,

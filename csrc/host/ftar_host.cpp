@@ -14,13 +14,9 @@ using ftar::Op;
 template <Op kOp>
 int run_grid(void* dst, const void* src, void* out, int64_t count, int dtype, const int32_t* guard, int blocks,
              int threads) {
-  return ftar::dispatch<kOp>(dtype, count, blocks, threads, [&](auto elem, auto) {
+  return ftar::plan_launch<kOp>(dst, src, out, count, dtype, blocks, threads, [&](auto elem, const ftar::Plan& plan) {
     using E = decltype(elem);
     using T = typename E::T;
-    if (count == 0) return FTAR_OK;
-    ftar::Plan plan;
-    const int rc = ftar::plan_region(dst, src, out, kOp == Op::kReduceCopy, count, sizeof(T), &plan);
-    if (rc != FTAR_OK) return rc;
     const int64_t nthreads = static_cast<int64_t>(blocks) * threads;
     for (int64_t block = 0; block < blocks; ++block) {
       for (int64_t thread = 0; thread < threads; ++thread) {

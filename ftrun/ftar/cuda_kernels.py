@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from ftrun.ftar.kernels import (
+    DEFAULT_BLOCKS,
+    DEFAULT_THREADS,
     DType,
     KernelError,
     KernelUnavailableError,
@@ -38,8 +40,6 @@ __all__ = [
     "is_available",
 ]
 
-DEFAULT_BLOCKS = 2  # FT-HSDP §4.2: two SMs hide copy/reduce behind the network
-DEFAULT_THREADS = 512
 ABI_VERSION = 1  # csrc/ftar_kernels.h FTAR_ABI_VERSION
 BYTE_DTYPE = 3  # csrc/ftar_kernels.h FTAR_BYTE (copy only)
 

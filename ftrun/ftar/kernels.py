@@ -29,6 +29,9 @@ from typing import Any, Protocol, runtime_checkable
 
 MAX_THREADS = 512  # csrc/ftar_kernels.h FTAR_MAX_THREADS (the kernels' __launch_bounds__)
 MAX_BLOCKS = 65535  # csrc/ftar_kernels.h FTAR_MAX_BLOCKS
+# The CUDA backend's default launch shape (ftrun.ftar.cuda_kernels and its CPU shadow mocks.ftar_kernels).
+DEFAULT_BLOCKS = 2  # FT-HSDP §4.2: two SMs hide copy/reduce behind the network
+DEFAULT_THREADS = 512
 
 
 def check_launch_shape(blocks: int, threads: int) -> None:

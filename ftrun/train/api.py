@@ -54,7 +54,7 @@ from ftrun.replica.comm import LocalComm, ReplicaComm
 from ftrun.replica.manager import JobFinished, ReplicaError
 from ftrun.train.device import rank_device
 from ftrun.train.events import param_hash, print_event, step_event  # noqa: F401 (re-exported)
-from ftrun.train.job_config import FTConfig, Hooks, TrainResult, steps_target  # noqa: F401 (the public API names FTConfig, Hooks, TrainResult here)
+from ftrun.train.job_config import FTConfig, Hooks, JobBasics, TrainResult, steps_target  # noqa: F401 (the public API names FTConfig, Hooks, TrainResult here)
 from ftrun.train.own import FTOptimizer, FTSampler, OwnLoop, StepOutcome
 from ftrun.train.shard import (ShardFn, adopt_replica_group, check_sharded, close_replica_group, init_replica_group,
                                shard_model)
@@ -116,7 +116,7 @@ def init_from_env(config: FTConfig | None = None, *, environ: Mapping[str, str] 
         raise
 
 
-class FTJob:
+class FTJob(JobBasics):
     """This rank's membership in the job. `train` runs once; `close` (or the with-block) leaves the
     job. Threading: the training loop's thread only."""
 
@@ -143,18 +143,6 @@ class FTJob:
         # When this process was forked (by the zygote; None otherwise), entered init_from_env and had
         # joined its replica's groups: the `ready` event carries them (ftrun demo's rejoin breakdown).
         self.startup = {**(startup or {}), "joined": env.clock.now()}
-
-    @property
-    def rank(self) -> int:
-        return self.spec.rank
-
-    @property
-    def replica_id(self) -> str:
-        return self.spec.replica_id
-
-    def emit(self, event: dict) -> None:
-        if self.config.events:
-            print_event(event)
 
     # -- the user's own loop (ftrun.train.own) -----------------------------------------------------
     def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
@@ -228,11 +216,6 @@ class FTJob:
     def step(self) -> int:
         """Steps this replica has committed (the user's loop: `while job.step < job.max_steps`)."""
         return self._own_loop("step").step
-
-    @property
-    def max_steps(self) -> int | None:
-        """The launcher's --steps (None when it set none)."""
-        return self.spec.max_steps
 
     def log_metrics(self, **metrics: Any) -> None:
         """Custom metrics (JSON values) at the steps committed so far: a "metrics" event, which `ftrun

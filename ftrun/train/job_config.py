@@ -19,6 +19,7 @@ from ftrun.ftar.kernels import Kernels
 from ftrun.launch.worker_env import WorkerSpec
 from ftrun.replica.comm import ReplicaComm
 from ftrun.train.device import check_device_name
+from ftrun.train.events import print_event
 from ftrun.train.lr import LRConfig
 from ftrun.train.trainer import PhaseFn, StepResult
 
@@ -128,6 +129,32 @@ class RankJob(Protocol):
     device: torch.device  # where the model is (ftrun.train.device)
 
     def emit(self, event: dict) -> None: ...
+
+
+class JobBasics:
+    """What an FTJob answers from its `spec` (WorkerSpec) and `config` (FTConfig) alone: the real one
+    (ftrun.train.api) and its emulated shadow (mocks.train_api) both subclass it."""
+
+    config: FTConfig
+    spec: WorkerSpec
+
+    @property
+    def rank(self) -> int:
+        return self.spec.rank
+
+    @property
+    def replica_id(self) -> str:
+        return self.spec.replica_id
+
+    @property
+    def max_steps(self) -> int | None:
+        """The launcher's --steps (None when it set none)."""
+        return self.spec.max_steps
+
+    def emit(self, event: dict) -> None:
+        """Print `event` on stdout (the launcher reads it) when FTConfig.events is set."""
+        if self.config.events:
+            print_event(event)
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from ftrun.env.base import EnvTimeout
+from harness.run.catchup_forward import ForwardingCatchup
 
 
 class Mirror:
@@ -158,36 +159,15 @@ class MirrorExchange:
         self._calls.wait(self._timeout)
 
 
-class LeadCatchup:
+class LeadCatchup(ForwardingCatchup):
     """A lead rank's CatchupService, posting each fetch outcome for its mirrors."""
 
     def __init__(self, service: Any, mirror: Mirror, rank: int) -> None:
-        self._s, self._calls = service, _Counter(mirror, rank, "heal")
-        self.url = service.url
-
-    def publish(self, *args: Any, **kwargs: Any) -> None:
-        self._s.publish(*args, **kwargs)
-
-    def check(self, state: Any, metadata: Any = None) -> None:
-        self._s.check(state, metadata)
-
-    def reserve(self, *args: Any, **kwargs: Any) -> None:
-        self._s.reserve(*args, **kwargs)
-
-    def prepare_fetch(self, shapes: Any) -> None:
-        self._s.prepare_fetch(shapes)
-
-    def release_fetch(self) -> None:
-        self._s.release_fetch()
-
-    def retire(self, step: int) -> None:
-        self._s.retire(step)
+        super().__init__(service)
+        self._calls = _Counter(mirror, rank, "heal")
 
     def fetch(self, step: int, sources: Sequence[str]) -> Any:
         return self._calls.run(self._s.fetch, step, sources)
-
-    def stop(self) -> None:
-        self._s.stop()
 
 
 class MirrorCatchup:

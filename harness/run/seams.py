@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -25,6 +25,7 @@ from ftrun.catchup.snapshot import Availability, Published, availability, check_
 from ftrun.data.loader_state import LoaderState
 from ftrun.data.progress import DataProgress
 from ftrun.data.sampler import DataLayout
+from harness.run.catchup_forward import ForwardingCatchup
 from mocks.compute import ShapeOnlyGrads, ShapeOnlyTrainCompute
 
 
@@ -186,7 +187,7 @@ class EmulatedCompute(ShapeOnlyTrainCompute):
             self.env.clock.sleep(due)  # its first batch loads before it enters the all-reduce
 
 
-class TimedCatchup:
+class TimedCatchup(ForwardingCatchup):
     """A CatchupService that reports each fetch to the emulator: `on_fetch(t_start, t_end)` (the
     decision arrived at t_start: catching up is not part of get_quorum), and slows it as the slow-fetch
     fault in force when it starts says (`slow()`: (factor, delay_s) or None): (factor - 1) x the modeled
@@ -196,29 +197,10 @@ class TimedCatchup:
 
     def __init__(self, service: Any, env: Any, *, on_fetch: Callable[[float, float], None],
                  slow: Callable[[], tuple[float, float] | None] | None = None, extra_s: float = 0.0) -> None:
-        self._s, self._env, self._on_fetch, self._slow = service, env, on_fetch, slow
-        self._extra_s = extra_s
-        self.url = service.url
+        super().__init__(service)
+        self._env, self._on_fetch, self._slow, self._extra_s = env, on_fetch, slow, extra_s
 
-    def publish(self, *args: Any, **kwargs: Any) -> None:
-        self._s.publish(*args, **kwargs)
-
-    def check(self, state: Any, metadata: Any = None) -> None:
-        self._s.check(state, metadata)
-
-    def reserve(self, *args: Any, **kwargs: Any) -> None:
-        self._s.reserve(*args, **kwargs)
-
-    def prepare_fetch(self, shapes: Any) -> None:
-        self._s.prepare_fetch(shapes)
-
-    def release_fetch(self) -> None:
-        self._s.release_fetch()
-
-    def retire(self, step: int) -> None:
-        self._s.retire(step)
-
-    def fetch(self, step: int, sources: Any) -> Any:
+    def fetch(self, step: int, sources: Sequence[str]) -> Any:
         t0 = self._env.clock.now()
         slow = self._slow() if self._slow is not None else None
         try:
@@ -231,9 +213,6 @@ class TimedCatchup:
             return result
         finally:
             self._on_fetch(t0, self._env.clock.now())
-
-    def stop(self) -> None:
-        self._s.stop()
 
 
 class FoldedProgress(DataProgress):

@@ -25,6 +25,7 @@ from ftrun.env.real import RealEnv
 from ftrun.launch.supervisor import ReplicaProcesses
 from ftrun.launch.worker_env import WorkerSpec
 from ftrun.quorum.service import Lighthouse
+from tests.integration.replicas import stop_replicas
 
 pytestmark = pytest.mark.timeout(120)
 FTAR_TIMEOUT = 10.0
@@ -69,14 +70,7 @@ class Job:
         return (self.tmp / f"{rid}.{rep.spec.incarnation}.0.log").read_text()
 
     def close(self) -> None:
-        for rep in self.reps.values():
-            for p in rep.procs:
-                try:
-                    os.kill(p.pid, signal.SIGCONT)
-                except ProcessLookupError:
-                    pass
-            rep.kill()
-        self.lighthouse.stop()
+        stop_replicas(self.reps.values(), self.lighthouse)
 
 
 def test_a_user_bug_ends_its_replica_with_a_traceback_and_the_healthy_one_finishes(tmp_path):

@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import datetime
 import json
-import os
-import subprocess
-import sys
 
-import torch.distributed as dist
+from tests.integration.rank_procs import run_ranks
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RANK_MAIN = """
 import datetime, json, sys
 import torch.distributed as dist
@@ -33,17 +28,9 @@ print(json.dumps(out))
 
 
 def test_gloo_collectives_round_trip():
-    store = dist.TCPStore("127.0.0.1", 0, 3, True, timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    procs = [subprocess.Popen([sys.executable, "-c", RANK_MAIN, str(r), str(store.port)], stdout=subprocess.PIPE,
-                              env=env, text=True) for r in range(2)]
-    try:
-        outs = [p.communicate(timeout=60)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    results = [json.loads(out.strip().splitlines()[-1]) for out in outs]
-    assert [p.returncode for p in procs] == [0, 0]
+    done = run_ranks(lambda r, port: ["-c", RANK_MAIN, str(r), str(port)], 2, timeout_s=60)
+    assert [code for code, _, _ in done] == [0, 0], "\n".join(err[-2000:] for _, _, err in done)
+    results = [json.loads(out.strip().splitlines()[-1]) for _, out, _ in done]
     common = [[1, 0], [1], "decision", ["addr-0", "addr-1addr-1"], ""]
     long = [[4087, 4088, 4089, 70_000], True]  # within one collective, at its edge, and past it (two)
     assert results == [common + [["0", "1"], "zero"] + long, common + [True, "one"] + long]

@@ -22,6 +22,7 @@ from ftrun.env.real import RealEnv
 from ftrun.launch.supervisor import ReplicaProcesses
 from ftrun.launch.worker_env import WorkerSpec
 from ftrun.quorum.service import Lighthouse
+from tests.integration.replicas import stop_replicas
 
 pytestmark = pytest.mark.timeout(150)
 FTAR_TIMEOUT = 30.0
@@ -77,14 +78,7 @@ def run_hung_peer(tmp_path, *, ftar_timeout: float = FTAR_TIMEOUT, freeze: tuple
         lost = [h for h in lighthouse.history if h["event"] == "member_lost" and h["replica_id"] == "r1"]
         return {"stall_s": stall, "errors": errors, "lost": lost}
     finally:
-        for rep in reps.values():
-            for p in rep.procs:
-                try:
-                    os.kill(p.pid, signal.SIGCONT)
-                except ProcessLookupError:
-                    pass
-            rep.kill()
-        lighthouse.stop()
+        stop_replicas(reps.values(), lighthouse)
 
 
 @pytest.mark.parametrize("freeze", [pytest.param((0, 1), marks=pytest.mark.slow), (1,)], ids=["both-ranks", "non-leader-rank"])

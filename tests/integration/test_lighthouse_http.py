@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import urllib.error
 import urllib.request
@@ -21,13 +22,26 @@ def get(url, token=None):
         return r.read().decode()
 
 
-def test_status_metrics_and_token():
+@contextlib.contextmanager
+def served(token: str):
+    """A started lighthouse (min_replicas 1) and its StatusServer, both behind `token`: (env, lighthouse,
+    server, url); both are stopped on exit."""
     env = RealEnv()
-    lh = Lighthouse(env=env, config=LighthouseConfig(min_replicas=1), token="t0k")
+    lh = Lighthouse(env=env, config=LighthouseConfig(min_replicas=1), token=token)
     lh.start()
-    http = StatusServer(env=env, lighthouse=lh, token="t0k")
-    url = http.start()
     try:
+        server = StatusServer(env=env, lighthouse=lh, token=token)
+        url = server.start()
+        try:
+            yield env, lh, server, url
+        finally:
+            server.stop()
+    finally:
+        lh.stop()
+
+
+def test_status_metrics_and_token():
+    with served("t0k") as (env, lh, _, url):
         c = LighthouseClient(env=env, addr=lh.addr, token="t0k", replica_id="r0", timeouts=lh.config.timeouts)
         c.quorum(0)
         status = json.loads(get(url + "/status", "t0k"))
@@ -52,9 +66,6 @@ def test_status_metrics_and_token():
             get(url + "/status", "wrong")
         assert e.value.code == 401
         c.close()
-    finally:
-        http.stop()
-        lh.stop()
 
 
 def test_an_address_that_cannot_be_listened_on_is_an_error_at_once():
@@ -68,14 +79,9 @@ def test_a_browser_logs_in_once_with_a_form_and_gets_a_cookie_that_is_not_the_to
     import urllib.parse
     from http.cookiejar import CookieJar
 
-    env = RealEnv()
-    lh = Lighthouse(env=env, config=LighthouseConfig(min_replicas=1), token="t0k-long-enough")
-    lh.start()
-    server = StatusServer(env=env, lighthouse=lh, token="t0k-long-enough")
-    url = server.start()
     jar = CookieJar()
     browser = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(jar))
-    try:
+    with served("t0k-long-enough") as (_, _, server, url):
         with pytest.raises(urllib.error.HTTPError) as e:  # no token: the login form, nothing of the job
             browser.open(url + "/", timeout=5)
         form = e.value.read().decode()
@@ -95,9 +101,6 @@ def test_a_browser_logs_in_once_with_a_form_and_gets_a_cookie_that_is_not_the_to
         with pytest.raises(urllib.error.HTTPError) as e:  # a forged cookie opens nothing
             get_with_cookie(url + "/", server.cookie_name, "0" * 64)
         assert e.value.code == 401
-    finally:
-        server.stop()
-        lh.stop()
 
 
 def get_with_cookie(url, name, value):

@@ -21,6 +21,7 @@ from ftrun.launch.supervisor import ReplicaProcesses
 from ftrun.launch.worker_env import WorkerSpec
 from ftrun.quorum.service import Lighthouse, load_state
 from ftrun.storage import FileStorage
+from tests.integration.replicas import stop_replicas
 
 pytestmark = pytest.mark.timeout(90)
 IDS = ("r0", "r1", "r2")
@@ -88,10 +89,4 @@ def test_a_replica_frozen_while_the_others_finish_is_told_the_job_finished_inste
         final = [e for e in log if e["event"] == "final" and e["replica_id"] == "r0"]
         assert final, "r0 reports its final ledger"
     finally:
-        for rep in reps.values():
-            try:
-                os.kill(rep.procs[0].pid, signal.SIGCONT)
-            except (ProcessLookupError, IndexError):
-                pass
-            rep.kill()
-        lighthouse.stop()
+        stop_replicas(reps.values(), lighthouse)

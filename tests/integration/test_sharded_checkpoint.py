@@ -12,20 +12,16 @@ train on, FSDP and control collectives included) is complete and restores the st
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import torch.distributed as dist
 
 from ftrun.checkpoint import manifest as mf
 from ftrun.checkpoint import store
+from tests.integration.rank_procs import run_ranks
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sharded_ckpt_worker.py")
 KEY = mf.checkpoint_key("job-token")
 
@@ -34,22 +30,12 @@ pytestmark = pytest.mark.timeout(120)
 
 def run(mode: str, world: int, root: Path, fault: str = "none") -> list[tuple[int, dict]]:
     """(exit code, findings) of each rank."""
-    tcp = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    procs = [subprocess.Popen([sys.executable, WORKER, mode, str(r), str(world), str(tcp.port), str(root), fault],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
-             for r in range(world)]
-    try:
-        outs = [p.communicate(timeout=90) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
     found = []
-    for p, (out, err) in zip(procs, outs):
+    for code, out, err in run_ranks(lambda r, port: [WORKER, mode, str(r), str(world), str(port), str(root), fault],
+                                    world, timeout_s=90):
         lines = out.strip().splitlines()
-        assert lines or p.returncode == -9, err[-2000:]
-        found.append((p.returncode, json.loads(lines[-1]) if lines else {}))
+        assert lines or code == -9, err[-2000:]
+        found.append((code, json.loads(lines[-1]) if lines else {}))
     return found
 
 

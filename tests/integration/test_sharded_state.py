@@ -8,16 +8,13 @@ resetting FSDP2's iteration state, and two sharded steps equal two plain steps o
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
-import subprocess
-import sys
 
 import pytest
-import torch.distributed as dist
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.integration.rank_procs import run_ranks
+
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sharded_state_worker.py")
 
 pytestmark = pytest.mark.timeout(60)
@@ -25,19 +22,9 @@ pytestmark = pytest.mark.timeout(60)
 
 @pytest.fixture(scope="module")
 def ranks() -> list[dict]:
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=30))
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    procs = [subprocess.Popen([sys.executable, WORKER, str(r), str(store.port)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, env=env, text=True) for r in range(2)]
-    try:
-        outs = [p.communicate(timeout=50) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(err[-2000:] for _, err in outs)
-    return [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    done = run_ranks(lambda r, port: [WORKER, str(r), str(port)], 2, timeout_s=50)
+    assert [code for code, _, _ in done] == [0, 0], "\n".join(err[-2000:] for _, _, err in done)
+    return [json.loads(out.strip().splitlines()[-1]) for _, out, _ in done]
 
 
 def test_each_rank_holds_its_own_shards(ranks):

@@ -11,12 +11,25 @@ import pytest
 from harness.calibrate.measure import Figure, linear_fit
 from harness.calibrate.provenance import ONE_MACHINE, calibrated_document, profile_keys, to_toml
 from harness.profile import _to_dict, apply_overrides, load_profile, profile_from_dict, profile_value
+from tests.manual_clock import ManualClock
 
 AT = "2026-11-26T10:00:00Z"
 
 
 def fig(name: str, value: float, unit: str = "s") -> Figure:
     return Figure(name, value, unit, f"measured {name} somehow", 3)
+
+
+def two_replica_figures(*, ranks: int) -> list[Figure]:
+    """A 10 ms step on 2 effective cores, 30 ms with 2 replicas, `ranks` ranks per replica."""
+    return [fig("step_s", 0.010), fig("script_step_period_s", 0.010), fig("cpu_cores_effective", 2.0, "cores"),
+            fig("script_step_2_replicas_s", 0.030), fig("script_ranks", ranks, "ranks")]
+
+
+def recorded_keys(figures: dict[str, Figure]) -> set[str]:
+    """The keys the calibrated document of `figures` records."""
+    doc = calibrated_document({"name": "x"}, figures, measured_at=AT, host="h", command="c", quick=False)
+    return {v["key"] for v in doc["calibration"]["values"]}
 
 
 FIGURES = {f.name: f for f in [
@@ -130,20 +143,9 @@ def test_linear_fit():
 
 # -- the emulator reads the calibrated keys ------------------------------------------------------------
 
-class _Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def now(self) -> float:
-        return self.t
-
-    def sleep(self, s: float) -> None:
-        self.t += s
-
-
 class _Env:
     def __init__(self) -> None:
-        self.clock = _Clock()
+        self.clock = ManualClock()
 
 
 def test_timed_catchup_charges_the_per_fetch_extra():
@@ -427,8 +429,7 @@ def test_the_vote_sets_the_collective_pass_and_leaves_the_step_and_overhead():
 
 
 def test_the_2_replica_steps_rise_goes_to_the_compute_as_far_as_the_compute_phase_rose():
-    base = [fig("step_s", 0.010), fig("script_step_period_s", 0.010), fig("cpu_cores_effective", 2.0, "cores"),
-            fig("script_step_2_replicas_s", 0.030), fig("script_ranks", 1, "ranks")]
+    base = two_replica_figures(ranks=1)
     # 1 rank computing all the time (u = 1) on 2 cores: no modeled contention at 1 or 2 ranks; the rise is 20 ms
     keys = profile_keys({f.name: f for f in [*base, fig("script_compute_s", 0.008),
                                              fig("script_compute_2_replicas_s", 0.015)]})
@@ -471,10 +472,6 @@ def test_effective_cores_fits_the_slowdown_through_zero():
         effective_cores([0.001])
 
 
-def _phase(rid: str, rank: int, phase: str, step: int, t: float) -> dict:
-    return {"event": "phase", "replica_id": rid, "incarnation": 0, "rank": rank, "phase": phase, "step": step, "t": t}
-
-
 def test_start_skews_pair_every_rank_of_a_step_that_all_started():
     from harness.calibrate import start_skews
 
@@ -505,8 +502,7 @@ def test_the_start_skew_sets_its_key_and_leaves_the_latest_ranks_wait_out_of_the
     assert median_max_exp(2) < median_max_exp(4) < median_max_exp(8)
     with pytest.raises(ValueError, match="n >= 1"):
         median_max_exp(0)
-    base = [fig("step_s", 0.010), fig("script_step_period_s", 0.010), fig("cpu_cores_effective", 2.0, "cores"),
-            fig("script_step_2_replicas_s", 0.030), fig("script_ranks", 2, "ranks")]
+    base = two_replica_figures(ranks=2)
     plain = profile_keys({f.name: f for f in base})
     keys = profile_keys({f.name: f for f in (*base, fig("script_start_skew_s", 0.001))})
     assert keys["train.rank_start_skew_s"][0] == 0.001
@@ -516,9 +512,7 @@ def test_the_start_skew_sets_its_key_and_leaves_the_latest_ranks_wait_out_of_the
         0.030 - 0.001 * (median_max_exp(4) - math.log(2)) - 2 * keys["train.step_compute_s"][0])
     assert keys["ftar.sync_overhead_s"][0] != plain["ftar.sync_overhead_s"][0]
     assert "late starts" in keys["train.step_compute_s"][2]
-    doc = calibrated_document({"name": "x"}, {f.name: f for f in (*base, fig("script_start_skew_s", 0.001))},
-                              measured_at=AT, host="h", command="c", quick=False)
-    recorded = {v["key"] for v in doc["calibration"]["values"]}
+    recorded = recorded_keys({f.name: f for f in (*base, fig("script_start_skew_s", 0.001))})
     assert "train.rank_start_skew_s" in recorded and "measured.script_start_skew_s" not in recorded
     # the leader's own late start lies between its commit and its quorum event: not bookkeeping
     after = [fig("script_commit_to_quorum_2_replicas_s", 0.010), fig("storage_write_s", 0.002),
@@ -538,8 +532,7 @@ def test_the_write_prefers_the_scripts_own_writer_and_records_the_others_as_meas
     keys = profile_keys(figures)
     assert keys["storage.local_write_latency_s"][0] == 0.003
     assert keys["train.step_bookkeeping_s"][0] == pytest.approx(0.010 - 0.003 - 20e-6)
-    doc = calibrated_document({"name": "x"}, figures, measured_at=AT, host="h", command="c", quick=False)
-    measured = {v["key"] for v in doc["calibration"]["values"]}
+    measured = recorded_keys(figures)
     assert {"measured.storage_write_s", "measured.script_write_s"} <= measured
     assert "measured.script_writer_write_s" not in measured
 
@@ -548,8 +541,7 @@ def test_the_2_replica_contention_takes_that_runs_own_busy_share():
     """The emulator's contention takes a rank's busy share of the job's step period as it runs: in a 2-replica run
     the ranks wait in the all-reduce for part of the period, so its contention is 2K u2 / c with u2 = (step_compute_s
     + bookkeeping) / that run's period, not the 1-replica run's u (~1: a lone replica computes all the time)."""
-    base = [fig("step_s", 0.010), fig("script_step_period_s", 0.010), fig("cpu_cores_effective", 2.0, "cores"),
-            fig("script_step_2_replicas_s", 0.030), fig("script_ranks", 2, "ranks")]
+    base = two_replica_figures(ranks=2)
     keys = profile_keys({f.name: f for f in (*base, fig("script_commit_to_quorum_2_replicas_s", 0.010))})
     u2 = 0.010 / 0.040  # no bookkeeping timed (no write figure): 4 ranks x 0.25 / 2 cores: no contention
     assert keys["train.step_compute_s"][0] == pytest.approx(0.010)
@@ -575,26 +567,21 @@ def test_the_exchange_skew_sets_its_key_and_leaves_the_leaders_wait_for_its_late
     assert median_abs_diff_max_exp(1) < median_abs_diff_max_exp(2) < median_abs_diff_max_exp(4)
     with pytest.raises(ValueError, match="k >= 1"):
         median_abs_diff_max_exp(0)
-    base = [fig("step_s", 0.010), fig("script_step_period_s", 0.010), fig("cpu_cores_effective", 2.0, "cores"),
-            fig("script_step_2_replicas_s", 0.030), fig("script_ranks", 2, "ranks")]
+    base = two_replica_figures(ranks=2)
     plain = profile_keys({f.name: f for f in base})
     keys = profile_keys({f.name: f for f in (*base, fig("script_exchange_skew_s", 0.002))})
     assert keys["train.rank_exchange_skew_s"][0] == 0.002
     assert keys["train.step_compute_s"] == plain["train.step_compute_s"]  # one replica: no peer, no late wake
     assert plain["ftar.sync_overhead_s"][0] - keys["ftar.sync_overhead_s"][0] == pytest.approx(0.002 * median_max_exp(2))
     assert "late wakes" in keys["ftar.sync_overhead_s"][2]
-    doc = calibrated_document({"name": "x"}, {f.name: f for f in (*base, fig("script_exchange_skew_s", 0.002))},
-                              measured_at=AT, host="h", command="c", quick=False)
-    recorded = {v["key"] for v in doc["calibration"]["values"]}
+    recorded = recorded_keys({f.name: f for f in (*base, fig("script_exchange_skew_s", 0.002))})
     assert "train.rank_exchange_skew_s" in recorded and "measured.script_exchange_skew_s" not in recorded
 
 
 def test_the_read_latency_is_the_measured_file_read():
     keys = profile_keys({"storage_read_s": fig("storage_read_s", 14e-6)})
     assert keys["storage.local_read_latency_s"][0] == 14e-6
-    doc = calibrated_document({"name": "x"}, {"storage_read_s": fig("storage_read_s", 14e-6)}, measured_at=AT,
-                              host="h", command="c", quick=False)
-    assert {v["key"] for v in doc["calibration"]["values"]} == {"storage.local_read_latency_s"}
+    assert recorded_keys({"storage_read_s": fig("storage_read_s", 14e-6)}) == {"storage.local_read_latency_s"}
 
 
 def test_cpu_shares_are_each_ranks_cpu_over_wall_between_its_quorum_phases_of_consecutive_steps():

@@ -14,13 +14,12 @@ HYPOTHESIS_PROFILE=fuzz: 100,000 examples per decoder, printing hypothesis' stat
 from __future__ import annotations
 
 import json
-import os
 import struct
 import zlib
 
 import msgpack
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import given, strategies as st
 
 from ftrun.catchup.errors import CatchupPeerError
 from ftrun.catchup.manifest import Manifest as CatchupManifest, decode_manifest, encode_manifest, layout_for
@@ -31,18 +30,12 @@ from ftrun.data.loader_state import (
     LoaderState, LoaderStateCorrupt, LoaderStateError, decode as decode_loader_state, encode,
 )
 from ftrun.data.sampler import DataLayout
+from tests.unit.fuzzing import HOSTILE_TEXT, PROFILE, doc_paths
 
 pytestmark = pytest.mark.fuzz
 
-settings.register_profile("decoders", max_examples=40, deadline=None, database=None, derandomize=True,
-                          suppress_health_check=list(HealthCheck))
-settings.register_profile("fuzz", max_examples=100_000, deadline=None, database=None,
-                          suppress_health_check=list(HealthCheck))
-PROFILE = settings(settings.get_profile("fuzz" if os.environ.get("HYPOTHESIS_PROFILE") == "fuzz" else "decoders"))
 
 # -- hostile values ----------------------------------------------------------------------------------
-_HOSTILE_TEXT = ["1e400", "-1e400", "NaN", "9" * 5000, "\u00b2", "[" * 100_000 + "]" * 100_000,
-                 '{"a":' * 50_000 + "1" + "}" * 50_000]
 scalars = (st.none() | st.booleans() | st.integers() | st.integers(min_value=2**62, max_value=2**70)
            | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=40)
            | st.sampled_from(["", "\0", "x" * 300, "a/b", "..", ".", "manifest.json", "sub", "\u00b2"]))
@@ -67,26 +60,16 @@ def _mutate(doc, path: list, value):
     return doc
 
 
-def _paths(doc, prefix=()):
-    yield list(prefix)
-    if isinstance(doc, dict):
-        for k, v in doc.items():
-            yield from _paths(v, (*prefix, k))
-    elif isinstance(doc, list):
-        for i, v in enumerate(doc):
-            yield from _paths(v, (*prefix, i))
-
-
 def documents(valid: dict) -> st.SearchStrategy[bytes]:
     """JSON bytes: `valid` with one part replaced (or a key dropped), hostile text, or raw bytes."""
-    paths = list(_paths(valid))
+    paths = list(doc_paths(valid))
     mutated = st.builds(_mutate, st.just(valid), st.sampled_from(paths), json_values)
     return st.one_of(
         mutated.map(lambda d: json.dumps(d).encode()),
-        st.sampled_from(_HOSTILE_TEXT).map(str.encode),
+        st.sampled_from(HOSTILE_TEXT).map(str.encode),
         st.builds(lambda d, text: json.dumps(d).replace('"STEP"', text).encode(),
                   st.builds(_mutate, st.just(valid), st.sampled_from(paths), st.just("STEP")),
-                  st.sampled_from(_HOSTILE_TEXT[:5])),
+                  st.sampled_from(HOSTILE_TEXT[:5])),
         st.binary(max_size=200),
     )
 
@@ -195,7 +178,7 @@ def _with_crc(body: bytes) -> bytes:
 
 
 ls_bodies = st.one_of(
-    st.builds(lambda p, v: msgpack.packb(_mutate(LS_VALID, p, v)), st.sampled_from(list(_paths(LS_VALID))),
+    st.builds(lambda p, v: msgpack.packb(_mutate(LS_VALID, p, v)), st.sampled_from(list(doc_paths(LS_VALID))),
               ls_values | st.integers(2**62, 2**63 - 1)),
     st.sampled_from([msgpack.packb({**LS_VALID, "replicas": [{**r, "committed_batches": [2**62] * 2}
                                                              for r in LS_VALID["replicas"]]}),

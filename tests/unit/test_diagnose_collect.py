@@ -13,6 +13,7 @@ from ftrun.diagnose.cli import format_verdict, job_token
 from ftrun.diagnose.collect import (MAX_INDEX, RankInfo, _Known, assemble, parse_rank, parse_register, reply_fields,
                                    verdict_dict)
 from ftrun.diagnose.summary import HIST_LEN, RUNNING, empty_hist, empty_summary
+from tests.manual_clock import ManualClock
 
 
 def known(replica, rank, *, qid=2, index=None, host=None, last=10.0):
@@ -121,14 +122,8 @@ def test_summarize_recorder_reads_the_newest_records_and_equals_summarize_of_the
     from ftrun.diagnose.summary import summarize
     from ftrun.diagnose.telemetry import Op, Recorder
 
-    class Clock:
-        t = 0.0
-
-        def now(self):
-            return self.t
-
     monkeypatch.setattr(collect, "SUMMARY_TAIL", first_tail)
-    rng, clock = random.Random(seed), Clock()
+    rng, clock = random.Random(seed), ManualClock()
     rec = Recorder(clock, capacity=rng.choice([64, 300, 2000]))
     widened = 0
     for step in range(400):

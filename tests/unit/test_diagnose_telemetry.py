@@ -7,20 +7,10 @@ import pytest
 
 from ftrun.diagnose.summary import DONE, FAILED, HIST_LEN, RUNNING, summarize
 from ftrun.diagnose.telemetry import DEFAULT_CAPACITY, MAX_BYTES, RECORD, Ev, Op, Recorder
+from tests.manual_clock import ManualClock
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def now(self) -> float:
-        return self.t
-
-    def sleep(self, seconds: float) -> None:
-        self.t += seconds
-
-
-def ring_op(rec: Recorder, clock: FakeClock, epoch: int, *, n: int = 3, chunks: int = 2, ok: bool | None = True,
+def ring_op(rec: Recorder, clock: ManualClock, epoch: int, *, n: int = 3, chunks: int = 2, ok: bool | None = True,
             stop_after: int | None = None, send_s: float = 0.0) -> None:
     """One all-reduce as the engine records it: (2n-1) hops x `chunks` chunk steps; sends after each
     step but the last hop's."""
@@ -41,7 +31,7 @@ def ring_op(rec: Recorder, clock: FakeClock, epoch: int, *, n: int = 3, chunks: 
 
 
 def test_buffer_is_at_most_one_megabyte_and_records_are_40_bytes():
-    rec = Recorder(FakeClock())
+    rec = Recorder(ManualClock(100.0))
     assert RECORD.itemsize == 40
     assert rec.nbytes == DEFAULT_CAPACITY * 40 <= MAX_BYTES == 1_000_000
 
@@ -49,11 +39,11 @@ def test_buffer_is_at_most_one_megabyte_and_records_are_40_bytes():
 @pytest.mark.parametrize("capacity", [0, 15, DEFAULT_CAPACITY + 1])
 def test_bad_capacity_is_refused(capacity):
     with pytest.raises(ValueError, match="capacity"):
-        Recorder(FakeClock(), capacity)
+        Recorder(ManualClock(100.0), capacity)
 
 
 def test_ring_buffer_keeps_the_newest_records_oldest_first():
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     rec = Recorder(clock, capacity=16)
     for i in range(40):
         clock.t = float(i)
@@ -66,7 +56,7 @@ def test_ring_buffer_keeps_the_newest_records_oldest_first():
 
 
 def test_records_carry_collective_ids_peers_and_step():
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     rec = Recorder(clock)
     rec.quorum_got(7, quorum_id=3)
     rec.ftar_enter(3, 1 << 20, 4, 2, 10)
@@ -85,7 +75,7 @@ def test_records_carry_collective_ids_peers_and_step():
 
 
 def test_summary_of_completed_running_and_failed_all_reduces():
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     rec = Recorder(clock)
     for _ in range(3):
         ring_op(rec, clock, 1, send_s=0.002)
@@ -117,16 +107,16 @@ def test_attach_sets_one_recorder_on_every_hooked_component():
     from ftrun.replica.tree_comm import TreeComm
 
     parts = [object.__new__(cls) for cls in (FtarEngine, TreeComm, LighthouseClient)]  # hooks only, no I/O
-    rec = attach(FakeClock(), engine=parts[0], comm=parts[1], lighthouse=parts[2], capacity=64)
+    rec = attach(ManualClock(100.0), engine=parts[0], comm=parts[1], lighthouse=parts[2], capacity=64)
     assert all(p.telemetry is rec for p in parts) and rec.capacity == 64
     assert FtarEngine.telemetry is None  # the class default stays off
     with pytest.raises(TypeError, match="has no telemetry hook"):
-        attach(FakeClock(), engine=object())
+        attach(ManualClock(100.0), engine=object())
 
 
 @pytest.mark.parametrize("written", [0, 5, 16, 23, 40])
 def test_records_last_are_the_newest_oldest_first(written):
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     rec = Recorder(clock, capacity=16)
     for i in range(written):
         rec.quorum_ask(i)
@@ -141,7 +131,7 @@ def test_records_last_are_the_newest_oldest_first(written):
 
 
 def test_holds_says_whether_an_op_is_still_in_the_buffer():
-    rec = Recorder(FakeClock(), capacity=16)
+    rec = Recorder(ManualClock(100.0), capacity=16)
     assert not any(rec.holds(op) for op in Op)
     rec.catchup_start(3, 2)
     rec.ftar_enter(1, 64, 4, 0, 6)
@@ -154,7 +144,7 @@ def test_holds_says_whether_an_op_is_still_in_the_buffer():
 
 
 def test_last_record_is_the_newest_of_its_op_while_held():
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     rec = Recorder(clock, capacity=16)
     assert rec.last_record(Op.CATCHUP) is None
     rec.catchup_start(3, 2)

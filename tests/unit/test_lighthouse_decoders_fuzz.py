@@ -17,25 +17,20 @@ runs 100,000 examples per decoder (FUZZ_EXAMPLES=N for another count):
 from __future__ import annotations
 
 import json
-import os
 
 import msgpack
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import given, strategies as st
 
 from ftrun.env import wire
 from ftrun.env.base import ProtocolError
 from ftrun.quorum import protocol
 from ftrun.quorum.decide import Decision, Participant
 from ftrun.quorum.service import STATE_KEY, LighthouseStateError, load_state
+from tests.unit.fuzzing import HOSTILE_TEXT, PROFILE, doc_paths
 
 pytestmark = pytest.mark.fuzz
 
-settings.register_profile("decoders", max_examples=40, deadline=None, database=None, derandomize=True,
-                          suppress_health_check=list(HealthCheck))
-settings.register_profile("fuzz", max_examples=int(os.environ.get("FUZZ_EXAMPLES", "100000")), deadline=None,
-                          database=None, suppress_health_check=list(HealthCheck))
-PROFILE = settings(settings.get_profile("fuzz" if os.environ.get("HYPOTHESIS_PROFILE") == "fuzz" else "decoders"))
 
 EDGES = [0, -1, 2**52, 2**52 + 1, 2**53 - 1, 2**53, 2**63 - 1, 2**64 - 1, -2**63]
 scalars = (st.none() | st.booleans() | st.integers(min_value=-2**63, max_value=2**64 - 1) | st.sampled_from(EDGES)
@@ -44,16 +39,6 @@ scalars = (st.none() | st.booleans() | st.integers(min_value=-2**63, max_value=2
 values = st.recursive(scalars, lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c,
                                                                                   max_size=4), max_leaves=12)
 DEEP = [[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]
-
-
-def _paths(doc, prefix=()):
-    yield list(prefix)
-    if isinstance(doc, dict):
-        for k, v in doc.items():
-            yield from _paths(v, (*prefix, k))
-    elif isinstance(doc, list):
-        for i, v in enumerate(doc):
-            yield from _paths(v, (*prefix, i))
 
 
 def _mutate(doc, path: list, value, drop: bool):
@@ -73,18 +58,23 @@ def _mutate(doc, path: list, value, drop: bool):
 
 def messages(valid: dict) -> st.SearchStrategy[bytes]:
     """msgpack payloads: `valid` with one part replaced or dropped, an extra key, or raw bytes."""
-    paths = list(_paths(valid))
+    paths = list(doc_paths(valid))
     mutated = st.builds(_mutate, st.just(valid), st.sampled_from(paths), values | st.just(DEEP), st.booleans())
     extra = st.builds(lambda k, v: {**valid, k: v}, st.text(max_size=8), values)
     return st.one_of(mutated.map(msgpack.packb), extra.map(msgpack.packb), st.binary(max_size=200),
                      st.sampled_from([msgpack.packb([1] * 10), msgpack.packb({1: 2}), b"\xc1", b"\xdf\xff\xff\xff\xff"]))
 
 
-def _decode(payload: bytes):
-    """The reader's path: the frame's payload as wire.decode_msg returns it (None if it is rejected)."""
+def _accepted(payload: bytes, parse):
+    """The reader's path: `parse` of the frame's payload as wire.decode_msg returns it; None when either
+    rejects it with its documented error (ProtocolError, protocol.BadRequest); anything else raises."""
     try:
-        return wire.decode_msg(payload)
+        msg = wire.decode_msg(payload)
     except ProtocolError:
+        return None
+    try:
+        return parse(msg)
+    except protocol.BadRequest:
         return None
 
 
@@ -123,13 +113,10 @@ def test_frame_decode_raises_only_protocol_errors(frame):
 @PROFILE
 @given(payload=messages({"type": "hello", "token": "t0k", "replica_id": "r0"}))
 def test_hello_raises_only_bad_request(payload):
-    msg = _decode(payload)
-    if msg is None:
+    parsed = _accepted(payload, protocol.parse_hello)
+    if parsed is None:
         return
-    try:
-        token, rid = protocol.parse_hello(msg)
-    except protocol.BadRequest:
-        return
+    token, rid = parsed
     assert isinstance(token, str) and rid.isprintable() and 0 < len(rid) <= protocol.MAX_REPLICA_ID_CHARS
 
 
@@ -141,13 +128,10 @@ REQUEST = {"type": "quorum", "step": 7, "commit_failed": False, "own_failures": 
 @PROFILE
 @given(payload=messages(REQUEST))
 def test_quorum_request_raises_only_bad_request(payload):
-    msg = _decode(payload)
-    if msg is None:
+    parsed = _accepted(payload, protocol.parse_quorum_request)
+    if parsed is None:
         return
-    try:
-        step, failed, qid, addrs, own, fresh = protocol.parse_quorum_request(msg)
-    except protocol.BadRequest:
-        return
+    step, failed, qid, addrs, own, fresh = parsed
     assert all(type(v) is int and 0 <= v <= protocol.MAX_REQUEST_COUNTER for v in (step, qid, own))
     assert type(failed) is bool and type(fresh) is bool
     assert len(addrs) <= protocol.MAX_ADDRS and all(isinstance(a, str) and len(a) <= protocol.MAX_ADDR_CHARS
@@ -158,12 +142,8 @@ def test_quorum_request_raises_only_bad_request(payload):
 @PROFILE
 @given(payload=messages({"type": "finished", "step": 40}))
 def test_finished_report_raises_only_bad_request(payload):
-    msg = _decode(payload)
-    if msg is None:
-        return
-    try:
-        step = protocol.parse_finished(msg)
-    except protocol.BadRequest:
+    step = _accepted(payload, protocol.parse_finished)
+    if step is None:
         return
     assert type(step) is int and 0 <= step <= protocol.MAX_REQUEST_COUNTER
 
@@ -177,12 +157,8 @@ DECISION = protocol.encode_decision(Decision(True, "fast path", 5, (Participant(
 @PROFILE
 @given(payload=messages(DECISION))
 def test_decision_decode_raises_only_bad_request(payload):
-    msg = _decode(payload)
-    if msg is None:
-        return
-    try:
-        d = protocol.decode_decision(msg)
-    except protocol.BadRequest:
+    d = _accepted(payload, protocol.decode_decision)
+    if d is None:
         return
     assert 0 <= d.quorum_id <= protocol.MAX_COUNTER and 0 <= d.max_step <= protocol.MAX_COUNTER
     assert d.min_replicas >= 1 and set(d.behind) <= set(d.replica_ids)
@@ -202,19 +178,17 @@ class _Stored:
 
 
 STATE = {"quorum_id": 9, "participants": ["r0", "r1"], "max_step": 39, "finished_step": 40}
-_HOSTILE_TEXT = ["1e400", "-1e400", "NaN", "9" * 5000, "\u00b2", "[" * 100_000 + "]" * 100_000,
-                 '{"a":' * 50_000 + "1" + "}" * 50_000]
 json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.sampled_from(EDGES)
                            | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=40),
                            lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
                            max_leaves=12)
 state_files = st.one_of(
-    st.builds(_mutate, st.just(STATE), st.sampled_from(list(_paths(STATE))), json_values, st.booleans())
+    st.builds(_mutate, st.just(STATE), st.sampled_from(list(doc_paths(STATE))), json_values, st.booleans())
     .map(lambda d: json.dumps(d).encode()),
     st.builds(lambda key, text: json.dumps(STATE).replace(f'"{key}": {json.dumps(STATE[key])}',
                                                           f'"{key}": {text}').encode(),
-              st.sampled_from(sorted(STATE)), st.sampled_from(_HOSTILE_TEXT)),
-    st.sampled_from(_HOSTILE_TEXT).map(str.encode),
+              st.sampled_from(sorted(STATE)), st.sampled_from(HOSTILE_TEXT)),
+    st.sampled_from(HOSTILE_TEXT).map(str.encode),
     st.binary(max_size=200),
 )
 

@@ -18,21 +18,14 @@ from harness.profile import NetworkConfig, apply_overrides, load_profile
 from harness.run import EmulatedJob, JobOptions
 from harness.run.ring_model import RingBoard, rank_cost, step_summary
 from ftrun.ftar.schedule import schedule
+from tests.manual_clock import ManualClock
 
 pytestmark = pytest.mark.timeout(120)
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def now(self) -> float:
-        return self.t
-
-
 # -- telemetry of a modeled all-reduce -----------------------------------------------------------------
 def test_a_modeled_all_reduce_reads_as_moving_until_its_end_then_done_with_its_totals():
-    clock, big = FakeClock(), 5 * (1 << 32) + 123  # bytes sent past the u4 nbytes field: W48
+    clock, big = ManualClock(100.0), 5 * (1 << 32) + 123  # bytes sent past the u4 nbytes field: W48
     rec = Recorder(clock, capacity=64)
     rec.ftar_enter(7, 1 << 33, 4, 2, 70)
     clock.t = 101.0  # the last member arrived: modeled from 101 to 103
@@ -55,7 +48,7 @@ def test_a_modeled_all_reduce_reads_as_moving_until_its_end_then_done_with_its_t
 
 
 def test_a_failed_modeled_all_reduce_names_the_side_that_closed():
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     rec = Recorder(clock, capacity=64)
     rec.ftar_enter(3, 4096, 4, 1, 14)
     rec.ftar_model(100.0, 102.0, 14, 12, 3000, 0.0)
@@ -71,7 +64,7 @@ def test_a_failed_modeled_all_reduce_names_the_side_that_closed():
                                       ((0.0, 1.0, 1, 1, 1 << 48, 0.0), "sent_bytes"),
                                       ((0.0, 1.0, 1, 1, 1, 1e6), "busy_s")])
 def test_ftar_model_refuses_values_it_cannot_record(args, why):
-    rec = Recorder(FakeClock(), capacity=16)
+    rec = Recorder(ManualClock(100.0), capacity=16)
     with pytest.raises(ValueError, match=why):
         rec.ftar_model(*args)
     assert rec.written == 0
