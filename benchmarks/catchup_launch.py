@@ -5,8 +5,9 @@
 Three replicas train a 4.2M-parameter MLP (benchmarks/catchup_mlp_worker.py: a 50.4 MB state with the
 Adam moments); r1 is SIGKILLed after each --kill-at step, restarted, and catches up from the other two.
 From the job's events.jsonl it prints, per rejoin: the joiner's fetch (bytes, seconds, GB/s) and each
-healthy replica's measured stall in that step ("catchup_wait" stall_s), against the job's median step
-time measured in the same run (commit to commit of r0 over steps without a joiner). The figure is
+healthy replica's measured stall in that step ("catchup_wait" stall_s) and the step's length (r0's
+commit before it to its commit), against the job's median step time measured in the same run (commit
+to commit of r0 over steps without a joiner). The figure is
 `max_stall_steps` = the longest stall / the median step: the target is <= 1.
 
 The start heal (r1 starting after the others took their first step: it heals at step 1 as incarnation
@@ -63,7 +64,7 @@ def main() -> int:
             print(f"{title} of {r['replica']} (incarnation {r['incarnation']}) at step {r['step']}: fetch "
                   f"{r['num_bytes'] / 1e6:.1f} MB in {r['fetch_s'] * 1e3:.1f} ms ({r['fetch_gbps']:.2f} GB/s); "
                   f"healthy peers' stall {r['max_stall_s'] * 1e3:.1f} ms = {r['stall_steps']:.2f} steps "
-                  f"({', '.join(r['actions'])})")
+                  f"({', '.join(r['actions'])}); the step took {r['step_s'] * 1e3:.1f} ms")
     if figures["rejoins"]:
         print(f"rejoins: median fetch {figures['median_rejoin_fetch_s'] * 1e3:.1f} ms; "
               f"max stall {figures['max_stall_steps']:.2f} steps")
@@ -86,14 +87,18 @@ def analyse(events: list[dict]) -> dict:
     steps = [t1 - t0 for (s0, t0), (s1, t1) in zip(commits, commits[1:])
              if s1 == s0 + 1 and not ({s0, s1} & joined | {s1 - 1, s1 - 2} & joined)]
     median = statistics.median(steps) if steps else float("nan")
+    committed = dict(commits)
     catchups = []
     for c in (e for e in rank0 if e.get("event") == "catchup"):
         waits = [e for e in rank0 if e.get("event") == "catchup_wait" and e["step"] == c["step"]]
         stall = max((w["stall_s"] for w in waits), default=0.0)
+        step_s = committed[c["step"]] - committed[c["step"] - 1] \
+            if c["step"] in committed and c["step"] - 1 in committed else float("nan")
         catchups.append({"step": c["step"], "replica": c["replica_id"], "incarnation": c.get("incarnation", 0),
                          "num_bytes": c["num_bytes"], "fetch_s": c["seconds"],
                          "fetch_gbps": c["num_bytes"] / max(c["seconds"], 1e-9) / 1e9, "max_stall_s": stall,
-                         "stall_steps": stall / median, "actions": [w["action"] for w in waits]})
+                         "stall_steps": stall / median, "actions": [w["action"] for w in waits],
+                         "step_s": step_s})
     rejoins = [c for c in catchups if c["incarnation"] > 0]
     caught_up = {(c["replica"], c["incarnation"]) for c in rejoins}
     kills = [{"replica": e["replica_id"], "incarnation": e["incarnation"], "step": e.get("step")}

@@ -44,6 +44,7 @@ def test_start_heal_is_apart_from_rejoins(bench):
     assert figures["median_rejoin_fetch_s"] == pytest.approx(0.05)
     assert figures["median_step_s"] == pytest.approx(0.1)
     assert figures["max_stall_steps"] == pytest.approx(0.2)
+    assert [r["step_s"] for r in figures["rejoins"]] == [pytest.approx(0.1)] * 2  # r0's commit before to its own
     assert figures["kills_without_rejoin"] == []
 
 
