@@ -7,8 +7,9 @@ the calling task, and returns with the snapshot servable. The checksum ran in a 
 the caller went on at once, but a joiner waited for that new thread to get a CPU, and on a host whose
 cores the training threads keep busy it waited several ms on the run queue for it (5-7 ms of a 8-10 ms
 checksum, traced in benchmarks/catchup_launch.py on 2 cores); the trainer publishes at the start of a
-step whose compute waits for the joiner anyway. In that benchmark (load 3.6-4.9, 9 rejoins each,
-alternating runs) a restarted replica's fetch took a median 48 ms against 69 ms. The buffer is a private
+step whose compute waits for the joiner anyway. In that benchmark (alternating runs) a restarted
+replica's fetch took a median 48 ms against 69 ms (9 rejoins each, load 3.6-4.9) and 42 ms against 50
+ms (12 each, load 0.9-2.6); the healthy peers' stall 14 ms against 22. The buffer is a private
 anonymous mapping: a first publish faults it in on a joiner's critical path, and 50 MB faulted and
 copied in ~30 ms here against ~42 ms for the memfd it replaced (load ~2, 2 cores). Transparent huge
 pages (MADV_HUGEPAGE) were tried: ~15 ms in isolation, but a fresh process's first publish then took
