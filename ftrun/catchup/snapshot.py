@@ -2,9 +2,14 @@
 
 `SnapshotStore.publish(step, state)` copies a flat dict name -> tensor into a preallocated buffer (the
 buffer and the per-tensor views into it are reused while the state's layout stays the same, so a
-steady-state publish allocates nothing), then checksums the shards in a background task: the CRC32
-(ftrun.catchup.checksum, ISA-L) releases the GIL, so the caller goes on (e.g. to its optimizer step) as
-soon as the copy is done. The snapshot becomes servable when the checksums are. The buffer is a private
+steady-state publish allocates nothing), then checksums the shards (ftrun.catchup.checksum, ISA-L) in
+the calling task, and returns with the snapshot servable. The checksum ran in a background task before:
+the caller went on at once, but a joiner waited for that new thread to get a CPU, and on a host whose
+cores the training threads keep busy it waited several ms on the run queue for it (5-7 ms of a 8-10 ms
+checksum, traced in benchmarks/catchup_launch.py on 2 cores); the trainer publishes at the start of a
+step whose compute waits for the joiner anyway. In that benchmark (alternating runs) a restarted
+replica's fetch took a median 48 ms against 69 ms (9 rejoins each, load 3.6-4.9) and 42 ms against 50
+ms (12 each, load 0.9-2.6); the healthy peers' stall 14 ms against 22. The buffer is a private
 anonymous mapping: a first publish faults it in on a joiner's critical path, and 50 MB faulted and
 copied in ~30 ms here against ~42 ms for the memfd it replaced (load ~2, 2 cores). Transparent huge
 pages (MADV_HUGEPAGE) were tried: ~15 ms in isolation, but a fresh process's first publish then took
@@ -14,12 +19,11 @@ least LEND_MIN_BYTES, contiguous): no copy, so the snapshot is servable as soon 
 The caller promises not to change them until it retires the step or publishes again (the trainer:
 parameters and optimizer state, which only the committed optimizer step or a heal's load changes, and
 it retires first; the user's own loop lends nothing, ftrun.train.user_state). Bytes changed anyway
-after their shard was checksummed fail the joiner's CRC check, as a replaced snapshot's torn bytes do;
-changed before (the checksums are computed in the background, after publish returns), they are
-checksummed and served as they are: no check catches that. benchmarks/catchup_launch.py's state
+after publish returns (their shard was checksummed) fail the joiner's CRC check, as a replaced
+snapshot's torn bytes do. benchmarks/catchup_launch.py's state
 (50.4 MB, CPU, 1 torch thread): publish to servable 3.6-16 ms (mostly the CRC, ~3 ms alone) against
-7.6-47 ms with the copy, medians of 25 side-by-side publishes at load 5-8 on 2 cores; the source keeps
-no 50 MB snapshot buffer either.
+7.6-47 ms with the copy, medians of 25 side-by-side publishes at load 5-8 on 2 cores (the checksum then
+in a background task); the source keeps no 50 MB snapshot buffer either.
 `reserve(state)` makes that buffer ahead of a first publish, in a background task (allocated and faulted
 in while the caller trains on): the trainer reserves while its quorum lacks some of the job's replicas,
 one of which will join and need the snapshot (the memory a first publish takes, kept as it is). In a
@@ -30,7 +34,7 @@ page-locked: a GPU state's device-to-host copy goes through pageable memory (reg
 with cudaHostRegister would pin it; that belongs with the CUDA code, not here).
 
 Threading: publish/reserve/retire/close from one task (the training loop); `lookup` from any task (the
-server's event loop); `on_change` is called, from the publishing or checksumming task, whenever what `lookup`
+server's event loop); `on_change` is called, from the publishing task, whenever what `lookup`
 answers may have changed.
 """
 
@@ -223,7 +227,6 @@ class SnapshotStore:
         self._buffer: _FlatBuffer | None = None
         self._layout: Layout | None = None
         self._views: dict[str, torch.Tensor] = {}
-        self._checksummer = None
         self._reserving = None  # the task faulting in a reserved buffer (`reserve`), until a publish takes it
         self._spare: _FlatBuffer | None = None  # what it made
 
@@ -234,7 +237,7 @@ class SnapshotStore:
 
         Returns once the copy is done (the caller may change its tensors, except those it lends: the
         `borrow` names that `lendable` accepts are served from their own memory until the step is
-        retired or replaced); the snapshot is servable when its checksums are (`wait_ready`). Raises
+        retired or replaced) and the checksums are: the snapshot is servable (`wait_ready`). Raises
         CatchupUsageError for a state that cannot be published (non-tensors, sparse or meta tensors,
         unsupported dtypes, non-JSON metadata).
         """
@@ -243,7 +246,6 @@ class SnapshotStore:
         check_metadata(metadata)
         layout = layout_for(describe(state), self._max_shard_bytes)
         generation = self._begin(pending=step)
-        self._stop_checksummer()
         views = self._views_for(layout)
         offsets = {t.name: t.offset for t in layout.tensors}
         lent = []
@@ -253,8 +255,7 @@ class SnapshotStore:
                 views[name].copy_(tensor.detach())
             else:
                 lent.append((offsets[name], view))
-        self._checksummer = self.env.spawn(self._checksum, generation, step, layout, metadata, self._buffer,
-                                           tuple(sorted(lent, key=lambda e: e[0])), name=f"catchup-crc-{step}")
+        self._checksum(generation, step, layout, metadata, self._buffer, tuple(sorted(lent, key=lambda e: e[0])))
 
     def check(self, state: Mapping[str, torch.Tensor], metadata: dict[str, Any] | None = None) -> None:
         """Raises CatchupUsageError as a publish of `state` and `metadata` would; copies nothing."""
@@ -280,7 +281,6 @@ class SnapshotStore:
             if step not in (self._newest, self._pending) and (self._ready is None or self._ready.step != step):
                 return
         self._begin(pending=None, retired=step)
-        self._stop_checksummer()
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """True once the last published step is servable."""
@@ -288,7 +288,6 @@ class SnapshotStore:
 
     def close(self) -> None:
         self._begin(pending=None)
-        self._stop_checksummer()
         self._take_reserved()
         self._views = {}
         if self._buffer is not None:
@@ -332,11 +331,6 @@ class SnapshotStore:
             generation = self._generation
         self._changed()
         return generation
-
-    def _stop_checksummer(self) -> None:
-        if self._checksummer is not None:
-            self._checksummer.join()  # it sees the new generation and stops after its current shard
-            self._checksummer = None
 
     def _fault_in(self, nbytes: int, ranges: list[tuple[int, int]]) -> None:
         """In the reserve task: a buffer of `nbytes` with the pages of `ranges` touched (torch's fill

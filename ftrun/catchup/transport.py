@@ -70,8 +70,9 @@ class CatchupService(Protocol):
 
     def publish(self, step: int, state: Mapping[str, torch.Tensor], metadata: dict[str, Any] | None = None, *,
                 borrow: Collection[str] = ()) -> None:
-        """Serve `state` as `step` (returns once it is copied; the caller may change its tensors, except
-        the `borrow` ones, which may be served in place until it retires `step` or publishes again)."""
+        """Serve `state` as `step` (returns once it is copied and checksummed, servable; the caller may change
+        its tensors, except the `borrow` ones, which may be served in place until it retires `step` or
+        publishes again)."""
 
     def check(self, state: Mapping[str, torch.Tensor], metadata: dict[str, Any] | None = None) -> None:
         """Raises CatchupUsageError as a publish of `state` and `metadata` would (the trainer's build asks,
