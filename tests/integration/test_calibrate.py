@@ -4,6 +4,7 @@ when each value was measured, and runs under the emulator, which charges the cal
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -45,8 +46,11 @@ def test_quick_calibration_writes_a_profile_the_emulator_runs(tmp_path):
     from harness.profile import apply_overrides
     from harness.run import JobOptions, Kill
 
-    short = apply_overrides(p, ["train.steps=4", "emulation.cpu_charging=false"])
-    f, job = execute(short, JobOptions(steps=4, kills=(Kill(1, at_step=2),)))
+    # Enough steps after the kill that the job is still running when the supervisor notices it: both figures
+    # were measured, and under load crash detection can take many (~1 ms) steps.
+    steps = 4 + math.ceil(3 * p.scheduler.crash_detect_s / p.train.step_compute_s)
+    short = apply_overrides(p, [f"train.steps={steps}", "emulation.cpu_charging=false"])
+    f, job = execute(short, JobOptions(steps=steps, kills=(Kill(1, at_step=2),)))
     assert f["complete"] and f["replicas_consistent"], f
     events = job.recorder.events
     kill = next(e for e in events if e.get("event") == "kill")
