@@ -30,7 +30,7 @@ from ftrun.diagnose.analysis import analyze
 from ftrun.diagnose.model import AnalysisConfig, Layout, Snapshot, Verdict
 from ftrun.diagnose.summary import HIST, HIST_LEN, SUMMARY, empty_hist, empty_summary, summarize
 from ftrun.diagnose.telemetry import Ev, Op, Recorder
-from ftrun.env.base import Connection, Env, NetError, serve_connections
+from ftrun.env.base import Connection, Env, NetError, PeerClosed, serve_connections
 from ftrun.net import require_token, token_matches
 
 log = logging.getLogger("ftrun.diagnose")
@@ -41,6 +41,14 @@ _TIMES_H = ("enter", "done")
 
 class DiagnoseError(Exception):
     """A diagnosis request failed: refused (token, bad message) or unanswered."""
+
+
+class DiagnoseClosed(DiagnoseError):
+    """The peer closed the connection before replying: in a burst of connections a listener closes those beyond
+    its caps unread (ftrun.env.admission), so `TelemetryServer.register` tries again."""
+
+
+REGISTER_RETRY_S = (0.05, 1.0)  # a registration's first wait before trying again, and the longest one
 
 
 @dataclass(frozen=True)
@@ -95,6 +103,8 @@ def request(env: Env, addr: str, msg: dict, timeout: float) -> dict:
     try:
         conn.send(msg, timeout=timeout)
         reply = conn.recv(timeout=timeout)
+    except PeerClosed as e:
+        raise DiagnoseClosed(f"{addr} closed the connection before answering {msg.get('type')!r}: {e}") from e
     except NetError as e:
         raise DiagnoseError(f"{addr} did not answer {msg.get('type')!r} within {timeout}s: {e}") from e
     finally:
@@ -208,10 +218,26 @@ class TelemetryServer(_Service):
         self.serve_s = 0.0  # time spent answering pulls (summarizing), the collection's cost on this process
 
     def register(self, collector: str, timeout: float = 5.0) -> None:
+        """Register with the collector. A registration whose connection the collector closed unanswered is
+        tried again (backing off, REGISTER_RETRY_S) until `timeout`: every rank of a job registers as it
+        starts, and a listener closes connections beyond its cap on those not past their first message
+        (ftrun.env.admission), so in a large job's burst some are closed unread. Anything else is raised as
+        before: a refusal at once, a collector nobody listens at once connect gives up (it waits for a
+        listener until `timeout`), a reply that did not come within it. A rank's build waits longer for
+        diagnosis only while a live collector is turning connections away."""
         ranks = [{"key": i.key, "replica": i.replica, "rank": i.rank, "host": i.host, "incarnation": i.incarnation}
                  for i in self.ranks]
-        request(self.env, collector, {"type": "register", "token": self._token, "addr": self.addr, "ranks": ranks},
-                timeout)
+        msg = {"type": "register", "token": self._token, "addr": self.addr, "ranks": ranks}
+        deadline, wait = self.env.clock.now() + timeout, REGISTER_RETRY_S[0]
+        while True:
+            try:
+                request(self.env, collector, msg, max(deadline - self.env.clock.now(), 1e-3))
+                return
+            except DiagnoseClosed:
+                if self.env.clock.now() + wait >= deadline:
+                    raise
+            self.env.clock.sleep(wait)
+            wait = min(2 * wait, REGISTER_RETRY_S[1])
 
     def answer(self, msg: dict) -> dict:
         if msg.get("type") != "pull":
