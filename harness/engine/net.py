@@ -80,7 +80,7 @@ class Fabric:
         self.cuts: list[tuple[int, float, float]] = []  # (building, start, end): see the module docstring
         self.crash_fin_delay_s = 0.0  # a crashed host's FINs leave this long after the crash (OS teardown)
         self.listen_limits: ListenLimits | None = None  # caps on each listener's connections (None: none), as
-        # ftrun.env.admission says; a connection counts as past its first message once that frame is sent
+        # ftrun.env.admission says; a connection counts as past its first message once that frame is read
         self.link_factor: dict[tuple[str, str], float] = {}  # (src, dst) host names -> slowdown (slow_link)
         self._base_rate: dict[tuple[str, str], float] = {}
 
@@ -315,7 +315,7 @@ class EmuConnection:
         self._last_arrival = 0.0
         self.owner: Any = None  # the process (root task) that connected or accepted it, if known
         self._admission: Admission | None = None  # its listener's bookkeeping, for an accepted one under caps
-        self._greeting = False  # accepted under caps, and no frame sent to it yet
+        self._greeting = False  # accepted under caps, and no frame read from it yet
         host.conns[self] = None
 
     @classmethod
@@ -364,9 +364,6 @@ class EmuConnection:
         self._last_arrival = arrival
         peer = self._peer
         if not peer._closed:
-            if peer._greeting:  # its first frame: no longer pending under its listener's caps
-                peer._greeting = False
-                peer._admission.greeted(peer)
             inbox = peer._inbox
             inbox.append((arrival, kind, payload))
             if peer._rx and len(inbox) == 1:  # the receiver waits for exactly this frame
@@ -406,7 +403,7 @@ class EmuConnection:
         sched = self._fab.sched
         inbox = self._inbox
         if inbox and inbox[0][0] <= sched.now and not self._closed:
-            return inbox.pop(0)  # the common case: arrived before this slice began, no clock read
+            return self._take()  # the common case: arrived before this slice began, no clock read
         now = sched.vnow()
         deadline = _NEVER if timeout is None else now + timeout
         while True:
@@ -415,7 +412,7 @@ class EmuConnection:
             if inbox:
                 wake_at = inbox[0][0]
                 if wake_at <= now:
-                    return inbox.pop(0)
+                    return self._take()
             elif self._fin_at <= now:
                 raise PeerClosed(f"peer {self.peer_addr} closed the connection")
             else:
@@ -426,6 +423,14 @@ class EmuConnection:
                 sched.call_at(wake_at, _wake_rx, self)
             sched.wait(self._rx, None if deadline == _NEVER else deadline - now, self, deadline)
             now = sched.now  # just resumed: the slice has barely begun; look again
+
+    def _take(self) -> tuple:
+        """The first frame of the inbox, read: the connection is past its first message under its listener's
+        caps, as a real one is once that message is read (a frame sent before the accept counts too)."""
+        if self._greeting:
+            self._greeting = False
+            self._admission.greeted(self)
+        return self._inbox.pop(0)
 
     # -- closing -----------------------------------------------------------------------------------
     def wait_closed(self, timeout: float | None = None) -> None:

@@ -538,6 +538,32 @@ def test_serve_connections_under_a_pending_cap_closes_the_oldest_silent_connecti
     assert len(warnings) == 1 and "4 connections have not sent their first message" in warnings[0], warnings
 
 
+@pytest.mark.parametrize("kind", sorted(ENV_FACTORIES))
+def test_a_connection_whose_first_message_was_read_is_not_evicted_by_a_newer_silent_one(kind):
+    """Under a pending cap of 1: a peer whose first message arrived before the accept and was read is past it,
+    so a newer silent connection does not close it (the emulated listener counted only frames sent after the
+    accept, and kept such a connection pending for good)."""
+    env = ENV_FACTORIES[kind](net_limits=ListenLimits(max_pending=1))
+
+    def body():
+        listener = env.net.listen(ADDR)
+        spoke = env.net.connect(listener.addr, timeout=2.0)
+        spoke.send({"n": 1})
+        env.clock.sleep(0.05)  # the first message is there before the accept
+        served = listener.accept(timeout=2.0)
+        first = served.recv(timeout=2.0)
+        silent = env.net.connect(listener.addr, timeout=2.0)
+        newer = listener.accept(timeout=2.0)
+        spoke.send({"n": 2})
+        second = served.recv(timeout=2.0)
+        for conn in (spoke, served, silent, newer):
+            conn.close()
+        listener.close()
+        return first, second
+
+    assert env.run(body) == ({"n": 1}, {"n": 2})
+
+
 def test_bad_address_is_a_value_error(env):
     with pytest.raises(ValueError):
         env.run(env.net.listen, "no-port-here")
