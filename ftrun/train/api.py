@@ -22,7 +22,7 @@ quorum, catch-up of a restarted replica, forward/backward on this rank's batch (
 deterministic, resumable, exactly-once order), FTAR across replicas, two-phase commit. On stdout it
 prints JSON event lines: the Manager's and trainer's (rank 0: quorum, heal, commit, abort, error,
 catchup, checkpoint) and every rank's own: ready (with the rank's device), step (loss; param_hash,
-sha256 of this rank's parameter bytes, after a commit), final, failed. `ftrun launch` reads rank 0's.
+a fingerprint of this rank's parameter bytes, after a commit), final, failed. `ftrun launch` reads rank 0's.
 
 One job per process: `init_from_env` makes the replica's ranks the process's default process group
 (FSDP2 needs one), or adopts the one a torchrun-style script made itself (`dist.init_process_group()`

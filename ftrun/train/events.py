@@ -2,28 +2,29 @@
 `ft.train()` (ftrun.train.api) and the user's own loop (ftrun.train.own).
 
 A "step" event: the step trained, its quorum, whether it committed, the loss, whether the replica
-healed in it, the ledger's lineage, and after a commit `param_hash` (sha256 of this rank's parameter
-bytes, its local shards under FSDP2) and, in the user's own loop, `user_state_hash` (the registered
-state's, ftrun.train.user_state). `ftrun launch` compares both across replicas per (step, rank).
+healed in it, the ledger's lineage, and after a commit `param_hash` (a fingerprint of this rank's
+parameter bytes, its local shards under FSDP2: ftrun.train.fingerprint) and, in the user's own loop,
+`user_state_hash` (the registered state's, ftrun.train.user_state). `ftrun launch` compares both across
+replicas per (step, rank).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 
 import torch
 
+from ftrun.train.fingerprint import fingerprint, tensor_bytes
 from ftrun.train.shard import local
 from ftrun.train.trainer import StepResult
 
 
 def param_hash(model: torch.nn.Module) -> str:
-    """sha256 of this rank's parameter bytes (its local shards under FSDP2), in named_parameters order."""
-    h = hashlib.sha256()
+    """Fingerprint of this rank's parameter bytes (its local shards under FSDP2), in named_parameters order."""
+    h = fingerprint()
     for _, p in model.named_parameters():
-        h.update(local(p).detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        h.update(tensor_bytes(local(p)))
     return h.hexdigest()
 
 

@@ -8,7 +8,7 @@ environment, trains `ftrun.train.toy.TinyLM` on synthetic tokens (real quorum, c
 FTAR, 2PC, DCP checkpoints under run_dir/ckpt, loader_state under run_dir; FSDP2 inside a replica of
 more than one rank) and prints the API's JSON event lines on stdout: the Manager's (quorum, heal,
 commit, abort, error), the trainer's (catchup, checkpoint) and every rank's: ready, step (after every
-step; `param_hash` = sha256 of this rank's parameter bytes after a commit), final (at a clean exit,
+step; `param_hash` = a fingerprint of this rank's parameter bytes after a commit), final (at a clean exit,
 with the ledger), failed. Audit records go to run_dir/audit-{replica}-{incarnation}.jsonl. It stops
 once it has committed --steps steps, or the step written in --stop-file (tests use it to end every
 replica at the same step). It builds its data and unsharded model before it reads anything rank-specific

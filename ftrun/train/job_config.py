@@ -161,7 +161,7 @@ class JobBasics:
 class TrainResult:
     ok: bool  # False: the replica failed (ReplicaError) and must be restarted
     step: int  # steps committed (or healed to) by this replica
-    param_hash: str  # sha256 of this rank's parameter bytes at the end
+    param_hash: str  # fingerprint of this rank's parameter bytes at the end (ftrun.train.fingerprint)
     loader_state: dict  # the ledger at the end (JSON form)
     error: str = ""
 

@@ -7,9 +7,9 @@ carries (it never pickles): every tensor is replaced by {"$t": "<key>"} and ship
 {"$tuple": [...]}, so `unflatten(flatten(x)) == x` for every state dict made of tensors, dicts,
 lists, tuples, str, int, float, bool and None. Anything else raises ValueError naming its path.
 
-`UserState.hash()`: sha256 over the skeleton (canonical JSON) and every tensor's dtype, shape and
-bytes, in key order: equal for equal state, so replicas can be compared step by step (the step
-event's `user_state_hash`; `ftrun launch` reports `user_state_identical`).
+`UserState.hash()`: a fingerprint (ftrun.train.fingerprint) of the skeleton (canonical JSON) and every
+tensor's dtype, shape and bytes, in key order: equal for equal state, so replicas can be compared step
+by step (the step event's `user_state_hash`; `ftrun launch` reports `user_state_identical`).
 
 `WithUserState` composes a rank's TrainState (model and optimizer, ftrun.train.state) with the
 registered state: the user tensors under "user.", the skeleton under metadata["user"]; its catch-up
@@ -20,13 +20,13 @@ Threading: the training loop's thread only.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from typing import Any, Callable, Mapping
 
 import torch
 
+from ftrun.train.fingerprint import fingerprint, tensor_bytes
 from ftrun.train.shard import like, local
 from ftrun.train.state import TrainState, peer_shapes, taken_shapes
 
@@ -129,11 +129,11 @@ class UserState:
 
     def hash(self) -> str:
         tensors, skeleton = self.split()
-        h = hashlib.sha256(json.dumps(skeleton, sort_keys=True, allow_nan=True).encode())
+        h = fingerprint(json.dumps(skeleton, sort_keys=True, allow_nan=True).encode())
         for key in sorted(tensors):
-            t = tensors[key].detach().cpu().contiguous()
+            t = tensors[key]
             h.update(f"{key}|{t.dtype}|{tuple(t.shape)}|".encode())
-            h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            h.update(tensor_bytes(t))
         return h.hexdigest()
 
 

@@ -11,7 +11,7 @@ so the scenarios share one long-running job (module fixture, checkpointing every
 injects its faults into it: one job that survives every phase kill in a row (the checkpoint writer's
 included), a dying and a lying catch-up source, and a full restart from its checkpoint. Each scenario
 leaves all three replicas up, so none depends on another. After every scenario: every committed step's
-parameters are bitwise identical in every replica that committed it (sha256 of all parameter bytes, per
+parameters are bitwise identical in every replica that committed it (a fingerprint of all parameter bytes, per
 step and ledger lineage), and the exactly-once audit over every replica's records holds; when the job
 ends, for its final ledger. Run with -s to see the measured figures.
 """
