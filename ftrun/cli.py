@@ -14,7 +14,11 @@ import argparse
 import importlib
 import json
 import logging
+import re
 import sys
+from dataclasses import fields
+
+from ftrun.env.admission import ListenLimits
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -66,6 +70,34 @@ def add_emulation_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup
                         "stall a ring silently)")
     p.add_argument("--cpu-charging", choices=("on", "off"), default=cpu_charging,
                    help=f"{prefix}charge real CPU time to emulated hosts (default: {cpu_charging_default})")
+
+
+def add_listen_arguments(p: argparse.ArgumentParser) -> None:
+    """The listener caps flags of a command that runs services (`ftrun lighthouse`, `launch` and its host agents,
+    `diagnose --serve`): --max-connections, --max-pending, --max-hello-bytes, one per ListenLimits field
+    (ftrun.env.admission), as FTConfig.net_limits sets them for a rank's listeners. `listen_limits` reads them."""
+    g = p.add_argument_group("listener caps (every listener this command opens; ftrun.env.admission)")
+    helps = {"max_connections": "live connections per listener",
+             "max_pending": "connections not past their first message; a new one beyond it closes the oldest",
+             "max_hello_bytes": "the largest first message a connection may announce"}
+    for f in fields(ListenLimits):
+        g.add_argument(_flag(f.name), type=int, default=f.default, metavar="N", dest=f.name,
+                       help=f"{helps[f.name]} (default: %(default)s)")
+
+
+def listen_limits(args: argparse.Namespace) -> ListenLimits:
+    """The ListenLimits of `add_listen_arguments`' flags; UsageError naming the flag ListenLimits refused."""
+    try:
+        return ListenLimits(**{f.name: getattr(args, f.name) for f in fields(ListenLimits)})
+    except ValueError as e:
+        text = str(e).replace("ListenLimits.", "")
+        for f in fields(ListenLimits):
+            text = re.sub(rf"\b{f.name}\b", _flag(f.name), text)
+        raise UsageError(text) from None
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
 def setup_logging(level: str = "INFO") -> None:

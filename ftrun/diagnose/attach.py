@@ -10,14 +10,11 @@ diagnosis collector (ftrun.diagnose.monitor, beside the lighthouse) and register
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Callable
 
-from ftrun.diagnose.collect import DiagnoseError, RankInfo, TelemetryServer
+from ftrun.diagnose.collect import RankInfo, TelemetryServer
 from ftrun.diagnose.telemetry import DEFAULT_CAPACITY, Recorder
 from ftrun.env.base import Clock, Env
-
-log = logging.getLogger("ftrun.diagnose")
 
 
 def attach(clock: Clock, *, engine: Any = None, comm: Any = None, lighthouse: Any = None, trainer: Any = None,
@@ -39,9 +36,12 @@ def serve_rank(env: Env, *, token: str, info: RankInfo, collector: str, bind: st
                advertise: Callable[[str], str] | None = None,
                register_timeout_s: float = 5.0) -> tuple[Recorder, TelemetryServer]:
     """Attach a Recorder to the rank's components (a comm without a hook, e.g. LocalComm, is skipped),
-    serve it on `bind` and register with the collector at `collector`. A collector that cannot be reached
-    is logged, not raised: diagnosis must never stop training. `advertise` maps the bound address to the
-    one the collector should use (a wildcard bind). The caller stops the server."""
+    serve it on `bind` and register with the collector at `collector` in the background
+    (TelemetryServer.register_in_background): the rank goes on at once, even while a collector's listener
+    turns registrations away in a burst, and one that fails is logged, not raised: diagnosis must never stop
+    or hold up training. Until the registration lands the collector does not know the rank (its verdicts
+    leave it out); nothing on the rank waits for it. `advertise` maps the bound address to the one the
+    collector should use (a wildcard bind). The caller stops the server, which cancels a registration in flight."""
     if comm is not None and not hasattr(type(comm), "telemetry"):
         comm = None
     recorder = attach(env.clock, engine=engine, comm=comm, lighthouse=lighthouse, trainer=trainer)
@@ -49,8 +49,5 @@ def serve_rank(env: Env, *, token: str, info: RankInfo, collector: str, bind: st
     server.start()
     if advertise is not None:
         server.addr = advertise(server.addr)
-    try:
-        server.register(collector, timeout=register_timeout_s)
-    except DiagnoseError as e:
-        log.warning("telemetry of %s not registered with the diagnosis collector %s: %s", info.key, collector, e)
+    server.register_in_background(collector, timeout=register_timeout_s)
     return recorder, server

@@ -3,7 +3,8 @@
   ftrun diagnose --lighthouse HOST:PORT [--json]     ask a live job's lighthouse (its diagnosis monitor)
                                                      for a verdict now (`ftrun launch` writes OUT/lighthouse)
   ftrun diagnose --collector HOST:PORT [--json]      ask a collector for a verdict now
-  ftrun diagnose --serve [--bind 127.0.0.1:29511]    run the collector (ranks register with it)
+  ftrun diagnose --serve [--bind 127.0.0.1:29511]    run the collector (ranks register with it); its listener
+                                                     capped by --max-connections / --max-pending / --max-hello-bytes
   ftrun diagnose bench --profile P --scenarios N --seed S [--fault-free K] [--only K,...] [--json]
                                                      one emulated job, N random fault scenarios one after
                                                      another, each scored against the analysis' verdict
@@ -21,7 +22,7 @@ import signal
 import stat
 import sys
 
-from ftrun.cli import add_emulation_arguments
+from ftrun.cli import add_emulation_arguments, add_listen_arguments, listen_limits
 from ftrun.diagnose.collect import Collector, CollectorConfig, DiagnoseError, request
 from ftrun.env.real import RealEnv
 
@@ -38,6 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the verdict")
     p.add_argument("--token-file", help="file holding the job token (mode 0600); default: $FTRUN_TOKEN")
     p.add_argument("--json", action="store_true")
+    add_listen_arguments(p)  # --serve: the collector's listener
     bench = p.add_argument_group("bench")
     bench.add_argument("--profile", default="ci-small", help="bench: scale profile name or TOML path")
     bench.add_argument("--scenarios", type=int, default=12, help="bench: fault scenarios to run")
@@ -74,7 +76,8 @@ def run(args: argparse.Namespace) -> int:
     if not (args.lighthouse or args.collector or args.serve):
         from ftrun.cli import UsageError
         raise UsageError("one of --lighthouse, --collector, --serve or the bench action is required")
-    token, env = job_token(args.token_file), RealEnv()
+    limits = listen_limits(args)
+    token, env = job_token(args.token_file), RealEnv(net_limits=limits)
     if args.serve:
         return _serve(env, token, args)
     try:

@@ -30,7 +30,7 @@ from ftrun.diagnose.analysis import analyze
 from ftrun.diagnose.model import AnalysisConfig, Layout, Snapshot, Verdict
 from ftrun.diagnose.summary import HIST, HIST_LEN, SUMMARY, empty_hist, empty_summary, summarize
 from ftrun.diagnose.telemetry import Ev, Op, Recorder
-from ftrun.env.base import Connection, Env, NetError, PeerClosed, serve_connections
+from ftrun.env.base import Connection, Env, NetError, PeerClosed, Task, serve_connections
 from ftrun.net import require_token, token_matches
 
 log = logging.getLogger("ftrun.diagnose")
@@ -94,13 +94,18 @@ def _check_token(msg: dict, token: str) -> None:
         raise DiagnoseError("wrong job token")
 
 
-def request(env: Env, addr: str, msg: dict, timeout: float) -> dict:
-    """One request/reply; raises DiagnoseError on refusal or when no reply comes within `timeout`."""
+def request(env: Env, addr: str, msg: dict, timeout: float, *, cancelled: Callable[[], bool] | None = None,
+            opened: Callable[[Connection], None] | None = None) -> dict:
+    """One request/reply; raises DiagnoseError on refusal or when no reply comes within `timeout`.
+    `cancelled`: the connect's (it gives up once that is true); `opened(conn)`: called with the connection once
+    it is made, e.g. so another task can close it to end the request at once."""
     try:
-        conn = env.net.connect(addr, timeout=timeout)
+        conn = env.net.connect(addr, timeout=timeout, cancelled=cancelled)
     except NetError as e:
         raise DiagnoseError(f"cannot reach {addr}: {e}") from e
     try:
+        if opened is not None:
+            opened(conn)
         conn.send(msg, timeout=timeout)
         reply = conn.recv(timeout=timeout)
     except PeerClosed as e:
@@ -209,13 +214,18 @@ def summary_start(tail: np.ndarray, older_ftar: bool) -> int | None:
 class TelemetryServer(_Service):
     """Serves the summaries of the ranks of one process. `ranks`: RankInfo -> that rank's Recorder;
     `summaries(recorder, now)`: its (SUMMARY row, HIST rows), by default `summarize_recorder` (a driver
-    serving many ranks from few recorders may pass a cache of it)."""
+    serving many ranks from few recorders may pass a cache of it). `registered` is set once the collector
+    has accepted the registration."""
 
     def __init__(self, *, env: Env, token: str, ranks: dict[RankInfo, Recorder], bind: str = "127.0.0.1:0",
                  summaries: Callable[[Recorder, float], tuple[np.ndarray, np.ndarray]] = summarize_recorder) -> None:
         super().__init__(env, token, bind, "telemetry")
         self.ranks, self._summaries = ranks, summaries
         self.serve_s = 0.0  # time spent answering pulls (summarizing), the collection's cost on this process
+        self.registered = env.event()
+        self._stopping = env.event()  # stop(): a registration in flight ends
+        self._register_conn: Connection | None = None  # the connection of the registration in flight
+        self.registration: Task | None = None  # register_in_background's task
 
     def register(self, collector: str, timeout: float = 5.0) -> None:
         """Register with the collector. A registration whose connection the collector closed unanswered is
@@ -223,21 +233,58 @@ class TelemetryServer(_Service):
         starts, and a listener closes connections beyond its cap on those not past their first message
         (ftrun.env.admission), so in a large job's burst some are closed unread. Anything else is raised as
         before: a refusal at once, a collector nobody listens at once connect gives up (it waits for a
-        listener until `timeout`), a reply that did not come within it. A rank's build waits longer for
-        diagnosis only while a live collector is turning connections away."""
+        listener until `timeout`), a reply that did not come within it. `stop()` ends it at once (DiagnoseError
+        saying so). A rank registers in the background (`register_in_background`): its build does not wait."""
         ranks = [{"key": i.key, "replica": i.replica, "rank": i.rank, "host": i.host, "incarnation": i.incarnation}
                  for i in self.ranks]
         msg = {"type": "register", "token": self._token, "addr": self.addr, "ranks": ranks}
         deadline, wait = self.env.clock.now() + timeout, REGISTER_RETRY_S[0]
         while True:
             try:
-                request(self.env, collector, msg, max(deadline - self.env.clock.now(), 1e-3))
+                request(self.env, collector, msg, max(deadline - self.env.clock.now(), 1e-3),
+                        cancelled=self._stopping.is_set, opened=self._opened)
+                self.registered.set()
                 return
-            except DiagnoseClosed:
-                if self.env.clock.now() + wait >= deadline:
+            except DiagnoseError as e:
+                if self._stopping.is_set():
+                    raise DiagnoseError(f"registration with {collector} cancelled: the server stopped") from e
+                if not isinstance(e, DiagnoseClosed) or self.env.clock.now() + wait >= deadline:
                     raise
-            self.env.clock.sleep(wait)
+            finally:
+                self._register_conn = None
+            if self._stopping.wait(timeout=wait):
+                raise DiagnoseError(f"registration with {collector} cancelled: the server stopped")
             wait = min(2 * wait, REGISTER_RETRY_S[1])
+
+    def _opened(self, conn: Connection) -> None:
+        self._register_conn = conn
+        if self._stopping.is_set():  # stop() may have looked for a connection before this one was made
+            conn.close()
+
+    def register_in_background(self, collector: str, timeout: float = 5.0) -> Task:
+        """`register` as a task of its own: the caller goes on at once (a rank trains while it registers).
+        A registration that fails is logged once, a warning naming the collector and why, and not raised:
+        diagnosis is an aid, training does not depend on it. `stop()` cancels it and waits for it."""
+        def body() -> None:
+            try:
+                self.register(collector, timeout)
+            except DiagnoseError as e:
+                if not self._stopping.is_set():
+                    log.warning("telemetry of %s not registered with the diagnosis collector %s: %s",
+                                ", ".join(i.key for i in self.ranks), collector, e)
+
+        self.registration = self.env.spawn(body, name="telemetry-register")
+        return self.registration
+
+    def stop(self) -> None:
+        """Stop serving; a registration in flight is cancelled (its connection closed) and waited for."""
+        self._stopping.set()
+        conn = self._register_conn
+        if conn is not None:
+            conn.close()
+        if self.registration is not None:
+            self.registration.join(timeout=5.0)
+        super().stop()
 
     def answer(self, msg: dict) -> dict:
         if msg.get("type") != "pull":

@@ -24,6 +24,10 @@ Where it runs: this machine by default; `--netns-hosts N` a rehearsal on N netwo
 (netns_job.py, with host faults from host_faults.py); `--hosts FILE --host-index I` a job over real
 hosts, an agent on each (multihost.py, agent.py, remote.py). Options are declared in options.py.
 
+Listener caps: --max-connections / --max-pending / --max-hello-bytes (ftrun.cli.add_listen_arguments) cap the
+listeners of the services it runs (lighthouse, diagnosis monitor, status page; a host's agent); the ranks' own
+listeners take FTConfig.net_limits from the script.
+
 When things go wrong: bad flags exit 2 with a message naming the flag (checks.py). A crashed rank's
 error, with its traceback from the rank's stderr, is shown once per job (crashes.py); a replica that
 crashes --max-startup-failures times in a row with the same error, each time before its first commit or
@@ -51,7 +55,7 @@ import sys
 import tempfile
 from typing import Callable
 
-from ftrun.cli import emit_json
+from ftrun.cli import emit_json, listen_limits
 from ftrun.diagnose.graph import as_json as graph_json
 from ftrun.diagnose.graph import shown_verdict
 from ftrun.env.real import RealEnv
@@ -76,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
     from ftrun.launch.multihost import hosts_problems, run_agent
     from ftrun.launch.netns_job import netns_problems
 
+    limits = listen_limits(args)
     bad = problems(args) + netns_problems(args) + hosts_problems(args)
     out = os.path.abspath(args.out) if args.out else None
     if not bad and out is not None and (why := unwritable(out)):
@@ -86,11 +91,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     out = out or tempfile.mkdtemp(prefix="ftrun-launch-")
     if args.hosts is not None and args.host_index != 0:
-        return run_agent(args, out)  # this host serves the launcher on host 0 (multihost.py)
+        return run_agent(args, out, limits)  # this host serves the launcher on host 0 (multihost.py)
     stop = Interrupts()
     stop.install()
     try:
-        return _launch(RealEnv(), args, out, stop)
+        return _launch(RealEnv(net_limits=limits), args, out, stop)
     except KeyboardInterrupt:
         print("ftrun launch: interrupted again: stopped without a report", file=sys.stderr)
         return 130

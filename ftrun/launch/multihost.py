@@ -22,6 +22,7 @@ import argparse
 import ipaddress
 import os
 
+from ftrun.env.admission import ListenLimits
 from ftrun.env.real import RealEnv
 from ftrun.env.real_store import bound_store
 from ftrun.launch.agent import Agent
@@ -88,11 +89,12 @@ def read_hosts(path: str) -> list[str]:
         return parse_hosts(f.read(), source=f"--hosts {path}")
 
 
-def run_agent(args: argparse.Namespace, out: str) -> int:
-    """This host's agent (--host-index > 0): serve the launcher until it says bye."""
+def run_agent(args: argparse.Namespace, out: str, limits: ListenLimits) -> int:
+    """This host's agent (--host-index > 0): serve the launcher until it says bye; its listener capped by `limits`."""
     hosts = read_hosts(args.hosts)
-    agent = Agent(env=RealEnv(), token=load_token(os.environ), bind=f"{hosts[args.host_index]}:{args.agent_port}",
-                  out=out, fork_server=args.start_method == "fork-server")
+    agent = Agent(env=RealEnv(net_limits=limits), token=load_token(os.environ),
+                  bind=f"{hosts[args.host_index]}:{args.agent_port}", out=out,
+                  fork_server=args.start_method == "fork-server")
     print(f"ftrun launch: host {args.host_index} agent at {agent.addr}, files in {out}", flush=True)
     agent.serve()
     return 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 
+from ftrun.cli import add_listen_arguments
 from ftrun.launch.checks import duration, kill_at, non_negative_int, positive_duration, positive_int
 from ftrun.launch.host_faults import KINDS, parse_kinds
 from ftrun.launch.inject import Injected, parse as parse_inject
@@ -62,6 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="folder for events, metrics, report.png and rank logs "
                    "(default: a new temporary folder)")
     add_host_arguments(p)
+    add_listen_arguments(p)  # the lighthouse's, the diagnosis monitor's and the host agents' listeners
     p.add_argument("--json", action="store_true", help="print one JSON object with all figures as the last line")
     p.add_argument("--no-diagnose", action="store_true", help="no root-cause monitor: a hung rank is found by "
                    "the FTAR and heartbeat timeouts only")

@@ -5,7 +5,8 @@ command line is refused (argv is visible to every local user). Without a token t
 and writes it to a new 0600 file (--token-file, or token in --state-dir, or a temporary folder) whose
 path it prints; replicas read it through FTRUN_TOKEN_FILE. Addresses: --bind (default
 $FTRUN_BIND_HOST:29510, loopback without it) and --advertise-host (default $FTRUN_ADVERTISE_HOST): the
-address printed for replicas' FTRUN_LIGHTHOUSE.
+address printed for replicas' FTRUN_LIGHTHOUSE. --max-connections / --max-pending / --max-hello-bytes cap its
+listeners' connections as FTConfig.net_limits caps a rank's (ftrun.cli.add_listen_arguments).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import signal
 import sys
 import tempfile
 
+from ftrun.cli import add_listen_arguments, listen_limits
 from ftrun.config import LighthouseConfig, Timeouts
 from ftrun.env.real import RealEnv
 from ftrun.net import NetConfig, TokenError, load_token, write_token_file
@@ -42,6 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d = Timeouts()
     p.add_argument("--heartbeat-timeout", type=float, default=d.heartbeat_timeout_s)
     p.add_argument("--join-timeout", type=float, default=d.join_timeout_s)
+    add_listen_arguments(p)
 
 
 def resolve_token(args: argparse.Namespace, environ) -> tuple[str, str]:
@@ -77,6 +80,7 @@ def resolve_net(args: argparse.Namespace, environ) -> tuple[NetConfig, str, str]
 
 
 def run(args: argparse.Namespace) -> int:
+    limits = listen_limits(args)
     try:
         token, token_note = resolve_token(args, os.environ)
         net, bind, http_bind = resolve_net(args, os.environ)
@@ -87,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
         min_replicas=args.min_replicas,
         timeouts=Timeouts(heartbeat_timeout_s=args.heartbeat_timeout, join_timeout_s=args.join_timeout),
     )
-    env = RealEnv()
+    env = RealEnv(net_limits=limits)
     storage = FileStorage(args.state_dir) if args.state_dir else None
     try:
         lighthouse = Lighthouse(env=env, config=config, token=token, storage=storage, bind=bind)

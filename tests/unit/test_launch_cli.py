@@ -122,3 +122,36 @@ def test_netns_hosts_refuses_kill_at_and_bad_buildings():
     assert netns_problems(args) == []
     with pytest.raises(SystemExit):
         parser.parse_args(["--netns-hosts", "3", "--steps", "5", "--host-faults", "host_nap", "x.py"])
+
+
+def test_the_listener_caps_reach_the_launchers_services_and_a_host_agent(tmp_path, monkeypatch):
+    """--max-connections / --max-pending cap the env the lighthouse, the diagnosis monitor and the status page run
+    on (one env for the job), and a host agent's (--host-index > 0). Nothing is started: both are intercepted."""
+    from ftrun.env.admission import ListenLimits
+    from ftrun.launch import multihost
+
+    seen = {}
+
+    def launch(env, *rest):
+        seen["job"] = env.net.limits
+        return 0
+
+    monkeypatch.setattr(launch_cli, "_launch", launch)
+
+    class Agent:
+        def __init__(self, *, env, **kw):
+            seen["agent"], self.addr = env.net.limits, "127.0.0.1:1"
+
+        def serve(self):
+            pass
+
+    monkeypatch.setattr(multihost, "Agent", Agent)
+    monkeypatch.setenv("FTRUN_TOKEN", "job-token")
+    caps = ["--max-connections", "40", "--max-pending", "5"]
+    assert exit_status(["launch", "--steps", "5", "--out", str(tmp_path / "job"), *caps, *SCRIPT]) == 0
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1\n127.0.0.2\n")
+    assert exit_status(["launch", "--steps", "5", "--out", str(tmp_path / "agent"), "--hosts", str(hosts),
+                        "--host-index", "1", *caps, *SCRIPT]) == 0
+    assert seen == {"job": ListenLimits(max_connections=40, max_pending=5),
+                    "agent": ListenLimits(max_connections=40, max_pending=5)}
