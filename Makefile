@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-slow test-scale test-fuzz test-multihost test-slurm test-browser chaos kernels bench clean
+.PHONY: setup demo test test-slow test-scale test-fuzz test-multihost test-slurm test-browser chaos kernels bench torchft-venv clean
 
 setup: $(STAMP)
 
@@ -56,6 +56,13 @@ CHAOS_SCHEDULES ?= 1000
 CHAOS_SEED ?= 1
 chaos: setup
 	$(VENV)/bin/ftrun chaos --schedules $(CHAOS_SCHEDULES) --seed $(CHAOS_SEED) --json
+
+# A separate environment with torchft 0.2.0, the baseline of benchmarks/catchup_torchft.py (kept apart from
+# the project's: torchft is not a dependency of ftrun, and its own dependencies stay out of .venv).
+TORCHFT_VENV ?= /tmp/ftrun-torchft-venv
+torchft-venv:
+	python3 -m venv $(TORCHFT_VENV)
+	$(TORCHFT_VENV)/bin/pip install -q torch==2.13.0 torchft==0.2.0
 
 clean:
 	rm -rf $(VENV) build csrc/build

@@ -55,3 +55,28 @@ def test_a_kill_without_a_rejoin_is_named(bench):
     assert figures["rejoins"] == [] and math.isnan(figures["median_rejoin_fetch_s"])
     assert figures["kills_without_rejoin"] == [{"replica": "r1", "incarnation": 0, "step": 10},
                                                {"replica": "r1", "incarnation": 1, "step": 25}]
+
+
+@pytest.fixture(scope="module")
+def baseline():
+    path = _PATH.with_name("catchup_torchft.py")
+    spec = importlib.util.spec_from_file_location("catchup_torchft_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # torchft is imported only inside the run, so this needs none
+    return module
+
+
+def test_the_torchft_baseline_reports_each_rejoin_under_the_same_keys(baseline):
+    steps = [{"event": "step", "replica": 0, "step": s, "t": s * 0.1} for s in range(1, 40)]
+    steps[20]["t"] += 0.05  # r0's step 21 took 0.15 s: it waited for the joiner
+    for later in steps[21:]:
+        later["t"] += 0.05
+    heal = {"event": "recv_checkpoint", "replica": 1, "t": 2.02, "seconds": 0.05, "nbytes": 50_000_000, "step": 20}
+    figures = baseline.analyse(steps + [heal], kill_times=[(10, 1.0), (30, 3.2)])
+    assert figures["kills_without_rejoin"] == [30]  # no transfer after the second kill
+    [rejoin] = figures["rejoins"]
+    assert rejoin["killed_after_step"] == 10 and rejoin["fetch_s"] == 0.05 and rejoin["gbps"] == pytest.approx(1.0)
+    assert rejoin["step_s"] == pytest.approx(0.15)
+    assert figures["median_step_s"] == pytest.approx(0.1)
+    assert figures["median_rejoin_fetch_s"] == 0.05
+    assert figures["max_stall_steps"] == pytest.approx(0.5)
