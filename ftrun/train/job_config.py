@@ -30,8 +30,10 @@ class FTConfig:
     checkpoint: persistent checkpoints under run_dir/ckpt, the runtime's ftrun.checkpoint.policy.CheckpointConfig
     (every_steps, keep); None: off. Each rank of a sharded replica writes its shards. run_dir: audit and
     loader_state files (default: the launcher's, else a temp folder).
-    ftar: the FTAR engine's config (ftrun.config.FtarConfig: chunk_bytes S, num_chunks C, transport); its
-    timeout_s is timeouts.ftar_timeout_s (set it there: a different ftar.timeout_s raises).
+    ftar: the FTAR engine's config (ftrun.config.FtarConfig: chunk_bytes S, num_chunks C, transport), by
+    default the engine's own (4 MiB chunks, 4 in flight; with 256 KiB x 2 the 3-replica launch of
+    benchmarks/catchup_launch.py stepped in 97-114 ms instead of 84-94); its timeout_s is
+    timeouts.ftar_timeout_s (set it there: a different ftar.timeout_s raises).
     catchup: the catch-up server's and client's config (ftrun.catchup.config.CatchupConfig: max_shard_bytes,
     max_source_failures, wait_limit_s (paper §6.1; None: timeouts.ftar_timeout_s)); its timeouts are
     `timeouts` (a different catchup.timeouts raises) and its bind/advertise_host the launcher's network.
@@ -57,7 +59,7 @@ class FTConfig:
     run_dir: str | None = None
     timeouts: Timeouts = field(default_factory=Timeouts)
     max_retries: int = 10
-    ftar: FtarConfig = field(default_factory=lambda: FtarConfig(chunk_bytes=256 << 10, num_chunks=2))
+    ftar: FtarConfig = field(default_factory=FtarConfig)
     catchup: CatchupConfig = field(default_factory=CatchupConfig)
     reshard_after_forward: bool = True
     num_threads: int | None = 1
