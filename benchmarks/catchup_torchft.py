@@ -1,6 +1,7 @@
 """The same catch-up job as `benchmarks/catchup_launch.py`, run with torchft 0.2.0: the baseline of issue 15 item 1.
 
     VENV/bin/python benchmarks/catchup_torchft.py [--steps 170] [--kill-at 10,60,110] [--json]
+    VENV/bin/python benchmarks/catchup_torchft.py --isolated 10 [--json]     # the transfer alone
 
 VENV is a separate virtual environment holding torch==2.13.0 and torchft==0.2.0 (`make torchft-venv` makes
 /tmp/ftrun-torchft-venv); ftrun itself is not imported. Three replicas x 1 rank train the same 4.2M-parameter MLP
@@ -16,6 +17,10 @@ step around the rejoin against its median step, under catchup_launch.py's keys. 
 kill's own stall when the restart rejoins before the survivors' quorum has dropped the killed replica, so
 `max_stall_steps` here is an upper bound. torchft's servers bind as torchft binds them (every interface); all
 traffic goes to this host's own addresses. A kill with no rejoin after it exits 1.
+
+`--isolated ITERS`: no job, the transfer alone, as `ftrun bench catchup --fresh-buffer` measures ftrun's: one
+source process holding the MLP's state (after two AdamW steps), this process fetching it ITERS times
+(`isolated_best_s`, `isolated_median_s`, `isolated_best_gbps`).
 """
 
 from __future__ import annotations
@@ -90,6 +95,56 @@ def worker(replica: int, lighthouse: str, width: int, batch_size: int, seed: int
         optim.step()  # should_commit, then the optimizer step when committed
         emit("step", step=manager.current_step(), participants=manager.num_participants(),
              healing=bool(manager._healing))
+
+
+def serve(width: int) -> None:
+    """A source alone: the MLP's state after two AdamW steps, served by torchft's HTTP transport until stdin
+    closes; prints the address a joiner fetches from."""
+    from datetime import timedelta
+
+    import torch
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(width, 2 * width), torch.nn.ReLU(), torch.nn.Linear(2 * width, width))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    for _ in range(2):
+        model(torch.randn(8, width)).square().mean().backward()
+        optim.step()
+    transport = HTTPTransport(timedelta(seconds=60), num_chunks=0)
+    transport.send_checkpoint(dst_ranks=[1], step=1, state_dict={"model": model.state_dict(), "optim": optim.state_dict()},
+                              timeout=timedelta(seconds=60))
+    print(json.dumps({"address": transport.metadata()}), flush=True)
+    sys.stdin.read()
+    transport.shutdown()
+
+
+def isolated(iters: int, width: int) -> dict:
+    """The transfer alone: a joiner process (this one) fetches the state `iters` times from a source
+    process with nothing else running, as `ftrun bench catchup` measures ftrun's."""
+    from datetime import timedelta
+
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    source = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", "--width", str(width)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        address = json.loads(source.stdout.readline())["address"]
+        joiner = HTTPTransport(timedelta(seconds=60), num_chunks=0)
+        seconds, nbytes = [], 0
+        for _ in range(iters):
+            start = time.perf_counter()
+            state = joiner.recv_checkpoint(src_rank=0, metadata=address, step=1, timeout=timedelta(seconds=60))
+            seconds.append(time.perf_counter() - start)
+            nbytes = sum(t.numel() * t.element_size() for t in _tensors(state))
+            del state
+        joiner.shutdown()
+    finally:
+        source.stdin.close()
+        source.wait(timeout=30)
+    return {"isolated_bytes": nbytes, "isolated_best_s": min(seconds), "isolated_median_s": statistics.median(seconds),
+            "isolated_best_gbps": nbytes / min(seconds) / 1e9}
 
 
 def _tensors(obj: object):  # noqa: ANN202
@@ -214,11 +269,25 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole job")
     p.add_argument("--json", action="store_true")
     p.add_argument("--logs", help="append each replica's stderr to DIR/rN.log")
+    p.add_argument("--isolated", type=int, metavar="ITERS",
+                   help="instead of the job: the transfer alone, ITERS fetches from one source process")
     p.add_argument("--worker", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--lighthouse", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker is not None:
         worker(args.worker, args.lighthouse, args.width, batch_size=64, seed=0)
+        return 0
+    if args.serve:
+        serve(args.width)
+        return 0
+    if args.isolated:
+        figures = isolated(args.isolated, args.width)
+        print(f"{figures['isolated_bytes'] / 1e6:.1f} MB from one source: best {figures['isolated_best_s'] * 1e3:.1f} ms "
+              f"({figures['isolated_best_gbps']:.2f} GB/s), median {figures['isolated_median_s'] * 1e3:.1f} ms "
+              f"of {args.isolated}")
+        if args.json:
+            print(json.dumps(figures, sort_keys=True))
         return 0
     figures = run(args)
     print(f"median step {figures['median_step_s'] * 1e3:.1f} ms (r0, steps without a joiner)")
