@@ -14,7 +14,8 @@ from ftrun.ftar.ring import RecoverableError
 from ftrun.replica.manager import StepQuorum
 from ftrun.train.grads import FlatGrads
 from ftrun.train.overlap import OverlapExchange
-from ftrun_bench.overlap import check_args, summarize
+from ftrun_bench.overlap import (BATCH_STEP, LOOPBACK_BATCH, MAX_BATCH, auto_batch, check_args, exchange_estimate_s,
+                                 sized_batch, summarize)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -154,6 +155,30 @@ def test_bench_arguments_are_checked():
     assert "--replicas" in check_args(bench_args(replicas=1))
     assert "--bucket-kb" in check_args(bench_args(bucket_kb=0))
     assert "--netns-rate" in check_args(bench_args(netns_rate=-1))
+    assert check_args(bench_args(batch=None)) is None  # sized in the run
+    assert "--batch" in check_args(bench_args(batch=0))
+
+
+def test_bench_exchange_estimate_is_the_ring_volume_over_the_rate():
+    # 2 replicas: each sends the whole gradient once (half in reduce-scatter, half in all-gather)
+    assert exchange_estimate_s(8_000_000, 2, 500.0) == pytest.approx(8e6 * 8 / 500e6)
+    # 4 replicas: 2 x 3/4 of it
+    assert exchange_estimate_s(8_000_000, 4, 500.0) == pytest.approx(1.5 * 8e6 * 8 / 500e6)
+
+
+def test_bench_auto_batch_matches_compute_to_the_exchange():
+    assert auto_batch(1e-4, 0.1) == 1024  # 1000 samples, to a multiple of 64
+    assert auto_batch(1e-4, 0.0001) == BATCH_STEP  # at least one step
+    assert auto_batch(1e-6, 10.0) == MAX_BATCH
+    with pytest.raises(ValueError):
+        auto_batch(0.0, 0.1)
+
+
+def test_bench_batch_is_sized_only_over_capped_links_and_when_not_given():
+    assert sized_batch(bench_args(batch=96, netns_rate=500.0)) == (96, False)
+    assert sized_batch(bench_args(batch=None, netns_rate=0.0)) == (LOOPBACK_BATCH, False)
+    batch, auto = sized_batch(bench_args(batch=None, netns_rate=500.0, width=64, layers=2))
+    assert auto and batch % BATCH_STEP == 0 and BATCH_STEP <= batch <= MAX_BATCH
 
 
 def test_bench_summary_is_medians_per_mode():
