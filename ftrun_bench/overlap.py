@@ -158,11 +158,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"ftrun bench overlap: error: --netns-rate: network namespaces cannot be created here ({why}); "
                   f"use --netns-rate 0 for loopback", file=sys.stderr)
             return 2
-        args.batch, batch_auto = sized_batch(args)
-        out, shaping = _run_netns(args)
-    else:
-        args.batch, batch_auto = sized_batch(args)
-        out, shaping = _run_loopback(args), "none (loopback)"
+    args.batch, batch_auto = sized_batch(args)
+    out, shaping = _run_netns(args) if args.netns_rate else (_run_loopback(args), "none (loopback)")
     figures = {**summarize(out["steps"]), "identical": out["identical"], "replicas": args.replicas,
                "grad_mb": out["grad_bytes"] / 2**20, "num_buckets": out["num_buckets"], "shaping": shaping,
                "bucket_kb": args.bucket_kb, "steps": len(out["steps"]) // 2, "batch": args.batch,
