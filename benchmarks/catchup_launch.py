@@ -16,6 +16,9 @@ its restarted replica's catch-up: a restart takes ~1.7 s to be ready (0.5 s befo
 restarts it, ~1.2 s from the fork server to `ready`), so kills closer than that in steps (~85 ms a
 step for two replicas on 2 cores) kill the restarted replica before it ever joins. The default kills
 are 40 steps apart; a kill without a rejoin after it makes the script exit 1 naming it.
+
+It measures the tree it lives in: the launcher and the workers import this tree's ftrun (PYTHONPATH
+starts with it). To compare two trees, run each tree's own copy of the script.
 """
 
 from __future__ import annotations
@@ -51,7 +54,8 @@ def main() -> int:
         for step in args.kill_at.split(","):
             cmd += ["--kill-at", f"step={int(step)},replica=r1"]
         cmd += [os.path.join(ROOT, "benchmarks", "catchup_mlp_worker.py"), "--width", str(args.width)]
-        run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+        env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
         if run.returncode != 0:
             print(run.stdout[-3000:], run.stderr[-3000:], file=sys.stderr)
             raise SystemExit(f"ftrun launch exited with {run.returncode}")
