@@ -33,12 +33,7 @@ def test_bench_overlap_on_loopback_trains_both_modes_to_the_same_parameters():
 
 @pytest.mark.timeout(300)
 @pytest.mark.netns
-def test_bench_overlap_sizes_its_batch_over_capped_links():
-    from ftrun.launch.netns import available
-
-    ok, why = available()
-    if not ok:
-        pytest.skip(f"network namespaces unavailable: {why}")
+def test_bench_overlap_sizes_its_batch_over_capped_links(need_namespaces):
     out = bench("--netns-rate", "200")
     assert out["batch_auto"] is True and out["batch"] % 64 == 0 and out["identical"] is True
     assert "200" in out["shaping"]

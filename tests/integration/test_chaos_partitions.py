@@ -17,7 +17,6 @@ from ftrun.chaos.driver import WORKER, ScheduleRun, leaked_processes
 from ftrun.chaos.invariants import check
 from ftrun.chaos.schedule import Fault, Schedule, generate
 from ftrun.env.real import RealEnv
-from ftrun.launch.netns import available
 from ftrun.launch.procs import ForkServer
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(300)]
@@ -46,10 +45,7 @@ def test_a_partitioned_replica_rejoins_and_every_invariant_holds(tmp_path, netns
     assert all(hosts.pids(i) == [] for i in range(len(hosts)))  # nothing runs on the hosts any more
 
 
-def test_seeded_schedules_with_partitions_through_the_cli(tmp_path):
-    ok, why = available()
-    if not ok:
-        pytest.skip(f"network namespaces cannot be created here: {why}")
+def test_seeded_schedules_with_partitions_through_the_cli(tmp_path, need_namespaces):
     seed, n = 1, 4
     assert any(f.kind == "partition" for i in range(n) for f in generate(seed, i, partitions=True).faults)
     out = tmp_path / "chaos"

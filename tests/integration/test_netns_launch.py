@@ -17,17 +17,9 @@ import sys
 
 import pytest
 
-from ftrun.launch.netns import available
 from tests.integration.test_launch import ROOT, launch
 
-pytestmark = [pytest.mark.netns, pytest.mark.timeout(300)]
-
-
-@pytest.fixture(autouse=True)
-def _need_namespaces():
-    ok, why = available()
-    if not ok:
-        pytest.skip(f"network namespaces cannot be created here: {why}")
+pytestmark = [pytest.mark.netns, pytest.mark.timeout(300), pytest.mark.usefixtures("need_namespaces")]
 
 
 def _namespaces() -> set[str]:
