@@ -23,6 +23,7 @@ or the same plans in a JSON --fault-file that is reloaded before every step. A p
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import signal
@@ -52,6 +53,36 @@ COMPUTE_WINDOW = 20
 
 def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _Sigevent(ctypes.Structure):  # struct sigevent (Linux): sigval, signo, notify, then a 48-byte union
+    _fields_ = [("value", ctypes.c_void_p), ("signo", ctypes.c_int), ("notify", ctypes.c_int),
+                ("rest", ctypes.c_byte * 48)]
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("sec", ctypes.c_long), ("nsec", ctypes.c_long)]
+
+
+class _Itimerspec(ctypes.Structure):
+    _fields_ = [("interval", _Timespec), ("value", _Timespec)]
+
+
+def kill_in(seconds: float) -> bool:
+    """Have the kernel SIGKILL this process `seconds` from now (a POSIX timer on CLOCK_MONOTONIC, SIGEV_SIGNAL):
+    on time whatever the process is doing. A Python task that sleeps and then kills must first take the GIL
+    back from the busy trainer, up to the interpreter's switch interval (5 ms) late and more on loaded cores.
+    False where the timer cannot be armed (no librt call): the caller falls back to a task."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        ev, timer = _Sigevent(signo=signal.SIGKILL, notify=0), ctypes.c_void_p()
+        if libc.timer_create(1, ctypes.byref(ev), ctypes.byref(timer)) != 0:  # 1: CLOCK_MONOTONIC
+            return False
+        sec, frac = divmod(max(seconds, 1e-6), 1.0)
+        when = _Itimerspec(_Timespec(0, 0), _Timespec(int(sec), int(frac * 1e9)))
+        return libc.timer_settime(timer, 0, ctypes.byref(when), None) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 class Float32Kernels(Float32CpuKernels):
@@ -88,11 +119,13 @@ class Faults:
 
     def __init__(self, spec: WorkerSpec, *, die_at: str, catchup: str, plan_file: str | None,
                  sleep: Callable[[float], None] = lambda s: None, now: Callable[[], float] = lambda: 0.0,
-                 spawn: Callable[..., object] | None = None) -> None:
+                 spawn: Callable[..., object] | None = None,
+                 kill_later: Callable[[float], bool] | None = None) -> None:
         """sleep, now, spawn: the job's clock and tasks (Env.clock.sleep / now, Env.spawn); spawn runs a
-        DieAt's `at=F` timer (without it such a plan acts inside the backward)."""
+        DieAt's `at=F` timer (without it such a plan acts inside the backward). kill_later(seconds) (`kill_in`),
+        where given, times an `at=F` kill instead: a kernel timer, not a task (False: not armed, a task does it)."""
         self.spec, self._plan_file, self._plan_mtime, self._sleep, self._now = spec, plan_file, None, sleep, now
-        self._spawn = spawn
+        self._spawn, self._kill_later = spawn, kill_later
         self.kernels = Float32Kernels()
         self._fired: set[DieAt] = set()
         self._step = 0
@@ -111,12 +144,15 @@ class Faults:
         """The first entry due here that has not fired in this process (an entry fires once)."""
         return next((d for d in self.die_at if d.due(phase, step) and d not in self._fired), None)
 
+    def _announce(self, plan: DieAt, phase: str, step: int, t: float) -> None:
+        self._fired.add(plan)
+        print_event({"event": "fault", "t": t, "action": plan.action, "phase": phase, "step": step,
+                     "seconds": plan.seconds, "rank": self.spec.rank})  # one write: never split by an at=F timer's task
+
     def _act(self, plan: DieAt, phase: str, step: int) -> None:
         """Carry out `plan` here: announce it on stdout (the supervisor counts it, and resumes a stop), then
         SIGKILL, SIGSTOP or sleep."""
-        self._fired.add(plan)
-        print_event({"event": "fault", "t": self._now(), "action": plan.action, "phase": phase, "step": step,
-                     "seconds": plan.seconds, "rank": self.spec.rank})  # one write: never split by an at=F timer's task
+        self._announce(plan, phase, step, self._now())
         if plan.action == "kill":
             die()
         elif plan.action == "stop":
@@ -169,13 +205,17 @@ class Faults:
             self._act(plan, phase, step)
 
     def _arm_timer(self, plan: DieAt, step: int) -> None:
-        """A DieAt with at=F, at the step's start: act F x this rank's median compute from now, from a task
-        (the process is then wherever the step has got to). Before any compute was timed, or without a spawn,
-        the plan stays for the backward."""
+        """A DieAt with at=F, at the step's start: act F x this rank's median compute from now (the process is
+        then wherever the step has got to): a kill by the kernel's timer (kill_later), announced now with the time it
+        lands, anything else (or a kill where no timer could be armed) from a task. Before any compute was timed,
+        or without a spawn, the plan stays for the backward."""
         if not self.computes or self._spawn is None:
             return
         self._fired.add(plan)
         delay = plan.at * median(self.computes)
+        if plan.action == "kill" and self._kill_later is not None and self._kill_later(delay):
+            self._announce(plan, "backward", step, self._now() + delay)  # announced now, for the time the kernel kills
+            return
 
         def fire() -> None:
             self._sleep(delay)
@@ -247,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--steps is required when FTRUN_MAX_STEPS is not set")
     with init_from_env(config_from(args)) as ft:
         faults = Faults(spec, die_at=die_at, catchup=catchup, plan_file=args.fault_file,
-                        sleep=ft.env.clock.sleep, now=ft.env.clock.now, spawn=ft.env.spawn)  # a slow rank stalls on the job's clock
+                        sleep=ft.env.clock.sleep, now=ft.env.clock.now, spawn=ft.env.spawn,  # a slow rank stalls on the job's clock
+                        kill_later=kill_in)
 
         def loss_fn(m: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
             ft.env.clock.sleep(args.step_time)  # stands in for the compute of a real model

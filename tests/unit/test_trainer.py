@@ -692,3 +692,49 @@ def test_a_background_write_that_fails_is_logged_and_leaves_no_manifest(tmp_path
     assert "step-00000003" in events[1]["error"]  # the write names what failed
     assert store.latest_complete(root) is None and not list(root.rglob("manifest.json"))
     assert "checkpoint of step 3 failed" in caplog.text
+
+
+def test_a_timed_kill_is_armed_on_the_kernels_timer_and_announced_for_when_it_lands(monkeypatch, capsys):
+    tasks, armed = [], []
+    faults, died, slept, clock = _faults(monkeypatch, "phase=backward,step=2,replica=r1,at=0.5",
+                                         lambda fn, name: tasks.append(fn))
+    faults._kill_later = lambda s: armed.append(s) or True
+    _timed_steps(faults, clock, [0.02, 0.04])
+    faults.on_phase("started", 2)
+    assert armed == [pytest.approx(0.5 * 0.03)] and tasks == [] and died == []
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert line["event"] == "fault" and line["action"] == "kill" and line["t"] == pytest.approx(clock[0] + 0.015)
+    faults.on_phase("forward", 2)
+    faults._in_backward(None)
+    assert died == [] and len(armed) == 1  # fired once, by the timer
+
+
+def test_a_kill_falls_back_to_a_task_where_no_timer_can_be_armed(monkeypatch):
+    tasks = []
+    faults, died, slept, clock = _faults(monkeypatch, "phase=backward,step=1,replica=r1,at=0.5",
+                                         lambda fn, name: tasks.append(fn))
+    faults._kill_later = lambda s: False
+    _timed_steps(faults, clock, [0.02])
+    faults.on_phase("started", 1)
+    assert len(tasks) == 1
+    tasks[0]()
+    assert slept == [pytest.approx(0.01)] and len(died) == 1
+
+
+def test_kill_in_has_the_kernel_sigkill_a_busy_process_on_time():
+    import subprocess
+    import sys
+    import time
+
+    code = ("import time; from ftrun.train.ft_worker import kill_in\n"
+            "print(kill_in(0.2), time.monotonic(), flush=True)\n"
+            "while True: pass  # holds the GIL: no task could run\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        armed, t0 = p.stdout.readline().split()
+        assert armed == "True"
+        assert p.wait(timeout=30) == -9
+        assert time.monotonic() - float(t0) >= 0.2
+    finally:
+        p.kill()
+        p.wait()
