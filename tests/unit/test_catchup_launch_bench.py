@@ -3,21 +3,16 @@ a kill whose restarted replica never caught up is named (the script then exits 1
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "catchup_launch.py"
+from tests.benchmark_scripts import load
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("catchup_launch_bench", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("catchup_launch")
 
 
 def _commits(steps: range, t0: float = 0.0, dt: float = 0.1) -> list[dict]:
@@ -59,11 +54,7 @@ def test_a_kill_without_a_rejoin_is_named(bench):
 
 @pytest.fixture(scope="module")
 def baseline():
-    path = _PATH.with_name("catchup_torchft.py")
-    spec = importlib.util.spec_from_file_location("catchup_torchft_bench", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # torchft is imported only inside the run, so this needs none
-    return module
+    return load("catchup_torchft")  # torchft is imported only inside the run, so this needs none
 
 
 def test_the_torchft_baseline_reports_each_rejoin_under_the_same_keys(baseline):

@@ -95,17 +95,12 @@ def test_device_model_checks_its_fields():
 
 
 def test_benchmark_without_a_gpu_prints_the_model_labelled_as_such(capsys):
-    import importlib.util
-    import json
-    from pathlib import Path
+    from tests.benchmark_scripts import load
 
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: the benchmark measures instead")
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "cuda_kernels.py"
-    spec = importlib.util.spec_from_file_location("cuda_kernels_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load("cuda_kernels")
     assert bench.main(["--blocks", "2", "--dtypes", "float16", "--json"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert any(line.startswith("ROOFLINE MODEL ONLY") for line in out)

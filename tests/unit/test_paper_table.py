@@ -4,15 +4,12 @@ loss's stall includes the 60 s detection while a process crash is seen at once."
 
 from __future__ import annotations
 
-import importlib.util
 import io
-from pathlib import Path
 
 import pytest
 
 from harness.analysis import papertable as pt
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.benchmark_scripts import load
 
 
 def _ev(event: str, t: float, rid: str | None = None, **kw) -> dict:
@@ -87,10 +84,7 @@ def test_table_has_every_row_and_renders() -> None:
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("paper_table_bench", ROOT / "benchmarks" / "paper_table.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load("paper_table")
 
 
 def test_scaling_keeps_the_per_rank_shard() -> None:
