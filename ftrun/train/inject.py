@@ -12,7 +12,8 @@ by ';', fields by ',':
         a {"event": "fault"} line and SIGSTOPs itself; its supervisor sends SIGCONT after `seconds`) or
         slow (sleep `seconds` there, once). Every entry fires at most once per process. With phase=backward,
         `at=F` (0 < F < 1; kill or stop) acts F x this rank's median compute (forward and backward of its
-        recent steps) after the step started (its quorum), from a timer, wherever the rank is then: a kill
+        recent steps) after the step started (its quorum), from a timer, wherever the rank is then (a kill from
+        the kernel's timer, on time even while the trainer holds the GIL: ftrun.train.ft_worker.kill_in): a kill
         F x a step into the step, as `ftrun launch --inject "kill ... at=F"` and the emulator mean it (before
         any step of the process was timed, inside the backward).
     FTRUN_CATCHUP_FAULT="kind=truncate,then=die,replica=r0,incarnation=0"
