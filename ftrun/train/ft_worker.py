@@ -206,15 +206,18 @@ class Faults:
 
     def _arm_timer(self, plan: DieAt, step: int) -> None:
         """A DieAt with at=F, at the step's start: act F x this rank's median compute from now (the process is
-        then wherever the step has got to): a kill by the kernel's timer (kill_later), announced now with the time it
-        lands, anything else (or a kill where no timer could be armed) from a task. Before any compute was timed,
-        or without a spawn, the plan stays for the backward."""
+        then wherever the step has got to): a kill by the kernel's timer (kill_later; a task where none could be
+        armed), announced now with the time it lands, anything else from a task. Before any compute was timed, or
+        without a spawn, the plan stays for the backward."""
         if not self.computes or self._spawn is None:
             return
         self._fired.add(plan)
         delay = plan.at * median(self.computes)
-        if plan.action == "kill" and self._kill_later is not None and self._kill_later(delay):
-            self._announce(plan, "backward", step, self._now() + delay)  # announced now, for the time the kernel kills
+        if plan.action == "kill" and self._kill_later is not None:
+            # announced before it is armed (a process preempted in between could otherwise die unannounced)
+            self._announce(plan, "backward", step, self._now() + delay)
+            if not self._kill_later(delay):
+                self._spawn(lambda: (self._sleep(delay), die()), name=f"fault-at-{plan.at:g}")
             return
 
         def fire() -> None:

@@ -709,16 +709,18 @@ def test_a_timed_kill_is_armed_on_the_kernels_timer_and_announced_for_when_it_la
     assert died == [] and len(armed) == 1  # fired once, by the timer
 
 
-def test_a_kill_falls_back_to_a_task_where_no_timer_can_be_armed(monkeypatch):
+def test_a_kill_falls_back_to_a_task_where_no_timer_can_be_armed(monkeypatch, capsys):
     tasks = []
     faults, died, slept, clock = _faults(monkeypatch, "phase=backward,step=1,replica=r1,at=0.5",
                                          lambda fn, name: tasks.append(fn))
     faults._kill_later = lambda s: False
     _timed_steps(faults, clock, [0.02])
     faults.on_phase("started", 1)
-    assert len(tasks) == 1
+    assert len(tasks) == 1 and died == []
     tasks[0]()
     assert slept == [pytest.approx(0.01)] and len(died) == 1
+    faults_printed = [line for line in capsys.readouterr().out.splitlines() if '"fault"' in line]
+    assert len(faults_printed) == 1  # announced once, before arming
 
 
 def test_kill_in_has_the_kernel_sigkill_a_busy_process_on_time():
