@@ -13,6 +13,7 @@ from pathlib import Path
 from statistics import median
 
 from ftrun.train.ft_worker import COMPUTE_WINDOW
+from harness.calibrate import phase_spans
 
 
 def lateness(events: list[dict]) -> list[float]:
@@ -24,24 +25,18 @@ def lateness(events: list[dict]) -> list[float]:
         mine = [e for e in events if e["event"] == "phase" and e["t"] <= f["t"]
                 and (e["replica_id"], e.get("incarnation", 0), e.get("rank")) == key]
         started = [e["t"] for e in mine if e["phase"] == "started" and e["step"] == f["step"]]
-        computes, forward = [], None
-        for e in mine:
-            if e["phase"] == "forward":
-                forward = e["t"]
-            elif e["phase"] == "exchange" and forward is not None:
-                computes.append(e["t"] - forward)
-                forward = None
+        computes = phase_spans(mine, "forward", "exchange")
         if started and computes:
             out.append(f["t"] - started[-1] - _fraction(events, f) * median(computes[-COMPUTE_WINDOW:]))
     return out
 
 
 def _fraction(events: list[dict], fault: dict) -> float:
-    """F of the supervisor's kill event for this fault ("kill replica=R step=S at=F"), 0.5 if it names none."""
-    for e in events:
-        if e["event"] == "kill" and e.get("replica_id") == fault["replica_id"] and "at=" in str(e.get("fault", "")):
-            return float(str(e["fault"]).split("at=")[1].split()[0])
-    return 0.5
+    """F of the supervisor's kill event for this fault ("kill replica=R step=S at=F": of the victim's replica, the
+    one nearest in time: a self-kill's event carries the fault's time), 0.5 if it names none."""
+    kills = [e for e in events if e["event"] == "kill" and e.get("replica_id") == fault["replica_id"]]
+    spec = str(min(kills, key=lambda e: abs(e["t"] - fault["t"])).get("fault", "")) if kills else ""
+    return float(spec.split("at=")[1].split()[0]) if "at=" in spec else 0.5
 
 
 def main() -> None:

@@ -33,3 +33,11 @@ def test_a_kill_before_any_timed_compute_is_left_out(bench):
     events = [_phase("started", 0, 0.0),
               {"event": "fault", "action": "kill", "replica_id": "r1", "incarnation": 0, "rank": 0, "step": 0, "t": 0.01}]
     assert bench.lateness(events) == []
+
+
+def test_each_kill_takes_the_fraction_of_its_own_injection(bench):
+    events = [{"event": "kill", "replica_id": "r1", "t": 1.0, "fault": "kill replica=1 step=2 at=0.5"},
+              {"event": "kill", "replica_id": "r1", "t": 5.0, "fault": "kill replica=1 step=40 at=0.25"}]
+    assert bench._fraction(events, {"replica_id": "r1", "t": 5.0}) == 0.25
+    assert bench._fraction(events, {"replica_id": "r1", "t": 1.0}) == 0.5
+    assert bench._fraction(events, {"replica_id": "r2", "t": 1.0}) == 0.5  # none injected for it
