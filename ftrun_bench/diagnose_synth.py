@@ -20,7 +20,8 @@ from ftrun.diagnose.summary import DONE, FAILED, HIST_LEN, RUNNING, empty_hist, 
 from ftrun.diagnose.telemetry import Ev
 
 KINDS = ("none", "hang_rank", "stuck_rank", "never_joined", "lost_chunk", "hang_host", "killed_rank",
-         "building_cut", "slow_host", "slow_link", "hang_in_vote", "stuck_in_vote", "hang_host_before_entry")
+         "building_cut", "slow_host", "slow_link", "hang_in_vote", "stuck_in_vote", "hang_host_before_entry",
+         "hang_rank_at_op_end")
 _TREE_FANOUT = 16
 
 
@@ -166,7 +167,8 @@ def scenario(shape: JobShape, kind: str, seed: int) -> tuple[Snapshot, Layout, T
     m0 = int(rng.integers(0, shape.num_messages - shape.num_chunks))
     before = s["f_last"].copy()
     truth = _inject(kind, shape, s, hist, answered, lay, j, m0, now, rng)
-    if kind in ("hang_rank", "stuck_rank", "never_joined", "lost_chunk", "hang_host", "building_cut"):
+    if kind in ("hang_rank", "stuck_rank", "never_joined", "lost_chunk", "hang_host", "building_cut",
+                "hang_rank_at_op_end"):
         others = (s["f_last"] == before) & (s["t_ev"] == Ev.DONE)  # every rank outside the held-up rings ...
         s["f_state"][others] = DONE  # ... finished its all-reduce and waits in the commit vote
         s["f_steps"][others] = s["f_total"][others]
@@ -192,6 +194,16 @@ def _inject(kind, shape, s, hist, answered, lay, j, m0, now, rng) -> Truth:
             answered[j] = False
             s["f_state"][ring] = FAILED
             s["f_last"][ring] = now - shape.hang_age_s + rng.uniform(0, 0.01, len(ring))
+        return Truth(HANG, (j,), (host,))
+    if kind == "hang_rank_at_op_end":  # hung before its last send of the all-reduce: its next rank waits at
+        ring = _stall_ring(s, shape, j, 0, now)  # its last receive; the others finished, entered the next one,
+        d1, d2 = int(ring[1]), int(ring[2])  # sent their first chunks and wait (the rank after d1 on d1)
+        s["f_cid"][d1] -= 1
+        s["f_sent"][d1] = s["f_sends"][d1] = shape.num_messages
+        s["f_recvd"][d1] = s["f_used"][d1] = shape.num_messages - 1
+        s["f_steps"][d1] = s["f_total"][d1] - 1
+        s["f_recvd"][d2] = s["f_used"][d2] = 0
+        answered[j] = False
         return Truth(HANG, (j,), (host,))
     if kind == "never_joined":
         _stall_ring(s, shape, j, 0, now)

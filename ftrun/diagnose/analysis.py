@@ -67,8 +67,11 @@ def _with_tree_edges(v: Verdict, snap: Snapshot, layout: Layout, cfg: AnalysisCo
 
 
 # -- FTAR rings ------------------------------------------------------------------------------------
-def _status(snap: Snapshot, layout: Layout) -> tuple[np.ndarray, np.ndarray]:
-    """Per rank: its status in its ring's current all-reduce, and the ring's current op key."""
+def _status(snap: Snapshot, layout: Layout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per rank: its status in its ring's all-reduces, the ring's current op key, and the rank's own op key
+    (-1 if it did not answer or has none). A rank still running the all-reduce before its ring's current
+    one counts as running: its ring peers finished that one and entered the next, and it waits in it
+    (typically at its last receive, from a hung previous rank); it did not stay away."""
     s, ans = snap.summary, snap.answered
     key = (s["f_qid"].astype(np.int64) << 32) | (s["f_cid"].astype(np.int64) & 0xFFFFFFFF)
     key = np.where(ans & (s["f_qid"] >= 0), key, -1)
@@ -79,14 +82,14 @@ def _status(snap: Snapshot, layout: Layout) -> tuple[np.ndarray, np.ndarray]:
     status = np.full(len(ans), _ABSENT, np.int8)
     status[~ans] = _UNKNOWN
     st = s["f_state"]
-    status[incur & (st == RUNNING)] = _RUN
+    status[(incur | (key >= 0)) & (st == RUNNING)] = _RUN
     status[incur & (st == DONE)] = _DONE
     status[incur & (st == FAILED)] = _FAILED
-    return status, cur
+    return status, cur, key
 
 
 def _ftar_hang(snap: Snapshot, layout: Layout, cfg: AnalysisConfig) -> Verdict | None:
-    status, cur = _status(snap, layout)
+    status, cur, key = _status(snap, layout)
     s = snap.summary
     age, part = snap.now - s["f_last"], layout.ring_pos >= 0
     stalled = (status == _RUN) & (age >= cfg.stall_s) & part
@@ -103,25 +106,28 @@ def _ftar_hang(snap: Snapshot, layout: Layout, cfg: AnalysisConfig) -> Verdict |
     st = np.where(sub >= 0, status[np.maximum(sub, 0)], _UNKNOWN)
     if failed.any() and not stalled.any():
         return _failed_rings(sub, st, snap, layout, rings)
-    verdict = _verdict_from_leaves(_follow(sub, st, s), sub, st, snap, layout, rings, cfg)
+    keys = np.where(sub >= 0, key[np.maximum(sub, 0)], -1)
+    verdict = _verdict_from_leaves(_follow(sub, st, keys, s), sub, st, keys, snap, layout, rings, cfg)
     return None if verdict is None else _with_tree_edges(verdict, snap, layout, cfg, rings)
 
 
-def _edges(sub: np.ndarray, st: np.ndarray, s: np.ndarray) -> np.ndarray:
+def _edges(sub: np.ndarray, st: np.ndarray, keys: np.ndarray, s: np.ndarray) -> np.ndarray:
     """Offset (-1: waits on the previous ring rank, +1: on the next, 0: leaf) of every ring cell.
 
     A running rank holding a received chunk it has not used yet is working (a leaf if it is stalled),
     unless a send of its is stuck: then it waits for that slot back (the shared-memory transport frees a
     slot when the next rank acks it) on the next rank; one that has read everything its previous rank
-    sent waits on it; one whose send is stuck waits on the next; a previous rank that did not answer or
-    never joined is waited on."""
+    sent waits on it; one whose send is stuck waits on the next; a previous rank that did not answer, never
+    joined, or is still in an earlier all-reduce (`keys`: each cell's op) is waited on. Counters are
+    compared only within one all-reduce: a previous rank already past this one sent all of it."""
     r = np.maximum(sub, 0)
     prev = np.roll(r, 1, axis=1)
-    prev_st = np.roll(st, 1, axis=1)
+    prev_st, prev_key = np.roll(st, 1, axis=1), np.roll(keys, 1, axis=1)
     run = st == _RUN
     working = s["f_recvd"][r] > s["f_used"][r]
     nothing_to_read = s["f_sent"][prev] <= s["f_recvd"][r]
-    prev_blocks = (prev_st == _UNKNOWN) | (prev_st == _ABSENT) | ((prev_st == _RUN) & nothing_to_read)
+    prev_blocks = (prev_st == _UNKNOWN) | (prev_key < keys) | \
+        ((prev_key == keys) & (prev_st == _RUN) & nothing_to_read)
     stuck_send = s["f_sends"][r] > s["f_sent"][r]
     off = np.zeros(st.shape, np.int64)
     off[run & stuck_send & (working | ~prev_blocks)] = 1  # working with a stuck send: waits for its slot back
@@ -129,9 +135,9 @@ def _edges(sub: np.ndarray, st: np.ndarray, s: np.ndarray) -> np.ndarray:
     return off
 
 
-def _follow(sub: np.ndarray, st: np.ndarray, s: np.ndarray) -> np.ndarray:
+def _follow(sub: np.ndarray, st: np.ndarray, keys: np.ndarray, s: np.ndarray) -> np.ndarray:
     """For every cell, the ring position its wait-for chain ends at (-1 if it ends in a cycle)."""
-    off = _edges(sub, st, s)
+    off = _edges(sub, st, keys, s)
     n = sub.shape[1]
     pos = np.broadcast_to(np.arange(n), sub.shape).copy()
     rows = np.arange(sub.shape[0])[:, None]
@@ -143,7 +149,7 @@ def _follow(sub: np.ndarray, st: np.ndarray, s: np.ndarray) -> np.ndarray:
     return np.where(off[rows, pos] == 0, pos, -1)
 
 
-def _verdict_from_leaves(leaves, sub, st, snap, layout, rings, cfg) -> Verdict | None:
+def _verdict_from_leaves(leaves, sub, st, keys, snap, layout, rings, cfg) -> Verdict | None:
     """The verdict from the ends of the rank wait-for chains; None when the only culprits are alive ranks
     whose usual lag explains the wait (then the slow-rank analysis speaks)."""
     s, n = snap.summary, sub.shape[1]
@@ -161,7 +167,9 @@ def _verdict_from_leaves(leaves, sub, st, snap, layout, rings, cfg) -> Verdict |
     ends = ends[ends[:, 1] >= 0]
     r, kind = sub[ends[:, 0], ends[:, 1]], st[ends[:, 0], ends[:, 1]]
     prev = sub[ends[:, 0], (ends[:, 1] - 1) % n]
-    in_flight = (kind == _RUN) & (s["f_recvd"][r] == s["f_used"][r]) & (s["f_sent"][prev] > s["f_recvd"][r])
+    k, pk = keys[ends[:, 0], ends[:, 1]], keys[ends[:, 0], (ends[:, 1] - 1) % n]
+    unread = ((pk == k) & (s["f_sent"][prev] > s["f_recvd"][r])) | (pk > k)  # a previous rank past it sent it all
+    in_flight = (kind == _RUN) & (s["f_recvd"][r] == s["f_used"][r]) & unread
     for a, b, g in zip(prev[in_flight][:3], r[in_flight][:3], rings[ends[in_flight, 0]][:3]):
         reasons.append(f"ring {int(g)}: {layout.rank_name(int(a))} sent chunk {int(s['f_recvd'][b]) + 1} but "
                        f"{layout.rank_name(int(b))} did not receive it (the link or either rank)")
@@ -170,14 +178,15 @@ def _verdict_from_leaves(leaves, sub, st, snap, layout, rings, cfg) -> Verdict |
     for b, p in ends[holes][:3]:
         reasons.append(f"ring {int(rings[b])}: position {int(p)} is waited on but no known rank holds it")
     culprits = dict(zip(r[~in_flight & ~holes].tolist(), kind[~in_flight & ~holes].tolist()))
-    late = [x for x, k in culprits.items() if k != _UNKNOWN and slow.usual_lag_covers(x, snap, layout, cfg)]
+    late = [x for x, c in culprits.items() if c != _UNKNOWN and slow.usual_lag_covers(x, snap, layout, cfg)]
     for x in late:  # alive, and as late as it always is: a slow rank (the history names it), not a hang
         del culprits[x]
     if late and not culprits and not pairs and not holes.any():
         return None
     leaves_c = tuple(f"ftar ring {int(g)}" for g in rings[:8]) + ((f"and {len(rings) - 8} more rings",) if len(rings) > 8 else ())
     if culprits:
-        return _named(HANG, set(culprits), layout, _culprit_reasons(culprits, snap, layout), leaves_c)
+        behind = set(sub[(keys >= 0) & (keys < keys.max(axis=1, keepdims=True))].tolist())
+        return _named(HANG, set(culprits), layout, _culprit_reasons(culprits, snap, layout, behind), leaves_c)
     if holes.any() and not pairs:
         return _named(HANG, set(), layout, reasons, leaves_c)
     return _named(CANDIDATES, {x for pr in pairs for x in pr}, layout, reasons, leaves_c)
@@ -187,10 +196,11 @@ _GROUP_WHY = {_UNKNOWN: "did not answer the collector while their ring peers wai
               _ABSENT: "never joined the all-reduce", _RUN: "joined the all-reduce without progress"}
 
 
-def _culprit_reasons(culprits: dict[int, int], snap: Snapshot, layout: Layout) -> list[str]:
-    """One line per culprit, or per kind for many (a host or a building)."""
+def _culprit_reasons(culprits: dict[int, int], snap: Snapshot, layout: Layout, behind: set[int]) -> list[str]:
+    """One line per culprit, or per kind for many (a host or a building). `behind`: ranks still in the
+    all-reduce before their ring's current one."""
     if len(culprits) <= 2:
-        return [f"{layout.rank_name(r)} {_why(k, r, snap)}" for r, k in sorted(culprits.items())]
+        return [f"{layout.rank_name(r)} {_why(k, r, snap, r in behind)}" for r, k in sorted(culprits.items())]
     out = []
     for kind in sorted(set(culprits.values())):
         ranks = [r for r, k in culprits.items() if k == kind]
@@ -200,7 +210,7 @@ def _culprit_reasons(culprits: dict[int, int], snap: Snapshot, layout: Layout) -
     return out
 
 
-def _why(kind: int, r: int, snap: Snapshot) -> str:
+def _why(kind: int, r: int, snap: Snapshot, behind: bool = False) -> str:
     s = snap.summary[r]
     if kind == _UNKNOWN:
         return "did not answer the collector while its ring peers wait on it (hung or dead)"
@@ -208,7 +218,8 @@ def _why(kind: int, r: int, snap: Snapshot) -> str:
         where = f"it is in tree collective {int(s['t_cid'])}" if s["t_ev"] and s["t_ev"] != Ev.DONE else \
             "it is outside any collective (compute or data)"
         return f"never joined the all-reduce ({where})"
-    return (f"joined without progress: has its input, no stuck send, no progress for "
+    where = " (still in the all-reduce before its ring's current one)" if behind else ""
+    return (f"joined without progress{where}: has its input, no stuck send, no progress for "
             f"{snap.now - float(s['f_last']):.1f}s at chunk step {int(s['f_steps'])} of {int(s['f_total'])}")
 
 

@@ -92,7 +92,7 @@ def test_sigstopped_rank_is_named_by_the_collector():
                 named = time.monotonic() - stopped
                 break
             env.clock.sleep(0.2)
-        assert named is not None, v
+        assert named is not None, (v, _ring_table(collector))
         assert v["kind"] == "hang" and "did not answer the collector" in v["reason"], v
         print(f"SIGSTOPped rank named {named:.2f}s after the stop: {v['reason']}")
     finally:
@@ -103,6 +103,15 @@ def test_sigstopped_rank_is_named_by_the_collector():
             p.stdin.close()
             p.stdout.close()
         collector.stop()
+
+
+def _ring_table(collector) -> list[dict]:
+    """What the last diagnosis saw of each rank, for a failure message."""
+    snap, layout = collector.last_input
+    fields = ("f_qid", "f_cid", "f_state", "f_steps", "f_total", "f_recvd", "f_used", "f_sends", "f_sent")
+    return [{"rank": layout.rank_name(i), "answered": bool(snap.answered[i]),
+             "age_s": round(snap.now - float(row["f_last"]), 3), **{f: int(row[f]) for f in fields}}
+            for i, row in enumerate(snap.summary)]
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ CASES = [
     ("slow_link", SLOW_LINK, "its sends take"),
     ("hang_in_vote", HANG, "did not answer the collector while its replica's tree collective waits on it"),
     ("stuck_in_vote", HANG, "joined its tree collective without progress: every child sent up, it did not"),
+    ("hang_rank_at_op_end", HANG, "did not answer the collector while its ring peers wait on it"),
     ("hang_host_before_entry", HANG, "did not answer; 24 other ranks of their replica entered the all-reduce and it "
      "aborted before their ring peers joined"),
 ]
@@ -135,6 +136,25 @@ def test_a_wait_cycle_gives_candidates_at_the_oldest_progress():
     s["f_last"][ring[2]] -= 1.0
     v = analyze(snap, layout)
     assert v.kind == CANDIDATES and ring[2] in v.ranks and "a cycle" in v.reason, v
+
+
+def test_a_rank_left_in_the_previous_all_reduce_is_behind_not_absent():
+    """The ring's other ranks finished the last all-reduce and entered the next; the rank after the hung one
+    waits at its last receive of the last one. Answering, the hung rank moved on: the chunk is in flight
+    between the two; the rank behind it holding an unused chunk is the one stuck, named as behind."""
+    snap, layout, _ = scenario(SHAPE, "hang_rank_at_op_end", 4)
+    j = int(np.flatnonzero(~snap.answered)[0])
+    d1 = int(np.flatnonzero((layout.group == layout.group[j]) &
+                            (layout.replica == (layout.replica[j] + 1) % SHAPE.num_replicas))[0])
+    assert analyze(snap, layout).ranks == (j,)
+    snap.answered[j] = True
+    v = analyze(snap, layout)
+    assert v.kind == CANDIDATES and {j, d1} <= set(v.ranks) and "did not receive it" in v.reason, v
+    assert f"{layout.rank_name(j)} sent chunk {int(snap.summary['f_recvd'][d1]) + 1} but" in v.reason, v
+    snap.summary["f_recvd"][d1] += 1
+    v = analyze(snap, layout)
+    assert v.kind == HANG and v.ranks == (d1,), v
+    assert "joined without progress (still in the all-reduce before its ring's current one)" in v.reason, v
 
 
 def test_an_aborted_ring_where_everyone_answered_names_the_first_to_fail():
