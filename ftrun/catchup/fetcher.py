@@ -40,6 +40,11 @@ from ftrun.env.base import Env
 
 log = logging.getLogger("ftrun.heal")
 
+# A request's own limit runs this much past the fetch's deadline: a fetch out of time ends with the fetch's
+# CatchupTimeout, not with the requests that deadline cut short failing first as their sources' faults (a
+# timer of the link's event loop may fire a clock tick early).
+LIMIT_GRACE_S = 0.05
+
 
 @dataclass(frozen=True)
 class FetchResult:
@@ -180,7 +185,7 @@ class _Fetch:
             return
         try:
             manifest = self._link(source).manifest(self.step, min(self.config.long_poll_s, self.remaining()),
-                                                   self.remaining())
+                                                   self.remaining() + LIMIT_GRACE_S)
         except CatchupAuthError as e:
             with self.lock:
                 self.fatal = self.fatal or e
@@ -274,8 +279,8 @@ class _Fetch:
             left = self.remaining()
             nxt = None if ahead is None else manifest.layout.shards[ahead]
             pipelined = None if nxt is None else (nxt, dest[nxt.offset:nxt.offset + nxt.nbytes])
-            crc = self._link(source).shard(self.step, shard, into, min(self.config.long_poll_s, left), left,
-                                           ahead=pipelined)
+            crc = self._link(source).shard(self.step, shard, into, min(self.config.long_poll_s, left),
+                                           left + LIMIT_GRACE_S, ahead=pipelined)
             if crc is None:  # once per shard: a link that checksummed the bytes as they arrived says so
                 crc = self.transport.crc32(into)
             if crc != manifest.crcs[index]:
