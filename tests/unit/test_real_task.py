@@ -82,11 +82,65 @@ def test_a_task_dropped_while_it_ran_logs_what_it_raised_later_once(caplog):
             done.set()
 
     task = RealEnv().spawn(fail_later, name="forgotten")
-    thread = task._thread
     del task
     gc.collect()
     go.set()
-    thread.join(10.0)
-    assert done.is_set() and not thread.is_alive()
+    assert done.wait(10.0)
+    deadline = time.monotonic() + 10.0
+    while not _unread_records(caplog):
+        assert time.monotonic() < deadline, "the dropped task's exception was not logged"
+        time.sleep(0.01)
+    time.sleep(0.05)
     records = _unread_records(caplog)
     assert len(records) == 1 and "task forgotten raised ValueError" in records[0].getMessage()
+
+
+def test_tasks_reuse_idle_threads_and_run_concurrently():
+    """A task's thread goes back to the pool when the task ends: the next task runs on it (no thread start);
+    tasks alive together each have a thread of their own."""
+    import threading
+    env = RealEnv()
+    idents = []
+    for _ in range(20):
+        t = env.spawn(lambda: idents.append(threading.get_ident()), name="short")
+        assert t.join(10.0) and not t.is_alive()
+    assert len(set(idents)) <= 2, idents  # one thread, or two where a returning one was not back yet
+    barrier = threading.Barrier(5)
+    tasks = [env.spawn(barrier.wait, 10.0, name=f"together-{i}") for i in range(5)]
+    assert all(t.join(10.0) for t in tasks) and all(t.exception is None for t in tasks)
+
+
+def test_a_killed_task_ends_and_its_thread_is_not_reused():
+    import threading
+    env = RealEnv()
+    where = []
+
+    def spin() -> None:
+        where.append(threading.get_ident())
+        while True:
+            time.sleep(0.001)
+
+    killed = env.spawn(spin, name="spin")
+    while not where:
+        time.sleep(0.001)
+    killed.kill()
+    assert killed.join(10.0)
+    assert type(killed.exception).__name__ == "TaskKilled"
+    seen = []
+    for _ in range(5):
+        t = env.spawn(lambda: seen.append(threading.get_ident()), name="after")
+        assert t.join(10.0)
+    assert where[0] not in seen
+
+
+def test_a_forked_child_starts_tasks_on_threads_of_its_own():
+    """The parent's idle pool threads do not exist in a forked child: its tasks start threads."""
+    import os
+    env = RealEnv()
+    assert env.spawn(lambda: None, name="warm").join(10.0)  # leaves an idle pool thread in the parent
+    pid = os.fork()
+    if pid == 0:
+        ok = RealEnv().spawn(lambda: None, name="child").join(5.0)
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
