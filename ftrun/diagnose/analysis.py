@@ -67,11 +67,11 @@ def _with_tree_edges(v: Verdict, snap: Snapshot, layout: Layout, cfg: AnalysisCo
 
 
 # -- FTAR rings ------------------------------------------------------------------------------------
-def _status(snap: Snapshot, layout: Layout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per rank: its status in its ring's all-reduces, the ring's current op key, and the rank's own op key
-    (-1 if it did not answer or has none). A rank still running the all-reduce before its ring's current
-    one counts as running: its ring peers finished that one and entered the next, and it waits in it
-    (typically at its last receive, from a hung previous rank); it did not stay away."""
+def _status(snap: Snapshot, layout: Layout) -> tuple[np.ndarray, np.ndarray]:
+    """Per rank: its status in its ring's all-reduces, and its own op key (-1 if it did not answer or has
+    none); a ring's current op is its members' newest. A rank still running the all-reduce before its
+    ring's current one counts as running: its ring peers finished that one and entered the next, and it
+    waits in it (typically at its last receive, from a hung previous rank); it did not stay away."""
     s, ans = snap.summary, snap.answered
     key = (s["f_qid"].astype(np.int64) << 32) | (s["f_cid"].astype(np.int64) & 0xFFFFFFFF)
     key = np.where(ans & (s["f_qid"] >= 0), key, -1)
@@ -85,11 +85,11 @@ def _status(snap: Snapshot, layout: Layout) -> tuple[np.ndarray, np.ndarray, np.
     status[(incur | (key >= 0)) & (st == RUNNING)] = _RUN
     status[incur & (st == DONE)] = _DONE
     status[incur & (st == FAILED)] = _FAILED
-    return status, cur, key
+    return status, key
 
 
 def _ftar_hang(snap: Snapshot, layout: Layout, cfg: AnalysisConfig) -> Verdict | None:
-    status, cur, key = _status(snap, layout)
+    status, key = _status(snap, layout)
     s = snap.summary
     age, part = snap.now - s["f_last"], layout.ring_pos >= 0
     stalled = (status == _RUN) & (age >= cfg.stall_s) & part
