@@ -100,11 +100,11 @@ def test_tasks_reuse_idle_threads_and_run_concurrently():
     tasks alive together each have a thread of their own."""
     import threading
     env = RealEnv()
-    idents = []
+    threads = []  # Thread objects: an ended thread's ident may be given to a new one
     for _ in range(20):
-        t = env.spawn(lambda: idents.append(threading.get_ident()), name="short")
+        t = env.spawn(lambda: threads.append(threading.current_thread()), name="short")
         assert t.join(10.0) and not t.is_alive()
-    assert len(set(idents)) <= 2, idents  # one thread, or two where a returning one was not back yet
+    assert len(set(map(id, threads))) <= 2, threads  # one thread, or two where a returning one was not back yet
     barrier = threading.Barrier(5)
     tasks = [env.spawn(barrier.wait, 10.0, name=f"together-{i}") for i in range(5)]
     assert all(t.join(10.0) for t in tasks) and all(t.exception is None for t in tasks)
@@ -116,7 +116,7 @@ def test_a_killed_task_ends_and_its_thread_is_not_reused():
     where = []
 
     def spin() -> None:
-        where.append(threading.get_ident())
+        where.append(threading.current_thread())  # the Thread object: an ended thread's ident may be reused
         while True:
             time.sleep(0.001)
 
@@ -128,9 +128,11 @@ def test_a_killed_task_ends_and_its_thread_is_not_reused():
     assert type(killed.exception).__name__ == "TaskKilled"
     seen = []
     for _ in range(5):
-        t = env.spawn(lambda: seen.append(threading.get_ident()), name="after")
+        t = env.spawn(lambda: seen.append(threading.current_thread()), name="after")
         assert t.join(10.0)
-    assert where[0] not in seen
+    assert all(x is not where[0] for x in seen)
+    where[0].join(10.0)
+    assert not where[0].is_alive()  # it ended instead of waiting in the pool
 
 
 def test_a_forked_child_starts_tasks_on_threads_of_its_own():
