@@ -182,6 +182,9 @@ class TrainConfig:
     rank_cpu_share: float = 0.0
     rank_cpu_share_ranks: float = 0.0
     # A rank process's CPU seconds per step in that run (the phase events' `cpu`). 0: not measured.
+    # With all three measured and shared_cpu_cores set, a step is never shorter than the shared CPUs allow: N live
+    # ranks x rank_cpu_step_s over the rank_cpu_share x rank_cpu_share_ranks cores a synchronous job keeps busy
+    # (harness.run.job.EmulatedJob.cpu_floor_period_s; what falls short is charged to each all-reduce).
     rank_cpu_step_s: float = 0.0
 
     def __post_init__(self) -> None:

@@ -190,6 +190,8 @@ class EmulatedJob(JobFolding):
         self._in_step_kills: list[Kill] = []  # mid-step kills waiting for their replica's next step to begin
         self._restart_kills: list[Kill] = []  # step kills that fell due while their replica was down or restarting
         self._commit_gaps: list[float] = []
+        self._floor_gaps: list[float] = []  # the recent step periods less the CPU floor's charge (ftar_overhead_s)
+        self._floor_s = 0.0  # what each all-reduce charges now to keep the step at the CPU floor
         self.diagnosis = JobDiagnosis(self) if options.diagnose else None
         self.scenario = ScenarioFaults(self)
         self.driver: Callable[["EmulatedJob"], None] | None = None  # a task run beside the job (diagnose bench)
@@ -491,8 +493,29 @@ class EmulatedJob(JobFolding):
     def ftar_overhead_s(self) -> float:
         """The all-reduce's measured overhead while more than one replica is up (seams.OverheadExchange charges
         it after the modeled ring): ftar.sync_overhead_s is measured with 2 replicas; with R up it is R / 2 of
-        that (each replica's rank wakes for its ring steps on the shared CPUs: more replicas, more wake-ups)."""
-        return self._per_replica_up(self.profile.ftar.sync_overhead_s)
+        that (each replica's rank wakes for its ring steps on the shared CPUs: more replicas, more wake-ups). Plus,
+        on shared CPUs, what the recent steps fell short of the CPU floor (`cpu_floor_period_s`): a real rank waits
+        for a CPU throughout its step, but most of that wait shows in its all-reduce (real 3 x 1: compute 1.8 ms
+        of a 15 ms step, the all-reduce phase 7.7 ms), and a mid-step kill, timed on the compute, stays where it was."""
+        return self._per_replica_up(self.profile.ftar.sync_overhead_s) + self._floor_s
+
+    def cpu_floor_period_s(self) -> float:
+        """The shortest step period the shared CPUs allow with the ranks up now: N live ranks each use
+        train.rank_cpu_step_s of CPU per step, and a synchronous job keeps train.rank_cpu_share x
+        train.rank_cpu_share_ranks cores busy (both measured in `ftrun calibrate SCRIPT`'s 2-replica run), so a step
+        takes at least N x rank_cpu_step_s / (rank_cpu_share x rank_cpu_share_ranks). 0 when not measured, when the
+        ranks have CPUs of their own (no train.shared_cpu_cores) or with one replica up. Both inputs are taken as they
+        were with 2 replicas up: on this 2-core box a rank's CPU per step and the busy cores stayed within the
+        2-replica run's spread at 3 and 4 replicas (2 x 1: 4.5-6.2 ms and 1.23-1.36 cores in five runs; 3 x 1:
+        5.8-6.1 ms, 1.34-1.35; 4 x 1: 5.5-5.6 ms, 1.43-1.44; benchmarks/results/fidelity.md)."""
+        t = self.profile.train
+        busy = t.rank_cpu_share * t.rank_cpu_share_ranks
+        if not (t.shared_cpu_cores and t.rank_cpu_step_s and busy):
+            return 0.0
+        up = [inc for inc in self._incarnations if inc is not None and inc.alive]
+        if len(up) < 2:
+            return 0.0
+        return sum(inc.world_size for inc in up) * t.rank_cpu_step_s / busy
 
     def replica_compute_extra_s(self) -> float:
         """The compute a step gains from the other replicas up (train.replica_compute_extra_s, measured with 2
@@ -530,6 +553,9 @@ class EmulatedJob(JobFolding):
         inc.has_committed = True
         if last is not None:
             self._commit_gaps = (self._commit_gaps + [now - last[1]])[-20:]  # the recent step period (contention)
+            self._floor_gaps = (self._floor_gaps + [now - last[1] - self._floor_s])[-20:]
+            floor = self.cpu_floor_period_s()  # charge the median shortfall of the steps as they were without it
+            self._floor_s = max(0.0, floor - sorted(self._floor_gaps)[len(self._floor_gaps) // 2]) if floor else 0.0
         if step >= self.options.steps:
             inc.completed = True
             self.finished = True

@@ -290,3 +290,30 @@ def test_the_writers_loader_state_save_reads_both_slots_at_the_calibrated_read_l
     loader_state save reads its two slots before the write, and every replica's next quorum waits for the writer."""
     assert (_commit_to_quorum("storage.local_read_latency_s=0.01")
             - _commit_to_quorum("storage.local_read_latency_s=0.0")) == pytest.approx(2 * 0.01, abs=2e-3)
+
+
+def _step_period(overrides: list[str], replicas: int) -> float:
+    """r0's median commit-to-commit time in a failure-free 6-step ci-small job (8 ranks per replica)."""
+    from statistics import median
+
+    profile = build_profile("ci-small", [*overrides, f"replicas={replicas}", "failures.mode=none",
+                                         "failures.events=[]"], steps=6, cpu_charging=False)
+    f, job = execute(profile, JobOptions(steps=6))
+    assert f["complete"]
+    commits = [e["t"] for e in _leader_events(job, "r0") if e["event"] == "commit"]
+    return median(b - a for a, b in zip(commits, commits[1:]))
+
+
+@pytest.mark.timeout(120)
+def test_the_step_is_no_shorter_than_the_shared_cpus_allow():
+    """With the ranks on shared CPUs and their CPU per step and busy share measured (`ftrun calibrate SCRIPT`'s
+    2-replica run: 16 rank processes keeping 8 cores busy, 1 s of CPU each per step), N live ranks need N x 1 s of
+    CPU per step from 8 busy cores: the step takes 4 s with 32 ranks up, 2 s with 16, whatever shorter step the
+    modeled chain gives (0.5 s compute); without those measurements, the modeled step."""
+    measured = ["train.shared_cpu_cores=64", "train.rank_cpu_step_s=1.0", "train.rank_cpu_share=0.5",
+                "train.rank_cpu_share_ranks=16"]
+    free = _step_period([], 4)
+    assert free < 1.0
+    assert _step_period(measured, 4) == pytest.approx(4.0, rel=0.02)
+    assert _step_period(measured, 2) == pytest.approx(2.0, rel=0.02)
+    assert _step_period(measured[:1], 4) == pytest.approx(free, rel=0.02)  # not measured: no floor
