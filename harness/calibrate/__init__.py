@@ -115,27 +115,39 @@ def phase_spans(events: list[dict], start: str, end: str) -> list[float]:
     return out
 
 
-def cpu_steps(events: list[dict]) -> list[tuple[float, float]]:
+def full_steps(events: list[dict], participants: int) -> set[tuple]:
+    """(replica_id, incarnation, step) of every step whose first quorum (its leader's quorum event) had `participants`
+    replicas and none of them behind: the steps a run with kills trained with every replica up. Pure."""
+    first: dict[tuple, dict] = {}
+    for e in events:
+        if e.get("event") == "quorum" and e.get("rank", 0) == 0 and "step" in e:
+            first.setdefault((e.get("replica_id"), e.get("incarnation", 0), e["step"]), e)
+    return {key for key, e in first.items() if len(e.get("participants", ())) == participants and not e.get("behind")}
+
+
+def cpu_steps(events: list[dict], participants: int | None = None) -> list[tuple[float, float]]:
     """Per step of every rank (its first "quorum" phase event of a step and of the next, each with the rank process's
     `cpu`: ftrun.train.wiring), (CPU seconds, wall seconds) between the two. Steps without a `cpu` (older events) are
-    left out. Pure."""
+    left out; with `participants`, so is a step unless it and the next are `full_steps` (in a 2-replica run with kills,
+    a survivor's steps alone and a joiner's catch-up are not what 2 replicas cost). Pure."""
+    full = full_steps(events, participants) if participants is not None else None
     first: dict[tuple, dict[int, tuple[float, float]]] = {}
     for e in events:
         if e.get("event") == "phase" and e.get("phase") == "quorum" and "t" in e and "cpu" in e:
             key = (e.get("replica_id"), e.get("incarnation", 0), e.get("rank", 0))
             first.setdefault(key, {}).setdefault(e["step"], (e["t"], e["cpu"]))
     out = []
-    for by_step in first.values():
+    for key, by_step in first.items():
         for step, (t, cpu) in by_step.items():
             nxt = by_step.get(step + 1)
-            if nxt is not None and nxt[0] > t:
+            if nxt is not None and nxt[0] > t and (full is None or {(*key[:2], step), (*key[:2], step + 1)} <= full):
                 out.append((nxt[1] - cpu, nxt[0] - t))
     return out
 
 
-def cpu_shares(events: list[dict]) -> list[float]:
+def cpu_shares(events: list[dict], participants: int | None = None) -> list[float]:
     """Per step of every rank (`cpu_steps`), its busy share: its process's CPU seconds over the wall seconds. Pure."""
-    return [cpu / wall for cpu, wall in cpu_steps(events)]
+    return [cpu / wall for cpu, wall in cpu_steps(events, participants)]
 
 
 def _at_commits(events: list[dict], phase: str) -> list[tuple[float, dict[int, float]]]:
@@ -325,11 +337,13 @@ def _script_runs(script: str, steps: int, module: bool, ranks: int) -> list[Figu
             *_ftar_hop(script, steps, module, ranks, median(spans))]
 
 
-def phase_figures(events: list[dict], how: str, suffix: str) -> list[Figure]:
+def phase_figures(events: list[dict], how: str, suffix: str, participants: int | None = None) -> list[Figure]:
     """From the phase events of `how`'s run: the ranks' compute (`script_compute{suffix}`), and with more than one
     rank the commit vote (`script_commit_vote{suffix}`) and the decision broadcast's lag
     (`script_decision_broadcast{suffix}`), and every rank's busy share of a step (`script_cpu_share{suffix}`) and CPU
-    seconds per step (`script_cpu_step{suffix}_s`), medians (the module's pure functions say how each is cut)."""
+    seconds per step (`script_cpu_step{suffix}_s`, both over the steps of `participants` replicas where given),
+    medians (the module's pure functions say how each is cut)."""
+    full = "" if participants is None else f" (the steps all {participants} replicas trained)"
     out = []
     for name, xs, what in (
             (f"script_compute{suffix}_s", phase_spans(events, "forward", "exchange"), "from a rank's forward phase "
@@ -338,11 +352,12 @@ def phase_figures(events: list[dict], how: str, suffix: str) -> list[Figure]:
              "the leader's commit event (the commit vote, an all-reduce over the replica's gloo comm)"),
             (f"script_decision_broadcast{suffix}_s", decision_broadcasts(events), "of the other ranks' started "
              "phase less the leader's (the quorum decision's broadcast over the replica's gloo comm)"),
-            (f"script_cpu_share{suffix}", cpu_shares(events), "over every rank's steps of its process's CPU seconds "
-             "over the wall seconds from its quorum phase of a step to that of the next (the phase events' cpu: "
-             "time.process_time, every thread of the rank)"),
-            (f"script_cpu_step{suffix}_s", [cpu for cpu, _ in cpu_steps(events)], "over every rank's steps of its "
-             "process's CPU seconds from its quorum phase of a step to that of the next (the phase events' cpu)")):
+            (f"script_cpu_share{suffix}", cpu_shares(events, participants), f"over every rank's steps{full} of its "
+             "process's CPU seconds over the wall seconds from its quorum phase of a step to that of the next (the "
+             "phase events' cpu: time.process_time, every thread of the rank)"),
+            (f"script_cpu_step{suffix}_s", [cpu for cpu, _ in cpu_steps(events, participants)], f"over every rank's "
+             f"steps{full} of its process's CPU seconds from its quorum phase of a step to that of the next (the phase "
+             "events' cpu)")):
         if xs:
             share = name.startswith("script_cpu_share")
             out.append(Figure(name, median(xs), "share" if share else "s", f"median {'' if share else 'time '}{what}, "
@@ -383,7 +398,7 @@ def _ftar_hop(script: str, steps: int, module: bool, ranks: int, one_replica_s: 
                        f"(`--inject kill ... at=0.5`) of the time from the kill to the lighthouse's loss of r1's "
                        f"connection (its reset: the killed rank's OS teardown under the job's own load; {script} as 2 "
                        f"replicas x {ranks} ranks)", len(down))] if down else []
-    phased = phase_figures(events, f"{script} as 2 replicas x {ranks} ranks", "_2_replicas")
+    phased = phase_figures(events, f"{script} as 2 replicas x {ranks} ranks", "_2_replicas", participants=2)
     skews = start_skews(events)
     if skews:
         phased.append(Figure("script_start_skew_s", median(skews) / math.log(2), "s", f"the median over "

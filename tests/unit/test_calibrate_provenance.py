@@ -604,6 +604,34 @@ def test_cpu_shares_are_each_ranks_cpu_over_wall_between_its_quorum_phases_of_co
     assert cpu_shares(PHASED) == []
 
 
+def test_the_2_replica_runs_cpu_figures_count_only_the_steps_both_replicas_trained():
+    """In the 2-replica calibration run r1 is killed and restarted: r0's steps alone, the step a kill aborted and
+    the joiner's catch-up step are not what a step of 2 replicas costs."""
+    from harness.calibrate import cpu_steps, full_steps, phase_figures
+
+    def q(rid, step, t, cpu, inc=0):
+        return {**_phase(rid, 0, "quorum", step, t), "incarnation": inc, "cpu": cpu}
+
+    def quorum(rid, step, members, behind=(), inc=0):
+        return {"event": "quorum", "rank": 0, "replica_id": rid, "incarnation": inc, "step": step,
+                "participants": list(members), "behind": list(behind)}
+
+    both = ("r0", "r1")
+    events = [quorum("r0", 1, both), q("r0", 1, 1.00, 0.50), quorum("r0", 2, both), q("r0", 2, 1.10, 0.56),
+              quorum("r0", 3, both), q("r0", 3, 1.20, 0.62),  # 1 -> 2 -> 3: two steps of both, 6 ms of CPU each
+              quorum("r0", 3, ("r0",)),  # the kill's retry of step 3 (its first quorum had both): still step 3's
+              quorum("r0", 4, ("r0",)), q("r0", 4, 1.25, 0.625),  # alone: 3 -> 4 and 4 -> 5 left out
+              quorum("r0", 5, both, behind=("r1",)), q("r0", 5, 1.30, 0.63),  # r1 catching up: 5 -> 6 left out
+              quorum("r0", 6, both), q("r0", 6, 1.40, 0.70), quorum("r0", 7, both), q("r0", 7, 1.50, 0.76)]
+    assert full_steps(events, 2) == {("r0", 0, s) for s in (1, 2, 3, 6, 7)}
+    assert sorted(round(cpu, 6) for cpu, _ in cpu_steps(events, 2)) == [0.06, 0.06, 0.06]
+    assert len(cpu_steps(events)) == 6  # unfiltered: every consecutive pair
+    share, step = [f for f in phase_figures(events, "a run", "_2_replicas", participants=2)
+                   if f.name.startswith("script_cpu")]
+    assert step.value == pytest.approx(0.06) and step.samples == 3 and "all 2 replicas trained" in step.method
+    assert share.value == pytest.approx(0.6)
+
+
 def test_the_2_replica_runs_cpu_share_sets_the_queues_calibration_point():
     keys = profile_keys({f.name: f for f in [fig("script_cpu_share_2_replicas", 0.42, "share"),
                                               fig("script_cpu_share", 0.3, "share"), fig("script_ranks", 2, "ranks"),
