@@ -505,10 +505,9 @@ class EmulatedJob(JobFolding):
         train.rank_cpu_share_ranks cores busy (both measured in `ftrun calibrate SCRIPT`'s 2-replica run), so a step
         takes at least N x rank_cpu_step_s / (rank_cpu_share x rank_cpu_share_ranks). 0 when not measured, when the
         ranks have CPUs of their own (no train.shared_cpu_cores) or with one replica up. Both inputs are taken as they
-        were with 2 replicas up: on this 2-core box a rank's CPU per step stayed within the 2-replica run's spread at
-        3 and 4 replicas, and the busy cores grew a little (2 x 1 in `ftrun calibrate`'s run, over the steps both
-        replicas trained: 6.0-6.7 ms and 1.26-1.30 cores in four runs; 3 x 1: 5.8-6.4 ms, 1.31-1.35; 4 x 1:
-        5.5-6.6 ms, 1.35-1.44; benchmarks/results/fidelity.md)."""
+        were with 2 replicas up: on this 2-core box both stayed near the 2-replica run's at 3 and 4 replicas (2 x 1 in
+        `ftrun calibrate`'s run, over the steps both replicas trained: 6.0-6.7 ms and 1.26-1.30 cores in four runs;
+        real 3 x 1: 5.8-7.0 ms, 1.21-1.35; 4 x 1: 5.5-6.6 ms, 1.34-1.44; benchmarks/results/fidelity.md)."""
         t = self.profile.train
         busy = t.rank_cpu_share * t.rank_cpu_share_ranks
         if not (t.shared_cpu_cores and t.rank_cpu_step_s and busy):
