@@ -184,7 +184,9 @@ class TrainConfig:
     # A rank process's CPU seconds per step in that run (the phase events' `cpu`). 0: not measured.
     # With all three measured and shared_cpu_cores set, a step is never shorter than the shared CPUs allow: N live
     # ranks x rank_cpu_step_s over the rank_cpu_share x rank_cpu_share_ranks cores a synchronous job keeps busy
-    # (harness.run.job.EmulatedJob.cpu_floor_period_s; what falls short is charged to each all-reduce).
+    # (harness.run.job.EmulatedJob.cpu_floor_period_s; what falls short is charged to each all-reduce). And where
+    # that run had a core per rank (rank_cpu_share_ranks <= round(shared_cpu_cores)) but the job has more ranks
+    # than cores, the two skews above are at least the burst a rank wakes for over ln 2 (EmulatedJob.queued_wake_s).
     rank_cpu_step_s: float = 0.0
 
     def __post_init__(self) -> None:

@@ -224,7 +224,8 @@ class EmulatedJob(JobFolding):
         """A rank's late start of a step (train.rank_start_skew_s, with the replicas up as `_skew_mean`: an exponential
         draw of that mean, seeded by the job's seed, replica, rank and `n`, 0 without one): rank 0's after each quorum
         decision (n: its quorum id and step), the others' before their compute of step n."""
-        return start_skew(self._skew_mean(self.profile.train.rank_start_skew_s),
+        t = self.profile.train
+        return start_skew(self._skew_mean(t.rank_start_skew_s, burst_s=t.step_compute_s),
                           f"{self.options.seed}/{replica}/{rank}/{n}")
 
     def exchange_skew_s(self, replica: int, rank: int, quorum: Any) -> float:
@@ -233,10 +234,11 @@ class EmulatedJob(JobFolding):
         quorum id and step), 0 when the all-reduce had no peer to wait for (one participant) or without one."""
         if quorum.num_participants < 2:
             return 0.0
-        return start_skew(self._skew_mean(self.profile.train.rank_exchange_skew_s),
+        t = self.profile.train
+        return start_skew(self._skew_mean(t.rank_exchange_skew_s, burst_s=t.step_bookkeeping_s),
                           f"{self.options.seed}/{replica}/{rank}/x{quorum.quorum_id}/{quorum.step}")
 
-    def _skew_mean(self, measured_s: float) -> float:
+    def _skew_mean(self, measured_s: float, *, burst_s: float = 0.0) -> float:
         """The mean of a late start or wake (train.rank_start_skew_s or rank_exchange_skew_s, `measured_s`) with the
         replicas up now (never fewer than 2). Both are measured with 2 replicas up (`ftrun calibrate SCRIPT`'s
         2-replica run, which its 1-replica step's calibration takes as is); more rank processes wake on the shared
@@ -247,12 +249,32 @@ class EmulatedJob(JobFolding):
         not where: the emulator charges it at its two wake-ups, the start and the wake from the all-reduce, half
         each): a measured skew is kept as it is, whatever load it met, and only what more ranks add is modeled (with
         fewer live ranks than the measuring run's, e.g. a profile measured on 2-rank replicas emulating 1-rank ones, the
-        queue's negative growth is not taken: it could take the mean below 0)."""
+        queue's negative growth is not taken: it could take the mean below 0). Either way at least `queued_wake_s` of
+        the burst of CPU work the rank wakes for (`burst_s`: its compute for the start, its bookkeeping for the wake
+        from the all-reduce)."""
         up = max(sum(1 for inc in self._incarnations if inc is not None and inc.alive), 2)
         q = self._cpu_queue(up)
-        if q is None:
-            return measured_s * up / 2
-        return measured_s + self.profile.train.rank_cpu_step_s * max(wait_growth(*q), 0.0) / 2
+        mean = (measured_s * up / 2 if q is None
+                else measured_s + self.profile.train.rank_cpu_step_s * max(wait_growth(*q), 0.0) / 2)
+        return max(mean, self.queued_wake_s(burst_s))
+
+    def queued_wake_s(self, burst_s: float) -> float:
+        """The least mean late wake of a rank whose 2-replica calibration met no CPU queue but whose job now has more
+        rank processes than cores: the 2-replica run measured on a core per rank (train.rank_cpu_share_ranks at most
+        round(train.shared_cpu_cores)) reads ~0.1 ms, while with more live ranks than cores a rank that wakes
+        together with the others (at a quorum decision, or at the end of the all-reduce) finds the cores taken by
+        their bursts of `burst_s` and waits for one: the ranks' starts then spread by about one burst, {0, 0, b} at
+        3 x 1 on 2 cores, whose median pairwise spread b an exponential of mean b / ln 2 gives (how the calibration
+        reads a spread as a mean). Real 3 x 1 and 4 x 1 runs: late wakes 1.9-2.0 ms from the all-reduce, 3.1 ms at the
+        start, against bookkeeping 1.3 ms and compute 1.35-1.8 ms. 0 otherwise: without those measurements, or where
+        the calibration run already had more ranks than cores (its measured spreads hold the queue; 2-rank replicas
+        on 2 cores)."""
+        t = self.profile.train
+        cores = round(t.shared_cpu_cores)
+        if not cores or not t.rank_cpu_share_ranks or t.rank_cpu_share_ranks > cores:
+            return 0.0
+        live = sum(inc.world_size for inc in self._incarnations if inc is not None and inc.alive)
+        return burst_s / math.log(2) if live > cores else 0.0
 
     def _cpu_queue(self, up: int) -> tuple[float, int, int, float] | None:
         """The CPU queue's arguments with `up` replicas up (train.shared_cpu_model "queue", with the measuring run's

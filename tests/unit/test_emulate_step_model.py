@@ -317,3 +317,32 @@ def test_the_step_is_no_shorter_than_the_shared_cpus_allow():
     assert _step_period(measured, 4) == pytest.approx(4.0, rel=0.02)
     assert _step_period(measured, 2) == pytest.approx(2.0, rel=0.02)
     assert _step_period(measured[:1], 4) == pytest.approx(free, rel=0.02)  # not measured: no floor
+
+
+@pytest.mark.timeout(120)
+def test_more_ranks_than_cores_wake_a_burst_late_where_the_calibration_had_a_core_per_rank():
+    """A 2-replica calibration on a core per rank reads almost no late wake (real 2 x 1 on 2 cores: 0.1 ms), but
+    with more live ranks than cores a rank that wakes with the others waits for one of their bursts: its late wake
+    from the all-reduce has a mean of at least its bookkeeping / ln 2 (real 3 x 1: 1.9-2.0 ms against 1.3 ms), and
+    the replicas' commits spread by about the bookkeeping. Not where the calibration run already had more ranks
+    than cores (its spreads hold the queue), nor with the ranks on a core each."""
+    from statistics import median
+
+    from harness.calibrate import exchange_skews
+
+    bookkeeping = 0.1
+
+    def spread(cal_ranks: int, replicas: int = 4) -> float:
+        overrides = [f"replicas={replicas}", "ranks_per_replica=1", "topology.gpus_per_host=1",
+                     "train.shared_cpu_cores=2", f"train.rank_cpu_share_ranks={cal_ranks}", "train.rank_cpu_share=0.5",
+                     "train.rank_cpu_step_s=1e-6", f"train.step_bookkeeping_s={bookkeeping}",
+                     "train.rank_exchange_skew_s=0.0001", "failures.mode=none", "failures.events=[]"]
+        f, j = execute(build_profile("ci-small", overrides, steps=24, cpu_charging=False), JobOptions(steps=24))
+        assert f["complete"]
+        assert j.queued_wake_s(bookkeeping) == (pytest.approx(bookkeeping / math.log(2))
+                                                if cal_ranks <= 2 and replicas > 2 else 0.0)
+        return median(exchange_skews(j.recorder.events))
+
+    queued = spread(2)
+    assert 0.3 * bookkeeping < queued < 3 * bookkeeping
+    assert spread(4) < 0.01 and spread(2, replicas=2) < 0.01
