@@ -252,7 +252,7 @@ class EmulatedJob(JobFolding):
         queue's negative growth is not taken: it could take the mean below 0). Either way at least `queued_wake_s` of
         the burst of CPU work the rank wakes for (`burst_s`: its compute for the start, its bookkeeping for the wake
         from the all-reduce)."""
-        up = max(sum(1 for inc in self._incarnations if inc is not None and inc.alive), 2)
+        up = max(len(self._up()), 2)
         q = self._cpu_queue(up)
         mean = (measured_s * up / 2 if q is None
                 else measured_s + self.profile.train.rank_cpu_step_s * max(wait_growth(*q), 0.0) / 2)
@@ -273,8 +273,7 @@ class EmulatedJob(JobFolding):
         cores = round(t.shared_cpu_cores)
         if not cores or not t.rank_cpu_share_ranks or t.rank_cpu_share_ranks > cores:
             return 0.0
-        live = sum(inc.world_size for inc in self._incarnations if inc is not None and inc.alive)
-        return burst_s / math.log(2) if live > cores else 0.0
+        return burst_s / math.log(2) if self._live_ranks() > cores else 0.0
 
     def _cpu_queue(self, up: int) -> tuple[float, int, int, float] | None:
         """The CPU queue's arguments with `up` replicas up (train.shared_cpu_model "queue", with the measuring run's
@@ -506,7 +505,7 @@ class EmulatedJob(JobFolding):
         t = self.profile.train
         if not t.shared_cpu_cores:
             return 0.0
-        live = sum(inc.world_size for inc in self._incarnations if inc is not None and inc.alive)
+        live = self._live_ranks()
         gaps = sorted(self._commit_gaps)
         busy = t.step_compute_s + t.step_bookkeeping_s
         u = min(1.0, busy / gaps[len(gaps) // 2]) if gaps else 1.0
@@ -534,10 +533,9 @@ class EmulatedJob(JobFolding):
         busy = t.rank_cpu_share * t.rank_cpu_share_ranks
         if not (t.shared_cpu_cores and t.rank_cpu_step_s and busy):
             return 0.0
-        up = [inc for inc in self._incarnations if inc is not None and inc.alive]
-        if len(up) < 2:
+        if len(self._up()) < 2:
             return 0.0
-        return sum(inc.world_size for inc in up) * t.rank_cpu_step_s / busy
+        return self._live_ranks() * t.rank_cpu_step_s / busy
 
     def replica_compute_extra_s(self) -> float:
         """The compute a step gains from the other replicas up (train.replica_compute_extra_s, measured with 2
@@ -548,8 +546,16 @@ class EmulatedJob(JobFolding):
         """`at_two_s`, measured with 2 replicas up, scaled to the replicas up now (R / 2; 0 with one). The same with
         train.shared_cpu_model "queue" (R / 2 times the queue's slowdown of a burst of CPU work as well overshot: 4 x 1
         step 1.25 against 1.04, benchmarks/results/fidelity.md)."""
-        up = sum(1 for inc in self._incarnations if inc is not None and inc.alive)
+        up = len(self._up())
         return at_two_s * up / 2 if up > 1 else 0.0
+
+    def _up(self) -> list[Incarnation]:
+        """The replicas' live incarnations."""
+        return [inc for inc in self._incarnations if inc is not None and inc.alive]
+
+    def _live_ranks(self) -> int:
+        """The rank processes of the live incarnations."""
+        return sum(inc.world_size for inc in self._up())
 
     def slow_fetch(self) -> tuple[float, float] | None:
         """(factor, delay_s) of the slow fetch fault in force now (F x the modeled transfer, plus D), or None. As
