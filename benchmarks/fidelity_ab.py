@@ -4,7 +4,7 @@ with the changes named on the command line). Same real runs, same restep figures
 
     python benchmarks/fidelity_ab.py DIR FIDELITY_STDOUT [--figure NAME=VALUE ...] [--drop NAME ...]
         [--real-write | --sampled-write] [--teardown run|real|restep] [--skews run|real|restep] [--set KEY=VALUE ...]
-        [--save OUT.json]
+        [--seeds N] [--save OUT.json]
 
 FIDELITY_STDOUT: the file the run's stdout went to (its last line is the --json object).
 --figure NAME=VALUE: a measured figure replaced in both restep snapshots (e.g. cpu_cores_effective=2.0, measured
@@ -17,6 +17,8 @@ FIDELITY_STDOUT: the file the run's stdout went to (its last line is the --json 
 --set KEY=VALUE: a profile override of the "after" model (e.g. storage.lighthouse_persists=true).
 --teardown: the killed rank's teardown the run emulated with ("run", the default), the real runs' own kills' (their
   trace.json, `harness.calibrate.fidelity.real_teardown`) or the restep's mean ("restep", as runs before the real one).
+--seeds N: emulate each model N times (seeds 0..N-1) and pool the runs as `ftrun fidelity --emulated-seeds` does
+  (default: its default).
 --skews: the ranks' late starts and wakes from the all-reduce the run emulated with ("run"), the real runs' own
   (their events, `harness.calibrate.fidelity.real_skews`; "real-unscaled": divided by the R / 2 the emulator
   scales them by with R replicas up, as they were measured with R up) or the restep's means ("restep").
@@ -52,6 +54,7 @@ def main() -> None:
     p.add_argument("--teardown", choices=("run", "real", "restep"), default="run")
     p.add_argument("--skews", choices=("run", "real", "real-unscaled", "restep"), default="run")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--seeds", type=int, default=fd.EMULATED_SEEDS)
     p.add_argument("--save", default=None)
     a = p.parse_args()
     replace = {}
@@ -109,11 +112,14 @@ def main() -> None:
             skews["train.rank_exchange_skew_s"] = 0.0
         for key, value in skews.items():
             overrides = fd.with_override(overrides, key, value)
-        f, ev, heals = fd._emulated(args, doc["profile"], [*overrides, *starts, *(a.set if model == "after" else ())])
-        table = fd.side_by_side(real, fd.metrics(ev, num_replicas=args.replicas, catchup_s=heals), fd.noise(each))
-        out[model] = {"complete": f.get("complete"), "overrides": overrides, "table": table,
-                      "stall_phases": fd.stall_phase_medians(fd.stall_phases(ev)),
-                      "phases": fd.phases(ev)}
+        runs = [fd._emulated(args, doc["profile"], [*overrides, *starts, *(a.set if model == "after" else ())], seed=s)
+                for s in range(a.seeds)]
+        evs, heals = [ev for _, ev, _ in runs], [h for _, _, h in runs]
+        emulated, _ = fd.repeated(evs, num_replicas=args.replicas, catchups=heals)
+        table = fd.side_by_side(real, emulated, fd.noise(each))
+        out[model] = {"complete": all(f.get("complete") for f, _, _ in runs), "overrides": overrides, "table": table,
+                      "stall_phases": fd.stall_phase_medians([r for ev in evs for r in fd.stall_phases(ev)]),
+                      "phases": fd.runs_phases(evs)}
         print(f"{model}: max |ln| {table['max_abs_log_ratio']:.3f}; "
               + "  ".join(f"{r['name']} {r['ratio']:.2f}" for r in table["metrics"] if r["ratio"] is not None))
         print("  stall phases, ms, real / emulated: " + "; ".join(

@@ -19,6 +19,9 @@ whether it did, per kill, in both worlds; `--json` `recoveries`). With --repeat 
 real figures are medians over the
 runs (the per-fault ones over all their faults), and each row's `real_spread` (the runs' largest |ln(a/b)|
 among themselves) and `inside_noise` say which ratios are inside this machine's own run-to-run noise.
+The emulated job runs --emulated-seeds times (seeds 0, 1, ...; EMULATED_SEEDS by default), its figures pooled
+the same way (`repeated`): its ranks' late wakes and jitter are seeded draws, and one run's 10 kills are too few
+for a stable median of a stall.
 
 Figures (`metrics`, pure, over either event stream: leader/rank-0 events with replica_id, incarnation, t):
 - step_s: median time between consecutive commits of one replica incarnation;
@@ -37,7 +40,8 @@ Figures (`metrics`, pure, over either event stream: leader/rank-0 events with re
 
 For reading a stall miss, `stall_phases` cuts each failure's stalled interval at the events both worlds emit
 (commit, quorum, kill, error, abort); the run prints their medians side by side, `--json` gives them as
-`stall_phases`, and `--out` keeps the emulated events (emulated/events.jsonl) beside the real runs'.
+`stall_phases`, and `--out` keeps the emulated events (emulated/events.jsonl, emulated-2/, ...) beside the
+real runs'.
 """
 
 from __future__ import annotations
@@ -95,6 +99,10 @@ LOCAL_GAPS = 10
 # Kills of r1 per real run by default. One kill's detection and stall vary 2-4x from the next under a shared
 # machine's load (benchmarks/results/fidelity.md): the per-fault figures are medians over them.
 KILLS = 10
+# Emulated runs (seeds) per fidelity run. One emulated run's stall per failure, a median over its 10 kills, moved
+# 0.71-1.06 x real over seeds 0-4 on the same real runs (fid7 4 x 2; benchmarks/results/fidelity.md); 5 runs pool
+# 50 kills for ~7-10 s of emulation each.
+EMULATED_SEEDS = 5
 
 
 def spaced_interval(recovery_s: float, period_s: float) -> int:
@@ -342,6 +350,13 @@ def phases(events: Iterable[dict[str, Any]]) -> dict[str, float | None]:
     return {"quorum_to_commit_s": median(q2c) if q2c else None, "commit_to_quorum_s": median(c2q) if c2q else None}
 
 
+def runs_phases(runs: list[list[dict[str, Any]]]) -> dict[str, float | None]:
+    """`phases` of several runs of one job: per phase, the median of the runs' medians. Pure."""
+    each = [phases(ev) for ev in runs]
+    return {name: median(xs) if (xs := [ph[name] for ph in each if ph[name] is not None]) else None
+            for name in ("quorum_to_commit_s", "commit_to_quorum_s")}
+
+
 def rank_phases(runs: list[list[dict[str, Any]]]) -> dict[str, float | None]:
     """From the real runs' every-rank phase events (FTRUN_PHASE_EVENTS), medians over all their steps: a rank's
     compute (forward -> exchange), its all-reduce (exchange -> before_commit), the commit vote and the decision
@@ -384,12 +399,15 @@ def toy_model_overrides(num_params: int) -> list[str]:
             "model.mlp_matrices=2", f"model.vocab={vocab}", "model.dtype=fp32"]
 
 
-def repeated(runs: list[list[dict[str, Any]]], *, num_replicas: int) -> tuple[dict[str, float | None], list[dict]]:
-    """The real figures of several runs of the same job (--repeat) and each run's own: the per-fault figures
-    (`per_fault`) are medians over every run's faults together, the others (step_s, get_quorum_s,
-    effective_training_time) the median of the runs' figures. Pure."""
-    each = [metrics(ev, num_replicas=num_replicas) for ev in runs]
-    faults = pooled_faults(runs)
+def repeated(runs: list[list[dict[str, Any]]], *, num_replicas: int,
+             catchups: list[list[float]] | None = None) -> tuple[dict[str, float | None], list[dict]]:
+    """The figures of several runs of the same job (the real runs of --repeat, the emulated ones of
+    --emulated-seeds) and each run's own: the per-fault figures (`per_fault`) are medians over every run's faults
+    together, the others (step_s, get_quorum_s, effective_training_time) the median of the runs' figures.
+    `catchups`: per run, its catch-up times where its events do not carry them (the emulator's heal spans). Pure."""
+    each = [metrics(ev, num_replicas=num_replicas, catchup_s=None if catchups is None else catchups[i])
+            for i, ev in enumerate(runs)]
+    faults = pooled_faults(runs, catchups)
     out: dict[str, float | None] = {}
     for name in NAMES:
         xs = faults[name] if name in FAULT_NAMES else [m[name] for m in each if m[name] is not None]
@@ -397,12 +415,13 @@ def repeated(runs: list[list[dict[str, Any]]], *, num_replicas: int) -> tuple[di
     return out, each
 
 
-def pooled_faults(runs: list[list[dict[str, Any]]]) -> dict[str, list[float]]:
-    """`per_fault` of several runs, each figure's values of every run together. Pure."""
+def pooled_faults(runs: list[list[dict[str, Any]]],
+                  catchups: list[list[float]] | None = None) -> dict[str, list[float]]:
+    """`per_fault` of several runs, each figure's values of every run together (`catchups` as `repeated`'s). Pure."""
     out: dict[str, list[float]] = {name: [] for name in FAULT_NAMES}
-    for ev in runs:
+    for i, ev in enumerate(runs):
         for name, xs in per_fault(ev).items():
-            out[name].extend(xs)
+            out[name].extend(catchups[i] if catchups is not None and name == "catchup_s" else xs)
     return out
 
 
@@ -468,6 +487,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "every run's faults) and each figure's real_spread, the runs' largest |ln(a/b)| among "
                         "themselves, says which emulated/real ratios are inside this machine's noise "
                         "(default %(default)s)")
+    p.add_argument("--emulated-seeds", type=int, default=EMULATED_SEEDS, metavar="N",
+                   help="emulate the job N times, with seeds 0..N-1: its figures pool the runs' faults as the real "
+                        "runs' do (one emulated run's random draws, its ranks' late wakes, move its 10-kill stall "
+                        "median by up to 1.5x) (default %(default)s)")
     p.add_argument("--profile", default=None, metavar="CALIBRATED.toml",
                    help="a profile from `ftrun calibrate` (default: calibrate now, with the real per-step time of "
                         "ftrun.train.ft_worker as 1 replica x 1 rank)")
@@ -696,7 +719,8 @@ def _recovery_of(profile_path: str, restep: dict[str, float], figures: dict[str,
     return recovery_inputs({**flat, **restep}, {**measured, **figures}, args)
 
 
-def _emulated(args: argparse.Namespace, profile_path: str, extra: list[str] = ()) -> tuple[dict, list[dict], list[float]]:
+def _emulated(args: argparse.Namespace, profile_path: str, extra: list[str] = (),
+              seed: int = 0) -> tuple[dict, list[dict], list[float]]:
     from harness.cli import execute
     from harness.profile import apply_overrides, load_profile
     from harness.run import JobOptions
@@ -705,7 +729,7 @@ def _emulated(args: argparse.Namespace, profile_path: str, extra: list[str] = ()
     base = load_profile(profile_path)
     p = apply_overrides(base, [*emulated_overrides(args, _toy_params()), *extra])
     kills, others = split_faults([parse_inject(spec) for spec in fault_specs(args)])
-    f, job = execute(p, JobOptions(steps=total_steps(args), kills=kills, faults=others))
+    f, job = execute(p, JobOptions(steps=total_steps(args), kills=kills, faults=others, seed=seed))
     heals = [b - a for _, number, name, a, b in (job.recorder.spans or [])
              if name == "ftrun::catchup::heal" and number > 0]  # a restarted replica's (per_fault's catchup_s)
     return f, job.recorder.events, heals
@@ -731,8 +755,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--slow-fetch-delay must be >= 0, got {args.slow_fetch_delay}")
     if args.restart_delay < 0:
         raise UsageError(f"--restart-delay must be >= 0, got {args.restart_delay}")
-    if args.repeat < 1:
-        raise UsageError(f"--repeat must be >= 1, got {args.repeat}")
+    if args.repeat < 1 or args.emulated_seeds < 1:
+        raise UsageError(f"--repeat and --emulated-seeds must be >= 1, got {args.repeat}, {args.emulated_seeds}")
     if args.profile is not None and not os.path.isfile(args.profile):
         raise UsageError(f"--profile {args.profile!r} is not a file")  # before a temp folder is made for the run
     out = args.out or tempfile.mkdtemp(prefix="ftrun-fidelity-")
@@ -783,18 +807,23 @@ def run(args: argparse.Namespace) -> int:
         restep = with_override(restep, TEARDOWN_KEY, teardown.value if teardown is not None else None)
     offsets = start_offsets(real_evs, replica_ids(args.replicas))
     starts = [] if offsets is None else [f"scheduler.first_start_s={offsets!r}"]
-    print("ftrun fidelity: emulated run ...", file=sys.stderr, flush=True)
-    emu_f, emu_ev, heals = _emulated(args, profile, [*restep, *starts])
-    os.makedirs(os.path.join(out, "emulated"), exist_ok=True)  # beside real/events.jsonl, for reading a miss
-    with open(os.path.join(out, "emulated", "events.jsonl"), "w") as f:
-        f.writelines(json.dumps(e, default=str) + "\n" for e in emu_ev)
+    emus = []
+    for seed in range(args.emulated_seeds):
+        print(f"ftrun fidelity: emulated run {seed + 1} of {args.emulated_seeds} ...", file=sys.stderr, flush=True)
+        emus.append(_emulated(args, profile, [*restep, *starts], seed=seed))
+        folder = os.path.join(out, "emulated" if seed == 0 else f"emulated-{seed + 1}")
+        os.makedirs(folder, exist_ok=True)  # beside real/events.jsonl, for reading a miss
+        with open(os.path.join(folder, "events.jsonl"), "w") as f:
+            f.writelines(json.dumps(e, default=str) + "\n" for e in emus[-1][1])
+    emu_complete = all(f.get("complete") for f, _, _ in emus)
+    emu_evs, heals = [ev for _, ev, _ in emus], [h for _, _, h in emus]
     real, real_each = repeated(real_evs, num_replicas=args.replicas)
-    real_spread, emu_spread = spread(pooled_faults(real_evs)), spread({**per_fault(emu_ev), "catchup_s": heals})
-    emulated = metrics(emu_ev, num_replicas=args.replicas, catchup_s=heals)
+    emulated, emu_each = repeated(emu_evs, num_replicas=args.replicas, catchups=heals)
+    real_spread, emu_spread = spread(pooled_faults(real_evs)), spread(pooled_faults(emu_evs, heals))
     table = side_by_side(real, emulated, noise(real_each) if args.repeat > 1 else None)
     print(f"ftrun fidelity: {args.replicas} replicas x {args.ranks_per_replica} ranks, {total_steps(args)} steps, "
           f"faults {'; '.join(fault_specs(args))}, restart after {args.restart_delay} s; profile {profile}; "
-          f"real runs: {args.repeat}")
+          f"real runs: {args.repeat}, emulated runs: {args.emulated_seeds}")
     print(f"  {'metric':<24} {'real':>12} {'emulated':>12} {'emu/real':>9}"
           + (f" {'|ln|':>6} {'real-vs-real |ln|':>18}" if args.repeat > 1 else ""))
     for row in table["metrics"]:
@@ -805,9 +834,7 @@ def run(args: argparse.Namespace) -> int:
             sp = "-" if row["real_spread"] is None else f"{row['real_spread']:.3f}"
             line += f" {ln:>6} {sp:>18}" + (" (inside)" if row["inside_noise"] else "")
         print(line)
-    real_ph = {name: median(xs) if (xs := [ph[name] for ph in map(phases, real_evs) if ph[name] is not None]) else None
-               for name in ("quorum_to_commit_s", "commit_to_quorum_s")}
-    emu_ph = phases(emu_ev)
+    real_ph, emu_ph = runs_phases(real_evs), runs_phases(emu_evs)
     rank_ph = rank_phases(real_evs)
     for name in real_ph:
         cells = [("-" if v is None else f"{v:.4g}") for v in (real_ph[name], emu_ph[name])]
@@ -816,15 +843,15 @@ def run(args: argparse.Namespace) -> int:
     for name, sp in real_spread.items():
         print(f"  (real {name:<19} over {sp['n']} faults: {sp['min']:.4g} .. {sp['max']:.4g})")
     stall_ph = {"real": stall_phase_medians([row for ev in real_evs for row in stall_phases(ev)]),
-                "emulated": stall_phase_medians(stall_phases(emu_ev))}
+                "emulated": stall_phase_medians([row for ev in emu_evs for row in stall_phases(ev)])}
     print("  (where a failure's stall goes, ms, medians over the faults: "
           + "; ".join(f"{c} {_ms(stall_ph['real'][c])} / {_ms(stall_ph['emulated'][c])}" for c in STALL_COLUMNS)
           + " (real / emulated))")
-    recs = {"real": [recoveries(ev) for ev in real_evs], "emulated": recoveries(emu_ev)}
-    print(f"  (steps from the last join to each kill, real runs / emulated: {recs['real']} / {recs['emulated']}; "
-          f"{sum(recovered(r) for r in recs['real'])} of {sum(len(r) for r in recs['real'])} real kills and "
-          f"{recovered(recs['emulated'])} of {len(recs['emulated'])} emulated found the job recovered, more than "
-          f"{LOCAL_GAPS} steps)")
+    recs = {"real": [recoveries(ev) for ev in real_evs], "emulated": [recoveries(ev) for ev in emu_evs]}
+    print(f"  (steps from the last join to each kill, real runs / emulated: {recs['real']} / {recs['emulated'][0]}"
+          f"{' ...' if len(emu_evs) > 1 else ''}; {sum(recovered(r) for r in recs['real'])} of "
+          f"{sum(len(r) for r in recs['real'])} real kills and {sum(recovered(r) for r in recs['emulated'])} of "
+          f"{sum(len(r) for r in recs['emulated'])} emulated found the job recovered, more than {LOCAL_GAPS} steps)")
     if offsets is not None:
         print(f"  (first start of each replica, median of the real runs: {', '.join(f'{o:.3f}' for o in offsets)} s)")
     for key in before:
@@ -838,13 +865,14 @@ def run(args: argparse.Namespace) -> int:
     mx, noise_mx = table["max_abs_log_ratio"], table.get("real_vs_real_max_abs_log_ratio")
     print(f"  max |ln(emulated/real)| = {'-' if mx is None else format(mx, '.3f')}"
           + (f", real vs real {'-' if noise_mx is None else format(noise_mx, '.3f')}" if args.repeat > 1 else "")
-          + f"; real complete: {real_complete}, emulated complete: {emu_f.get('complete')}; "
+          + f"; real complete: {real_complete}, emulated complete: {emu_complete}; "
           f"wall {time.monotonic() - started:.1f} s")
     if args.json:
         emit_json({**table, "replicas": args.replicas, "ranks_per_replica": args.ranks_per_replica,
                    "steps": total_steps(args), "kill_step_interval": args.kill_step_interval, "profile": profile,
                    "out": out, "real_complete": real_complete,
-                   "emulated_complete": emu_f.get("complete"), "repeat": args.repeat, "real_runs": real_each,
+                   "emulated_complete": emu_complete, "repeat": args.repeat, "real_runs": real_each,
+                   "emulated_seeds": args.emulated_seeds, "emulated_runs": emu_each,
                    "phases": {"real": real_ph, "emulated": emu_ph}, "real_rank_phases": rank_ph, "stall_phases": stall_ph, "restep": restep,
                    "restep_before": before, "restep_after": after,
                    "restep_figures": {"before": figures_before, "after": figures_after}, "first_start_s": offsets,
@@ -853,4 +881,4 @@ def run(args: argparse.Namespace) -> int:
                    "teardown_during_real_s": None if teardown is None else teardown.value,
                    "real_skews_s": {key: f.value for key, f in skews.items()}, "recoveries": recs,
                    "spread": {"real": real_spread, "emulated": emu_spread}, "kills": args.kills, "wall_s": round(time.monotonic() - started, 3)})
-    return 0 if real_complete and emu_f.get("complete") else 1
+    return 0 if real_complete and emu_complete else 1

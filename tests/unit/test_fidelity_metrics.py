@@ -240,6 +240,8 @@ def test_kills_must_fit_in_the_run():
                  ["--kill-step-interval", "0"], ["--kill-at-fraction", "1.0"]):
         with pytest.raises(UsageError, match="--kill"):
             run(p.parse_args(argv))
+    with pytest.raises(UsageError, match="--emulated-seeds"):
+        run(p.parse_args(["--emulated-seeds", "0"]))
 
 
 def test_repeated_real_runs_pool_their_faults_and_say_their_spread():
@@ -254,6 +256,17 @@ def test_repeated_real_runs_pool_their_faults_and_say_their_spread():
     sp = noise(each)
     assert sp["detection_s"] == pytest.approx(math.log(0.05 / 0.045))
     assert noise(each[:1])["step_s"] is None and noise([]) == {n: None for n in NAMES}
+
+
+def test_emulated_runs_pool_their_heal_spans_as_catchup_times():
+    from harness.calibrate.fidelity import pooled_faults, repeated
+
+    one, two = job_events(), two_kill_events()
+    emulated, each = repeated([one, two], num_replicas=3, catchups=[[0.4], [0.1, 0.3]])
+    assert [m["catchup_s"] for m in each] == pytest.approx([0.4, 0.2])  # each run's own heals
+    assert emulated["catchup_s"] == pytest.approx(0.3)  # the median of all three, not of the runs' medians
+    assert pooled_faults([one, two], [[0.4], [0.1, 0.3]])["catchup_s"] == pytest.approx([0.4, 0.1, 0.3])
+    assert emulated["detection_s"] == repeated([one, two], num_replicas=3)[0]["detection_s"]  # the rest as real runs
 
 
 def test_the_table_says_which_ratios_are_inside_the_real_runs_noise():
