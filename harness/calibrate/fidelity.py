@@ -755,8 +755,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--slow-fetch-delay must be >= 0, got {args.slow_fetch_delay}")
     if args.restart_delay < 0:
         raise UsageError(f"--restart-delay must be >= 0, got {args.restart_delay}")
-    if args.repeat < 1 or args.emulated_seeds < 1:
-        raise UsageError(f"--repeat and --emulated-seeds must be >= 1, got {args.repeat}, {args.emulated_seeds}")
+    if args.repeat < 1:
+        raise UsageError(f"--repeat must be >= 1, got {args.repeat}")
+    if args.emulated_seeds < 1:
+        raise UsageError(f"--emulated-seeds must be >= 1, got {args.emulated_seeds}")
     if args.profile is not None and not os.path.isfile(args.profile):
         raise UsageError(f"--profile {args.profile!r} is not a file")  # before a temp folder is made for the run
     out = args.out or tempfile.mkdtemp(prefix="ftrun-fidelity-")

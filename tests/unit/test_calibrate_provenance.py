@@ -215,6 +215,7 @@ def test_a_crashed_hosts_connections_reset_after_the_calibrated_teardown():
     (["fidelity", "--kill-step", "90", "--steps", "80"], "--kill-step"),
     (["fidelity", "--profile", "/no/such.toml"], "is not a file"),
     (["fidelity", "--repeat", "0"], "--repeat must be >= 1"),
+    (["fidelity", "--emulated-seeds", "0"], "--emulated-seeds must be >= 1"),
 ])
 def test_bad_input_exits_2_naming_it(argv, message, capsys, tmp_path, monkeypatch):
     from ftrun.cli import main
