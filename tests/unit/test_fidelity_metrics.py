@@ -240,8 +240,6 @@ def test_kills_must_fit_in_the_run():
                  ["--kill-step-interval", "0"], ["--kill-at-fraction", "1.0"]):
         with pytest.raises(UsageError, match="--kill"):
             run(p.parse_args(argv))
-    with pytest.raises(UsageError, match="--emulated-seeds"):
-        run(p.parse_args(["--emulated-seeds", "0"]))
 
 
 def test_repeated_real_runs_pool_their_faults_and_say_their_spread():
