@@ -79,7 +79,7 @@ def main() -> None:
         traces.append(fd.read_trace(os.path.join(a.out_dir, d)))
     real, each = fd.repeated(real_evs, num_replicas=args.replicas)
     starts = [] if doc["first_start_s"] is None else [f"scheduler.first_start_s={doc['first_start_s']!r}"]
-    out = {"real": real, "real_stall_phases": fd.stall_phase_medians([r for ev in real_evs for r in fd.stall_phases(ev)]),
+    out = {"real": real, "real_stall_phases": fd.runs_stall_phases(real_evs),
            "replace": replace, "drop": a.drop, "real_write": a.real_write, "sampled_write": a.sampled_write,
            "teardown": a.teardown, "skews": a.skews, "set": a.set}
     for model in ("before", "after"):
@@ -112,13 +112,13 @@ def main() -> None:
             skews["train.rank_exchange_skew_s"] = 0.0
         for key, value in skews.items():
             overrides = fd.with_override(overrides, key, value)
-        runs = [fd._emulated(args, doc["profile"], [*overrides, *starts, *(a.set if model == "after" else ())], seed=s)
-                for s in range(a.seeds)]
+        runs = fd.emulated_runs(args, doc["profile"], [*overrides, *starts, *(a.set if model == "after" else ())],
+                                a.seeds)
         evs, heals = [ev for _, ev, _ in runs], [h for _, _, h in runs]
         emulated, _ = fd.repeated(evs, num_replicas=args.replicas, catchups=heals)
         table = fd.side_by_side(real, emulated, fd.noise(each))
         out[model] = {"complete": all(f.get("complete") for f, _, _ in runs), "overrides": overrides, "table": table,
-                      "stall_phases": fd.stall_phase_medians([r for ev in evs for r in fd.stall_phases(ev)]),
+                      "stall_phases": fd.runs_stall_phases(evs),
                       "phases": fd.runs_phases(evs)}
         print(f"{model}: max |ln| {table['max_abs_log_ratio']:.3f}; "
               + "  ".join(f"{r['name']} {r['ratio']:.2f}" for r in table["metrics"] if r["ratio"] is not None))

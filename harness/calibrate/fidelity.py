@@ -292,6 +292,11 @@ def stall_phases(events: Iterable[dict[str, Any]]) -> list[dict[str, float | Non
 STALL_COLUMNS = (*STALL_PHASES, "step", "step_commit_to_quorum", "step_quorum_to_commit", "stall")
 
 
+def runs_stall_phases(runs: list[list[dict[str, Any]]]) -> dict[str, float | None]:
+    """`stall_phases` of several runs of one job, their faults pooled: `stall_phase_medians` of every run's rows. Pure."""
+    return stall_phase_medians([row for ev in runs for row in stall_phases(ev)])
+
+
 def stall_phase_medians(rows: list[dict[str, float | None]]) -> dict[str, float | None]:
     """Per column of `stall_phases` rows (of one or more runs), the median over the faults that have it. Pure."""
     return {c: median(xs) if (xs := [r[c] for r in rows if r.get(c) is not None]) else None for c in STALL_COLUMNS}
@@ -735,6 +740,16 @@ def _emulated(args: argparse.Namespace, profile_path: str, extra: list[str] = ()
     return f, job.recorder.events, heals
 
 
+def emulated_runs(args: argparse.Namespace, profile_path: str, extra: list[str] = (),
+                  seeds: int = EMULATED_SEEDS) -> list[tuple[dict, list[dict], list[float]]]:
+    """`_emulated` with seeds 0..seeds-1, each run's (figures, events, heals), with progress on stderr."""
+    out = []
+    for seed in range(seeds):
+        print(f"ftrun fidelity: emulated run {seed + 1} of {seeds} ...", file=sys.stderr, flush=True)
+        out.append(_emulated(args, profile_path, extra, seed=seed))
+    return out
+
+
 def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.1f}"
 
@@ -809,14 +824,12 @@ def run(args: argparse.Namespace) -> int:
         restep = with_override(restep, TEARDOWN_KEY, teardown.value if teardown is not None else None)
     offsets = start_offsets(real_evs, replica_ids(args.replicas))
     starts = [] if offsets is None else [f"scheduler.first_start_s={offsets!r}"]
-    emus = []
-    for seed in range(args.emulated_seeds):
-        print(f"ftrun fidelity: emulated run {seed + 1} of {args.emulated_seeds} ...", file=sys.stderr, flush=True)
-        emus.append(_emulated(args, profile, [*restep, *starts], seed=seed))
-        folder = os.path.join(out, "emulated" if seed == 0 else f"emulated-{seed + 1}")
+    emus = emulated_runs(args, profile, [*restep, *starts], args.emulated_seeds)
+    for i, (_, ev, _) in enumerate(emus):
+        folder = os.path.join(out, "emulated" if i == 0 else f"emulated-{i + 1}")
         os.makedirs(folder, exist_ok=True)  # beside real/events.jsonl, for reading a miss
         with open(os.path.join(folder, "events.jsonl"), "w") as f:
-            f.writelines(json.dumps(e, default=str) + "\n" for e in emus[-1][1])
+            f.writelines(json.dumps(e, default=str) + "\n" for e in ev)
     emu_complete = all(f.get("complete") for f, _, _ in emus)
     emu_evs, heals = [ev for _, ev, _ in emus], [h for _, _, h in emus]
     real, real_each = repeated(real_evs, num_replicas=args.replicas)
@@ -844,8 +857,7 @@ def run(args: argparse.Namespace) -> int:
     print("  (real ranks' phases, ms, medians: " + "; ".join(f"{k} {_ms(v)}" for k, v in rank_ph.items()) + ")")
     for name, sp in real_spread.items():
         print(f"  (real {name:<19} over {sp['n']} faults: {sp['min']:.4g} .. {sp['max']:.4g})")
-    stall_ph = {"real": stall_phase_medians([row for ev in real_evs for row in stall_phases(ev)]),
-                "emulated": stall_phase_medians([row for ev in emu_evs for row in stall_phases(ev)])}
+    stall_ph = {"real": runs_stall_phases(real_evs), "emulated": runs_stall_phases(emu_evs)}
     print("  (where a failure's stall goes, ms, medians over the faults: "
           + "; ".join(f"{c} {_ms(stall_ph['real'][c])} / {_ms(stall_ph['emulated'][c])}" for c in STALL_COLUMNS)
           + " (real / emulated))")

@@ -531,9 +531,7 @@ class EmulatedJob(JobFolding):
         real 3 x 1: 5.8-7.0 ms, 1.21-1.35; 4 x 1: 5.5-6.6 ms, 1.34-1.44; benchmarks/results/fidelity.md)."""
         t = self.profile.train
         busy = t.rank_cpu_share * t.rank_cpu_share_ranks
-        if not (t.shared_cpu_cores and t.rank_cpu_step_s and busy):
-            return 0.0
-        if len(self._up()) < 2:
+        if not (t.shared_cpu_cores and t.rank_cpu_step_s and busy) or len(self._up()) < 2:
             return 0.0
         return self._live_ranks() * t.rank_cpu_step_s / busy
 
