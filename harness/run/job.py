@@ -190,10 +190,7 @@ class EmulatedJob(JobFolding):
         self._in_step_kills: list[Kill] = []  # mid-step kills waiting for their replica's next step to begin
         self._restart_kills: list[Kill] = []  # step kills that fell due while their replica was down or restarting
         self._commit_gaps: list[float] = []
-        # per number of live ranks, the recent step periods less the CPU floor's charge (ftar_overhead_s); and the
-        # number the latest was recorded at
-        self._floor_gaps: dict[int, list[float]] = {}
-        self._floor_gaps_at = 0
+        self._floor_gaps: list[float] = []  # the recent step periods less the CPU floor's charge (ftar_overhead_s)
         self._floor_s = 0.0  # what each all-reduce charges now to keep the step at the CPU floor
         self.diagnosis = JobDiagnosis(self) if options.diagnose else None
         self.scenario = ScenarioFaults(self)
@@ -375,12 +372,10 @@ class EmulatedJob(JobFolding):
         self._record("start", inc)
         inc.tasks = {rank: inc.envs[i].spawn(rank_main, self, inc, i, name=f"{inc.replica_id}.{number}/rank{rank}")
                      for i, rank in enumerate(inc.ranks)}
-        self._refloor()
 
     def _kill(self, inc: Incarnation, why: str) -> None:
         """Kill every host of the incarnation; the calling task's own host last (that raises TaskKilled)."""
         inc.alive = False
-        self._refloor()
         self._record("kill" if why == "injected" else why, inc)
         current = self.world.sched.current
         own = current.host.name if current is not None else None
@@ -525,16 +520,6 @@ class EmulatedJob(JobFolding):
         of a 15 ms step, the all-reduce phase 7.7 ms), and a mid-step kill, timed on the compute, stays where it was."""
         return self._per_replica_up(self.profile.ftar.sync_overhead_s) + self._floor_s
 
-    def _refloor(self) -> None:
-        """Set the CPU floor's charge to each all-reduce (`_floor_s`) for the ranks live now: the median shortfall
-        of their recent steps as they were without it, against `cpu_floor_period_s`. Called at each commit and
-        whenever a replica goes down or comes up, so the step a kill makes the survivors retry is charged for the
-        ranks left (real 4 x 1: that retry takes 9.6-11.8 ms, where the 4-replica charge made it 12-15). The steps
-        of the same number of live ranks are the baseline, those of the latest number where it has none yet."""
-        floor = self.cpu_floor_period_s()
-        gaps = sorted(self._floor_gaps.get(self._live_ranks()) or self._floor_gaps.get(self._floor_gaps_at, []))
-        self._floor_s = max(0.0, floor - gaps[len(gaps) // 2]) if floor and gaps else 0.0
-
     def cpu_floor_period_s(self) -> float:
         """The shortest step period the shared CPUs allow with the ranks up now: N live ranks each use
         train.rank_cpu_step_s of CPU per step, and a synchronous job keeps train.rank_cpu_share x
@@ -594,10 +579,9 @@ class EmulatedJob(JobFolding):
         inc.has_committed = True
         if last is not None:
             self._commit_gaps = (self._commit_gaps + [now - last[1]])[-20:]  # the recent step period (contention)
-            live = self._live_ranks()
-            self._floor_gaps[live] = (self._floor_gaps.get(live, []) + [now - last[1] - self._floor_s])[-20:]
-            self._floor_gaps_at = live
-            self._refloor()
+            self._floor_gaps = (self._floor_gaps + [now - last[1] - self._floor_s])[-20:]
+            floor = self.cpu_floor_period_s()  # charge the median shortfall of the steps as they were without it
+            self._floor_s = max(0.0, floor - sorted(self._floor_gaps)[len(self._floor_gaps) // 2]) if floor else 0.0
         if step >= self.options.steps:
             inc.completed = True
             self.finished = True

@@ -320,27 +320,6 @@ def test_the_step_is_no_shorter_than_the_shared_cpus_allow():
 
 
 @pytest.mark.timeout(120)
-def test_the_step_a_kill_makes_the_survivors_retry_is_floored_for_the_ranks_left():
-    """The CPU floor's charge follows the live ranks from the moment a replica goes down, not from the next commit:
-    with 4 replicas of 8 ranks on shared CPUs (1 s of CPU per rank and step, 8 busy cores: 4 s steps) and r1 killed
-    mid-step and not restarted before the end (the supervisor polls every 100 s), the 3 survivors' retry of the step
-    (its abort to its commit) takes the 3 s the 24 ranks left need, as their steps after it do, not the 4 s of the 4
-    replicas it started with."""
-    measured = ["train.shared_cpu_cores=64", "train.rank_cpu_step_s=1.0", "train.rank_cpu_share=0.5",
-                "train.rank_cpu_share_ranks=16", "replicas=4", "scheduler.poll_interval_s=100"]
-    profile = build_profile("ci-small", measured, steps=12, cpu_charging=False)
-    f, job = execute(profile, JobOptions(steps=12, kills=(Kill(1, at_step=4, at_fraction=0.5),)))
-    assert f["complete"]
-    ev = _leader_events(job, "r2")
-    abort = next(i for i, e in enumerate(ev) if e["event"] == "abort")
-    commits = {e["step"]: e["t"] for e in ev if e["event"] == "commit"}
-    assert commits[4] - commits[3] == pytest.approx(4.0, rel=0.05)  # before the kill
-    assert commits[12] - commits[11] == pytest.approx(3.0, rel=0.05)  # the survivors' steps
-    retry = commits[5] - ev[abort]["t"]
-    assert retry == pytest.approx(3.0, rel=0.1)
-
-
-@pytest.mark.timeout(120)
 def test_more_ranks_than_cores_wake_a_burst_late_where_the_calibration_had_a_core_per_rank():
     """A 2-replica calibration on a core per rank reads almost no late wake (real 2 x 1 on 2 cores: 0.1 ms), but
     with more live ranks than cores a rank that wakes with the others waits for one of their bursts: its late wake
