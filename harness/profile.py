@@ -188,13 +188,19 @@ class TrainConfig:
     # that run had a core per rank (rank_cpu_share_ranks <= round(shared_cpu_cores)) but the job has more ranks
     # than cores, the two skews above are at least the burst a rank wakes for over ln 2 (EmulatedJob.queued_wake_s).
     rank_cpu_step_s: float = 0.0
+    # What a rank's CPU in its all-reduce rises by from 1 replica to 2 (`ftrun calibrate SCRIPT`'s two runs, their
+    # phase events' `cpu` from exchange to before_commit): the CPU of its ring's traffic with 2 replicas up. A rank of
+    # R replicas sends and receives 2 (R - 1) / R of its gradient, so the CPU floor takes rank_cpu_step_s plus this x
+    # (2 (R - 1) / R - 1) per rank and step (EmulatedJob.rank_cpu_step_s). 0: not measured (the floor takes
+    # rank_cpu_step_s at any R).
+    rank_ring_cpu_s: float = 0.0
 
     def __post_init__(self) -> None:
         _positive(self, "step_compute_s", "steps", "min_replicas")
         _non_negative(self, "first_step_extra_s", "first_batch_s", "step_jitter", "catchup_fetch_extra_s",
                       "shared_cpu_cores", "step_bookkeeping_s", "replica_compute_extra_s",
                       "rank_start_skew_s", "rank_exchange_skew_s", "rank_cpu_share_ranks",
-                      "rank_cpu_step_s")
+                      "rank_cpu_step_s", "rank_ring_cpu_s")
         _one_of(self, "lr_intervention", ("none", "linear", "sqrt"))
         _one_of(self, "shared_cpu_model", ("replicas", "queue"))
         _check(0 <= self.rank_cpu_share <= 1, "rank_cpu_share", "in [0, 1]", self.rank_cpu_share)

@@ -115,6 +115,25 @@ def phase_spans(events: list[dict], start: str, end: str) -> list[float]:
     return out
 
 
+def phase_cpu(events: list[dict], start: str, end: str, participants: int | None = None) -> list[float]:
+    """Per attempt of a step on every rank, the rank process's CPU seconds (its phase events' `cpu`) from its `start`
+    phase to its next `end` phase of the same step (e.g. "exchange" -> "before_commit": its gradient all-reduce);
+    with `participants`, only the steps that are `full_steps`. Events without a `cpu` are left out. Pure."""
+    full = full_steps(events, participants) if participants is not None else None
+    began: dict[tuple, tuple[int, float]] = {}
+    out = []
+    for e in sorted((e for e in events if e.get("event") == "phase" and "t" in e and "cpu" in e),
+                    key=lambda e: e["t"]):
+        key = (e.get("replica_id"), e.get("incarnation", 0), e.get("rank", 0))
+        if e["phase"] == start:
+            began[key] = (e["step"], e["cpu"])
+        elif e["phase"] == end and key in began and began[key][0] == e["step"]:
+            cpu = e["cpu"] - began.pop(key)[1]
+            if full is None or (*key[:2], e["step"]) in full:
+                out.append(cpu)
+    return out
+
+
 def full_steps(events: list[dict], participants: int) -> set[tuple]:
     """(replica_id, incarnation, step) of every step whose first quorum (its leader's quorum event) had `participants`
     replicas and none of them behind: the steps a run with kills trained with every replica up. Pure."""
@@ -340,9 +359,9 @@ def _script_runs(script: str, steps: int, module: bool, ranks: int) -> list[Figu
 def phase_figures(events: list[dict], how: str, suffix: str, participants: int | None = None) -> list[Figure]:
     """From the phase events of `how`'s run: the ranks' compute (`script_compute{suffix}`), and with more than one
     rank the commit vote (`script_commit_vote{suffix}`) and the decision broadcast's lag
-    (`script_decision_broadcast{suffix}`), and every rank's busy share of a step (`script_cpu_share{suffix}`) and CPU
-    seconds per step (`script_cpu_step{suffix}_s`, both over the steps of `participants` replicas where given),
-    medians (the module's pure functions say how each is cut)."""
+    (`script_decision_broadcast{suffix}`), and every rank's busy share of a step (`script_cpu_share{suffix}`), CPU
+    seconds per step (`script_cpu_step{suffix}_s`) and CPU seconds in its all-reduce (`script_allreduce_cpu{suffix}_s`,
+    all three over the steps of `participants` replicas where given), medians (the module's pure functions say how each is cut)."""
     full = "" if participants is None else f" (the steps all {participants} replicas trained)"
     out = []
     for name, xs, what in (
@@ -357,7 +376,10 @@ def phase_figures(events: list[dict], how: str, suffix: str, participants: int |
              "phase events' cpu: time.process_time, every thread of the rank)"),
             (f"script_cpu_step{suffix}_s", [cpu for cpu, _ in cpu_steps(events, participants)], f"over every rank's "
              f"steps{full} of its process's CPU seconds from its quorum phase of a step to that of the next (the phase "
-             "events' cpu)")):
+             "events' cpu)"),
+            (f"script_allreduce_cpu{suffix}_s", phase_cpu(events, "exchange", "before_commit", participants),
+             f"over every rank's steps{full} of its process's CPU seconds from its exchange phase to its before_commit "
+             "phase (its cross-replica gradient all-reduce; the phase events' cpu)")):
         if xs:
             share = name.startswith("script_cpu_share")
             out.append(Figure(name, median(xs), "share" if share else "s", f"median {'' if share else 'time '}{what}, "

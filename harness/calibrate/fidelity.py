@@ -598,7 +598,8 @@ def _toy_params() -> int:
 SCRIPT_KEYS = ("train.step_compute_s", "train.step_bookkeeping_s", "ftar.sync_overhead_s", "scheduler.process_start_s",
                "storage.local_write_latency_s", "network.crash_fin_delay_s", "network.replica_collective_pass_s",
                "train.replica_compute_extra_s", "train.rank_start_skew_s", "train.rank_exchange_skew_s",
-               "train.rank_cpu_share", "train.rank_cpu_share_ranks", "train.rank_cpu_step_s")
+               "train.rank_cpu_share", "train.rank_cpu_share_ranks", "train.rank_cpu_step_s",
+               "train.rank_ring_cpu_s")
 
 
 def restep_values(profile_path: str, ranks: int, steps: int = 30) -> tuple[dict[str, float], dict[str, float]]:

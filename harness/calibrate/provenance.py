@@ -93,6 +93,12 @@ def profile_keys(figures: Mapping[str, Figure]) -> dict[str, tuple[float, str, s
                                              "of the 2-replica run that measured train.rank_cpu_share (not measured: "
                                              "its layout)", 1)
     direct("train.rank_cpu_step_s", "script_cpu_step_2_replicas_s")
+    # what a rank's all-reduce CPU rises by from 1 replica (a ring of one: no traffic) to 2: its ring's traffic
+    one, two = figures.get("script_allreduce_cpu_s"), figures.get("script_allreduce_cpu_2_replicas_s")
+    if one is not None and two is not None:
+        out["train.rank_ring_cpu_s"] = (max(two.value - one.value, 0.0), "s", f"{two.method}: {two.value:.6g} s, less "
+                                        f"the 1-replica run's ({one.value:.6g} s: {one.method}), floored at 0",
+                                        min(one.samples, two.samples))
     # the 2-replica run's, where timed: the runs the emulator stands in for have 2 or more replicas
     after = figures.get("script_commit_to_quorum_2_replicas_s") or figures.get("script_commit_to_quorum_s")
     if after is not None and write is not None and lat is not None:

@@ -255,7 +255,7 @@ class EmulatedJob(JobFolding):
         up = max(len(self._up()), 2)
         q = self._cpu_queue(up)
         mean = (measured_s * up / 2 if q is None
-                else measured_s + self.profile.train.rank_cpu_step_s * max(wait_growth(*q), 0.0) / 2)
+                else measured_s + self.rank_cpu_step_s(up) * max(wait_growth(*q), 0.0) / 2)
         return max(mean, self.queued_wake_s(burst_s))
 
     def queued_wake_s(self, burst_s: float) -> float:
@@ -522,18 +522,28 @@ class EmulatedJob(JobFolding):
 
     def cpu_floor_period_s(self) -> float:
         """The shortest step period the shared CPUs allow with the ranks up now: N live ranks each use
-        train.rank_cpu_step_s of CPU per step, and a synchronous job keeps train.rank_cpu_share x
-        train.rank_cpu_share_ranks cores busy (both measured in `ftrun calibrate SCRIPT`'s 2-replica run), so a step
-        takes at least N x rank_cpu_step_s / (rank_cpu_share x rank_cpu_share_ranks). 0 when not measured, when the
-        ranks have CPUs of their own (no train.shared_cpu_cores) or with one replica up. Both inputs are taken as they
-        were with 2 replicas up: on this 2-core box both stayed near the 2-replica run's at 3 and 4 replicas (2 x 1 in
-        `ftrun calibrate`'s run, over the steps both replicas trained: 6.0-6.7 ms and 1.26-1.30 cores in four runs;
-        real 3 x 1: 5.8-7.0 ms, 1.21-1.35; 4 x 1: 5.5-6.6 ms, 1.34-1.44; benchmarks/results/fidelity.md)."""
+        `rank_cpu_step_s` of CPU per step, and a synchronous job keeps train.rank_cpu_share x
+        train.rank_cpu_share_ranks cores busy (measured in `ftrun calibrate SCRIPT`'s 2-replica run), so a step takes
+        at least N x rank_cpu_step_s / (rank_cpu_share x rank_cpu_share_ranks). 0 when not measured, when the ranks
+        have CPUs of their own (no train.shared_cpu_cores) or with one replica up. The busy cores are taken as they
+        were with 2 replicas up: on this 2-core box they stayed near the 2-replica run's at 3 and 4 replicas of 1 rank
+        (real 3 x 1: 1.18-1.35 cores, 4 x 1: 1.27-1.44, against 1.21-1.37 in the 2-replica runs) and rose by 5-15% at
+        2 ranks (benchmarks/results/fidelity.md)."""
         t = self.profile.train
         busy = t.rank_cpu_share * t.rank_cpu_share_ranks
-        if not (t.shared_cpu_cores and t.rank_cpu_step_s and busy) or len(self._up()) < 2:
+        up = len(self._up())
+        if not (t.shared_cpu_cores and t.rank_cpu_step_s and busy) or up < 2:
             return 0.0
-        return self._live_ranks() * t.rank_cpu_step_s / busy
+        return self._live_ranks() * self.rank_cpu_step_s(up) / busy
+
+    def rank_cpu_step_s(self, replicas: int) -> float:
+        """A rank's CPU seconds per step with `replicas` replicas up: train.rank_cpu_step_s, measured with 2, plus
+        train.rank_ring_cpu_s (its all-reduce's rise from 1 replica to 2) x (2 (R - 1) / R - 1): a ring all-reduce of R
+        ranks sends and receives 2 (R - 1) / R of each rank's gradient, 1 of it at 2 replicas. Real ranks of 1-rank
+        replicas, all-reduce CPU per step 0.05 / 1.13-1.30 / 1.44-1.47 / 1.67-1.77 ms at 1 / 2 / 3 / 4 replicas, which
+        this puts at 1.49-1.72 at 3 and 1.67-1.93 at 4 (benchmarks/results/fidelity.md). Pure."""
+        t = self.profile.train
+        return t.rank_cpu_step_s + t.rank_ring_cpu_s * (2 * (replicas - 1) / replicas - 1) if replicas >= 1 else 0.0
 
     def replica_compute_extra_s(self) -> float:
         """The compute a step gains from the other replicas up (train.replica_compute_extra_s, measured with 2

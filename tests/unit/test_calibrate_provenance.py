@@ -633,6 +633,41 @@ def test_the_2_replica_runs_cpu_figures_count_only_the_steps_both_replicas_train
     assert share.value == pytest.approx(0.6)
 
 
+def test_a_ranks_all_reduce_cpu_is_from_its_exchange_phase_to_its_before_commit_phase():
+    from harness.calibrate import phase_cpu, phase_figures
+
+    def ph(rid, phase, step, t, cpu, rank=0):
+        return {**_phase(rid, rank, phase, step, t), "incarnation": 0, "cpu": cpu}
+
+    def quorum(step, members):
+        return {"event": "quorum", "rank": 0, "replica_id": "r0", "incarnation": 0, "step": step,
+                "participants": list(members), "behind": []}
+
+    both = ("r0", "r1")
+    events = [quorum(1, both), ph("r0", "exchange", 1, 1.00, 0.50), ph("r0", "before_commit", 1, 1.01, 0.502),
+              ph("r0", "exchange", 1, 1.00, 0.20, rank=1), ph("r0", "before_commit", 1, 1.02, 0.203, rank=1),
+              quorum(2, ("r0",)), ph("r0", "exchange", 2, 1.10, 0.60), ph("r0", "before_commit", 2, 1.11, 0.601),
+              ph("r0", "exchange", 3, 1.20, 0.70),  # no before_commit: the all-reduce failed, left out
+              ph("r0", "exchange", 4, 1.30, 0.80), ph("r0", "before_commit", 5, 1.31, 0.81),  # another step's
+              {**_phase("r0", 0, "exchange", 6, 1.4), "incarnation": 0}]  # no cpu (older events): left out
+    assert sorted(round(c, 6) for c in phase_cpu(events, "exchange", "before_commit")) == [0.001, 0.002, 0.003]
+    assert sorted(round(c, 6) for c in phase_cpu(events, "exchange", "before_commit", 2)) == [0.002, 0.003]
+    cpu, = [f for f in phase_figures(events, "a run", "_2_replicas", participants=2)
+            if f.name == "script_allreduce_cpu_2_replicas_s"]
+    assert cpu.value == pytest.approx(0.0025) and cpu.samples == 2 and cpu.unit == "s"
+
+
+def test_the_ring_cpu_is_the_all_reduce_cpus_rise_from_1_replica_to_2():
+    keys = profile_keys({f.name: f for f in [fig("script_allreduce_cpu_s", 0.00005),
+                                              fig("script_allreduce_cpu_2_replicas_s", 0.00113)]})
+    assert keys["train.rank_ring_cpu_s"][0] == pytest.approx(0.00108)
+    assert "less the 1-replica run's" in keys["train.rank_ring_cpu_s"][2]
+    lower = profile_keys({f.name: f for f in [fig("script_allreduce_cpu_s", 0.002),
+                                              fig("script_allreduce_cpu_2_replicas_s", 0.001)]})
+    assert lower["train.rank_ring_cpu_s"][0] == 0.0  # noise below the 1-replica run's: no negative traffic cost
+    assert "train.rank_ring_cpu_s" not in profile_keys({"script_allreduce_cpu_s": fig("script_allreduce_cpu_s", 1e-4)})
+
+
 def test_the_2_replica_runs_cpu_share_sets_the_queues_calibration_point():
     keys = profile_keys({f.name: f for f in [fig("script_cpu_share_2_replicas", 0.42, "share"),
                                               fig("script_cpu_share", 0.3, "share"), fig("script_ranks", 2, "ranks"),

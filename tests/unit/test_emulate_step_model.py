@@ -320,6 +320,18 @@ def test_the_step_is_no_shorter_than_the_shared_cpus_allow():
 
 
 @pytest.mark.timeout(120)
+def test_the_cpu_floor_grows_with_each_ranks_ring_traffic():
+    """train.rank_ring_cpu_s (a rank's all-reduce CPU rise from 1 replica to 2): a ring of R ranks sends and receives
+    2 (R - 1) / R of each rank's gradient, so with 4 replicas up a rank's CPU per step is rank_cpu_step_s + 0.5 x it
+    (1 s + 0.5 x 0.4 s: 32 ranks x 1.2 s over 8 busy cores, 4.8 s) and with 2, as measured (2 s)."""
+    measured = ["train.shared_cpu_cores=64", "train.rank_cpu_step_s=1.0", "train.rank_cpu_share=0.5",
+                "train.rank_cpu_share_ranks=16", "train.rank_ring_cpu_s=0.4"]
+    assert _step_period(measured, 4) == pytest.approx(4.8, rel=0.02)
+    assert _step_period(measured, 3) == pytest.approx(24 * (1.0 + 0.4 / 3) / 8, rel=0.02)
+    assert _step_period(measured, 2) == pytest.approx(2.0, rel=0.02)
+
+
+@pytest.mark.timeout(120)
 def test_more_ranks_than_cores_wake_a_burst_late_where_the_calibration_had_a_core_per_rank():
     """A 2-replica calibration on a core per rank reads almost no late wake (real 2 x 1 on 2 cores: 0.1 ms), but
     with more live ranks than cores a rank that wakes with the others waits for one of their bursts: its late wake
