@@ -523,18 +523,25 @@ class EmulatedJob(JobFolding):
     def cpu_floor_period_s(self) -> float:
         """The shortest step period the shared CPUs allow with the ranks up now: N live ranks each use
         `rank_cpu_step_s` of CPU per step, and a synchronous job keeps train.rank_cpu_share x
-        train.rank_cpu_share_ranks cores busy (measured in `ftrun calibrate SCRIPT`'s 2-replica run), so a step takes
-        at least N x rank_cpu_step_s / (rank_cpu_share x rank_cpu_share_ranks). 0 when not measured, when the ranks
-        have CPUs of their own (no train.shared_cpu_cores) or with one replica up. The busy cores are taken as they
-        were with 2 replicas up: on this 2-core box they stayed near the 2-replica run's at 3 and 4 replicas of 1 rank
-        (real 3 x 1: 1.18-1.35 cores, 4 x 1: 1.27-1.44, against 1.21-1.37 in the 2-replica runs) and rose by 5-15% at
-        2 ranks (benchmarks/results/fidelity.md)."""
+        train.rank_cpu_share_ranks cores busy, U (measured in `ftrun calibrate SCRIPT`'s 2-replica run). Where that
+        run had a core per rank (rank_cpu_share_ranks at most round(train.shared_cpu_cores)) a step takes at least
+        N x rank_cpu_step_s / U: the busy cores stay as measured (1-rank replicas on 2 cores: 1.17-1.42 at 2 replicas,
+        1.18-1.35 at 3, 1.27-1.44 at 4). Where it already had more ranks than cores, what it left idle is the job's
+        own (the waits every rank shares: the quorum, the ring's hops), the same core-seconds per step with more ranks,
+        whose CPU fills the rest: the step takes at least (N x rank_cpu_step_s + I) / shared_cpu_cores, I = that run's
+        idle core-seconds per step (2-rank replicas: U 1.40-1.52 at 2 replicas, 1.54-1.62 at 3, 1.58-1.68 at 4, where
+        the busy cores held put the step 10-16% long; benchmarks/results/fidelity.md). 0 when not measured,
+        when the ranks have CPUs of their own (no shared_cpu_cores) or with one replica up."""
         t = self.profile.train
         busy = t.rank_cpu_share * t.rank_cpu_share_ranks
         up = len(self._up())
         if not (t.shared_cpu_cores and t.rank_cpu_step_s and busy) or up < 2:
             return 0.0
-        return self._live_ranks() * self.rank_cpu_step_s(up) / busy
+        work = self._live_ranks() * self.rank_cpu_step_s(up)
+        if t.rank_cpu_share_ranks <= round(t.shared_cpu_cores):
+            return work / busy
+        idle = max(t.rank_cpu_share_ranks * t.rank_cpu_step_s * (t.shared_cpu_cores / busy - 1.0), 0.0)
+        return (work + idle) / t.shared_cpu_cores
 
     def rank_cpu_step_s(self, replicas: int) -> float:
         """A rank's CPU seconds per step with `replicas` replicas up: train.rank_cpu_step_s, measured with 2, plus

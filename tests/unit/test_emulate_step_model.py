@@ -320,6 +320,17 @@ def test_the_step_is_no_shorter_than_the_shared_cpus_allow():
 
 
 @pytest.mark.timeout(120)
+def test_a_contended_calibrations_idle_core_seconds_per_step_stay_as_more_ranks_fill_the_cores():
+    """Where the 2-replica calibration run already had more ranks than cores (16 rank processes on 8 cores, 4 of them
+    busy: 16 x 1 s of CPU per 4 s step, 16 idle core-seconds), more ranks fill the idle cores and the idle
+    core-seconds per step stay: 32 ranks take (32 + 16) / 8 = 6 s, not the 8 s of 4 busy cores; 16 take 4 s."""
+    measured = ["train.shared_cpu_cores=8", "train.rank_cpu_step_s=1.0", "train.rank_cpu_share=0.25",
+                "train.rank_cpu_share_ranks=16"]
+    assert _step_period(measured, 4) == pytest.approx(6.0, rel=0.02)
+    assert _step_period(measured, 2) == pytest.approx(4.0, rel=0.02)
+
+
+@pytest.mark.timeout(120)
 def test_the_cpu_floor_grows_with_each_ranks_ring_traffic():
     """train.rank_ring_cpu_s (a rank's all-reduce CPU rise from 1 replica to 2): a ring of R ranks sends and receives
     2 (R - 1) / R of each rank's gradient, so with 4 replicas up a rank's CPU per step is rank_cpu_step_s + 0.5 x it
