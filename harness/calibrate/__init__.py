@@ -361,7 +361,8 @@ def phase_figures(events: list[dict], how: str, suffix: str, participants: int |
     rank the commit vote (`script_commit_vote{suffix}`) and the decision broadcast's lag
     (`script_decision_broadcast{suffix}`), and every rank's busy share of a step (`script_cpu_share{suffix}`), CPU
     seconds per step (`script_cpu_step{suffix}_s`) and CPU seconds in its all-reduce (`script_allreduce_cpu{suffix}_s`,
-    all three over the steps of `participants` replicas where given), medians (the module's pure functions say how each is cut)."""
+    all three over the steps of `participants` replicas where given), medians (the module's pure functions say how
+    each is cut)."""
     full = "" if participants is None else f" (the steps all {participants} replicas trained)"
     out = []
     for name, xs, what in (

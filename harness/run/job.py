@@ -526,10 +526,10 @@ class EmulatedJob(JobFolding):
         train.rank_cpu_share_ranks cores busy, U (measured in `ftrun calibrate SCRIPT`'s 2-replica run). Where that
         run had a core per rank (rank_cpu_share_ranks at most round(train.shared_cpu_cores)) a step takes at least
         N x rank_cpu_step_s / U: the busy cores stay as measured (1-rank replicas on 2 cores: 1.17-1.42 at 2 replicas,
-        1.18-1.35 at 3, 1.27-1.44 at 4). Where it already had more ranks than cores, what it left idle is the job's
+        1.18-1.35 at 3, 1.26-1.44 at 4). Where it already had more ranks than cores, what it left idle is the job's
         own (the waits every rank shares: the quorum, the ring's hops), the same core-seconds per step with more ranks,
         whose CPU fills the rest: the step takes at least (N x rank_cpu_step_s + I) / shared_cpu_cores, I = that run's
-        idle core-seconds per step (2-rank replicas: U 1.40-1.52 at 2 replicas, 1.54-1.62 at 3, 1.58-1.68 at 4, where
+        idle core-seconds per step (2-rank replicas: U 1.37-1.52 at 2 replicas, 1.46-1.62 at 3, 1.52-1.68 at 4, where
         the busy cores held put the step 10-16% long; benchmarks/results/fidelity.md). 0 when not measured,
         when the ranks have CPUs of their own (no shared_cpu_cores) or with one replica up."""
         t = self.profile.train
