@@ -10,6 +10,7 @@ import copy
 import datetime
 import hashlib
 import json
+import os
 import sys
 
 import torch
@@ -154,3 +155,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    sys.stderr.flush()
+    # Skip the interpreter's teardown, as ftrun.train.ft_worker does: torch's C++ teardown at exit sometimes aborts
+    # here after the work is done and reported ("terminate called without an active exception", no Python frame;
+    # 3 of 12 runs of test_sharded_state.py on this box), which is not what the test checks.
+    os._exit(0)
