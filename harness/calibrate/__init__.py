@@ -42,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from statistics import median
 
@@ -101,18 +102,23 @@ def quorum_to_commit_s(events: list[dict]) -> list[float]:
     return out
 
 
+def _phase_pairs(events: list[dict], start: str, end: str, field: str) -> Iterator[tuple[tuple, dict, dict]]:
+    """Per attempt of a step on every rank, (its (replica_id, incarnation, rank), its `start` phase event, its next
+    `end` phase event of the same step), over the phase events (FTConfig.phase_events) that carry `field`, in time
+    order. Pure."""
+    began: dict[tuple, dict] = {}
+    for e in sorted((e for e in events if e.get("event") == "phase" and "t" in e and field in e), key=lambda e: e["t"]):
+        key = (e.get("replica_id"), e.get("incarnation", 0), e.get("rank", 0))
+        if e["phase"] == start:
+            began[key] = e
+        elif e["phase"] == end and key in began and began[key]["step"] == e["step"]:
+            yield key, began.pop(key), e
+
+
 def phase_spans(events: list[dict], start: str, end: str) -> list[float]:
     """Per attempt of a step on every rank (its "phase" events, FTConfig.phase_events), the time from its `start`
     phase to its next `end` phase of the same step (e.g. "forward" -> "exchange": the rank's compute). Pure."""
-    began: dict[tuple, tuple[int, float]] = {}
-    out = []
-    for e in sorted((e for e in events if e.get("event") == "phase" and "t" in e), key=lambda e: e["t"]):
-        key = (e.get("replica_id"), e.get("incarnation", 0), e.get("rank", 0))
-        if e["phase"] == start:
-            began[key] = (e["step"], e["t"])
-        elif e["phase"] == end and key in began and began[key][0] == e["step"]:
-            out.append(e["t"] - began.pop(key)[1])
-    return out
+    return [b["t"] - a["t"] for _, a, b in _phase_pairs(events, start, end, "t")]
 
 
 def phase_cpu(events: list[dict], start: str, end: str, participants: int | None = None) -> list[float]:
@@ -120,18 +126,8 @@ def phase_cpu(events: list[dict], start: str, end: str, participants: int | None
     phase to its next `end` phase of the same step (e.g. "exchange" -> "before_commit": its gradient all-reduce);
     with `participants`, only the steps that are `full_steps`. Events without a `cpu` are left out. Pure."""
     full = full_steps(events, participants) if participants is not None else None
-    began: dict[tuple, tuple[int, float]] = {}
-    out = []
-    for e in sorted((e for e in events if e.get("event") == "phase" and "t" in e and "cpu" in e),
-                    key=lambda e: e["t"]):
-        key = (e.get("replica_id"), e.get("incarnation", 0), e.get("rank", 0))
-        if e["phase"] == start:
-            began[key] = (e["step"], e["cpu"])
-        elif e["phase"] == end and key in began and began[key][0] == e["step"]:
-            cpu = e["cpu"] - began.pop(key)[1]
-            if full is None or (*key[:2], e["step"]) in full:
-                out.append(cpu)
-    return out
+    return [b["cpu"] - a["cpu"] for key, a, b in _phase_pairs(events, start, end, "cpu")
+            if full is None or (*key[:2], b["step"]) in full]
 
 
 def full_steps(events: list[dict], participants: int) -> set[tuple]:
