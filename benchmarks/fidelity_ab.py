@@ -4,7 +4,7 @@ with the changes named on the command line). Same real runs, same restep figures
 
     python benchmarks/fidelity_ab.py DIR FIDELITY_STDOUT [--figure NAME=VALUE ...] [--drop NAME ...]
         [--real-write | --sampled-write] [--teardown run|real|restep] [--skews run|real|restep] [--set KEY=VALUE ...]
-        [--seeds N] [--save OUT.json]
+        [--speed-from-real] [--seeds N] [--save OUT.json]
 
 FIDELITY_STDOUT: the file the run's stdout went to (its last line is the --json object).
 --figure NAME=VALUE: a measured figure replaced in both restep snapshots (e.g. cpu_cores_effective=2.0, measured
@@ -17,6 +17,9 @@ FIDELITY_STDOUT: the file the run's stdout went to (its last line is the --json 
 --set KEY=VALUE: a profile override of the "after" model (e.g. storage.lighthouse_persists=true).
 --teardown: the killed rank's teardown the run emulated with ("run", the default), the real runs' own kills' (their
   trace.json, `harness.calibrate.fidelity.real_teardown`) or the restep's mean ("restep", as runs before the real one).
+--speed-from-real: the restep's CPU work (`harness.calibrate.fidelity.CPU_WORK_KEYS`) scaled by the real runs' CPU per
+  rank-step over the resteps' (`real_cpu_speed`, `speed_overrides`): the model at the speed the machine ran the real
+  runs at, apart from its drift between the resteps and them.
 --seeds N: emulate each model N times (seeds 0..N-1) and pool the runs as `ftrun fidelity --emulated-seeds` does
   (default: its default).
 --skews: the ranks' late starts and wakes from the all-reduce the run emulated with ("run"), the real runs' own
@@ -54,6 +57,7 @@ def main() -> None:
     p.add_argument("--teardown", choices=("run", "real", "restep"), default="run")
     p.add_argument("--skews", choices=("run", "real", "real-unscaled", "restep"), default="run")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--speed-from-real", action="store_true")
     p.add_argument("--seeds", type=int, default=fd.EMULATED_SEEDS)
     p.add_argument("--save", default=None)
     a = p.parse_args()
@@ -81,7 +85,7 @@ def main() -> None:
     starts = [] if doc["first_start_s"] is None else [f"scheduler.first_start_s={doc['first_start_s']!r}"]
     out = {"real": real, "real_stall_phases": fd.runs_stall_phases(real_evs),
            "replace": replace, "drop": a.drop, "real_write": a.real_write, "sampled_write": a.sampled_write,
-           "teardown": a.teardown, "skews": a.skews, "set": a.set}
+           "teardown": a.teardown, "skews": a.skews, "set": a.set, "speed_from_real": a.speed_from_real}
     for model in ("before", "after"):
         changes, drop = (replace, set(a.drop)) if model == "after" else ({}, set())
         before, after = (script_keys(doc["restep_figures"][when], changes, drop) for when in ("before", "after"))
@@ -90,6 +94,15 @@ def main() -> None:
             overrides += [f"{k}={(before[k] + after[k]) / 2!r}" for k in KEYS if k not in fd.SCRIPT_KEYS and k in before]
             full = script_keys(doc["restep_figures"]["before"], {})
             overrides += [f"{k}=0.0" for k in KEYS if k in full and k not in before]
+        if model == "after" and a.speed_from_real:
+            speed = fd.real_cpu_speed(real_evs, args.replicas, before, after)
+            if speed is None:
+                raise SystemExit("--speed-from-real: the real runs' events have no CPU per step (phase events' cpu)")
+            out["cpu_per_rank_step_s"] = {"real": speed[0], "restep": speed[1]}
+            print(f"speed: the real runs' CPU per rank-step {speed[0] * 1e3:.3f} ms, the resteps' {speed[1] * 1e3:.3f} ms")
+            for item in fd.speed_overrides(before, after, speed[0] / speed[1]):
+                key, _, value = item.partition("=")
+                overrides = fd.with_override(overrides, key, float(value))
         write = doc["write_during_real_s"]
         if model == "after" and a.real_write:
             write = fd.real_write(real_evs, None).value

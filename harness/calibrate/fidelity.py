@@ -689,6 +689,37 @@ def real_skews(runs: list[list[dict[str, Any]]], ranks: int) -> dict[str, Figure
     return out
 
 
+# The keys that hold a rank's CPU work (its compute, bookkeeping and CPU per step): what a machine's speed scales.
+CPU_WORK_KEYS = ("train.step_compute_s", "train.step_bookkeeping_s", "train.replica_compute_extra_s",
+                 "train.rank_cpu_step_s", "train.rank_ring_cpu_s")
+
+
+def real_cpu_speed(runs: list[list[dict[str, Any]]], replicas: int, before: dict[str, float],
+                   after: dict[str, float]) -> tuple[float, float] | None:
+    """(real, predicted): a rank's CPU seconds per step in the real runs (the median over every run's steps all
+    `replicas` replicas trained, `harness.calibrate.cpu_steps`) and what the resteps put it at with that many
+    replicas up (the mean of before's and after's train.rank_cpu_step_s + train.rank_ring_cpu_s x (2 (R - 1) / R
+    - 1), as `EmulatedJob.rank_cpu_step_s`). Their ratio is the machine's speed during the real runs against the
+    resteps' (plus the ring term's error): for reading a step miss. None without both. Pure."""
+    from harness.calibrate import cpu_steps
+
+    cpu = [c for ev in runs for c, _ in cpu_steps(ev, replicas)]
+    snaps = [x for x in (before, after) if "train.rank_cpu_step_s" in x]
+    if not cpu or not snaps:
+        return None
+    ring = 2 * (replicas - 1) / replicas - 1
+    pred = sum(x["train.rank_cpu_step_s"] + x.get("train.rank_ring_cpu_s", 0.0) * ring for x in snaps) / len(snaps)
+    return median(cpu), pred
+
+
+def speed_overrides(before: dict[str, float], after: dict[str, float], speed: float) -> list[str]:
+    """Overrides of CPU_WORK_KEYS: the mean of before's and after's (`mean_overrides`) times `speed` (the real runs'
+    CPU per rank-step over the resteps', `real_cpu_speed`): the resteps' CPU work at the speed the real runs met.
+    Pure."""
+    keys = [k for k in CPU_WORK_KEYS if k in before or k in after]
+    return [f"{k}={speed * (before.get(k, after.get(k)) + after.get(k, before.get(k))) / 2!r}" for k in keys]
+
+
 def real_teardown(traces: list[dict]) -> Figure | None:
     """The killed rank's teardown the real runs met: per kill of each run's trace.json, from the kill to its
     lighthouse's loss of the killed replica's connection (`harness.calibrate.teardowns`, what `ftrun calibrate
@@ -875,6 +906,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"  (restep {WRITE_KEY:<34} emulated with {write.value:.4g}: {write.method})")
     if before and teardown is not None:
         print(f"  (restep {TEARDOWN_KEY:<34} emulated with {teardown.value:.4g}: {teardown.method})")
+    speed = real_cpu_speed(real_evs, args.replicas, before, after) if before else None
+    if speed is not None:
+        print(f"  (real runs' CPU per rank-step         {speed[0]:.4g}, the resteps' {speed[1]:.4g} with {args.replicas} "
+              f"replicas: x{speed[0] / speed[1]:.3f}; `benchmarks/fidelity_ab.py --speed-from-real` emulates at it)")
     for key, f in skews.items():  # for reading: the restep's are what the emulator takes (real_skews says why)
         print(f"  (real runs' {key:<29} {f.value:.4g}: {f.method})")
     mx, noise_mx = table["max_abs_log_ratio"], table.get("real_vs_real_max_abs_log_ratio")
@@ -895,5 +930,6 @@ def run(args: argparse.Namespace) -> int:
                    "write_sampled_s": None if sampled is None else sampled.value,
                    "teardown_during_real_s": None if teardown is None else teardown.value,
                    "real_skews_s": {key: f.value for key, f in skews.items()}, "recoveries": recs,
+                   "cpu_per_rank_step_s": None if speed is None else {"real": speed[0], "restep": speed[1]},
                    "spread": {"real": real_spread, "emulated": emu_spread}, "kills": args.kills, "wall_s": round(time.monotonic() - started, 3)})
     return 0 if real_complete and emu_complete else 1

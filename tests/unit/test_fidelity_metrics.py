@@ -228,6 +228,34 @@ def test_restep_emulates_with_the_mean_of_before_and_after():
     assert o == ["train.step_compute_s=0.003", "ftar.sync_overhead_s=0.01", "scheduler.process_start_s=0.2"]
 
 
+def test_the_real_runs_cpu_per_rank_step_against_the_resteps_and_the_cpu_work_at_that_speed():
+    """real_cpu_speed: the real runs' median CPU per rank-step over the steps all R replicas trained, against the
+    resteps' mean prediction with R up (rank_cpu_step_s + rank_ring_cpu_s x (2 (R - 1) / R - 1)); speed_overrides
+    scales the resteps' mean CPU work by a speed and leaves the other keys alone."""
+    from harness.calibrate.fidelity import real_cpu_speed, speed_overrides
+
+    members = ("r0", "r1", "r2", "r3")
+
+    def steps(cpu_per_step: float) -> list[dict]:
+        out = []
+        for rid in members:
+            for s in range(1, 5):
+                out.append({"event": "quorum", "rank": 0, "replica_id": rid, "incarnation": 0, "step": s,
+                            "participants": list(members), "behind": []})
+                out.append({"event": "phase", "phase": "quorum", "replica_id": rid, "incarnation": 0, "rank": 0,
+                            "step": s, "t": 0.01 * s, "cpu": cpu_per_step * s})
+        return out
+
+    before = {"train.rank_cpu_step_s": 0.003, "train.rank_ring_cpu_s": 0.001, "train.step_compute_s": 0.002}
+    after = {"train.rank_cpu_step_s": 0.005, "train.rank_ring_cpu_s": 0.001, "scheduler.process_start_s": 0.1}
+    real, pred = real_cpu_speed([steps(0.004), steps(0.006)], 4, before, after)
+    assert real == pytest.approx(0.005) and pred == pytest.approx(0.004 + 0.001 * 0.5)
+    assert real_cpu_speed([steps(0.004)], 4, {}, {}) is None
+    assert real_cpu_speed([[]], 4, before, after) is None
+    o = speed_overrides(before, after, 2.0)
+    assert o == ["train.step_compute_s=0.004", "train.rank_cpu_step_s=0.008", "train.rank_ring_cpu_s=0.002"]
+
+
 def test_kills_must_fit_in_the_run():
     import argparse
 
