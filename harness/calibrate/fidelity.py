@@ -628,11 +628,13 @@ def restep_values(profile_path: str, ranks: int, steps: int = 30) -> tuple[dict[
     return {key: keys[key][0] for key in SCRIPT_KEYS if key in keys}, {name: f.value for name, f in figures.items()}
 
 
-def mean_overrides(before: dict[str, float], after: dict[str, float]) -> list[str]:
-    """Overrides of each key measured both before and after the real run: the mean of the two (the load
-    the real run met lies between them), or the one measured. Pure."""
-    keys = [k for k in SCRIPT_KEYS if k in before or k in after]
-    return [f"{k}={(before.get(k, after.get(k)) + after.get(k, before.get(k))) / 2!r}" for k in keys]
+def mean_overrides(before: dict[str, float], after: dict[str, float], keys: tuple[str, ...] = SCRIPT_KEYS,
+                   scale: float = 1.0) -> list[str]:
+    """Overrides of each of `keys` measured before or after the real run: the mean of the two (the load the real
+    run met lies between them), or the one measured, times `scale` (`real_cpu_speed`'s ratio for CPU_WORK_KEYS: the
+    resteps' CPU work at the speed the real runs met). Pure."""
+    keys = [k for k in keys if k in before or k in after]
+    return [f"{k}={scale * (before.get(k, after.get(k)) + after.get(k, before.get(k))) / 2!r}" for k in keys]
 
 
 WRITE_KEY = "storage.local_write_latency_s"
@@ -710,14 +712,6 @@ def real_cpu_speed(runs: list[list[dict[str, Any]]], replicas: int, before: dict
     ring = 2 * (replicas - 1) / replicas - 1
     pred = sum(x["train.rank_cpu_step_s"] + x.get("train.rank_ring_cpu_s", 0.0) * ring for x in snaps) / len(snaps)
     return median(cpu), pred
-
-
-def speed_overrides(before: dict[str, float], after: dict[str, float], speed: float) -> list[str]:
-    """Overrides of CPU_WORK_KEYS: the mean of before's and after's (`mean_overrides`) times `speed` (the real runs'
-    CPU per rank-step over the resteps', `real_cpu_speed`): the resteps' CPU work at the speed the real runs met.
-    Pure."""
-    keys = [k for k in CPU_WORK_KEYS if k in before or k in after]
-    return [f"{k}={speed * (before.get(k, after.get(k)) + after.get(k, before.get(k))) / 2!r}" for k in keys]
 
 
 def real_teardown(traces: list[dict]) -> Figure | None:

@@ -230,9 +230,9 @@ def test_restep_emulates_with_the_mean_of_before_and_after():
 
 def test_the_real_runs_cpu_per_rank_step_against_the_resteps_and_the_cpu_work_at_that_speed():
     """real_cpu_speed: the real runs' median CPU per rank-step over the steps all R replicas trained, against the
-    resteps' mean prediction with R up (rank_cpu_step_s + rank_ring_cpu_s x (2 (R - 1) / R - 1)); speed_overrides
-    scales the resteps' mean CPU work by a speed and leaves the other keys alone."""
-    from harness.calibrate.fidelity import real_cpu_speed, speed_overrides
+    resteps' mean prediction with R up (rank_cpu_step_s + rank_ring_cpu_s x (2 (R - 1) / R - 1)); mean_overrides
+    of CPU_WORK_KEYS scaled by a speed: the resteps' mean CPU work at it, the other keys left alone."""
+    from harness.calibrate.fidelity import CPU_WORK_KEYS, mean_overrides, real_cpu_speed
 
     members = ("r0", "r1", "r2", "r3")
 
@@ -252,7 +252,7 @@ def test_the_real_runs_cpu_per_rank_step_against_the_resteps_and_the_cpu_work_at
     assert real == pytest.approx(0.005) and pred == pytest.approx(0.004 + 0.001 * 0.5)
     assert real_cpu_speed([steps(0.004)], 4, {}, {}) is None
     assert real_cpu_speed([[]], 4, before, after) is None
-    o = speed_overrides(before, after, 2.0)
+    o = mean_overrides(before, after, CPU_WORK_KEYS, 2.0)
     assert o == ["train.step_compute_s=0.004", "train.rank_cpu_step_s=0.008", "train.rank_ring_cpu_s=0.002"]
 
 
