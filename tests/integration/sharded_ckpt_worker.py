@@ -139,3 +139,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    sys.stderr.flush()
+    # Skip the interpreter's teardown, as sharded_state_worker.py does: torch's C++ teardown at exit sometimes aborts
+    # after the work is done and reported (a rank that had reported CheckpointError exited -6, SIGABRT, failing a CI
+    # run at f9a7f27), which is not what the test checks.
+    os._exit(0)
