@@ -700,17 +700,18 @@ def real_cpu_speed(runs: list[list[dict[str, Any]]], replicas: int, before: dict
                    after: dict[str, float]) -> tuple[float, float] | None:
     """(real, predicted): a rank's CPU seconds per step in the real runs (the median over every run's steps all
     `replicas` replicas trained, `harness.calibrate.cpu_steps`) and what the resteps put it at with that many
-    replicas up (the mean of before's and after's train.rank_cpu_step_s + train.rank_ring_cpu_s x (2 (R - 1) / R
-    - 1), as `EmulatedJob.rank_cpu_step_s`). Their ratio is the machine's speed during the real runs against the
-    resteps' (plus the ring term's error): for reading a step miss. None without both. Pure."""
+    replicas up (the mean of before's and after's, `harness.run.job.rank_cpu_at` of their train.rank_cpu_step_s and
+    train.rank_ring_cpu_s, as the emulator takes it). Their ratio is the machine's speed during the real runs against
+    the resteps' (plus the ring term's error): for reading a step miss. None without both. Pure."""
     from harness.calibrate import cpu_steps
+    from harness.run.job import rank_cpu_at
 
     cpu = [c for ev in runs for c, _ in cpu_steps(ev, replicas)]
     snaps = [x for x in (before, after) if "train.rank_cpu_step_s" in x]
     if not cpu or not snaps:
         return None
-    ring = 2 * (replicas - 1) / replicas - 1
-    pred = sum(x["train.rank_cpu_step_s"] + x.get("train.rank_ring_cpu_s", 0.0) * ring for x in snaps) / len(snaps)
+    pred = sum(rank_cpu_at(x["train.rank_cpu_step_s"], x.get("train.rank_ring_cpu_s", 0.0), replicas)
+               for x in snaps) / len(snaps)
     return median(cpu), pred
 
 

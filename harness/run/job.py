@@ -128,6 +128,14 @@ def _prewire(world: EmulatedWorld, envs: list[Any], rank_hosts: list[str], fanou
     return links
 
 
+def rank_cpu_at(cpu_step_s: float, ring_cpu_s: float, replicas: int) -> float:
+    """A rank's CPU seconds per step with `replicas` replicas up, from its CPU per step measured with 2 (`cpu_step_s`)
+    and its all-reduce's CPU rise from 1 replica to 2 (`ring_cpu_s`): cpu_step_s + ring_cpu_s x (2 (R - 1) / R - 1), as
+    a ring all-reduce of R ranks sends and receives 2 (R - 1) / R of each rank's gradient, 1 of it at 2 replicas; 0
+    with no replica up. Pure."""
+    return cpu_step_s + ring_cpu_s * (2 * (replicas - 1) / replicas - 1) if replicas >= 1 else 0.0
+
+
 class EmulatedJob(JobFolding):
     def __init__(self, profile: Profile, options: JobOptions) -> None:
         self.profile, self.options = profile, options
@@ -544,13 +552,12 @@ class EmulatedJob(JobFolding):
         return (work + idle) / t.shared_cpu_cores
 
     def rank_cpu_step_s(self, replicas: int) -> float:
-        """A rank's CPU seconds per step with `replicas` replicas up: train.rank_cpu_step_s, measured with 2, plus
-        train.rank_ring_cpu_s (its all-reduce's rise from 1 replica to 2) x (2 (R - 1) / R - 1): a ring all-reduce of R
-        ranks sends and receives 2 (R - 1) / R of each rank's gradient, 1 of it at 2 replicas. Real ranks of 1-rank
-        replicas, all-reduce CPU per step 0.05 / 1.13-1.30 / 1.44-1.47 / 1.67-1.77 ms at 1 / 2 / 3 / 4 replicas, which
-        this puts at 1.49-1.72 at 3 and 1.67-1.93 at 4 (benchmarks/results/fidelity.md). Pure."""
+        """A rank's CPU seconds per step with `replicas` replicas up (`rank_cpu_at`, from train.rank_cpu_step_s and
+        train.rank_ring_cpu_s). Real ranks of 1-rank replicas, all-reduce CPU per step 0.05 / 1.13-1.30 / 1.44-1.47 /
+        1.67-1.77 ms at 1 / 2 / 3 / 4 replicas, which this puts at 1.49-1.72 at 3 and 1.67-1.93 at 4
+        (benchmarks/results/fidelity.md). Pure."""
         t = self.profile.train
-        return t.rank_cpu_step_s + t.rank_ring_cpu_s * (2 * (replicas - 1) / replicas - 1) if replicas >= 1 else 0.0
+        return rank_cpu_at(t.rank_cpu_step_s, t.rank_ring_cpu_s, replicas)
 
     def replica_compute_extra_s(self) -> float:
         """The compute a step gains from the other replicas up (train.replica_compute_extra_s, measured with 2
