@@ -7,9 +7,9 @@ with the changes named on the command line). Same real runs, same restep figures
         [--speed-from-real] [--seeds N] [--save OUT.json]
 
 FIDELITY_STDOUT: the file the run's stdout went to (its last line is the --json object).
---figure NAME=VALUE: a measured figure replaced in every restep snapshot (e.g. cpu_cores_effective=2.0, measured
+--figure NAME=VALUE: a measured figure replaced in both restep snapshots (e.g. cpu_cores_effective=2.0, measured
   again with the current probe): the keys are derived from it again (train.shared_cpu_cores too).
---drop NAME: a figure left out of every restep snapshot (its keys derived as without it, e.g. script_start_skew_s;
+--drop NAME: a figure left out of both restep snapshots (its keys derived as without it, e.g. script_start_skew_s;
   script_exchange_skew_s: no late wake from the all-reduce, whatever --skews says).
 --real-write: the loader_state write from the real runs' own writer (their phase events,
   `harness.calibrate.fidelity.real_write`) instead of the write the run emulated with.
@@ -88,20 +88,19 @@ def main() -> None:
            "teardown": a.teardown, "skews": a.skews, "set": a.set, "speed_from_real": a.speed_from_real}
     for model in ("before", "after"):
         changes, drop = (replace, set(a.drop)) if model == "after" else ({}, set())
-        figs = doc["restep_figures"]  # runs before 'between' (one restep before and one after the real runs) lack it
-        snaps = [script_keys(f, changes, drop) for f in (figs["before"], *figs.get("between", ()), figs["after"])]
-        overrides = fd.mean_overrides(snaps)
+        before, after = (script_keys(doc["restep_figures"][when], changes, drop) for when in ("before", "after"))
+        overrides = fd.mean_overrides(before, after)
         if changes or drop:  # keys outside SCRIPT_KEYS that the replaced figures set; 0 for those a dropped one set
-            overrides += fd.mean_overrides(snaps, tuple(k for k in KEYS if k not in fd.SCRIPT_KEYS))
-            full = script_keys(figs["before"], {})
-            overrides += [f"{k}=0.0" for k in KEYS if k in full and k not in snaps[0]]
+            overrides += [f"{k}={(before[k] + after[k]) / 2!r}" for k in KEYS if k not in fd.SCRIPT_KEYS and k in before]
+            full = script_keys(doc["restep_figures"]["before"], {})
+            overrides += [f"{k}=0.0" for k in KEYS if k in full and k not in before]
         if model == "after" and a.speed_from_real:
-            speed = fd.real_cpu_speed(real_evs, args.replicas, snaps)
+            speed = fd.real_cpu_speed(real_evs, args.replicas, before, after)
             if speed is None:
                 raise SystemExit("--speed-from-real: the real runs' events have no CPU per step (phase events' cpu)")
             out["cpu_per_rank_step_s"] = {"real": speed[0], "restep": speed[1]}
             print(f"speed: the real runs' CPU per rank-step {speed[0] * 1e3:.3f} ms, the resteps' {speed[1] * 1e3:.3f} ms")
-            for item in fd.mean_overrides(snaps, fd.CPU_WORK_KEYS, speed[0] / speed[1]):
+            for item in fd.mean_overrides(before, after, fd.CPU_WORK_KEYS, speed[0] / speed[1]):
                 key, _, value = item.partition("=")
                 overrides = fd.with_override(overrides, key, float(value))
         write = doc["write_during_real_s"]

@@ -504,9 +504,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "teardown is much faster than a rank's)")
     p.add_argument("--restep", action="store_true",
                    help="with --profile: re-measure the script's step, bookkeeping, all-reduce overhead, start "
-                        "and a killed process's teardown (peer reset) just before, between and just after the real runs "
-                        "(on a shared machine the load moves them most, over tens of seconds) and emulate with the mean "
-                        "of them, and the loader_state "
+                        "and a killed process's teardown (peer reset) just before and just after the real run (on a shared "
+                        "machine the load moves them most) and emulate with the mean of the two, and the loader_state "
                         "write as the real runs' own writer met it (its phase events; else a write sampled while they ran: the "
                         "disk swings most), the killed rank's teardown as the real runs' kills met it (their trace.json; "
                         "else the re-measured one); keep the rest")
@@ -629,16 +628,13 @@ def restep_values(profile_path: str, ranks: int, steps: int = 30) -> tuple[dict[
     return {key: keys[key][0] for key in SCRIPT_KEYS if key in keys}, {name: f.value for name, f in figures.items()}
 
 
-def mean_overrides(snaps: list[dict[str, float]], keys: tuple[str, ...] = SCRIPT_KEYS, scale: float = 1.0) -> list[str]:
-    """Overrides of each of `keys` measured in the resteps `snaps` (before, between and after the real runs): the
-    mean over the snapshots that measured it (the load the real runs met lies among them), times `scale`
-    (`real_cpu_speed`'s ratio for CPU_WORK_KEYS: the resteps' CPU work at the speed the real runs met). Pure."""
-    out = []
-    for k in keys:
-        vals = [x[k] for x in snaps if k in x]
-        if vals:
-            out.append(f"{k}={scale * sum(vals) / len(vals)!r}")
-    return out
+def mean_overrides(before: dict[str, float], after: dict[str, float], keys: tuple[str, ...] = SCRIPT_KEYS,
+                   scale: float = 1.0) -> list[str]:
+    """Overrides of each of `keys` measured before or after the real run: the mean of the two (the load the real
+    run met lies between them), or the one measured, times `scale` (`real_cpu_speed`'s ratio for CPU_WORK_KEYS: the
+    resteps' CPU work at the speed the real runs met). Pure."""
+    keys = [k for k in keys if k in before or k in after]
+    return [f"{k}={scale * (before.get(k, after.get(k)) + after.get(k, before.get(k))) / 2!r}" for k in keys]
 
 
 WRITE_KEY = "storage.local_write_latency_s"
@@ -700,18 +696,18 @@ CPU_WORK_KEYS = ("train.step_compute_s", "train.step_bookkeeping_s", "train.repl
                  "train.rank_cpu_step_s", "train.rank_ring_cpu_s")
 
 
-def real_cpu_speed(runs: list[list[dict[str, Any]]], replicas: int,
-                   snaps: list[dict[str, float]]) -> tuple[float, float] | None:
+def real_cpu_speed(runs: list[list[dict[str, Any]]], replicas: int, before: dict[str, float],
+                   after: dict[str, float]) -> tuple[float, float] | None:
     """(real, predicted): a rank's CPU seconds per step in the real runs (the median over every run's steps all
-    `replicas` replicas trained, `harness.calibrate.cpu_steps`) and what the resteps `snaps` put it at with that many
-    replicas up (their mean of `harness.run.job.rank_cpu_at` of train.rank_cpu_step_s and train.rank_ring_cpu_s, as
-    the emulator takes it). Their ratio is the machine's speed during the real runs against the resteps' (plus the
-    ring term's error): for reading a step miss. None without both. Pure."""
+    `replicas` replicas trained, `harness.calibrate.cpu_steps`) and what the resteps put it at with that many
+    replicas up (the mean of before's and after's, `harness.run.job.rank_cpu_at` of their train.rank_cpu_step_s and
+    train.rank_ring_cpu_s, as the emulator takes it). Their ratio is the machine's speed during the real runs against
+    the resteps' (plus the ring term's error): for reading a step miss. None without both. Pure."""
     from harness.calibrate import cpu_steps
     from harness.run.job import rank_cpu_at
 
     cpu = [c for ev in runs for c, _ in cpu_steps(ev, replicas)]
-    snaps = [x for x in snaps if "train.rank_cpu_step_s" in x]
+    snaps = [x for x in (before, after) if "train.rank_cpu_step_s" in x]
     if not cpu or not snaps:
         return None
     pred = sum(rank_cpu_at(x["train.rank_cpu_step_s"], x.get("train.rank_ring_cpu_s", 0.0), replicas)
@@ -834,19 +830,9 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr, flush=True)
         check_kills_fit(args)
     reals = []
-    between: list[dict[str, float]] = []
-    figures_between: list[dict[str, float]] = []
     sampler = WriteSampler().start() if before else None  # the loader_state write while the real runs run
     try:
         for i in range(args.repeat):
-            if i > 0 and before:  # the machine's speed drifts over tens of seconds: sample it between the runs too
-                sampler.pause()
-                print("ftrun fidelity: re-measuring the script's step between the real runs ...", file=sys.stderr,
-                      flush=True)
-                snap, figs = restep_values(profile, args.ranks_per_replica)
-                between.append(snap)
-                figures_between.append(figs)
-                sampler.resume()
             print(f"ftrun fidelity: real run {i + 1} of {args.repeat} (ftrun launch) ...", file=sys.stderr, flush=True)
             reals.append(_real(args, os.path.join(out, "real" if i == 0 else f"real-{i + 1}")))
     finally:
@@ -861,7 +847,7 @@ def run(args: argparse.Namespace) -> int:
     if before:
         print("ftrun fidelity: re-measuring the script's step after the real run ...", file=sys.stderr, flush=True)
         after, figures_after = restep_values(profile, args.ranks_per_replica)
-        restep = with_override(mean_overrides([before, *between, after]), WRITE_KEY, write.value if write is not None else None)
+        restep = with_override(mean_overrides(before, after), WRITE_KEY, write.value if write is not None else None)
         restep = with_override(restep, TEARDOWN_KEY, teardown.value if teardown is not None else None)
     offsets = start_offsets(real_evs, replica_ids(args.replicas))
     starts = [] if offsets is None else [f"scheduler.first_start_s={offsets!r}"]
@@ -910,14 +896,12 @@ def run(args: argparse.Namespace) -> int:
     if offsets is not None:
         print(f"  (first start of each replica, median of the real runs: {', '.join(f'{o:.3f}' for o in offsets)} s)")
     for key in before:
-        mid = "".join(f"{x[key]:.4g}, " for x in between if key in x)
-        print(f"  (restep {key:<34} before {before[key]:.4g}, {'between ' + mid if mid else ''}"
-              f"after {after.get(key, float('nan')):.4g})")
+        print(f"  (restep {key:<34} before {before[key]:.4g}, after {after.get(key, float('nan')):.4g})")
     if write is not None:
         print(f"  (restep {WRITE_KEY:<34} emulated with {write.value:.4g}: {write.method})")
     if before and teardown is not None:
         print(f"  (restep {TEARDOWN_KEY:<34} emulated with {teardown.value:.4g}: {teardown.method})")
-    speed = real_cpu_speed(real_evs, args.replicas, [before, *between, after]) if before else None
+    speed = real_cpu_speed(real_evs, args.replicas, before, after) if before else None
     if speed is not None:
         print(f"  (real runs' CPU per rank-step         {speed[0]:.4g}, the resteps' {speed[1]:.4g} with {args.replicas} "
               f"replicas: x{speed[0] / speed[1]:.3f}; `benchmarks/fidelity_ab.py --speed-from-real` emulates at it)")
@@ -935,8 +919,8 @@ def run(args: argparse.Namespace) -> int:
                    "emulated_complete": emu_complete, "repeat": args.repeat, "real_runs": real_each,
                    "emulated_seeds": args.emulated_seeds, "emulated_runs": emu_each,
                    "phases": {"real": real_ph, "emulated": emu_ph}, "real_rank_phases": rank_ph, "stall_phases": stall_ph, "restep": restep,
-                   "restep_before": before, "restep_between": between, "restep_after": after,
-                   "restep_figures": {"before": figures_before, "between": figures_between, "after": figures_after}, "first_start_s": offsets,
+                   "restep_before": before, "restep_after": after,
+                   "restep_figures": {"before": figures_before, "after": figures_after}, "first_start_s": offsets,
                    "write_during_real_s": None if write is None else write.value,
                    "write_sampled_s": None if sampled is None else sampled.value,
                    "teardown_during_real_s": None if teardown is None else teardown.value,

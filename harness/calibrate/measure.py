@@ -443,8 +443,7 @@ def storage_read(*, reps: int = 200, nbytes: int = 1024) -> Figure:
 class WriteSampler:
     """The loader_state write (as `storage_write`) timed every `period_s` in a thread while something else
     runs: the disk of a shared machine swings (fsync 0.5 ms to 16 ms minutes apart on this one), so the write
-    a real run met is measured while it runs. `start()`, `stop()`, then `figure()`; no samples between `pause()` and
-    `resume()`."""
+    a real run met is measured while it runs. `start()`, `stop()`, then `figure()`."""
 
     def __init__(self, *, period_s: float = 0.25, nbytes: int = 1024) -> None:
         from ftrun.storage import FileStorage
@@ -453,15 +452,12 @@ class WriteSampler:
         self._dir = tempfile.TemporaryDirectory(prefix="ftrun-calibrate-")
         self._storage = FileStorage(self._dir.name)
         self._stop = threading.Event()
-        self._paused = False
         self._thread = threading.Thread(target=self._run, name="write-sampler", daemon=True)
         self.times: list[float] = []
 
     def _run(self) -> None:
         blob, i = b"x" * self.nbytes, 0
         while not self._stop.wait(self.period_s):
-            if self._paused:
-                continue
             t0 = time.perf_counter()
             self._storage.write_atomic(f"loader_state-{i % 2}.json", blob)
             self.times.append(time.perf_counter() - t0)
@@ -470,12 +466,6 @@ class WriteSampler:
     def start(self) -> "WriteSampler":
         self._thread.start()
         return self
-
-    def pause(self) -> None:
-        self._paused = True
-
-    def resume(self) -> None:
-        self._paused = False
 
     def stop(self) -> None:
         self._stop.set()
