@@ -18,7 +18,7 @@ FIDELITY_STDOUT: the file the run's stdout went to (its last line is the --json 
 --teardown: the killed rank's teardown the run emulated with ("run", the default), the real runs' own kills' (their
   trace.json, `harness.calibrate.fidelity.real_teardown`) or the restep's mean ("restep", as runs before the real one).
 --speed-from-real: the restep's CPU work (`harness.calibrate.fidelity.CPU_WORK_KEYS`) scaled by the real runs' CPU per
-  rank-step over the resteps' (`real_cpu_speed`; `mean_overrides` with that scale): the model at the speed the machine ran the real
+  rank-step over the resteps' (`real_cpu_speed`; `mean_values` with that scale): the model at the speed the machine ran the real
   runs at, apart from its drift between the resteps and them.
 --seeds N: emulate each model N times (seeds 0..N-1) and pool the runs as `ftrun fidelity --emulated-seeds` does
   (default: its default).
@@ -100,9 +100,8 @@ def main() -> None:
                 raise SystemExit("--speed-from-real: the real runs' events have no CPU per step (phase events' cpu)")
             out["cpu_per_rank_step_s"] = {"real": speed[0], "restep": speed[1]}
             print(f"speed: the real runs' CPU per rank-step {speed[0] * 1e3:.3f} ms, the resteps' {speed[1] * 1e3:.3f} ms")
-            for item in fd.mean_overrides(before, after, fd.CPU_WORK_KEYS, speed[0] / speed[1]):
-                key, _, value = item.partition("=")
-                overrides = fd.with_override(overrides, key, float(value))
+            for key, value in fd.mean_values(before, after, fd.CPU_WORK_KEYS, speed[0] / speed[1]).items():
+                overrides = fd.with_override(overrides, key, value)
         write = doc["write_during_real_s"]
         if model == "after" and a.real_write:
             write = fd.real_write(real_evs, None).value

@@ -628,13 +628,19 @@ def restep_values(profile_path: str, ranks: int, steps: int = 30) -> tuple[dict[
     return {key: keys[key][0] for key in SCRIPT_KEYS if key in keys}, {name: f.value for name, f in figures.items()}
 
 
+def mean_values(before: dict[str, float], after: dict[str, float], keys: tuple[str, ...] = SCRIPT_KEYS,
+                scale: float = 1.0) -> dict[str, float]:
+    """Each of `keys` measured before or after the real run: the mean of the two (the load the real run met lies
+    between them), or the one measured, times `scale` (`real_cpu_speed`'s ratio for CPU_WORK_KEYS: the resteps' CPU
+    work at the speed the real runs met), in the order of `keys`. Pure."""
+    return {k: scale * (before.get(k, after.get(k)) + after.get(k, before.get(k))) / 2
+            for k in keys if k in before or k in after}
+
+
 def mean_overrides(before: dict[str, float], after: dict[str, float], keys: tuple[str, ...] = SCRIPT_KEYS,
                    scale: float = 1.0) -> list[str]:
-    """Overrides of each of `keys` measured before or after the real run: the mean of the two (the load the real
-    run met lies between them), or the one measured, times `scale` (`real_cpu_speed`'s ratio for CPU_WORK_KEYS: the
-    resteps' CPU work at the speed the real runs met). Pure."""
-    keys = [k for k in keys if k in before or k in after]
-    return [f"{k}={scale * (before.get(k, after.get(k)) + after.get(k, before.get(k))) / 2!r}" for k in keys]
+    """`mean_values` as profile overrides (KEY=VALUE strings). Pure."""
+    return [f"{k}={v!r}" for k, v in mean_values(before, after, keys, scale).items()]
 
 
 WRITE_KEY = "storage.local_write_latency_s"
