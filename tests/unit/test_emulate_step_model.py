@@ -369,3 +369,42 @@ def test_more_ranks_than_cores_wake_a_burst_late_where_the_calibration_had_a_cor
     queued = spread(2)
     assert 0.3 * bookkeeping < queued < 3 * bookkeeping
     assert spread(4) < 0.01 and spread(2, replicas=2) < 0.01
+
+
+def _periods_around_kills(overrides: list[str]) -> list[tuple[int, float, bool]]:
+    """r0's (participants, commit-to-commit time, whether an abort came between) per commit of a 3 x 1 job whose
+    ranks' CPU floor is 1 s per live rank (rank_cpu_step_s 1 s over 1 busy core) and whose modeled step without it is
+    0.5 s of compute plus the all-reduce's overhead, R / 2 x 1 s with R up: 3 s steps with 3 up, 2 s with 2; r1 is
+    killed at steps 4 and 20 and restarted 12 s later."""
+    profile = build_profile("ci-small", ["replicas=3", "ranks_per_replica=1", "topology.gpus_per_host=1",
+                                         "failures.mode=none", "failures.events=[]", "train.shared_cpu_cores=64",
+                                         "train.rank_cpu_step_s=1.0", "train.rank_cpu_share=0.5",
+                                         "train.rank_cpu_share_ranks=2", "ftar.sync_overhead_s=1.0",
+                                         "scheduler.alloc_delay_warm_s=12", *overrides], steps=34, cpu_charging=False)
+    kills = (Kill(1, at_step=4, at_fraction=0.5), Kill(1, at_step=20, at_fraction=0.5))
+    f, job = execute(profile, JobOptions(steps=34, kills=kills))
+    assert f["complete"]
+    out, last, members, aborted = [], None, 0, False
+    for e in _leader_events(job, "r0"):
+        if e["event"] == "quorum":
+            members = len(e["participants"])
+        elif e["event"] == "abort":
+            aborted = True
+        elif e["event"] == "commit":
+            if last is not None:
+                out.append((members, e["t"] - last, aborted))
+            last, aborted = e["t"], False
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_after_a_kill_the_steps_pay_the_cpu_floor_of_the_replicas_up_then():
+    """The CPU floor's charge is kept per count of replicas up: with 2 left the steps take 2 s from the retry on, as
+    the last time 2 were up, not the 1.5 s a charge worked out from the 3-up steps' periods gave them (a real 3 x 1
+    run's steps after a kill take their 2-replica time at once). The first time 2 are up there is no such step yet."""
+    periods = _periods_around_kills([])
+    second = [p for n, p, retry in periods[18:] if n == 2 and not retry][:-1]  # the last: r1 back, catching up
+    assert len(second) >= 4 and second == pytest.approx([2.0] * len(second), abs=0.01)
+    assert [p for n, p, _ in periods if n == 3][5:] == pytest.approx([3.0] * (len([n for n, _, _ in periods
+                                                                                   if n == 3]) - 5), abs=0.01)
+
