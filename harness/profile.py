@@ -194,13 +194,18 @@ class TrainConfig:
     # (2 (R - 1) / R - 1) per rank and step (EmulatedJob.rank_cpu_step_s). 0: not measured (the floor takes
     # rank_cpu_step_s at any R).
     rank_ring_cpu_s: float = 0.0
+    # What a rank's CPU rises by in the step it retries after a replica of its quorum died, over its next steps' (real
+    # 3 and 4 x 1 and 2 runs: 1.1-1.8 ms): its own retry work (`ftrun calibrate SCRIPT`'s 2-replica run: r0's retries
+    # into a ring of 1, the median over the kills) plus the FTAR ring it rebuilds with its peers (measured.
+    # ftar_rebuild_cpu_s: two real engines). The emulator charges it after that step's all-reduce. 0: not measured.
+    rank_retry_cpu_s: float = 0.0
 
     def __post_init__(self) -> None:
         _positive(self, "step_compute_s", "steps", "min_replicas")
         _non_negative(self, "first_step_extra_s", "first_batch_s", "step_jitter", "catchup_fetch_extra_s",
                       "shared_cpu_cores", "step_bookkeeping_s", "replica_compute_extra_s",
                       "rank_start_skew_s", "rank_exchange_skew_s", "rank_cpu_share_ranks",
-                      "rank_cpu_step_s", "rank_ring_cpu_s")
+                      "rank_cpu_step_s", "rank_ring_cpu_s", "rank_retry_cpu_s")
         _one_of(self, "lr_intervention", ("none", "linear", "sqrt"))
         _one_of(self, "shared_cpu_model", ("replicas", "queue"))
         _check(0 <= self.rank_cpu_share <= 1, "rank_cpu_share", "in [0, 1]", self.rank_cpu_share)

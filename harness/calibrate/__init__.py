@@ -47,8 +47,8 @@ from pathlib import Path
 from statistics import median
 
 from ftrun.cli import UsageError, emit_json
-from harness.calibrate.measure import (Figure, WriteSampler, catchup_costs, concurrent_steps, ftar_kernels, shm_bandwidth,
-                                       step_compute, storage_append, storage_read, storage_write, stream_pair)
+from harness.calibrate.measure import (Figure, WriteSampler, catchup_costs, concurrent_steps, ftar_kernels, ftar_rebuild,
+                                       shm_bandwidth, step_compute, storage_append, storage_read, storage_write, stream_pair)
 from harness.calibrate.procs import process_figures
 from harness.calibrate.provenance import calibrated_document, median_abs_diff_max_exp, to_toml
 
@@ -157,6 +157,37 @@ def cpu_steps(events: list[dict], participants: int | None = None) -> list[tuple
             nxt = by_step.get(step + 1)
             if nxt is not None and nxt[0] > t and (full is None or {(*key[:2], step), (*key[:2], step + 1)} <= full):
                 out.append((nxt[1] - cpu, nxt[0] - t))
+    return out
+
+
+def retry_cpus(events: list[dict], after: int = 5) -> list[float]:
+    """Per step a rank retried with fewer replicas than it last tried (a replica of its quorum died: its first attempt
+    whose leader's quorum event has fewer participants than the attempt before it), its process's CPU seconds in that
+    attempt (its "quorum" phase to the next, as `cpu_steps`) less the median of its next `after` attempts' with as many
+    participants; a retry without them is left out. Pure."""
+    asks: dict[tuple, list[tuple[float, float]]] = {}
+    decided: dict[tuple, list[tuple[float, int]]] = {}
+    for e in events:
+        key = (e.get("replica_id"), e.get("incarnation", 0))
+        if e.get("event") == "phase" and e.get("phase") == "quorum" and "t" in e and "cpu" in e:
+            asks.setdefault(key + (e.get("rank", 0),), []).append((e["t"], e["cpu"]))
+        elif e.get("event") == "quorum" and e.get("rank", 0) == 0 and "t" in e and e.get("participants"):
+            decided.setdefault(key, []).append((e["t"], len(e["participants"])))
+    out = []
+    for key, xs in asks.items():
+        xs.sort()
+        qs = sorted(decided.get(key[:2], ()))
+        tried = []  # per attempt: (its participants, its CPU seconds)
+        for (t0, c0), (t1, c1) in zip(xs, xs[1:]):
+            n = next((n for t, n in qs if t0 < t < t1), None)
+            tried.append((n, c1 - c0))
+        for i in range(1, len(tried)):
+            n, cpu = tried[i]
+            if n is None or tried[i - 1][0] is None or n >= tried[i - 1][0]:
+                continue
+            nxt = [c for m, c in tried[i + 1:i + 1 + after] if m == n]
+            if len(nxt) == after:
+                out.append(cpu - median(nxt))
     return out
 
 
@@ -437,6 +468,12 @@ def _ftar_hop(script: str, steps: int, module: bool, ranks: int, one_replica_s: 
                              f"of the writer's after_commit -> next quorum phase less the other replica's (its "
                              f"loader_state write as the job met it; {script} as 2 replicas x {ranks} ranks with "
                              "FTRUN_PHASE_EVENTS=1), floored at 0", len(writes)))
+    retries = retry_cpus(events)
+    if retries:
+        phased.append(Figure("script_retry_cpu_2_replicas_s", max(median(retries), 0.0), "s", f"median over "
+                             f"{len(retries)} retries of a rank of r0 after a kill of r1 of its CPU seconds in the retry "
+                             f"(its quorum phase to the next) less the median of its next 5 steps' alone ({script} as 2 "
+                             f"replicas x {ranks} ranks with FTRUN_PHASE_EVENTS=1), floored at 0", len(retries)))
     after = commit_to_quorum_s(events, participants=2)
     after_2 = [Figure("script_commit_to_quorum_2_replicas_s", median(after), "s", f"median time from a step's commit to "
                       f"the next step's quorum of 2 replicas, {script} as 2 replicas x {ranks} ranks (a 1-replica run's "
@@ -472,6 +509,7 @@ def measure_all(*, quick: bool, script: str | None, script_steps: int, module: b
     take("storage append", storage_append, reps=50 if quick else 200)
     take("storage read", storage_read, reps=50 if quick else 200)
     take("ftar kernels", ftar_kernels, nbytes=4 << 20 if quick else 8 << 20, reps=5 if quick else 30)
+    take("ftar rebuild", ftar_rebuild, reps=5 if quick else 15)
     # quick: still up to 32 MiB, so the bytes' time stands above a loaded box's per-fetch noise (with 8 MiB at most,
     # 2 of each, the slope came out <= 0 under a CI run's load: catchup_ns_per_byte 0)
     take("catch-up", catchup_costs, sizes_mb=(0.0625, 4, 32) if quick else (0.0625, 4, 16, 32),

@@ -599,15 +599,17 @@ SCRIPT_KEYS = ("train.step_compute_s", "train.step_bookkeeping_s", "ftar.sync_ov
                "storage.local_write_latency_s", "network.crash_fin_delay_s", "network.replica_collective_pass_s",
                "train.replica_compute_extra_s", "train.rank_start_skew_s", "train.rank_exchange_skew_s",
                "train.rank_cpu_share", "train.rank_cpu_share_ranks", "train.rank_cpu_step_s",
-               "train.rank_ring_cpu_s")
+               "train.rank_ring_cpu_s", "train.rank_retry_cpu_s")
 
 
 def restep_values(profile_path: str, ranks: int, steps: int = 30) -> tuple[dict[str, float], dict[str, float]]:
     """SCRIPT_KEYS measured now (the toy worker as 1 and 2 replicas of `ranks` ranks, as `ftrun calibrate -m
-    ftrun.train.ft_worker` does, the loader_state write and a killed process's teardown), the profile's other
-    figures kept; and the figures they were derived from, by name."""
+    ftrun.train.ft_worker` does, the loader_state write, a killed process's teardown and an FTAR ring's rebuild with
+    the real worker's data-plane settings), the profile's other figures kept; and the figures they were derived from,
+    by name."""
+    from ftrun.config import FtarConfig
     from harness.calibrate import _script_step
-    from harness.calibrate.measure import Figure, storage_write
+    from harness.calibrate.measure import Figure, ftar_rebuild, storage_write
     from harness.calibrate.procs import process_figures
     from harness.calibrate.provenance import profile_keys
     from harness.profile import load_profile
@@ -617,6 +619,8 @@ def restep_values(profile_path: str, ranks: int, steps: int = 30) -> tuple[dict[
     figures = {f.name: f for f in _script_step("ftrun.train.ft_worker", steps, True, ranks)}
     if "script_writer_write_s" not in figures and "script_write_s" not in figures:  # no write the script met: one now
         figures["storage_write_s"] = storage_write(reps=20)
+    figures["ftar_rebuild_cpu_s"] = ftar_rebuild(config=FtarConfig(chunk_bytes=CHUNK_BYTES, num_chunks=NUM_CHUNKS),
+                                                 nbytes=4 * _toy_params())
     if "script_peer_reset_s" not in figures:  # the script's killed rank's teardown not seen: an idle child's, now
         figures.update((f.name, f) for f in process_figures(zygote_reps=5, spawn_reps=0) if f.name == "peer_reset_s")
     for name, key in (("storage_append_s", "storage.local_append_latency_s"),
@@ -699,7 +703,7 @@ def real_skews(runs: list[list[dict[str, Any]]], ranks: int) -> dict[str, Figure
 
 # The keys that hold a rank's CPU work (its compute, bookkeeping and CPU per step): what a machine's speed scales.
 CPU_WORK_KEYS = ("train.step_compute_s", "train.step_bookkeeping_s", "train.replica_compute_extra_s",
-                 "train.rank_cpu_step_s", "train.rank_ring_cpu_s")
+                 "train.rank_cpu_step_s", "train.rank_ring_cpu_s", "train.rank_retry_cpu_s")
 
 
 def real_cpu_speed(runs: list[list[dict[str, Any]]], replicas: int, before: dict[str, float],

@@ -14,6 +14,8 @@ measured and how.
   fetch (intercept) and per byte (slope).
 - `ftar_kernels`: the CPU FTAR kernels a real run uses (ftrun.ftar.cpu_kernels, float32) on chunk-sized
   buffers: reduce and copy throughput in GB/s of payload.
+- `ftar_rebuild`: the CPU a rank's all-reduce costs more when it first builds a new ring (a retry after a peer
+  died), two processes of FtarEngine on 127.0.0.1.
 
 Timing uses time.perf_counter; every figure is the median of its repetitions (robust to the other work
 on a shared machine), with the sample count.
@@ -515,6 +517,69 @@ def ftar_kernels(*, nbytes: int = 8 << 20, reps: int = 20) -> tuple[Figure, Figu
     how = f"ftrun.ftar.cpu_kernels.CpuKernels on {nbytes >> 20} MiB float32 chunks, median of {reps}"
     return (Figure("ftar_reduce_gb_s", nbytes / tr / 1e9, "GB/s", "reduce (dst += src) with " + how, n),
             Figure("ftar_copy_gb_s", nbytes / tc / 1e9, "GB/s", "copy with " + how, n))
+
+
+def ftar_rebuild(*, config=None, nbytes: int = 20 << 10, reps: int = 15) -> Figure:
+    """What a rank's process CPU rises by in an all-reduce that first builds a new ring (FtarEngine.reconfigure to a
+    new epoch: its connections, the transport negotiation, the shared staging mapped, then the all-reduce) over an
+    all-reduce on a ring built already: two processes (spawned), each an FtarEngine with `config` (FtarConfig();
+    default: the engine's defaults) on `nbytes` of float32, per rank the median over `reps` rebuilds less the median
+    of the steady all-reduces between them; the mean of the 2 ranks, floored at 0."""
+    import multiprocessing
+
+    from ftrun.config import FtarConfig
+
+    config = config or FtarConfig()
+    ctx = multiprocessing.get_context("spawn")
+    addrs, results = ctx.Queue(), ctx.Queue()
+    rings = [ctx.Queue() for _ in range(2)]
+    procs = [ctx.Process(target=_rebuild_worker, args=(rank, config, nbytes, reps, addrs, rings[rank], results),
+                         daemon=True) for rank in range(2)]
+    for proc in procs:
+        proc.start()
+    try:
+        got = dict(addrs.get(timeout=60) for _ in procs)
+        for q in rings:
+            q.put([got[0], got[1]])
+        extra = [results.get(timeout=120) for _ in procs]
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+    return Figure("ftar_rebuild_cpu_s", max(sum(extra) / len(extra), 0.0), "s", f"a rank's process CPU in "
+                  f"FtarEngine.reconfigure to a new epoch plus its first all-reduce, less a steady all-reduce's "
+                  f"(2 spawned processes on 127.0.0.1, {nbytes} bytes of float32, chunk_bytes {config.chunk_bytes}, "
+                  f"num_chunks {config.num_chunks}, transport {config.transport}; per rank the median of {reps} "
+                  f"rebuilds less the median steady all-reduce, the mean of the 2 ranks, floored at 0)", 2 * reps)
+
+
+def _rebuild_worker(rank: int, config, nbytes: int, reps: int, addrs, ring_q, results) -> None:
+    """One rank of `ftar_rebuild` (a spawned process): its engine's address out, the ring in, its CPU rise out."""
+    from ftrun.env.real import RealEnv
+    from ftrun.ftar.cpu_kernels import CpuKernels
+    from ftrun.ftar.engine import FtarEngine
+
+    engine = FtarEngine(env=RealEnv(), kernels=CpuKernels(), token="calibrate", config=config)
+    addrs.put((rank, engine.addr))
+    ring = ring_q.get(timeout=60)
+    grads = np.random.default_rng(rank).standard_normal(nbytes // 4).astype(np.float32)
+    fresh, steady = [], []
+    try:
+        for epoch in range(1, reps + 2):
+            c0 = time.process_time()
+            engine.reconfigure(epoch=epoch, ring=ring, index=rank)
+            engine.all_reduce(grads)
+            c1 = time.process_time()
+            if epoch > 1:  # the first builds the process's first ring: its imports and threads start
+                fresh.append(c1 - c0)
+            for _ in range(3):
+                c0 = time.process_time()
+                engine.all_reduce(grads)
+                steady.append(time.process_time() - c0)
+    finally:
+        engine.close()
+    results.put(statistics.median(fresh) - statistics.median(steady))
 
 
 def _time_fetches(step: int, url: str, token: str, config, buffer, reps: int, xs: list, ys: list) -> None:

@@ -93,6 +93,13 @@ def profile_keys(figures: Mapping[str, Figure]) -> dict[str, tuple[float, str, s
                                              "of the 2-replica run that measured train.rank_cpu_share (not measured: "
                                              "its layout)", 1)
     direct("train.rank_cpu_step_s", "script_cpu_step_2_replicas_s")
+    # a retry after a peer died: the rank's own retry work (the 2-replica run's r0 retries into a ring of 1) and the
+    # FTAR ring it rebuilds with its peers (a ring of 1 has none)
+    own, ring = figures.get("script_retry_cpu_2_replicas_s"), figures.get("ftar_rebuild_cpu_s")
+    if own is not None or ring is not None:
+        parts = [f for f in (own, ring) if f is not None]
+        out["train.rank_retry_cpu_s"] = (sum(f.value for f in parts), "s", " plus ".join(
+            f"measured.{f.name} ({f.value:.6g} s: {f.method})" for f in parts), min(f.samples for f in parts))
     # what a rank's all-reduce CPU rises by from 1 replica (a ring of one: no traffic) to 2: its ring's traffic
     one, two = figures.get("script_allreduce_cpu_s"), figures.get("script_allreduce_cpu_2_replicas_s")
     if one is not None and two is not None:

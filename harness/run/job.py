@@ -203,6 +203,7 @@ class EmulatedJob(JobFolding):
         self._floor_gaps: dict[int, list[float]] = {}
         self._floor_s: dict[int, float] = {}
         self._up_at_commit: dict[int, int] = {}  # replica -> the replicas up at its last commit
+        self._participants: dict[tuple, int] = {}  # (replica, incarnation, rank) -> its last all-reduce's participants
         self.diagnosis = JobDiagnosis(self) if options.diagnose else None
         self.scenario = ScenarioFaults(self)
         self.driver: Callable[["EmulatedJob"], None] | None = None  # a task run beside the job (diagnose bench)
@@ -238,6 +239,13 @@ class EmulatedJob(JobFolding):
         t = self.profile.train
         return start_skew(self._skew_mean(t.rank_start_skew_s, burst_s=t.step_compute_s),
                           f"{self.options.seed}/{replica}/{rank}/{n}")
+
+    def retry_cpu_s(self, rank: tuple, quorum: Any) -> float:
+        """A rank's (its (replica, incarnation, rank)) extra CPU in the step it retries after a replica of its quorum
+        died (train.rank_retry_cpu_s): in its first all-reduce of fewer participants than its last one; else 0."""
+        last = self._participants.get(rank)
+        self._participants[rank] = quorum.num_participants
+        return self.profile.train.rank_retry_cpu_s if last is not None and quorum.num_participants < last else 0.0
 
     def exchange_skew_s(self, replica: int, rank: int, quorum: Any) -> float:
         """A rank's late wake from the cross-replica all-reduce of `quorum` (a StepQuorum; train.rank_exchange_skew_s,

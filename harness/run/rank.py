@@ -164,7 +164,8 @@ def _data_plane(job: RankJob, inc: RankIncarnation, rank: int, env: Any, lead: b
                                  kernels=job.kernels(), token=job.token, config=job.ftar_config))
     joiner_wait = job.timeouts.ftar_timeout_s + 2 * job.profile.train.step_compute_s  # others compute, then timeout
     exchange: Any = OverheadExchange(GradientExchange(engine=engine, rank=rank, joiner_wait_s=joiner_wait), env,
-                                     job.ftar_overhead_s, lambda q: job.exchange_skew_s(inc.replica, rank, q))
+                                     job.ftar_overhead_s, lambda q: job.exchange_skew_s(inc.replica, rank, q),
+                                     lambda q: job.retry_cpu_s((inc.replica, inc.number, rank), q))
     net = NetCatchup(env=env, token=job.token, config=job.catchup_config, payloads=ShapePayloads(),
                      store=lambda on_change: ShapeSnapshotStore(max_shard_bytes=job.catchup_config.max_shard_bytes,
                                                                 on_change=on_change))

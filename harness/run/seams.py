@@ -245,14 +245,16 @@ class OverheadExchange:
     error reaches the trainer when the dead peer's reset arrives (real 3 x 1 and 3 x 2 runs: every survivor's error
     came within a few ms of the lighthouse's loss of the killed replica's connection, 11-81 ms after the kill, while
     the overhead was 5-15 ms; the reset's delay is network.crash_fin_delay_s, a killed rank's teardown).
-    `overhead_s()`: the current overhead (it depends on the replicas up)."""
+    `overhead_s()`: the current overhead (it depends on the replicas up). `retry_s(quorum)`: what the rank's CPU work
+    adds to this all-reduce beyond a step's (a retry's after a peer died: train.rank_retry_cpu_s)."""
 
     def __init__(self, exchange: Any, env: Any, overhead_s: Callable[[], float],
-                 late_s: Callable[[Any], float] | None = None) -> None:
+                 late_s: Callable[[Any], float] | None = None, retry_s: Callable[[Any], float] | None = None) -> None:
         object.__setattr__(self, "_x", exchange)
         object.__setattr__(self, "_env", env)
         object.__setattr__(self, "_overhead_s", overhead_s)
         object.__setattr__(self, "_late_s", late_s)
+        object.__setattr__(self, "_retry_s", retry_s)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._x, name)
@@ -262,6 +264,7 @@ class OverheadExchange:
 
     def average(self, quorum: Any, grads: Any, **kwargs: Any) -> None:
         self._x.average(quorum, grads, **kwargs)
-        extra = self._overhead_s() + (self._late_s(quorum) if self._late_s is not None else 0.0)
+        extra = (self._overhead_s() + (self._late_s(quorum) if self._late_s is not None else 0.0)
+                 + (self._retry_s(quorum) if self._retry_s is not None else 0.0))
         if extra:
             self._env.clock.sleep(extra)

@@ -677,3 +677,53 @@ def test_the_2_replica_runs_cpu_share_sets_the_queues_calibration_point():
     busy = profile_keys({f.name: f for f in [fig("script_cpu_share_2_replicas", 1.3, "share"), fig("script_ranks", 1)]})
     assert busy["train.rank_cpu_share"][0] == 1.0  # a process's threads can add up past a core: at most 1
     assert "train.rank_cpu_share" not in profile_keys({"script_ranks": fig("script_ranks", 1)})
+
+
+def test_a_retry_after_a_peer_died_costs_its_cpu_over_the_next_steps_with_as_many_replicas():
+    """The first attempt of a rank whose leader's quorum event has fewer participants than its attempt before (a
+    replica of its quorum died mid-step): its CPU from its quorum phase to the next less the median of its next
+    attempts' with as many participants; not the joiner's rejoin (more participants), nor a retry without them."""
+    from harness.calibrate import retry_cpus
+
+    def q(step, t, cpu, rank=0):
+        return {**_phase("r0", rank, "quorum", step, t), "cpu": cpu}
+
+    def quorum(step, t, members):
+        return {"event": "quorum", "rank": 0, "replica_id": "r0", "incarnation": 0, "step": step, "t": t,
+                "participants": list(members)}
+
+    both, alone = ("r0", "r1"), ("r0",)
+    events = [q(1, 1.00, 0.500), quorum(1, 1.001, both),
+              q(2, 1.10, 0.505), quorum(2, 1.101, both),  # step 2's first attempt: r1 died in it
+              q(2, 1.20, 0.510), quorum(2, 1.201, alone),  # the retry: 9 ms of CPU
+              q(3, 1.30, 0.519), quorum(3, 1.301, alone), q(4, 1.40, 0.522), quorum(4, 1.401, alone),
+              q(5, 1.50, 0.525), quorum(5, 1.501, alone),  # 3, 3 and 4 ms alone
+              q(6, 1.60, 0.529), quorum(6, 1.601, both),  # r1 back: more participants, no retry
+              q(7, 1.70, 0.540)]
+    assert retry_cpus(events, after=3) == pytest.approx([0.009 - 0.003])
+    assert retry_cpus(events, after=4) == []  # the fourth attempt after it had both replicas
+    assert retry_cpus([e for e in events if e["event"] != "quorum"]) == []  # no quorum events: no retry known
+
+
+def test_a_retrys_cpu_is_the_ranks_own_retry_plus_the_ring_it_rebuilds_with_peers():
+    """train.rank_retry_cpu_s: the 2-replica run's r0 retries into a ring of 1 (its own retry work), and an FTAR ring
+    rebuilt with a peer (`ftar_rebuild`), which a ring of 1 does not have; either alone where only it was measured."""
+    own, ring = fig("script_retry_cpu_2_replicas_s", 0.0005), fig("ftar_rebuild_cpu_s", 0.0006)
+    both = profile_keys({f.name: f for f in (own, ring)})["train.rank_retry_cpu_s"]
+    assert both[0] == pytest.approx(0.0011) and both[1] == "s" and "plus" in both[2]
+    assert profile_keys({ring.name: ring})["train.rank_retry_cpu_s"][0] == 0.0006
+    assert profile_keys({own.name: own})["train.rank_retry_cpu_s"][0] == 0.0005
+    assert "train.rank_retry_cpu_s" not in profile_keys({})
+
+
+@pytest.mark.timeout(120)
+def test_ftar_rebuild_measures_two_real_engines_and_leaves_no_process():
+    import multiprocessing
+
+    from ftrun.config import FtarConfig
+    from harness.calibrate.measure import ftar_rebuild
+
+    f = ftar_rebuild(config=FtarConfig(chunk_bytes=2048, num_chunks=2), nbytes=8192, reps=3)
+    assert f.name == "ftar_rebuild_cpu_s" and f.unit == "s" and 0.0 <= f.value < 0.5 and f.samples == 6
+    assert "chunk_bytes 2048" in f.method
+    assert multiprocessing.active_children() == []

@@ -408,3 +408,14 @@ def test_after_a_kill_the_steps_pay_the_cpu_floor_of_the_replicas_up_then():
     assert [p for n, p, _ in periods if n == 3][5:] == pytest.approx([3.0] * (len([n for n, _, _ in periods
                                                                                    if n == 3]) - 5), abs=0.01)
 
+
+@pytest.mark.timeout(120)
+def test_a_retry_after_a_peer_died_charges_the_ranks_retry_cpu_once():
+    """train.rank_retry_cpu_s (`ftrun calibrate SCRIPT`: a rank's CPU in its retry after a kill over its next steps'):
+    the survivors' first all-reduce with fewer participants pays it, the steps after it do not."""
+    plain, retried = _periods_around_kills([]), _periods_around_kills(["train.rank_retry_cpu_s=0.25"])
+    rises = [b - a for (_, a, _), (_, b, _) in zip(plain, retried)]
+    retries = [i for i, (_, _, aborted) in enumerate(plain) if aborted]  # the retry's commit
+    assert len(retries) == 2
+    assert [rises[i] for i in retries] == pytest.approx([0.25, 0.25], abs=0.01)
+    assert [r for i, r in enumerate(rises) if i not in retries] == pytest.approx([0.0] * (len(rises) - 2), abs=0.01)
