@@ -568,7 +568,7 @@ class EmulatedJob(JobFolding):
         Kept per count of replicas up, so the steps after a kill or a rejoin pay the floor of the replicas up then, as
         a real rank does (from the first time that many were up), not a charge worked out from the steps of those up
         before: real 3 x 1 runs with 2 replicas left took 2.9-4.7 ms from a quorum to its commit from the retry on,
-        and the emulator 1.7-2.2 ms for the next 6-7 steps with one history of every step
+        and the emulator 1.7-2.5 ms for the next 6 steps with one history of every step
         (benchmarks/results/fidelity.md)."""
         gaps = self._floor_gaps[up] = (self._floor_gaps.get(up, []) + [period_s - self._floor_s.get(up, 0.0)])[-20:]
         floor = self.cpu_floor_period_s()
