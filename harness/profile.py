@@ -196,8 +196,9 @@ class TrainConfig:
     rank_ring_cpu_s: float = 0.0
     # What a rank's CPU rises by in the step it retries after a replica of its quorum died, over its next steps' (real
     # 3 and 4 x 1 and 2 runs: 1.1-1.8 ms): its own retry work (`ftrun calibrate SCRIPT`'s 2-replica run: r0's retries
-    # into a ring of 1, the median over the kills) plus the FTAR ring it rebuilds with its peers (measured.
-    # ftar_rebuild_cpu_s: two real engines). The emulator charges it after that step's all-reduce. 0: not measured.
+    # into a ring of 1, the median over the kills) plus the FTAR ring it rebuilds with its peers
+    # (measured.ftar_rebuild_cpu_s: two real engines). The emulator charges it after that step's all-reduce. 0: not
+    # measured.
     rank_retry_cpu_s: float = 0.0
 
     def __post_init__(self) -> None:

@@ -30,9 +30,12 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from ftrun.config import FtarConfig
 
 
 @dataclass(frozen=True)
@@ -519,7 +522,7 @@ def ftar_kernels(*, nbytes: int = 8 << 20, reps: int = 20) -> tuple[Figure, Figu
             Figure("ftar_copy_gb_s", nbytes / tc / 1e9, "GB/s", "copy with " + how, n))
 
 
-def ftar_rebuild(*, config=None, nbytes: int = 20 << 10, reps: int = 15) -> Figure:
+def ftar_rebuild(*, config: FtarConfig | None = None, nbytes: int = 20 << 10, reps: int = 15) -> Figure:
     """What a rank's process CPU rises by in an all-reduce that first builds a new ring (FtarEngine.reconfigure to a
     new epoch: its connections, the transport negotiation, the shared staging mapped, then the all-reduce) over an
     all-reduce on a ring built already: two processes (spawned), each an FtarEngine with `config` (FtarConfig();
@@ -530,7 +533,7 @@ def ftar_rebuild(*, config=None, nbytes: int = 20 << 10, reps: int = 15) -> Figu
     from ftrun.config import FtarConfig
 
     config = config or FtarConfig()
-    ctx = multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked threads or torch state
     addrs, results = ctx.Queue(), ctx.Queue()
     rings = [ctx.Queue() for _ in range(2)]
     procs = [ctx.Process(target=_rebuild_worker, args=(rank, config, nbytes, reps, addrs, rings[rank], results),
