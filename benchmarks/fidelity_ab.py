@@ -91,7 +91,7 @@ def main() -> None:
         before, after = (script_keys(doc["restep_figures"][when], changes, drop) for when in ("before", "after"))
         overrides = fd.mean_overrides(before, after)
         if changes or drop:  # keys outside SCRIPT_KEYS that the replaced figures set; 0 for those a dropped one set
-            overrides += [f"{k}={(before[k] + after[k]) / 2!r}" for k in KEYS if k not in fd.SCRIPT_KEYS and k in before]
+            overrides += fd.mean_overrides(before, after, tuple(k for k in KEYS if k not in fd.SCRIPT_KEYS))
             full = script_keys(doc["restep_figures"]["before"], {})
             overrides += [f"{k}=0.0" for k in KEYS if k in full and k not in before]
         if model == "after" and a.speed_from_real:
